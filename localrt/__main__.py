@@ -1,0 +1,3 @@
+from localrt.cli import main
+
+raise SystemExit(main())

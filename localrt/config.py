@@ -1,0 +1,76 @@
+"""Configuration from the environment (SPEC section 2). Read at call time so tests can set variables."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import platformdirs
+
+from localrt.errors import LocalrtError
+
+DEFAULT_HOST = "127.0.0.1:11434"
+
+
+def models_dir() -> Path:
+    env = os.environ.get("LOCALRT_MODELS")
+    if env:
+        return Path(env).expanduser()
+    return Path(platformdirs.user_data_dir("localrt")) / "models"
+
+
+def data_dir() -> Path:
+    return Path(platformdirs.user_data_dir("localrt"))
+
+
+def host() -> tuple[str, int]:
+    """`LOCALRT_HOST` as (host, port); accepts `host`, `host:port`, `:port`, `http://host:port`."""
+    raw = os.environ.get("LOCALRT_HOST", DEFAULT_HOST).strip()
+    raw = re.sub(r"^[a-z]+://", "", raw).rstrip("/")
+    if raw.startswith("["):  # [::1]:port
+        h, _, rest = raw[1:].partition("]")
+        port = rest.lstrip(":") or "11434"
+    else:
+        h, sep, port = raw.rpartition(":")
+        if not sep:
+            h, port = raw, "11434"
+    try:
+        return (h or "127.0.0.1", int(port))
+    except ValueError:
+        raise LocalrtError(f"LOCALRT_HOST has a bad port: {raw!r}") from None
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise LocalrtError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def parse_duration(value: str | int | float | None, default: float = 300.0) -> float:
+    """Ollama's keep_alive: "5m", "1h30m", "300" or 300 (seconds); negative means forever (inf)."""
+    if value is None or value == "":
+        return default
+    if isinstance(value, bool):
+        raise LocalrtError(f"invalid duration: {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            parts = re.findall(r"(-?\d+(?:\.\d+)?)(ms|h|m|s)", text)
+            if not parts or "".join(n + u for n, u in parts) != text:
+                raise LocalrtError(f"invalid duration: {value!r} (use e.g. 30s, 5m, 1h, -1)") from None
+            scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+            seconds = sum(float(n) * scale[u] for n, u in parts)
+    return float("inf") if seconds < 0 else seconds
+
+
+def keep_alive_default() -> float:
+    return parse_duration(os.environ.get("LOCALRT_KEEP_ALIVE"), 300.0)

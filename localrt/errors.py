@@ -1,0 +1,37 @@
+"""Errors a user can cause. The CLI prints them as one line; the API maps them to a status."""
+
+from __future__ import annotations
+
+
+class LocalrtError(Exception):
+    """A user-facing error: the message is complete and shown as is, without a traceback."""
+
+    status = 400  # HTTP status the API answers with
+
+
+class InvalidName(LocalrtError):
+    pass
+
+
+class ModelNotFound(LocalrtError):
+    status = 404
+
+
+class DigestMismatch(LocalrtError):
+    pass
+
+
+class PullError(LocalrtError):
+    status = 502
+
+
+class ServerBusy(LocalrtError):
+    status = 503
+
+
+class OptionError(LocalrtError):
+    pass
+
+
+class BackendUnavailable(LocalrtError):
+    status = 501

