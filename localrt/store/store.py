@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,7 +246,6 @@ class Store:
         if isinstance(name, str):
             name = parse_name(name)
         manifest, digest = self.read_manifest(name)
-        resolved: ResolvedModel | None = None
         extras: dict[str, Any] = {}
         for layer in manifest.get("layers", []):
             media, blob = layer.get("mediaType", ""), self.blob_path(layer["digest"])
@@ -272,8 +270,7 @@ class Store:
         if cfg_layer.get("digest") and self.has_blob(cfg_layer["digest"]):
             with contextlib.suppress(ValueError, OSError):
                 cfg = json.loads(self.blob_path(cfg_layer["digest"]).read_text())
-        resolved = ResolvedModel(name=name, manifest=manifest, manifest_digest=digest, config=cfg, **extras)
-        return resolved
+        return ResolvedModel(name=name, manifest=manifest, manifest_digest=digest, config=cfg, **extras)
 
     # ---- copy / remove / gc ----------------------------------------------------------------
     def copy(self, src: ModelName, dst: ModelName) -> None:
@@ -360,7 +357,3 @@ def manifest_layers(manifest: dict[str, Any]) -> list[dict[str, Any]]:
 def free_space(path: Path) -> int:
     path.mkdir(parents=True, exist_ok=True)
     return shutil.disk_usage(path).free
-
-
-def now() -> float:
-    return time.time()

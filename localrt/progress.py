@@ -1,0 +1,58 @@
+"""Pull progress on the terminal: one rich bar per layer, like `ollama pull`; plain lines when piped."""
+
+from __future__ import annotations
+
+import sys
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+
+class PullProgress:
+    """A context manager whose `update(event)` takes `localrt.store.pull.Progress` events."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.live = self.console.is_terminal
+        self.bars = Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            TimeRemainingColumn(), console=self.console, transient=False,
+        )
+        self.tasks: dict[str, Any] = {}
+        self.last_status: str | None = None
+
+    def __enter__(self) -> PullProgress:
+        if self.live:
+            self.bars.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self.live:
+            self.bars.stop()
+
+    def update(self, event: Any) -> None:
+        digest, total = getattr(event, "digest", None), getattr(event, "total", None)
+        if digest and total:
+            completed = getattr(event, "completed", 0) or 0
+            if digest not in self.tasks:
+                self.tasks[digest] = self.bars.add_task(event.status, total=total)
+                if not self.live:
+                    print(f"{event.status} ({total} bytes)", file=sys.stderr)
+            self.bars.update(self.tasks[digest], completed=completed, total=total)
+            return
+        if event.status != self.last_status:
+            self.last_status = event.status
+            if self.live:
+                self.bars.console.print(event.status)
+            else:
+                print(event.status, file=sys.stderr)

@@ -1,0 +1,139 @@
+"""The store: Ollama's layout, verified atomic blob writes, manifests, copy, rm with blob GC."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from localrt.errors import DigestMismatch, InvalidName, LocalrtError, ModelNotFound
+from localrt.store.names import parse_name
+from localrt.store.store import MEDIA_MODEL, MEDIA_PARAMS, MEDIA_TEMPLATE, Store
+
+
+def digest_of(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def put_model(store: Store, name: str, payload: bytes, params: dict | None = None) -> str:
+    model_digest, model_size = store.add_blob_bytes(payload)
+    layers = [{"mediaType": MEDIA_MODEL, "digest": model_digest, "size": model_size}]
+    if params is not None:
+        d, s = store.add_blob_bytes(json.dumps(params).encode())
+        layers.append({"mediaType": MEDIA_PARAMS, "digest": d, "size": s})
+    cfg_digest, cfg_size = store.add_blob_bytes(b'{"model_format":"gguf"}')
+    cfg = {"mediaType": "application/vnd.docker.container.image.v1+json", "digest": cfg_digest, "size": cfg_size}
+    return store.write_manifest(parse_name(name), Store.build_manifest(cfg, layers))
+
+
+def test_layout_is_ollamas(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    put_model(store, "smollm2:135m", b"GGUF-bytes")
+    manifest = tmp_path / "manifests" / "registry.ollama.ai" / "library" / "smollm2" / "135m"
+    assert manifest.is_file()
+    doc = json.loads(manifest.read_text())
+    assert doc["schemaVersion"] == 2
+    assert doc["mediaType"] == "application/vnd.docker.distribution.manifest.v2+json"
+    blob = tmp_path / "blobs" / ("sha256-" + hashlib.sha256(b"GGUF-bytes").hexdigest())
+    assert blob.read_bytes() == b"GGUF-bytes"
+
+
+def test_blob_stream_verifies_and_leaves_nothing_on_mismatch(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    with pytest.raises(DigestMismatch, match="digest mismatch"):
+        store.add_blob_stream(io.BytesIO(b"real bytes"), digest_of(b"other bytes"))
+    assert [p.name for p in store.blobs.iterdir()] == []
+
+
+def test_finalize_partial_rejects_wrong_bytes(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    digest = digest_of(b"expected")
+    store.blobs.mkdir(parents=True)
+    store.partial_path(digest).write_bytes(b"tampered")
+    with pytest.raises(DigestMismatch, match="must be downloaded again"):
+        store.finalize_partial(digest)
+    assert not store.partial_path(digest).exists() and not store.has_blob(digest)
+    store.partial_path(digest).write_bytes(b"expected")
+    assert store.finalize_partial(digest).read_bytes() == b"expected"
+
+
+def test_manifest_needs_its_blobs(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    missing = {"mediaType": MEDIA_MODEL, "digest": digest_of(b"nope"), "size": 4}
+    with pytest.raises(LocalrtError, match="missing"):
+        store.write_manifest(parse_name("m"), Store.build_manifest({}, [missing]))
+    assert not (tmp_path / "manifests").exists() or not any((tmp_path / "manifests").rglob("*"))
+
+
+def test_manifest_with_traversal_digest_is_refused(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    bad = {"mediaType": MEDIA_MODEL, "digest": "sha256:../../x", "size": 1}
+    with pytest.raises(InvalidName):
+        store.write_manifest(parse_name("m"), Store.build_manifest({}, [bad]))
+    outside = [p for p in tmp_path.rglob("*") if store.root not in (p, *p.parents)]
+    assert outside == []
+    assert not store.manifests.exists() or not any(store.manifests.rglob("*"))
+
+
+def test_list_resolve_copy_remove_with_gc(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    put_model(store, "a:1", b"shared-weights", params={"temperature": 0.2})
+    put_model(store, "b:1", b"other-weights")
+    names = {e.name.display for e in store.list_models()}
+    assert names == {"a:1", "b:1"}
+    entry = next(e for e in store.list_models() if e.name.display == "a:1")
+    assert len(entry.id) == 12 and entry.size > len(b"shared-weights")
+
+    resolved = store.resolve("a:1")
+    assert resolved.model_path.read_bytes() == b"shared-weights"
+    assert resolved.params == {"temperature": 0.2}
+
+    store.copy(parse_name("a:1"), parse_name("me/c:2"))
+    assert store.resolve("me/c:2").model_path == resolved.model_path
+    blobs_before = set(p.name for p in store.blobs.iterdir())
+
+    store.remove(parse_name("a:1"))  # the copy still references the shared blobs
+    assert set(p.name for p in store.blobs.iterdir()) == blobs_before
+    store.remove(parse_name("me/c:2"))
+    assert not resolved.model_path.exists()
+    store.remove(parse_name("b:1"))
+    assert list(store.blobs.iterdir()) == []
+    assert not any(store.manifests.iterdir())  # empty folders pruned
+    with pytest.raises(ModelNotFound, match="not found"):
+        store.resolve("a:1")
+
+
+def test_gc_keeps_partial_downloads(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    put_model(store, "a", b"x")
+    partial = store.partial_path(digest_of(b"in flight"))
+    partial.write_bytes(b"in f")
+    store.remove(parse_name("a"))
+    assert partial.exists()
+
+
+def test_reads_an_existing_ollama_store(tmp_path: Path) -> None:
+    """Written the way Ollama writes it (manifest bytes with its own formatting, template layer)."""
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    layers = []
+    for media, data in ((MEDIA_MODEL, b"GGUF...weights"), (MEDIA_TEMPLATE, b"{{ .Prompt }}")):
+        hexd = hashlib.sha256(data).hexdigest()
+        (blobs / f"sha256-{hexd}").write_bytes(data)
+        layers.append({"mediaType": media, "digest": f"sha256:{hexd}", "size": len(data)})
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+                "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
+                           "digest": layers[1]["digest"], "size": layers[1]["size"]}, "layers": layers}
+    path = tmp_path / "manifests" / "registry.ollama.ai" / "library" / "llama3.2" / "latest"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(manifest, indent=3))
+    store = Store(tmp_path)
+    [entry] = store.list_models()
+    assert entry.name.display == "llama3.2:latest"
+    model = store.resolve("llama3.2")
+    assert model.model_path.read_bytes() == b"GGUF...weights"
+    assert model.template == "{{ .Prompt }}"
+    assert store.resolve("LLAMA3.2:Latest").model_path == model.model_path  # case-insensitive
