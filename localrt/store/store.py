@@ -134,30 +134,17 @@ class Store:
         os.replace(partial, final)
         return final
 
+    def begin_blob(self) -> BlobWriter:
+        """A blob being written from chunks (HTTP uploads, wheel members); see BlobWriter."""
+        self._ensure()
+        return BlobWriter(self)
+
     def add_blob_stream(self, stream: BinaryIO, digest: str | None = None) -> tuple[str, int]:
         """Copy a stream into the store, hashing on the way; verify against `digest` when given."""
-        self._ensure()
-        h, size = hashlib.sha256(), 0
-        fd, tmp = tempfile.mkstemp(dir=self.blobs, prefix=".incoming-")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                while block := stream.read(HASH_CHUNK):
-                    h.update(block)
-                    out.write(block)
-                    size += len(block)
-            actual = "sha256:" + h.hexdigest()
-            if digest is not None and normalize_digest(digest) != actual:
-                raise DigestMismatch(f"digest mismatch: expected {digest}, content hashes to {actual}")
-            final = self.blob_path(actual)
-            if final.exists():
-                os.unlink(tmp)
-            else:
-                os.replace(tmp, final)
-            return actual, size
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        with self.begin_blob() as writer:
+            while block := stream.read(HASH_CHUNK):
+                writer.write(block)
+            return writer.commit(digest)
 
     def add_blob_file(self, path: Path, digest: str | None = None) -> tuple[str, int]:
         with open(path, "rb") as f:
@@ -323,6 +310,49 @@ class Store:
 
     def disk_usage(self) -> int:
         return sum(p.stat().st_size for p in self.blobs.glob("sha256-*")) if self.blobs.is_dir() else 0
+
+
+class BlobWriter:
+    """Hash while writing to a temp file in blobs/, then rename into place only if the digest matches.
+
+    Used as a context manager: leaving without `commit` (an error, a dropped upload) removes the
+    temp file, so a failed write never leaves a half blob behind.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        fd, self.tmp_path = tempfile.mkstemp(dir=store.blobs, prefix=".incoming-")
+        self.file = os.fdopen(fd, "wb")
+        self.hash = hashlib.sha256()
+        self.size = 0
+        self.committed = False
+
+    def write(self, block: bytes) -> None:
+        self.hash.update(block)
+        self.file.write(block)
+        self.size += len(block)
+
+    def commit(self, digest: str | None = None) -> tuple[str, int]:
+        self.file.close()
+        actual = "sha256:" + self.hash.hexdigest()
+        if digest is not None and normalize_digest(digest) != actual:
+            raise DigestMismatch(f"digest mismatch: expected {digest}, content hashes to {actual}")
+        final = self.store.blob_path(actual)
+        if final.exists():
+            os.unlink(self.tmp_path)
+        else:
+            os.replace(self.tmp_path, final)
+        self.committed = True
+        return actual, self.size
+
+    def __enter__(self) -> BlobWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.committed:
+            self.file.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.tmp_path)
 
 
 def parse_manifest(raw: bytes) -> dict[str, Any]:
