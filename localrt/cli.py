@@ -136,6 +136,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return stop_command(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from localrt.server import serve_command
+
+    return serve_command(args)
+
+
 def not_done(feature: str) -> Handler:
     def handler(args: argparse.Namespace) -> int:
         raise LocalrtError(f"'localrt {feature}' is not implemented yet (see README, 'Not done yet')")
@@ -199,7 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quantize", default=None, help="requantize to TYPE (e.g. Q4_K_M)")
     p.set_defaults(func=cmd_create)
 
-    for name, help_text in (("serve", "start the HTTP server"), ("convert", "convert HF safetensors to GGUF"),
+    p = sub.add_parser("serve", help="start the HTTP server on LOCALRT_HOST")
+    p.set_defaults(func=cmd_serve)
+
+    for name, help_text in (("convert", "convert HF safetensors to GGUF"),
                             ("eval", "perplexity and KL divergence"), ("chat", "the terminal chat app"),
                             ("bench", "measure TTFT and tokens/s")):
         p = sub.add_parser(name, help=help_text)

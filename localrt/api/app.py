@@ -1,0 +1,72 @@
+"""The FastAPI application: security gate, error shapes, and the Ollama and OpenAI routers."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from localrt import __version__, config
+from localrt.api.security import DEFAULT_MAX_BODY, SecurityMiddleware, error_body
+from localrt.errors import LocalrtError
+from localrt.store.store import Store
+
+log = logging.getLogger("localrt.api")
+
+
+def is_openai_path(request: Request) -> bool:
+    return request.url.path.startswith("/v1/")
+
+
+def error_response(request: Request, status: int, message: str) -> JSONResponse:
+    return JSONResponse(error_body(message, status, is_openai_path(request)), status_code=status)
+
+
+def validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        if err.get("type") == "json_invalid" or (err.get("type") == "missing" and not loc):
+            return "invalid JSON in request body" if err.get("type") == "json_invalid" else "missing request body"
+        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def create_app(*, store: Store | None = None, runtime: Any = None, bind_host: str = "127.0.0.1",
+               api_key: str | None = None, max_body: int | None = None) -> FastAPI:
+    """Build the app; `runtime` is the shared localrt.runtime manager (made lazily when None)."""
+    app = FastAPI(title="localrt", version=__version__,
+                  description="Ollama- and OpenAI-compatible local LLM API")
+    app.state.store = store or Store()
+    app.state.runtime = runtime
+
+    @app.exception_handler(LocalrtError)
+    async def on_localrt_error(request: Request, exc: LocalrtError) -> JSONResponse:
+        return error_response(request, exc.status, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request, 400, validation_message(exc))
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(request, exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return error_response(request, 500, f"internal error: {type(exc).__name__}")
+
+    from localrt.api import ollama, openai
+
+    app.include_router(ollama.router)
+    app.include_router(openai.router)
+    app.add_middleware(SecurityMiddleware, bind_host=bind_host,
+                       api_key=api_key if api_key is not None else os.environ.get("LOCALRT_API_KEY") or None,
+                       max_body=max_body or config.env_int("LOCALRT_MAX_BODY", DEFAULT_MAX_BODY))
+    return app

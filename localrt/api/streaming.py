@@ -1,0 +1,53 @@
+"""NDJSON and SSE responses that start only after the first item, so early errors get a real status.
+
+Ollama's rule: an error before any byte is written is a status code with a JSON body; an error
+mid-stream is one more line (`{"error": ...}`) and the status stays 200.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from localrt.errors import LocalrtError
+
+
+async def first_and_rest(items: AsyncIterator[Any]) -> tuple[Any, AsyncIterator[Any]]:
+    """Pull the first item now (raising errors here), then hand back an iterator over all items."""
+    iterator = aiter(items)
+    first = await anext(iterator)
+
+    async def chain() -> AsyncIterator[Any]:
+        yield first
+        async for item in iterator:
+            yield item
+
+    return first, chain()
+
+
+def ndjson_response(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for item in items:
+                yield (json.dumps(item, ensure_ascii=False) + "\n").encode()
+        except LocalrtError as e:
+            yield (json.dumps({"error": str(e)}) + "\n").encode()
+
+    return StreamingResponse(body(), media_type="application/x-ndjson")
+
+
+def sse_response(items: AsyncIterator[dict[str, Any]],
+                 on_error: Callable[[LocalrtError], dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for item in items:
+                yield f"data: {json.dumps(item, ensure_ascii=False)}\n\n".encode()
+        except LocalrtError as e:
+            yield f"data: {json.dumps(on_error(e))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})

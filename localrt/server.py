@@ -1,0 +1,29 @@
+"""`localrt serve`: uvicorn on LOCALRT_HOST (loopback by default) with a graceful shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from localrt import config
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from localrt.api.app import create_app
+    from localrt.runtime.manager import Runtime
+
+    host, port = config.host()
+    runtime = Runtime()
+    app = create_app(runtime=runtime, bind_host=host)
+
+    @app.on_event("shutdown")
+    async def stop_runtime() -> None:
+        await runtime.shutdown()  # cancels in-flight generations so their streams end cleanly
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("localrt").info("localrt serving on http://%s:%d (models: %s)", host, port, config.models_dir())
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
+                timeout_keep_alive=5)
+    return 0
