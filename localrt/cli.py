@@ -20,13 +20,13 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 # ---- formatting helpers ----------------------------------------------------------------------
-def human_size(n: int) -> str:
-    """Decimal units, as `ollama list` prints them."""
+def human_size(n: float) -> str:
+    """Decimal units as `ollama list` prints them: "98 MB", "4.7 GB", "512 KB"."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit in ("B", "KB") or n >= 100 else f"{n:.1f} {unit}"
+            break
         n /= 1000
-    return f"{n} B"
+    return f"{n:.1f} {unit}" if n < 10 and n != int(n) else f"{int(n)} {unit}"
 
 
 def human_ago(then: float, now: float | None = None) -> str:

