@@ -435,10 +435,11 @@ class _Reader:
 
     def raw_string(self, what: str, max_bytes: int) -> bytes:
         length = self.u64(f"{what} length")
-        if length > max_bytes:
-            raise GGUFError(f"GGUF {what} length {_fmt_count(length)} exceeds the {max_bytes}-byte limit")
+        # "bytes left" first: for a huge or garbage length it is the more telling of the two.
         if length > self.left():
             raise GGUFError(f"GGUF {what} length {_fmt_count(length)} exceeds the {self.left()} bytes left")
+        if length > max_bytes:
+            raise GGUFError(f"GGUF {what} length {_fmt_count(length)} exceeds the {max_bytes}-byte limit")
         return self.take(length, what)
 
     def name_string(self, what: str, max_bytes: int) -> str:
@@ -508,11 +509,9 @@ class _Reader:
             pos += 8
             if length > MAX_STRING_BYTES or length > end - pos:
                 self.pos = pos - 8
-                limit = MAX_STRING_BYTES if length > MAX_STRING_BYTES else end - pos
+                limit = f"{end - pos} bytes left" if length > end - pos else f"{MAX_STRING_BYTES}-byte limit"
                 raise GGUFError(
-                    f"GGUF string {index} of {what} has length {_fmt_count(length)}, "
-                    f"more than the {limit} bytes "
-                    f"{'allowed' if length > MAX_STRING_BYTES else 'left'}"
+                    f"GGUF string {index} of {what} has length {_fmt_count(length)}, more than the {limit}"
                 )
             if pos + length > window:
                 raise _NeedMore(pos + length)
