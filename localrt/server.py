@@ -20,7 +20,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     @app.on_event("shutdown")
     async def stop_runtime() -> None:
-        await runtime.shutdown()  # cancels in-flight generations so their streams end cleanly
+        await runtime.close()  # cancels in-flight generations so their streams end cleanly
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("localrt").info("localrt serving on http://%s:%d (models: %s)", host, port, config.models_dir())

@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from localrt import __version__, config
+from localrt.api.metrics import Metrics as ServerMetrics
+from localrt.api.metrics import RequestCounter
 from localrt.api.security import DEFAULT_MAX_BODY, SecurityMiddleware, error_body
 from localrt.errors import LocalrtError
 from localrt.store.store import Store
@@ -44,10 +46,17 @@ def create_app(*, store: Store | None = None, runtime: Any = None, bind_host: st
                   description="Ollama- and OpenAI-compatible local LLM API")
     app.state.store = store or Store()
     app.state.runtime = runtime
+    app.state.metrics = ServerMetrics()
 
     @app.exception_handler(LocalrtError)
     async def on_localrt_error(request: Request, exc: LocalrtError) -> JSONResponse:
-        return error_response(request, exc.status, str(exc))
+        response = error_response(request, exc.status, str(exc))
+        param = getattr(exc, "param", None)
+        if param and is_openai_path(request):
+            body = error_body(str(exc), exc.status, True)
+            body["error"]["param"] = param
+            response = JSONResponse(body, status_code=exc.status)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -66,6 +75,7 @@ def create_app(*, store: Store | None = None, runtime: Any = None, bind_host: st
 
     app.include_router(ollama.router)
     app.include_router(openai.router)
+    app.add_middleware(RequestCounter, metrics=app.state.metrics)
     app.add_middleware(SecurityMiddleware, bind_host=bind_host,
                        api_key=api_key if api_key is not None else os.environ.get("LOCALRT_API_KEY") or None,
                        max_body=max_body or config.env_int("LOCALRT_MAX_BODY", DEFAULT_MAX_BODY))

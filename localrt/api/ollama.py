@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from localrt import __version__
 from localrt.api.streaming import first_and_rest, ndjson_response
 from localrt.errors import LocalrtError
+from localrt.runtime.manager import Chunk, Metrics, Runtime
 from localrt.store.names import normalize_digest, parse_name
 from localrt.store.store import ResolvedModel, Store
 
@@ -227,6 +228,193 @@ async def blob_upload(request: Request, digest: str) -> Response:
 @router.get("/api/ps")
 async def ps(request: Request) -> dict[str, Any]:
     runtime = request.app.state.runtime
+    rows = runtime.ps() if runtime is not None else []
+    return {"models": [{
+        "name": row.name, "model": row.name, "size": row.size, "digest": row.digest.split(":", 1)[-1],
+        "details": row.details, "size_vram": row.size_vram, "context_length": row.context_length,
+        "expires_at": rfc3339(row.expires_at) if row.expires_at else "0001-01-01T00:00:00Z",
+        "backend": row.backend, "processor": row.processor} for row in rows]}
+
+
+# ---- generation ------------------------------------------------------------------------------
+def runtime_of(request: Request) -> Runtime:
+    runtime = request.app.state.runtime
     if runtime is None:
-        return {"models": []}
-    return {"models": [dict(m) for m in runtime.ps()]}
+        raise LocalrtError("this server was started without a runtime")
+    return runtime
+
+
+def metrics_fields(m: Metrics | None) -> dict[str, Any]:
+    if m is None:
+        return {}
+    out = {"total_duration": m.total_ns, "load_duration": m.load_ns, "prompt_eval_count": m.prompt_eval_count,
+           "prompt_eval_duration": m.prompt_eval_ns, "eval_count": m.eval_count, "eval_duration": m.eval_ns}
+    if m.draft_count:
+        out.update(draft_count=m.draft_count, draft_accepted_count=m.draft_accepted_count)
+    return out
+
+
+def chunk_to_generate(chunk: Chunk) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": chunk.model, "created_at": chunk.created_at, "response": chunk.content,
+                           "done": chunk.done}
+    if chunk.logprobs:
+        out["logprobs"] = chunk.logprobs
+    if chunk.done:
+        out["done_reason"] = chunk.done_reason
+        if chunk.context is not None:
+            out["context"] = chunk.context
+        if chunk.tool_calls:
+            out["tool_calls"] = chunk.tool_calls
+        out.update(metrics_fields(chunk.metrics))
+    return out
+
+
+def chunk_to_chat(chunk: Chunk) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": chunk.content}
+    if chunk.tool_calls:
+        message["tool_calls"] = chunk.tool_calls
+    out: dict[str, Any] = {"model": chunk.model, "created_at": chunk.created_at, "message": message,
+                           "done": chunk.done}
+    if chunk.logprobs:
+        out["logprobs"] = chunk.logprobs
+    if chunk.done:
+        out["done_reason"] = chunk.done_reason
+        out.update(metrics_fields(chunk.metrics))
+    return out
+
+
+def observe(request: Request, chunk: Chunk) -> None:
+    """Feed /metrics from a final chunk."""
+    m = chunk.metrics
+    if chunk.done and m is not None and m.eval_count:
+        ttft = (m.load_ns + m.prompt_eval_ns) / 1e9
+        request.app.state.metrics.observe_generation(chunk.model, ttft, m.prompt_eval_count, m.eval_count,
+                                                     m.eval_ns / 1e9)
+
+
+def bool_field(fields: dict[str, Any], key: str, default: bool) -> bool:
+    value = fields.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise LocalrtError(f"{key} must be true or false")
+    return value
+
+
+def optional_str(fields: dict[str, Any], key: str) -> str | None:
+    value = fields.get(key)
+    if value is not None and not isinstance(value, str):
+        raise LocalrtError(f"{key} must be a string")
+    return value
+
+
+async def generation_response(request: Request, chunks: AsyncIterator[Chunk], stream: bool,
+                              to_wire: Callable[[Chunk], dict[str, Any]]) -> Response:
+    async def wire() -> AsyncIterator[dict[str, Any]]:
+        async for chunk in chunks:
+            observe(request, chunk)
+            yield to_wire(chunk)
+
+    if not stream:
+        last: dict[str, Any] = {}
+        async for item in wire():
+            last = item
+        return JSONResponse(last)
+    _, items = await first_and_rest(wire())
+    return ndjson_response(items)
+
+
+@router.post("/api/generate")
+async def generate(request: Request, body: Body) -> Response:
+    f = body.model_dump()
+    runtime = runtime_of(request)
+    context = f.get("context")
+    if context is not None and (not isinstance(context, list) or not all(isinstance(t, int) for t in context)):
+        raise LocalrtError("context must be a list of token ids")
+    prompt = f.get("prompt") or ""
+    if not isinstance(prompt, str):
+        raise LocalrtError("prompt must be a string")
+    stream = bool_field(f, "stream", True)
+    chunks = runtime.generate(
+        required_model(body), prompt, system=optional_str(f, "system"), raw=bool_field(f, "raw", False),
+        context=context, options=f.get("options"), format=f.get("format") or None,
+        keep_alive=f.get("keep_alive"), logprobs=bool_field(f, "logprobs", False),
+        top_logprobs=f.get("top_logprobs") or 0, stream=stream)
+    return await generation_response(request, chunks, stream, chunk_to_generate)
+
+
+@router.post("/api/chat")
+async def chat(request: Request, body: Body) -> Response:
+    f = body.model_dump()
+    runtime = runtime_of(request)
+    messages = f.get("messages") or []
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise LocalrtError("messages must be a list of objects")
+    for m in messages:
+        if m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise LocalrtError(f"invalid message role {m.get('role')!r}")
+        if m.get("content") is not None and not isinstance(m.get("content"), str):
+            raise LocalrtError("message content must be a string")
+    tools = f.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise LocalrtError("tools must be a list")
+    stream = bool_field(f, "stream", True)
+    chunks = runtime.chat(
+        required_model(body), messages, options=f.get("options"), tools=tools or None,
+        format=f.get("format") or None, keep_alive=f.get("keep_alive"), logprobs=bool_field(f, "logprobs", False),
+        top_logprobs=f.get("top_logprobs") or 0, stream=stream)
+    return await generation_response(request, chunks, stream, chunk_to_chat)
+
+
+@router.post("/api/embed")
+async def embed(request: Request, body: Body) -> dict[str, Any]:
+    f = body.model_dump()
+    inputs = f.get("input", "")
+    result = await runtime_of(request).embed(required_model(body), inputs, options=f.get("options"),
+                                             keep_alive=f.get("keep_alive"),
+                                             truncate=bool_field(f, "truncate", True))
+    return {"model": result.model, "embeddings": result.embeddings, "total_duration": result.total_ns,
+            "load_duration": result.load_ns, "prompt_eval_count": result.prompt_eval_count}
+
+
+@router.post("/api/embeddings")
+async def embeddings_legacy(request: Request, body: Body) -> dict[str, Any]:
+    f = body.model_dump()
+    prompt = f.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise LocalrtError("prompt must be a string")
+    if not prompt:
+        return {"embedding": []}
+    result = await runtime_of(request).embed(required_model(body), prompt, options=f.get("options"),
+                                             keep_alive=f.get("keep_alive"))
+    return {"embedding": result.embeddings[0]}
+
+
+@router.post("/api/tokenize")
+async def tokenize(request: Request, body: Body) -> dict[str, Any]:
+    f = body.model_dump()
+    text = f.get("text", f.get("content", ""))
+    if not isinstance(text, str):
+        raise LocalrtError("text must be a string")
+    tokens = await runtime_of(request).tokenize(required_model(body), text,
+                                                add_special=bool_field(f, "add_special", True),
+                                                parse_special=bool_field(f, "parse_special", False))
+    return {"model": required_model(body), "tokens": tokens}
+
+
+@router.post("/api/detokenize")
+async def detokenize(request: Request, body: Body) -> dict[str, Any]:
+    f = body.model_dump()
+    tokens = f.get("tokens")
+    if not isinstance(tokens, list):
+        raise LocalrtError("tokens must be a list of token ids")
+    text = await runtime_of(request).detokenize(required_model(body), tokens)
+    return {"model": required_model(body), "text": text}
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request) -> str:
+    runtime = request.app.state.runtime
+    return request.app.state.metrics.render(
+        queue_depth=lambda: runtime.queue_depth() if runtime is not None else {},
+        loaded=lambda: [row.name for row in runtime.ps()] if runtime is not None else [])

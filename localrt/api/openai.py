@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import struct
+import time
+import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 
-from localrt.errors import ModelNotFound
+from localrt.api.ollama import Body, observe, runtime_of
+from localrt.api.security import error_body
+from localrt.api.streaming import first_and_rest, sse_response
+from localrt.errors import LocalrtError, ModelNotFound
+from localrt.runtime.manager import Chunk, Metrics
 from localrt.store.names import parse_name
 
 router = APIRouter(prefix="/v1")
@@ -30,3 +41,299 @@ async def get_model(request: Request, model_id: str) -> dict[str, Any]:
         if entry.name.same_model(wanted):
             return model_object(entry.name.display, entry.modified, entry.name.namespace)
     raise ModelNotFound(f"model '{model_id}' not found")
+
+
+# ---- translation to the runtime's options ------------------------------------------------------
+# OpenAI top-level fields that map onto Ollama option names.
+RENAMED = {"max_tokens": "num_predict", "max_completion_tokens": "num_predict"}
+PASSED = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty")
+# Ours and Ollama's options accepted at top level (the openai client sends `extra_body` there).
+EXTRA_OPTIONS = ("top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "num_ctx", "num_keep",
+                 "num_thread", "num_gpu", "num_batch", "backend", "kv_cache_type", "speculative",
+                 "draft_model", "num_draft")
+
+
+def options_from(f: dict[str, Any]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for key in PASSED + EXTRA_OPTIONS:
+        if f.get(key) is not None:
+            options[key] = f[key]
+    for key, name in RENAMED.items():
+        if f.get(key) is not None:
+            options[name] = f[key]
+    stop = f.get("stop")
+    if stop is not None:
+        options["stop"] = [stop] if isinstance(stop, str) else stop
+    extra = f.get("options")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise LocalrtError("options must be an object")
+        options.update(extra)
+    # OpenAI's defaults, not Ollama's, when the client leaves them out (as Ollama does on /v1)
+    options.setdefault("temperature", 1.0)
+    options.setdefault("top_p", 1.0)
+    if f.get("n") not in (None, 1):
+        raise OpenAIParamError("n", "only n=1 is supported")
+    return options
+
+
+class OpenAIParamError(LocalrtError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def format_from(f: dict[str, Any]) -> str | dict[str, Any] | None:
+    rf = f.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise OpenAIParamError("response_format", "type must be text, json_object or json_schema")
+    if rf["type"] == "json_object":
+        return "json"
+    if rf["type"] == "json_schema":
+        schema = (rf.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise OpenAIParamError("response_format", "json_schema.schema must be an object")
+        return schema
+    return None
+
+
+def message_text(content: Any) -> str:
+    """Content as a string: OpenAI allows a list of parts; only text parts are supported."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise OpenAIParamError("messages", "only text content parts are supported")
+            texts.append(str(part.get("text", "")))
+        return "".join(texts)
+    raise OpenAIParamError("messages", "content must be a string or a list of parts")
+
+
+def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
+    raw = f.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise OpenAIParamError("messages", "a non-empty list of messages is required")
+    out = []
+    for m in raw:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise OpenAIParamError("messages", f"invalid message {m!r:.80}")
+        msg: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"],
+                               "content": message_text(m.get("content"))}
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = (call or {}).get("function") or {}
+                args = fn.get("arguments", "{}")
+                try:
+                    args = json.loads(args) if isinstance(args, str) else args
+                except ValueError:
+                    raise OpenAIParamError("messages", "tool call arguments must be JSON") from None
+                calls.append({"id": call.get("id"), "function": {"name": fn.get("name"), "arguments": args}})
+            msg["tool_calls"] = calls
+        if m.get("tool_call_id"):
+            msg["tool_call_id"] = m["tool_call_id"]
+        if m.get("name"):
+            msg["tool_name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def openai_tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not calls:
+        return None
+    return [{"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c["function"]["name"],
+                          "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
+            for i, c in enumerate(calls)]
+
+
+def openai_logprobs(items: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    if items is None:
+        return None
+    return {"content": [{"token": lp["token"], "logprob": lp["logprob"], "bytes": lp.get("bytes"),
+                         "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")}
+                                          for t in lp.get("top_logprobs", [])]} for lp in items]}
+
+
+def usage_of(chunk: Chunk) -> dict[str, Any]:
+    m = chunk.metrics or Metrics()
+    usage: dict[str, Any] = {"prompt_tokens": m.prompt_eval_count, "completion_tokens": m.eval_count,
+                             "total_tokens": m.prompt_eval_count + m.eval_count}
+    if m.draft_count:
+        usage.update(draft_count=m.draft_count, draft_accepted_count=m.draft_accepted_count)
+    return usage
+
+
+def finish_reason(chunk: Chunk) -> str:
+    if chunk.tool_calls:
+        return "tool_calls"
+    return {"length": "length"}.get(chunk.done_reason or "", "stop")
+
+
+def logprob_flags(f: dict[str, Any]) -> tuple[bool, int]:
+    want = f.get("logprobs")
+    top = f.get("top_logprobs")
+    if isinstance(want, int) and not isinstance(want, bool):  # /v1/completions: logprobs is a count
+        return want > 0, want
+    if want is not None and not isinstance(want, bool):
+        raise OpenAIParamError("logprobs", "must be a boolean")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+        raise OpenAIParamError("top_logprobs", "must be an integer between 0 and 20")
+    return bool(want), (top or 0) if want else 0
+
+
+def include_usage(f: dict[str, Any]) -> bool:
+    opts = f.get("stream_options") or {}
+    return isinstance(opts, dict) and bool(opts.get("include_usage"))
+
+
+def sse_error(e: LocalrtError) -> dict[str, Any]:
+    return error_body(str(e), e.status, True)
+
+
+# ---- routes ------------------------------------------------------------------------------------
+@router.post("/chat/completions")
+async def chat_completions(request: Request, body: Body) -> Response:
+    f = body.model_dump()
+    model = f.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIParamError("model", "model is required")
+    messages = messages_from(f)
+    options = options_from(f)
+    fmt = format_from(f)
+    want_logprobs, top = logprob_flags(f)
+    tools = f.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise OpenAIParamError("tools", "must be a list")
+    stream = f.get("stream") is True
+    runtime = runtime_of(request)
+    chunks = runtime.chat(model, messages, options=options, tools=tools or None, format=fmt,
+                          keep_alive=f.get("keep_alive"), logprobs=want_logprobs, top_logprobs=top, stream=stream)
+    completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())
+    base = {"id": completion_id, "created": created, "model": model, "system_fingerprint": "fp_localrt"}
+
+    if not stream:
+        final: Chunk | None = None
+        async for chunk in chunks:
+            observe(request, chunk)
+            final = chunk
+        assert final is not None
+        message: dict[str, Any] = {"role": "assistant", "content": final.content,
+                                   "tool_calls": openai_tool_calls(final.tool_calls)}
+        if message["tool_calls"]:
+            message["content"] = final.content or None
+        return JSONResponse({**base, "object": "chat.completion", "choices": [{
+            "index": 0, "message": message, "finish_reason": finish_reason(final),
+            "logprobs": openai_logprobs(final.logprobs) if want_logprobs else None}],
+            "usage": usage_of(final)})
+
+    async def events() -> AsyncIterator[dict[str, Any]]:
+        first = True
+        async for chunk in chunks:
+            observe(request, chunk)
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+                first = False
+            if chunk.content:
+                delta["content"] = chunk.content
+            if chunk.tool_calls:
+                delta["tool_calls"] = openai_tool_calls(chunk.tool_calls)
+            choice: dict[str, Any] = {"index": 0, "delta": delta,
+                                      "finish_reason": finish_reason(chunk) if chunk.done else None}
+            if want_logprobs and chunk.logprobs:
+                choice["logprobs"] = openai_logprobs(chunk.logprobs)
+            if delta or chunk.done:
+                yield {**base, "object": "chat.completion.chunk", "choices": [choice]}
+            if chunk.done and include_usage(f):
+                yield {**base, "object": "chat.completion.chunk", "choices": [], "usage": usage_of(chunk)}
+
+    _, items = await first_and_rest(events())
+    return sse_response(items, sse_error)
+
+
+@router.post("/completions")
+async def completions(request: Request, body: Body) -> Response:
+    f = body.model_dump()
+    model = f.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIParamError("model", "model is required")
+    prompt = f.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise OpenAIParamError("prompt", "must be a string")
+    options = options_from(f)
+    want_logprobs, top = logprob_flags(f)
+    stream = f.get("stream") is True
+    # A completion continues the text as given: no chat template (raw), as OpenAI's API means it.
+    chunks = runtime_of(request).generate(model, prompt, raw=True, options=options, format=format_from(f),
+                                          keep_alive=f.get("keep_alive"), logprobs=want_logprobs,
+                                          top_logprobs=top, stream=stream)
+    base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model,
+            "system_fingerprint": "fp_localrt", "object": "text_completion"}
+
+    def logprobs_legacy(items: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        if not want_logprobs or not items:
+            return None
+        return {"tokens": [lp["token"] for lp in items], "token_logprobs": [lp["logprob"] for lp in items],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in lp.get("top_logprobs", [])} for lp in items]}
+
+    if not stream:
+        final: Chunk | None = None
+        async for chunk in chunks:
+            observe(request, chunk)
+            final = chunk
+        assert final is not None
+        return JSONResponse({**base, "choices": [{"index": 0, "text": final.content,
+                                                  "finish_reason": finish_reason(final),
+                                                  "logprobs": logprobs_legacy(final.logprobs)}],
+                             "usage": usage_of(final)})
+
+    async def events() -> AsyncIterator[dict[str, Any]]:
+        async for chunk in chunks:
+            observe(request, chunk)
+            if chunk.content or chunk.done:
+                yield {**base, "choices": [{"index": 0, "text": chunk.content,
+                                            "finish_reason": finish_reason(chunk) if chunk.done else None,
+                                            "logprobs": logprobs_legacy(chunk.logprobs)}]}
+            if chunk.done and include_usage(f):
+                yield {**base, "choices": [], "usage": usage_of(chunk)}
+
+    _, items = await first_and_rest(events())
+    return sse_response(items, sse_error)
+
+
+@router.post("/embeddings")
+async def embeddings(request: Request, body: Body) -> dict[str, Any]:
+    f = body.model_dump()
+    model = f.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIParamError("model", "model is required")
+    inputs = f.get("input")
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(x, str) for x in inputs):
+        raise OpenAIParamError("input", "must be a string or a non-empty list of strings")
+    encoding = f.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise OpenAIParamError("encoding_format", "must be float or base64")
+    result = await runtime_of(request).embed(model, inputs, keep_alive=f.get("keep_alive"))
+    dims = f.get("dimensions")
+    data = []
+    for i, vector in enumerate(result.embeddings):
+        if isinstance(dims, int) and not isinstance(dims, bool) and 0 < dims < len(vector):
+            vector = vector[:dims]
+        embedding: Any = vector
+        if encoding == "base64":
+            embedding = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        data.append({"object": "embedding", "embedding": embedding, "index": i})
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": result.prompt_eval_count, "total_tokens": result.prompt_eval_count}}

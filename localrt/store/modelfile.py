@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from localrt.errors import LocalrtError, ModelNotFound
-from localrt.store.names import ModelName, parse_name
+from localrt.store.names import ModelName, normalize_digest, parse_name
 from localrt.store.store import MEDIA_DRAFT, MEDIA_MODEL, Store
 
 # Ollama's option types (api/types.go); names not listed are typed from their value.
@@ -246,8 +247,6 @@ def create(
         base_dir: where relative FROM/DRAFT paths start (the Modelfile's folder; default: cwd).
         quantize: not supported yet; given, it is an error.
     """
-    from localrt.store.importer import import_gguf
-
     if quantize:
         raise LocalrtError(f"quantize is not supported yet (asked for {quantize}); create from an already "
                            "quantized GGUF, or convert with `localrt convert --quant`")
@@ -264,24 +263,85 @@ def create(
         return f"Modelfile line {line}: " if line else ""
 
     source = _resolve_source(mf.from_, base, store, where(mf.from_line))
-    template, system, license_text = mf.template, mf.system, mf.license
+    draft: Path | ModelName | None = None
+    if mf.draft is not None:
+        draft = _resolve_source(mf.draft, base, store, where(mf.draft_line))
+    build_model(store, dest, source, template=mf.template, system=mf.system, license_text=mf.license,
+                parameters=mf.parameters, draft=draft)
+    return dest
+
+
+def build_model(store: Store, dest: ModelName, source: Path | str | ModelName, *, template: str | None = None,
+                system: str | None = None, license_text: str | None = None,
+                parameters: dict[str, Any] | None = None, draft: Path | str | ModelName | None = None) -> None:
+    """Write `dest` from a GGUF (path or stored digest) or from a stored model whose layers it inherits;
+    the given template/system/license/parameters/draft override the inherited ones."""
+    from localrt.store.importer import import_gguf
+
     params: dict[str, Any] = {}
-    draft: Path | str | None = None
-    if isinstance(source, Path):
-        gguf: Path | str = source
-    else:
-        # derive: inherit every layer of the stored model, then apply this Modelfile's overrides
+    inherited_draft: str | None = None
+    if isinstance(source, ModelName):
+        # derive: inherit every layer of the stored model, then apply the overrides
         base_model = store.resolve(source)
-        gguf = _layer_digest(store, source, MEDIA_MODEL) or ""
-        draft = _layer_digest(store, source, MEDIA_DRAFT)
+        gguf: Path | str = _layer_digest(store, source, MEDIA_MODEL) or ""
+        inherited_draft = _layer_digest(store, source, MEDIA_DRAFT)
         template = template if template is not None else base_model.template
         system = system if system is not None else base_model.system
         license_text = license_text if license_text is not None else base_model.license
         params.update(base_model.params)
-    params.update(mf.parameters)
-    if mf.draft is not None:
-        drafted = _resolve_source(mf.draft, base, store, where(mf.draft_line))
-        draft = drafted if isinstance(drafted, Path) else _layer_digest(store, drafted, MEDIA_MODEL)
+    else:
+        gguf = source
+    params.update(parameters or {})
+    draft_source: Path | str | None = inherited_draft
+    if isinstance(draft, ModelName):
+        draft_source = _layer_digest(store, draft, MEDIA_MODEL)
+    elif draft is not None:
+        draft_source = draft
     import_gguf(store, dest, gguf, template=template, system=system, params=params or None,
-                license=license_text, draft=draft)
-    return dest
+                license=license_text, draft=draft_source)
+
+
+def create_from_request(name: ModelName, fields: dict[str, Any], *, store: Store,
+                        progress: Callable[[str], None]) -> None:
+    """`POST /api/create`: `from` (a stored model) or `files` (uploaded GGUF blobs), plus overrides.
+
+    Over HTTP a source is never a server-side path: only stored models and uploaded blobs, so a
+    request cannot make the server read arbitrary local files.
+    """
+    if fields.get("quantize"):
+        raise LocalrtError(f"quantize is not supported yet (asked for {fields['quantize']})")
+    if fields.get("modelfile"):
+        raise LocalrtError("the modelfile field is not supported: use from, files, template, system, parameters")
+    files, base = fields.get("files"), fields.get("from")
+    source: str | ModelName
+    if files:
+        if not isinstance(files, dict):
+            raise LocalrtError("files must map file names to sha256 digests")
+        ggufs = [digest for fname, digest in files.items() if str(fname).lower().endswith(".gguf")]
+        if len(ggufs) != 1:
+            raise LocalrtError("files must name exactly one .gguf file")
+        source = normalize_digest(str(ggufs[0]))
+        if not store.has_blob(source):
+            raise LocalrtError(f"blob {source} not found: upload it with POST /api/blobs/{source} first")
+        progress("parsing GGUF")
+    elif isinstance(base, str) and base:
+        source = parse_name(base)
+        if not store.exists(source):
+            raise ModelNotFound(f"model '{source.display}' not found, try pulling it first")
+    else:
+        raise LocalrtError("create needs from (a model name) or files (an uploaded GGUF)")
+    parameters = fields.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise LocalrtError("parameters must be an object")
+    checked = {str(k).lower(): check_parameter(str(k).lower(), v) for k, v in parameters.items()}
+    texts = {}
+    for key in ("template", "system", "license"):
+        value = fields.get(key)
+        if isinstance(value, list):  # Ollama accepts license as a list of texts
+            value = "\n\n".join(str(v) for v in value)
+        if value is not None and not isinstance(value, str):
+            raise LocalrtError(f"{key} must be a string")
+        texts[key] = value
+    progress("writing manifest")
+    build_model(store, name, source, template=texts["template"], system=texts["system"],
+                license_text=texts["license"], parameters=checked)

@@ -1,0 +1,288 @@
+"""A real `localrt serve` on 127.0.0.1 driven by the official `ollama` and `openai` Python packages.
+
+One server for the module (the model loads once); greedy decoding with short `num_predict` keeps it
+fast. The real SmolLM2-135M-Instruct answers; assertions check properties, not exact texts.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import ollama
+import openai
+import pytest
+
+from localrt.store.catalog import load_catalog
+from localrt.store.importer import import_gguf
+from localrt.store.store import Store
+from tests.servers.registry import Registry
+from tests.servers.serve import LocalrtServer
+
+MODEL = "smollm2:135m"
+GREEDY = {"temperature": 0, "num_predict": 24, "num_ctx": 2048}
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+               "required": ["city", "country"]}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+# Forces the model's output into the shape of a call, so the tool-call path is exercised for real.
+CALL_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "enum": ["get_weather"]},
+    "arguments": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+    "required": ["name", "arguments"]}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalrtServer]:
+    root = tmp_path_factory.mktemp("api-clients")
+    # the catalog's system prompt, as `localrt pull smollm2:135m` would store it
+    import_gguf(Store(root / "models"), MODEL, smollm2_gguf, system=load_catalog().find(MODEL).system)
+    srv = LocalrtServer(root / "models", root / "serve.log", env={"LOCALRT_KEEP_ALIVE": "10m"})
+    yield srv
+    assert srv.stop() in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM after a graceful shutdown
+    assert "Traceback" not in srv.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def client(server: LocalrtServer) -> ollama.Client:
+    return ollama.Client(host=server.url)
+
+
+@pytest.fixture(scope="module")
+def oai(server: LocalrtServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+# ---- Ollama client ----------------------------------------------------------------------------
+def test_list_and_show(client: ollama.Client) -> None:
+    [model] = [m for m in client.list().models if m.model == MODEL]
+    assert model.details.family == "llama"
+    assert model.details.quantization_level == "Q4_1"
+    assert model.size > 90_000_000
+    info = client.show(MODEL)
+    assert info.modelinfo["general.architecture"] == "llama"
+    assert info.modelinfo["llama.context_length"] == 8192
+    assert "<|im_start|>" in info.template
+    assert "FROM " in info.modelfile
+
+
+def test_generate_not_streamed(client: ollama.Client) -> None:
+    r = client.generate(MODEL, "What is the capital of France?", options=GREEDY)
+    assert r.done and r.done_reason in ("stop", "length")
+    assert "Paris" in r.response
+    assert r.eval_count > 0 and r.eval_duration > 0 and r.prompt_eval_count > 0 and r.total_duration > 0
+    assert r.context and len(r.context) > r.prompt_eval_count
+
+
+def test_generate_streamed_matches_not_streamed(client: ollama.Client) -> None:
+    # keep_alive 0 unloads after each answer, so both runs evaluate the prompt from a cold cache:
+    # llama.cpp's floats depend on batch shapes, and a reused prefix can flip a near-tie in greedy.
+    whole = client.generate(MODEL, "Name three colors.", options=GREEDY, keep_alive=0).response
+    assert MODEL not in [m.model for m in client.ps().models]
+    chunks = list(client.generate(MODEL, "Name three colors.", options=GREEDY, stream=True, keep_alive=0))
+    assert len(chunks) > 2 and chunks[-1].done and not any(c.done for c in chunks[:-1])
+    assert "".join(c.response for c in chunks) == whole
+
+
+def test_chat_streamed_and_not(client: ollama.Client) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat(MODEL, messages=messages, options=GREEDY)
+    assert r.message.role == "assistant" and "Paris" in r.message.content
+    parts = list(client.chat(MODEL, messages=messages, options=GREEDY, stream=True))
+    assert "".join(p.message.content for p in parts) == r.message.content
+    final = parts[-1]
+    assert final.done and final.eval_count == r.eval_count
+
+
+def test_chat_json_schema_output_validates(client: ollama.Client) -> None:
+    r = client.chat(MODEL, messages=[{"role": "user", "content": "Where is the Eiffel Tower? Answer in JSON."}],
+                    format=CITY_SCHEMA, options={**GREEDY, "num_predict": 64})
+    jsonschema.validate(json.loads(r.message.content), CITY_SCHEMA)
+
+
+def test_tool_call_round_trip(client: ollama.Client) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat(MODEL, messages=messages, tools=[WEATHER_TOOL], format=CALL_SCHEMA,
+                    options={**GREEDY, "num_predict": 64})
+    assert r.message.tool_calls, r.message
+    call = r.message.tool_calls[0]
+    assert call.function.name == "get_weather" and isinstance(call.function.arguments["city"], str)
+    # the answer to the call goes back in; the template renders tool messages and the model replies
+    messages += [r.message, {"role": "tool", "content": '{"temperature": "21C", "sky": "clear"}',
+                             "tool_name": "get_weather"}]
+    follow = client.chat(MODEL, messages=messages, tools=[WEATHER_TOOL], options=GREEDY)
+    assert follow.done and (follow.message.content or follow.message.tool_calls)
+
+
+def test_logprobs(client: ollama.Client) -> None:
+    r = client.generate(MODEL, "The sky is", options={**GREEDY, "num_predict": 4}, logprobs=True, top_logprobs=3)
+    assert r.logprobs and len(r.logprobs) == r.eval_count
+    first = r.logprobs[0]
+    assert len(first.top_logprobs) == 3
+    assert first.logprob == pytest.approx(max(t.logprob for t in first.top_logprobs), abs=1e-4)  # greedy
+
+
+def test_embed(client: ollama.Client) -> None:
+    r = client.embed(MODEL, ["The cat sat on the mat.", "Stock markets fell sharply today."])
+    assert len(r.embeddings) == 2 and len(r.embeddings[0]) == 576
+    legacy = client.embeddings(MODEL, "The cat sat on the mat.")
+    assert legacy.embedding == pytest.approx(r.embeddings[0], abs=1e-4)
+
+
+def test_ps_shows_the_loaded_model(client: ollama.Client) -> None:
+    client.generate(MODEL, "Hi", options={**GREEDY, "num_predict": 1})
+    [row] = [m for m in client.ps().models if m.model == MODEL]
+    assert row.size > 0 and row.context_length == GREEDY["num_ctx"]
+
+
+def test_copy_and_delete(client: ollama.Client) -> None:
+    client.copy(MODEL, "me/smol-copy")
+    assert "me/smol-copy:latest" in [m.model for m in client.list().models]
+    client.delete("me/smol-copy")
+    assert "me/smol-copy:latest" not in [m.model for m in client.list().models]
+    with pytest.raises(ollama.ResponseError) as err:
+        client.delete("me/smol-copy")
+    assert err.value.status_code == 404
+
+
+def test_create_from_uploaded_blob(client: ollama.Client, smollm2_gguf: Path) -> None:
+    digest = client.create_blob(smollm2_gguf)
+    statuses = [p.status for p in client.create("me/smol-created", files={"model.gguf": digest},
+                                                system="You are terse.", parameters={"temperature": 0.1},
+                                                stream=True)]
+    assert statuses[-1] == "success"
+    info = client.show("me/smol-created")
+    assert 'SYSTEM """You are terse."""' in info.modelfile and "temperature" in info.parameters
+    client.delete("me/smol-created")
+
+
+def test_pull_with_progress(client: ollama.Client, tmp_path: Path) -> None:
+    from tests.gguf_factory import write_tiny_llama
+
+    tiny = write_tiny_llama(tmp_path / "tiny.gguf")
+    with Registry() as registry:
+        registry.add_model("library/tiny", "1", tiny)
+        name = f"{registry.address}/library/tiny:1"
+        events = list(client.pull(name, insecure=True, stream=True))
+    statuses = [e.status for e in events]
+    assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+    layer = [e for e in events if e.digest and e.total]
+    assert layer and layer[-1].completed == layer[-1].total
+    assert name in [m.model for m in client.list().models]
+    client.delete(name)
+
+
+def test_errors_and_server_stays_up(client: ollama.Client) -> None:
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat("nosuch:model", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as err:
+        client.generate(MODEL, "hi", options={"temperature": "hot"})
+    assert err.value.status_code == 400 and "temperature" in str(err.value)
+    with pytest.raises(ollama.ResponseError) as err:
+        client.generate(MODEL, "hi", options={"no_such_option": 1})
+    assert err.value.status_code == 400
+    with pytest.raises(ollama.ResponseError) as err:
+        client.generate(MODEL, "word " * 3000, options={"num_ctx": 512})
+    assert err.value.status_code == 400 and "context" in str(err.value)
+    assert client.generate(MODEL, "Hi", options={**GREEDY, "num_predict": 2}).done
+
+
+def test_disconnect_cancels_generation(server: LocalrtServer) -> None:
+    """A client that goes away mid-stream frees the model: the next request is served at once."""
+    body = {"model": MODEL, "prompt": "Count from one to ten thousand, one number per line.",
+            "options": {"temperature": 0, "num_predict": 6000, "num_ctx": 8192}}
+    with httpx.stream("POST", server.url + "/api/generate", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 3:
+                break
+    done = threading.Event()
+    result: dict = {}
+
+    def follow_up() -> None:
+        result.update(httpx.post(server.url + "/api/generate", json={
+            "model": MODEL, "prompt": "Hi", "stream": False, "options": {**GREEDY, "num_predict": 2}},
+            timeout=120).json())
+        done.set()
+
+    threading.Thread(target=follow_up, daemon=True).start()
+    # a liveness bound, not a speed target: 6000 tokens would take minutes on this machine
+    assert done.wait(60), "the cancelled generation still holds the model"
+    assert result.get("done") is True
+
+
+def test_metrics_and_tokenize(server: LocalrtServer) -> None:
+    toks = httpx.post(server.url + "/api/tokenize", json={"model": MODEL, "text": "Hello world"}).json()["tokens"]
+    assert toks and all(isinstance(t, int) for t in toks)
+    text = httpx.post(server.url + "/api/detokenize", json={"model": MODEL, "tokens": toks}).json()["text"]
+    assert text.strip() == "Hello world"
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'localrt_requests_total{route="/api/generate",status="200"}' in metrics
+    assert "localrt_time_to_first_token_seconds_bucket" in metrics
+    assert "localrt_loaded_models 1" in metrics
+
+
+# ---- OpenAI client ----------------------------------------------------------------------------
+def test_openai_models(oai: openai.OpenAI) -> None:
+    assert MODEL in [m.id for m in oai.models.list().data]
+    assert oai.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("nosuch")
+
+
+def test_openai_chat(oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    stream = oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_openai_completions_and_embeddings(oai: openai.OpenAI) -> None:
+    r = oai.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8)
+    assert r.choices[0].text and r.usage.completion_tokens > 0
+    e = oai.embeddings.create(model=MODEL, input=["hello", "world"])
+    assert len(e.data) == 2 and len(e.data[0].embedding) == 576
+
+
+def test_openai_json_schema_and_tools(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Where is the Eiffel Tower?"}], temperature=0,
+        max_tokens=64, response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": CITY_SCHEMA}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), CITY_SCHEMA)
+    call = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], temperature=0,
+        max_tokens=64, tools=[WEATHER_TOOL],
+        response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": CALL_SCHEMA}})
+    choice = call.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    tool_call = choice.message.tool_calls[0]
+    assert tool_call.function.name == "get_weather" and "city" in json.loads(tool_call.function.arguments)
+    follow = oai.chat.completions.create(model=MODEL, temperature=0, max_tokens=16, tools=[WEATHER_TOOL], messages=[
+        {"role": "user", "content": "What is the weather in Paris?"}, choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": tool_call.id, "content": '{"temperature": "21C"}'}])
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_openai_logprobs_and_errors(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                    max_tokens=3, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert content and len(content[0].top_logprobs) == 2
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.chat.completions.create(model="nosuch", messages=[{"role": "user", "content": "Hi"}])
+    assert err.value.body["type"] == "not_found_error"
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature="hot")
