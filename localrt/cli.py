@@ -136,6 +136,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return stop_command(args)
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from localrt.chat_command import chat_command
+
+    return chat_command(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from localrt.server import serve_command
 
@@ -205,11 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quantize", default=None, help="requantize to TYPE (e.g. Q4_K_M)")
     p.set_defaults(func=cmd_create)
 
+    p = sub.add_parser("chat", help="the terminal chat app")
+    p.add_argument("model", nargs="?", default=None, help="the model to start with (e.g. smollm2:135m)")
+    p.set_defaults(func=cmd_chat)
+
     p = sub.add_parser("serve", help="start the HTTP server on LOCALRT_HOST")
     p.set_defaults(func=cmd_serve)
 
     for name, help_text in (("convert", "convert HF safetensors to GGUF"),
-                            ("eval", "perplexity and KL divergence"), ("chat", "the terminal chat app"),
+                            ("eval", "perplexity and KL divergence"),
                             ("bench", "measure TTFT and tokens/s")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("rest", nargs=argparse.REMAINDER)

@@ -21,7 +21,9 @@ def models_dir() -> Path:
 
 
 def data_dir() -> Path:
-    return Path(platformdirs.user_data_dir("localrt"))
+    """Where the chat app keeps its conversations (`LOCALRT_DATA`, else the platformdirs data dir)."""
+    env = os.environ.get("LOCALRT_DATA")
+    return Path(env).expanduser() if env else Path(platformdirs.user_data_dir("localrt"))
 
 
 def host() -> tuple[str, int]:

@@ -1,0 +1,686 @@
+"""`localrt chat [NAME]`: a Textual chat over the runtime API or a running `localrt serve`.
+
+Layout: a sidebar (installed models, saved conversations), the conversation (streamed Markdown),
+a multi-line input, a status bar with the engine's live numbers, and the key footer. Every action
+has a key, a command-palette entry and a line in the help screen (all built from ACTIONS).
+Errors from the runtime or server become notifications; the app itself never dies on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual import on
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Footer, Header, Label, ListView, Markdown, Static
+from textual.worker import Worker
+
+from localrt.cli import human_size
+from localrt.errors import LocalrtError
+from localrt.tui.client import ChatClient, ModelRow, connect
+from localrt.tui.screens import (
+    ConfirmScreen,
+    HelpScreen,
+    ModelInfoScreen,
+    ModelPickerScreen,
+    PromptScreen,
+    PullScreen,
+    SettingsScreen,
+)
+from localrt.tui.settings import summary
+from localrt.tui.store import Conversation, ConversationStore, Message, Settings, slug, to_markdown
+from localrt.tui.widgets import ChatInput, ConversationItem, MessageView, ModelItem, StatusBar
+
+
+@dataclass(frozen=True)
+class Action:
+    """One user action: its key, the `action_*` name, and how the footer, palette and help name it."""
+
+    key: str
+    action: str
+    title: str
+    description: str
+    short: str = ""  # footer label; empty: not shown in the footer
+
+
+# the bindings, the command palette and the help screen are all built from this table
+ACTIONS: list[Action] = [
+    Action("ctrl+n", "new_conversation", "New conversation", "Start a new conversation", "New"),
+    Action("ctrl+o", "switch_model", "Switch model", "Pick the model for this conversation", "Model"),
+    Action("f4", "settings", "Conversation settings",
+           "System prompt, temperature, top_p, top_k, context length, backend, speculative, JSON output",
+           "Settings"),
+    Action("escape", "stop", "Stop answer", "Stop the current answer and keep what was generated", "Stop"),
+    Action("f2", "rename", "Rename conversation", "Give this conversation a new title"),
+    Action("f7", "export", "Export conversation", "Write this conversation to a Markdown file"),
+    Action("f8", "delete_conversation", "Delete conversation", "Delete this conversation and its messages"),
+    Action("f5", "pull", "Pull model", "Download a model by name, with progress", "Pull"),
+    Action("f3", "model_info", "Model info", "Architecture, size, quantization, context, backend in use"),
+    Action("f9", "delete_model", "Delete model", "Remove a model from the store"),
+    Action("ctrl+b", "toggle_sidebar", "Toggle sidebar", "Show or hide the models and conversations"),
+    Action("f1", "help", "Help", "Show the keyboard shortcuts", "Help"),
+    Action("ctrl+q", "quit", "Quit", "Leave localrt chat"),  # Textual's own binding
+]
+ACTION_NAMES = frozenset(a.action for a in ACTIONS)
+INPUT_KEYS = [
+    ("Enter", "Send the message"),
+    ("Shift+Enter, Ctrl+J", "New line in the message"),
+    ("Ctrl+P", "Command palette (every action)"),
+    ("Tab, Shift+Tab", "Move between the sidebar, the conversation and the input"),
+]
+WELCOME_KEYS = [("Enter", "send"), ("Ctrl+J", "new line"), ("Esc", "stop an answer"), ("Ctrl+O", "switch model"),
+                ("F4", "settings"), ("F1", "help"), ("Ctrl+P", "every command")]
+SAVE_EVERY = 0.5  # seconds between saves of a streaming answer, so a kill loses at most this much
+
+
+def key_label(key: str) -> str:
+    """ctrl+n -> Ctrl+N, f4 -> F4, escape -> Esc."""
+    if key == "escape":
+        return "Esc"
+    def part(p: str) -> str:
+        return p.upper() if len(p) == 1 or (p[0] == "f" and p[1:].isdigit()) else p.title()
+
+    return "+".join(part(p) for p in key.split("+"))
+
+
+def human_ago(then: float, now: float) -> str:
+    seconds = max(0, int(now - then))
+    for unit, span in (("y", 31536000), ("mo", 2592000), ("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds // span}{unit} ago"
+    return "just now"
+
+
+class ChatApp(App[int]):
+    """The chat app. `client` defaults to `connect()` (server if one answers, else in-process)."""
+
+    CSS_PATH = Path(__file__).with_name("app.tcss")  # absolute: subclasses may live elsewhere (tests)
+    TITLE = "localrt chat"
+    # priority bindings: the focused TextArea binds many keys itself (F6, F7, ctrl+...); Esc is left
+    # to dialogs and the palette, which close on it (check_action mutes the rest while a dialog is open)
+    BINDINGS = [Binding(a.key, a.action, a.short or a.title, show=bool(a.short), priority=a.key != "escape")
+                for a in ACTIONS if a.action != "quit"]
+
+    def __init__(self, model: str | None = None, *, client: ChatClient | None = None,
+                 store: ConversationStore | None = None, db_path: Path | str | None = None,
+                 clock: Callable[[], float] = time.time, export_dir: Path | None = None) -> None:
+        super().__init__()
+        self.client: ChatClient = client if client is not None else connect()
+        self.clock = clock
+        self.db = store if store is not None else ConversationStore(db_path, clock=clock)
+        self.initial_model = model
+        self.export_dir = export_dir
+        self.models: list[ModelRow] = []
+        self.conversation = Conversation(None, "New conversation", model)
+        self.answer_worker: Worker[None] | None = None
+        self.busy = False  # an answer is streaming (or loading)
+        self._ctx_warned: int | None = None  # conversation id already warned about its context
+
+    def notify(self, message: str, *, title: str = "", severity: Any = "information",
+               timeout: float | None = None, markup: bool = False) -> None:
+        # plain text by default: error messages carry brackets ("[Errno 111]") that are not markup
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
+
+    # ---- layout ----------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=False, icon="≡")
+        with Horizontal(id="body"):
+            with Vertical(id="sidebar"):
+                yield Label("Models", classes="sidebar-title")
+                yield ListView(id="models")
+                yield Label("Conversations", classes="sidebar-title")
+                yield ListView(id="conversations")
+            with Vertical(id="main"):
+                yield VerticalScroll(id="messages")
+                yield ChatInput(id="input")
+        yield StatusBar(id="status")
+        yield Footer()
+
+    @property
+    def status(self) -> StatusBar:
+        return self.query_one(StatusBar)
+
+    @property
+    def messages_pane(self) -> VerticalScroll:
+        return self.query_one("#messages", VerticalScroll)
+
+    @property
+    def chat_input(self) -> ChatInput:
+        return self.query_one(ChatInput)
+
+    async def on_mount(self) -> None:
+        self.status.stats.where = self.client.where
+        await self.refresh_models()
+        await self.refresh_conversations()
+        if self.initial_model:
+            self.set_model(self.initial_model, announce=False)
+            if self.conversation.model and not self.is_installed(self.conversation.model):
+                self.notify(f"model '{self.conversation.model}' not found, try pulling it first (F5)",
+                            title="Model missing", severity="error", timeout=10)
+        elif self.models:
+            self.set_model(self.models[0].name, announce=False)
+        else:
+            self.notify("No models installed yet: press F5 to pull one (e.g. smollm2:135m).",
+                        title="No models", severity="warning", timeout=10)
+        await self.show_conversation()
+        self.chat_input.focus()
+
+    async def on_unmount(self) -> None:
+        # let a cancelled answer save what it has, then unload models / close the HTTP client
+        worker = self.answer_worker
+        if worker is not None:
+            with contextlib.suppress(Exception):  # WorkerCancelled / WorkerFailed / TimeoutError
+                await asyncio.wait_for(worker.wait(), 5)
+        with contextlib.suppress(Exception):
+            await self.client.close()
+        with contextlib.suppress(Exception):
+            self.db.close()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # the main screen's shortcuts do nothing while a dialog is open
+        if isinstance(self.screen, ModalScreen) and action in ACTION_NAMES and action != "quit":
+            return False
+        return True
+
+    # ---- models ----------------------------------------------------------------------------
+    def is_installed(self, name: str) -> bool:
+        return any(m.name == name for m in self.models)
+
+    async def refresh_models(self) -> None:
+        try:
+            self.models = await self.client.list_models()
+        except LocalrtError as e:
+            self.notify(str(e), title="Cannot list models", severity="error", timeout=10)
+            self.models = []
+        view = self.query_one("#models", ListView)
+        await view.clear()
+        await view.extend(ModelItem(m.name, human_size(m.size)) for m in self.models)
+        self._highlight_model()
+
+    def _highlight_model(self) -> None:
+        view = self.query_one("#models", ListView)
+        names = [m.name for m in self.models]
+        for item in view.query(ModelItem):
+            item.set_class(item.model_name == self.conversation.model, "-current")
+        if self.conversation.model in names:
+            view.index = names.index(self.conversation.model)
+
+    def set_model(self, name: str, *, announce: bool = True) -> None:
+        from localrt.store.names import parse_name
+
+        try:
+            name = parse_name(name).display
+        except LocalrtError as e:
+            self.notify(str(e), title="Invalid model name", severity="error")
+            return
+        conv = self.conversation
+        changed = conv.model != name
+        conv.model = name
+        if changed and conv.id is not None:
+            self.db.set_model(conv.id, name)
+        self._model_changed()
+        if announce and changed:
+            self.notify(f"This conversation now uses {name}.", title="Model")
+
+    def _model_changed(self) -> None:
+        stats = self.status.stats
+        stats.ctx_used = stats.ctx_len = None
+        stats.ttft = stats.tokens_per_s = None
+        stats.draft_count = stats.draft_accepted = 0
+        self.status.refresh_stats()
+        self._update_titles()
+        self._highlight_model()
+        if self.conversation.model and self.is_installed(self.conversation.model):
+            self.run_worker(self._update_context_length(), group="ctx", exclusive=True, exit_on_error=False)
+
+    async def _update_context_length(self) -> None:
+        conv = self.conversation
+        if not conv.model:
+            return
+        with contextlib.suppress(LocalrtError):
+            options = conv.settings.options or None
+            self.status.stats.ctx_len = await self.client.context_length(conv.model, options)
+            self.status.refresh_stats()
+
+    def _update_titles(self) -> None:
+        conv = self.conversation
+        extra = summary(conv.settings.options, conv.settings.json_output)
+        self.sub_title = " · ".join(p for p in (conv.title, conv.model or "no model", extra) if p)
+
+    # ---- conversations ---------------------------------------------------------------------
+    async def refresh_conversations(self) -> None:
+        view = self.query_one("#conversations", ListView)
+        now = self.clock()
+        await view.clear()
+        convs = self.db.conversations()
+        await view.extend(ConversationItem(c.id or 0, c.title, human_ago(c.updated_at, now)) for c in convs)
+        ids = [c.id for c in convs]
+        if self.conversation.id in ids:
+            view.index = ids.index(self.conversation.id)
+
+    async def show_conversation(self) -> None:
+        pane = self.messages_pane
+        await pane.remove_children()
+        conv = self.conversation
+        if not conv.messages:
+            welcome = Text()
+            welcome.append("localrt chat", style="bold")
+            welcome.append(f"\n\nModel: {conv.model or 'none (F5 pulls one)'} · {self.client.where}\n\n")
+            for key, what in WELCOME_KEYS:
+                welcome.append(f"{key:<12}", style="bold")
+                welcome.append(f"{what}\n")
+            await pane.mount(Static(welcome, id="welcome"))
+        else:
+            await pane.mount_all(self._message_view(m) for m in conv.messages)
+        pane.scroll_end(animate=False)
+        self._update_titles()
+        self._restore_stats()
+
+    def _message_view(self, m: Message) -> MessageView:
+        note = "" if m.complete and m.done_reason not in ("cancel", "error") else \
+            "stopped" if m.done_reason == "cancel" else "interrupted" if not m.complete else "error"
+        author = (m.model or "assistant") if m.role == "assistant" else None
+        return MessageView(m.role, m.content, author=author, note=note)
+
+    def _restore_stats(self) -> None:
+        """A reopened conversation shows the numbers of its last answer."""
+        stats = self.status.stats
+        last = next((m for m in reversed(self.conversation.messages) if m.role == "assistant" and m.stats), None)
+        s = last.stats if last and last.stats else {}
+        stats.ttft, stats.tokens_per_s = s.get("ttft_s"), s.get("tokens_per_s")
+        stats.draft_count, stats.draft_accepted = s.get("draft_count", 0), s.get("draft_accepted_count", 0)
+        stats.ctx_used, stats.ctx_exact = s.get("context_tokens"), bool(s.get("context_exact", True))
+        self.status.refresh_stats()
+
+    async def open_conversation(self, conversation_id: int) -> None:
+        if self.busy:
+            self.notify("An answer is streaming: Esc stops it first.", severity="warning")
+            return
+        try:
+            conv = self.db.load(conversation_id)
+        except LocalrtError as e:
+            self.notify(str(e), severity="error")
+            return
+        self.conversation = conv
+        self._model_changed()
+        await self.show_conversation()  # after: it shows the numbers of the last answer again
+        ids = [item.conversation_id for item in self.query(ConversationItem)]
+        if conv.id in ids:
+            self.query_one("#conversations", ListView).index = ids.index(conv.id)
+        if conv.model and not self.is_installed(conv.model):
+            self.notify(f"model '{conv.model}' not found, try pulling it first (F5)", title="Model missing",
+                        severity="warning", timeout=8)
+
+    # ---- sending and streaming -------------------------------------------------------------
+    @on(ChatInput.Submitted)
+    async def _submitted(self, event: ChatInput.Submitted) -> None:
+        await self.send(event.text)
+
+    async def send(self, text: str) -> None:
+        text = text.strip()
+        if not text:
+            return
+        if self.busy:
+            self.notify("An answer is still streaming: Esc stops it.", severity="warning")
+            return
+        conv = self.conversation
+        if not conv.model:
+            self.notify("No model selected: Ctrl+O picks one, F5 pulls one.", title="No model", severity="error")
+            return
+        self.chat_input.clear()
+        if conv.id is None:
+            saved = self.db.create(text, conv.model, conv.settings)
+            conv.id, conv.title, conv.created_at = saved.id, saved.title, saved.created_at
+            await self.refresh_conversations()
+            self._update_titles()
+        question = Message("user", text)
+        self.db.add_message(conv.id, question)  # committed before the model runs: a kill cannot lose it
+        conv.messages.append(question)
+        pane = self.messages_pane
+        with contextlib.suppress(Exception):
+            await pane.query("#welcome").remove()
+        await pane.mount(self._message_view(question))
+        self.busy = True
+        self.answer_worker = self.run_worker(self._answer(conv, question), name="answer", group="answer",
+                                             exit_on_error=False)
+
+    async def _answer(self, conv: Conversation, question: Message) -> None:
+        model = conv.model or ""
+        options = dict(conv.settings.options) or None
+        fmt = "json" if conv.settings.json_output else None
+        stats, bar = self.status.stats, self.status
+        stats.state, stats.ttft, stats.pieces, stats.first_token_at = "loading", None, 0, None
+        stats.draft_count = stats.draft_accepted = 0
+        bar.refresh_stats()
+        view = MessageView("assistant", author=model, note="thinking…")
+        await self.messages_pane.mount(view)
+        self.messages_pane.scroll_end(animate=False)
+        stream = Markdown.get_stream(view.markdown)
+        reply = Message("assistant", "", model=model, complete=False)
+        started = time.monotonic()
+        final = None
+        error: str | None = None
+        stopped = False
+        last_save = 0.0
+        try:
+            chunks = self.client.chat(model, conv.chat_messages(), options=options, format=fmt)
+            async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+                async for chunk in chunks:
+                    if chunk.content:
+                        now = time.monotonic()
+                        if stats.first_token_at is None:
+                            stats.first_token_at, stats.ttft, stats.state = now, now - started, "answering"
+                            view.set_note("")
+                        stats.pieces += 1
+                        reply.content += chunk.content
+                        await stream.write(chunk.content)
+                        self._follow()
+                        if reply.id is None and conv.id is not None:
+                            self.db.add_message(conv.id, reply)
+                            last_save = now
+                        elif now - last_save >= SAVE_EVERY:
+                            self.db.update_message(reply)
+                            last_save = now
+                        bar.refresh_stats()
+                    if chunk.done:
+                        final = chunk
+        except asyncio.CancelledError:
+            stopped = True  # Esc (or quitting): keep what was generated
+        except LocalrtError as e:
+            error = str(e)
+        except Exception as e:  # a bug must not take the app down: say what happened
+            error = f"internal error: {type(e).__name__}: {e}"
+        # save first: when the app is closing, the UI below may already be gone
+        m = final.metrics if final is not None else None
+        reply.complete = True
+        reply.done_reason = "cancel" if stopped else (final.done_reason if final else "error")
+        reply.stats = {"ttft_s": stats.ttft}
+        if m is not None and m.eval_ns:
+            reply.stats.update(tokens_per_s=m.eval_count / m.eval_ns * 1e9, eval_count=m.eval_count,
+                               prompt_eval_count=m.prompt_eval_count)
+        elif stats.live_rate() is not None:
+            reply.stats["tokens_per_s"] = stats.live_rate()
+        if m is not None and m.draft_count:
+            reply.stats.update(draft_count=m.draft_count, draft_accepted_count=m.draft_accepted_count)
+        if reply.content:
+            if reply.id is None:
+                if conv.id is not None:
+                    self.db.add_message(conv.id, reply)
+            else:
+                self.db.update_message(reply)
+            conv.messages.append(reply)
+        else:
+            # nothing came back: take the question out of the history and give it back to the input
+            if reply.id is not None:
+                self.db.delete_message(reply.id)
+            if question.id is not None:
+                self.db.delete_message(question.id)
+            with contextlib.suppress(ValueError):
+                conv.messages.remove(question)
+            if not conv.messages and conv.id is not None:  # created by this send: leave no empty entry
+                self.db.delete(conv.id)
+                conv.id = None
+        self.busy = False
+        with contextlib.suppress(Exception):  # when quitting, the widget may be gone already
+            await asyncio.wait_for(stream.stop(), 2)
+        if self.is_running:  # else the app is closing around us; the answer is saved already
+            await self._finish_answer(conv, question, view, reply, error, stopped)
+
+    def _follow(self) -> None:
+        """Keep the newest text in view, unless the user scrolled up to read."""
+        pane = self.messages_pane
+        if pane.max_scroll_y - pane.scroll_y <= 3:
+            pane.scroll_end(animate=False)
+
+    async def _finish_answer(self, conv: Conversation, question: Message, view: MessageView, reply: Message,
+                             error: str | None, stopped: bool) -> None:
+        stats, bar = self.status.stats, self.status
+        stats.state = ""
+        s = reply.stats or {}
+        stats.tokens_per_s = s.get("tokens_per_s")
+        stats.draft_count, stats.draft_accepted = s.get("draft_count", 0), s.get("draft_accepted_count", 0)
+        bar.refresh_stats()
+        if error:
+            self.notify(error, title="Error", severity="error", timeout=10)
+        if not reply.content:
+            if not conv.messages:  # the question was the first: back to the welcome text
+                await self.refresh_conversations()
+                await self.show_conversation()
+            else:
+                await view.remove()
+                views = list(self.messages_pane.query(MessageView))
+                if views and views[-1].role == "user":
+                    await views[-1].remove()
+            if not self.chat_input.text:
+                self.chat_input.text = question.content
+            if stopped:
+                self.notify("Stopped before the answer began.", severity="information")
+            return
+        view.set_note("stopped" if stopped else "error" if error else
+                      "cut at the length limit" if reply.done_reason == "length" else "")
+        if stopped:
+            self.notify("Answer stopped; what was generated is kept.", severity="information", timeout=3)
+        if conv is self.conversation and not error:
+            await self._update_context(conv, reply)
+
+    async def _update_context(self, conv: Conversation, reply: Message) -> None:
+        """Tokens in context after this answer versus the context length; warn before it overflows."""
+        stats, bar = self.status.stats, self.status
+        options = conv.settings.options or None
+        try:
+            stats.ctx_len = await self.client.context_length(conv.model or "", options)
+            counted = await self.client.count_tokens(conv.model or "", conv.chat_messages(), options)
+            stats.ctx_used, stats.ctx_exact = counted
+        except LocalrtError:
+            return
+        if reply.stats is not None and reply.id is not None:
+            reply.stats.update(context_tokens=stats.ctx_used, context_exact=stats.ctx_exact)
+            self.db.update_message(reply)
+        bar.refresh_stats()
+        if stats.near_overflow and self._ctx_warned != conv.id:
+            self._ctx_warned = conv.id
+            self.notify(f"This conversation fills {stats.ctx_share:.0%} of the context "
+                        f"({stats.ctx_used}/{stats.ctx_len} tokens): the next answers may not fit. "
+                        "Ctrl+N starts a new conversation; F4 raises the context length.",
+                        title="Context almost full", severity="warning", timeout=12)
+
+    # ---- sidebar events --------------------------------------------------------------------
+    @on(ListView.Selected, "#models")
+    def _model_selected(self, event: ListView.Selected) -> None:
+        if isinstance(event.item, ModelItem):
+            self.switch_model(event.item.model_name)
+
+    @on(ListView.Selected, "#conversations")
+    async def _conversation_selected(self, event: ListView.Selected) -> None:
+        if isinstance(event.item, ConversationItem):
+            await self.open_conversation(event.item.conversation_id)
+
+    def switch_model(self, name: str) -> None:
+        if self.busy:
+            self.notify("An answer is streaming: Esc stops it first.", severity="warning")
+            return
+        self.set_model(name)
+
+    # ---- actions ---------------------------------------------------------------------------
+    def action_stop(self) -> None:
+        if self.answer_worker is not None and self.busy:
+            self.answer_worker.cancel()
+
+    async def action_new_conversation(self) -> None:
+        if self.busy:
+            self.notify("An answer is streaming: Esc stops it first.", severity="warning")
+            return
+        self.conversation = Conversation(None, "New conversation", self.conversation.model)
+        self._model_changed()
+        await self.show_conversation()
+        await self.refresh_conversations()
+        self.chat_input.focus()
+
+    def action_switch_model(self) -> None:
+        names = [m.name for m in self.models]
+
+        def chosen(name: str | None) -> None:
+            if name:
+                self.switch_model(name)
+
+        self.push_screen(ModelPickerScreen(names, self.conversation.model), chosen)
+
+    def action_settings(self) -> None:
+        conv = self.conversation
+
+        def saved(settings: Settings | None) -> None:
+            if settings is None:
+                return
+            conv.settings = settings
+            if conv.id is not None:
+                self.db.set_settings(conv.id, settings)
+            self._model_changed()
+            self.notify("Settings saved for this conversation.", title="Settings")
+
+        self.push_screen(SettingsScreen(conv.settings, conv.model), saved)
+
+    def action_rename(self) -> None:
+        conv = self.conversation
+
+        async def renamed(title: str | None) -> None:
+            if not title or not title.strip():
+                return
+            if conv.id is None:
+                saved = self.db.create(title, conv.model, conv.settings)
+                conv.id, conv.title = saved.id, saved.title
+            else:
+                self.db.rename(conv.id, title)
+                conv.title = self.db.load(conv.id).title
+            self._update_titles()
+            await self.refresh_conversations()
+
+        self.push_screen(PromptScreen("Rename conversation", conv.title), renamed)
+
+    def action_export(self) -> None:
+        conv = self.conversation
+        if not conv.messages:
+            self.notify("Nothing to export yet.", severity="warning")
+            return
+        default = (self.export_dir or Path.cwd()) / f"{slug(conv.title)}.md"
+
+        def chosen(path: str | None) -> None:
+            if not path:
+                return
+            target = Path(path).expanduser()
+            try:
+                target.write_text(to_markdown(conv), encoding="utf-8")
+            except OSError as e:
+                self.notify(f"cannot write {target}: {e.strerror or e}", title="Export failed", severity="error")
+                return
+            self.notify(f"Exported to {target}", title="Export")
+
+        self.push_screen(PromptScreen("Export to Markdown file", str(default)), chosen)
+
+    def action_delete_conversation(self) -> None:
+        conv = self.conversation
+        if self.busy:
+            self.notify("An answer is streaming: Esc stops it first.", severity="warning")
+            return
+
+        async def confirmed(yes: bool | None) -> None:
+            if not yes:
+                return
+            if conv.id is not None:
+                self.db.delete(conv.id)
+            self.notify(f"Deleted “{conv.title}”.", title="Conversation")
+            await self.action_new_conversation()
+
+        self.push_screen(ConfirmScreen(f"Delete the conversation “{conv.title}”?"), confirmed)
+
+    def action_pull(self, name: str = "") -> None:
+        async def pulled(name: str | None) -> None:
+            if not name:
+                return
+            await self.refresh_models()
+            self.notify(f"Pulled {name}.", title="Pull")
+            from localrt.store.names import parse_name
+
+            with contextlib.suppress(LocalrtError):
+                name = parse_name(name).display
+            current = self.conversation.model
+            if (not current or not self.is_installed(current)) and self.is_installed(name):
+                self.set_model(name)
+            else:
+                self._highlight_model()
+
+        self.push_screen(PullScreen(self.client, name), pulled)
+
+    def _target_model(self) -> str | None:
+        """The model an action applies to: the highlighted sidebar row when focused, else the current one."""
+        view = self.query_one("#models", ListView)
+        if view.has_focus and isinstance(view.highlighted_child, ModelItem):
+            return view.highlighted_child.model_name
+        return self.conversation.model
+
+    def action_model_info(self) -> None:
+        name = self._target_model()
+        if not name:
+            self.notify("No model selected.", severity="warning")
+            return
+        self.run_worker(self._show_info(name), group="info", exclusive=True, exit_on_error=False)
+
+    async def _show_info(self, name: str) -> None:
+        try:
+            info = await self.client.show(name, self.conversation.settings.options or None)
+        except LocalrtError as e:
+            self.notify(str(e), title="Model info", severity="error", timeout=8)
+            return
+        await self.push_screen(ModelInfoScreen(info))
+
+    def action_delete_model(self) -> None:
+        name = self._target_model()
+        if not name:
+            self.notify("No model selected.", severity="warning")
+            return
+
+        async def confirmed(yes: bool | None) -> None:
+            if not yes:
+                return
+            try:
+                await self.client.delete(name)
+            except LocalrtError as e:
+                self.notify(str(e), title="Delete failed", severity="error")
+                return
+            self.notify(f"Deleted model {name}.", title="Model")
+            await self.refresh_models()
+
+        self.push_screen(ConfirmScreen(f"Delete the model {name} from the store?"), confirmed)
+
+    def action_toggle_sidebar(self) -> None:
+        sidebar = self.query_one("#sidebar")
+        sidebar.display = not sidebar.display
+
+    def action_help(self) -> None:
+        rows = [(key_label(a.key), a.title) for a in ACTIONS]
+        self.push_screen(HelpScreen([*INPUT_KEYS, *rows]))
+
+    # ---- command palette -------------------------------------------------------------------
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
+        for a in ACTIONS:
+            if a.action == "quit":
+                continue  # Textual's own "Quit" entry comes with super() below
+            yield SystemCommand(f"{a.title} ({key_label(a.key)})", a.description,
+                                getattr(self, f"action_{a.action}"))
+        for m in self.models:
+            yield SystemCommand(f"Use model {m.name}", f"Switch this conversation to {m.name}",
+                                lambda name=m.name: self.switch_model(name))
+        for c in self.db.conversations()[:30]:
+            yield SystemCommand(f"Open conversation: {c.title}", "Reopen a saved conversation",
+                                lambda cid=c.id: self.run_worker(self.open_conversation(cid or 0),
+                                                                 exit_on_error=False))
+        yield from super().get_system_commands(screen)

@@ -1,0 +1,300 @@
+"""Dialogs: help, settings, pull, model info, model picker, a one-line prompt and a confirmation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import (
+    Button,
+    Checkbox,
+    DataTable,
+    Input,
+    Label,
+    OptionList,
+    ProgressBar,
+    Select,
+    Static,
+    Switch,
+    TextArea,
+)
+from textual.widgets.option_list import Option
+
+from localrt.cli import human_size  # sizes as `localrt list` prints them
+from localrt.errors import LocalrtError
+from localrt.tui.settings import CHOICE_FIELDS, TEXT_FIELDS, field_text, parse_fields
+from localrt.tui.store import Settings
+
+if TYPE_CHECKING:
+    from localrt.tui.client import ChatClient, ModelInfo
+
+
+class Dialog(ModalScreen[Any]):
+    """A modal with Esc to close; subclasses compose into a `.dialog` container."""
+
+    BINDINGS = [Binding("escape", "close", "Close")]
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class HelpScreen(Dialog):
+    """Every shortcut, built from the app's action table so it cannot drift from the bindings."""
+
+    def __init__(self, rows: Sequence[tuple[str, str]]) -> None:
+        super().__init__()
+        self.rows = list(rows)
+
+    def compose(self) -> ComposeResult:
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column()
+        for key, what in self.rows:
+            table.add_row(key, what)
+        with Vertical(classes="dialog", id="help"):
+            yield Label("Keyboard shortcuts · Esc closes", classes="dialog-title")
+            with VerticalScroll(id="help-keys"):
+                yield Static(table)
+            yield Label("Ctrl+P opens the command palette: every action is there too.", classes="dim")
+
+
+class PromptScreen(Dialog):
+    """One line of text (rename, export path); Enter accepts, Esc cancels. Returns the text or None."""
+
+    def __init__(self, title: str, value: str = "", placeholder: str = "") -> None:
+        super().__init__()
+        self.title_text, self.value, self.placeholder = title, value, placeholder
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="prompt"):
+            yield Label(self.title_text, classes="dialog-title")
+            yield Input(self.value, placeholder=self.placeholder, id="prompt-input")
+            with Horizontal(classes="buttons"):
+                yield Button("OK", id="ok", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#ok")
+    def _ok(self) -> None:
+        self.dismiss(self.query_one(Input).value)
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ConfirmScreen(Dialog):
+    """Yes / No; returns True only on Yes."""
+
+    BINDINGS = [Binding("y", "yes", "Yes"), Binding("n", "close", "No")]
+
+    def __init__(self, question: str) -> None:
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="confirm"):
+            yield Label(self.question, classes="dialog-title")
+            with Horizontal(classes="buttons"):
+                yield Button("Yes (y)", id="yes", variant="error")
+                yield Button("No (n)", id="no")
+
+    def action_yes(self) -> None:
+        self.dismiss(True)
+
+    @on(Button.Pressed, "#yes")
+    def _yes(self) -> None:
+        self.dismiss(True)
+
+    @on(Button.Pressed, "#no")
+    def _no(self) -> None:
+        self.dismiss(False)
+
+
+class ModelPickerScreen(Dialog):
+    """Pick one of the installed models; returns its name or None."""
+
+    def __init__(self, models: Sequence[str], current: str | None) -> None:
+        super().__init__()
+        self.models, self.current = list(models), current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="picker"):
+            yield Label("Switch model", classes="dialog-title")
+            if not self.models:
+                yield Label("No models installed: F5 pulls one.", classes="dim")
+            options = [Option(f"{'● ' if m == self.current else '  '}{m}", id=m) for m in self.models]
+            yield OptionList(*options, id="picker-list")
+
+    def on_mount(self) -> None:
+        if self.current in self.models:
+            self.query_one(OptionList).highlighted = self.models.index(self.current)
+
+    @on(OptionList.OptionSelected)
+    def _picked(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+
+class SettingsScreen(Dialog):
+    """Per-conversation settings; Save validates like the API and stays open on an error."""
+
+    BINDINGS = [Binding("ctrl+s", "save", "Save")]
+
+    def __init__(self, settings: Settings, model: str | None) -> None:
+        super().__init__()
+        self.settings, self.model = settings, model
+
+    def compose(self) -> ComposeResult:
+        opts = self.settings.options
+        with Vertical(classes="dialog", id="settings"):
+            title = f"Conversation settings · {self.model}" if self.model else "Conversation settings"
+            yield Label(title, classes="dialog-title", markup=False)
+            with VerticalScroll(id="settings-form"):
+                yield Label("System prompt", classes="field-label")
+                yield TextArea(self.settings.system, id="system", soft_wrap=True, compact=True)
+                with Grid(id="settings-grid"):
+                    for name, label, placeholder in TEXT_FIELDS:
+                        yield Label(label, classes="field-label")
+                        yield Input(field_text(opts, name), placeholder=placeholder, id=name, compact=True)
+                    for name, (label, choices) in CHOICE_FIELDS.items():
+                        yield Label(label, classes="field-label")
+                        yield Select([(c, c) for c in choices], value=opts.get(name, Select.NULL),
+                                     prompt="model default", id=name, compact=True)
+                    yield Label("JSON output", classes="field-label")
+                    yield Switch(self.settings.json_output, id="json")
+            yield Static("", id="settings-error")
+            with Horizontal(classes="buttons"):
+                yield Button("Save (Ctrl+S)", id="save", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    def values(self) -> dict[str, str | None]:
+        out: dict[str, str | None] = {}
+        for name, _, _ in TEXT_FIELDS:
+            out[name] = self.query_one(f"#{name}", Input).value
+        for name in CHOICE_FIELDS:
+            value = self.query_one(f"#{name}", Select).value
+            out[name] = None if value is Select.NULL else str(value)
+        return out
+
+    def action_save(self) -> None:
+        options, errors = parse_fields(self.values())
+        for widget in self.query("Input, Select"):
+            widget.set_class(widget.id in errors, "-invalid")
+        if errors:
+            message = "; ".join(errors.values())
+            self.query_one("#settings-error", Static).update(message)
+            self.app.notify(message, title="Invalid setting", severity="error")
+            return
+        system = self.query_one("#system", TextArea).text.strip()
+        self.dismiss(Settings(system=system, options=options, json_output=self.query_one("#json", Switch).value))
+
+    @on(Button.Pressed, "#save")
+    def _save(self) -> None:
+        self.action_save()
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+
+class PullScreen(Dialog):
+    """Pull a model by name with a progress bar: the same `pull` as the CLI, through the client."""
+
+    def __init__(self, client: ChatClient, name: str = "") -> None:
+        super().__init__()
+        self.client, self.initial = client, name
+        self.pulling = False
+        self.events_seen = 0  # progress events received (the tests watch this)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="pull"):
+            yield Label("Pull a model", classes="dialog-title")
+            yield Input(self.initial, placeholder="name, e.g. smollm2:135m or host/ns/model:tag", id="pull-name")
+            yield Checkbox("Allow http registries (--insecure)", id="insecure")
+            yield Label("", id="pull-status")
+            # hidden until sizes are known: an indeterminate bar animates (and snapshots would differ)
+            yield ProgressBar(total=None, show_eta=False, id="pull-bar").set_styles("display: none;")
+            with Horizontal(classes="buttons"):
+                yield Button("Pull", id="pull-start", variant="primary")
+                yield Button("Close", id="close")
+
+    @on(Input.Submitted, "#pull-name")
+    @on(Button.Pressed, "#pull-start")
+    def start(self) -> None:
+        name = self.query_one("#pull-name", Input).value.strip()
+        if self.pulling:
+            return
+        if not name:
+            self.app.notify("Type a model name to pull.", severity="warning")
+            return
+        self.pulling = True
+        self.query_one("#pull-start", Button).disabled = True
+        self._pull(name, self.query_one("#insecure", Checkbox).value)
+
+    @work(exclusive=True, group="pull", exit_on_error=False)
+    async def _pull(self, name: str, insecure: bool) -> None:
+        status = self.query_one("#pull-status", Label)
+        bar = self.query_one("#pull-bar", ProgressBar)
+        status.update(f"pulling {name}…")
+        try:
+            async for event in self.client.pull(name, insecure=insecure):
+                self.events_seen += 1
+                if event.total:
+                    bar.display = True
+                    bar.update(total=event.total, progress=event.completed or 0)
+                    label = f"{event.status} · {human_size(event.completed or 0)} / {human_size(event.total)}"
+                else:
+                    label = event.status
+                status.update(label)
+        except LocalrtError as e:
+            status.update(f"failed: {e}")
+            self.app.notify(str(e), title="Pull failed", severity="error", timeout=10)
+            return
+        except Exception as e:  # a bug must not take the app down: say what happened
+            status.update(f"failed: {type(e).__name__}: {e}")
+            self.app.notify(f"{type(e).__name__}: {e}", title="Pull failed", severity="error", timeout=10)
+            return
+        finally:
+            self.pulling = False
+            if self.is_attached:
+                self.query_one("#pull-start", Button).disabled = False
+        status.update(f"pulled {name}")
+        self.dismiss(name)
+
+    @on(Button.Pressed, "#close")
+    def _close(self) -> None:
+        self.dismiss(None)
+
+
+class ModelInfoScreen(Dialog):
+    """Architecture, size, quantization, context and the backend in use."""
+
+    def __init__(self, info: ModelInfo) -> None:
+        super().__init__()
+        self.info = info
+
+    def compose(self) -> ComposeResult:
+        i = self.info
+        rows = [
+            ("architecture", i.architecture), ("parameters", i.parameters), ("quantization", i.quantization),
+            ("size", human_size(i.size)), ("context length", str(i.context_length or "unknown")),
+            ("loaded context", str(i.loaded_context) if i.loaded_context else "–"), ("backend", i.backend),
+        ]
+        with Vertical(classes="dialog", id="info"):
+            yield Label(i.name, classes="dialog-title")
+            table: DataTable[str] = DataTable(show_cursor=False, show_header=False, id="info-table")
+            table.add_columns("key", "value")
+            for key, value in rows:
+                table.add_row(key, value)
+            yield table
+            yield Button("Close", id="close", variant="primary")
+
+    @on(Button.Pressed, "#close")
+    def _close(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,260 @@
+"""Saved conversations: one SQLite file (stdlib sqlite3) under the user data dir.
+
+Every write is its own short transaction, committed before the app moves on, so killing the app
+mid-answer loses nothing that came before (the answer itself is saved as it streams, marked
+incomplete until it ends). The schema is versioned with `PRAGMA user_version`; migrations run
+in order inside one transaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localrt import config
+from localrt.errors import LocalrtError
+
+SCHEMA_VERSION = 1
+MIGRATIONS: dict[int, list[str]] = {
+    1: [
+        """CREATE TABLE conversations (
+            id INTEGER PRIMARY KEY,
+            title TEXT NOT NULL,
+            model TEXT,
+            settings TEXT NOT NULL DEFAULT '{}',
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL)""",
+        """CREATE TABLE messages (
+            id INTEGER PRIMARY KEY,
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            role TEXT NOT NULL,
+            content TEXT NOT NULL,
+            model TEXT,
+            created_at REAL NOT NULL,
+            complete INTEGER NOT NULL DEFAULT 1,
+            done_reason TEXT,
+            stats TEXT)""",
+        "CREATE INDEX messages_by_conversation ON messages(conversation_id, id)",
+    ],
+}
+TITLE_LENGTH = 48
+
+
+def default_path() -> Path:
+    """`chat.db` in the data dir (`LOCALRT_DATA`, else the platformdirs user data dir)."""
+    return config.data_dir() / "chat.db"
+
+
+@dataclass
+class Settings:
+    """Per-conversation settings: the system prompt, request options (validated) and JSON output."""
+
+    system: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    json_output: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps({"system": self.system, "options": self.options, "json": self.json_output},
+                          sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | None) -> Settings:
+        try:
+            raw = json.loads(text or "{}")
+        except ValueError:
+            raw = {}
+        return cls(system=str(raw.get("system") or ""), options=dict(raw.get("options") or {}),
+                   json_output=bool(raw.get("json")))
+
+
+@dataclass
+class Message:
+    role: str  # system | user | assistant
+    content: str
+    model: str | None = None  # the model that wrote an assistant message
+    created_at: float = 0.0
+    complete: bool = True  # False while streaming, and after a kill mid-answer
+    done_reason: str | None = None  # stop | length | cancel | error
+    stats: dict[str, Any] | None = None  # ttft_s, tokens_per_s, eval_count, ...
+    id: int | None = None
+
+
+@dataclass
+class Conversation:
+    id: int | None
+    title: str
+    model: str | None
+    settings: Settings = field(default_factory=Settings)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    messages: list[Message] = field(default_factory=list)
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """The request's `messages`: the system prompt (if set), then every turn so far."""
+        out = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
+        out += [{"role": m.role, "content": m.content} for m in self.messages if m.content]
+        return out
+
+
+def make_title(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
+
+
+class ConversationStore:
+    def __init__(self, path: Path | str | None = None, *, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path) if path is not None else default_path()
+        self.clock = clock
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # autocommit mode: transactions are explicit (BEGIN IMMEDIATE .. COMMIT), DDL included
+        self.db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")  # a crash mid-write leaves the last commit intact
+        self.db.execute("PRAGMA foreign_keys=ON")
+        try:
+            self._migrate()
+        except BaseException:
+            self.db.close()
+            raise
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        with self._tx() as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise LocalrtError(f"{self.path} was written by a newer localrt (schema {version}, "
+                                   f"this one knows {SCHEMA_VERSION})")
+            for v in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in MIGRATIONS[v]:
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {v}")
+
+    @property
+    def schema_version(self) -> int:
+        return int(self.db.execute("PRAGMA user_version").fetchone()[0])
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ---- conversations ---------------------------------------------------------------------
+    def create(self, title: str, model: str | None, settings: Settings | None = None) -> Conversation:
+        now = self.clock()
+        settings = settings or Settings()
+        with self._tx() as db:
+            cur = db.execute("INSERT INTO conversations(title, model, settings, created_at, updated_at) "
+                             "VALUES (?, ?, ?, ?, ?)", (make_title(title), model, settings.to_json(), now, now))
+        return Conversation(cur.lastrowid, make_title(title), model, settings, now, now)
+
+    def conversations(self) -> list[Conversation]:
+        rows = self.db.execute("SELECT * FROM conversations ORDER BY updated_at DESC, id DESC").fetchall()
+        return [self._conversation(r) for r in rows]
+
+    def load(self, conversation_id: int) -> Conversation:
+        row = self.db.execute("SELECT * FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+        if row is None:
+            raise LocalrtError(f"conversation {conversation_id} does not exist")
+        conv = self._conversation(row)
+        conv.messages = [self._message(m) for m in self.db.execute(
+            "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,))]
+        return conv
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        self._update_conversation(conversation_id, title=make_title(title) or "Untitled")
+
+    def set_model(self, conversation_id: int, model: str | None) -> None:
+        self._update_conversation(conversation_id, model=model)
+
+    def set_settings(self, conversation_id: int, settings: Settings) -> None:
+        self._update_conversation(conversation_id, settings=settings.to_json())
+
+    def delete(self, conversation_id: int) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))  # messages cascade
+
+    def _update_conversation(self, conversation_id: int, **values: Any) -> None:
+        cols = ", ".join(f"{k} = ?" for k in values)
+        with self._tx() as db:
+            db.execute(f"UPDATE conversations SET {cols}, updated_at = ? WHERE id = ?",
+                       (*values.values(), self.clock(), conversation_id))
+
+    # ---- messages --------------------------------------------------------------------------
+    def add_message(self, conversation_id: int, message: Message) -> int:
+        message.created_at = message.created_at or self.clock()
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO messages(conversation_id, role, content, model, created_at, complete, done_reason, "
+                "stats) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (conversation_id, message.role, message.content, message.model, message.created_at,
+                 int(message.complete), message.done_reason, _dump(message.stats)))
+            db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (self.clock(), conversation_id))
+        message.id = cur.lastrowid
+        return message.id
+
+    def update_message(self, message: Message) -> None:
+        assert message.id is not None
+        with self._tx() as db:
+            db.execute("UPDATE messages SET content = ?, complete = ?, done_reason = ?, stats = ? WHERE id = ?",
+                       (message.content, int(message.complete), message.done_reason, _dump(message.stats),
+                        message.id))
+
+    def delete_message(self, message_id: int) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+
+    # ---- rows ------------------------------------------------------------------------------
+    @staticmethod
+    def _conversation(row: sqlite3.Row) -> Conversation:
+        return Conversation(row["id"], row["title"], row["model"], Settings.from_json(row["settings"]),
+                            row["created_at"], row["updated_at"])
+
+    @staticmethod
+    def _message(row: sqlite3.Row) -> Message:
+        stats = json.loads(row["stats"]) if row["stats"] else None
+        return Message(row["role"], row["content"], row["model"], row["created_at"], bool(row["complete"]),
+                       row["done_reason"], stats, row["id"])
+
+
+def _dump(stats: dict[str, Any] | None) -> str | None:
+    return json.dumps(stats, sort_keys=True) if stats else None
+
+
+# ---- export -----------------------------------------------------------------------------------
+def to_markdown(conv: Conversation) -> str:
+    """A conversation as a Markdown document: title, model and settings, then each turn."""
+    out = [f"# {conv.title}", ""]
+    if conv.model:
+        out.append(f"- model: `{conv.model}`")
+    for key, value in sorted(conv.settings.options.items()):
+        out.append(f"- {key}: `{value}`")
+    if conv.settings.json_output:
+        out.append("- format: `json`")
+    if len(out) > 2:
+        out.append("")
+    if conv.settings.system:
+        out += ["## System", "", conv.settings.system, ""]
+    for m in conv.messages:
+        who = {"user": "You", "assistant": m.model or "Assistant"}.get(m.role, m.role.title())
+        note = "" if m.complete and m.done_reason != "cancel" else " (stopped)"
+        out += [f"## {who}{note}", "", m.content.rstrip(), ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def slug(text: str) -> str:
+    s = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return s[:40].rstrip("-") or "conversation"

@@ -1,0 +1,158 @@
+"""The chat app's own widgets: the message input, a message, the status bar, sidebar rows."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.events import Key
+from textual.message import Message
+from textual.widgets import Label, ListItem, Markdown, Static, TextArea
+
+CONTEXT_WARNING = 0.8  # warn when this share of the context is used: the next turns may not fit
+
+
+class ChatInput(TextArea):
+    """A multi-line input: Enter sends, Shift+Enter or Ctrl+J starts a new line."""
+
+    BINDINGS = [
+        Binding("ctrl+j", "newline", "New line", show=False),
+        Binding("shift+enter", "newline", "New line", show=False),
+    ]
+
+    @dataclass
+    class Submitted(Message):
+        chat_input: ChatInput
+        text: str
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus",
+                         placeholder="Ask anything · Enter sends · Ctrl+J new line · F1 help",
+                         compact=True, **kwargs)  # type: ignore[arg-type]
+
+    async def _on_key(self, event: Key) -> None:
+        # runs before TextArea's own handler (which would insert a newline); prevent_default stops it
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Submitted(self, self.text))
+
+    def action_newline(self) -> None:
+        self.insert("\n")
+
+
+class MessageView(Vertical):
+    """One turn: a one-line header (who, and a note such as "stopped") over Markdown content."""
+
+    def __init__(self, role: str, content: str = "", *, author: str | None = None, note: str = "") -> None:
+        super().__init__(classes=f"message -{role}")
+        self.role = role
+        self.author = author or ("You" if role == "user" else role.title())
+        self.note = note
+        self.initial = content
+
+    def compose(self) -> ComposeResult:
+        yield Label(self._title(), classes="message-title", markup=False)
+        yield Markdown(self.initial, classes="message-body")
+
+    def _title(self) -> str:
+        return f"{self.author} · {self.note}" if self.note else self.author
+
+    @property
+    def markdown(self) -> Markdown:
+        return self.query_one(Markdown)
+
+    def set_note(self, note: str) -> None:
+        self.note = note
+        self.query_one(".message-title", Label).update(self._title())
+
+
+class ModelItem(ListItem):
+    def __init__(self, name: str, size: str) -> None:
+        super().__init__(Label(name, markup=False), Label(size, classes="dim"), classes="model-item")
+        self.model_name = name
+
+
+class ConversationItem(ListItem):
+    def __init__(self, conversation_id: int, title: str, when: str) -> None:
+        super().__init__(Label(title, markup=False), Label(when, classes="dim"), classes="conversation-item")
+        self.conversation_id = conversation_id
+
+
+@dataclass
+class Stats:
+    """The live numbers the status bar shows; None means not known yet."""
+
+    where: str = ""
+    state: str = ""  # "", "loading", "answering"
+    ttft: float | None = None  # seconds
+    tokens_per_s: float | None = None
+    ctx_used: int | None = None
+    ctx_exact: bool = True
+    ctx_len: int | None = None
+    draft_count: int = 0
+    draft_accepted: int = 0
+    pieces: int = 0  # streamed pieces of the answer so far (about one token each)
+    first_token_at: float | None = None
+
+    @property
+    def ctx_share(self) -> float | None:
+        if self.ctx_used is None or not self.ctx_len:
+            return None
+        return self.ctx_used / self.ctx_len
+
+    @property
+    def near_overflow(self) -> bool:
+        share = self.ctx_share
+        return share is not None and share >= CONTEXT_WARNING
+
+    def live_rate(self, now: float | None = None) -> float | None:
+        if self.first_token_at is None or self.pieces < 2:
+            return None
+        elapsed = (now or time.monotonic()) - self.first_token_at
+        return (self.pieces - 1) / elapsed if elapsed > 0 else None
+
+
+class StatusBar(Static):
+    """TTFT, tokens/s, tokens in context / context length, speculative acceptance; warns near overflow."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__("", **kwargs)  # type: ignore[arg-type]
+        self.stats = Stats()
+
+    def refresh_stats(self) -> None:
+        self.set_class(self.stats.near_overflow, "-warning")
+        self.update(self.line())
+
+    def line(self) -> Text:
+        s = self.stats
+        parts: list[str] = []
+        if s.state == "loading":
+            parts.append("loading…")
+        elif s.state == "answering":
+            parts.append("answering… (Esc stops)")
+        parts.append(f"TTFT {s.ttft:.2f}s" if s.ttft is not None else "TTFT –")
+        rate = s.live_rate() if s.state == "answering" else s.tokens_per_s
+        parts.append(f"{rate:.1f} tok/s" if rate is not None else "– tok/s")
+        context = ""
+        if s.ctx_len:
+            used = "–" if s.ctx_used is None else f"{'' if s.ctx_exact else '~'}{s.ctx_used}"
+            share = s.ctx_share
+            context = f"ctx {used}/{s.ctx_len}" + (f" {share:.0%}" if share is not None else "")
+        if s.draft_count:
+            parts.append(f"spec {s.draft_accepted / s.draft_count:.0%} ({s.draft_accepted}/{s.draft_count})")
+        if not s.near_overflow:
+            if context:
+                parts.insert(3 if s.state else 2, context)  # after TTFT and tok/s
+            parts.append(s.where)
+            return Text(" · ".join(parts), no_wrap=True, overflow="ellipsis")
+        # near overflow the warning leads, with the numbers it is about, so it shows even at 80 columns
+        full = (s.ctx_share or 0) >= 0.98
+        advice = "the next turn will not fit" if full else "Ctrl+N new chat, F4 more context"
+        text = Text(f"⚠ {context} full: {advice}", style="bold", no_wrap=True, overflow="ellipsis")
+        text.append(" │ " + " · ".join(parts))
+        return text
