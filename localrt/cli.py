@@ -236,7 +236,12 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # `run M --verbose Why is...`: argparse gives the prompt words after an option back as extras
+    if extra and getattr(args, "command", None) == "run" and not any(w.startswith("-") for w in extra):
+        args.prompt = [*args.prompt, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -1,0 +1,329 @@
+"""The one protocol every backend (llama.cpp, MLX, torch) implements.
+
+A backend class is a factory: `Backend.load(path, opts)` returns a `LoadedModel`. A loaded model
+tokenizes, generates (an async stream of `TextEvent`s ending in one `DoneEvent`), scores token
+sequences (perplexity, KL), embeds and unloads. Sampling parameters, stop strings and speculative
+settings arrive already validated by the runtime (`localrt/runtime/options.py`); backends map them.
+
+Blocking work (decode loops) runs in a worker thread; `generate` must never block the event loop.
+`run_in_thread_stream` below is the shared bridge from a blocking producer to an async iterator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # numpy comes with the backends' extras, not with the base install
+    import numpy as np
+
+FinishReason = Literal["stop", "length", "cancel"]
+SPECULATIVE_MODES = ("off", "draft", "lookup", "self", "auto")
+KV_CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0", "fp8")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; the runtime checks requests against it before submitting them."""
+
+    chat: bool = True
+    embedding: bool = True
+    score: bool = True
+    grammar: bool = False  # constrained output for `format: json` / JSON schema
+    speculative: frozenset[str] = frozenset()  # subset of {"draft", "lookup", "self"}
+    kv_cache_types: tuple[str, ...] = ("f16",)
+    devices: tuple[str, ...] = ("cpu",)
+    parallel_slots: int = 1
+
+
+@dataclass
+class LoadOptions:
+    """Load-time settings; a change in any of them means a reload (as in Ollama)."""
+
+    num_ctx: int = 4096
+    num_thread: int = 0  # 0 = the backend decides
+    num_gpu: int = -1  # layers on the GPU: -1 all that fit / auto, 0 CPU only
+    kv_cache_type: str = "f16"
+    flash_attn: bool | None = None  # None = auto
+    num_batch: int = 512
+    seed: int = -1
+    draft_model: Path | None = None  # a GGUF with the same vocabulary, for speculative "draft"
+    embedding: bool = False  # also prepare for embed() at load (else created lazily)
+
+
+@dataclass
+class SamplingParams:
+    """Ollama's sampling parameters, shared by every backend."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.9
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1  # -1 = random
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class CancelToken:
+    """Set from any thread; the decode loop checks it between tokens."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+
+@dataclass
+class GenerateRequest:
+    prompt_tokens: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_predict: int = -1  # -1: until the context is full
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    format: str | dict[str, Any] | None = None  # "json" or a JSON schema (needs Capabilities.grammar)
+    speculative: str = "off"
+    num_draft: int | None = None  # None = the backend's default for the mode
+    cancel: CancelToken = field(default_factory=CancelToken)
+
+
+@dataclass
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
+class TextEvent:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Timings:
+    """Nanoseconds and counts, the fields of Ollama's final chunk plus speculative statistics."""
+
+    load_ns: int = 0
+    prompt_eval_count: int = 0
+    prompt_eval_ns: int = 0
+    eval_count: int = 0
+    eval_ns: int = 0
+    draft_count: int = 0
+    draft_accepted_count: int = 0
+
+
+@dataclass
+class DoneEvent:
+    finish_reason: FinishReason
+    timings: Timings
+
+
+Event = TextEvent | DoneEvent
+
+
+@dataclass
+class ScoreResult:
+    """`logprobs[i]` = log p(tokens[i+1] | tokens[:i+1]); `logits[i]` the raw row it came from."""
+
+    logprobs: np.ndarray  # float64 [n-1]
+    logits: np.ndarray | None = None  # float32 [n-1, n_vocab] when asked for
+
+
+@runtime_checkable
+class LoadedModel(Protocol):
+    backend_name: str
+    capabilities: Capabilities
+    context_length: int  # the loaded context (num_ctx), not the trained maximum
+    n_vocab: int
+    memory_bytes: int  # weights + KV cache estimate
+    metadata: dict[str, str]  # GGUF key/values (chat template, special tokens)
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    add_bos: bool  # whether the vocabulary asks for a BOS at the start
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
+
+    def detokenize(self, ids: Sequence[int], special: bool = False) -> str: ...
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry as text (special tokens included), for BOS/EOS in templates."""
+        ...
+
+    def special_tokens(self) -> list[str]:
+        """Texts that become control tokens when parsed with parse_special=True (for injection safety)."""
+        ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]: ...
+
+    def cancel(self) -> None:
+        """Cancel every running request of this model."""
+        ...
+
+    async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult: ...
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
+
+    def unload(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: ClassVar[str]
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        """(installed, why not / what to pip install)."""
+        ...
+
+    @classmethod
+    def capabilities(cls) -> Capabilities: ...
+
+    @classmethod
+    def load(cls, path: Path | str, opts: LoadOptions) -> LoadedModel: ...
+
+
+# ---- helpers shared by backends ----------------------------------------------------------------
+class StopMatcher:
+    """Finds stop strings in streamed text; never releases text that could start a stop string."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add text; returns (text safe to emit now, stopped)."""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        first = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if first >= 0:
+            out, self.pending = self.pending[:first], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class TextAssembler:
+    """Token pieces (bytes) -> text events: incremental UTF-8, stop strings, token/logprob bookkeeping."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = StopMatcher(stops)
+        self._ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+
+    def add(self, token_id: int, piece: bytes, logprob: TokenLogprob | None) -> tuple[TextEvent | None, bool]:
+        """Returns (event to emit or None, a stop string was hit)."""
+        self._ids.append(token_id)
+        if logprob is not None:
+            self._logprobs.append(logprob)
+        text, stopped = self._stops.push(self._utf8.decode(piece))
+        if stopped:
+            # the stop text itself is never emitted; neither are the tokens that only formed it
+            event = TextEvent(text, self._take_ids(), self._take_logprobs()) if text else None
+            return event, True
+        if not text:
+            return None, False
+        return TextEvent(text, self._take_ids(), self._take_logprobs()), False
+
+    def finish(self) -> TextEvent | None:
+        text = self._stops.push(self._utf8.decode(b"", final=True))[0] + self._stops.flush()
+        if not text and not self._ids:
+            return None
+        return TextEvent(text, self._take_ids(), self._take_logprobs())
+
+    def _take_ids(self) -> list[int]:
+        ids, self._ids = self._ids, []
+        return ids
+
+    def _take_logprobs(self) -> list[TokenLogprob] | None:
+        if not self._logprobs:
+            return None
+        lps, self._logprobs = self._logprobs, []
+        return lps
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    import numpy as np
+
+    x = logits.astype(np.float64, copy=False)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+async def run_in_thread_stream(
+    work: Callable[[Callable[[Event], None]], None], cancel: CancelToken
+) -> AsyncIterator[Event]:
+    """Run `work(emit)` in a worker thread and yield what it emits, without blocking the loop.
+
+    When the consumer stops early (client gone, `aclose()`), the request is cancelled and the
+    worker is awaited, so the model is free again when this generator finishes.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    sentinel = object()
+
+    def emit(event: Event) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    def target() -> None:
+        try:
+            work(emit)
+        except BaseException as e:  # handed to the consumer and raised there
+            loop.call_soon_threadsafe(queue.put_nowait, e)
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, sentinel)
+
+    future = loop.run_in_executor(None, target)
+    try:
+        while True:
+            item = await queue.get()
+            if item is sentinel:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        cancel.cancel()
+        await asyncio.shield(future)

@@ -1,0 +1,687 @@
+"""llama.cpp backend on llama-cpp-python's low-level API (model, context, batch, sampler chain).
+
+We drive the decode loop ourselves rather than `Llama.create_completion` so that we control
+prompt-prefix reuse, speculative verification (several positions in one batch, then a KV rollback)
+and per-token logprobs. One context holds one sequence (seq 0); requests take turns on it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from localrt.backends.base import (
+    CancelToken,
+    Capabilities,
+    DoneEvent,
+    Event,
+    GenerateRequest,
+    LoadOptions,
+    SamplingParams,
+    ScoreResult,
+    TextAssembler,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+    log_softmax,
+    run_in_thread_stream,
+)
+from localrt.errors import LocalrtError, OptionError
+
+NAME = "llama.cpp"
+PIP_HINT = "pip install 'localrt[llama]'  (or: pip install llama-cpp-python)"
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
+QUANTIZED_KV = {"q4_0", "q8_0"}
+DEFAULT_NUM_DRAFT = {"draft": 4, "lookup": 8}
+LOOKUP_NGRAM_SIZES = (4, 3, 2)
+MAX_VERIFY_BATCH = 48  # longest first: longer matches predict better
+
+_init_lock = threading.Lock()
+_initialized = False
+
+
+def _lib() -> Any:
+    """Import llama_cpp once, quietly (only errors reach stderr), and initialise the ggml backend."""
+    global _initialized
+    import llama_cpp
+
+    with _init_lock:
+        if not _initialized:
+            from llama_cpp import _logger
+
+            _logger.set_verbose(False)
+            llama_cpp.llama_backend_init()
+            _initialized = True
+    return llama_cpp
+
+
+def default_threads() -> int:
+    """Decode is memory-bound: past a few cores, hyper-threads only add contention."""
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        available = os.cpu_count() or 1
+    return available if available <= 4 else max(4, available // 2)
+
+
+def gpu_offload_supported() -> bool:
+    try:
+        return bool(_lib().llama_supports_gpu_offload())
+    except Exception:
+        return False
+
+
+class LlamaCppBackend:
+    name: ClassVar[str] = NAME
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        if importlib.util.find_spec("llama_cpp") is None:
+            return False, f"llama-cpp-python is not installed; {PIP_HINT}"
+        return True, ""
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        devices: tuple[str, ...] = ("cpu",)
+        if gpu_offload_supported():
+            devices = ("cpu", "metal") if sys.platform == "darwin" else ("cpu", "gpu")
+        return Capabilities(
+            chat=True,
+            embedding=True,
+            score=True,
+            grammar=True,
+            speculative=frozenset({"draft", "lookup"}),
+            kv_cache_types=tuple(KV_TYPES),
+            devices=devices,
+            parallel_slots=1,
+        )
+
+    @classmethod
+    def load(cls, path: Path | str, opts: LoadOptions) -> LlamaCppModel:
+        return LlamaCppModel(Path(path), opts)
+
+
+# ---- one model + one context, used for the target and for a draft model ------------------------
+class _Runner:
+    """A llama.cpp model with one context and a record of the tokens its KV cache holds."""
+
+    def __init__(self, path: Path, opts: LoadOptions, n_ctx: int | None = None) -> None:
+        llama_cpp = _lib()
+        from llama_cpp import _internals
+
+        self.lib = llama_cpp
+        if opts.kv_cache_type not in KV_TYPES:
+            raise OptionError(
+                f"kv_cache_type {opts.kv_cache_type!r} is not supported by the llama.cpp backend "
+                f"(supported: {', '.join(KV_TYPES)})"
+            )
+        model_params = llama_cpp.llama_model_default_params()
+        use_gpu = gpu_offload_supported()
+        n_gpu = opts.num_gpu if use_gpu else 0
+        model_params.n_gpu_layers = 0x7FFFFFFF if n_gpu < 0 else n_gpu
+        self.on_gpu = use_gpu and n_gpu != 0
+        if not path.is_file():
+            raise LocalrtError(f"model file not found: {path}")
+        try:
+            self.model = _internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
+        except ValueError as e:
+            raise LocalrtError(f"llama.cpp could not load the model: {e}") from None
+        self.vocab = self.model.vocab
+        self.n_vocab = self.model.n_vocab()
+        self.n_ctx_train = self.model.n_ctx_train()
+        want_ctx = n_ctx or opts.num_ctx
+        self.n_ctx = max(16, min(want_ctx, self.n_ctx_train) if self.n_ctx_train > 0 else want_ctx)
+        self.n_batch = max(1, min(opts.num_batch, self.n_ctx))
+        threads = opts.num_thread or default_threads()
+        ctx_params = llama_cpp.llama_context_default_params()
+        ctx_params.n_ctx = self.n_ctx
+        ctx_params.n_batch = self.n_batch
+        ctx_params.n_ubatch = self.n_batch
+        ctx_params.n_threads = threads
+        ctx_params.n_threads_batch = threads if opts.num_thread else max(threads, os.cpu_count() or 1)
+        ctx_params.type_k = KV_TYPES[opts.kv_cache_type]
+        ctx_params.type_v = KV_TYPES[opts.kv_cache_type]
+        flash = opts.flash_attn
+        if flash is False and opts.kv_cache_type in QUANTIZED_KV:
+            raise OptionError(f"kv_cache_type {opts.kv_cache_type} needs flash attention")
+        # Auto turns flash attention on wherever the device supports it (CPU included). Besides speed, it
+        # makes a position's logits independent of the batch it was decoded in, so prefix reuse and
+        # speculative verification give exactly the logits of plain one-token decoding.
+        ctx_params.flash_attn_type = {
+            None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }[flash]
+        ctx_params.no_perf = True
+        self.threads = threads
+        self.ctx_params = ctx_params
+        try:
+            self.ctx = _internals.LlamaContext(model=self.model, params=ctx_params, verbose=False)
+        except ValueError as e:
+            self.model.close()
+            raise LocalrtError(f"llama.cpp could not create a context of {self.n_ctx} tokens: {e}") from None
+        self.batch = _internals.LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False)
+        self.evaluated: list[int] = []  # exactly the tokens in the KV cache, positions 0..n-1
+        self._piece_cache: dict[tuple[int, bool], bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    # -- KV cache bookkeeping --
+    def common_prefix(self, tokens: Sequence[int]) -> int:
+        n = 0
+        for a, b in zip(self.evaluated, tokens):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def truncate(self, n: int) -> None:
+        if n < len(self.evaluated):
+            if not self.ctx.kv_cache_seq_rm(0, n, -1):
+                # a model whose memory cannot drop a tail (recurrent): start over
+                self.ctx.kv_cache_clear()
+                n = 0
+            del self.evaluated[n:]
+
+    def decode(self, tokens: Sequence[int], all_logits: bool = False,
+               on_chunk: Callable[[int, int], None] | None = None) -> None:
+        """Append tokens to the sequence. Logits: the last position, or every position of the batch."""
+        n_past = len(self.evaluated)
+        if n_past + len(tokens) > self.n_ctx:
+            raise LocalrtError(f"context length of {self.n_ctx} tokens exceeded")
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            self.batch.set_batch(batch=chunk, n_past=n_past + start, logits_all=all_logits)
+            try:
+                self.ctx.decode(self.batch)
+            except RuntimeError as e:
+                raise LocalrtError(f"llama.cpp decode failed: {e}") from None
+            self.evaluated.extend(chunk)
+            if on_chunk is not None:
+                on_chunk(start, len(chunk))
+
+    def logits_row(self, row: int) -> np.ndarray:
+        ptr = self.lib.llama_get_logits_ith(self.ctx.ctx, row)
+        if not ptr:
+            raise LocalrtError(f"llama.cpp has no logits for batch row {row}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    # -- vocabulary --
+    def piece(self, token: int, special: bool = False) -> bytes:
+        key = (token, special)
+        cached = self._piece_cache.get(key)
+        if cached is not None:
+            return cached
+        buf = self._piece_buf
+        n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        out = buf.raw[:n]
+        self._piece_cache[key] = out
+        return out
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
+
+    def close(self) -> None:
+        for obj in (getattr(self, "batch", None), getattr(self, "ctx", None), getattr(self, "model", None)):
+            if obj is not None:
+                obj.close()
+
+
+# ---- speculative proposers ---------------------------------------------------------------------
+class LookupProposer:
+    """Prompt-lookup decoding: the latest earlier occurrence of the last n tokens predicts what follows."""
+
+    def __init__(self, sizes: Sequence[int] = LOOKUP_NGRAM_SIZES) -> None:
+        self.sizes = tuple(sizes)
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.indexed_to = 0  # n-grams ending before this position are indexed
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        end = len(history) - 1  # the n-gram ending at the last token must not find itself
+        for n in self.sizes:
+            table = self.index[n]
+            for e in range(max(self.indexed_to, n), end + 1):
+                table[tuple(history[e - n:e])] = e
+        self.indexed_to = max(self.indexed_to, end + 1)
+        for n in self.sizes:
+            if len(history) < n:
+                continue
+            pos = self.index[n].get(tuple(history[-n:]))
+            if pos is not None:
+                return list(history[pos:pos + k])
+        return []
+
+
+class DraftProposer:
+    """A small model with the same vocabulary drafts k tokens greedily."""
+
+    def __init__(self, runner: _Runner) -> None:
+        self.runner = runner
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        r = self.runner
+        if len(history) + k >= r.n_ctx:
+            return []
+        keep = r.common_prefix(history)
+        if keep >= len(history):
+            keep = len(history) - 1  # re-evaluate the last token to get fresh logits
+        r.truncate(keep)
+        r.decode(history[keep:])
+        out: list[int] = []
+        for i in range(k):
+            token = int(np.argmax(r.logits_row(-1)))
+            if r.is_eog(token):
+                break
+            out.append(token)
+            if i < k - 1:
+                r.decode([token])
+        return out
+
+
+# ---- the loaded model ----------------------------------------------------------------------------
+class LlamaCppModel:
+    backend_name = NAME
+
+    def __init__(self, path: Path, opts: LoadOptions) -> None:
+        t0 = time.perf_counter_ns()
+        self.path = path
+        self.opts = opts
+        self.capabilities = LlamaCppBackend.capabilities()
+        self._main = _Runner(path, opts)
+        self._lock = threading.Lock()  # one decode at a time on the context
+        self._active: set[CancelToken] = set()
+        self._embed_ctx: Any = None
+        self._embed_batch: Any = None
+        self._draft: _Runner | None = None
+        self._special: list[str] | None = None
+        m = self._main
+        self.lib = m.lib
+        self.context_length = m.n_ctx
+        self.n_vocab = m.n_vocab
+        self.metadata: dict[str, str] = m.model.metadata()
+        bos = m.model.token_bos()
+        self.bos_token_id: int | None = bos if bos >= 0 else None
+        self.eos_token_ids = [t for t in {m.model.token_eos(), m.model.token_eot()} if t >= 0 and m.is_eog(t)]
+        self.add_bos = bool(m.model.add_bos_token()) and self.bos_token_id is not None
+        if opts.draft_model is not None:
+            self._draft = self._load_draft(Path(opts.draft_model))
+        if opts.embedding:
+            self._ensure_embed_ctx()
+        self.memory_bytes = self._estimate_memory()
+        self.on_gpu = m.on_gpu
+        self.load_ns = time.perf_counter_ns() - t0
+
+    def _load_draft(self, path: Path) -> _Runner:
+        draft = _Runner(path, self.opts, n_ctx=self.context_length)
+        main = self._main
+        same_vocab = draft.n_vocab == main.n_vocab and all(
+            draft.piece(t, True) == main.piece(t, True) for t in range(0, main.n_vocab, max(1, main.n_vocab // 97))
+        )
+        if not same_vocab:
+            draft.close()
+            raise LocalrtError(f"draft model {path.name} does not share the model's vocabulary")
+        return draft
+
+    def _estimate_memory(self) -> int:
+        md, arch = self.metadata, self.metadata.get("general.architecture", "llama")
+
+        def num(key: str, default: int) -> int:
+            try:
+                return int(float(md.get(f"{arch}.{key}", default)))
+            except ValueError:
+                return default
+
+        n_layer, n_embd = num("block_count", 0), num("embedding_length", 0)
+        n_head = max(1, num("attention.head_count", 1))
+        n_head_kv = num("attention.head_count_kv", n_head)
+        head_dim = num("attention.key_length", n_embd // n_head)
+        bytes_per = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 1.0625, "q4_0": 0.5625}[self.opts.kv_cache_type]
+        kv = int(2 * n_layer * self.context_length * n_head_kv * head_dim * bytes_per)
+        total = int(self._main.model.size()) + kv
+        if self._draft is not None:
+            total += int(self._draft.model.size())
+        return total
+
+    # -- tokens --
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        if not text:
+            return [self.bos_token_id] if add_special and self.add_bos and self.bos_token_id is not None else []
+        return self._main.model.tokenize(text.encode("utf-8"), add_special, parse_special)
+
+    def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
+        data = b"".join(self._main.piece(int(t), special) for t in ids)
+        return data.decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        return self._main.piece(token_id, True).decode("utf-8", errors="replace")
+
+    def special_tokens(self) -> list[str]:
+        """Texts that tokenizing with parse_special=True turns into control / user-defined tokens."""
+        if self._special is None:
+            lib, vocab = self.lib, self._main.vocab
+            mask = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED | lib.LLAMA_TOKEN_ATTR_UNKNOWN
+            texts = set()
+            for token in range(self.n_vocab):
+                if lib.llama_vocab_get_attr(vocab, token) & mask:
+                    text = self.token_text(token)
+                    if text:
+                        texts.add(text)
+            self._special = sorted(texts)
+        return self._special
+
+    # -- generation --
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        self._check_request(request)
+        return run_in_thread_stream(lambda emit: self._generate_blocking(request, emit), request.cancel)
+
+    def cancel(self) -> None:
+        for token in list(self._active):
+            token.cancel()
+
+    def _check_request(self, req: GenerateRequest) -> None:
+        mode = req.speculative
+        if mode not in ("off", "auto") and mode not in self.capabilities.speculative:
+            raise OptionError(
+                f"speculative mode {mode!r} is not supported by the llama.cpp backend "
+                f"(supported: off, auto, {', '.join(sorted(self.capabilities.speculative))})"
+            )
+        if mode == "draft" and self._draft is None:
+            raise OptionError("speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)")
+        if not req.prompt_tokens:
+            raise LocalrtError("the prompt is empty")
+        if len(req.prompt_tokens) >= self.context_length:
+            raise LocalrtError(
+                f"the prompt is {len(req.prompt_tokens)} tokens, which does not fit the context length of "
+                f"{self.context_length} tokens (raise num_ctx or shorten the input)"
+            )
+        bad = [t for t in req.prompt_tokens if not 0 <= t < self.n_vocab]
+        if bad:
+            raise LocalrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
+
+    def _make_sampler(self, sp: SamplingParams, fmt: str | dict[str, Any] | None, prompt: Sequence[int]) -> Any:
+        from llama_cpp import _internals
+
+        lib, m = self.lib, self._main
+        chain = _internals.LlamaSampler()
+        penalize = sp.repeat_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
+        if penalize and sp.repeat_last_n != 0:
+            last_n = m.n_ctx if sp.repeat_last_n < 0 else sp.repeat_last_n
+            chain.add_penalties(m.n_vocab, last_n, sp.repeat_penalty, sp.frequency_penalty, sp.presence_penalty)
+            # llama-server counts the prompt in the penalty window too; the grammar (added after) must not
+            for token in prompt[-last_n:]:
+                chain.accept(token)
+        if fmt is not None:
+            grammar = _grammar_for(fmt)
+            sampler = lib.llama_sampler_init_grammar(m.vocab, grammar.encode("utf-8"), b"root")
+            if not sampler:
+                chain.close()
+                raise LocalrtError("the JSON schema could not be turned into a grammar")
+            lib.llama_sampler_chain_add(chain.sampler, sampler)
+        seed = lib.LLAMA_DEFAULT_SEED if sp.seed < 0 else sp.seed & 0xFFFFFFFF
+        if sp.greedy:
+            chain.add_greedy()
+        elif sp.mirostat in (1, 2):
+            chain.add_temp(sp.temperature)
+            if sp.mirostat == 1:
+                chain.add_mirostat(m.n_vocab, seed, sp.mirostat_tau, sp.mirostat_eta, 100)
+            else:
+                chain.add_mirostat_v2(seed, sp.mirostat_tau, sp.mirostat_eta)
+        else:
+            if sp.top_k > 0:
+                chain.add_top_k(sp.top_k)
+            if sp.typical_p < 1.0:
+                chain.add_typical(sp.typical_p, 1)
+            if sp.top_p < 1.0:
+                chain.add_top_p(sp.top_p, 1)
+            if sp.min_p > 0.0:
+                chain.add_min_p(sp.min_p, 1)
+            chain.add_temp(sp.temperature)
+            chain.add_dist(seed)
+        return chain
+
+    def _logprob(self, row: int, token: int, top_n: int) -> TokenLogprob:
+        logits = self._main.logits_row(row)
+        lp = log_softmax(logits)
+        top: list[TopLogprob] = []
+        if top_n > 0:
+            ids = np.argpartition(-lp, top_n - 1)[:top_n]
+            ids = ids[np.argsort(-lp[ids])]
+            top = [TopLogprob(int(i), self.detokenize([int(i)]), float(lp[i])) for i in ids]
+        return TokenLogprob(token, self.detokenize([token]), float(lp[token]), top)
+
+    def _generate_blocking(self, req: GenerateRequest, emit: Callable[[Event], None]) -> None:
+        with self._lock:
+            self._active.add(req.cancel)
+            try:
+                self._generate_locked(req, emit)
+            finally:
+                self._active.discard(req.cancel)
+
+    def _generate_locked(self, req: GenerateRequest, emit: Callable[[Event], None]) -> None:
+        m = self._main
+        if m.ctx is None or m.ctx.ctx is None:
+            raise LocalrtError("the model was unloaded")
+        timings = Timings()
+        prompt = list(req.prompt_tokens)
+        n_ctx = m.n_ctx
+        if req.cancel.cancelled:
+            emit(DoneEvent("cancel", timings))
+            return
+
+        # prompt: evaluate only what the KV cache does not hold yet (at least one token, for logits)
+        t0 = time.perf_counter_ns()
+        keep = min(m.common_prefix(prompt), len(prompt) - 1)
+        m.truncate(keep)
+        keep = len(m.evaluated)
+        # The last prompt token always goes alone: a repeated prompt re-evaluates exactly that token, and
+        # large batches take other kernels than one-token decodes, so this keeps repeats bit-identical.
+        if len(prompt) - 1 > keep:
+            m.decode(prompt[keep:-1])
+        m.decode(prompt[-1:])
+        t1 = time.perf_counter_ns()
+        timings.prompt_eval_count = len(prompt) - keep
+        timings.prompt_eval_ns = t1 - t0
+
+        room = n_ctx - len(prompt)
+        max_new = room if req.num_predict < 0 else min(req.num_predict, room)
+        mode = req.speculative
+        if mode == "auto":
+            mode = "draft" if self._draft is not None else "off"
+        proposer: LookupProposer | DraftProposer | None = None
+        if mode == "lookup":
+            proposer = LookupProposer()
+        elif mode == "draft" and self._draft is not None:
+            proposer = DraftProposer(self._draft)
+        # verification batches stay under 64 positions: below that, llama.cpp's CPU kernels give each
+        # position exactly the logits of a one-token decode (flash attention on), so greedy output holds
+        k_max = min(req.num_draft or DEFAULT_NUM_DRAFT.get(mode, 0), MAX_VERIFY_BATCH - 1)
+        k = k_max  # adapted below: a CPU pays for every drafted position, so draft less after misses
+
+        sampler = self._make_sampler(req.sampling, req.format, prompt)
+        text = TextAssembler(req.stop)
+        want_lp = req.logprobs or req.top_logprobs > 0
+        history = list(prompt)  # prompt + every sampled token
+        rows = [-1]  # logits rows of the last decode to sample from
+        drafts: list[int] = []
+        finish = "length"
+        n_gen = 0
+        try:
+            while n_gen < max_new:
+                accepted, done = 0, False
+                for j, row in enumerate(rows):
+                    if req.cancel.cancelled:
+                        finish, done = "cancel", True
+                        break
+                    token = sampler.sample(m.ctx, row)
+                    n_gen += 1
+                    history.append(token)
+                    if m.is_eog(token):
+                        finish, done = "stop", True
+                        break
+                    lp = self._logprob(row, token, req.top_logprobs) if want_lp else None
+                    event, stopped = text.add(token, m.piece(token), lp)
+                    if event is not None:
+                        emit(event)
+                    if stopped:
+                        finish, done = "stop", True
+                        break
+                    if n_gen >= max_new:
+                        done = True
+                        break
+                    if j < len(drafts) and token == drafts[j]:
+                        accepted += 1
+                        continue
+                    break
+                if drafts:
+                    timings.draft_accepted_count += accepted
+                    m.truncate(len(m.evaluated) - (len(drafts) - accepted))  # roll back rejected drafts
+                    k = min(k_max, 2 * k) if accepted == len(drafts) else max(1, accepted + 1)
+                if done:
+                    break
+                drafts = []
+                if proposer is not None and k > 0:
+                    budget = min(k, max_new - n_gen - 1, n_ctx - len(m.evaluated) - 2)
+                    if budget > 0:
+                        drafts = proposer.propose(history, budget)
+                timings.draft_count += len(drafts)
+                m.decode([history[-1], *drafts], all_logits=bool(drafts))
+                rows = list(range(len(drafts) + 1)) if drafts else [-1]
+        finally:
+            sampler.close()
+        tail = text.finish()
+        if tail is not None and (tail.text or tail.token_ids):
+            emit(tail)
+        timings.eval_count = n_gen
+        timings.eval_ns = time.perf_counter_ns() - t1
+        emit(DoneEvent(finish, timings))  # type: ignore[arg-type]
+
+    # -- scoring --
+    async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
+        import asyncio
+
+        return await asyncio.to_thread(self._score_blocking, list(tokens), return_logits)
+
+    def _score_blocking(self, tokens: list[int], return_logits: bool) -> ScoreResult:
+        n = len(tokens)
+        if n > self.context_length:
+            raise LocalrtError(f"{n} tokens do not fit the context length of {self.context_length}")
+        if any(not 0 <= t < self.n_vocab for t in tokens):
+            raise LocalrtError("a token id is outside the vocabulary")
+        logprobs = np.zeros(max(0, n - 1), dtype=np.float64)
+        logits_out = np.zeros((max(0, n - 1), self.n_vocab), dtype=np.float32) if return_logits else None
+        if n < 2:
+            return ScoreResult(logprobs, logits_out)
+        m = self._main
+        with self._lock:
+            m.truncate(0)
+
+            def take(start: int, count: int) -> None:
+                ptr = self.lib.llama_get_logits(m.ctx.ctx)
+                block = np.ctypeslib.as_array(ptr, shape=(count, self.n_vocab))
+                for s in range(0, count, 64):  # bounded temporaries
+                    rows = block[s:s + 64]
+                    first = start + s
+                    last = min(first + len(rows), n - 1)
+                    if last <= first:
+                        break
+                    rows = rows[: last - first]
+                    lp = log_softmax(rows)
+                    logprobs[first:last] = lp[np.arange(last - first), tokens[first + 1:last + 1]]
+                    if logits_out is not None:
+                        logits_out[first:last] = rows
+
+            m.decode(tokens, all_logits=True, on_chunk=take)
+        return ScoreResult(logprobs, logits_out)
+
+    # -- embeddings --
+    def _ensure_embed_ctx(self) -> None:
+        if self._embed_ctx is not None:
+            return
+        from llama_cpp import _internals
+
+        lib, m = self.lib, self._main
+        params = lib.llama_context_default_params()
+        n = min(m.n_ctx, 8192)
+        params.n_ctx = params.n_batch = params.n_ubatch = n
+        params.n_threads = m.ctx_params.n_threads
+        params.n_threads_batch = m.ctx_params.n_threads_batch
+        params.embeddings = True
+        arch = self.metadata.get("general.architecture", "")
+        # chat models declare no pooling; mean pooling is what Ollama uses for them
+        params.pooling_type = (lib.LLAMA_POOLING_TYPE_UNSPECIFIED if f"{arch}.pooling_type" in self.metadata
+                               else lib.LLAMA_POOLING_TYPE_MEAN)
+        params.no_perf = True
+        from llama_cpp._utils import suppress_stdout_stderr
+
+        with suppress_stdout_stderr(disable=False):  # llama.cpp notes the pooling override on stderr
+            self._embed_ctx = _internals.LlamaContext(model=m.model, params=params, verbose=False)
+        self._embed_batch = _internals.LlamaBatch(n_tokens=n, embd=0, n_seq_max=1, verbose=False)
+        self._embed_n = n
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        import asyncio
+
+        return await asyncio.to_thread(self._embed_blocking, list(texts))
+
+    def _embed_blocking(self, texts: list[str]) -> list[list[float]]:
+        with self._lock:
+            self._ensure_embed_ctx()
+            ctx, batch, lib = self._embed_ctx, self._embed_batch, self.lib
+            n_embd = self._main.model.n_embd()
+            out: list[list[float]] = []
+            for text in texts:
+                tokens = self.tokenize(text, add_special=True)[: self._embed_n]
+                if not tokens:
+                    tokens = [self.eos_token_ids[0] if self.eos_token_ids else 0]
+                batch.reset()
+                batch.add_sequence(tokens, 0, True)
+                ctx.kv_cache_clear()
+                try:
+                    ctx.decode(batch)
+                except RuntimeError as e:
+                    raise LocalrtError(f"llama.cpp embedding failed: {e}") from None
+                ptr = lib.llama_get_embeddings_seq(ctx.ctx, 0)
+                if not ptr:
+                    ptr = lib.llama_get_embeddings_ith(ctx.ctx, -1)
+                vec = np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64)
+                norm = float(np.linalg.norm(vec))
+                out.append((vec / norm if norm > 0 else vec).tolist())
+            return out
+
+    # -- lifetime --
+    def unload(self) -> None:
+        self.cancel()
+        with self._lock:
+            for obj in (self._embed_batch, self._embed_ctx):
+                if obj is not None:
+                    obj.close()
+            self._embed_ctx = self._embed_batch = None
+            if self._draft is not None:
+                self._draft.close()
+                self._draft = None
+            self._main.close()
+
+
+def _grammar_for(fmt: str | dict[str, Any]) -> str:
+    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+    if fmt == "json":
+        return JSON_GBNF
+    if isinstance(fmt, dict):
+        try:
+            return json_schema_to_gbnf(json.dumps(fmt))
+        except Exception as e:  # the converter raises bare exceptions on schemas it cannot express
+            raise LocalrtError(f"unsupported JSON schema in format: {e}") from None
+    raise LocalrtError(f"invalid format {fmt!r}: use \"json\" or a JSON schema object")

@@ -1,0 +1,277 @@
+"""Request options, once for every backend: Ollama's names and defaults, validated with clear errors.
+
+Precedence: request options > the model's Modelfile/catalog parameters > defaults (+ environment).
+Request values are typed JSON and checked strictly (a bool is not an int); Modelfile parameters and
+`/set parameter` arrive as text and are converted first (`parse_option_value`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from localrt.backends.base import KV_CACHE_TYPES, SPECULATIVE_MODES, LoadOptions, SamplingParams
+from localrt.errors import OptionError
+
+DEFAULT_NUM_CTX = 4096
+MAX_NUM_CTX = 1 << 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1000
+BACKEND_NAMES = ("auto", "llama.cpp", "mlx", "torch")
+BACKEND_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "llama-cpp": "llama.cpp", "llama": "llama.cpp"}
+KV_ALIASES = {"int8": "q8_0", "q8": "q8_0", "q4": "q4_0", "fp16": "f16", "float16": "f16", "bfloat16": "bf16"}
+
+# Ollama options we accept so existing clients keep working, but which change nothing here.
+IGNORED_OPTIONS = frozenset({
+    "main_gpu", "use_mmap", "use_mlock", "numa", "low_vram", "f16_kv", "vocab_only", "logits_all",
+    "penalize_newline", "tfs_z",
+})
+
+# name -> (type, minimum, maximum); None = unbounded
+_RANGES: dict[str, tuple[type, float | None, float | None]] = {
+    "temperature": (float, 0.0, 100.0),
+    "top_k": (int, 0, 1 << 20),
+    "top_p": (float, 0.0, 1.0),
+    "min_p": (float, 0.0, 1.0),
+    "typical_p": (float, 0.0, 1.0),
+    "repeat_penalty": (float, 0.0, 100.0),
+    "repeat_last_n": (int, -1, MAX_NUM_CTX),
+    "presence_penalty": (float, -100.0, 100.0),
+    "frequency_penalty": (float, -100.0, 100.0),
+    "seed": (int, None, None),
+    "mirostat": (int, 0, 2),
+    "mirostat_tau": (float, 0.0, 100.0),
+    "mirostat_eta": (float, 0.0, 1.0),
+    "num_predict": (int, -2, 10 * MAX_NUM_CTX),
+    "num_ctx": (int, 1, MAX_NUM_CTX),
+    "num_keep": (int, -1, MAX_NUM_CTX),
+    "num_thread": (int, 0, 1024),
+    "num_gpu": (int, -1, 100_000),
+    "num_batch": (int, 1, 1 << 16),
+    "num_draft": (int, 0, 64),
+}
+
+
+def _default_kv_cache_type() -> str:
+    return os.environ.get("LOCALRT_KV_CACHE_TYPE", "").strip().lower() or "f16"
+
+
+def _default_backend() -> str:
+    return os.environ.get("LOCALRT_BACKEND", "").strip() or "auto"
+
+
+@dataclass
+class Options:
+    # sampling
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.9
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0  # Ollama stopped applying 1.1 by default (it hurt prompt-grounded answers)
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    stop: list[str] = field(default_factory=list)
+    num_predict: int = -1
+    # load time
+    num_ctx: int = DEFAULT_NUM_CTX
+    num_keep: int = 4
+    num_thread: int = 0
+    num_gpu: int = -1
+    num_batch: int = 512
+    backend: str = field(default_factory=_default_backend)
+    kv_cache_type: str = field(default_factory=_default_kv_cache_type)
+    flash_attn: bool | None = None  # None = the backend decides (llama.cpp: on where supported)
+    # speculative decoding
+    speculative: str = "auto"  # auto = use a draft model when one is configured, else off
+    draft_model: str | None = None
+    num_draft: int | None = None  # None = the backend's default for the mode
+
+    @classmethod
+    def merge(cls, *layers: Mapping[str, Any] | None, lenient: tuple[bool, ...] = ()) -> Options:
+        """Defaults, then each layer in order (later wins).
+
+        A lenient layer (Modelfile/catalog parameters) may hold text values and unknown names, which are
+        skipped; request layers are strict.
+        """
+        opts = cls()
+        # environment defaults are validated too, so a bad LOCALRT_BACKEND is a clear error
+        opts.backend = _check_backend(opts.backend, "LOCALRT_BACKEND")
+        opts.kv_cache_type = _check_kv(opts.kv_cache_type, "LOCALRT_KV_CACHE_TYPE")
+        for i, layer in enumerate(layers):
+            if not layer:
+                continue
+            if not isinstance(layer, Mapping):
+                raise OptionError("options must be an object of name: value pairs")
+            is_lenient = lenient[i] if i < len(lenient) else False
+            for name, value in layer.items():
+                if is_lenient and name not in _FIELDS:
+                    continue  # a model made for another runtime may carry parameters we do not know
+                opts.set(name, value, from_text=is_lenient)
+        return opts
+
+    def set(self, name: str, value: Any, from_text: bool = False) -> None:
+        """Validate and set one option; `from_text` converts strings first (Modelfile, /set)."""
+        if name == "draft_num_predict":  # Ollama's name for the same thing
+            name = "num_draft"
+        if name in IGNORED_OPTIONS:
+            return
+        if name not in _FIELDS:
+            raise OptionError(f"unknown option {name!r}")
+        if from_text and isinstance(value, str):
+            value = parse_option_value(name, value)
+        setattr(self, name, validate_option(name, value))
+
+    # ---- views for the backend ---------------------------------------------------------------
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+            typical_p=self.typical_p, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
+            mirostat=self.mirostat, mirostat_tau=self.mirostat_tau, mirostat_eta=self.mirostat_eta,
+        )
+
+    def load_options(self, model_context_length: int | None = None, draft_path: Any = None) -> LoadOptions:
+        num_ctx = self.num_ctx
+        if model_context_length:
+            num_ctx = min(num_ctx, model_context_length)
+        return LoadOptions(
+            num_ctx=num_ctx, num_thread=self.num_thread, num_gpu=self.num_gpu,
+            kv_cache_type=self.kv_cache_type, flash_attn=self.flash_attn, num_batch=self.num_batch, seed=self.seed,
+            draft_model=draft_path,
+        )
+
+    def max_new_tokens(self, prompt_tokens: int, context_length: int) -> int:
+        """num_predict bounded by the room left in the context; -1 and -2 both mean 'until full'."""
+        room = max(0, context_length - prompt_tokens)
+        return room if self.num_predict < 0 else min(self.num_predict, room)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_FIELDS = {f.name for f in fields(Options)}
+OPTION_NAMES = frozenset(_FIELDS)
+
+
+def validate_option(name: str, value: Any) -> Any:
+    """Check one typed value; returns it normalised (e.g. stop as a list, int-valued floats)."""
+    if name in _RANGES:
+        kind, lo, hi = _RANGES[name]
+        if name == "num_draft" and value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            expected = "an integer" if kind is int else "a number"
+            raise OptionError(f"option {name!r} must be {expected}, got {_describe(value)}")
+        if kind is int:
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise OptionError(f"option {name!r} must be an integer, got {value!r}")
+                value = int(value)
+        else:
+            value = float(value)
+            if not math.isfinite(value):
+                raise OptionError(f"option {name!r} must be a finite number, got {value!r}")
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise OptionError(f"option {name!r} is out of range: {value!r} (allowed {_fmt(lo)} to {_fmt(hi)})")
+        if name == "num_predict" and value < -2:
+            raise OptionError("option 'num_predict' must be -1 (no limit), -2 (fill the context) or >= 0")
+        return value
+    if name == "stop":
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise OptionError(f"option 'stop' must be a string or a list of strings, got {_describe(value)}")
+        value = [s for s in value if s]
+        if len(value) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in value):
+            raise OptionError(f"option 'stop': at most {MAX_STOP_STRINGS} strings of {MAX_STOP_LENGTH} characters")
+        return value
+    if name == "backend":
+        return _check_backend(value, "option 'backend'")
+    if name == "kv_cache_type":
+        return _check_kv(value, "option 'kv_cache_type'")
+    if name == "speculative":
+        if isinstance(value, bool):  # JSON true/false read as auto/off
+            return "auto" if value else "off"
+        if not isinstance(value, str) or value.strip().lower() not in SPECULATIVE_MODES:
+            raise OptionError(f"option 'speculative' must be one of {', '.join(SPECULATIVE_MODES)}, got {_describe(value)}")
+        return value.strip().lower()
+    if name == "flash_attn":
+        if value is None or isinstance(value, bool):
+            return value
+        raise OptionError(f"option 'flash_attn' must be true or false, got {_describe(value)}")
+    if name == "draft_model":
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str):
+            raise OptionError(f"option 'draft_model' must be a model name, got {_describe(value)}")
+        return value
+    raise OptionError(f"unknown option {name!r}")
+
+
+def parse_option_value(name: str, text: str) -> Any:
+    """Text (Modelfile PARAMETER, `/set parameter`) -> typed value for `validate_option`."""
+    text = text.strip()
+    if name in _RANGES:
+        kind = _RANGES[name][0]
+        try:
+            return int(text) if kind is int else float(text)
+        except ValueError:
+            expected = "an integer" if kind is int else "a number"
+            raise OptionError(f"option {name!r} must be {expected}, got {text!r}") from None
+    if name == "stop":
+        return [_unquote(text)]
+    if name == "flash_attn":
+        lowered = text.lower()
+        if lowered in ("true", "1", "on", "yes"):
+            return True
+        if lowered in ("false", "0", "off", "no"):
+            return False
+        raise OptionError(f"option 'flash_attn' must be true or false, got {text!r}")
+    return _unquote(text)
+
+
+def _unquote(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    return text
+
+
+def _check_backend(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise OptionError(f"{what} must be a string, got {_describe(value)}")
+    name = value.strip().lower()
+    name = BACKEND_ALIASES.get(name, name)
+    if name not in BACKEND_NAMES:
+        raise OptionError(f"{what}: unknown backend {value!r} (use {', '.join(BACKEND_NAMES)})")
+    return name
+
+
+def _check_kv(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise OptionError(f"{what} must be a string, got {_describe(value)}")
+    name = value.strip().lower()
+    name = KV_ALIASES.get(name, name)
+    if name not in KV_CACHE_TYPES:
+        raise OptionError(f"{what}: unknown KV cache type {value!r} (use {', '.join(KV_CACHE_TYPES)})")
+    return name
+
+
+def _describe(value: Any) -> str:
+    kind = {bool: "a boolean", str: "a string", list: "a list", dict: "an object", type(None): "null"}.get(
+        type(value), type(value).__name__)
+    return f"{kind} ({value!r})" if not isinstance(value, (list, dict)) else kind
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "any"
+    return str(int(x)) if float(x).is_integer() else str(x)

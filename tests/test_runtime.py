@@ -1,0 +1,295 @@
+"""The runtime on the real SmolLM2 GGUF: chat, prefix reuse across turns, keep-alive, LRU, queue limit,
+and bad requests that fail clearly while the runtime keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from localrt.errors import BackendUnavailable, LocalrtError, ModelNotFound, OptionError, ServerBusy  # noqa: E402
+from localrt.runtime.manager import Chunk, Runtime  # noqa: E402
+from localrt.runtime.templates import TemplateError  # noqa: E402
+from localrt.store.store import Store  # noqa: E402
+
+THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
+# Greedy and a plain system prompt: SmolLM2-135M's own default system prompt makes it ramble.
+PARAMS = {"temperature": 0, "num_ctx": 1024, "num_thread": THREADS, "num_batch": 256}
+SYSTEM = "You are a helpful assistant."
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def import_model(store: Store, name: str, gguf: Path, **layers: Any) -> None:
+    from localrt.store.importer import import_gguf
+
+    layers.setdefault("params", PARAMS)
+    layers.setdefault("system", SYSTEM)
+    import_gguf(store, name, gguf, **layers)
+
+
+@pytest.fixture
+def store(models_dir: Path, smollm2_gguf: Path) -> Store:
+    s = Store(models_dir)
+    import_model(s, "smollm2:135m", smollm2_gguf)
+    return s
+
+
+async def collect(stream: AsyncIterator[Chunk]) -> tuple[str, Chunk]:
+    text, final = "", None
+    async for chunk in stream:
+        text += chunk.content
+        if chunk.done:
+            final = chunk
+    assert final is not None and final.metrics is not None
+    return text, final
+
+
+def test_chat_answers_and_reports_timings(store: Store) -> None:
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            text, final = await collect(rt.chat("smollm2:135m", FRANCE))
+            assert "Paris" in text
+            assert final.done_reason == "stop"
+            m = final.metrics
+            assert m is not None and m.load_ns > 0 and m.total_ns >= m.prompt_eval_ns + m.eval_ns
+            assert m.prompt_eval_count > 10 and m.eval_count > 0
+            # loaded once: the second request has no load time
+            _, again = await collect(rt.chat("smollm2:135m", FRANCE, stream=False))
+            assert again.metrics is not None and again.metrics.load_ns == 0
+            assert "Paris" in again.content  # stream=False: the whole answer in the final chunk
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+def test_two_turn_chat_keeps_context_and_evaluates_only_new_tokens(store: Store) -> None:
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            first, done1 = await collect(rt.chat("smollm2:135m", FRANCE))
+            history = [*FRANCE, {"role": "assistant", "content": first},
+                       {"role": "user", "content": "And what is the capital of Germany?"}]
+            second, done2 = await collect(rt.chat("smollm2:135m", history))
+            assert "Berlin" in second
+            _, p1 = await rt.render("smollm2:135m", [{"role": "system", "content": SYSTEM}, *FRANCE])
+            _, p2 = await rt.render("smollm2:135m", [{"role": "system", "content": SYSTEM}, *history])
+            assert done1.metrics is not None and done2.metrics is not None
+            assert done1.metrics.prompt_eval_count == len(p1)
+            # what turn 2 adds: the end of the answer's turn and the new user turn (the answer itself
+            # is in the cache already, from generating it)
+            new_tokens = len(p2) - len(p1) - done1.metrics.eval_count + 1
+            assert done2.metrics.prompt_eval_count <= new_tokens + 1
+            assert done2.metrics.prompt_eval_count < len(p2) // 2
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+def test_generate_raw_context_and_json(store: Store) -> None:
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            text, final = await collect(rt.generate("smollm2:135m", "What is the capital of France?"))
+            assert "Paris" in text and final.context and len(final.context) > 10
+            raw, _ = await collect(rt.generate(
+                "smollm2:135m", "<|im_start|>user\nSay hello<|im_end|>\n<|im_start|>assistant\n", raw=True,
+                options={"num_predict": 8}))
+            assert raw.strip()
+            js, _ = await collect(rt.generate("smollm2:135m", "A JSON object with a name and an age.",
+                                              format="json", options={"num_predict": 60}))
+            assert isinstance(json.loads(js), dict)
+            with pytest.raises(LocalrtError, match="raw mode"):
+                await collect(rt.generate("smollm2:135m", "x", raw=True, system="s"))
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+def test_stop_option_logprobs_and_options_precedence(store: Store) -> None:
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            text, final = await collect(rt.chat("smollm2:135m", FRANCE, options={"stop": ["Paris"]}))
+            assert "Paris" not in text and final.done_reason == "stop"
+            _, final = await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 3},
+                                             logprobs=True, top_logprobs=2, stream=False))
+            assert final.done_reason == "length" and final.metrics and final.metrics.eval_count == 3
+            assert final.logprobs and len(final.logprobs) == 3 and len(final.logprobs[0]["top_logprobs"]) == 2
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+def test_embed_tokenize_score(store: Store) -> None:
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            result = await rt.embed("smollm2:135m", ["hello world", "goodbye"])
+            assert len(result.embeddings) == 2 and len(result.embeddings[0]) == 576 and result.prompt_eval_count > 0
+            ids = await rt.tokenize("smollm2:135m", "Hello world")
+            assert await rt.detokenize("smollm2:135m", ids) == "Hello world"
+            scored = await rt.score("smollm2:135m", "The capital of France is Paris.")
+            assert len(scored.logprobs) == len(await rt.tokenize("smollm2:135m", "The capital of France is Paris.")) - 1
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+def test_keep_alive_zero_unloads_and_ps(store: Store) -> None:
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 2}, keep_alive="1m"))
+            (row,) = rt.ps()
+            assert row.name == "smollm2:135m" and row.backend == "llama.cpp" and row.context_length == 1024
+            assert row.expires_at is not None and row.size > 0
+            await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 2}, keep_alive=0))
+            assert rt.ps() == []
+            # empty messages: load only, then unload with keep_alive 0
+            _, loaded = await collect(rt.chat("smollm2:135m", []))
+            assert loaded.done_reason == "load" and len(rt.ps()) == 1
+            _, unloaded = await collect(rt.chat("smollm2:135m", [], keep_alive=0))
+            assert unloaded.done_reason == "unload" and rt.ps() == []
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+def test_keep_alive_expiry_and_unload(store: Store) -> None:
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 1}, keep_alive=0.3))
+            assert len(rt.ps()) == 1
+            await asyncio.sleep(0.8)
+            assert rt.ps() == []
+            await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 1}, keep_alive=-1))
+            assert rt.ps()[0].expires_at is None  # forever
+            assert await rt.unload("smollm2:135m") and rt.ps() == []
+            assert not await rt.unload("smollm2:135m")
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+def test_lru_unload_beyond_max_loaded(store: Store, smollm2_gguf: Path) -> None:
+    import_model(store, "second:latest", smollm2_gguf)
+
+    async def scenario() -> None:
+        rt = Runtime(store, max_loaded=1)
+        try:
+            await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 1}))
+            await collect(rt.chat("second", FRANCE, options={"num_predict": 1}))
+            assert [r.name for r in rt.ps()] == ["second:latest"]
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+def test_queue_limit_answers_busy(store: Store) -> None:
+    async def scenario() -> None:
+        rt = Runtime(store, max_queue=1)
+        try:
+            story = [{"role": "user", "content": "Tell me a very long story about dragons."}]
+            first = rt.chat("smollm2:135m", story, options={"num_predict": 300})
+            await first.__anext__()  # running, holding the model
+            waiting = asyncio.ensure_future(collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 1})))
+            await asyncio.sleep(0.05)  # queued
+            assert rt.queue_depth() == {"smollm2:135m": 2}
+            with pytest.raises(ServerBusy, match="server busy, please try again.  maximum pending requests exceeded"):
+                await collect(rt.chat("smollm2:135m", FRANCE))
+            await first.aclose()  # the client went away: generation stops, the queue moves on
+            _, done = await waiting
+            assert done.done_reason == "length"
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+def test_load_time_option_change_reloads(store: Store) -> None:
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 1}))
+            _, final = await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 1, "num_ctx": 512}))
+            assert final.metrics and final.metrics.load_ns > 0 and rt.ps()[0].context_length == 512
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+def test_speculative_through_the_runtime(store: Store, smollm2_gguf: Path) -> None:
+    import_model(store, "smollm2:draft", smollm2_gguf, draft=smollm2_gguf)
+    copy = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog, "
+                                        "the quick brown fox jumps over the lazy dog."}]
+
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            plain, _ = await collect(rt.chat("smollm2:135m", copy, options={"num_predict": 30, "speculative": "off"}))
+            looked, fin = await collect(rt.chat("smollm2:135m", copy, options={"num_predict": 30, "speculative": "lookup"}))
+            assert looked == plain and fin.metrics and fin.metrics.draft_count > 0
+            drafted, fin = await collect(rt.chat("smollm2:draft", copy, options={"num_predict": 30}))  # auto -> draft
+            assert drafted == plain and fin.metrics and fin.metrics.draft_accepted_count > 0
+            with pytest.raises(OptionError, match="not supported"):
+                await collect(rt.chat("smollm2:135m", copy, options={"speculative": "self"}))
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+def test_bad_requests_fail_clearly_and_the_runtime_keeps_serving(store: Store, smollm2_gguf: Path) -> None:
+    import_model(store, "evil:latest", smollm2_gguf,
+                 template="{{ cycler.__init__.__globals__.os.popen('id').read() }}")
+    import_model(store, "tiny:latest", smollm2_gguf, params={**PARAMS, "num_ctx": 64})
+
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            cases: list[tuple[type[Exception], str, Any]] = [
+                (ModelNotFound, "model 'nosuch:latest' not found",
+                 lambda: rt.chat("nosuch", FRANCE)),
+                (OptionError, "unknown option 'temprature'",
+                 lambda: rt.chat("smollm2:135m", FRANCE, options={"temprature": 0.5})),
+                (OptionError, "'num_ctx' must be an integer, got a string",
+                 lambda: rt.chat("smollm2:135m", FRANCE, options={"num_ctx": "2048"})),
+                (OptionError, "'temperature' must be a number, got a boolean",
+                 lambda: rt.chat("smollm2:135m", FRANCE, options={"temperature": True})),
+                (TemplateError, "refused by the sandbox",
+                 lambda: rt.chat("evil", FRANCE)),
+                (LocalrtError, "does not fit the context length of 64 tokens",
+                 lambda: rt.chat("tiny", [{"role": "user", "content": "word " * 200}])),
+                (BackendUnavailable, "backend mlx is not available",
+                 lambda: rt.chat("smollm2:135m", FRANCE, options={"backend": "mlx"})),
+                (LocalrtError, "invalid format",
+                 lambda: rt.chat("smollm2:135m", FRANCE, format="yaml")),
+            ]
+            for error, message, make in cases:
+                with pytest.raises(error, match=message) as info:
+                    await collect(make())
+                assert 400 <= info.value.status < 600
+            text, _ = await collect(rt.chat("smollm2:135m", FRANCE))  # still serving
+            assert "Paris" in text
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
