@@ -142,6 +142,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return chat_command(args)
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from localrt.converters.convert import convert_command
+
+    return convert_command(args)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from localrt.eval import eval_command
+
+    return eval_command(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from localrt.server import serve_command
 
@@ -218,9 +230,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start the HTTP server on LOCALRT_HOST")
     p.set_defaults(func=cmd_serve)
 
-    for name, help_text in (("convert", "convert HF safetensors to GGUF"),
-                            ("eval", "perplexity and KL divergence"),
-                            ("bench", "measure TTFT and tokens/s")):
+    p = sub.add_parser("convert", help="convert HF safetensors to GGUF")
+    p.add_argument("source", help="HF model directory or repo id (org/name)")
+    p.add_argument("-q", "--quant", default="Q4_K_M",
+                   help="F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K_S/M/L Q4_K_S/M Q5_K_S/M Q6_K")
+    p.add_argument("-o", "--output", default=None, help="write FILE.gguf")
+    p.add_argument("--name", default=None, help="import into the store as NAME")
+    p.add_argument("--threads", type=int, default=0)
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("eval", help="perplexity and KL divergence")
+    p.add_argument("model", help="model name or .gguf path")
+    p.add_argument("--text", required=True)
+    p.add_argument("--reference", default=None)
+    p.add_argument("--backend", default=None)
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    for name, help_text in (("bench", "measure TTFT and tokens/s"),):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=not_done(name))

@@ -133,6 +133,18 @@ def test_from_errors_are_clear(tmp_path: Path, store: Store) -> None:
     assert not store.blobs.exists() or list(store.blobs.iterdir()) == []
 
 
-def test_quantize_is_not_supported_yet(tiny: Path, store: Store) -> None:
-    with pytest.raises(LocalrtError, match="quantize is not supported yet"):
+def test_create_quantize_requantizes_an_f32_source(tmp_path: Path, store: Store) -> None:
+    f32 = write_tiny_llama(tmp_path / "f32.gguf", file_type="F32")
+    name = create("tiny:q8", from_path=str(f32), store=store, quantize="Q8_0")
+    model = store.resolve(name)
+    assert read_gguf(model.model_path).file_type == "Q8_0"
+    assert model.model_path.stat().st_size < f32.stat().st_size / 2
+    assert not any(p.name.startswith(".quantize-") for p in store.root.iterdir())  # temp folder gone
+
+
+def test_create_quantize_refuses_a_quantized_source(tiny: Path, store: Store) -> None:
+    with pytest.raises(LocalrtError):
         create("x", from_path=str(tiny), store=store, quantize="Q4_K_M")
+    assert not store.exists(parse_name("x"))
+
+

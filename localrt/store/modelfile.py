@@ -13,9 +13,11 @@ Keywords are case-insensitive; every error names its line.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,11 +247,8 @@ def create(
         from_path: a GGUF file (or a model name) to build from.
         store: the store (default: LOCALRT_MODELS).
         base_dir: where relative FROM/DRAFT paths start (the Modelfile's folder; default: cwd).
-        quantize: not supported yet; given, it is an error.
+        quantize: requantize an F32/F16/BF16 source to this file type (e.g. Q4_K_M) first.
     """
-    if quantize:
-        raise LocalrtError(f"quantize is not supported yet (asked for {quantize}); create from an already "
-                           "quantized GGUF, or convert with `localrt convert --quant`")
     store = store or Store()
     dest = parse_name(name) if isinstance(name, str) else name
     mf = parse_modelfile(modelfile_text) if modelfile_text is not None else Modelfile()
@@ -266,9 +265,29 @@ def create(
     draft: Path | ModelName | None = None
     if mf.draft is not None:
         draft = _resolve_source(mf.draft, base, store, where(mf.draft_line))
-    build_model(store, dest, source, template=mf.template, system=mf.system, license_text=mf.license,
-                parameters=mf.parameters, draft=draft)
+    with quantized(store, source, quantize) as source:
+        build_model(store, dest, source, template=mf.template, system=mf.system, license_text=mf.license,
+                    parameters=mf.parameters, draft=draft)
     return dest
+
+
+@contextlib.contextmanager
+def quantized(store: Store, source: Path | str | ModelName,
+              file_type: str | None) -> Iterator[Path | str | ModelName]:
+    """The source itself, or (with a file type) a requantized copy in a temp folder inside the store,
+    so the finished GGUF moves into blobs/ without crossing filesystems; the folder goes afterwards."""
+    if not file_type:
+        yield source
+        return
+    from localrt.converters.requantize import requantize
+
+    if isinstance(source, ModelName):
+        source = store.resolve(source).model_path
+    elif isinstance(source, str):
+        source = store.blob_path(source)
+    store.blobs.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=store.root, prefix=".quantize-") as tmp:
+        yield requantize(Path(source), Path(tmp) / "model.gguf", file_type)
 
 
 def build_model(store: Store, dest: ModelName, source: Path | str | ModelName, *, template: str | None = None,
@@ -308,8 +327,9 @@ def create_from_request(name: ModelName, fields: dict[str, Any], *, store: Store
     Over HTTP a source is never a server-side path: only stored models and uploaded blobs, so a
     request cannot make the server read arbitrary local files.
     """
-    if fields.get("quantize"):
-        raise LocalrtError(f"quantize is not supported yet (asked for {fields['quantize']})")
+    file_type = fields.get("quantize")
+    if file_type is not None and not isinstance(file_type, str):
+        raise LocalrtError("quantize must be a file type such as Q4_K_M")
     if fields.get("modelfile"):
         raise LocalrtError("the modelfile field is not supported: use from, files, template, system, parameters")
     files, base = fields.get("files"), fields.get("from")
@@ -342,6 +362,9 @@ def create_from_request(name: ModelName, fields: dict[str, Any], *, store: Store
         if value is not None and not isinstance(value, str):
             raise LocalrtError(f"{key} must be a string")
         texts[key] = value
-    progress("writing manifest")
-    build_model(store, name, source, template=texts["template"], system=texts["system"],
-                license_text=texts["license"], parameters=checked)
+    if file_type:
+        progress(f"quantizing model to {file_type}")
+    with quantized(store, source, file_type) as model_source:
+        progress("writing manifest")
+        build_model(store, name, model_source, template=texts["template"], system=texts["system"],
+                    license_text=texts["license"], parameters=checked)

@@ -1,0 +1,83 @@
+"""One small table per architecture: HF names -> GGUF names, config defaults, Q/K permutation.
+
+An `Arch` is data plus two tiny hooks; `converters/convert.py` runs the same pipeline for all of them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from localrt.converters.hf import ConvertError
+
+KV = list[tuple[str, Any, str]]  # (GGUF key, value, value type: "u32", "f32", "str", "bool")
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str  # GGUF general.architecture
+    hf_architectures: tuple[str, ...]  # config.json "architectures" values
+    tensors: dict[str, str]  # HF tensor name ({bid} = layer) -> GGUF tensor name
+    # config defaults of the transformers config class (llama.cpp's converter reads AutoConfig.to_dict())
+    defaults: Callable[[dict[str, Any]], dict[str, Any]]
+    permute_qk: bool = False  # HF rotate-half Q/K rows -> GGUF's interleaved (llama) rope layout
+    vocab: tuple[str, ...] = ("spm", "gpt2")  # tokenizers tried in order
+    extra_kv: Callable[[dict[str, Any]], KV] = lambda hp: []  # keys after the shared ones
+    skip: tuple[str, ...] = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
+    _patterns: list[tuple[re.Pattern[str], str]] = field(default_factory=list, compare=False, repr=False)
+
+    def gguf_name(self, hf_name: str) -> str | None:
+        """The GGUF name of an HF tensor, or None for tensors the converter drops."""
+        if hf_name.endswith(self.skip):
+            return None
+        if not self._patterns:
+            for src, dst in self.tensors.items():
+                regex = re.escape(src).replace(re.escape("{bid}"), r"(?P<bid>\d+)")
+                self._patterns.append((re.compile(regex + "$"), dst))
+        for regex, dst in self._patterns:
+            m = regex.match(hf_name)
+            if m:
+                return dst.format(bid=m.group("bid")) if "{bid}" in dst else dst
+        raise ConvertError(f"tensor {hf_name!r} has no GGUF name in the {self.name} table "
+                           "(an unsupported variant of the architecture?)")
+
+
+LLAMA_LAYER = {
+    "model.layers.{bid}.input_layernorm.weight": "blk.{bid}.attn_norm.weight",
+    "model.layers.{bid}.self_attn.q_proj.weight": "blk.{bid}.attn_q.weight",
+    "model.layers.{bid}.self_attn.k_proj.weight": "blk.{bid}.attn_k.weight",
+    "model.layers.{bid}.self_attn.v_proj.weight": "blk.{bid}.attn_v.weight",
+    "model.layers.{bid}.self_attn.o_proj.weight": "blk.{bid}.attn_output.weight",
+    "model.layers.{bid}.post_attention_layernorm.weight": "blk.{bid}.ffn_norm.weight",
+    "model.layers.{bid}.mlp.gate_proj.weight": "blk.{bid}.ffn_gate.weight",
+    "model.layers.{bid}.mlp.up_proj.weight": "blk.{bid}.ffn_up.weight",
+    "model.layers.{bid}.mlp.down_proj.weight": "blk.{bid}.ffn_down.weight",
+}
+GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def registry() -> dict[str, Arch]:
+    """HF architecture name -> Arch."""
+    from localrt.converters.arch import llama, qwen2, qwen3
+
+    out: dict[str, Arch] = {}
+    for arch in (llama.ARCH, qwen2.ARCH, qwen3.ARCH):
+        for hf in arch.hf_architectures:
+            out[hf] = arch
+    return out
+
+
+def find_arch(config: dict[str, Any]) -> Arch:
+    names = config.get("architectures") or []
+    table = registry()
+    for name in names:
+        if name in table:
+            return table[name]
+    shown = ", ".join(names) if names else "none given in config.json"
+    raise ConvertError(f"unsupported architecture ({shown}); supported: {', '.join(sorted(table))}")
