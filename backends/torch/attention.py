@@ -1,0 +1,111 @@
+"""Paged attention: each step's tokens write K/V into their sequence's blocks, queries read through block tables.
+
+A step's batch is flat: sequence chunks (a prefill piece, one decode token, a token plus its drafts)
+lie one after the other in N rows. Sequences with the same number of query rows are attended
+together: their blocks are gathered into a padded [B, L] view and masked per row (gather on CPU;
+on CUDA, decode rows go through the fused Triton kernel in `triton_attention.py` instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import KVCache
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's rows in a step."""
+
+    length: int  # query tokens fed this step
+    context_len: int  # tokens in the cache once this chunk is written (its positions end here)
+    block_table: Sequence[int]
+
+
+@dataclass
+class _Group:
+    rows: torch.Tensor  # [B * q_len] flat row indices
+    tables: torch.Tensor  # [B, n_blocks] block ids (padded with block 0, masked out)
+    mask: torch.Tensor  # [B, 1, q_len, n_blocks * block_size] True where a query may look
+    q_len: int
+    lens: torch.Tensor  # [B] context length of each sequence
+
+
+class PagedAttention:
+    """An `AttentionContext` over a `KVCache`; built once per step, used by every layer."""
+
+    def __init__(self, cache: KVCache, chunks: Sequence[SeqChunk], device: torch.device | str,
+                 fused: bool | None = None) -> None:
+        """`fused`: decode rows through the Triton kernel (None: on CUDA when Triton is installed)."""
+        self.cache = cache
+        self.fused = _fused_available(torch.device(device)) if fused is None else fused
+        bs = cache.block_size
+        positions: list[int] = []
+        slots: list[int] = []
+        by_len: dict[int, list[tuple[int, SeqChunk]]] = {}
+        row = 0
+        for chunk in chunks:
+            first = chunk.context_len - chunk.length
+            for pos in range(first, chunk.context_len):
+                positions.append(pos)
+                slots.append(chunk.block_table[pos // bs] * bs + pos % bs)
+            by_len.setdefault(chunk.length, []).append((row, chunk))
+            row += chunk.length
+        self.positions = torch.tensor(positions, dtype=torch.long, device=device)  # [N]
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device)  # [N]
+        self.groups = [self._group(q_len, members, device) for q_len, members in by_len.items()]
+
+    def _group(self, q_len: int, members: list[tuple[int, SeqChunk]], device: torch.device | str) -> _Group:
+        bs = self.cache.block_size
+        n_blocks = max(-(-c.context_len // bs) for _, c in members)
+        tables = torch.zeros(len(members), n_blocks, dtype=torch.long)
+        rows = torch.empty(len(members), q_len, dtype=torch.long)
+        ctx = torch.empty(len(members), dtype=torch.long)
+        for i, (start, c) in enumerate(members):
+            used = -(-c.context_len // bs)
+            tables[i, :used] = torch.as_tensor(list(c.block_table[:used]), dtype=torch.long)
+            rows[i] = torch.arange(start, start + q_len)
+            ctx[i] = c.context_len
+        key_pos = torch.arange(n_blocks * bs)  # [L]
+        query_pos = ctx[:, None] - q_len + torch.arange(q_len)[None, :]  # [B, q_len]
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, q_len, L] causal within context
+        return _Group(rows.flatten().to(device), tables.to(device), mask.unsqueeze(1).to(device), q_len,
+                      ctx.to(device))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]; k/v are stored first, then read back paged."""
+        self.cache.write(layer, k, v, self.slots)
+        if len(self.groups) == 1 and self.groups[0].rows.numel() == q.shape[0]:
+            return self._attend_group(layer, q, self.groups[0])  # rows are already in order
+        out = torch.empty_like(q)
+        for group in self.groups:
+            out[group.rows] = self._attend_group(layer, q[group.rows], group)
+        return out
+
+    def _attend_group(self, layer: int, q: torch.Tensor, group: _Group) -> torch.Tensor:
+        if self.fused and group.q_len == 1:
+            from .triton_attention import paged_decode
+
+            c = self.cache
+            scales = (c.k_scale[layer], c.v_scale[layer]) if c.quantized else (None, None)
+            return paged_decode(q, c.k[layer], c.v[layer], group.tables, group.lens, *scales)
+        b, n_head, head_dim = group.tables.shape[0], q.shape[1], q.shape[2]
+        keys, values = self.cache.gather(layer, group.tables)  # [B, L, Hkv, D]
+        q = q.view(b, group.q_len, n_head, head_dim).transpose(1, 2)  # [B, H, q_len, D]
+        out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=group.mask, enable_gqa=True)  # [B, H, q_len, D]
+        return out.transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
+
+
+def _fused_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,202 @@
+"""Paged KV memory: a pool of fixed-size blocks (metadata) and the tensors that hold them (data).
+
+A block holds `block_size` consecutive tokens of one sequence, for every layer and KV head; the same
+block id indexes every layer's tensor. Sequences own lists of block ids (block tables) that grow a
+block at a time, so nothing reserves `max_len` up front and the waste is under one block per sequence.
+Blocks are shared read-only through reference counts (prefix caching); a block whose count drops to
+zero either returns to the free list or, when it holds a cached prefix, waits in an LRU list until
+it is reused by a cache hit or evicted by an allocation.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+
+import torch
+
+from localrt.errors import LocalrtError, OptionError
+
+BLOCK_SIZE = 16
+
+# KV cache type -> storage dtype. Quantized types keep one float32 scale per (token, head).
+KV_STORAGE: dict[str, torch.dtype] = {
+    "f32": torch.float32,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "q8_0": torch.int8,  # int8 with per-head scales (llama.cpp's name for 8-bit KV)
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+}
+QUANTIZED_KV = {"q8_0", "int8", "fp8"}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class OutOfBlocks(LocalrtError):
+    """The pool has no free or evictable block left; the scheduler preempts and retries."""
+
+
+class BlockPool:
+    """Block ids, reference counts, a free list and an LRU list of unreferenced cached blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+        if num_blocks < 1:
+            raise OptionError("the KV cache budget is too small for a single block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_count = [0] * num_blocks
+        self.cached = [False] * num_blocks  # set by the prefix cache
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.on_evict: Callable[[int], None] | None = None  # the prefix cache forgets the block
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take now (evictable cached blocks included)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def allocate(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)  # least recently freed
+            self.cached[block] = False
+            if self.on_evict is not None:
+                self.on_evict(block)
+        else:
+            raise OutOfBlocks("out of KV cache blocks")
+        self.ref_count[block] = 1
+        return block
+
+    def allocate_many(self, n: int) -> list[int]:
+        if n > self.num_free:
+            raise OutOfBlocks(f"need {n} KV cache blocks, {self.num_free} free")
+        return [self.allocate() for _ in range(n)]
+
+    def retain(self, block: int) -> None:
+        """One more owner; a cached block with no owner leaves the eviction list."""
+        if self.ref_count[block] == 0:
+            if block not in self._evictable:
+                raise LocalrtError(f"block {block} is free, it cannot be shared")
+            del self._evictable[block]
+        self.ref_count[block] += 1
+
+    def release(self, block: int) -> None:
+        count = self.ref_count[block] - 1
+        if count < 0:
+            raise LocalrtError(f"block {block} released more often than taken")
+        self.ref_count[block] = count
+        if count == 0:
+            if self.cached[block]:
+                self._evictable[block] = None  # most recently used end
+            else:
+                self._free.appendleft(block)  # plain blocks are reused first
+
+    def release_all(self, blocks: Iterable[int]) -> None:
+        # tail first: the last blocks of a sequence are the least likely to be hit again, so they
+        # become the oldest entries of the LRU list and are evicted first
+        for block in reversed(list(blocks)):
+            self.release(block)
+
+    def check(self) -> None:
+        """Invariants (tests): every block is free, evictable or referenced, exactly once."""
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free) and not free & evictable
+        for b in range(self.num_blocks):
+            referenced = self.ref_count[b] > 0
+            assert referenced + (b in free) + (b in evictable) == 1, f"block {b}"
+            assert b not in evictable or self.cached[b]
+
+
+class KVCache:
+    """Per-layer K and V tensors [num_blocks, block_size, n_kv_heads, head_dim] (+ scales if quantized)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, n_kv_heads: int, head_dim: int, kv_type: str,
+                 compute_dtype: torch.dtype, device: torch.device | str, block_size: int = BLOCK_SIZE) -> None:
+        if kv_type not in KV_STORAGE:
+            raise OptionError(f"kv_cache_type {kv_type!r} is not supported by the torch backend "
+                              f"(supported: {', '.join(KV_STORAGE)})")
+        self.kv_type = kv_type
+        self.storage = KV_STORAGE[kv_type]
+        self.quantized = kv_type in QUANTIZED_KV
+        self.compute_dtype = compute_dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=self.storage, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.storage, device=device) for _ in range(num_layers)]
+        self.k_scale: list[torch.Tensor] = []
+        self.v_scale: list[torch.Tensor] = []
+        if self.quantized:
+            self.k_scale = [torch.ones(shape[:3], device=device) for _ in range(num_layers)]
+            self.v_scale = [torch.ones(shape[:3], device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, n_kv_heads: int, head_dim: int, kv_type: str,
+                        block_size: int = BLOCK_SIZE) -> int:
+        elem = torch.empty(0, dtype=KV_STORAGE[kv_type]).element_size()
+        per_token = n_kv_heads * head_dim * elem + (n_kv_heads * 4 if kv_type in QUANTIZED_KV else 0)
+        return 2 * num_layers * block_size * per_token
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.k_scale, *self.v_scale))
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, Hkv, D] -> (values [N, Hkv, D] in storage dtype, scales [N, Hkv])."""
+        amax = x.float().abs().amax(dim=-1).clamp(min=1e-8)
+        if self.storage == torch.int8:
+            scale = amax / 127.0
+            q = torch.round(x.float() / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        else:
+            scale = amax / FP8_MAX
+            q = (x.float() / scale.unsqueeze(-1)).to(self.storage)
+        return q, scale
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [N, Hkv, D] go to flat slots (block * block_size + offset)."""
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            flat = cache[layer].view(-1, *cache[layer].shape[2:])  # [num_blocks * block_size, Hkv, D]
+            if self.quantized:
+                q, scale = self._quantize(x)
+                if q.dtype == torch.float8_e4m3fn:  # index kernels lack fp8: move the bytes
+                    flat, q = flat.view(torch.uint8), q.view(torch.uint8)
+                flat.index_copy_(0, slots, q)
+                scales[layer].view(-1, scale.shape[-1]).index_copy_(0, slots, scale)
+            else:
+                flat.index_copy_(0, slots, x.to(self.storage))
+
+    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tables [B, n_blocks] -> k, v [B, n_blocks * block_size, Hkv, D] in the compute dtype."""
+        out = []
+        for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            store = cache[layer]
+            if store.dtype == torch.float8_e4m3fn:
+                x = store.view(torch.uint8)[tables].view(store.dtype)  # [B, n_blocks, block_size, Hkv, D]
+            else:
+                x = store[tables]  # [B, n_blocks, block_size, Hkv, D]
+            if self.quantized:
+                x = x.to(self.compute_dtype) * scales[layer][tables].unsqueeze(-1).to(self.compute_dtype)
+            else:
+                x = x.to(self.compute_dtype)
+            out.append(x.flatten(1, 2))  # [B, n_blocks * block_size, Hkv, D]
+        return out[0], out[1]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write for a partially filled cached block."""
+        for tensors in (self.k, self.v, self.k_scale, self.v_scale):
+            for t in tensors:
+                raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+                raw[dst].copy_(raw[src])
+
+
+def num_blocks_for(budget_bytes: int, bytes_per_block: int) -> int:
+    return max(1, budget_bytes // bytes_per_block)
+
+
+def blocks_needed(n_tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-n_tokens // block_size)

@@ -1,0 +1,254 @@
+"""A Llama-family transformer read straight from GGUF (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3).
+
+Module names are GGUF's tensor names (`blk.3.attn_q.weight`), so loading needs no renaming.
+Attention goes through an `AttentionContext` handed to `forward`: `DenseCausal` below for one
+sequence without a cache (the reference path), `attention.PagedAttention` for the engine.
+
+RoPE follows GGUF's layout: llama.cpp's converter permutes Llama's Q/K rows so that rotation pairs
+are adjacent (x[2i], x[2i+1]) -- the "normal" rope mode; Qwen models keep HF's half-split pairs
+(x[i], x[i + d/2]), llama.cpp's "neox" mode. Using the matching pairing lets the weights stay as stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from localrt.errors import LocalrtError
+
+NEOX_ROPE_ARCHS = {"qwen2", "qwen3", "qwen2moe", "phi3", "stablelm", "gptneox"}
+SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "granite"}
+
+
+@dataclass
+class LlamaConfig:
+    """Hyper-parameters, named after the GGUF keys `{arch}.<name>` they come from."""
+
+    architecture: str
+    vocab_size: int
+    context_length: int
+    embedding_length: int  # model width
+    feed_forward_length: int
+    block_count: int
+    attention_head_count: int
+    attention_head_count_kv: int
+    attention_key_length: int  # head dim
+    attention_layer_norm_rms_epsilon: float = 1e-5
+    rope_freq_base: float = 10000.0
+    rope_dimension_count: int = 0  # rotated dims per head; 0 = all
+    rope_scaling_factor: float = 1.0  # linear position scaling
+    rope_neox: bool = False  # half-split pairs instead of adjacent pairs
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], vocab_size: int) -> LlamaConfig:
+        arch = str(metadata.get("general.architecture", "llama"))
+        if arch not in SUPPORTED_ARCHS:
+            raise LocalrtError(f"the torch backend does not support the {arch!r} architecture yet "
+                               f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
+
+        def get(key: str, default: Any = None) -> Any:
+            value = metadata.get(f"{arch}.{key}", default)
+            if value is None:
+                raise LocalrtError(f"GGUF metadata {arch}.{key} is missing")
+            return value
+
+        n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length", n_embd // n_head))
+        scaling = metadata.get(f"{arch}.rope.scaling.type")
+        factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+        return cls(
+            architecture=arch,
+            vocab_size=vocab_size,
+            context_length=int(get("context_length", 4096)),
+            embedding_length=n_embd,
+            feed_forward_length=int(get("feed_forward_length")),
+            block_count=int(get("block_count")),
+            attention_head_count=n_head,
+            attention_head_count_kv=int(get("attention.head_count_kv", n_head)),
+            attention_key_length=head_dim,
+            attention_layer_norm_rms_epsilon=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_freq_base=float(get("rope.freq_base", 10000.0)),
+            rope_dimension_count=int(get("rope.dimension_count", head_dim)),
+            rope_scaling_factor=factor,
+            rope_neox=arch in NEOX_ROPE_ARCHS,
+        )
+
+
+class AttentionContext(Protocol):
+    """Where keys and values go and how queries see them; one context serves every layer of a step."""
+
+    positions: torch.Tensor  # [N] int64, absolute position of each token in its sequence
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, n_head, head_dim], k/v [N, n_kv_head, head_dim] -> [N, n_head, head_dim]."""
+        ...
+
+
+class DenseCausal:
+    """All N tokens are one sequence starting at position 0; no cache (the reference path)."""
+
+    def __init__(self, n_tokens: int, device: torch.device | str = "cpu") -> None:
+        self.positions = torch.arange(n_tokens, device=device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # [N, H, D] -> [1, H, N, D] for SDPA; GQA heads are shared inside SDPA
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)  # [N, H, D]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 (as llama.cpp does), scale in the compute dtype
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for RoPE, indexed by absolute position."""
+
+    def __init__(self, cfg: LlamaConfig, freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.n_rot = cfg.rope_dimension_count or cfg.attention_key_length
+        self.neox = cfg.rope_neox
+        inv_freq = cfg.rope_freq_base ** (-torch.arange(0, self.n_rot, 2, dtype=torch.float64) / self.n_rot)
+        if freq_factors is not None:  # Llama 3.1's rope_freqs.weight divides the frequencies
+            inv_freq = inv_freq / freq_factors.double()
+        positions = torch.arange(cfg.context_length, dtype=torch.float64) / cfg.rope_scaling_factor
+        angles = torch.outer(positions, inv_freq)  # [max_pos, n_rot/2]
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, head_dim] rotated by each token's position."""
+        cos = self.cos[positions].unsqueeze(1)  # [N, 1, n_rot/2]
+        sin = self.sin[positions].unsqueeze(1)
+        rot, rest = x[..., : self.n_rot].float(), x[..., self.n_rot:]
+        if self.neox:
+            x1, x2 = rot.chunk(2, dim=-1)  # pairs (i, i + n_rot/2)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]  # pairs (2i, 2i+1)
+        o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        out = torch.cat([o1, o2], -1) if self.neox else torch.stack([o1, o2], -1).flatten(-2)
+        return torch.cat([out.to(x.dtype), rest], -1) if rest.shape[-1] else out.to(x.dtype)
+
+
+class Block(nn.Module):
+    """Pre-norm attention + SwiGLU MLP. Attributes carry GGUF's names (`attn_q`, `ffn_gate`, ...)."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_head, self.n_kv = cfg.attention_head_count, cfg.attention_head_count_kv
+        self.head_dim = cfg.attention_key_length
+        dim, hidden, eps = cfg.embedding_length, cfg.feed_forward_length, cfg.attention_layer_norm_rms_epsilon
+        self.attn_norm = RMSNorm(dim, eps)
+        self.attn_q = nn.Linear(dim, self.n_head * self.head_dim, bias=qkv_bias)
+        self.attn_k = nn.Linear(dim, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.attn_v = nn.Linear(dim, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.attn_output = nn.Linear(self.n_head * self.head_dim, dim, bias=False)
+        # Qwen3 normalises each head's q and k before RoPE
+        self.attn_q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.attn_k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.ffn_norm = RMSNorm(dim, eps)
+        self.ffn_gate = nn.Linear(dim, hidden, bias=False)
+        self.ffn_up = nn.Linear(dim, hidden, bias=False)
+        self.ffn_down = nn.Linear(hidden, dim, bias=False)
+
+    def attention(self, x: torch.Tensor, rotary: Rotary, ctx: AttentionContext) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.attn_q(x).view(n, self.n_head, self.head_dim)  # [N, H, D]
+        k = self.attn_k(x).view(n, self.n_kv, self.head_dim)  # [N, Hkv, D]
+        v = self.attn_v(x).view(n, self.n_kv, self.head_dim)
+        if self.attn_q_norm is not None and self.attn_k_norm is not None:
+            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+        q, k = rotary(q, ctx.positions), rotary(k, ctx.positions)
+        out = ctx.attend(self.layer, q, k, v)  # [N, H, D]
+        return self.attn_output(out.reshape(n, self.n_head * self.head_dim))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn_down(F.silu(self.ffn_gate(x)) * self.ffn_up(x))  # SwiGLU
+
+    def forward(self, x: torch.Tensor, rotary: Rotary, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.attention(self.attn_norm(x), rotary, ctx)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, *, qkv_bias: bool = False, qk_norm: bool = False,
+                 freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.token_embd = nn.Embedding(cfg.vocab_size, cfg.embedding_length)
+        self.blk = nn.ModuleList(Block(cfg, i, qkv_bias, qk_norm) for i in range(cfg.block_count))
+        self.output_norm = RMSNorm(cfg.embedding_length, cfg.attention_layer_norm_rms_epsilon)
+        self.output = nn.Linear(cfg.embedding_length, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg, freq_factors)
+
+    def hidden(self, tokens: torch.Tensor, ctx: AttentionContext, *, num_layers: int | None = None,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [N] -> final-normed hidden states [R, dim] of `rows` (all N when None).
+
+        `num_layers` runs only the first blocks (self-speculative drafting); the final norm and
+        head still apply, so the shallow model speaks the same vocabulary.
+        """
+        x = self.token_embd(tokens)  # [N, dim]
+        for block in self.blk[: num_layers or len(self.blk)]:
+            x = block(x, self.rotary, ctx)
+        if rows is not None:
+            x = x[rows]  # [R, dim]: the head is the biggest matmul, so only where logits are needed
+        return self.output_norm(x)
+
+    def forward(self, tokens: torch.Tensor, ctx: AttentionContext, *, num_layers: int | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [N] -> logits [R, vocab] in float32."""
+        return self.output(self.hidden(tokens, ctx, num_layers=num_layers, rows=rows)).float()
+
+    @classmethod
+    def from_gguf(cls, tensors: Any, dtype: torch.dtype, device: torch.device | str) -> Transformer:
+        """Build from a `gguf_load.GGUFTensors`, dequantizing tensor by tensor into `dtype` on `device`."""
+        md = tensors.metadata
+        vocab = md.get("tokenizer.ggml.tokens")
+        embd = tensors.by_name["token_embd.weight"]
+        cfg = LlamaConfig.from_gguf(md, len(vocab) if vocab is not None else embd.shape[1])
+        freq_factors = tensors.get("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
+        with torch.device("meta"):
+            model = cls(cfg, qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors)
+        state: dict[str, torch.Tensor] = {}
+        for name in model.state_dict():  # GGUF names, one tensor in memory at a time
+            if name == "output.weight" and name not in tensors:
+                continue  # tied embeddings (SmolLM2): the head reuses token_embd below
+            state[name] = tensors.get(name).to(device=device, dtype=dtype)
+        model.load_state_dict(state, strict=False, assign=True)
+        if "output.weight" not in tensors:
+            model.output.weight = model.token_embd.weight
+        model.rotary = Rotary(cfg, freq_factors).to(device)  # buffers computed for real, off the meta device
+        model.requires_grad_(False)
+        return model.eval()
+
+
+def param_bytes(model: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def random_transformer(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Transformer:
+    """A randomly initialised model (tests, benchmarks): nn defaults, with a seeded generator."""
+    torch.manual_seed(seed)
+    model = Transformer(cfg).to(dtype)
+    model.requires_grad_(False)
+    return model.eval()

@@ -1,0 +1,120 @@
+"""Prefix caching: blocks of computed KV found again by the tokens they hold.
+
+A full block's key is a chain hash H(parent key, its tokens), so one lookup per block walks a prompt
+from the start and a key names the whole prefix up to that block. Full blocks are shared read-only
+through the pool's reference counts. The partly filled last block of a finished sequence is kept
+too, under (parent key, its tokens): a later prompt that continues the same conversation copies it
+(copy-on-write) and recomputes nothing it already had, token for token. Unreferenced cached blocks
+sit in the pool's LRU list and are forgotten here when the pool evicts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockPool
+
+ROOT_KEY = 0
+
+
+def chain_key(parent: int, tokens: Sequence[int]) -> int:
+    # Python's hash of a tuple of ints is not salted per process, so keys are stable
+    return hash((parent, tuple(tokens)))
+
+
+@dataclass
+class PrefixMatch:
+    blocks: list[int] = field(default_factory=list)  # full blocks to share, in order
+    keys: list[int] = field(default_factory=list)  # their chain keys
+    partial_block: int | None = None  # a cached block whose first `partial_tokens` tokens match
+    partial_tokens: int = 0
+
+
+@dataclass
+class _Entry:
+    parent: int
+    tokens: tuple[int, ...]
+    key: int | None  # chain key for full blocks, None for partial ones
+
+
+class PrefixCache:
+    def __init__(self, pool: BlockPool, enabled: bool = True) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.enabled = enabled
+        self._full: dict[int, int] = {}  # chain key -> block
+        self._children: dict[int, dict[tuple[int, ...], int]] = {}  # parent key -> tokens -> block
+        self._entries: dict[int, _Entry] = {}  # block -> what it is cached as
+        pool.on_evict = self._forget
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    def match(self, tokens: Sequence[int], max_tokens: int) -> tuple[PrefixMatch, int]:
+        """The longest cached prefix of tokens[:max_tokens]; returns (match, tokens covered)."""
+        found = PrefixMatch()
+        if not self.enabled:
+            return found, 0
+        bs, parent, pos = self.block_size, ROOT_KEY, 0
+        while pos + bs <= max_tokens:
+            key = chain_key(parent, tokens[pos:pos + bs])
+            block = self._full.get(key)
+            if block is None:
+                break
+            found.blocks.append(block)
+            found.keys.append(key)
+            parent, pos = key, pos + bs
+        # a cached block (full or partial) under the same parent that starts like the rest
+        rest = tuple(tokens[pos:min(pos + bs, max_tokens)])
+        best, best_len = None, 0
+        for cached_tokens, block in self._children.get(parent, {}).items():
+            n = 0
+            for a, b in zip(cached_tokens, rest):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = block, n
+        if best is not None:
+            found.partial_block, found.partial_tokens = best, best_len
+        covered = pos + best_len
+        self.queried_tokens += len(tokens)
+        self.hit_tokens += covered
+        return found, covered
+
+    def insert_full(self, block: int, parent: int, tokens: Sequence[int]) -> int:
+        """Register a block filled with computed KV; returns its chain key."""
+        key = chain_key(parent, tokens)
+        if not self.enabled or key in self._full or block in self._entries:
+            return key  # the same prefix is cached in another block already: keep that one
+        entry = _Entry(parent, tuple(tokens), key)
+        self._full[key] = block
+        self._children.setdefault(parent, {})[entry.tokens] = block
+        self._entries[block] = entry
+        self.pool.cached[block] = True
+        return key
+
+    def insert_partial(self, block: int, parent: int, tokens: Sequence[int]) -> None:
+        """Keep the partly filled last block of a sequence that is leaving."""
+        entry = _Entry(parent, tuple(tokens), None)
+        siblings = self._children.setdefault(parent, {})
+        if not self.enabled or not tokens or entry.tokens in siblings or block in self._entries:
+            return
+        siblings[entry.tokens] = block
+        self._entries[block] = entry
+        self.pool.cached[block] = True
+
+    def _forget(self, block: int) -> None:
+        entry = self._entries.pop(block, None)
+        if entry is None:
+            return
+        if entry.key is not None:
+            self._full.pop(entry.key, None)
+        siblings = self._children.get(entry.parent)
+        if siblings is not None:
+            siblings.pop(entry.tokens, None)
+            if not siblings:
+                del self._children[entry.parent]
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,78 @@
+"""Sampling on the device, one request at a time, with the runtime's parameters.
+
+The chain follows llama.cpp's order (penalties, top-k, top-p, min-p, temperature, draw) so both
+backends read the parameters the same way. Each request owns a `torch.Generator`: its draws depend
+only on its own seed and history, never on which other requests share the step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from localrt.backends.base import SamplingParams
+
+
+class RequestSampler:
+    def __init__(self, params: SamplingParams, device: torch.device | str, context_length: int) -> None:
+        self.params = params
+        self.greedy = params.greedy
+        self.generator = torch.Generator(device=device)
+        seed = params.seed if params.seed >= 0 else random.getrandbits(63)
+        self.generator.manual_seed(seed)
+        last_n = params.repeat_last_n
+        self.penalty_window = context_length if last_n < 0 else last_n
+        self.penalize = self.penalty_window > 0 and (
+            params.repeat_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0)
+
+    def penalized(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        """logits [V] with llama.cpp's repeat / frequency / presence penalties over the recent window."""
+        if not self.penalize or not history:
+            return logits
+        window = torch.as_tensor(list(history[-self.penalty_window:]), device=logits.device)
+        ids, counts = torch.unique(window, return_counts=True)
+        p = self.params
+        out = logits.clone()
+        chosen = out[ids]
+        chosen = torch.where(chosen > 0, chosen / p.repeat_penalty, chosen * p.repeat_penalty)
+        chosen = chosen - counts.to(out.dtype) * p.frequency_penalty - p.presence_penalty
+        out[ids] = chosen
+        return out
+
+    def probs(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        """The distribution a token is drawn from: logits [V] -> probabilities [V] (float32)."""
+        x = self.penalized(logits.float(), history)
+        p = self.params
+        if self.greedy:
+            return torch.nn.functional.one_hot(x.argmax(), x.shape[-1]).float()
+        if 0 < p.top_k < x.shape[-1]:
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_x, order = torch.sort(x, descending=True)
+            sorted_p = torch.softmax(sorted_x, -1)
+            # keep the smallest head whose mass reaches top_p (the token that crosses it stays)
+            drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= p.top_p
+            x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        if p.min_p > 0.0:
+            probs = torch.softmax(x, -1)
+            x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        return torch.softmax(x / p.temperature, -1)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token from probs [V]: argmax(p / E) with E ~ Exp(1) is a draw from p, without a sync-heavy multinomial."""
+        if self.greedy:
+            return int(probs.argmax())
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        return int((probs / noise).argmax())
+
+    def uniform(self) -> float:
+        # float64: a float32 uniform can be exactly 0, which would accept a draft with p = 0
+        return float(torch.rand(1, generator=self.generator, dtype=torch.float64, device=self.generator.device))
+
+    def sample(self, logits: torch.Tensor, history: Sequence[int]) -> int:
+        if self.greedy:
+            return int(self.penalized(logits.float(), history).argmax())
+        return self.draw(self.probs(logits, history))

@@ -1,0 +1,217 @@
+"""Iteration-level continuous batching: who runs in the next step, and with how many tokens.
+
+There are no prefill and decode phases: every sequence has `tokens` and `num_computed` (tokens whose
+KV is in the cache), and each step hands out a token budget so sequences catch up. Running sequences
+go first (a decode costs one token, plus its guesses when speculating), then waiting ones are
+admitted with what is left, so a long prompt is prefilled in chunks over several steps while the
+others keep decoding. When blocks run out, the most recently admitted sequence is preempted: its
+blocks are freed (full ones stay findable in the prefix cache) and it is recomputed later from its
+tokens, which gives the same output because sampling state lives with the request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from localrt.backends.base import CancelToken, Timings
+
+from .kv_cache import BlockPool, KVCache, blocks_needed
+from .prefix_cache import ROOT_KEY, PrefixCache
+from .sampling import RequestSampler
+from .speculative import SpecState
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    tokens: list[int]  # prompt + generated
+    prompt_len: int
+    max_len: int  # stop ("length") when tokens reach this
+    sampler: RequestSampler
+    cancel: CancelToken = field(default_factory=CancelToken)
+    spec: SpecState | None = None
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[int] = field(default_factory=list)  # chain keys of the leading full blocks
+    num_computed: int = 0
+    num_preemptions: int = 0
+    finished: bool = False
+    error: BaseException | None = None
+    # reporting
+    timings: Timings = field(default_factory=Timings)
+    arrival_ns: int = field(default_factory=time.perf_counter_ns)
+    first_token_ns: int = 0
+    prefill_fed: int = 0  # tokens fed before the first sampled token
+    on_token: Callable[[Sequence, int, torch.Tensor], bool] | None = None  # (seq, token, its logits) -> stop?
+    on_finish: Callable[[Sequence, str], None] | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    num_tokens: int  # tokens of seq.tokens fed this step
+    num_draft: int = 0  # guesses it may add (blocks are reserved for them)
+    drafts: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, cache: KVCache, prefix_cache: PrefixCache, *,
+                 max_batch_tokens: int = 512, max_seqs: int = 16) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.prefix = prefix_cache
+        self.max_batch_tokens = max_batch_tokens
+        self.max_seqs = max_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.on_release: Callable[[Sequence], None] | None = None  # speculative proposers free their state
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- a step's plan ----------------------------------------------------------------------
+    def schedule(self, draft_len: Callable[[Sequence], int]) -> list[Scheduled]:
+        budget = self.max_batch_tokens
+        plan: list[Scheduled] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            k = draft_len(seq) if seq.pending == 1 else 0
+            n = min(seq.pending, budget)
+            k = max(0, min(k, budget - n))
+            before = len(self.running)
+            grown = self._grow(seq, seq.num_computed + n + k)
+            preempted = preempted or len(self.running) < before
+            if not grown:
+                continue  # seq itself left the running list (preempted or failed)
+            plan.append(Scheduled(seq, n, k))
+            budget -= n + k
+            i += 1
+        if preempted:
+            return plan
+        while self.waiting and len(self.running) < self.max_seqs and budget > 0:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            plan.append(Scheduled(seq, n))
+            budget -= n
+        return plan
+
+    def _grow(self, seq: Sequence, n_tokens: int) -> bool:
+        """Blocks for n_tokens positions, preempting later sequences when the pool is short."""
+        need = blocks_needed(n_tokens, self.pool.block_size) - len(seq.block_table)
+        while need > self.pool.num_free:
+            if len(self.running) == 1:  # alone and still short: it can never fit
+                self.fail(seq, "the sequence does not fit the KV cache (raise the KV cache budget)")
+                return False
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate_many(need))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Attach cached prefix blocks and blocks for the first chunk; returns tokens to feed (0: not now)."""
+        bs = self.pool.block_size
+        match, covered = self.prefix.match(seq.tokens, len(seq.tokens) - 1)  # the last token makes logits
+        n = min(len(seq.tokens) - covered, budget)
+        shared = match.blocks
+        # sharing an evictable block takes it off the free list, so it counts against what is free
+        taken_from_free = sum(1 for b in shared if self.pool.ref_count[b] == 0)
+        if match.partial_block is not None and self.pool.ref_count[match.partial_block] == 0:
+            taken_from_free += 1  # held while it is copied
+        fresh = blocks_needed(covered + n, bs) - len(shared)
+        if fresh + taken_from_free > self.pool.num_free:
+            if not self.running and blocks_needed(len(seq.tokens), bs) > self.pool.num_blocks:
+                self.fail(seq, "the prompt does not fit the KV cache (raise the KV cache budget)")
+            return 0
+        for block in shared:
+            self.pool.retain(block)
+        seq.block_table = list(shared)
+        seq.block_keys = list(match.keys)
+        if match.partial_block is not None:
+            src = match.partial_block
+            self.pool.retain(src)  # the allocation below must not evict the block being copied
+            dst = self.pool.allocate()
+            self.cache.copy_block(src, dst)
+            self.pool.release(src)
+            seq.block_table.append(dst)
+        seq.block_table.extend(self.pool.allocate_many(blocks_needed(covered + n, bs) - len(seq.block_table)))
+        seq.num_computed = covered
+        return n
+
+    # ---- leaving ----------------------------------------------------------------------------
+    def commit(self, seq: Sequence) -> None:
+        """After a step: cache newly full blocks, drop blocks reserved for rejected guesses."""
+        bs = self.pool.block_size
+        keep = blocks_needed(seq.num_computed + 1, bs)  # room for the next token's KV
+        if len(seq.block_table) > keep:
+            self.pool.release_all(seq.block_table[keep:])
+            del seq.block_table[keep:]
+        while len(seq.block_keys) < seq.num_computed // bs:
+            i = len(seq.block_keys)
+            parent = seq.block_keys[-1] if seq.block_keys else ROOT_KEY
+            seq.block_keys.append(self.prefix.insert_full(seq.block_table[i], parent, seq.tokens[i * bs:(i + 1) * bs]))
+
+    def _release(self, seq: Sequence) -> None:
+        """Free a sequence's blocks, keeping its computed tail findable (copy-on-write on reuse)."""
+        bs = self.pool.block_size
+        self.commit(seq)
+        full = len(seq.block_keys)
+        tail = seq.tokens[full * bs:seq.num_computed]
+        if tail and full < len(seq.block_table):
+            parent = seq.block_keys[-1] if seq.block_keys else ROOT_KEY
+            self.prefix.insert_partial(seq.block_table[full], parent, tail)
+        self.pool.release_all(seq.block_table)
+        seq.block_table, seq.block_keys = [], []
+        if self.on_release is not None:
+            self.on_release(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        self._release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.on_finish is not None:
+            seq.on_finish(seq, reason)
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        from localrt.errors import LocalrtError
+
+        seq.error = LocalrtError(message)
+        self.finish(seq, "error")

@@ -1,0 +1,291 @@
+"""Speculative decoding: three proposers, one exact verifier.
+
+A proposer guesses k tokens after a sequence's last token (with the distribution q it drew them
+from, or none for deterministic guesses). The target then scores [last, d1..dk] in one pass, batched
+with every other running sequence, and `verify` keeps a prefix of the guesses:
+
+  accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection draw from
+  norm(max(p_j - q_j, 0)); if every guess survives, draw a bonus token from p_k.
+
+This keeps the target's distribution exactly (Leviathan et al. 2023); a deterministic guess is
+q = one-hot, and greedy decoding reduces to "keep guesses while they equal the target's argmax".
+
+Proposers: `LookupProposer` (prompt-lookup n-grams), `SelfProposer` (the target's first layers +
+its final norm and head, sharing the target's KV cache for those layers) and `DraftModelProposer`
+(a small model with the same vocabulary and its own paged cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .attention import PagedAttention, SeqChunk
+from .kv_cache import BlockPool, KVCache, OutOfBlocks, blocks_needed
+from .sampling import RequestSampler
+
+if TYPE_CHECKING:
+    from .model import Transformer
+    from .scheduler import Sequence as Seq
+
+LOOKUP_NGRAM_SIZES = (4, 3, 2)  # longest first: longer matches predict better
+DEFAULT_NUM_DRAFT = {"lookup": 8, "self": 4, "draft": 4}
+WARMUP_DRAFTS = 24  # drafts seen before a request's acceptance rate is trusted
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    q: torch.Tensor | None = None  # [k, V] draft distributions; None = deterministic guesses
+
+
+@dataclass
+class SpecState:
+    """Per-request speculation settings and statistics."""
+
+    mode: str  # "lookup" | "self" | "draft"
+    k: int
+    cost_per_draft: float  # draft + verify cost of one guess, in units of one target decode step
+    enabled: bool = True
+    drafted: int = 0
+    accepted: int = 0
+    lookup: LookupIndex | None = None
+    draft_fed: list[int] = field(default_factory=list)  # tokens whose KV the draft model's cache holds
+    draft_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 1.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        if self.drafted >= WARMUP_DRAFTS and self.acceptance < break_even_acceptance(self.k, self.cost_per_draft):
+            self.enabled = False  # speculation costs this request more than it saves
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens produced per verify step when each guess survives with probability alpha."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def break_even_acceptance(k: int, cost_per_draft: float) -> float:
+    """The acceptance rate below which k guesses per step are slower than plain decoding."""
+    lo, hi = 0.0, 1.0
+    cost = 1.0 + k * cost_per_draft
+    if expected_tokens(1.0, k) <= cost:
+        return 1.0
+    for _ in range(40):  # expected_tokens is increasing in alpha: bisect
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < cost else (lo, mid)
+    return hi
+
+
+# ---- the verifier --------------------------------------------------------------------------------
+def verify(
+    sampler: RequestSampler,
+    target_logits: torch.Tensor,
+    drafts: Sequence[int],
+    draft_q: torch.Tensor | None,
+    history: Sequence[int],
+) -> tuple[list[int], int]:
+    """target_logits [k+1, V] for [last, d1..dk]; returns (tokens to append, drafts accepted).
+
+    The tokens are the accepted drafts plus one more: the correction after a rejection or the bonus.
+    `history` is the sequence before the drafts (for penalties).
+    """
+    k = len(drafts)
+    hist = list(history)
+    for j in range(k):
+        d = drafts[j]
+        if sampler.greedy:
+            t = int(sampler.penalized(target_logits[j].float(), hist).argmax())
+            if t != d:
+                return [*drafts[:j], t], j
+        else:
+            p = sampler.probs(target_logits[j], hist)
+            q_d = 1.0 if draft_q is None else float(draft_q[j, d])
+            if not (q_d > 0 and sampler.uniform() < min(1.0, float(p[d]) / q_d)):
+                if draft_q is None:
+                    residual = p.clone()
+                    residual[d] = 0.0
+                else:
+                    residual = (p - draft_q[j]).clamp(min=0.0)
+                total = float(residual.sum())
+                # p == q leaves nothing: then any draw from p is exact (the rejection had probability 0)
+                t = sampler.draw(residual / total if total > 0 else p)
+                return [*drafts[:j], t], j
+        hist.append(d)
+    return [*drafts, sampler.sample(target_logits[k], hist)], k
+
+
+# ---- proposers -----------------------------------------------------------------------------------
+class LookupIndex:
+    """Prompt-lookup decoding: the latest earlier occurrence of the last n tokens predicts what follows."""
+
+    def __init__(self, sizes: Sequence[int] = LOOKUP_NGRAM_SIZES) -> None:
+        self.sizes = tuple(sizes)
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.indexed_to = 0  # n-grams ending before this position are indexed
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        end = len(history) - 1  # the n-gram ending at the last token must not find itself
+        for n in self.sizes:
+            table = self.index[n]
+            for e in range(max(self.indexed_to, n), end + 1):
+                table[tuple(history[e - n:e])] = e
+        self.indexed_to = max(self.indexed_to, end + 1)
+        for n in self.sizes:
+            if len(history) < n:
+                continue
+            pos = self.index[n].get(tuple(history[-n:]))
+            if pos is not None:
+                return list(history[pos:pos + k])
+        return []
+
+
+class LookupProposer:
+    cost_per_draft = 0.0  # no model runs to guess
+
+    def propose(self, seqs: Sequence[Seq], ks: Sequence[int]) -> list[Proposal]:
+        out = []
+        for seq, k in zip(seqs, ks):
+            assert seq.spec is not None
+            if seq.spec.lookup is None:
+                seq.spec.lookup = LookupIndex()
+            out.append(Proposal(seq.spec.lookup.propose(seq.tokens, k)))
+        return out
+
+    def release(self, seq: Seq) -> None:
+        pass
+
+
+def _draft_step(model: Transformer, cache: KVCache, chunks: list[SeqChunk], feed: list[int],
+                rows: list[int], device: torch.device, num_layers: int | None) -> torch.Tensor:
+    ctx = PagedAttention(cache, chunks, device)
+    tokens = torch.tensor(feed, dtype=torch.long, device=device)
+    return model(tokens, ctx, num_layers=num_layers, rows=torch.tensor(rows, device=device))
+
+
+def _guess(seqs: Sequence[Seq], logits: torch.Tensor, histories: list[list[int]]) -> tuple[list[int], list[torch.Tensor]]:
+    """One guess per sequence from its draft logits [B, V]: greedy -> argmax, else a draw from q."""
+    tokens, qs = [], []
+    for i, seq in enumerate(seqs):
+        q = seq.sampler.probs(logits[i], histories[i])
+        tokens.append(seq.sampler.draw(q))
+        qs.append(q)
+    return tokens, qs
+
+
+class _ModelProposer:
+    """Shared loop of the model-based proposers: k batched single-token steps of a (smaller) model."""
+
+    def __init__(self, model: Transformer, device: torch.device, num_layers: int | None) -> None:
+        self.model = model
+        self.device = device
+        self.num_layers = num_layers
+
+    def _run(self, seqs: Sequence[Seq], ks: Sequence[int], cache: KVCache,
+             start: Callable[[Seq], tuple[list[int], int, Sequence[int]]]) -> list[Proposal]:
+        """`start(seq)` -> (tokens to feed first, their first position, block table)."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        live = list(range(len(seqs)))
+        first = {i: start(seqs[i]) for i in live}
+        for step in range(max(ks, default=0)):
+            live = [i for i in live if len(drafts[i]) < ks[i]]
+            if not live:
+                break
+            chunks, feed, rows = [], [], []
+            for i in live:
+                if step == 0:
+                    tokens, pos, table = first[i]
+                else:
+                    tokens, pos, table = [drafts[i][-1]], first[i][1] + len(first[i][0]) + step - 1, first[i][2]
+                chunks.append(SeqChunk(len(tokens), pos + len(tokens), table))
+                feed.extend(tokens)
+                rows.append(len(feed) - 1)
+            logits = _draft_step(self.model, cache, chunks, feed, rows, self.device, self.num_layers)
+            live_seqs = [seqs[i] for i in live]
+            histories = [seqs[i].tokens + drafts[i] for i in live]
+            guesses, guess_q = _guess(live_seqs, logits, histories)
+            for j, i in enumerate(live):
+                drafts[i].append(guesses[j])
+                qs[i].append(guess_q[j])
+        return [Proposal(d, torch.stack(q) if q and not s.sampler.greedy else None)
+                for d, q, s in zip(drafts, qs, seqs)]
+
+
+class SelfProposer(_ModelProposer):
+    """The target's first `num_layers` blocks, final norm and head; their KV lives in the target's cache.
+
+    The verify pass recomputes those layers for the same tokens and overwrites the same slots, so
+    guessing costs only the shallow forward passes and no extra memory.
+    """
+
+    def __init__(self, model: Transformer, cache: KVCache, device: torch.device, num_layers: int) -> None:
+        super().__init__(model, device, num_layers)
+        self.cache = cache
+        self.cost_per_draft = num_layers / model.cfg.block_count
+
+    def propose(self, seqs: Sequence[Seq], ks: Sequence[int]) -> list[Proposal]:
+        return self._run(seqs, ks, self.cache, lambda s: ([s.tokens[-1]], len(s.tokens) - 1, s.block_table))
+
+    def release(self, seq: Seq) -> None:
+        pass
+
+
+class DraftModelProposer(_ModelProposer):
+    """A small model with the target's vocabulary, with its own block pool (no prefix sharing)."""
+
+    def __init__(self, model: Transformer, cache: KVCache, pool: BlockPool, device: torch.device,
+                 cost_per_draft: float) -> None:
+        super().__init__(model, device, None)
+        self.cache = cache
+        self.pool = pool
+        self.cost_per_draft = cost_per_draft
+
+    def propose(self, seqs: Sequence[Seq], ks: Sequence[int]) -> list[Proposal]:
+        ready, ready_ks = [], []
+        for seq, k in zip(seqs, ks):
+            if self._reserve(seq, len(seq.tokens) + k):
+                ready.append(seq)
+                ready_ks.append(k)
+        proposals = {id(s): p for s, p in zip(ready, self._run(ready, ready_ks, self.cache, self._catch_up))}
+        for seq in ready:
+            assert seq.spec is not None
+            # the cache now holds every fed token except the last guess
+            seq.spec.draft_fed = seq.tokens + proposals[id(seq)].tokens[:-1]
+        return [proposals.get(id(s), Proposal([])) for s in seqs]
+
+    def _catch_up(self, seq: Seq) -> tuple[list[int], int, Sequence[int]]:
+        assert seq.spec is not None
+        done = 0  # tokens of the draft cache that still match the sequence
+        for a, b in zip(seq.spec.draft_fed, seq.tokens):
+            if a != b:
+                break
+            done += 1
+        done = min(done, len(seq.tokens) - 1)  # refeed at least the last token, for its logits
+        return seq.tokens[done:], done, seq.spec.draft_blocks
+
+    def _reserve(self, seq: Seq, n_tokens: int) -> bool:
+        assert seq.spec is not None
+        need = blocks_needed(n_tokens, self.pool.block_size) - len(seq.spec.draft_blocks)
+        if need <= 0:
+            return True
+        try:
+            seq.spec.draft_blocks.extend(self.pool.allocate_many(need))
+            return True
+        except OutOfBlocks:
+            return False  # no room in the draft cache: this sequence decodes plainly this step
+
+    def release(self, seq: Seq) -> None:
+        if seq.spec is not None:
+            self.pool.release_all(seq.spec.draft_blocks)
+            seq.spec.draft_blocks = []
+            seq.spec.draft_fed = []

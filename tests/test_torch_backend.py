@@ -1,0 +1,141 @@
+"""The torch backend through the protocol, on the real SmolLM2: concurrent streams, prefix caching's time
+to first token, perplexity through `score` against llama.cpp, tokenization shared with llama.cpp.
+
+(`tests/test_backend_conformance.py` runs the common protocol checks on torch as well.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from localrt.backends.base import DoneEvent, GenerateRequest, LoadOptions, SamplingParams  # noqa: E402
+from localrt.backends.torch import TorchBackend, TorchModel  # noqa: E402
+from localrt.errors import LocalrtError  # noqa: E402
+from tests.test_torch_model import english_text  # noqa: E402
+
+CHAT = ("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
+GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_gguf: Path) -> Iterator[TorchModel]:
+    loaded = TorchBackend.load(smollm2_gguf, LoadOptions(num_ctx=2048, num_thread=2, num_batch=512))
+    yield loaded
+    loaded.unload()
+
+
+async def collect(model: TorchModel, request: GenerateRequest) -> tuple[list[int], DoneEvent, float]:
+    """(token ids, done event, seconds to the first text event)."""
+    start = time.perf_counter()
+    first = None
+    ids: list[int] = []
+    done = None
+    async for event in model.generate(request):
+        if isinstance(event, DoneEvent):
+            done = event
+        else:
+            if first is None:
+                first = time.perf_counter() - start
+            ids.extend(event.token_ids)
+    assert done is not None
+    return ids, done, first if first is not None else float("inf")
+
+
+def chat(model: TorchModel, q: str, system: str = "You are a helpful assistant.") -> list[int]:
+    return model.tokenize(CHAT.format(system=system, q=q), add_special=True, parse_special=True)
+
+
+def test_capabilities() -> None:
+    caps = TorchBackend.capabilities()
+    assert caps.speculative == {"draft", "lookup", "self"}
+    assert caps.parallel_slots > 1 and "q8_0" in caps.kv_cache_types and "cpu" in caps.devices
+    assert TorchBackend.availability() == (True, "")
+
+
+def test_tokens_are_llama_cpp_tokens(model: TorchModel, smollm2_gguf: Path) -> None:
+    vocab = llama_cpp.Llama(str(smollm2_gguf), vocab_only=True, verbose=False)
+    text = english_text()[:3000] + " Ünïcödé 東京 🚀 <|im_start|>"
+    assert model.tokenize(text, parse_special=True) == vocab.tokenize(text.encode(), add_bos=True, special=True)
+
+
+def test_concurrent_streams_match_solo_runs(model: TorchModel) -> None:
+    questions = ["What is the capital of France?", "Name three fruits.", "Write a haiku about rain.",
+                 "What is 2 + 2?", "Say hello in Spanish.", "What colour is the sky?"]
+    requests = [GenerateRequest(chat(model, q), GREEDY if i % 2 else SamplingParams(temperature=0.8, seed=i),
+                                num_predict=12 + 3 * i) for i, q in enumerate(questions)]
+
+    async def together() -> list[list[int]]:
+        results = await asyncio.gather(*(collect(model, r) for r in requests))
+        return [ids for ids, _, _ in results]
+
+    async def alone() -> list[list[int]]:
+        return [(await collect(model, r))[0] for r in requests]
+
+    def fresh() -> None:
+        for r in requests:
+            r.cancel = type(r.cancel)()
+
+    batched = asyncio.run(together())
+    fresh()
+    assert batched == asyncio.run(alone())
+    assert model.engine.pool.num_used == 0
+
+
+def test_prefix_cache_cuts_time_to_first_token(model: TorchModel) -> None:
+    """A shared ~1,000-token system prompt: later requests skip its prefill."""
+    system = english_text()[:4000]
+    first = chat(model, "Summarize the text above in one sentence.", system=system)
+    assert 900 < len(first) < 1400
+
+    async def scenario() -> tuple[float, float, int]:
+        _, _, cold = await collect(model, GenerateRequest(first, GREEDY, num_predict=1))
+        _, done, warm = await collect(model, GenerateRequest(chat(model, "Who wrote it?", system=system), GREEDY,
+                                                               num_predict=1))
+        return cold, warm, done.timings.prompt_eval_count
+
+    cold, warm, evaluated = asyncio.run(scenario())
+    assert evaluated < 30
+    assert warm < 0.3 * cold, (cold, warm)
+
+
+def test_score_perplexity_matches_llama_cpp(model: TorchModel, smollm2_gguf: Path) -> None:
+    tokens = model.tokenize(english_text())[:512]
+    ours = asyncio.run(model.score(tokens)).logprobs
+    llm = llama_cpp.Llama(str(smollm2_gguf), logits_all=True, n_ctx=600, n_threads=2, verbose=False)
+    try:
+        llm.eval(tokens)
+        ref = np.array(llm.scores[: len(tokens) - 1], dtype=np.float64)
+    finally:
+        llm.close()
+    ref = ref - ref.max(-1, keepdims=True)
+    ref_lp = ref[np.arange(len(tokens) - 1), tokens[1:]] - np.log(np.exp(ref).sum(-1))
+    ppl_ours, ppl_ref = np.exp(-ours.mean()), np.exp(-ref_lp.mean())
+    assert abs(ppl_ours / ppl_ref - 1) < 0.01, (ppl_ours, ppl_ref)
+
+
+def test_embed_is_normalized_and_deterministic(model: TorchModel) -> None:
+    a, b, a2 = asyncio.run(model.embed(["The cat sat on the mat.", "Quantum chromodynamics", "The cat sat on the mat."]))
+    assert len(a) == 576 and abs(np.linalg.norm(a) - 1) < 1e-6
+    np.testing.assert_allclose(a, a2, atol=1e-6)
+    assert float(np.dot(a, b)) < 0.999
+
+
+def test_unsupported_requests_are_errors(model: TorchModel) -> None:
+    async def consume(request: GenerateRequest) -> None:
+        async for _ in model.generate(request):
+            pass
+
+    with pytest.raises(LocalrtError, match="draft model"):
+        asyncio.run(consume(GenerateRequest(chat(model, "Hi"), GREEDY, num_predict=2, speculative="draft")))
+    with pytest.raises(LocalrtError, match="format"):
+        asyncio.run(consume(GenerateRequest(chat(model, "Hi"), GREEDY, num_predict=2, format="json")))
+    with pytest.raises(LocalrtError, match="kv_cache_type"):
+        TorchModel(Path("/nonexistent.gguf"), LoadOptions(kv_cache_type="q4_0"))
