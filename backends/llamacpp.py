@@ -36,6 +36,7 @@ from localrt.backends.base import (
     log_softmax,
     run_in_thread_stream,
 )
+from localrt.backends.lookup import LookupIndex
 from localrt.errors import LocalrtError, OptionError
 
 NAME = "llama.cpp"
@@ -43,7 +44,6 @@ PIP_HINT = "pip install 'localrt[llama]'  (or: pip install llama-cpp-python)"
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 QUANTIZED_KV = {"q4_0", "q8_0"}
 DEFAULT_NUM_DRAFT = {"draft": 4, "lookup": 8}
-LOOKUP_NGRAM_SIZES = (4, 3, 2)
 MAX_VERIFY_BATCH = 48  # longest first: longer matches predict better
 
 _init_lock = threading.Lock()
@@ -240,28 +240,7 @@ class _Runner:
 
 
 # ---- speculative proposers ---------------------------------------------------------------------
-class LookupProposer:
-    """Prompt-lookup decoding: the latest earlier occurrence of the last n tokens predicts what follows."""
-
-    def __init__(self, sizes: Sequence[int] = LOOKUP_NGRAM_SIZES) -> None:
-        self.sizes = tuple(sizes)
-        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
-        self.indexed_to = 0  # n-grams ending before this position are indexed
-
-    def propose(self, history: Sequence[int], k: int) -> list[int]:
-        end = len(history) - 1  # the n-gram ending at the last token must not find itself
-        for n in self.sizes:
-            table = self.index[n]
-            for e in range(max(self.indexed_to, n), end + 1):
-                table[tuple(history[e - n:e])] = e
-        self.indexed_to = max(self.indexed_to, end + 1)
-        for n in self.sizes:
-            if len(history) < n:
-                continue
-            pos = self.index[n].get(tuple(history[-n:]))
-            if pos is not None:
-                return list(history[pos:pos + k])
-        return []
+LookupProposer = LookupIndex  # the llama.cpp loop proposes from one history
 
 
 class DraftProposer:

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from localrt.backends.lookup import LookupIndex
+
 from .attention import PagedAttention, SeqChunk
 from .kv_cache import BlockPool, KVCache, OutOfBlocks, blocks_needed
 from .sampling import RequestSampler
@@ -31,7 +33,6 @@ if TYPE_CHECKING:
     from .model import Transformer
     from .scheduler import Sequence as Seq
 
-LOOKUP_NGRAM_SIZES = (4, 3, 2)  # longest first: longer matches predict better
 DEFAULT_NUM_DRAFT = {"lookup": 8, "self": 4, "draft": 4}
 WARMUP_DRAFTS = 24  # drafts seen before a request's acceptance rate is trusted
 
@@ -125,30 +126,6 @@ def verify(
 
 
 # ---- proposers -----------------------------------------------------------------------------------
-class LookupIndex:
-    """Prompt-lookup decoding: the latest earlier occurrence of the last n tokens predicts what follows."""
-
-    def __init__(self, sizes: Sequence[int] = LOOKUP_NGRAM_SIZES) -> None:
-        self.sizes = tuple(sizes)
-        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
-        self.indexed_to = 0  # n-grams ending before this position are indexed
-
-    def propose(self, history: Sequence[int], k: int) -> list[int]:
-        end = len(history) - 1  # the n-gram ending at the last token must not find itself
-        for n in self.sizes:
-            table = self.index[n]
-            for e in range(max(self.indexed_to, n), end + 1):
-                table[tuple(history[e - n:e])] = e
-        self.indexed_to = max(self.indexed_to, end + 1)
-        for n in self.sizes:
-            if len(history) < n:
-                continue
-            pos = self.index[n].get(tuple(history[-n:]))
-            if pos is not None:
-                return list(history[pos:pos + k])
-        return []
-
-
 class LookupProposer:
     cost_per_draft = 0.0  # no model runs to guess
 

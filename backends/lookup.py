@@ -1,0 +1,35 @@
+"""Prompt-lookup drafting, shared by every backend: guess the next tokens from the text so far."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+LOOKUP_NGRAM_SIZES = (4, 3, 2)  # longest first: longer matches predict better
+
+
+class LookupIndex:
+    """Prompt-lookup decoding: the latest earlier occurrence of the last n tokens predicts what follows.
+
+    The index grows with the history (each call indexes only the new n-grams), so proposing is
+    amortised O(new tokens) per step rather than a scan of the whole context.
+    """
+
+    def __init__(self, sizes: Sequence[int] = LOOKUP_NGRAM_SIZES) -> None:
+        self.sizes = tuple(sizes)
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.indexed_to = 0  # n-grams ending before this position are indexed
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        end = len(history) - 1  # the n-gram ending at the last token must not find itself
+        for n in self.sizes:
+            table = self.index[n]
+            for e in range(max(self.indexed_to, n), end + 1):
+                table[tuple(history[e - n:e])] = e
+        self.indexed_to = max(self.indexed_to, end + 1)
+        for n in self.sizes:
+            if len(history) < n:
+                continue
+            pos = self.index[n].get(tuple(history[-n:]))
+            if pos is not None:
+                return list(history[pos:pos + k])
+        return []
