@@ -40,6 +40,9 @@ def prompts(kind: str, n: int) -> list[str]:
     return [CHAT.format(q=QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
 
 
+REPEAT = 1  # timed runs per cell; the best one is reported (--repeat, against noisy neighbours)
+
+
 def bench_torch(model, texts: list[str], new: int, mode: str = "off") -> tuple[float, float]:
     """(aggregate tokens/s, acceptance rate) with all requests submitted at once."""
     ids = [model.tokenize(t, add_special=True, parse_special=True) for t in texts]
@@ -56,11 +59,15 @@ def bench_torch(model, texts: list[str], new: int, mode: str = "off") -> tuple[f
         return await asyncio.gather(*(one(t) for t in ids))
 
     asyncio.run(run())  # warm-up (also fills the prefix cache, as a server would be)
-    start = time.perf_counter()
-    results = asyncio.run(run())
-    elapsed = time.perf_counter() - start
-    drafted = sum(r[1] for r in results)
-    return sum(r[0] for r in results) / elapsed, (sum(r[2] for r in results) / drafted if drafted else 0.0)
+    best, acceptance = 0.0, 0.0
+    for _ in range(REPEAT):
+        start = time.perf_counter()
+        results = asyncio.run(run())
+        rate = sum(r[0] for r in results) / (time.perf_counter() - start)
+        if rate > best:
+            drafted = sum(r[1] for r in results)
+            best, acceptance = rate, (sum(r[2] for r in results) / drafted if drafted else 0.0)
+    return best, acceptance
 
 
 def bench_llama_cpp(path: Path, texts: list[str], new: int, threads: int) -> float:
@@ -69,13 +76,15 @@ def bench_llama_cpp(path: Path, texts: list[str], new: int, threads: int) -> flo
     llm = llama_cpp.Llama(str(path), n_ctx=2048, n_threads=threads, verbose=False)
     ids = [llm.tokenize(t.encode(), add_bos=True, special=True) for t in texts]
     llm.create_completion(ids[0], max_tokens=4, temperature=0.0)
-    start, total = time.perf_counter(), 0
-    for tokens in ids:  # one sequence slot: requests queue
-        out = llm.create_completion(tokens, max_tokens=new, temperature=0.0)
-        total += out["usage"]["completion_tokens"]
-    elapsed = time.perf_counter() - start
+    best = 0.0
+    for _ in range(REPEAT):
+        start, total = time.perf_counter(), 0
+        for tokens in ids:  # one sequence slot: requests queue
+            out = llm.create_completion(tokens, max_tokens=new, temperature=0.0)
+            total += out["usage"]["completion_tokens"]
+        best = max(best, total / (time.perf_counter() - start))
     llm.close()
-    return total / elapsed
+    return best
 
 
 def bench_transformers(path: Path, texts: list[str], new: int, device: str) -> float:
@@ -95,11 +104,13 @@ def bench_transformers(path: Path, texts: list[str], new: int, device: str) -> f
     mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
     with torch.inference_mode():
         hf.generate(batch[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=2, do_sample=False)
-        start = time.perf_counter()
-        out = hf.generate(batch, attention_mask=mask, max_new_tokens=new, do_sample=False, min_new_tokens=new,
-                          pad_token_id=pad)
-        elapsed = time.perf_counter() - start
-    return (out.shape[1] - width) * len(ids) / elapsed
+        best = 0.0
+        for _ in range(REPEAT):
+            start = time.perf_counter()
+            out = hf.generate(batch, attention_mask=mask, max_new_tokens=new, do_sample=False, min_new_tokens=new,
+                              pad_token_id=pad)
+            best = max(best, (out.shape[1] - width) * len(ids) / (time.perf_counter() - start))
+    return best
 
 
 def check_cuda_against_cpu(path: Path, threads: int) -> None:
@@ -134,8 +145,11 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--skip", default="", help="comma list of: llama,hf,spec")
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs per cell, best reported")
     ap.add_argument("--peak-gbps", type=float, default=0.0, help="memory bandwidth for utilisation (GPU)")
     args = ap.parse_args()
+    global REPEAT
+    REPEAT = max(1, args.repeat)
     skip = set(filter(None, args.skip.split(",")))
     threads = args.threads or max(1, torch.get_num_threads())
     levels = [int(c) for c in args.concurrency.split(",")]
