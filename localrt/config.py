@@ -76,3 +76,20 @@ def parse_duration(value: str | int | float | None, default: float = 300.0) -> f
 
 def keep_alive_default() -> float:
     return parse_duration(os.environ.get("LOCALRT_KEEP_ALIVE"), 300.0)
+
+
+def server_address() -> tuple[str, str]:
+    """For clients of a running server: (base URL, host:port as configured); a wildcard bind means loopback."""
+    host_name, port = host()
+    shown = f"{host_name}:{port}"
+    if ":" in host_name and not host_name.startswith("["):
+        host_name = f"[{host_name}]"
+    if host_name in ("0.0.0.0", "[::]"):
+        host_name = "127.0.0.1"
+    return f"http://{host_name}:{port}", shown
+
+
+def auth_headers() -> dict[str, str]:
+    """The Authorization header a client sends when LOCALRT_API_KEY is set."""
+    key = os.environ.get("LOCALRT_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}

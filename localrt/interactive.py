@@ -393,23 +393,6 @@ def run_command(args: argparse.Namespace) -> int:
 PS_HEADER = ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
 
 
-def _base_url() -> tuple[str, str]:
-    host, port = config.host()
-    shown = f"{host}:{port}"
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    if host in ("0.0.0.0", "[::]"):
-        host = "127.0.0.1"
-    return f"http://{host}:{port}", shown
-
-
-def _headers() -> dict[str, str]:
-    import os
-
-    key = os.environ.get("LOCALRT_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 def _until(expires_at: str | None) -> str:
     if not expires_at:
         return "Forever"
@@ -436,10 +419,10 @@ def ps_command(args: argparse.Namespace) -> int:
 
     from localrt.cli import human_size, print_table
 
-    url, _ = _base_url()
+    url, _ = config.server_address()
     rows = [PS_HEADER]
     try:
-        response = httpx.get(f"{url}/api/ps", headers=_headers(), timeout=10)
+        response = httpx.get(f"{url}/api/ps", headers=config.auth_headers(), timeout=10)
     except httpx.HTTPError:
         print_table(rows)  # nothing is running, so nothing is loaded
         return 0
@@ -461,10 +444,10 @@ def ps_command(args: argparse.Namespace) -> int:
 def stop_command(args: argparse.Namespace) -> int:
     import httpx
 
-    url, shown = _base_url()
+    url, shown = config.server_address()
     try:
         response = httpx.post(f"{url}/api/generate", json={"model": args.model, "keep_alive": 0},
-                              headers=_headers(), timeout=60)
+                              headers=config.auth_headers(), timeout=60)
     except httpx.HTTPError:
         raise LocalrtError(f"no server running at {shown}") from None
     if response.status_code != 200:

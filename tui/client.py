@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -210,22 +209,7 @@ def _from_thread(work: Any) -> AsyncIterator[Progress]:
 
 
 # ---- over HTTP --------------------------------------------------------------------------------
-
-
-def server_address() -> tuple[str, str]:
-    """(base URL, host:port as the user wrote it) for LOCALRT_HOST; a wildcard bind means loopback."""
-    host, port = config.host()
-    shown = f"{host}:{port}"
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    if host in ("0.0.0.0", "[::]"):
-        host = "127.0.0.1"
-    return f"http://{host}:{port}", shown
-
-
-def _auth_headers() -> dict[str, str]:
-    key = os.environ.get("LOCALRT_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
+server_address = config.server_address
 
 
 class ServerClient:
@@ -243,7 +227,7 @@ class ServerClient:
     @property
     def http(self) -> httpx.AsyncClient:
         if self._http is None:  # made on the app's loop, on first use
-            self._http = httpx.AsyncClient(base_url=self.base_url, headers=_auth_headers(),
+            self._http = httpx.AsyncClient(base_url=self.base_url, headers=config.auth_headers(),
                                            timeout=self._timeout)
         return self._http
 
@@ -381,7 +365,7 @@ def connect(timeout: float = 0.5) -> ChatClient:
     """A running server at LOCALRT_HOST if `GET /` answers 200 there, else the in-process runtime."""
     url, shown = server_address()
     try:
-        if httpx.get(url + "/", timeout=timeout, headers=_auth_headers()).status_code == 200:
+        if httpx.get(url + "/", timeout=timeout, headers=config.auth_headers()).status_code == 200:
             return ServerClient(url, shown)
     except httpx.HTTPError:
         pass
