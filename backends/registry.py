@@ -32,7 +32,7 @@ SPECS: dict[str, BackendSpec] = {
     "llama.cpp": BackendSpec("llama.cpp", "localrt.backends.llamacpp", "LlamaCppBackend", ("llama_cpp",),
                              "pip install 'localrt[llama]'"),
     "mlx": BackendSpec("mlx", "localrt.backends.mlx", "MLXBackend", ("mlx",), "pip install 'localrt[mlx]'"),
-    "torch": BackendSpec("torch", "localrt.backends.torch", "TorchBackend", ("torch",), "pip install 'localrt[torch]'"),
+    "torch": BackendSpec("torch", "localrt.backends.torch", "TorchBackend", ("torch", "numpy", "llama_cpp"), "pip install 'localrt[torch]'"),
 }
 
 
