@@ -215,19 +215,19 @@ class RegistryClient:
                 offset = 0  # the server ignored Range: take the whole body
             else:
                 raise PullError(f"downloading {digest[:19]}: {self.host} answered HTTP {r.status_code}")
-            with open(partial, "ab" if offset else "wb") as out:
-                for block in r.iter_bytes():  # as received, so a resume starts exactly where bytes stopped
-                    if size and offset + len(block) > size:
-                        out.close()
-                        partial.unlink(missing_ok=True)
-                        raise DigestMismatch(f"digest mismatch for {digest}: the registry sent more than "
-                                             f"the {size} bytes its manifest names")
-                    try:
+            try:
+                with open(partial, "ab" if offset else "wb") as out:
+                    for block in r.iter_bytes():  # as received, so a resume starts exactly where bytes stopped
+                        if size and offset + len(block) > size:
+                            out.close()
+                            partial.unlink(missing_ok=True)
+                            raise DigestMismatch(f"digest mismatch for {digest}: the registry sent more than "
+                                                 f"the {size} bytes its manifest names")
                         out.write(block)
-                    except OSError as e:
-                        raise (disk_full(store, size - offset, e) or e) from None
-                    offset += len(block)
-                    on_bytes(offset)
+                        offset += len(block)
+                        on_bytes(offset)
+            except OSError as e:  # a write, or the close that flushes the last buffered bytes
+                raise (disk_full(store, size - offset, e) or e) from None
         if size and offset < size:
             raise _Retryable(f"connection closed at {offset} of {size} bytes")
 
