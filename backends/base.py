@@ -38,7 +38,7 @@ class Capabilities:
     speculative: frozenset[str] = frozenset()  # subset of {"draft", "lookup", "self"}
     kv_cache_types: tuple[str, ...] = ("f16",)
     devices: tuple[str, ...] = ("cpu",)
-    parallel_slots: int = 1
+    parallel_slots: int = 1  # on a loaded model: how many requests it serves at once
 
 
 @dataclass
@@ -54,6 +54,7 @@ class LoadOptions:
     seed: int = -1
     draft_model: Path | None = None  # a GGUF with the same vocabulary, for speculative "draft"
     embedding: bool = False  # also prepare for embed() at load (else created lazily)
+    num_parallel: int = 0  # sequences decoded at once (LOCALRT_NUM_PARALLEL); 0 = the backend's default
 
 
 @dataclass

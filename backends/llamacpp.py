@@ -2,7 +2,9 @@
 
 We drive the decode loop ourselves rather than `Llama.create_completion` so that we control
 prompt-prefix reuse, speculative verification (several positions in one batch, then a KV rollback)
-and per-token logprobs. One context holds one sequence (seq 0); requests take turns on it.
+and per-token logprobs. Parallel slots (LOCALRT_NUM_PARALLEL, default 1) share one set of weights; each
+slot is a context of its own holding one sequence, and a request takes the free slot whose cache already
+holds the longest prefix of its prompt, so a conversation keeps its prefix reuse while others run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -115,7 +118,8 @@ class LlamaCppBackend:
 class _Runner:
     """A llama.cpp model with one context and a record of the tokens its KV cache holds."""
 
-    def __init__(self, path: Path, opts: LoadOptions, n_ctx: int | None = None) -> None:
+    def __init__(self, path: Path, opts: LoadOptions, n_ctx: int | None = None,
+                 share_model_of: _Runner | None = None) -> None:
         llama_cpp = _lib()
         from llama_cpp import _internals
 
@@ -125,17 +129,23 @@ class _Runner:
                 f"kv_cache_type {opts.kv_cache_type!r} is not supported by the llama.cpp backend "
                 f"(supported: {', '.join(KV_TYPES)})"
             )
-        model_params = llama_cpp.llama_model_default_params()
-        use_gpu = gpu_offload_supported()
-        n_gpu = opts.num_gpu if use_gpu else 0
-        model_params.n_gpu_layers = 0x7FFFFFFF if n_gpu < 0 else n_gpu
-        self.on_gpu = use_gpu and n_gpu != 0
-        if not path.is_file():
-            raise LocalrtError(f"model file not found: {path}")
-        try:
-            self.model = _internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
-        except ValueError as e:
-            raise LocalrtError(f"llama.cpp could not load the model: {e}") from None
+        # parallel slots: one set of weights, one context (KV cache) per slot
+        self.owns_model = share_model_of is None
+        if share_model_of is not None:
+            self.model = share_model_of.model
+            self.on_gpu = share_model_of.on_gpu
+        else:
+            model_params = llama_cpp.llama_model_default_params()
+            use_gpu = gpu_offload_supported()
+            n_gpu = opts.num_gpu if use_gpu else 0
+            model_params.n_gpu_layers = 0x7FFFFFFF if n_gpu < 0 else n_gpu
+            self.on_gpu = use_gpu and n_gpu != 0
+            if not path.is_file():
+                raise LocalrtError(f"model file not found: {path}")
+            try:
+                self.model = _internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
+            except ValueError as e:
+                raise LocalrtError(f"llama.cpp could not load the model: {e}") from None
         self.vocab = self.model.vocab
         self.n_vocab = self.model.n_vocab()
         self.n_ctx_train = self.model.n_ctx_train()
@@ -168,12 +178,12 @@ class _Runner:
         try:
             self.ctx = _internals.LlamaContext(model=self.model, params=ctx_params, verbose=False)
         except ValueError as e:
-            self.model.close()
+            if self.owns_model:
+                self.model.close()
             raise LocalrtError(f"llama.cpp could not create a context of {self.n_ctx} tokens: {e}") from None
         self.batch = _internals.LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False)
         self.evaluated: list[int] = []  # exactly the tokens in the KV cache, positions 0..n-1
-        self._piece_cache: dict[tuple[int, bool], bytes] = {}
-        self._piece_buf = ctypes.create_string_buffer(256)
+        self._piece_cache: dict[tuple[int, bool], bytes] = share_model_of._piece_cache if share_model_of else {}
 
     # -- KV cache bookkeeping --
     def common_prefix(self, tokens: Sequence[int]) -> int:
@@ -221,7 +231,7 @@ class _Runner:
         cached = self._piece_cache.get(key)
         if cached is not None:
             return cached
-        buf = self._piece_buf
+        buf = ctypes.create_string_buffer(256)  # per call: slots' threads read pieces concurrently
         n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
@@ -234,7 +244,8 @@ class _Runner:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
 
     def close(self) -> None:
-        for obj in (getattr(self, "batch", None), getattr(self, "ctx", None), getattr(self, "model", None)):
+        owned = getattr(self, "model", None) if getattr(self, "owns_model", True) else None
+        for obj in (getattr(self, "batch", None), getattr(self, "ctx", None), owned):
             if obj is not None:
                 obj.close()
 
@@ -270,6 +281,16 @@ class DraftProposer:
 
 
 # ---- the loaded model ----------------------------------------------------------------------------
+@dataclass
+class _Slot:
+    """One context of a loaded model, serving one request at a time."""
+
+    runner: _Runner
+    draft: _Runner | None = None  # its own draft context, when speculating with a draft model
+    busy: bool = False
+    last_used: float = 0.0
+
+
 class LlamaCppModel:
     backend_name = NAME
 
@@ -279,11 +300,20 @@ class LlamaCppModel:
         self.opts = opts
         self.capabilities = LlamaCppBackend.capabilities()
         self._main = _Runner(path, opts)
-        self._lock = threading.Lock()  # one decode at a time on the context
+        self._slots = [_Slot(self._main)]
+        try:
+            for _ in range(max(1, opts.num_parallel) - 1):
+                self._slots.append(_Slot(_Runner(path, opts, share_model_of=self._main)))
+        except BaseException:
+            self._close_runners([s.runner for s in self._slots])
+            raise
+        self.capabilities = replace(self.capabilities, parallel_slots=len(self._slots))
+        self._free = threading.Condition()  # guards the slots' busy flags and _closed
+        self._closed = False
+        self._embed_lock = threading.Lock()
         self._active: set[CancelToken] = set()
         self._embed_ctx: Any = None
         self._embed_batch: Any = None
-        self._draft: _Runner | None = None
         self._special: list[str] | None = None
         m = self._main
         self.lib = m.lib
@@ -295,23 +325,72 @@ class LlamaCppModel:
         self.eos_token_ids = [t for t in {m.model.token_eos(), m.model.token_eot()} if t >= 0 and m.is_eog(t)]
         self.add_bos = bool(m.model.add_bos_token()) and self.bos_token_id is not None
         if opts.draft_model is not None:
-            self._draft = self._load_draft(Path(opts.draft_model))
+            try:
+                self._load_drafts(Path(opts.draft_model))
+            except BaseException:
+                self._close_runners([r for s in self._slots for r in (s.draft, s.runner) if r is not None])
+                raise
         if opts.embedding:
             self._ensure_embed_ctx()
         self.memory_bytes = self._estimate_memory()
         self.on_gpu = m.on_gpu
         self.load_ns = time.perf_counter_ns() - t0
 
-    def _load_draft(self, path: Path) -> _Runner:
-        draft = _Runner(path, self.opts, n_ctx=self.context_length)
+    def _load_drafts(self, path: Path) -> None:
+        """One draft context per slot, all on one copy of the draft's weights."""
+        first = _Runner(path, self.opts, n_ctx=self.context_length)
         main = self._main
-        same_vocab = draft.n_vocab == main.n_vocab and all(
-            draft.piece(t, True) == main.piece(t, True) for t in range(0, main.n_vocab, max(1, main.n_vocab // 97))
+        same_vocab = first.n_vocab == main.n_vocab and all(
+            first.piece(t, True) == main.piece(t, True) for t in range(0, main.n_vocab, max(1, main.n_vocab // 97))
         )
         if not same_vocab:
-            draft.close()
+            first.close()
             raise LocalrtError(f"draft model {path.name} does not share the model's vocabulary")
-        return draft
+        self._slots[0].draft = first
+        for slot in self._slots[1:]:
+            slot.draft = _Runner(path, self.opts, n_ctx=self.context_length, share_model_of=first)
+
+    @staticmethod
+    def _close_runners(runners: Sequence[_Runner]) -> None:
+        # contexts that borrow weights go first, the runners owning the weights last
+        for runner in sorted(runners, key=lambda r: r.owns_model):
+            runner.close()
+
+    # -- slots --
+    def _take_slot(self, prompt: Sequence[int] | None, cancel: CancelToken | None = None) -> _Slot | None:
+        """Wait for a free slot: the one whose cache `prompt` extends most, else the least recently used.
+
+        None when `cancel` fires while waiting.
+        """
+        with self._free:
+            while True:
+                if self._closed:
+                    raise LocalrtError("the model was unloaded")
+                if cancel is not None and cancel.cancelled:
+                    return None
+                free = [s for s in self._slots if not s.busy]
+                if free:
+                    break
+                self._free.wait(0.05)  # wake up now and then to notice a cancellation
+            slot = min(free, key=lambda s: s.last_used)  # least recently used (empty slots first)
+            if prompt:
+                # reuse a slot whose cache the prompt mostly extends; taking one whose cache it mostly
+                # discards would throw away another conversation's prefix for a few shared tokens
+                def gain(s: _Slot) -> int:
+                    common = s.runner.common_prefix(prompt)
+                    return common - (len(s.runner.evaluated) - common)
+
+                best = max(free, key=gain)
+                if gain(best) > 0:
+                    slot = best
+            slot.busy = True
+            return slot
+
+    def _give_back(self, slot: _Slot) -> None:
+        with self._free:
+            slot.busy = False
+            slot.last_used = time.monotonic()
+            self._free.notify_all()
 
     def _estimate_memory(self) -> int:
         md, arch = self.metadata, self.metadata.get("general.architecture", "llama")
@@ -327,10 +406,11 @@ class LlamaCppModel:
         n_head_kv = num("attention.head_count_kv", n_head)
         head_dim = num("attention.key_length", n_embd // n_head)
         bytes_per = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 1.0625, "q4_0": 0.5625}[self.opts.kv_cache_type]
-        kv = int(2 * n_layer * self.context_length * n_head_kv * head_dim * bytes_per)
+        kv = int(2 * n_layer * self.context_length * n_head_kv * head_dim * bytes_per) * len(self._slots)
         total = int(self._main.model.size()) + kv
-        if self._draft is not None:
-            total += int(self._draft.model.size())
+        draft = self._slots[0].draft
+        if draft is not None:
+            total += int(draft.model.size())
         return total
 
     # -- tokens --
@@ -376,7 +456,7 @@ class LlamaCppModel:
                 f"speculative mode {mode!r} is not supported by the llama.cpp backend "
                 f"(supported: off, auto, {', '.join(sorted(self.capabilities.speculative))})"
             )
-        if mode == "draft" and self._draft is None:
+        if mode == "draft" and self._slots[0].draft is None:
             raise OptionError("speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)")
         if not req.prompt_tokens:
             raise LocalrtError("the prompt is empty")
@@ -430,8 +510,8 @@ class LlamaCppModel:
             chain.add_dist(seed)
         return chain
 
-    def _logprob(self, row: int, token: int, top_n: int) -> TokenLogprob:
-        logits = self._main.logits_row(row)
+    def _logprob(self, runner: _Runner, row: int, token: int, top_n: int) -> TokenLogprob:
+        logits = runner.logits_row(row)
         lp = log_softmax(logits)
         top: list[TopLogprob] = []
         if top_n > 0:
@@ -441,15 +521,21 @@ class LlamaCppModel:
         return TokenLogprob(token, self.detokenize([token]), float(lp[token]), top)
 
     def _generate_blocking(self, req: GenerateRequest, emit: Callable[[Event], None]) -> None:
-        with self._lock:
-            self._active.add(req.cancel)
+        self._active.add(req.cancel)
+        try:
+            slot = self._take_slot(req.prompt_tokens, req.cancel)
+            if slot is None:
+                emit(DoneEvent("cancel", Timings()))
+                return
             try:
-                self._generate_locked(req, emit)
+                self._generate_on(slot, req, emit)
             finally:
-                self._active.discard(req.cancel)
+                self._give_back(slot)
+        finally:
+            self._active.discard(req.cancel)
 
-    def _generate_locked(self, req: GenerateRequest, emit: Callable[[Event], None]) -> None:
-        m = self._main
+    def _generate_on(self, slot: _Slot, req: GenerateRequest, emit: Callable[[Event], None]) -> None:
+        m = slot.runner
         if m.ctx is None or m.ctx.ctx is None:
             raise LocalrtError("the model was unloaded")
         timings = Timings()
@@ -477,12 +563,12 @@ class LlamaCppModel:
         max_new = room if req.num_predict < 0 else min(req.num_predict, room)
         mode = req.speculative
         if mode == "auto":
-            mode = "draft" if self._draft is not None else "off"
+            mode = "draft" if slot.draft is not None else "off"
         proposer: LookupProposer | DraftProposer | None = None
         if mode == "lookup":
             proposer = LookupProposer()
-        elif mode == "draft" and self._draft is not None:
-            proposer = DraftProposer(self._draft)
+        elif mode == "draft" and slot.draft is not None:
+            proposer = DraftProposer(slot.draft)
         # verification batches stay under 64 positions: below that, llama.cpp's CPU kernels give each
         # position exactly the logits of a one-token decode (flash attention on), so greedy output holds
         k_max = min(req.num_draft or DEFAULT_NUM_DRAFT.get(mode, 0), MAX_VERIFY_BATCH - 1)
@@ -509,7 +595,7 @@ class LlamaCppModel:
                     if m.is_eog(token):
                         finish, done = "stop", True
                         break
-                    lp = self._logprob(row, token, req.top_logprobs) if want_lp else None
+                    lp = self._logprob(m, row, token, req.top_logprobs) if want_lp else None
                     event, stopped = text.add(token, m.piece(token), lp)
                     if event is not None:
                         emit(event)
@@ -562,8 +648,10 @@ class LlamaCppModel:
         logits_out = np.zeros((max(0, n - 1), self.n_vocab), dtype=np.float32) if return_logits else None
         if n < 2:
             return ScoreResult(logprobs, logits_out)
-        m = self._main
-        with self._lock:
+        slot = self._take_slot(None)
+        assert slot is not None
+        m = slot.runner
+        try:
             m.truncate(0)
 
             def take(start: int, count: int) -> None:
@@ -582,6 +670,8 @@ class LlamaCppModel:
                         logits_out[first:last] = rows
 
             m.decode(tokens, all_logits=True, on_chunk=take)
+        finally:
+            self._give_back(slot)
         return ScoreResult(logprobs, logits_out)
 
     # -- embeddings --
@@ -615,7 +705,9 @@ class LlamaCppModel:
         return await asyncio.to_thread(self._embed_blocking, list(texts))
 
     def _embed_blocking(self, texts: list[str]) -> list[list[float]]:
-        with self._lock:
+        with self._embed_lock:
+            if self._closed:
+                raise LocalrtError("the model was unloaded")
             self._ensure_embed_ctx()
             ctx, batch, lib = self._embed_ctx, self._embed_batch, self.lib
             n_embd = self._main.model.n_embd()
@@ -642,15 +734,18 @@ class LlamaCppModel:
     # -- lifetime --
     def unload(self) -> None:
         self.cancel()
-        with self._lock:
+        with self._free:
+            if self._closed:
+                return
+            self._closed = True
+            while any(s.busy for s in self._slots):  # running requests end at their next token
+                self._free.wait(0.05)
+        with self._embed_lock:
             for obj in (self._embed_batch, self._embed_ctx):
                 if obj is not None:
                     obj.close()
             self._embed_ctx = self._embed_batch = None
-            if self._draft is not None:
-                self._draft.close()
-                self._draft = None
-            self._main.close()
+        self._close_runners([r for s in self._slots for r in (s.draft, s.runner) if r is not None])
 
 
 def _grammar_for(fmt: str | dict[str, Any]) -> str:

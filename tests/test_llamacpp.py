@@ -151,3 +151,31 @@ def test_lookup_proposer_finds_latest_match() -> None:
     assert p.propose(history, 3) == [7, 8, 2]  # "2 3" last followed by 7 8 ...
     assert p.propose([*history, 7], 2) == [8, 2]  # "3 7" (and "2 3 7") seen before
     assert LookupProposer().propose([1, 2, 3], 4) == []
+
+
+def test_parallel_slots_give_each_request_its_own_output(smollm2_gguf: Path, model: LlamaCppModel) -> None:
+    """Two slots on one set of weights, a draft context per slot: side by side = one at a time."""
+    questions = ["What is the capital of France?", "Name three colours of the rainbow."]
+    alone = [generate(model, GenerateRequest(prompt_tokens=ask(model, q), sampling=GREEDY, num_predict=24))[1]
+             for q in questions]
+    opts = LoadOptions(num_ctx=1024, num_thread=THREADS, num_batch=256, num_parallel=2, draft_model=smollm2_gguf)
+    two = LlamaCppBackend.load(smollm2_gguf, opts)
+    try:
+        assert two.capabilities.parallel_slots == 2
+
+        async def both() -> list[list[int]]:
+            async def one(q: str) -> list[int]:
+                ids: list[int] = []
+                req = GenerateRequest(prompt_tokens=ask(two, q), sampling=GREEDY, num_predict=24, speculative="draft")
+                async for event in two.generate(req):
+                    if isinstance(event, TextEvent):
+                        ids += event.token_ids
+                return ids
+
+            return list(await asyncio.gather(*(one(q) for q in questions)))
+
+        assert asyncio.run(both()) == alone
+    finally:
+        two.unload()
+    with pytest.raises(LocalrtError, match="unloaded"):
+        generate(two, GenerateRequest(prompt_tokens=ask(model, "Hi"), sampling=GREEDY, num_predict=2))

@@ -223,6 +223,76 @@ def test_queue_limit_answers_busy(store: Store) -> None:
     asyncio.run(scenario())
 
 
+def test_parallel_slots_serve_requests_side_by_side(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOCALRT_NUM_PARALLEL=2: a short request finishes while a long one is still streaming."""
+    monkeypatch.setenv("LOCALRT_NUM_PARALLEL", "2")
+
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            story = [{"role": "user", "content": "Tell me a very long story about dragons."}]
+            long = rt.chat("smollm2:135m", story, options={"num_predict": 900, "temperature": 0.8, "seed": 1})
+            await long.__anext__()  # streaming, holding one slot
+            text, done = await collect(rt.chat("smollm2:135m", FRANCE))
+            assert "Paris" in text and done.done_reason == "stop"
+            assert rt.queue_depth() == {"smollm2:135m": 1}  # the story is still running
+            await long.aclose()
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+def test_one_slot_serves_waiting_requests_in_arrival_order(store: Store) -> None:
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            story = [{"role": "user", "content": "Tell me a very long story about dragons."}]
+            first = rt.chat("smollm2:135m", story, options={"num_predict": 300})
+            await first.__anext__()  # running, holding the only slot
+            finished: list[int] = []
+
+            async def ask(i: int) -> None:
+                await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 2}))
+                finished.append(i)
+
+            waiting = []
+            for i in range(4):
+                waiting.append(asyncio.ensure_future(ask(i)))
+                await asyncio.sleep(0.02)  # arrive one after another
+            assert rt.queue_depth() == {"smollm2:135m": 5}
+            await first.aclose()
+            await asyncio.gather(*waiting)
+            assert finished == [0, 1, 2, 3]
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+def test_each_conversation_keeps_its_slot_and_its_prefix(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two slots, two interleaved conversations: each second turn evaluates only its new tokens."""
+    monkeypatch.setenv("LOCALRT_NUM_PARALLEL", "2")
+
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            chats = [list(FRANCE), [{"role": "user", "content": "Write one sentence about the sea."}]]
+            firsts = []
+            for msgs in chats:
+                answer, done = await collect(rt.chat("smollm2:135m", msgs, options={"num_predict": 24}))
+                msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Thank you!"}]
+                firsts.append(done)
+            for msgs in chats:
+                _, done = await collect(rt.chat("smollm2:135m", msgs, options={"num_predict": 4}))
+                _, full = await rt.render("smollm2:135m", [{"role": "system", "content": SYSTEM}, *msgs])
+                assert done.metrics is not None and done.metrics.prompt_eval_count < len(full) // 3
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
 def test_load_time_option_change_reloads(store: Store) -> None:
     async def scenario() -> None:
         rt = Runtime(store)

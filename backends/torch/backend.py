@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -184,12 +185,13 @@ class TorchModel:
             context_length=self.context_length,
             kv_cache_type=opts.kv_cache_type,
             kv_budget_bytes=kv_budget_bytes,
-            max_seqs=MAX_SEQS,
+            max_seqs=opts.num_parallel or MAX_SEQS,
             max_batch_tokens=max_batch_tokens or max(64, opts.num_batch),
             self_spec_layers=self_spec_layers,
             eos_token_ids=eog or tuple(self.eos_token_ids),
         )
         self.engine = Engine(self.model, config, self.device, draft_model=draft)
+        self.capabilities = replace(self.capabilities, parallel_slots=config.max_seqs)
         self.memory_bytes = param_bytes(self.model) + self.engine.cache.nbytes
         if draft is not None:
             self.memory_bytes += param_bytes(draft)

@@ -30,7 +30,7 @@ from localrt.backends.base import (
     TokenLogprob,
 )
 from localrt.errors import LocalrtError, ModelNotFound, OptionError, ServerBusy
-from localrt.runtime.options import Options
+from localrt.runtime.options import Options, num_parallel
 from localrt.runtime.templates import ChatTemplate, RenderedPrompt, select_template, tokenize_rendered
 from localrt.runtime.toolcalls import could_be_tool_call, parse_tool_calls
 from localrt.store.store import ResolvedModel, Store
@@ -109,7 +109,7 @@ class _Entry:
     draft_path: Path | None
     model: LoadedModel
     template: ChatTemplate
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    slots: asyncio.Semaphore = field(default_factory=asyncio.Semaphore)  # sized by the backend; FIFO, so fair
     refs: int = 0  # requests holding or waiting for this entry
     last_used: float = field(default_factory=time.monotonic)
     keep_alive: float = 300.0
@@ -343,7 +343,7 @@ class Runtime:
             try:
                 entry, loaded_now = await self._acquire(resolved, opts)
                 if exclusive:
-                    await entry.lock.acquire()  # one request at a time per model (llama.cpp: one slot)
+                    await entry.slots.acquire()  # as many generations at once as the model has slots
                     locked = True
             except BaseException:
                 if entry is not None:
@@ -356,7 +356,7 @@ class Runtime:
                 yield entry, load_ns
             finally:
                 if locked:
-                    entry.lock.release()
+                    entry.slots.release()
                 await self._release(entry, keep_alive)
         finally:
             self._inflight[key] -= 1
@@ -366,7 +366,7 @@ class Runtime:
         backend = registry.resolve(opts.backend)
         draft = self._draft_path(resolved, opts)
         load_key = (backend, str(resolved.model_path), opts.num_ctx, opts.num_thread, opts.num_gpu,
-                    opts.kv_cache_type, opts.flash_attn, opts.num_batch)
+                    opts.kv_cache_type, opts.flash_attn, opts.num_batch, num_parallel())
         async with self._cond:
             while True:
                 entry = self._entries.get(key)
@@ -455,8 +455,9 @@ class Runtime:
         except BaseException:
             await asyncio.to_thread(model.unload)
             raise
+        slots = asyncio.Semaphore(max(1, model.capabilities.parallel_slots))
         return _Entry(key=key, resolved=resolved, backend=backend_name, load_key=load_key, draft_path=draft,
-                      model=model, template=template)
+                      model=model, template=template, slots=slots)
 
     def _make_template(self, resolved: ResolvedModel, model: LoadedModel) -> ChatTemplate:
         source = select_template(resolved.template, model.metadata.get("tokenizer.chat_template"))

@@ -59,6 +59,23 @@ def _default_kv_cache_type() -> str:
     return os.environ.get("LOCALRT_KV_CACHE_TYPE", "").strip().lower() or "f16"
 
 
+MAX_NUM_PARALLEL = 256
+
+
+def num_parallel() -> int:
+    """LOCALRT_NUM_PARALLEL: sequences a loaded model serves at once; 0 or unset lets the backend decide."""
+    raw = os.environ.get("LOCALRT_NUM_PARALLEL", "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_NUM_PARALLEL:
+        raise OptionError(f"LOCALRT_NUM_PARALLEL must be an integer from 1 to {MAX_NUM_PARALLEL}, got {raw!r}")
+    return value
+
+
 def _default_backend() -> str:
     return os.environ.get("LOCALRT_BACKEND", "").strip() or "auto"
 
@@ -146,7 +163,7 @@ class Options:
         return LoadOptions(
             num_ctx=num_ctx, num_thread=self.num_thread, num_gpu=self.num_gpu,
             kv_cache_type=self.kv_cache_type, flash_attn=self.flash_attn, num_batch=self.num_batch, seed=self.seed,
-            draft_model=draft_path,
+            draft_model=draft_path, num_parallel=num_parallel(),
         )
 
     def max_new_tokens(self, prompt_tokens: int, context_length: int) -> int:
