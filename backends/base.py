@@ -17,11 +17,12 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:  # numpy comes with the backends' extras, not with the base install
     import numpy as np
 
+T = TypeVar("T")
 FinishReason = Literal["stop", "length", "cancel"]
 SPECULATIVE_MODES = ("off", "draft", "lookup", "self", "auto")
 KV_CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0", "fp8")
@@ -294,37 +295,48 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 async def run_in_thread_stream(
-    work: Callable[[Callable[[Event], None]], None], cancel: CancelToken
-) -> AsyncIterator[Event]:
-    """Run `work(emit)` in a worker thread and yield what it emits, without blocking the loop.
+    work: Callable[[Callable[[T], None]], None], cancel: CancelToken | None = None, *,
+    wait: bool = True, name: str = "localrt-worker",
+) -> AsyncIterator[T]:
+    """Run blocking `work(emit)` in a thread of its own and yield what it emits, without blocking the loop.
 
-    When the consumer stops early (client gone, `aclose()`), the request is cancelled and the
-    worker is awaited, so the model is free again when this generator finishes.
+    The one bridge from blocking producers (decode loops, pulls, creates) to async consumers. A thread of
+    its own rather than the loop's executor: that pool has fewer workers than a model can have slots.
+    When the consumer stops early (client gone, `aclose()`), `cancel` is set and, with `wait`, the worker
+    is awaited, so the model is free again when this generator finishes. An error in `work` is raised
+    in the consumer.
     """
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-    sentinel = object()
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    finished: asyncio.Future[None] = loop.create_future()
 
-    def emit(event: Event) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, event)
+    def post(callback: Callable[..., object], *args: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop has closed (a pull still running at exit): nobody is listening
+            pass
 
     def target() -> None:
         try:
-            work(emit)
-        except BaseException as e:  # handed to the consumer and raised there
-            loop.call_soon_threadsafe(queue.put_nowait, e)
+            work(lambda item: post(queue.put_nowait, ("item", item)))
+            post(queue.put_nowait, ("done", None))
+        except BaseException as e:
+            post(queue.put_nowait, ("error", e))
         finally:
-            loop.call_soon_threadsafe(queue.put_nowait, sentinel)
+            post(lambda: finished.done() or finished.set_result(None))
 
-    future = loop.run_in_executor(None, target)
+    threading.Thread(target=target, daemon=True, name=name).start()
     try:
         while True:
-            item = await queue.get()
-            if item is sentinel:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+            kind, value = await queue.get()
+            if kind == "item":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                return
     finally:
-        cancel.cancel()
-        await asyncio.shield(future)
+        if cancel is not None:
+            cancel.cancel()
+        if wait:
+            await asyncio.shield(finished)

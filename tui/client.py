@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -18,6 +17,7 @@ from typing import Any, Protocol
 import httpx
 
 from localrt import config
+from localrt.backends.base import run_in_thread_stream
 from localrt.errors import BackendUnavailable, LocalrtError, ModelNotFound, PullError
 from localrt.runtime.manager import Chunk, Metrics
 from localrt.store.pull import Progress
@@ -142,7 +142,7 @@ class RuntimeClient:
         def work(emit: Any) -> None:
             pull(model, store=self.store, insecure=insecure, progress=emit)
 
-        return _from_thread(work)
+        return run_in_thread_stream(work, wait=False, name="localrt-tui-pull")
 
     async def delete(self, model: str) -> None:
         from localrt.store.names import parse_name
@@ -179,33 +179,6 @@ class RuntimeClient:
     async def close(self) -> None:
         if self._runtime is not None:
             await self._runtime.close()
-
-
-def _from_thread(work: Any) -> AsyncIterator[Progress]:
-    """Run blocking `work(emit)` in a daemon thread and yield what it emits; its error ends the stream."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-    def target() -> None:
-        try:
-            work(lambda item: loop.call_soon_threadsafe(queue.put_nowait, ("item", item)))
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", None))
-        except BaseException as e:  # handed to the consumer, which raises it on the app's loop
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
-
-    threading.Thread(target=target, daemon=True, name="localrt-tui-pull").start()
-
-    async def events() -> AsyncIterator[Progress]:
-        while True:
-            kind, value = await queue.get()
-            if kind == "item":
-                yield value
-            elif kind == "done":
-                return
-            else:
-                raise value
-
-    return events()
 
 
 # ---- over HTTP --------------------------------------------------------------------------------

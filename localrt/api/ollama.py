@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
-import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -15,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from localrt import __version__
 from localrt.api.streaming import first_and_rest, ndjson_response
+from localrt.backends.base import run_in_thread_stream
 from localrt.errors import LocalrtError
 from localrt.runtime.manager import Chunk, Metrics, Runtime
 from localrt.store.names import normalize_digest, parse_name
@@ -132,32 +131,6 @@ async def copy(request: Request, body: Body) -> Response:
     return Response(status_code=200)
 
 
-async def stream_from_thread(work: Callable[[Callable[[dict[str, Any]], None]], None]) -> AsyncIterator[dict]:
-    """Run blocking `work(emit)` in a thread and yield what it emits; its exception ends the stream."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-    def emit(item: dict[str, Any]) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, ("item", item))
-
-    def target() -> None:
-        try:
-            work(emit)
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", None))
-        except BaseException as e:  # delivered to the consumer, which raises it there
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
-
-    threading.Thread(target=target, daemon=True).start()
-    while True:
-        kind, value = await queue.get()
-        if kind == "item":
-            yield value
-        elif kind == "done":
-            return
-        else:
-            raise value
-
-
 def progress_dict(event: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"status": event.status}
     for key in ("digest", "total", "completed"):
@@ -188,7 +161,7 @@ async def pull(request: Request, body: Body) -> Response:
     def work(emit: Callable[[dict[str, Any]], None]) -> None:
         do_pull(name, store=store, insecure=insecure, progress=lambda e: emit(progress_dict(e)))
 
-    return await respond(stream_from_thread(work), getattr(body, "stream", True) is not False)
+    return await respond(run_in_thread_stream(work, wait=False, name="localrt-pull"), getattr(body, "stream", True) is not False)
 
 
 @router.post("/api/create")
@@ -203,7 +176,7 @@ async def create(request: Request, body: Body) -> Response:
         create_from_request(name, fields, store=store, progress=lambda status: emit({"status": status}))
         emit({"status": "success"})
 
-    return await respond(stream_from_thread(work), fields.get("stream", True) is not False)
+    return await respond(run_in_thread_stream(work, wait=False, name="localrt-create"), fields.get("stream", True) is not False)
 
 
 @router.head("/api/blobs/{digest}")
