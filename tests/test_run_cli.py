@@ -200,3 +200,27 @@ def test_interactive_chat(store: Store) -> None:
         assert term.wait() == 0
     finally:
         term.kill()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3, 1.0])
+def test_ctrl_c_before_the_first_token_keeps_the_chat(store: Store, delay: float) -> None:
+    """Ctrl-C while a long prompt is still being evaluated: back to the prompt, nothing lost."""
+    term = Terminal("run", "smollm2:135m")
+    try:
+        term.read_until(">>> ")
+        mark = len(term.seen)
+        long_prompt = " ".join(["The lighthouse keeper counted the ships in the rocky strait."] * 60)
+        term.send(f"Summarise: {long_prompt}\n")
+        term.read_until(r"strait\.\r?\n", since=mark)  # the line is in (readline may scroll its echo)
+        time.sleep(delay)
+        term.send("\x03")
+        term.read_until(r"\^C[\s\S]*>>> ", since=mark)
+        # the chat goes on: the interrupted question was dropped, the next one is answered
+        mark = len(term.seen)
+        term.send("What is the capital of France?\n")
+        term.read_until("Paris", since=mark + 30)
+        term.read_until(">>> ", since=mark + 30)
+        term.send("/bye\n")
+        assert term.wait() == 0
+    finally:
+        term.kill()

@@ -243,12 +243,7 @@ class ServerClient:
             message = item.get("message") or {}
             metrics = None
             if item.get("done"):
-                metrics = Metrics(
-                    total_ns=item.get("total_duration", 0), load_ns=item.get("load_duration", 0),
-                    prompt_eval_count=item.get("prompt_eval_count", 0),
-                    prompt_eval_ns=item.get("prompt_eval_duration", 0), eval_count=item.get("eval_count", 0),
-                    eval_ns=item.get("eval_duration", 0), draft_count=item.get("draft_count", 0),
-                    draft_accepted_count=item.get("draft_accepted_count", 0))
+                metrics = Metrics.from_ollama(item)
             yield Chunk(model=item.get("model", model), content=message.get("content") or "",
                         done=bool(item.get("done")), done_reason=item.get("done_reason"),
                         tool_calls=message.get("tool_calls"), metrics=metrics)

@@ -218,13 +218,7 @@ def runtime_of(request: Request) -> Runtime:
 
 
 def metrics_fields(m: Metrics | None) -> dict[str, Any]:
-    if m is None:
-        return {}
-    out = {"total_duration": m.total_ns, "load_duration": m.load_ns, "prompt_eval_count": m.prompt_eval_count,
-           "prompt_eval_duration": m.prompt_eval_ns, "eval_count": m.eval_count, "eval_duration": m.eval_ns}
-    if m.draft_count:
-        out.update(draft_count=m.draft_count, draft_accepted_count=m.draft_accepted_count)
-    return out
+    return m.to_ollama() if m is not None else {}
 
 
 def chunk_to_generate(chunk: Chunk) -> dict[str, Any]:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from localrt import config
 from localrt.backends import registry
@@ -27,6 +28,7 @@ from localrt.backends.base import (
     LoadedModel,
     ScoreResult,
     TextEvent,
+    Timings,
     TokenLogprob,
 )
 from localrt.errors import LocalrtError, ModelNotFound, OptionError, ServerBusy
@@ -43,17 +45,27 @@ class ContextLengthError(LocalrtError):
 
 
 @dataclass
-class Metrics:
-    """Ollama's final-chunk numbers, in nanoseconds."""
+class Metrics(Timings):
+    """Ollama's final-chunk numbers, in nanoseconds: the backend's timings plus the request's total."""
 
     total_ns: int = 0
-    load_ns: int = 0
-    prompt_eval_count: int = 0
-    prompt_eval_ns: int = 0
-    eval_count: int = 0
-    eval_ns: int = 0
-    draft_count: int = 0
-    draft_accepted_count: int = 0
+
+    # our field -> the name on Ollama's wire (the draft counts are ours, sent only when speculating)
+    WIRE: ClassVar[dict[str, str]] = {
+        "total_ns": "total_duration", "load_ns": "load_duration", "prompt_eval_count": "prompt_eval_count",
+        "prompt_eval_ns": "prompt_eval_duration", "eval_count": "eval_count", "eval_ns": "eval_duration",
+        "draft_count": "draft_count", "draft_accepted_count": "draft_accepted_count",
+    }
+
+    def to_ollama(self) -> dict[str, int]:
+        out = {wire: getattr(self, name) for name, wire in self.WIRE.items()}
+        if not self.draft_count:
+            del out["draft_count"], out["draft_accepted_count"]
+        return out
+
+    @classmethod
+    def from_ollama(cls, item: Mapping[str, Any]) -> Metrics:
+        return cls(**{name: int(item.get(wire) or 0) for name, wire in cls.WIRE.items()})
 
 
 @dataclass
@@ -545,13 +557,8 @@ class Runtime:
             final_content = content if calls else "".join(held)
         else:
             final_content = ""
-        t = done.timings
-        metrics = Metrics(
-            total_ns=time.perf_counter_ns() - start, load_ns=load_ns,
-            prompt_eval_count=t.prompt_eval_count, prompt_eval_ns=t.prompt_eval_ns,
-            eval_count=t.eval_count, eval_ns=t.eval_ns,
-            draft_count=t.draft_count, draft_accepted_count=t.draft_accepted_count,
-        )
+        metrics = Metrics(**{**dataclasses.asdict(done.timings), "load_ns": load_ns,
+                             "total_ns": time.perf_counter_ns() - start})
         yield Chunk(
             model=name, content=final_content, done=True, done_reason=done.finish_reason,
             tool_calls=calls or None, logprobs=(lps or None) if not stream else None, metrics=metrics,
