@@ -154,17 +154,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return eval_command(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from localrt.bench import bench_command
+
+    return bench_command(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from localrt.server import serve_command
 
     return serve_command(args)
-
-
-def not_done(feature: str) -> Handler:
-    def handler(args: argparse.Namespace) -> int:
-        raise LocalrtError(f"'localrt {feature}' is not implemented yet (see README, 'Not done yet')")
-
-    return handler
 
 
 # ---- parser ----------------------------------------------------------------------------------
@@ -248,10 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
 
-    for name, help_text in (("bench", "measure TTFT and tokens/s"),):
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=not_done(name))
+    p = sub.add_parser("bench", help="measure TTFT, decode tokens/s and aggregate throughput")
+    p.add_argument("model", help="model name")
+    p.add_argument("--backend", default=None)
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated request counts (default 1,4,16)")
+    p.add_argument("--spec", default=None, choices=["off", "auto", "draft", "lookup", "self"],
+                   help="speculative decoding mode")
+    p.add_argument("--num-predict", type=int, default=128, help="tokens per request (default 128)")
+    p.add_argument("--prompt", default=None, help="one prompt for every request (default: varied questions)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

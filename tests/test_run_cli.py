@@ -114,6 +114,38 @@ def test_auto_pull_when_missing(models_dir: Path, smollm2_gguf: Path) -> None:
     assert Store(models_dir).exists(__import__("localrt.store.names", fromlist=["parse_name"]).parse_name(name))
 
 
+def test_bench_reports_each_concurrency(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCALRT_NUM_PARALLEL", "2")
+    result = localrt("bench", "smollm2:135m", "--concurrency", "1,2", "--num-predict", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["backend"] == "llama.cpp" and [r["concurrency"] for r in report["rounds"]] == [1, 2]
+    for r in report["rounds"]:
+        # greedy, 8 tokens each unless an answer ends first
+        assert r["requests"] == r["concurrency"] and 0 < r["tokens"] <= 8 * r["requests"]
+        assert r["aggregate_tps"] > 0 and r["decode_tps_median"] > 0
+        assert 0 < r["ttft_ms_median"] <= r["ttft_ms_max"] and r["acceptance"] is None
+    copy = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog"
+    result = localrt("bench", "smollm2:135m", "--concurrency", "1", "--num-predict", "24", "--spec", "lookup",
+                     "--prompt", copy)
+    assert result.returncode == 0, result.stderr
+    header, row = result.stdout.splitlines()[1:3]
+    assert header.split()[0] == "concurrency" and row.split()[0] == "1"
+    assert row.split()[-1].endswith("%")  # lookup drafted, so an acceptance rate is shown
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--concurrency", "0"], "--concurrency must be"),
+    (["--concurrency", "two"], "--concurrency must be"),
+    (["--num-predict", "0"], "--num-predict must be at least 1"),
+    (["--spec", "fast"], "invalid choice"),
+])
+def test_bench_bad_arguments(store: Store, args: list[str], message: str) -> None:
+    result = localrt("bench", "smollm2:135m", *args)
+    assert result.returncode != 0 and message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
 def test_ps_and_stop_without_a_server() -> None:
     result = localrt("ps")
     assert result.returncode == 0
