@@ -223,17 +223,23 @@ def test_queue_limit_answers_busy(store: Store) -> None:
     asyncio.run(scenario())
 
 
-def test_parallel_slots_serve_requests_side_by_side(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """LOCALRT_NUM_PARALLEL=2: a short request finishes while a long one is still streaming."""
-    monkeypatch.setenv("LOCALRT_NUM_PARALLEL", "2")
+@pytest.mark.parametrize("backend,parallel", [("llama.cpp", "2"), ("torch", "")])
+def test_parallel_slots_serve_requests_side_by_side(store: Store, monkeypatch: pytest.MonkeyPatch,
+                                                    backend: str, parallel: str) -> None:
+    """Two slots on llama.cpp (LOCALRT_NUM_PARALLEL=2), the torch engine's batch by default: a short
+    request finishes while a long one is still streaming."""
+    if backend == "torch":
+        pytest.importorskip("torch")
+    monkeypatch.setenv("LOCALRT_NUM_PARALLEL", parallel)
 
     async def scenario() -> None:
         rt = Runtime(store)
         try:
             story = [{"role": "user", "content": "Tell me a very long story about dragons."}]
-            long = rt.chat("smollm2:135m", story, options={"num_predict": 900, "temperature": 0.8, "seed": 1})
+            long = rt.chat("smollm2:135m", story,
+                           options={"num_predict": 900, "temperature": 0.8, "seed": 1, "backend": backend})
             await long.__anext__()  # streaming, holding one slot
-            text, done = await collect(rt.chat("smollm2:135m", FRANCE))
+            text, done = await collect(rt.chat("smollm2:135m", FRANCE, options={"backend": backend}))
             assert "Paris" in text and done.done_reason == "stop"
             assert rt.queue_depth() == {"smollm2:135m": 1}  # the story is still running
             await long.aclose()
