@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from schemathesis.config import SchemathesisConfig
 from schemathesis.generation.modes import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from localrt.api.app import create_app
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
 from tests.gguf_factory import write_tiny_llama
@@ -107,3 +109,21 @@ def test_openapi_schema(case: Any, server: LocalrtServer) -> None:
     excluded = [positive_data_acceptance] if path in STATEFUL else []
     case.validate_response(response, excluded_checks=excluded)
     assert server.proc.poll() is None  # still serving (the log is checked for tracebacks at the end)
+
+
+def test_every_json_route_documents_its_body(tmp_path: Path) -> None:
+    """In-process: the schema the run above fuzzes has a body model per JSON route and no framework 422."""
+    doc = create_app(store=Store(tmp_path)).openapi()
+    operation_ids = []
+    for path, operations in doc["paths"].items():
+        for method, operation in operations.items():
+            operation_ids.append(operation["operationId"])
+            assert "422" not in operation["responses"], (method, path)
+            if method in ("post", "delete") and not path.startswith("/api/blobs"):
+                ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+                body = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+                assert body["type"] == "object" and body["properties"], (method, path)
+                assert "model" in body.get("required", []) or path == "/api/copy", (method, path)
+    assert len(operation_ids) == len(set(operation_ids))
+    options = doc["components"]["schemas"]["GenerateRequest"]["properties"]["options"]["anyOf"][0]
+    assert options["properties"]["num_ctx"]["minimum"] == 1 and options["additionalProperties"] is False

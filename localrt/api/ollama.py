@@ -31,6 +31,17 @@ def rfc3339(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).astimezone().isoformat()
 
 
+def expiry(ts: float | None) -> str:
+    """`expires_at` of /api/ps: a keep_alive of 1e300 seconds is past any date, so it reads as forever."""
+    try:
+        return rfc3339(ts) if ts else FOREVER
+    except (OverflowError, ValueError, OSError):
+        return FOREVER
+
+
+FOREVER = "0001-01-01T00:00:00Z"  # Go's zero time, what Ollama shows for a model kept until stopped
+
+
 def model_details(store: Store, resolved: ResolvedModel) -> dict[str, Any]:
     """`details` as Ollama fills it, from the config blob (written at import) or the GGUF header."""
     cfg = resolved.config
@@ -63,7 +74,7 @@ async def root() -> str:
     return "localrt is running"
 
 
-@router.get("/api/version", responses=ERRORS)
+@router.get("/api/version", responses={200: wire.ok(wire.VersionResponse), **ERRORS})
 @router.head("/api/version", operation_id="version_head", responses=ERRORS)
 async def version() -> dict[str, str]:
     return {"version": __version__}
@@ -74,7 +85,7 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/api/tags", responses=ERRORS)
+@router.get("/api/tags", responses={200: wire.ok(wire.TagsResponse), **ERRORS})
 @router.head("/api/tags", operation_id="tags_head", responses=ERRORS)
 async def tags(request: Request) -> dict[str, Any]:
     store = store_of(request)
@@ -97,7 +108,8 @@ def required_model(f: dict[str, Any], key: str = "model") -> str:
     return value
 
 
-@router.post("/api/show", openapi_extra=wire.request_body(wire.ModelRequest), responses=MODEL_ERRORS)
+@router.post("/api/show", openapi_extra=wire.request_body(wire.ModelRequest),
+             responses={200: wire.ok(wire.ShowResponse), **MODEL_ERRORS})
 async def show(request: Request) -> dict[str, Any]:
     from localrt.show import modelfile_text, parameter_lines, template_of
     from localrt.store.gguf import read_gguf
@@ -242,14 +254,14 @@ async def blob_upload(request: Request, digest: BlobDigest) -> Response:
     return Response(status_code=201)
 
 
-@router.get("/api/ps", responses=ERRORS)
+@router.get("/api/ps", responses={200: wire.ok(wire.PsResponse), **ERRORS})
 async def ps(request: Request) -> dict[str, Any]:
     runtime = request.app.state.runtime
     rows = runtime.ps() if runtime is not None else []
     return {"models": [{
         "name": row.name, "model": row.name, "size": row.size, "digest": row.digest.split(":", 1)[-1],
         "details": row.details, "size_vram": row.size_vram, "context_length": row.context_length,
-        "expires_at": rfc3339(row.expires_at) if row.expires_at else "0001-01-01T00:00:00Z",
+        "expires_at": expiry(row.expires_at),
         "backend": row.backend, "processor": row.processor} for row in rows]}
 
 
@@ -342,7 +354,7 @@ async def generation_response(request: Request, chunks: AsyncIterator[Chunk], st
 
 
 @router.post("/api/generate", openapi_extra=wire.request_body(wire.GenerateRequest),
-             responses={200: STREAMED, **GENERATION_ERRORS})
+             responses={200: wire.ok(wire.GenerateResponse, STREAMED), **GENERATION_ERRORS})
 async def generate(request: Request) -> Response:
     f = await wire.read_json(request, wire.GenerateRequest)
     runtime = runtime_of(request)
@@ -362,7 +374,7 @@ async def generate(request: Request) -> Response:
 
 
 @router.post("/api/chat", openapi_extra=wire.request_body(wire.ChatRequest),
-             responses={200: STREAMED, **GENERATION_ERRORS})
+             responses={200: wire.ok(wire.ChatResponse, STREAMED), **GENERATION_ERRORS})
 async def chat(request: Request) -> Response:
     f = await wire.read_json(request, wire.ChatRequest)
     runtime = runtime_of(request)
@@ -385,7 +397,8 @@ async def chat(request: Request) -> Response:
     return await generation_response(request, chunks, stream, chunk_to_chat)
 
 
-@router.post("/api/embed", openapi_extra=wire.request_body(wire.EmbedRequest), responses=GENERATION_ERRORS)
+@router.post("/api/embed", openapi_extra=wire.request_body(wire.EmbedRequest),
+             responses={200: wire.ok(wire.EmbedResponse), **GENERATION_ERRORS})
 async def embed(request: Request) -> dict[str, Any]:
     f = await wire.read_json(request, wire.EmbedRequest)
     inputs = f.get("input") or ""  # null or absent: only load the model, as Ollama does
@@ -397,7 +410,7 @@ async def embed(request: Request) -> dict[str, Any]:
 
 
 @router.post("/api/embeddings", openapi_extra=wire.request_body(wire.EmbeddingsRequest),
-             responses=GENERATION_ERRORS)
+             responses={200: wire.ok(wire.EmbeddingsResponse), **GENERATION_ERRORS})
 async def embeddings_legacy(request: Request) -> dict[str, Any]:
     f = await wire.read_json(request, wire.EmbeddingsRequest)
     prompt = f.get("prompt") or ""
@@ -407,7 +420,8 @@ async def embeddings_legacy(request: Request) -> dict[str, Any]:
     return {"embedding": result.embeddings[0] if prompt else []}
 
 
-@router.post("/api/tokenize", openapi_extra=wire.request_body(wire.TokenizeRequest), responses=GENERATION_ERRORS)
+@router.post("/api/tokenize", openapi_extra=wire.request_body(wire.TokenizeRequest),
+             responses={200: wire.ok(wire.TokenizeResponse), **GENERATION_ERRORS})
 async def tokenize(request: Request) -> dict[str, Any]:
     f = await wire.read_json(request, wire.TokenizeRequest)
     text = f.get("text") if f.get("text") is not None else f.get("content") or ""
@@ -420,7 +434,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
 
 
 @router.post("/api/detokenize", openapi_extra=wire.request_body(wire.DetokenizeRequest),
-             responses=GENERATION_ERRORS)
+             responses={200: wire.ok(wire.DetokenizeResponse), **GENERATION_ERRORS})
 async def detokenize(request: Request) -> dict[str, Any]:
     f = await wire.read_json(request, wire.DetokenizeRequest)
     tokens = f.get("tokens")

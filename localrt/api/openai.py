@@ -31,14 +31,14 @@ def model_object(display: str, created: float, owner: str) -> dict[str, Any]:
     return {"id": display, "object": "model", "created": int(created), "owned_by": owner}
 
 
-@router.get("/models", responses=ERRORS)
+@router.get("/models", responses={200: wire.ok(wire.ModelList), **ERRORS})
 async def list_models(request: Request) -> dict[str, Any]:
     entries = request.app.state.store.list_models()
     return {"object": "list",
             "data": [model_object(e.name.display, e.modified, e.name.namespace) for e in entries]}
 
 
-@router.get("/models/{model_id:path}", responses=wire.error_responses(True, 404))
+@router.get("/models/{model_id:path}", responses={200: wire.ok(wire.ModelObject), **wire.error_responses(True, 404)})
 async def get_model(request: Request,
                     model_id: Annotated[str, Path(json_schema_extra=wire.NAME_SCHEMA)]) -> dict[str, Any]:
     wanted = parse_name(model_id)
@@ -204,7 +204,7 @@ def sse_error(e: LocalrtError) -> dict[str, Any]:
 
 # ---- routes ------------------------------------------------------------------------------------
 @router.post("/chat/completions", openapi_extra=wire.request_body(wire.ChatCompletionRequest),
-             responses={200: SSE, **GENERATION_ERRORS})
+             responses={200: wire.ok(wire.ChatCompletion, SSE), **GENERATION_ERRORS})
 async def chat_completions(request: Request) -> Response:
     f = await wire.read_json(request, wire.ChatCompletionRequest)
     model = f.get("model")
@@ -266,7 +266,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 @router.post("/completions", openapi_extra=wire.request_body(wire.CompletionRequest),
-             responses={200: SSE, **GENERATION_ERRORS})
+             responses={200: wire.ok(wire.Completion, SSE), **GENERATION_ERRORS})
 async def completions(request: Request) -> Response:
     f = await wire.read_json(request, wire.CompletionRequest)
     model = f.get("model")
@@ -319,7 +319,7 @@ async def completions(request: Request) -> Response:
 
 
 @router.post("/embeddings", openapi_extra=wire.request_body(wire.OpenAIEmbeddingsRequest),
-             responses=GENERATION_ERRORS)
+             responses={200: wire.ok(wire.EmbeddingList), **GENERATION_ERRORS})
 async def embeddings(request: Request) -> dict[str, Any]:
     f = await wire.read_json(request, wire.OpenAIEmbeddingsRequest)
     model = f.get("model")

@@ -57,6 +57,11 @@ def error_text(errors: list[Any]) -> tuple[str, str | None]:
     return "; ".join(parts[:3]) or "invalid request", first
 
 
+def _no_constant(name: str) -> Any:
+    """NaN and Infinity are not JSON (Python's reader accepts them; Ollama's and OpenAI's do not)."""
+    raise ValueError(name)
+
+
 async def read_json(request: Request, model: type[BaseModel]) -> dict[str, Any]:
     """The body (whatever its Content-Type, as Ollama reads it), type-checked, with the fields the client
     sent and nothing added; integral numbers such as 5.0 become ints, as JSON Schema counts them."""
@@ -64,7 +69,7 @@ async def read_json(request: Request, model: type[BaseModel]) -> dict[str, Any]:
     if not raw.strip():
         raise RequestBodyError("missing request body")
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
         raise RequestBodyError("invalid JSON in request body") from None
     if not isinstance(data, dict):
@@ -398,3 +403,185 @@ _REASONS = {400: "bad request", 401: "API key required", 403: "Host or Origin no
             404: "model not found", 413: "request body too large", 499: "client closed the request",
             501: "backend not available here", 502: "registry unreachable or failed",
             503: "server busy (queue full)"}
+
+
+# ---- 200 bodies (documentation only; the fields every client relies on, more may follow) ---------
+class Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class VersionResponse(Out):
+    version: str
+
+
+class ModelDetails(Out):
+    format: str
+    family: str
+    families: list[str] | None = None
+    parameter_size: str
+    quantization_level: str
+
+
+class TagModel(Out):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: ModelDetails
+
+
+class TagsResponse(Out):
+    models: list[TagModel]
+
+
+class ShowResponse(Out):
+    license: str
+    modelfile: str
+    parameters: str
+    template: str
+    system: str
+    details: ModelDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+
+
+class RunningModel(Out):
+    name: str
+    model: str
+    size: int
+    digest: str
+    expires_at: str
+    size_vram: int
+    context_length: int
+
+
+class PsResponse(Out):
+    models: list[RunningModel]
+
+
+class Timings(Out):
+    done: bool
+    done_reason: str | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+
+
+class GenerateResponse(Timings):
+    model: str
+    created_at: str
+    response: str
+    context: list[int] | None = None
+
+
+class ChatMessageOut(Out):
+    role: Literal["assistant"]
+    content: str
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatResponse(Timings):
+    model: str
+    created_at: str
+    message: ChatMessageOut
+
+
+class EmbedResponse(Out):
+    model: str
+    embeddings: list[list[float]]
+    prompt_eval_count: int
+
+
+class EmbeddingsResponse(Out):
+    embedding: list[float]
+
+
+class TokenizeResponse(Out):
+    model: str
+    tokens: list[int]
+
+
+class DetokenizeResponse(Out):
+    model: str
+    text: str
+
+
+class ModelObject(Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(Out):
+    object: Literal["list"]
+    data: list[ModelObject]
+
+
+class Usage(Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionMessage(Out):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(Out):
+    index: int
+    message: CompletionMessage
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class ChatCompletion(Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(Out):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class Completion(Out):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class EmbeddingObject(Out):
+    object: Literal["embedding"]
+    embedding: list[float] | str  # str: base64 of little-endian float32
+    index: int
+
+
+class EmbeddingUsage(Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(Out):
+    object: Literal["list"]
+    data: list[EmbeddingObject]
+    model: str
+    usage: EmbeddingUsage
+
+
+def ok(model: type[BaseModel], base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The 200 entry of `responses=`: `model` documents the application/json body."""
+    return {**(base or {}), "model": model}
