@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -71,6 +72,8 @@ def parse_duration(value: str | int | float | None, default: float = 300.0) -> f
                 raise LocalrtError(f"invalid duration: {value!r} (use e.g. 30s, 5m, 1h, -1)") from None
             scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
             seconds = sum(float(n) * scale[u] for n, u in parts)
+    if math.isnan(seconds):  # float("nan") parses; a NaN timer would unload at once and break expiry dates
+        raise LocalrtError(f"invalid duration: {value!r} (use e.g. 30s, 5m, 1h, -1)")
     return float("inf") if seconds < 0 else seconds
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from localrt.store.importer import import_gguf
+from localrt.store.store import Store
+from tests.gguf_factory import write_tiny_llama
 from tests.servers.serve import LocalrtServer
 
 KEY = "s3cret-key"
@@ -134,3 +138,140 @@ def test_openai_error_shape(server: LocalrtServer) -> None:
     assert r.status_code == 404
     assert r.json() == {"error": {"message": "model 'nosuch' not found", "type": "not_found_error",
                                   "param": None, "code": None}}
+
+
+# ---- bad input on every route (hand-written; tests/test_api_schema.py fuzzes the same routes) ----
+@pytest.fixture(scope="module")
+def model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalrtServer]:
+    """A server with a tiny real model, so checks that come after the model lookup are reached."""
+    root = tmp_path_factory.mktemp("api-bad-input")
+    import_gguf(Store(root / "models"), TINY, write_tiny_llama(root / "tiny.gguf", context_length=128))
+    srv = LocalrtServer(root / "models", root / "serve.log")
+    yield srv
+    srv.stop()
+    assert "Traceback" not in srv.log_path.read_text(errors="replace")
+
+
+TINY = "tiny:latest"
+GEN = {"num_predict": 4, "num_thread": 1, "temperature": 0}
+
+
+def call(server: LocalrtServer, method: str, path: str, body: object) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.request(method, server.url + path, content=content, timeout=60)
+
+
+def error_message(r: httpx.Response) -> str:
+    err = r.json()["error"]
+    return err["message"] if isinstance(err, dict) else err
+
+
+@pytest.mark.parametrize("method, path, body, field", [
+    ("POST", "/api/generate", {"model": TINY, "prompt": 5}, "prompt"),
+    ("POST", "/api/generate", {"model": TINY, "stream": "yes"}, "stream"),
+    ("POST", "/api/generate", {"model": TINY, "context": [1, "two"]}, "context"),
+    ("POST", "/api/chat", {"model": TINY, "messages": "hi"}, "messages"),
+    ("POST", "/api/chat", {"model": TINY, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ("POST", "/api/embed", {"model": TINY, "input": 7}, "input"),
+    ("POST", "/api/embeddings", {"model": TINY, "prompt": [1]}, "prompt"),
+    ("POST", "/api/tokenize", {"model": TINY, "text": 1}, "text"),
+    ("POST", "/api/detokenize", {"model": TINY, "tokens": ["a"]}, "tokens"),
+    ("POST", "/api/show", {"model": 5}, "model"),
+    ("DELETE", "/api/delete", {"model": []}, "model"),
+    ("POST", "/api/copy", {"source": TINY, "destination": 1}, "destination"),
+    ("POST", "/api/pull", {"model": "x", "insecure": "yes"}, "insecure"),
+    ("POST", "/api/create", {"model": "x", "files": [1]}, "files"),
+    ("POST", "/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": 1}]}, "messages"),
+    ("POST", "/v1/chat/completions", {"model": TINY, "messages": [], "stream": 1}, "messages"),
+    ("POST", "/v1/completions", {"model": TINY, "prompt": {}}, "prompt"),
+    ("POST", "/v1/embeddings", {"model": TINY, "input": 5}, "input"),
+    ("POST", "/api/generate", [TINY], "JSON object"),
+    ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "invalid JSON"),
+])
+def test_wrong_types_are_400_naming_the_field(model_server: LocalrtServer, method: str, path: str, body: object,
+                                              field: str) -> None:
+    r = call(model_server, method, path, body)
+    assert r.status_code == 400, r.text
+    assert field in error_message(r)
+    if path.startswith("/v1/"):
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path, body, option", [
+    ("/api/generate", {"options": {"num_ctx": -1}}, "num_ctx"),
+    ("/api/generate", {"options": {"temperature": 1e9}}, "temperature"),
+    ("/api/chat", {"messages": [], "options": {"top_k": "many"}}, "top_k"),
+    ("/api/chat", {"messages": [], "options": {"seed": True}}, "seed"),
+    ("/api/embed", {"input": "x", "options": {"bogus": 1}}, "bogus"),
+    ("/api/generate", {"options": {"num_predict": -7}}, "num_predict"),
+    ("/api/generate", {"keep_alive": "nan"}, "duration"),
+    ("/api/generate", {"top_logprobs": 99}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -5}, "max_tokens"),
+])
+def test_negative_or_absurd_options_are_400(model_server: LocalrtServer, path: str, body: dict, option: str) -> None:
+    r = call(model_server, "POST", path, {"model": TINY, "stream": False, **body})
+    assert r.status_code == 400, r.text
+    assert option in error_message(r)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/api/generate", {"prompt": "hi"}), ("/api/chat", {"messages": []}), ("/api/embed", {"input": "x"}),
+    ("/api/embeddings", {"prompt": ""}), ("/api/tokenize", {"text": "x"}), ("/api/show", {}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/completions", {"prompt": "x"}), ("/v1/embeddings", {"input": "x"}),
+])
+def test_unknown_model_is_404_naming_it(model_server: LocalrtServer, path: str, body: dict) -> None:
+    r = call(model_server, "POST", path, {"model": "no-such-model:7b", "stream": False, **body})
+    assert r.status_code == 404, r.text
+    assert "no-such-model:7b" in error_message(r)
+
+
+# Regressions for what schemathesis found (each was a 500, a missing header or a wrong 200).
+def test_405_names_the_allowed_methods(model_server: LocalrtServer) -> None:
+    r = httpx.get(model_server.url + "/api/generate")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+def test_embed_with_null_input_loads_the_model(model_server: LocalrtServer) -> None:
+    r = call(model_server, "POST", "/api/embed", {"model": TINY, "input": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == TINY
+
+
+def test_legacy_embeddings_needs_a_model_even_for_an_empty_prompt(model_server: LocalrtServer) -> None:
+    r = call(model_server, "POST", "/api/embeddings", {"prompt": None})
+    assert r.status_code == 400 and "model is required" in r.json()["error"]
+    r = call(model_server, "POST", "/api/embeddings", {"model": TINY, "prompt": "", "options": {"flash_attn": {}}})
+    assert r.status_code == 400 and "flash_attn" in r.json()["error"]
+    assert call(model_server, "POST", "/api/embeddings", {"model": TINY, "prompt": ""}).json() == {"embedding": []}
+
+
+@pytest.mark.parametrize("method, path, key", [("POST", "/api/show", "model"), ("DELETE", "/api/delete", "model"),
+                                               ("POST", "/api/copy", "source"), ("POST", "/api/create", "from")])
+def test_host_longer_than_a_file_name_is_400(model_server: LocalrtServer, method: str, path: str, key: str) -> None:
+    name = "h" * 300 + "/ns/model:tag"  # the host becomes one directory name in the store
+    body = {"model": "dst", "destination": "dst", key: name}
+    r = call(model_server, method, path, body)
+    assert r.status_code == 400, r.text
+    assert "invalid model name" in r.json()["error"]
+
+
+def test_keep_alive_past_any_date_reads_as_forever(model_server: LocalrtServer) -> None:
+    r = call(model_server, "POST", "/api/generate", {"model": TINY, "prompt": "hi", "stream": False,
+                                                     "keep_alive": 1e300, "options": GEN})
+    assert r.status_code == 200, r.text
+    ps = httpx.get(model_server.url + "/api/ps")
+    assert ps.status_code == 200, ps.text
+    [row] = [m for m in ps.json()["models"] if m["name"] == TINY]
+    assert row["expires_at"] == "0001-01-01T00:00:00Z"
+
+
+def test_integral_numbers_count_as_integers(model_server: LocalrtServer) -> None:
+    """JSON Schema's integer includes 300.0; the schema says integer, so the server takes it as 300."""
+    as_float = call(model_server, "POST", "/api/detokenize", {"model": TINY, "tokens": [300.0, 301]})
+    as_int = call(model_server, "POST", "/api/detokenize", {"model": TINY, "tokens": [300, 301]})
+    assert as_float.status_code == 200, as_float.text
+    assert as_float.json() == as_int.json()
+    assert call(model_server, "POST", "/api/detokenize", {"model": TINY, "tokens": [300.5]}).status_code == 400

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 from localrt import __version__, config
 from localrt.api.metrics import Metrics as ServerMetrics
 from localrt.api.metrics import RequestCounter
+from localrt.api.schemas import error_text, openapi_schema
 from localrt.api.security import DEFAULT_MAX_BODY, SecurityMiddleware, error_body
 from localrt.errors import LocalrtError
 from localrt.store.store import Store
@@ -27,16 +28,6 @@ def is_openai_path(request: Request) -> bool:
 
 def error_response(request: Request, status: int, message: str) -> JSONResponse:
     return JSONResponse(error_body(message, status, is_openai_path(request)), status_code=status)
-
-
-def validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        if err.get("type") == "json_invalid" or (err.get("type") == "missing" and not loc):
-            return "invalid JSON in request body" if err.get("type") == "json_invalid" else "missing request body"
-        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts) or "invalid request"
 
 
 def create_app(*, store: Store | None = None, runtime: Any = None, bind_host: str = "127.0.0.1",
@@ -60,11 +51,13 @@ def create_app(*, store: Store | None = None, runtime: Any = None, bind_host: st
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(request, 400, validation_message(exc))
+        return error_response(request, 400, error_text(list(exc.errors()))[0])
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(request, exc.status_code, str(exc.detail))
+        response = error_response(request, exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # e.g. the Allow list of a 405, which RFC 9110 requires
+        return response
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -75,6 +68,7 @@ def create_app(*, store: Store | None = None, runtime: Any = None, bind_host: st
 
     app.include_router(ollama.router)
     app.include_router(openai.router)
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     app.add_middleware(RequestCounter, metrics=app.state.metrics)
     app.add_middleware(SecurityMiddleware, bind_host=bind_host,
                        api_key=api_key if api_key is not None else os.environ.get("LOCALRT_API_KEY") or None,

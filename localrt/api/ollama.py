@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict
 
 from localrt import __version__
+from localrt.api import schemas as wire
 from localrt.api.streaming import first_and_rest, ndjson_response
 from localrt.backends.base import run_in_thread_stream
 from localrt.errors import LocalrtError
@@ -22,16 +22,23 @@ from localrt.store.store import ResolvedModel, Store
 router = APIRouter()
 
 
-class Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
 def store_of(request: Request) -> Store:
     return request.app.state.store
 
 
 def rfc3339(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).astimezone().isoformat()
+
+
+def expiry(ts: float | None) -> str:
+    """`expires_at` of /api/ps: a keep_alive of 1e300 seconds is past any date, so it reads as forever."""
+    try:
+        return rfc3339(ts) if ts else FOREVER
+    except (OverflowError, ValueError, OSError):
+        return FOREVER
+
+
+FOREVER = "0001-01-01T00:00:00Z"  # Go's zero time, what Ollama shows for a model kept until stopped
 
 
 def model_details(store: Store, resolved: ResolvedModel) -> dict[str, Any]:
@@ -49,22 +56,36 @@ def model_details(store: Store, resolved: ResolvedModel) -> dict[str, Any]:
             "parameter_size": cfg.get("model_type", ""), "quantization_level": cfg.get("file_type", "")}
 
 
-@router.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse)
+ERRORS = wire.error_responses(False)
+MODEL_ERRORS = wire.error_responses(False, 404)
+GENERATION_ERRORS = wire.error_responses(False, 404, 499, 501, 503)
+STREAMED = wire.STREAMED
+
+
+# documented, not enforced here: normalize_digest gives the clearer error
+BlobDigest = Annotated[str, Path(json_schema_extra={"pattern": wire.DIGEST_PATTERN})]
+
+
+# GET and HEAD as two routes (stacked decorators), so each has its own operationId in /openapi.json.
+@router.get("/", response_class=PlainTextResponse, responses=ERRORS)
+@router.head("/", response_class=PlainTextResponse, operation_id="root_head", responses=ERRORS)
 async def root() -> str:
     return "localrt is running"
 
 
-@router.api_route("/api/version", methods=["GET", "HEAD"])
+@router.get("/api/version", responses={200: wire.ok(wire.VersionResponse), **ERRORS})
+@router.head("/api/version", operation_id="version_head", responses=ERRORS)
 async def version() -> dict[str, str]:
     return {"version": __version__}
 
 
-@router.get("/health")
+@router.get("/health", responses=ERRORS)
 async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.api_route("/api/tags", methods=["GET", "HEAD"])
+@router.get("/api/tags", responses={200: wire.ok(wire.TagsResponse), **ERRORS})
+@router.head("/api/tags", operation_id="tags_head", responses=ERRORS)
 async def tags(request: Request) -> dict[str, Any]:
     store = store_of(request)
     models = []
@@ -79,18 +100,20 @@ async def tags(request: Request) -> dict[str, Any]:
     return {"models": models}
 
 
-def required_model(body: Body, key: str = "model") -> str:
-    value = getattr(body, key, None) or (getattr(body, "name", None) if key == "model" else None)
+def required_model(f: dict[str, Any], key: str = "model") -> str:
+    value = f.get(key) or (f.get("name") if key == "model" else None)
     if not isinstance(value, str) or not value:
         raise LocalrtError(f"{key} is required")
     return value
 
 
-@router.post("/api/show")
-async def show(request: Request, body: Body) -> dict[str, Any]:
+@router.post("/api/show", openapi_extra=wire.request_body(wire.ModelRequest),
+             responses={200: wire.ok(wire.ShowResponse), **MODEL_ERRORS})
+async def show(request: Request) -> dict[str, Any]:
     from localrt.show import modelfile_text, parameter_lines, template_of
     from localrt.store.gguf import read_gguf
 
+    body = await wire.read_json(request, wire.ModelRequest)
     store = store_of(request)
     resolved = store.resolve(parse_name(required_model(body)))
     info = read_gguf(resolved.model_path)
@@ -113,9 +136,9 @@ async def show(request: Request, body: Body) -> dict[str, Any]:
     }
 
 
-@router.delete("/api/delete")
-async def delete(request: Request, body: Body) -> Response:
-    name = parse_name(required_model(body))
+@router.delete("/api/delete", openapi_extra=wire.request_body(wire.ModelRequest), responses=MODEL_ERRORS)
+async def delete(request: Request) -> Response:
+    name = parse_name(required_model(await wire.read_json(request, wire.ModelRequest)))
     runtime = request.app.state.runtime
     if runtime is not None:
         with contextlib.suppress(LocalrtError):
@@ -124,8 +147,9 @@ async def delete(request: Request, body: Body) -> Response:
     return Response(status_code=200)
 
 
-@router.post("/api/copy")
-async def copy(request: Request, body: Body) -> Response:
+@router.post("/api/copy", openapi_extra=wire.request_body(wire.CopyRequest), responses=MODEL_ERRORS)
+async def copy(request: Request) -> Response:
+    body = await wire.read_json(request, wire.CopyRequest)
     src, dst = parse_name(required_model(body, "source")), parse_name(required_model(body, "destination"))
     store_of(request).copy(src, dst)
     return Response(status_code=200)
@@ -151,42 +175,49 @@ async def respond(items: AsyncIterator[dict[str, Any]], stream: bool) -> Respons
     return ndjson_response(all_items)
 
 
-@router.post("/api/pull")
-async def pull(request: Request, body: Body) -> Response:
+@router.post("/api/pull", openapi_extra=wire.request_body(wire.PullRequest),
+             responses={200: STREAMED, **wire.error_responses(False, 404, 502)})
+async def pull(request: Request) -> Response:
     from localrt.store.pull import pull as do_pull
 
+    body = await wire.read_json(request, wire.PullRequest)
     name = parse_name(required_model(body))
-    store, insecure = store_of(request), bool(getattr(body, "insecure", False))
+    store, insecure = store_of(request), body.get("insecure") is True
 
     def work(emit: Callable[[dict[str, Any]], None]) -> None:
         do_pull(name, store=store, insecure=insecure, progress=lambda e: emit(progress_dict(e)))
 
-    return await respond(run_in_thread_stream(work, wait=False, name="localrt-pull"), getattr(body, "stream", True) is not False)
+    return await respond(run_in_thread_stream(work, wait=False, name="localrt-pull"),
+                         body.get("stream", True) is not False)
 
 
-@router.post("/api/create")
-async def create(request: Request, body: Body) -> Response:
+@router.post("/api/create", openapi_extra=wire.request_body(wire.CreateRequest),
+             responses={200: STREAMED, **MODEL_ERRORS})
+async def create(request: Request) -> Response:
     from localrt.store.modelfile import create_from_request
 
+    fields = await wire.read_json(request, wire.CreateRequest)
     store = store_of(request)
-    name = parse_name(required_model(body))
-    fields = body.model_dump()
+    name = parse_name(required_model(fields))
 
     def work(emit: Callable[[dict[str, Any]], None]) -> None:
         create_from_request(name, fields, store=store, progress=lambda status: emit({"status": status}))
         emit({"status": "success"})
 
-    return await respond(run_in_thread_stream(work, wait=False, name="localrt-create"), fields.get("stream", True) is not False)
+    return await respond(run_in_thread_stream(work, wait=False, name="localrt-create"),
+                         fields.get("stream", True) is not False)
 
 
-@router.head("/api/blobs/{digest}")
-async def blob_exists(request: Request, digest: str) -> Response:
+@router.head("/api/blobs/{digest}", responses=wire.error_responses(False, 404))
+async def blob_exists(request: Request, digest: BlobDigest) -> Response:
     exists = store_of(request).has_blob(normalize_digest(digest))
     return Response(status_code=200 if exists else 404)
 
 
-@router.post("/api/blobs/{digest}")
-async def blob_upload(request: Request, digest: str) -> Response:
+@router.post("/api/blobs/{digest}", responses={201: {"description": "stored"}, **ERRORS}, openapi_extra={
+    "requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                          "format": "binary"}}}}})
+async def blob_upload(request: Request, digest: BlobDigest) -> Response:
     digest = normalize_digest(digest)
     store = store_of(request)
     if store.has_blob(digest):
@@ -198,14 +229,14 @@ async def blob_upload(request: Request, digest: str) -> Response:
     return Response(status_code=201)
 
 
-@router.get("/api/ps")
+@router.get("/api/ps", responses={200: wire.ok(wire.PsResponse), **ERRORS})
 async def ps(request: Request) -> dict[str, Any]:
     runtime = request.app.state.runtime
     rows = runtime.ps() if runtime is not None else []
     return {"models": [{
         "name": row.name, "model": row.name, "size": row.size, "digest": row.digest.split(":", 1)[-1],
         "details": row.details, "size_vram": row.size_vram, "context_length": row.context_length,
-        "expires_at": rfc3339(row.expires_at) if row.expires_at else "0001-01-01T00:00:00Z",
+        "expires_at": expiry(row.expires_at),
         "backend": row.backend, "processor": row.processor} for row in rows]}
 
 
@@ -291,9 +322,10 @@ async def generation_response(request: Request, chunks: AsyncIterator[Chunk], st
     return ndjson_response(items)
 
 
-@router.post("/api/generate")
-async def generate(request: Request, body: Body) -> Response:
-    f = body.model_dump()
+@router.post("/api/generate", openapi_extra=wire.request_body(wire.GenerateRequest),
+             responses={200: wire.ok(wire.GenerateResponse, STREAMED), **GENERATION_ERRORS})
+async def generate(request: Request) -> Response:
+    f = await wire.read_json(request, wire.GenerateRequest)
     runtime = runtime_of(request)
     context = f.get("context")
     if context is not None and (not isinstance(context, list) or not all(isinstance(t, int) for t in context)):
@@ -303,16 +335,17 @@ async def generate(request: Request, body: Body) -> Response:
         raise LocalrtError("prompt must be a string")
     stream = bool_field(f, "stream", True)
     chunks = runtime.generate(
-        required_model(body), prompt, system=optional_str(f, "system"), raw=bool_field(f, "raw", False),
+        required_model(f), prompt, system=optional_str(f, "system"), raw=bool_field(f, "raw", False),
         context=context, options=f.get("options"), format=f.get("format") or None,
         keep_alive=f.get("keep_alive"), logprobs=bool_field(f, "logprobs", False),
         top_logprobs=f.get("top_logprobs") or 0, stream=stream)
     return await generation_response(request, chunks, stream, chunk_to_generate)
 
 
-@router.post("/api/chat")
-async def chat(request: Request, body: Body) -> Response:
-    f = body.model_dump()
+@router.post("/api/chat", openapi_extra=wire.request_body(wire.ChatRequest),
+             responses={200: wire.ok(wire.ChatResponse, STREAMED), **GENERATION_ERRORS})
+async def chat(request: Request) -> Response:
+    f = await wire.read_json(request, wire.ChatRequest)
     runtime = runtime_of(request)
     messages = f.get("messages") or []
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -327,59 +360,60 @@ async def chat(request: Request, body: Body) -> Response:
         raise LocalrtError("tools must be a list")
     stream = bool_field(f, "stream", True)
     chunks = runtime.chat(
-        required_model(body), messages, options=f.get("options"), tools=tools or None,
+        required_model(f), messages, options=f.get("options"), tools=tools or None,
         format=f.get("format") or None, keep_alive=f.get("keep_alive"), logprobs=bool_field(f, "logprobs", False),
         top_logprobs=f.get("top_logprobs") or 0, stream=stream)
     return await generation_response(request, chunks, stream, chunk_to_chat)
 
 
-@router.post("/api/embed")
-async def embed(request: Request, body: Body) -> dict[str, Any]:
-    f = body.model_dump()
-    inputs = f.get("input", "")
-    result = await runtime_of(request).embed(required_model(body), inputs, options=f.get("options"),
+@router.post("/api/embed", openapi_extra=wire.request_body(wire.EmbedRequest),
+             responses={200: wire.ok(wire.EmbedResponse), **GENERATION_ERRORS})
+async def embed(request: Request) -> dict[str, Any]:
+    f = await wire.read_json(request, wire.EmbedRequest)
+    inputs = f.get("input") or ""  # null or absent: only load the model, as Ollama does
+    result = await runtime_of(request).embed(required_model(f), inputs, options=f.get("options"),
                                              keep_alive=f.get("keep_alive"),
                                              truncate=bool_field(f, "truncate", True))
     return {"model": result.model, "embeddings": result.embeddings, "total_duration": result.total_ns,
             "load_duration": result.load_ns, "prompt_eval_count": result.prompt_eval_count}
 
 
-@router.post("/api/embeddings")
-async def embeddings_legacy(request: Request, body: Body) -> dict[str, Any]:
-    f = body.model_dump()
-    prompt = f.get("prompt", "")
-    if not isinstance(prompt, str):
-        raise LocalrtError("prompt must be a string")
-    if not prompt:
-        return {"embedding": []}
-    result = await runtime_of(request).embed(required_model(body), prompt, options=f.get("options"),
+@router.post("/api/embeddings", openapi_extra=wire.request_body(wire.EmbeddingsRequest),
+             responses={200: wire.ok(wire.EmbeddingsResponse), **GENERATION_ERRORS})
+async def embeddings_legacy(request: Request) -> dict[str, Any]:
+    f = await wire.read_json(request, wire.EmbeddingsRequest)
+    prompt = f.get("prompt") or ""
+    # an empty prompt still loads the model (and checks the name and options), as Ollama does
+    result = await runtime_of(request).embed(required_model(f), prompt, options=f.get("options"),
                                              keep_alive=f.get("keep_alive"))
-    return {"embedding": result.embeddings[0]}
+    return {"embedding": result.embeddings[0] if prompt else []}
 
 
-@router.post("/api/tokenize")
-async def tokenize(request: Request, body: Body) -> dict[str, Any]:
-    f = body.model_dump()
-    text = f.get("text", f.get("content", ""))
+@router.post("/api/tokenize", openapi_extra=wire.request_body(wire.TokenizeRequest),
+             responses={200: wire.ok(wire.TokenizeResponse), **GENERATION_ERRORS})
+async def tokenize(request: Request) -> dict[str, Any]:
+    f = await wire.read_json(request, wire.TokenizeRequest)
+    text = f.get("text") if f.get("text") is not None else f.get("content") or ""
     if not isinstance(text, str):
         raise LocalrtError("text must be a string")
-    tokens = await runtime_of(request).tokenize(required_model(body), text,
+    tokens = await runtime_of(request).tokenize(required_model(f), text,
                                                 add_special=bool_field(f, "add_special", True),
                                                 parse_special=bool_field(f, "parse_special", False))
-    return {"model": required_model(body), "tokens": tokens}
+    return {"model": required_model(f), "tokens": tokens}
 
 
-@router.post("/api/detokenize")
-async def detokenize(request: Request, body: Body) -> dict[str, Any]:
-    f = body.model_dump()
+@router.post("/api/detokenize", openapi_extra=wire.request_body(wire.DetokenizeRequest),
+             responses={200: wire.ok(wire.DetokenizeResponse), **GENERATION_ERRORS})
+async def detokenize(request: Request) -> dict[str, Any]:
+    f = await wire.read_json(request, wire.DetokenizeRequest)
     tokens = f.get("tokens")
     if not isinstance(tokens, list):
         raise LocalrtError("tokens must be a list of token ids")
-    text = await runtime_of(request).detokenize(required_model(body), tokens)
-    return {"model": required_model(body), "text": text}
+    text = await runtime_of(request).detokenize(required_model(f), tokens)
+    return {"model": required_model(f), "text": text}
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+@router.get("/metrics", response_class=PlainTextResponse, responses=ERRORS)
 async def metrics(request: Request) -> str:
     runtime = request.app.state.runtime
     return request.app.state.metrics.render(

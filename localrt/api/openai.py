@@ -8,12 +8,13 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response
 
-from localrt.api.ollama import Body, observe, runtime_of
+from localrt.api import schemas as wire
+from localrt.api.ollama import observe, runtime_of
 from localrt.api.security import error_body
 from localrt.api.streaming import first_and_rest, sse_response
 from localrt.errors import LocalrtError, ModelNotFound
@@ -21,21 +22,25 @@ from localrt.runtime.manager import Chunk, Metrics
 from localrt.store.names import parse_name
 
 router = APIRouter(prefix="/v1")
+ERRORS = wire.error_responses(True)
+GENERATION_ERRORS = wire.error_responses(True, 404, 499, 501, 503)
+SSE = wire.SSE
 
 
 def model_object(display: str, created: float, owner: str) -> dict[str, Any]:
     return {"id": display, "object": "model", "created": int(created), "owned_by": owner}
 
 
-@router.get("/models")
+@router.get("/models", responses={200: wire.ok(wire.ModelList), **ERRORS})
 async def list_models(request: Request) -> dict[str, Any]:
     entries = request.app.state.store.list_models()
     return {"object": "list",
             "data": [model_object(e.name.display, e.modified, e.name.namespace) for e in entries]}
 
 
-@router.get("/models/{model_id:path}")
-async def get_model(request: Request, model_id: str) -> dict[str, Any]:
+@router.get("/models/{model_id:path}", responses={200: wire.ok(wire.ModelObject), **wire.error_responses(True, 404)})
+async def get_model(request: Request,
+                    model_id: Annotated[str, Path(json_schema_extra=wire.NAME_SCHEMA)]) -> dict[str, Any]:
     wanted = parse_name(model_id)
     for entry in request.app.state.store.list_models():
         if entry.name.same_model(wanted):
@@ -198,9 +203,10 @@ def sse_error(e: LocalrtError) -> dict[str, Any]:
 
 
 # ---- routes ------------------------------------------------------------------------------------
-@router.post("/chat/completions")
-async def chat_completions(request: Request, body: Body) -> Response:
-    f = body.model_dump()
+@router.post("/chat/completions", openapi_extra=wire.request_body(wire.ChatCompletionRequest),
+             responses={200: wire.ok(wire.ChatCompletion, SSE), **GENERATION_ERRORS})
+async def chat_completions(request: Request) -> Response:
+    f = await wire.read_json(request, wire.ChatCompletionRequest)
     model = f.get("model")
     if not isinstance(model, str) or not model:
         raise OpenAIParamError("model", "model is required")
@@ -259,9 +265,10 @@ async def chat_completions(request: Request, body: Body) -> Response:
     return sse_response(items, sse_error)
 
 
-@router.post("/completions")
-async def completions(request: Request, body: Body) -> Response:
-    f = body.model_dump()
+@router.post("/completions", openapi_extra=wire.request_body(wire.CompletionRequest),
+             responses={200: wire.ok(wire.Completion, SSE), **GENERATION_ERRORS})
+async def completions(request: Request) -> Response:
+    f = await wire.read_json(request, wire.CompletionRequest)
     model = f.get("model")
     if not isinstance(model, str) or not model:
         raise OpenAIParamError("model", "model is required")
@@ -311,9 +318,10 @@ async def completions(request: Request, body: Body) -> Response:
     return sse_response(items, sse_error)
 
 
-@router.post("/embeddings")
-async def embeddings(request: Request, body: Body) -> dict[str, Any]:
-    f = body.model_dump()
+@router.post("/embeddings", openapi_extra=wire.request_body(wire.OpenAIEmbeddingsRequest),
+             responses={200: wire.ok(wire.EmbeddingList), **GENERATION_ERRORS})
+async def embeddings(request: Request) -> dict[str, Any]:
+    f = await wire.read_json(request, wire.OpenAIEmbeddingsRequest)
     model = f.get("model")
     if not isinstance(model, str) or not model:
         raise OpenAIParamError("model", "model is required")

@@ -17,7 +17,9 @@ DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
 HF_HOSTS = ("hf.co", "huggingface.co")
 
-_HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9\-_.:]{0,349}$")
+# Each part becomes one directory name in the store, which filesystems cap at 255 bytes: a longer host
+# (Ollama allows 350) could only fail later as an OSError, so it is refused here with the name.
+_HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9\-_.:]{0,253}$")
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9\-_.]{0,79}$")
 _MODEL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9\-_.]{0,79}$")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9\-_.]{0,79}$")
