@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import concurrent.futures
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -295,13 +296,14 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 async def run_in_thread_stream(
-    work: Callable[[Callable[[T], None]], None], cancel: CancelToken | None = None, *,
-    wait: bool = True, name: str = "localrt-worker",
+    work: Callable[[Callable[[T], None]], None], cancel: CancelToken | None = None,
+    executor: concurrent.futures.Executor | None = None, *, wait: bool = True, name: str = "localrt-worker",
 ) -> AsyncIterator[T]:
     """Run blocking `work(emit)` in a thread of its own and yield what it emits, without blocking the loop.
 
     The one bridge from blocking producers (decode loops, pulls, creates) to async consumers. A thread of
     its own rather than the loop's executor: that pool has fewer workers than a model can have slots.
+    `executor` pins the work to given threads instead (MLX's streams belong to the thread that made them).
     When the consumer stops early (client gone, `aclose()`), `cancel` is set and, with `wait`, the worker
     is awaited, so the model is free again when this generator finishes. An error in `work` is raised
     in the consumer.
@@ -325,7 +327,10 @@ async def run_in_thread_stream(
         finally:
             post(lambda: finished.done() or finished.set_result(None))
 
-    threading.Thread(target=target, daemon=True, name=name).start()
+    if executor is not None:
+        executor.submit(target)
+    else:
+        threading.Thread(target=target, daemon=True, name=name).start()
     try:
         while True:
             kind, value = await queue.get()
