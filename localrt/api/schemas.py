@@ -139,7 +139,7 @@ OPTIONS_SCHEMA: dict[str, Any] = {
                    + ", ".join(sorted(IGNORED_OPTIONS)),
     "properties": {**{k: option_schema(k) for k in OPTION_KEYS}, **{k: {} for k in sorted(IGNORED_OPTIONS)}},
 }
-Options = Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [OPTIONS_SCHEMA, {"type": "null"}]})]
+OptionsField = Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [OPTIONS_SCHEMA, {"type": "null"}]})]
 
 
 def option_field(name: str) -> Any:
@@ -239,7 +239,7 @@ class GenerateRequest(Named):
     raw: bool | None = None
     context: list[Int] | None = None
     format: Format = None
-    options: Options = None
+    options: OptionsField = None
     keep_alive: KeepAlive = None
     stream: bool | None = None
     logprobs: bool | None = None
@@ -250,7 +250,7 @@ class ChatRequest(Named):
     messages: list[Message] | None = None
     tools: list[dict[str, Any]] | None = None
     format: Format = None
-    options: Options = None
+    options: OptionsField = None
     keep_alive: KeepAlive = None
     stream: bool | None = None
     logprobs: bool | None = None
@@ -260,13 +260,13 @@ class ChatRequest(Named):
 class EmbedRequest(Named):
     input: str | list[str] | None = None
     truncate: bool | None = None
-    options: Options = None
+    options: OptionsField = None
     keep_alive: KeepAlive = None
 
 
 class EmbeddingsRequest(Named):
     prompt: str | None = None
-    options: Options = None
+    options: OptionsField = None
     keep_alive: KeepAlive = None
 
 
@@ -338,7 +338,7 @@ class OpenAISampling(Wire):
     num_ctx: option_field("num_ctx") = None
     backend: option_field("backend") = None
     speculative: option_field("speculative") = None
-    options: Options = None
+    options: OptionsField = None
     keep_alive: KeepAlive = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
