@@ -7,7 +7,7 @@ import json
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
@@ -202,6 +202,35 @@ def sse_error(e: LocalrtError) -> dict[str, Any]:
     return error_body(str(e), e.status, True)
 
 
+async def answer(request: Request, chunks: AsyncIterator[Chunk], f: dict[str, Any], completion_id: str,
+                 model: str, objects: tuple[str, str], whole: Callable[[Chunk], dict[str, Any]],
+                 piece: Callable[[Chunk, bool], dict[str, Any] | None]) -> Response:
+    """What chat and text completions share: one JSON body from the final chunk (`whole` makes its
+    choice), or SSE events (`piece` makes each chunk's choice, None to skip) and an optional usage event."""
+    base = {"id": completion_id, "created": int(time.time()), "model": model, "system_fingerprint": "fp_localrt"}
+    if f.get("stream") is not True:
+        final: Chunk | None = None
+        async for chunk in chunks:
+            observe(request, chunk)
+            final = chunk
+        assert final is not None
+        return JSONResponse({**base, "object": objects[0], "choices": [whole(final)], "usage": usage_of(final)})
+
+    async def events() -> AsyncIterator[dict[str, Any]]:
+        first = True
+        async for chunk in chunks:
+            observe(request, chunk)
+            choice = piece(chunk, first)
+            first = False
+            if choice is not None:
+                yield {**base, "object": objects[1], "choices": [choice]}
+            if chunk.done and include_usage(f):
+                yield {**base, "object": objects[1], "choices": [], "usage": usage_of(chunk)}
+
+    _, items = await first_and_rest(events())
+    return sse_response(items, sse_error)
+
+
 # ---- routes ------------------------------------------------------------------------------------
 @router.post("/chat/completions", openapi_extra=wire.request_body(wire.ChatCompletionRequest),
              responses={200: wire.ok(wire.ChatCompletion, SSE), **GENERATION_ERRORS})
@@ -221,48 +250,29 @@ async def chat_completions(request: Request) -> Response:
     runtime = runtime_of(request)
     chunks = runtime.chat(model, messages, options=options, tools=tools or None, format=fmt,
                           keep_alive=f.get("keep_alive"), logprobs=want_logprobs, top_logprobs=top, stream=stream)
-    completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-    created = int(time.time())
-    base = {"id": completion_id, "created": created, "model": model, "system_fingerprint": "fp_localrt"}
 
-    if not stream:
-        final: Chunk | None = None
-        async for chunk in chunks:
-            observe(request, chunk)
-            final = chunk
-        assert final is not None
+    def whole(final: Chunk) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": final.content,
                                    "tool_calls": openai_tool_calls(final.tool_calls)}
         if message["tool_calls"]:
             message["content"] = final.content or None
-        return JSONResponse({**base, "object": "chat.completion", "choices": [{
-            "index": 0, "message": message, "finish_reason": finish_reason(final),
-            "logprobs": openai_logprobs(final.logprobs) if want_logprobs else None}],
-            "usage": usage_of(final)})
+        return {"index": 0, "message": message, "finish_reason": finish_reason(final),
+                "logprobs": openai_logprobs(final.logprobs) if want_logprobs else None}
 
-    async def events() -> AsyncIterator[dict[str, Any]]:
-        first = True
-        async for chunk in chunks:
-            observe(request, chunk)
-            delta: dict[str, Any] = {}
-            if first:
-                delta["role"] = "assistant"
-                first = False
-            if chunk.content:
-                delta["content"] = chunk.content
-            if chunk.tool_calls:
-                delta["tool_calls"] = openai_tool_calls(chunk.tool_calls)
-            choice: dict[str, Any] = {"index": 0, "delta": delta,
-                                      "finish_reason": finish_reason(chunk) if chunk.done else None}
-            if want_logprobs and chunk.logprobs:
-                choice["logprobs"] = openai_logprobs(chunk.logprobs)
-            if delta or chunk.done:
-                yield {**base, "object": "chat.completion.chunk", "choices": [choice]}
-            if chunk.done and include_usage(f):
-                yield {**base, "object": "chat.completion.chunk", "choices": [], "usage": usage_of(chunk)}
+    def piece(chunk: Chunk, first: bool) -> dict[str, Any] | None:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if chunk.content:
+            delta["content"] = chunk.content
+        if chunk.tool_calls:
+            delta["tool_calls"] = openai_tool_calls(chunk.tool_calls)
+        choice: dict[str, Any] = {"index": 0, "delta": delta,
+                                  "finish_reason": finish_reason(chunk) if chunk.done else None}
+        if want_logprobs and chunk.logprobs:
+            choice["logprobs"] = openai_logprobs(chunk.logprobs)
+        return choice if delta or chunk.done else None
 
-    _, items = await first_and_rest(events())
-    return sse_response(items, sse_error)
+    return await answer(request, chunks, f, f"chatcmpl-{uuid.uuid4().hex[:24]}", model,
+                        ("chat.completion", "chat.completion.chunk"), whole, piece)
 
 
 @router.post("/completions", openapi_extra=wire.request_body(wire.CompletionRequest),
@@ -284,8 +294,6 @@ async def completions(request: Request) -> Response:
     chunks = runtime_of(request).generate(model, prompt, raw=True, options=options, format=format_from(f),
                                           keep_alive=f.get("keep_alive"), logprobs=want_logprobs,
                                           top_logprobs=top, stream=stream)
-    base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model,
-            "system_fingerprint": "fp_localrt", "object": "text_completion"}
 
     def logprobs_legacy(items: list[dict[str, Any]] | None) -> dict[str, Any] | None:
         if not want_logprobs or not items:
@@ -293,29 +301,13 @@ async def completions(request: Request) -> Response:
         return {"tokens": [lp["token"] for lp in items], "token_logprobs": [lp["logprob"] for lp in items],
                 "top_logprobs": [{t["token"]: t["logprob"] for t in lp.get("top_logprobs", [])} for lp in items]}
 
-    if not stream:
-        final: Chunk | None = None
-        async for chunk in chunks:
-            observe(request, chunk)
-            final = chunk
-        assert final is not None
-        return JSONResponse({**base, "choices": [{"index": 0, "text": final.content,
-                                                  "finish_reason": finish_reason(final),
-                                                  "logprobs": logprobs_legacy(final.logprobs)}],
-                             "usage": usage_of(final)})
+    def choice(chunk: Chunk) -> dict[str, Any]:
+        return {"index": 0, "text": chunk.content, "finish_reason": finish_reason(chunk) if chunk.done else None,
+                "logprobs": logprobs_legacy(chunk.logprobs)}
 
-    async def events() -> AsyncIterator[dict[str, Any]]:
-        async for chunk in chunks:
-            observe(request, chunk)
-            if chunk.content or chunk.done:
-                yield {**base, "choices": [{"index": 0, "text": chunk.content,
-                                            "finish_reason": finish_reason(chunk) if chunk.done else None,
-                                            "logprobs": logprobs_legacy(chunk.logprobs)}]}
-            if chunk.done and include_usage(f):
-                yield {**base, "choices": [], "usage": usage_of(chunk)}
-
-    _, items = await first_and_rest(events())
-    return sse_response(items, sse_error)
+    return await answer(request, chunks, f, f"cmpl-{uuid.uuid4().hex[:24]}", model,
+                        ("text_completion", "text_completion"), choice,
+                        lambda chunk, _first: choice(chunk) if chunk.content or chunk.done else None)
 
 
 @router.post("/embeddings", openapi_extra=wire.request_body(wire.OpenAIEmbeddingsRequest),
