@@ -233,28 +233,27 @@ class CreateRequest(Named):
     stream: bool | None = None
 
 
-class GenerateRequest(Named):
+class _Generation(Named):
+    """What generate and chat share."""
+
+    format: Format = None
+    options: OptionsField = None
+    keep_alive: KeepAlive = None
+    stream: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs = None
+
+
+class GenerateRequest(_Generation):
     prompt: str | None = None
     system: str | None = None
     raw: bool | None = None
     context: list[Int] | None = None
-    format: Format = None
-    options: OptionsField = None
-    keep_alive: KeepAlive = None
-    stream: bool | None = None
-    logprobs: bool | None = None
-    top_logprobs: TopLogprobs = None
 
 
-class ChatRequest(Named):
+class ChatRequest(_Generation):
     messages: list[Message] | None = None
     tools: list[dict[str, Any]] | None = None
-    format: Format = None
-    options: OptionsField = None
-    keep_alive: KeepAlive = None
-    stream: bool | None = None
-    logprobs: bool | None = None
-    top_logprobs: TopLogprobs = None
 
 
 class EmbedRequest(Named):
