@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import concurrent.futures
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -293,9 +294,13 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 async def run_in_thread_stream(
-    work: Callable[[Callable[[Event], None]], None], cancel: CancelToken
+    work: Callable[[Callable[[Event], None]], None], cancel: CancelToken,
+    executor: concurrent.futures.Executor | None = None,
 ) -> AsyncIterator[Event]:
     """Run `work(emit)` in a worker thread and yield what it emits, without blocking the loop.
+
+    `executor` pins the work to given threads (MLX's streams belong to the thread that made them);
+    None uses the loop's default pool.
 
     When the consumer stops early (client gone, `aclose()`), the request is cancelled and the
     worker is awaited, so the model is free again when this generator finishes.
@@ -315,7 +320,7 @@ async def run_in_thread_stream(
         finally:
             loop.call_soon_threadsafe(queue.put_nowait, sentinel)
 
-    future = loop.run_in_executor(None, target)
+    future = loop.run_in_executor(executor, target)
     try:
         while True:
             item = await queue.get()
