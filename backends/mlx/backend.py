@@ -140,7 +140,9 @@ class MLXModel(VocabMethods):
             raise OptionError(f"kv_cache_type q8_0 needs a head size that is a multiple of {KV_GROUP} "
                               f"(this model's is {cfg.attention_key_length})")
         self.runner = Runner(self.model, opts.kv_cache_type, opts.num_batch)
-        self.self_spec_layers = self_spec_layers or max(1, cfg.block_count - cfg.block_count // 5)
+        # the exit must sit near the top to agree with the full model: on SmolLM2-135M the argmax of
+        # 24 of 30 layers matches 26% of the time on copied text, of 27 layers 49%
+        self.self_spec_layers = self_spec_layers or max(1, cfg.block_count - max(1, cfg.block_count // 10))
         kv_per_token = 2 * cfg.block_count * cfg.attention_head_count_kv * cfg.attention_key_length
         kv_bytes = {"f32": 4.0, "q8_0": 1.125}.get(opts.kv_cache_type, 2.0)
         self.memory_bytes = self.model.nbytes + int(kv_per_token * kv_bytes * self.context_length)
