@@ -4,13 +4,14 @@ The caches always hold exactly `Engine.tokens`. A request first trims them to th
 it shares with the prompt (a conversation's next turn recomputes only the new turn), prefills the
 rest in chunks of `num_batch`, then runs steps. A step feeds the last token plus any guesses,
 verifies the guesses (speculation.verify: exact for sampling too) and trims the rejected ones.
-Every feed invariant: before a step the caches hold every token but the last.
+Invariant: before a step the caches hold every token but the last.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -99,6 +100,12 @@ class SpecStats:
 Proposal = tuple[list[int], np.ndarray | None]  # guesses, and their distributions [k, V] when sampled
 
 
+class Proposer(Protocol):
+    cost_per_draft: float  # in units of one target decode step
+
+    def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal: ...
+
+
 def _guess(sampler: Sampler, logits: np.ndarray, history: list[int]) -> tuple[int, np.ndarray | None]:
     if sampler.greedy:
         return sampler.sample(logits, history), None
@@ -178,7 +185,7 @@ class Outcome:
 
 
 def generate(target: Runner, prompt: list[int], sampler: Sampler, *, max_tokens: int, eog: set[int],
-             on_token: OnToken, cancelled: Callable[[], bool], proposer: object | None = None,
+             on_token: OnToken, cancelled: Callable[[], bool], proposer: Proposer | None = None,
              spec: SpecStats | None = None, clock: Callable[[], int] = lambda: 0) -> Outcome:
     """Decode after `prompt` until EOS, a stop string, `max_tokens` total tokens, or cancel."""
     reused = target.reuse(prompt)
@@ -193,7 +200,7 @@ def generate(target: Runner, prompt: list[int], sampler: Sampler, *, max_tokens:
         q = None
         room = max_tokens - len(tokens) - 1
         if proposer is not None and spec is not None and spec.enabled and room > 0:
-            drafts, q = proposer.propose(tokens, min(spec.k, room), sampler)  # type: ignore[attr-defined]
+            drafts, q = proposer.propose(tokens, min(spec.k, room), sampler)
         logits = target.feed([tokens[-1], *drafts], "all")  # [1 + k, V]
         assert logits is not None
         if drafts:

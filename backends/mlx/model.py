@@ -45,14 +45,9 @@ class Linear:
             return mx.dequantize(w.weight[ids], w.scales[ids], w.biases[ids], group_size=w.group_size, bits=w.bits)
         return w[ids]
 
-    @property
-    def nbytes(self) -> int:
-        n = self.weight.nbytes
-        return n + (self.bias.nbytes if self.bias is not None else 0)
-
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    return mx.fast.rms_norm(x, weight, eps)
+    return mx.fast.rms_norm(x, weight, eps)  # over the last axis, in fp32 internally
 
 
 class Block:
@@ -152,18 +147,15 @@ class Transformer:
         return self.logits(self.hidden(tokens, caches, num_layers))
 
     def arrays(self) -> list[mx.array]:
-        out: list[mx.array] = []
-        for obj in [self.token_embd, self.output, *(lin for b in self.blk for lin in vars(b).values())]:
-            w = obj.weight if isinstance(obj, Linear) else obj
-            if isinstance(w, QuantizedWeight):
-                out += [w.weight, w.scales, w.biases]
-            elif isinstance(w, mx.array):
-                out.append(w)
-            if isinstance(obj, Linear) and obj.bias is not None:
-                out.append(obj.bias)
-        return out + [self.output_norm]
+        """Every weight array (quantized triplets expanded), each once."""
+        out: dict[int, mx.array] = {}
+        for obj in [self.token_embd, self.output, self.output_norm, *(v for b in self.blk for v in vars(b).values())]:
+            parts = [obj.weight, obj.bias] if isinstance(obj, Linear) else [obj]
+            for w in parts:
+                arrays = [w.weight, w.scales, w.biases] if isinstance(w, QuantizedWeight) else [w]
+                out.update((id(a), a) for a in arrays if isinstance(a, mx.array))
+        return list(out.values())
 
     @property
     def nbytes(self) -> int:
-        seen: dict[int, int] = {id(a): a.nbytes for a in self.arrays()}
-        return sum(seen.values())
+        return sum(a.nbytes for a in self.arrays())
