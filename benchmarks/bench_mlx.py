@@ -6,8 +6,8 @@ Prints prompt and decode tokens/s, greedy, for:
   - localrt's MLX backend on the GGUF (weights kept quantized, e.g. Q4_1 -> MLX 4-bit, group 32),
   - localrt's llama.cpp backend on the same GGUF (`--threads` threads),
   - mlx-lm's `stream_generate` on the same model as an MLX 4-bit, group-32 conversion of the HF
-    checkpoint (`--hf`, by default SmolLM2 built from the GGUF like the tests do), when mlx-lm is
-    installed (`pip install mlx-lm`; on Linux `mlx-lm[cpu]`).
+    checkpoint (`--hf`, by default SmolLM2 built from the GGUF like the tests do) in the same compute
+    dtype as localrt's (fp32 on a CPU, fp16 on an Apple GPU), when mlx-lm is installed (`pip install mlx-lm`; on Linux `mlx-lm[cpu]`).
 Same chat prompt and token count everywhere; the best of `--rounds` is kept. Not a test: numbers
 depend on the machine (on Linux MLX runs on its CPU backend; on Apple Silicon on the GPU).
 """
@@ -67,7 +67,11 @@ def mlx_lm_rates(hf_dir: Path, new: int, rounds: int) -> tuple[float, float, int
         return None
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "mlx-q4-g32"
-        convert(str(hf_dir), str(out), quantize=True, q_group_size=32, q_bits=4)
+        import mlx.core as mx
+
+        # the compute dtype localrt's MLX backend uses: fp32 on the CPU, fp16 on an Apple GPU
+        dtype = "float16" if mx.default_device().type == mx.DeviceType.gpu else "float32"
+        convert(str(hf_dir), str(out), quantize=True, q_group_size=32, q_bits=4, dtype=dtype)
         model, tokenizer = load(str(out))
         prompt = CHAT.format(q=QUESTION)
         ids = tokenizer.encode(prompt, add_special_tokens=False)
