@@ -35,13 +35,15 @@ def run(model: object, request: GenerateRequest) -> tuple[list[int], str, DoneEv
     async def collect() -> tuple[list[int], str, DoneEvent]:
         ids: list[int] = []
         text = ""
+        done = None
         async for event in model.generate(request):  # type: ignore[attr-defined]
             if isinstance(event, TextEvent):
                 ids += event.token_ids
                 text += event.text
             else:
-                return ids, text, event
-        raise AssertionError("no DoneEvent")
+                done = event
+        assert done is not None, "every stream ends in a DoneEvent"
+        return ids, text, done
 
     return asyncio.run(collect())
 
