@@ -243,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", required=True)
     p.add_argument("--reference", default=None)
     p.add_argument("--backend", default=None)
+    p.add_argument("--reference-backend", default=None, help="backend for --reference (default: --backend)")
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)

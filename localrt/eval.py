@@ -98,7 +98,7 @@ def load(name: str, backend: str | None, ctx: int) -> Any:
 
 
 def eval_command(args: Any) -> int:
-    """`localrt eval NAME --text FILE [--reference NAME] [--backend B] [--ctx N] [--json]`."""
+    """`localrt eval NAME --text FILE [--reference NAME [--reference-backend B]] [--backend B] [--ctx N] [--json]`."""
     try:
         text = Path(args.text).read_text(encoding="utf-8")
     except OSError as e:
@@ -109,7 +109,8 @@ def eval_command(args: Any) -> int:
     try:
         tokens = model.tokenize(text, add_special=False)
         if args.reference:
-            reference = load(args.reference, args.backend, ctx)
+            # the reference may run on another backend (e.g. MLX measured against llama.cpp)
+            reference = load(args.reference, getattr(args, "reference_backend", None) or args.backend, ctx)
         result = asyncio.run(evaluate(model, tokens, ctx, reference))
     finally:
         model.unload()

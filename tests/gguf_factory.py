@@ -287,3 +287,77 @@ def small_valid_gguf() -> bytes:
     ]
     tensors = [RawTensor("token_embd.weight", [32, 3], 8), RawTensor("output_norm.weight", [32], 0)]
     return build_gguf(kv, tensors, alignment=16)
+
+
+def write_random_model(
+    path: str | Path,
+    *,
+    arch: str = "llama",
+    n_vocab: int = 96,
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    context_length: int = 512,
+    weight_type: str = "F32",
+    tied: bool = False,
+    seed: int = 0,
+) -> Path:
+    """A random Llama/Qwen2-architecture GGUF for the engines that read GGUF themselves (torch, MLX).
+
+    Any ggml type the project's converter encodes (k-quants too); tokens are placeholders, so the
+    file is for engine-level tests, not for llama.cpp. Qwen2 gets q/k/v biases (and neox RoPE).
+    """
+    from localrt.converters.quants import quantize
+
+    path = Path(path)
+    qtype = GGMLQuantizationType[weight_type]
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<t{i}>" for i in range(n_vocab)])
+
+    def weight(name: str, rows: int, cols: int, scale: float = 0.08) -> None:
+        data = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+
+    def vector(name: str, n: int, base: float = 0.0, scale: float = 0.1) -> None:
+        writer.add_tensor(name, (base + rng.standard_normal(n) * scale).astype(np.float32))
+
+    weight("token_embd.weight", n_vocab, n_embd, 0.5)
+    for layer in range(n_layer):
+        p = f"blk.{layer}"
+        vector(f"{p}.attn_norm.weight", n_embd, 1.0)
+        weight(f"{p}.attn_q.weight", n_head * head_dim, n_embd)
+        weight(f"{p}.attn_k.weight", n_head_kv * head_dim, n_embd)
+        weight(f"{p}.attn_v.weight", n_head_kv * head_dim, n_embd)
+        if arch == "qwen2":
+            vector(f"{p}.attn_q.bias", n_head * head_dim)
+            vector(f"{p}.attn_k.bias", n_head_kv * head_dim)
+            vector(f"{p}.attn_v.bias", n_head_kv * head_dim)
+        weight(f"{p}.attn_output.weight", n_embd, n_head * head_dim)
+        vector(f"{p}.ffn_norm.weight", n_embd, 1.0)
+        weight(f"{p}.ffn_gate.weight", n_ff, n_embd)
+        weight(f"{p}.ffn_up.weight", n_ff, n_embd)
+        weight(f"{p}.ffn_down.weight", n_embd, n_ff)
+    vector("output_norm.weight", n_embd, 1.0)
+    if not tied:
+        weight("output.weight", n_vocab, n_embd, 0.5)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -3,8 +3,6 @@ greedy output is unchanged by every proposer, and speculation switches itself of
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -15,42 +13,7 @@ from localrt.backends.torch.engine import Engine, EngineConfig  # noqa: E402
 from localrt.backends.torch.model import DenseCausal, LlamaConfig, Transformer, random_transformer  # noqa: E402
 from localrt.backends.torch.sampling import RequestSampler  # noqa: E402
 from localrt.backends.torch.speculative import break_even_acceptance, expected_tokens, verify  # noqa: E402
-
-Z_999 = 3.0902  # one-sided normal quantile for alpha = 0.001
-
-
-def chi2_critical(dof: int, z: float = Z_999) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile (no scipy needed)."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
-def chi2_statistic(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> tuple[float, int]:
-    """Pearson's statistic, rare cells pooled so every expected count is at least min_expected."""
-    n = counts.sum()
-    expected = probs * n
-    order = np.argsort(expected)
-    obs_bins, exp_bins, acc_o, acc_e = [], [], 0.0, 0.0
-    for i in order:
-        acc_o, acc_e = acc_o + counts[i], acc_e + expected[i]
-        if acc_e >= min_expected:
-            obs_bins.append(acc_o)
-            exp_bins.append(acc_e)
-            acc_o = acc_e = 0.0
-    if acc_e > 0:
-        obs_bins[-1] += acc_o
-        exp_bins[-1] += acc_e
-    o, e = np.array(obs_bins), np.array(exp_bins)
-    return float(((o - e) ** 2 / e).sum()), len(o) - 1
-
-
-def assert_same_distribution(counts: np.ndarray, probs: np.ndarray) -> None:
-    stat, dof = chi2_statistic(counts.astype(float), probs)
-    assert stat < chi2_critical(dof), f"chi2 {stat:.1f} with {dof} dof"
-    n = counts.sum()
-    tv = 0.5 * np.abs(counts / n - probs).sum()
-    noise = 0.5 * np.sqrt(2 * probs * (1 - probs) / (math.pi * n)).sum()  # E[TV] of an exact sampler
-    assert tv < 2 * noise, f"total variation {tv:.3f}, sampling noise alone {noise:.3f}"
-
+from tests.stats import assert_same_distribution  # noqa: E402
 
 # ---- the verifier alone, on synthetic distributions -------------------------------------------------
 SAMPLED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11)

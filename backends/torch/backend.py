@@ -31,6 +31,7 @@ from localrt.backends.base import (
     TokenLogprob,
     TopLogprob,
 )
+from localrt.backends.vocab import Vocab, VocabMethods
 from localrt.errors import LocalrtError, OptionError
 
 NAME = "torch"
@@ -93,47 +94,7 @@ def _threads(opts: LoadOptions) -> int:
     return available if available <= 4 else max(4, available // 2)
 
 
-class _Vocab:
-    """llama.cpp's vocab-only load of the GGUF: tokenize / detokenize exactly as the llama.cpp backend."""
-
-    def __init__(self, path: Path) -> None:
-        from localrt.backends.llamacpp import _lib
-
-        lib = _lib()
-        from llama_cpp import _internals
-
-        params = lib.llama_model_default_params()
-        params.vocab_only = True
-        try:
-            self.model = _internals.LlamaModel(path_model=str(path), params=params, verbose=False)
-        except ValueError as e:
-            raise LocalrtError(f"llama.cpp could not read the vocabulary: {e}") from None
-        self.lib = lib
-        self.vocab = self.model.vocab
-        self.n_vocab = self.model.n_vocab()
-        self._pieces: dict[tuple[int, bool], bytes] = {}
-
-    def piece(self, token: int, special: bool = False) -> bytes:
-        import ctypes
-
-        key = (token, special)
-        cached = self._pieces.get(key)
-        if cached is not None:
-            return cached
-        buf = ctypes.create_string_buffer(256)
-        n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        out = buf.raw[:n]
-        self._pieces[key] = out
-        return out
-
-    def is_eog(self, token: int) -> bool:
-        return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
-
-
-class TorchModel:
+class TorchModel(VocabMethods):
     backend_name = NAME
 
     def __init__(self, path: Path, opts: LoadOptions, *, kv_budget_bytes: int | None = None,
@@ -162,7 +123,7 @@ class TorchModel:
             dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         else:
             dtype = torch.float32
-        self.vocab = _Vocab(path)
+        self.vocab = Vocab(path)
         tensors = GGUFTensors(path)
         self.metadata: dict[str, str] = {k: str(v) for k, v in tensors.metadata.items()
                                          if not isinstance(v, (list, tuple)) and not hasattr(v, "tobytes")}
@@ -175,12 +136,9 @@ class TorchModel:
         train_ctx = cfg.context_length
         self.context_length = max(16, min(opts.num_ctx, train_ctx) if train_ctx > 0 else opts.num_ctx)
         self.n_vocab = self.vocab.n_vocab
-        m = self.vocab.model
-        bos = m.token_bos()
-        self.bos_token_id: int | None = bos if bos >= 0 else None
-        self.eos_token_ids = [t for t in {m.token_eos(), m.token_eot()} if t >= 0 and self.vocab.is_eog(t)]
-        self.add_bos = bool(m.add_bos_token()) and self.bos_token_id is not None
-        eog = tuple(t for t in range(self.n_vocab) if self.vocab.is_eog(t)) if self.n_vocab <= 300_000 else ()
+        self.bos_token_id = self.vocab.bos_token_id
+        self.eos_token_ids = self.vocab.eos_token_ids
+        self.add_bos = self.vocab.add_bos
         config = EngineConfig(
             context_length=self.context_length,
             kv_cache_type=opts.kv_cache_type,
@@ -188,14 +146,13 @@ class TorchModel:
             max_seqs=opts.num_parallel or MAX_SEQS,
             max_batch_tokens=max_batch_tokens or max(64, opts.num_batch),
             self_spec_layers=self_spec_layers,
-            eos_token_ids=eog or tuple(self.eos_token_ids),
+            eos_token_ids=self.vocab.eog_ids(),
         )
         self.engine = Engine(self.model, config, self.device, draft_model=draft)
         self.capabilities = replace(self.capabilities, parallel_slots=config.max_seqs)
         self.memory_bytes = param_bytes(self.model) + self.engine.cache.nbytes
         if draft is not None:
             self.memory_bytes += param_bytes(draft)
-        self._special: list[str] | None = None
         self._closed = False
         self._active: set[Any] = set()
         self._lock = threading.Lock()
@@ -215,26 +172,6 @@ class TorchModel:
         draft = Transformer.from_gguf(tensors, dtype, self.device)
         tensors.close()
         return draft
-
-    # ---- tokens -----------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        if not text:
-            return [self.bos_token_id] if add_special and self.add_bos and self.bos_token_id is not None else []
-        return self.vocab.model.tokenize(text.encode("utf-8"), add_special, parse_special)
-
-    def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
-        return b"".join(self.vocab.piece(int(t), special) for t in ids).decode("utf-8", errors="replace")
-
-    def token_text(self, token_id: int) -> str:
-        return self.vocab.piece(token_id, True).decode("utf-8", errors="replace")
-
-    def special_tokens(self) -> list[str]:
-        if self._special is None:
-            lib, vocab = self.vocab.lib, self.vocab.vocab
-            mask = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED | lib.LLAMA_TOKEN_ATTR_UNKNOWN
-            texts = {self.token_text(t) for t in range(self.n_vocab) if lib.llama_vocab_get_attr(vocab, t) & mask}
-            self._special = sorted(t for t in texts if t)
-        return self._special
 
     # ---- generation -------------------------------------------------------------------------
     def _check(self, req: GenerateRequest) -> None:

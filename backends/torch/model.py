@@ -11,71 +11,15 @@ are adjacent (x[2i], x[2i+1]) -- the "normal" rope mode; Qwen models keep HF's h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localrt.errors import LocalrtError
+from localrt.backends.llama_config import LlamaConfig
 
-NEOX_ROPE_ARCHS = {"qwen2", "qwen3", "qwen2moe", "phi3", "stablelm", "gptneox"}
-SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "granite"}
-
-
-@dataclass
-class LlamaConfig:
-    """Hyper-parameters, named after the GGUF keys `{arch}.<name>` they come from."""
-
-    architecture: str
-    vocab_size: int
-    context_length: int
-    embedding_length: int  # model width
-    feed_forward_length: int
-    block_count: int
-    attention_head_count: int
-    attention_head_count_kv: int
-    attention_key_length: int  # head dim
-    attention_layer_norm_rms_epsilon: float = 1e-5
-    rope_freq_base: float = 10000.0
-    rope_dimension_count: int = 0  # rotated dims per head; 0 = all
-    rope_scaling_factor: float = 1.0  # linear position scaling
-    rope_neox: bool = False  # half-split pairs instead of adjacent pairs
-
-    @classmethod
-    def from_gguf(cls, metadata: dict[str, Any], vocab_size: int) -> LlamaConfig:
-        arch = str(metadata.get("general.architecture", "llama"))
-        if arch not in SUPPORTED_ARCHS:
-            raise LocalrtError(f"the torch backend does not support the {arch!r} architecture yet "
-                               f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
-
-        def get(key: str, default: Any = None) -> Any:
-            value = metadata.get(f"{arch}.{key}", default)
-            if value is None:
-                raise LocalrtError(f"GGUF metadata {arch}.{key} is missing")
-            return value
-
-        n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
-        head_dim = int(get("attention.key_length", n_embd // n_head))
-        scaling = metadata.get(f"{arch}.rope.scaling.type")
-        factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
-        return cls(
-            architecture=arch,
-            vocab_size=vocab_size,
-            context_length=int(get("context_length", 4096)),
-            embedding_length=n_embd,
-            feed_forward_length=int(get("feed_forward_length")),
-            block_count=int(get("block_count")),
-            attention_head_count=n_head,
-            attention_head_count_kv=int(get("attention.head_count_kv", n_head)),
-            attention_key_length=head_dim,
-            attention_layer_norm_rms_epsilon=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_freq_base=float(get("rope.freq_base", 10000.0)),
-            rope_dimension_count=int(get("rope.dimension_count", head_dim)),
-            rope_scaling_factor=factor,
-            rope_neox=arch in NEOX_ROPE_ARCHS,
-        )
+__all__ = ["LlamaConfig", "Transformer", "DenseCausal", "random_transformer", "param_bytes"]
 
 
 class AttentionContext(Protocol):

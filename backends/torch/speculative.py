@@ -2,7 +2,8 @@
 
 A proposer guesses k tokens after a sequence's last token (with the distribution q it drew them
 from, or none for deterministic guesses). The target then scores [last, d1..dk] in one pass, batched
-with every other running sequence, and `verify` keeps a prefix of the guesses:
+with every other running sequence, and `verify` (shared: backends/speculation.py) keeps a prefix of
+the guesses:
 
   accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection draw from
   norm(max(p_j - q_j, 0)); if every guess survives, draw a bonus token from p_k.
@@ -24,17 +25,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from localrt.backends.lookup import LookupIndex
+from localrt.backends.speculation import (  # noqa: F401  (re-exported for the engine and tests)
+    DEFAULT_NUM_DRAFT,
+    WARMUP_DRAFTS,
+    break_even_acceptance,
+    expected_tokens,
+    verify,
+)
 
 from .attention import PagedAttention, SeqChunk
 from .kv_cache import BlockPool, KVCache, OutOfBlocks, blocks_needed
-from .sampling import RequestSampler
 
 if TYPE_CHECKING:
     from .model import Transformer
     from .scheduler import Sequence as Seq
-
-DEFAULT_NUM_DRAFT = {"lookup": 8, "self": 4, "draft": 4}
-WARMUP_DRAFTS = 24  # drafts seen before a request's acceptance rate is trusted
 
 
 @dataclass
@@ -66,63 +70,6 @@ class SpecState:
         self.accepted += accepted
         if self.drafted >= WARMUP_DRAFTS and self.acceptance < break_even_acceptance(self.k, self.cost_per_draft):
             self.enabled = False  # speculation costs this request more than it saves
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens produced per verify step when each guess survives with probability alpha."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def break_even_acceptance(k: int, cost_per_draft: float) -> float:
-    """The acceptance rate below which k guesses per step are slower than plain decoding."""
-    lo, hi = 0.0, 1.0
-    cost = 1.0 + k * cost_per_draft
-    if expected_tokens(1.0, k) <= cost:
-        return 1.0
-    for _ in range(40):  # expected_tokens is increasing in alpha: bisect
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if expected_tokens(mid, k) < cost else (lo, mid)
-    return hi
-
-
-# ---- the verifier --------------------------------------------------------------------------------
-def verify(
-    sampler: RequestSampler,
-    target_logits: torch.Tensor,
-    drafts: Sequence[int],
-    draft_q: torch.Tensor | None,
-    history: Sequence[int],
-) -> tuple[list[int], int]:
-    """target_logits [k+1, V] for [last, d1..dk]; returns (tokens to append, drafts accepted).
-
-    The tokens are the accepted drafts plus one more: the correction after a rejection or the bonus.
-    `history` is the sequence before the drafts (for penalties).
-    """
-    k = len(drafts)
-    hist = list(history)
-    for j in range(k):
-        d = drafts[j]
-        if sampler.greedy:
-            t = int(sampler.penalized(target_logits[j].float(), hist).argmax())
-            if t != d:
-                return [*drafts[:j], t], j
-        else:
-            p = sampler.probs(target_logits[j], hist)
-            q_d = 1.0 if draft_q is None else float(draft_q[j, d])
-            if not (q_d > 0 and sampler.uniform() < min(1.0, float(p[d]) / q_d)):
-                if draft_q is None:
-                    residual = p.clone()
-                    residual[d] = 0.0
-                else:
-                    residual = (p - draft_q[j]).clamp(min=0.0)
-                total = float(residual.sum())
-                # p == q leaves nothing: then any draw from p is exact (the rejection had probability 0)
-                t = sampler.draw(residual / total if total > 0 else p)
-                return [*drafts[:j], t], j
-        hist.append(d)
-    return [*drafts, sampler.sample(target_logits[k], hist)], k
 
 
 # ---- proposers -----------------------------------------------------------------------------------

@@ -1,0 +1,225 @@
+"""The MLX decode loop for one sequence at a time: prefix reuse, chunked prefill, speculation.
+
+The caches always hold exactly `Engine.tokens`. A request first trims them to the longest prefix
+it shares with the prompt (a conversation's next turn recomputes only the new turn), prefills the
+rest in chunks of `num_batch`, then runs steps. A step feeds the last token plus any guesses,
+verifies the guesses (speculation.verify: exact for sampling too) and trims the rejected ones.
+Invariant: before a step the caches hold every token but the last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from localrt.backends.lookup import LookupIndex
+from localrt.backends.sampler import Sampler
+from localrt.backends.speculation import WARMUP_DRAFTS, break_even_acceptance, verify
+
+from .cache import make_caches, trim_caches
+from .model import Transformer
+
+# Extra query rows in one verify pass, in units of a one-token step. On Apple GPUs decode is
+# bandwidth-bound (extra rows are nearly free); MLX's CPU matmuls scale with the rows.
+VERIFY_COST_PER_DRAFT = {"gpu": 0.03, "cpu": 0.25}
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Runner:
+    """A model with its own caches and the tokens they hold (the target, or a draft model)."""
+
+    def __init__(self, model: Transformer, kv_cache_type: str, num_batch: int) -> None:
+        self.model = model
+        self.kv_cache_type = kv_cache_type
+        self.num_batch = max(1, num_batch)
+        self.caches = make_caches(model.cfg.block_count, kv_cache_type)
+        self.tokens: list[int] = []
+
+    def reuse(self, tokens: Sequence[int], keep_last: int = 1) -> int:
+        """Trim the caches to their longest prefix shared with `tokens`, leaving at least `keep_last`
+        tokens to feed (their logits are needed); returns how many tokens are reused."""
+        n = min(common_prefix(self.tokens, tokens), max(0, len(tokens) - keep_last))
+        self.trim(len(self.tokens) - n)
+        return n
+
+    def trim(self, n: int) -> None:
+        if n > 0:
+            trim_caches(self.caches, n)
+            del self.tokens[len(self.tokens) - n:]
+
+    def feed(self, tokens: Sequence[int], rows: str = "last", num_layers: int | None = None) -> np.ndarray | None:
+        """Append tokens to the caches, chunk by chunk; logits (float32 numpy) for the last token
+        (rows="last": [V]), every token ("all": [n, V]) or none ("none")."""
+        out: list[np.ndarray] = []
+        caches = self.caches
+        for s in range(0, len(tokens), self.num_batch):
+            chunk = list(tokens[s:s + self.num_batch])
+            last_chunk = s + self.num_batch >= len(tokens)
+            hidden = self.model.hidden(mx.array(chunk, dtype=mx.int32), caches, num_layers)  # [n, dim]
+            if rows == "all":
+                out.append(np.array(self.model.logits(hidden)))
+            elif rows == "last" and last_chunk:
+                out.append(np.array(self.model.logits(hidden[-1:]))[0])
+            else:
+                mx.eval(hidden)  # materialises the chunk's KV in every layer; the head is skipped
+            if num_layers is None:
+                self.tokens.extend(chunk)
+        if rows == "none":
+            return None
+        return np.concatenate(out) if rows == "all" else out[-1]
+
+
+@dataclass
+class SpecStats:
+    mode: str
+    k: int
+    cost_per_draft: float
+    enabled: bool = True
+    drafted: int = 0
+    accepted: int = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        if self.drafted >= WARMUP_DRAFTS and self.accepted / self.drafted < break_even_acceptance(self.k, self.cost_per_draft):
+            self.enabled = False  # speculation costs this request more than it saves
+
+
+Proposal = tuple[list[int], np.ndarray | None]  # guesses, and their distributions [k, V] when sampled
+
+
+class Proposer(Protocol):
+    cost_per_draft: float  # in units of one target decode step
+
+    def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal: ...
+
+
+def _guess(sampler: Sampler, logits: np.ndarray, history: list[int]) -> tuple[int, np.ndarray | None]:
+    if sampler.greedy:
+        return sampler.sample(logits, history), None
+    q = sampler.probs(logits, history)
+    return sampler.draw(q), q
+
+
+def _model_guesses(runner: Runner, first: Sequence[int], tokens: list[int], k: int, sampler: Sampler,
+                   num_layers: int | None) -> tuple[list[int], list[np.ndarray]]:
+    """k guesses from `runner` (fed `first` then each guess but the last)."""
+    drafts: list[int] = []
+    qs: list[np.ndarray] = []
+    feed = list(first)
+    for _ in range(k):
+        logits = runner.feed(feed, "last", num_layers)
+        assert logits is not None
+        d, q = _guess(sampler, logits, tokens + drafts)
+        drafts.append(d)
+        if q is not None:
+            qs.append(q)
+        feed = [d]
+    return drafts, qs
+
+
+class LookupProposer:
+    cost_per_draft = 0.0
+
+    def __init__(self) -> None:
+        self.index = LookupIndex()
+
+    def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
+        return self.index.propose(tokens, k), None
+
+
+class SelfProposer:
+    """The target's first `num_layers` blocks + final norm + head, on the target's own caches.
+
+    The guesses' KV in those layers is trimmed again before the verify pass recomputes them.
+    """
+
+    def __init__(self, target: Runner, num_layers: int) -> None:
+        self.target = target
+        self.num_layers = num_layers
+        self.cost_per_draft = num_layers / target.model.cfg.block_count
+
+    def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
+        drafts, qs = _model_guesses(self.target, [tokens[-1]], tokens, k, sampler, self.num_layers)
+        trim_caches(self.target.caches[: self.num_layers], k)
+        return drafts, np.stack(qs) if qs else None
+
+
+class DraftProposer:
+    """A smaller model with the same vocabulary and its own caches, caught up by prefix reuse."""
+
+    def __init__(self, draft: Runner, cost_per_draft: float) -> None:
+        self.draft = draft
+        self.cost_per_draft = cost_per_draft
+
+    def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
+        n = self.draft.reuse(tokens)
+        drafts, qs = _model_guesses(self.draft, tokens[n:], tokens, k, sampler, None)
+        return drafts, np.stack(qs) if qs else None
+
+
+# on_token(token, logits row) -> a stop string was hit
+OnToken = Callable[[int, np.ndarray], bool]
+
+
+@dataclass
+class Outcome:
+    reason: str
+    prompt_eval_count: int = 0
+    generated: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    first_token_ns: int = 0
+
+
+def generate(target: Runner, prompt: list[int], sampler: Sampler, *, max_tokens: int, eog: set[int],
+             on_token: OnToken, cancelled: Callable[[], bool], proposer: Proposer | None = None,
+             spec: SpecStats | None = None, clock: Callable[[], int] = lambda: 0) -> Outcome:
+    """Decode after `prompt` until EOS, a stop string, `max_tokens` total tokens, or cancel."""
+    reused = target.reuse(prompt)
+    out = Outcome("length", prompt_eval_count=len(prompt) - reused)
+    target.feed(prompt[reused:-1], "none")  # chunked prefill; the last prompt token opens the first step
+    tokens = list(prompt)
+    while True:
+        if cancelled():
+            out.reason = "cancel"
+            return out
+        drafts: list[int] = []
+        q = None
+        room = max_tokens - len(tokens) - 1
+        if proposer is not None and spec is not None and spec.enabled and room > 0:
+            drafts, q = proposer.propose(tokens, min(spec.k, room), sampler)
+        logits = target.feed([tokens[-1], *drafts], "all")  # [1 + k, V]
+        assert logits is not None
+        if drafts:
+            new, accepted = verify(sampler, logits, drafts, q, tokens)
+            target.trim(len(drafts) - accepted)
+            assert spec is not None
+            spec.record(len(drafts), accepted)
+            out.drafted += len(drafts)
+            out.accepted += accepted
+        else:
+            new = [sampler.sample(logits[0], tokens)]
+        if not out.first_token_ns:
+            out.first_token_ns = clock()
+        for j, token in enumerate(new):
+            tokens.append(token)
+            out.generated += 1
+            if token in eog or on_token(token, logits[j]):
+                out.reason = "stop"
+                return out
+            if len(tokens) >= max_tokens:
+                out.reason = "length"
+                return out

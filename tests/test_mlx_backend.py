@@ -1,0 +1,161 @@
+"""The MLX backend beyond the shared conformance suite: load-time options (8-bit KV cache, draft model
+checks), sampling through the backend, `auto` dispatch, and the message when MLX cannot load.
+
+The slow checks measure fidelity against llama.cpp on 2,000+ scored tokens of real English text
+(`python -m pytest -m slow tests/test_mlx_backend.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx.core")
+
+from localrt.backends import registry  # noqa: E402
+from localrt.backends.base import DoneEvent, GenerateRequest, LoadOptions, SamplingParams, TextEvent  # noqa: E402
+from localrt.errors import LocalrtError, OptionError  # noqa: E402
+from localrt.eval import evaluate  # noqa: E402
+from tests.gguf_factory import write_tiny_llama  # noqa: E402
+
+THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
+CHAT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+def opts(**extra: object) -> LoadOptions:
+    return LoadOptions(num_ctx=512, num_thread=THREADS, num_batch=256, **extra)  # type: ignore[arg-type]
+
+
+def run(model: object, request: GenerateRequest) -> tuple[list[int], str, DoneEvent]:
+    async def collect() -> tuple[list[int], str, DoneEvent]:
+        ids: list[int] = []
+        text = ""
+        done = None
+        async for event in model.generate(request):  # type: ignore[attr-defined]
+            if isinstance(event, TextEvent):
+                ids += event.token_ids
+                text += event.text
+            else:
+                done = event
+        assert done is not None, "every stream ends in a DoneEvent"
+        return ids, text, done
+
+    return asyncio.run(collect())
+
+
+@pytest.fixture(scope="module")
+def q8_model(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
+    model = registry.get("mlx").load(smollm2_gguf, opts(kv_cache_type="q8_0"))
+    yield model
+    model.unload()
+
+
+def test_8bit_kv_cache_generates_the_same_answer(q8_model: object) -> None:
+    ids = q8_model.tokenize(CHAT.format(q="What is the capital of France?"), parse_special=True)  # type: ignore[attr-defined]
+    _, text, done = run(q8_model, GenerateRequest(ids, SamplingParams(temperature=0.0), num_predict=10))
+    assert "Paris" in text
+    assert done.timings.prompt_eval_count == len(ids)
+
+
+def test_seeded_sampling_is_reproducible_and_speculation_keeps_it_valid(q8_model: object) -> None:
+    ids = q8_model.tokenize(CHAT.format(q="Name three fruits."), parse_special=True)  # type: ignore[attr-defined]
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=7)
+    first, _, _ = run(q8_model, GenerateRequest(ids, params, num_predict=6))
+    again, _, _ = run(q8_model, GenerateRequest(ids, params, num_predict=6))
+    assert first == again and len(first) == 6
+    spec, _, done = run(q8_model, GenerateRequest(ids, params, num_predict=6, speculative="lookup"))
+    assert len(spec) == 6 and all(0 <= t < q8_model.n_vocab for t in spec)  # type: ignore[attr-defined]
+    assert done.finish_reason == "length"
+
+
+def test_bad_load_options_are_one_clear_error(smollm2_gguf: Path, tmp_path: Path) -> None:
+    backend = registry.get("mlx")
+    with pytest.raises(OptionError, match="kv_cache_type 'q4_0' is not supported by the MLX backend"):
+        backend.load(smollm2_gguf, opts(kv_cache_type="q4_0"))
+    other = write_tiny_llama(tmp_path / "other-vocab.gguf")
+    with pytest.raises(LocalrtError, match="does not share the model's vocabulary"):
+        backend.load(smollm2_gguf, opts(draft_model=other))
+    with pytest.raises(LocalrtError, match="model file not found"):
+        backend.load(tmp_path / "missing.gguf", opts())
+
+
+def test_draft_mode_without_a_draft_model_is_refused(q8_model: object) -> None:
+    with pytest.raises(OptionError, match="needs a draft model"):
+        run(q8_model, GenerateRequest([1, 2, 3], SamplingParams(temperature=0.0), num_predict=1, speculative="draft"))
+
+
+def test_auto_picks_mlx_on_apple_silicon(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert registry.status("mlx").installed
+    assert registry.resolve("mlx") == "mlx"  # --backend mlx works anywhere MLX is installed
+    monkeypatch.setattr(registry, "is_apple_silicon", lambda: True)
+    assert registry.auto_order()[0] == "mlx"
+    assert registry.resolve("auto") == "mlx"
+
+
+def test_mlx_that_cannot_load_is_a_clear_message() -> None:
+    """Linux with plain `pip install mlx` (no CPU library): `import mlx.core` fails; say what to install."""
+    script = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'mlx.core':\n"
+        "            raise ImportError('libmlx.so: cannot open shared object file')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from localrt.backends import registry\n"
+        "from localrt.errors import BackendUnavailable\n"
+        "st = registry.status('mlx')\n"
+        "assert not st.installed, st\n"
+        "try:\n"
+        "    registry.resolve('mlx')\n"
+        "except BackendUnavailable as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    message = out.stdout.strip()
+    assert "backend mlx is not available" in message and "localrt[mlx]" in message and "libmlx" in message
+    assert "\n" not in message
+
+
+# ---- fidelity against llama.cpp (slow: MLX's CPU matmuls are slow on Linux) --------------------------
+def fidelity_text() -> str:
+    """~4,100 tokens of real English: the start of the GPL-3 (Python's own docs where it is missing)."""
+    gpl = Path("/usr/share/common-licenses/GPL-3")
+    if gpl.is_file():
+        text = gpl.read_text(encoding="utf-8")
+    else:
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+    return text[:19_300]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("file_type", ["Q4_1", "Q4_K_M"])
+def test_fidelity_against_llamacpp(file_type: str, smollm2_gguf: Path, tmp_path: Path) -> None:
+    path = smollm2_gguf
+    if file_type != "Q4_1":  # a Q4_K_M conversion: Q4_K, Q5_0, Q8_0 and (dequantized) Q6_K tensors
+        from localrt.converters.convert import convert
+        from tests.fixtures_hf import smollm2_hf_dir
+
+        path = tmp_path / "smollm2-q4km.gguf"
+        convert(smollm2_hf_dir(smollm2_gguf), path, file_type, threads=1)
+    model = registry.get("mlx").load(path, LoadOptions(num_ctx=512, num_batch=512))
+    reference = registry.get("llama.cpp").load(path, LoadOptions(num_ctx=512, num_thread=THREADS))
+    try:
+        tokens = model.tokenize(fidelity_text(), add_special=False)
+        mlx = asyncio.run(evaluate(model, tokens, 512, reference))
+        ref = asyncio.run(evaluate(reference, tokens, 512))
+    finally:
+        model.unload()
+        reference.unload()
+    print(f"{file_type}: mlx ppl {mlx.perplexity:.4f}, llama.cpp ppl {ref.perplexity:.4f}, "
+          f"top-1 {100 * (mlx.top1 or 0):.2f}%, KL {mlx.kl:.6f} over {mlx.tokens} tokens")
+    assert mlx.tokens >= 2000
+    assert mlx.top1 is not None and mlx.top1 >= 0.98
+    assert abs(mlx.perplexity / ref.perplexity - 1) < 0.01

@@ -1,0 +1,181 @@
+"""Speculative decoding in the MLX engine: sampled output keeps the target's distribution (Monte Carlo)
+with each proposer, greedy output is unchanged by every proposer, speculation switches itself off
+when it does not pay; and the numpy sampler reads the runtime's parameters as the torch one does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from localrt.backends.base import SamplingParams  # noqa: E402
+from localrt.backends.mlx.cache import make_caches  # noqa: E402
+from localrt.backends.mlx.engine import (  # noqa: E402
+    DraftProposer,
+    LookupProposer,
+    Runner,
+    SelfProposer,
+    SpecStats,
+    generate,
+)
+from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
+from localrt.backends.mlx.model import Transformer  # noqa: E402
+from localrt.backends.sampler import Sampler  # noqa: E402
+from localrt.backends.speculation import break_even_acceptance, verify  # noqa: E402
+from tests.gguf_factory import write_random_model  # noqa: E402
+from tests.stats import assert_same_distribution  # noqa: E402
+
+
+def load(tmp: Path, name: str, **kwargs: object) -> Transformer:
+    return Transformer(GGUFTensors(write_random_model(tmp / f"{name}.gguf", **kwargs)), mx.float32)  # type: ignore[arg-type]
+
+
+def proposer_for(mode: str, runner: Runner, draft: Transformer | None, self_layers: int) -> object:
+    if mode == "lookup":
+        return LookupProposer()
+    if mode == "self":
+        return SelfProposer(runner, self_layers)
+    assert draft is not None
+    return DraftProposer(Runner(draft, runner.kv_cache_type, runner.num_batch), 0.5)
+
+
+def decode(runner: Runner, prompt: list[int], params: SamplingParams, n: int, mode: str = "off",
+           proposer: object | None = None, k: int = 4, cost: float = 0.0) -> tuple[list[int], SpecStats | None]:
+    out: list[int] = []
+
+    def on_token(token: int, logits: np.ndarray) -> bool:
+        out.append(token)
+        return False
+
+    spec = SpecStats(mode, k, cost) if proposer is not None else None
+    generate(runner, prompt, Sampler(params, 1024), max_tokens=len(prompt) + n, eog=set(), on_token=on_token,
+             cancelled=lambda: False, proposer=proposer, spec=spec)
+    return out, spec
+
+
+# ---- Monte Carlo on a model with a vocabulary of 8 ----------------------------------------------------
+MC_VOCAB = 8
+
+
+def de_bruijn_prompt() -> list[int]:
+    """Every 2-gram over the vocabulary occurs, so prompt lookup always finds a continuation."""
+    return [x for a in range(MC_VOCAB) for b in range(MC_VOCAB) for x in (a, b)]
+
+
+def exact_pair_distribution(model: Transformer, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    """P(t2, t3) of the target with t1 marginalised: [V * V], from whole-sequence passes (no engine)."""
+    sampler = Sampler(params, 1024)
+
+    def next_probs(tokens: list[int]) -> np.ndarray:
+        logits = np.array(model(mx.array(tokens), make_caches(model.cfg.block_count, "f32")))[-1]
+        return sampler.probs(logits, tokens)
+
+    joint = np.zeros((MC_VOCAB, MC_VOCAB))
+    p1 = next_probs(prompt)
+    for t1 in range(MC_VOCAB):
+        p2 = next_probs([*prompt, t1])
+        for t2 in range(MC_VOCAB):
+            if p1[t1] * p2[t2] > 0:
+                joint[t2] += p1[t1] * p2[t2] * next_probs([*prompt, t1, t2])
+    return joint.flatten()
+
+
+@pytest.mark.parametrize("mode", ["self", "lookup", "draft"])
+def test_speculative_sampling_keeps_the_target_distribution(tmp_path: Path, mode: str) -> None:
+    dims = dict(n_vocab=MC_VOCAB, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, context_length=256)
+    target = load(tmp_path, "target", seed=2, **dims)
+    draft = load(tmp_path, "draft", seed=9, **dims) if mode == "draft" else None
+    runner = Runner(target, "f32", num_batch=256)
+    proposer = proposer_for(mode, runner, draft, self_layers=1)
+    prompt = de_bruijn_prompt()
+    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.97, min_p=0.0, repeat_penalty=1.0)
+    trials = 1500
+    counts = np.zeros(MC_VOCAB * MC_VOCAB)
+    drafted = accepted = 0
+    for i in range(trials):
+        seeded = SamplingParams(**{**params.__dict__, "seed": 10_000 + i})
+        # cost 0: keep speculating whatever the acceptance, this checks exactness
+        tokens, spec = decode(runner, prompt, seeded, 3, mode, proposer, k=3, cost=0.0)
+        counts[tokens[1] * MC_VOCAB + tokens[2]] += 1
+        assert spec is not None
+        drafted, accepted = drafted + spec.drafted, accepted + spec.accepted
+    assert drafted > trials // 2 and 0 < accepted < drafted
+    assert_same_distribution(counts, exact_pair_distribution(target, prompt, params))
+
+
+def test_verifier_over_numpy_keeps_the_first_token_distribution() -> None:
+    rng = np.random.default_rng(0)
+    vocab, k, trials = 6, 3, 6000
+    target_logits = rng.standard_normal((k + 1, vocab)).astype(np.float32) * 1.5
+    q = rng.standard_normal((k, vocab)) * 1.5
+    draft_q = np.exp(q) / np.exp(q).sum(-1, keepdims=True)
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11), 64)
+    counts = np.zeros(vocab)
+    for _ in range(trials):
+        drafts = [int(rng.choice(vocab, p=draft_q[j])) for j in range(k)]
+        tokens, n = verify(sampler, target_logits, drafts, draft_q, [])
+        assert len(tokens) == n + 1 and tokens[:n] == drafts[:n]
+        counts[tokens[0]] += 1
+    p0 = np.exp(target_logits[0].astype(np.float64))
+    assert_same_distribution(counts, p0 / p0.sum())
+
+
+# ---- greedy: identical output with every proposer ---------------------------------------------------
+@pytest.fixture(scope="module")
+def greedy_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, Transformer]:
+    tmp = tmp_path_factory.mktemp("spec")
+    dims = dict(n_vocab=96, n_embd=64, n_layer=3, n_head=4, n_head_kv=2, n_ff=128, weight_type="Q8_0")
+    return load(tmp, "target", seed=4, **dims), load(tmp, "other", seed=8, **dims)
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+@pytest.mark.parametrize("mode", ["self", "lookup", "draft-same", "draft-other"])
+def test_greedy_output_identical_with_each_proposer(greedy_models: tuple[Transformer, Transformer],
+                                                    mode: str, penalty: float) -> None:
+    target, other = greedy_models
+    draft = target if mode == "draft-same" else other
+    params = SamplingParams(temperature=0.0, repeat_penalty=penalty, repeat_last_n=16)
+    rng = np.random.default_rng(2)
+    base = rng.integers(3, 96, 12).tolist()
+    for prompt in ([*base, *base, *base[:5]], rng.integers(3, 96, 30).tolist()):
+        plain, _ = decode(Runner(target, "f32", 64), prompt, params, 30)
+        runner = Runner(target, "f32", 64)
+        fast, spec = decode(runner, prompt, params, 30, mode.split("-")[0],
+                            proposer_for(mode.split("-")[0], runner, draft, self_layers=2), k=5)
+        assert fast == plain
+        assert spec is not None and spec.drafted > 0
+
+
+def test_speculation_switches_off_below_break_even(greedy_models: tuple[Transformer, Transformer]) -> None:
+    target, other = greedy_models  # a draft that rarely agrees
+    runner = Runner(target, "f32", 64)
+    _, spec = decode(runner, list(range(3, 40)), SamplingParams(temperature=0.0), 120, "draft",
+                     proposer_for("draft", runner, other, 2), k=4, cost=0.5)
+    assert spec is not None and not spec.enabled
+    assert spec.drafted < 60  # it stopped guessing early, not after 120 tokens
+    assert spec.accepted / spec.drafted < break_even_acceptance(4, 0.5)
+
+
+# ---- the numpy sampler reads the parameters as the torch engine's sampler does ----------------------
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_k=5, top_p=1.0, min_p=0.0),
+    SamplingParams(temperature=1.2, top_k=0, top_p=0.8, min_p=0.0),
+    SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.1, repeat_penalty=1.3, frequency_penalty=0.2,
+                   presence_penalty=0.1, repeat_last_n=8),
+    SamplingParams(temperature=0.0, repeat_penalty=1.5),
+])
+def test_sampler_matches_the_torch_sampler(params: SamplingParams) -> None:
+    torch = pytest.importorskip("torch")
+    from localrt.backends.torch.sampling import RequestSampler
+
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal(64) * 2).astype(np.float32)
+    history = rng.integers(0, 64, 20).tolist()
+    ours = Sampler(params, 128).probs(logits, history)
+    theirs = RequestSampler(params, "cpu", 128).probs(torch.from_numpy(logits), history).double().numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-6)
+    if params.greedy:
+        assert Sampler(params, 128).sample(logits, history) == int(np.argmax(theirs))
