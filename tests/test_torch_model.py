@@ -167,28 +167,36 @@ def smollm2_q4_k_m(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("file_type", ["Q4_1", "Q4_K_M"])
 def test_smollm2_fidelity_2k_tokens(file_type: str, request: pytest.FixtureRequest) -> None:
-    """2,048 tokens, teacher-forced. The bar is llama.cpp's agreement with itself (batched prefill
-    vs token-by-token decoding, the same file and machine): the torch engine must agree with
-    llama.cpp's batched logits at least as well as llama.cpp's own decoding does, every disagreement
-    must be a near-tie for llama.cpp, and perplexity must be within 1%."""
+    """2,048 tokens, teacher-forced, against llama.cpp's batched logits. The top-1 bar is llama.cpp's
+    agreement with itself (batched prefill vs token-by-token decoding, same file and machine), every
+    disagreement must be a near-tie for llama.cpp. Perplexity: within 1% with the opt-in llama.cpp
+    numerics; the default fp32 numerics skip llama.cpp's 8-bit activation rounding, which costs
+    llama.cpp 1.3% perplexity on the Q4_K_M conversion, so there the default gets 1.5%."""
+    from localrt.backends.torch import ggml_numerics
+
     path = request.getfixturevalue("smollm2_gguf" if file_type == "Q4_1" else "smollm2_q4_k_m")
-    model = Transformer.from_gguf(GGUFTensors(path), torch.float32, "cpu")
+    tensors = GGUFTensors(path)
+    model = Transformer.from_gguf(tensors, torch.float32, "cpu")
     tokens = english_tokens(path, 2048)
     assert len(tokens) == 2048
     ref = llama_cpp_logits(path, tokens, n_batch=512)
     with torch.inference_mode():
         ours = model(torch.tensor(tokens), DenseCausal(len(tokens))).numpy()
-    got = compare(ours, ref, tokens)
+        ggml_numerics.emulate(model, tensors)
+        emulated = model(torch.tensor(tokens), ggml_numerics.GGMLDenseCausal(len(tokens))).numpy()
+    got, emu = compare(ours, ref, tokens), compare(emulated, ref, tokens)
     decoded = compare(llama_cpp_logits(path, tokens, n_batch=1), ref, tokens)
-    print(f"\n{file_type}: top-1 vs llama.cpp {got['top1']:.4f} (llama.cpp n_batch 1 vs 512: {decoded['top1']:.4f}); "
-          f"ppl {got['ppl_ours']:.4f} vs {got['ppl_ref']:.4f}; largest llama.cpp margin where we differ "
-          f"{got['max_margin']:.3f} (its own: {decoded['max_margin']:.3f})")
+    print(f"\n{file_type}: top-1 vs llama.cpp {got['top1']:.4f}, emulated {emu['top1']:.4f}, llama.cpp n_batch 1 "
+          f"vs 512 {decoded['top1']:.4f}; ppl {got['ppl_ours']:.4f}, emulated {emu['ppl_ours']:.4f}, llama.cpp "
+          f"{got['ppl_ref']:.4f}; largest llama.cpp margin where we differ {got['max_margin']:.3f}")
     assert got["top1"] >= decoded["top1"] - 0.002, (got, decoded)
-    assert got["top1"] >= 0.95, got
-    assert got["max_margin"] < 1.0, got
-    assert abs(got["ppl_ours"] / got["ppl_ref"] - 1) < 0.01, got
+    assert emu["top1"] >= decoded["top1"] - 0.01, (emu, decoded)
+    assert got["top1"] >= 0.95 and got["max_margin"] < 1.0, got
+    assert abs(emu["ppl_ours"] / emu["ppl_ref"] - 1) < 0.01, emu
+    assert abs(got["ppl_ours"] / got["ppl_ref"] - 1) < (0.01 if file_type == "Q4_1" else 0.015), got
 
 
 @pytest.mark.slow
