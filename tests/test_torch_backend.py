@@ -139,3 +139,32 @@ def test_unsupported_requests_are_errors(model: TorchModel) -> None:
         asyncio.run(consume(GenerateRequest(chat(model, "Hi"), GREEDY, num_predict=2, format="json")))
     with pytest.raises(LocalrtError, match="kv_cache_type"):
         TorchModel(Path("/nonexistent.gguf"), LoadOptions(kv_cache_type="q4_0"))
+
+
+def test_llama_cpp_numerics_option(tmp_path: Path) -> None:
+    """The opt-in `numerics="llama.cpp"` scores closer to llama.cpp (its defaults: f16 KV, no flash
+    attention) than the default fp32 numerics do; anything else is refused. Not exact: a value within
+    an ulp of an 8-bit or fp16 rounding boundary goes either way with summation order."""
+    from localrt.errors import OptionError
+    from tests.gguf_factory import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "q41.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_layer=2,
+                            file_type="Q4_1", seed=3)
+    tokens = [1, *np.random.default_rng(0).integers(5, 250, 40).tolist()]
+    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=128, n_threads=1, verbose=False)  # f16 KV, no FA
+    try:
+        llm.eval(tokens)
+        ref = np.array(llm.scores[: len(tokens) - 1])
+    finally:
+        llm.close()
+    errors = {}
+    for numerics in ("default", "llama.cpp"):
+        m = TorchModel(path, LoadOptions(num_ctx=128, num_thread=1), numerics=numerics)
+        try:
+            got = asyncio.run(m.score(tokens, return_logits=True)).logits
+        finally:
+            m.unload()
+        errors[numerics] = float(np.abs(got - ref).mean())
+    assert errors["llama.cpp"] < 0.8 * errors["default"], errors
+    with pytest.raises(OptionError):
+        TorchModel(path, LoadOptions(num_ctx=128), numerics="fast")

@@ -82,7 +82,8 @@ def english_text() -> str:
     """Real English prose that ships with every CPython: the reference manual's topics and the license."""
     from pydoc_data.topics import topics
 
-    license_path = Path(sys.prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "LICENSE.txt"
+    # base_prefix: inside a virtual environment the license is still the base interpreter's
+    license_path = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "LICENSE.txt"
     text = topics["specialnames"] + "\n\n" + topics["import"]
     if license_path.is_file():
         text = license_path.read_text(errors="replace") + "\n\n" + text
@@ -100,55 +101,102 @@ def smollm2(smollm2_gguf: Path) -> Transformer:
     return Transformer.from_gguf(GGUFTensors(smollm2_gguf), torch.float32, "cpu")
 
 
-def fidelity(model: Transformer, path: Path, n_tokens: int, n_batch: int = 512) -> dict[str, float]:
-    threads = min(2, os.cpu_count() or 1)
-    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=n_tokens + 8, n_batch=n_batch, n_ubatch=n_batch,
+def llama_cpp_logits(path: Path, tokens: list[int], n_batch: int = 512) -> np.ndarray:
+    """llama.cpp's logits for every position, its defaults otherwise (f16 KV, no flash attention)."""
+    threads = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
+    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=len(tokens) + 8, n_batch=n_batch, n_ubatch=n_batch,
                           n_threads=threads, verbose=False)
     try:
-        tokens = llm.tokenize(english_text().encode())[:n_tokens]
         llm.eval(tokens)
-        ref = np.array(llm.scores[: len(tokens)])
+        return np.array(llm.scores[: len(tokens)])
     finally:
         llm.close()
-    with torch.inference_mode():
-        ours = model(torch.tensor(tokens), DenseCausal(len(tokens))).numpy()
+
+
+def english_tokens(path: Path, n_tokens: int) -> list[int]:
+    vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    return vocab.tokenize(english_text().encode())[:n_tokens]
+
+
+def compare(ours: np.ndarray, ref: np.ndarray, tokens: list[int]) -> dict[str, float]:
+    """Teacher-forced top-1 agreement, perplexities, and llama.cpp's top-1/top-2 margin where they differ."""
     targets = np.array(tokens[1:])
     rows = np.arange(len(targets))
-    nll_ours = -log_softmax(ours[:-1])[rows, targets].mean()
-    nll_ref = -log_softmax(ref[:-1])[rows, targets].mean()
+    differ = ours.argmax(-1) != ref.argmax(-1)
+    top2 = np.sort(ref, -1)[:, -2:]
+    margins = (top2[:, 1] - top2[:, 0])[differ]
     return {
-        "top1": float((ours.argmax(-1) == ref.argmax(-1)).mean()),
-        "ppl_ours": float(np.exp(nll_ours)),
-        "ppl_ref": float(np.exp(nll_ref)),
-        "ref_top1": ref.argmax(-1),
+        "top1": float(1 - differ.mean()),
+        "ppl_ours": float(np.exp(-log_softmax(ours[:-1])[rows, targets].mean())),
+        "ppl_ref": float(np.exp(-log_softmax(ref[:-1])[rows, targets].mean())),
+        "max_margin": float(margins.max()) if margins.size else 0.0,
     }
+
+
+def fidelity(model: Transformer, path: Path, n_tokens: int) -> dict[str, float]:
+    tokens = english_tokens(path, n_tokens)
+    with torch.inference_mode():
+        ours = model(torch.tensor(tokens), DenseCausal(len(tokens))).numpy()
+    return compare(ours, llama_cpp_logits(path, tokens), tokens)
 
 
 def test_smollm2_teacher_forced_fidelity(smollm2: Transformer, smollm2_gguf: Path) -> None:
     """Top-1 and perplexity against llama.cpp over 512 tokens of English.
 
-    llama.cpp is not a fixed point itself: its own logits at batch size 512 and 1 disagree on
-    2.5-4% of top-1 tokens for this model (near-ties moved by its quantized dot products), and the
+    llama.cpp is not a fixed point itself: it rounds activations to 8 bits before every quantized
+    dot product, and which way a value near a rounding boundary goes depends on summation order, so
+    its own logits at batch size 512 and 1 disagree on 2-4% of top-1 tokens for this model. The
     torch engine equals an fp32 dequantized reference (transformers' GGUF loader) to 3e-4. So the
-    bar here is llama.cpp's own batch-to-batch agreement, and perplexity within 1%.
+    bar is llama.cpp's own batch-to-batch agreement, every disagreement a near-tie for llama.cpp,
+    and perplexity within 1%.
     """
     got = fidelity(smollm2, smollm2_gguf, 512)
     assert got["top1"] >= 0.95, got
+    assert got["max_margin"] < 1.0, got  # a near-tie in llama.cpp's own logits, never a clear choice
     assert abs(got["ppl_ours"] / got["ppl_ref"] - 1) < 0.01, got
 
 
+@pytest.fixture(scope="module")
+def smollm2_q4_k_m(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 converted by our converter from the bf16 HF checkpoint to Q4_K_M."""
+    from localrt.converters.convert import convert
+    from tests.fixtures_hf import smollm2_hf_dir
+
+    out = tmp_path_factory.mktemp("q4km") / "smollm2-Q4_K_M.gguf"
+    return convert(smollm2_hf_dir(smollm2_gguf), out, "Q4_K_M", threads=1).path
+
+
 @pytest.mark.slow
-def test_smollm2_fidelity_2k_tokens(smollm2: Transformer, smollm2_gguf: Path) -> None:
-    """2,048 tokens. The bar is llama.cpp's agreement with itself between token-by-token decoding and
-    batched prefill (its vector and matrix kernels round differently), capped at 98%."""
-    got = fidelity(smollm2, smollm2_gguf, 2048)
-    # token-by-token llama.cpp is slow: its self-agreement is measured on the first 512 tokens
-    decoded = fidelity(smollm2, smollm2_gguf, 512, n_batch=1)["ref_top1"]
-    self_agreement = float((decoded == got["ref_top1"][:512]).mean())
-    print(f"\ntop-1 vs llama.cpp {got['top1']:.4f} (llama.cpp n_batch 512 vs 1: {self_agreement:.4f}); "
-          f"ppl {got['ppl_ours']:.4f} vs {got['ppl_ref']:.4f}")
-    assert got["top1"] >= min(0.98, self_agreement - 0.01)
-    assert abs(got["ppl_ours"] / got["ppl_ref"] - 1) < 0.01
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("file_type", ["Q4_1", "Q4_K_M"])
+def test_smollm2_fidelity_2k_tokens(file_type: str, request: pytest.FixtureRequest) -> None:
+    """2,048 tokens, teacher-forced, against llama.cpp's batched logits. The top-1 bar is llama.cpp's
+    agreement with itself (batched prefill vs token-by-token decoding, same file and machine), every
+    disagreement must be a near-tie for llama.cpp. Perplexity: within 1% with the opt-in llama.cpp
+    numerics; the default fp32 numerics skip llama.cpp's 8-bit activation rounding, which costs
+    llama.cpp 1.3% perplexity on the Q4_K_M conversion, so there the default gets 1.5%."""
+    from localrt.backends.torch import ggml_numerics
+
+    path = request.getfixturevalue("smollm2_gguf" if file_type == "Q4_1" else "smollm2_q4_k_m")
+    tensors = GGUFTensors(path)
+    model = Transformer.from_gguf(tensors, torch.float32, "cpu")
+    tokens = english_tokens(path, 2048)
+    assert len(tokens) == 2048
+    ref = llama_cpp_logits(path, tokens, n_batch=512)
+    with torch.inference_mode():
+        ours = model(torch.tensor(tokens), DenseCausal(len(tokens))).numpy()
+        ggml_numerics.emulate(model, tensors)
+        emulated = model(torch.tensor(tokens), ggml_numerics.GGMLDenseCausal(len(tokens))).numpy()
+    got, emu = compare(ours, ref, tokens), compare(emulated, ref, tokens)
+    decoded = compare(llama_cpp_logits(path, tokens, n_batch=1), ref, tokens)
+    print(f"\n{file_type}: top-1 vs llama.cpp {got['top1']:.4f}, emulated {emu['top1']:.4f}, llama.cpp n_batch 1 "
+          f"vs 512 {decoded['top1']:.4f}; ppl {got['ppl_ours']:.4f}, emulated {emu['ppl_ours']:.4f}, llama.cpp "
+          f"{got['ppl_ref']:.4f}; largest llama.cpp margin where we differ {got['max_margin']:.3f}")
+    assert got["top1"] >= decoded["top1"] - 0.002, (got, decoded)
+    assert emu["top1"] >= decoded["top1"] - 0.01, (emu, decoded)
+    assert got["top1"] >= 0.95 and got["max_margin"] < 1.0, got
+    assert abs(emu["ppl_ours"] / emu["ppl_ref"] - 1) < 0.01, emu
+    assert abs(got["ppl_ours"] / got["ppl_ref"] - 1) < (0.01 if file_type == "Q4_1" else 0.015), got
 
 
 @pytest.mark.slow
@@ -278,3 +326,58 @@ def test_kquant_gguf_logits_match_llama_cpp(tmp_path: Path, mix: dict[str, str])
     np.testing.assert_allclose(ours, dense_ref, atol=0.01)
     quant_ref = tiny_logits_llama_cpp(quantized, tokens)
     assert np.corrcoef(ours.ravel(), quant_ref.ravel())[0, 1] > 0.99
+
+
+# ---- llama.cpp's CPU rounding, emulated (backends/torch/ggml_numerics.py, opt-in) -----------------
+@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_1", "Q4_K_M"])
+def test_ggml_activation_rounding_reproduces_llama_cpp(tmp_path: Path, file_type: str) -> None:
+    """With activations rounded to each weight's vec_dot_type (Q8_0, Q8_1 with its fp16 block sum,
+    Q8_K), our logits equal llama.cpp's (f32 KV) to float32 summation order; without, they differ by
+    the 8-bit activation noise. Summation order still matters now and then: a value that lands within
+    an ulp of a rounding boundary goes either way, and the flip carries on through the later layers,
+    so the claim is "exact on most short sequences", never on none for the plain path."""
+    from localrt.backends.torch import ggml_numerics
+
+    if file_type == "Q4_K_M":
+        path = write_kquant_llama(tmp_path / "m.gguf", {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"})
+    else:
+        path = write_tiny_llama(tmp_path / "m.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_layer=2,
+                                file_type=file_type, seed=3)
+    tensors = GGUFTensors(path)
+    model = Transformer.from_gguf(tensors, torch.float32, "cpu")
+    exact = {"plain": 0, "emulated": 0}
+    for seed in range(4):
+        tokens = [1, *np.random.default_rng(seed).integers(5, model.cfg.vocab_size, 16).tolist()]
+        ref = tiny_logits_llama_cpp(path, tokens)
+        with torch.inference_mode():
+            plain = model(torch.tensor(tokens), DenseCausal(len(tokens))).numpy()
+            handles = ggml_numerics.emulate(model, tensors)
+            emulated = model(torch.tensor(tokens), DenseCausal(len(tokens))).numpy()
+            for h in handles:
+                h.remove()
+            restored = model(torch.tensor(tokens), DenseCausal(len(tokens))).numpy()
+        np.testing.assert_array_equal(restored, plain)  # removing the hooks restores the default numerics
+        exact["plain"] += int(np.abs(plain - ref).max() < 1e-4)
+        exact["emulated"] += int(np.abs(emulated - ref).max() < 1e-4)
+    assert exact["plain"] == 0 and exact["emulated"] >= 2, exact
+
+
+def test_ggml_attention_rounding_is_closer_to_llama_cpp_f16_kv(tmp_path: Path) -> None:
+    """llama.cpp's default f16 KV cache without flash attention rounds K, V, Q and the softmax weights
+    to fp16; `GGMLDenseCausal` does the same, and lands closer to it than fp32 attention does."""
+    from localrt.backends.torch.ggml_numerics import GGMLDenseCausal
+
+    path = write_tiny_llama(tmp_path / "f32.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_layer=2,
+                            file_type="F32", seed=3)
+    model = Transformer.from_gguf(GGUFTensors(path), torch.float32, "cpu")
+    tokens = [1, *np.random.default_rng(0).integers(5, model.cfg.vocab_size, 40).tolist()]
+    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=256, n_threads=1, verbose=False)  # f16 KV default
+    try:
+        llm.eval(tokens)
+        ref = np.array(llm.scores[: len(tokens)])
+    finally:
+        llm.close()
+    with torch.inference_mode():
+        fp32 = model(torch.tensor(tokens), DenseCausal(len(tokens))).numpy()
+        fp16 = model(torch.tensor(tokens), GGMLDenseCausal(len(tokens))).numpy()
+    assert np.abs(fp16 - ref).max() < np.abs(fp32 - ref).max() / 2

@@ -99,7 +99,9 @@ class TorchModel(VocabMethods):
 
     def __init__(self, path: Path, opts: LoadOptions, *, kv_budget_bytes: int | None = None,
                  max_batch_tokens: int | None = None, self_spec_layers: int | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, numerics: str = "default") -> None:
+        """`numerics="llama.cpp"` (opt-in, CPU comparisons only): round activations and attention as
+        llama.cpp's CPU kernels do (`ggml_numerics.py`); the default is plain fp32 on the dequantized weights."""
         torch = _torch()
         from .engine import Engine, EngineConfig
         from .gguf_load import GGUFTensors
@@ -128,6 +130,13 @@ class TorchModel(VocabMethods):
         self.metadata: dict[str, str] = {k: str(v) for k, v in tensors.metadata.items()
                                          if not isinstance(v, (list, tuple)) and not hasattr(v, "tobytes")}
         self.model = Transformer.from_gguf(tensors, dtype, self.device)
+        if numerics not in ("default", "llama.cpp"):
+            raise OptionError(f"numerics {numerics!r} is not one of: default, llama.cpp")
+        self.numerics = numerics
+        if numerics == "llama.cpp":
+            from . import ggml_numerics
+
+            ggml_numerics.emulate(self.model, tensors)
         tensors.close()
         draft = None
         if opts.draft_model is not None:
@@ -150,6 +159,10 @@ class TorchModel(VocabMethods):
         )
         self.engine = Engine(self.model, config, self.device, draft_model=draft)
         self.capabilities = replace(self.capabilities, parallel_slots=config.max_seqs)
+        if numerics == "llama.cpp":
+            from .ggml_numerics import GGMLDenseCausal
+
+            self.engine.dense_attention = GGMLDenseCausal  # score and embed see llama.cpp's f16 attention
         self.memory_bytes = param_bytes(self.model) + self.engine.cache.nbytes
         if draft is not None:
             self.memory_bytes += param_bytes(draft)

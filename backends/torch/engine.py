@@ -94,6 +94,7 @@ class Engine:
         if draft_model is not None:
             self.proposers["draft"] = self._make_draft_proposer(draft_model, num_blocks)
         self.eos = set(config.eos_token_ids)
+        self.dense_attention: Callable[[int, torch.device], Any] = DenseCausal  # the whole-sequence passes
         self._ids = count()
         # threaded mode
         self._cv = threading.Condition()
@@ -255,7 +256,7 @@ class Engine:
     def hidden_states(self, tokens: list[int]) -> torch.Tensor:
         """Final-normed hidden states [n, dim] of one sequence, dense (no cache)."""
         t = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.model.hidden(t, DenseCausal(len(tokens), self.device))
+        return self.model.hidden(t, self.dense_attention(len(tokens), self.device))
 
     # ---- threaded mode ----------------------------------------------------------------------
     def start(self) -> None:

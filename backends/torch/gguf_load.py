@@ -192,14 +192,20 @@ class GGUFTensors:
     def __contains__(self, name: str) -> bool:
         return name in self.by_name
 
-    def get(self, name: str) -> torch.Tensor:
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor's stored bytes, uint8 [n_bytes]."""
         t = self.by_name.get(name)
         if t is None:
             raise LocalrtError(f"GGUF tensor {name!r} is missing")
         start = self.info.data_offset + t.offset
         # a copy: the map is read-only and torch wants writable storage
-        raw = torch.from_numpy(np.array(self._map[start:start + t.n_bytes]))
-        return dequantize(raw, t.ggml_type, t.shape)
+        return torch.from_numpy(np.array(self._map[start:start + t.n_bytes]))
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.by_name.get(name)
+        if t is None:
+            raise LocalrtError(f"GGUF tensor {name!r} is missing")
+        return dequantize(self.raw(name), t.ggml_type, t.shape)
 
     def close(self) -> None:
         self._map = None  # type: ignore[assignment]

@@ -53,8 +53,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 (as llama.cpp does), scale in the compute dtype
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight  # one fused kernel
 
 
 class Rotary(nn.Module):
@@ -72,10 +71,17 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
+        self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # every layer of a step rotates by the same positions tensor: look the tables up once
+        if self._tables is None or self._tables[0] is not positions:
+            self._tables = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return self._tables[1], self._tables[2]  # [N, 1, n_rot/2] each
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [N, heads, head_dim] rotated by each token's position."""
-        cos = self.cos[positions].unsqueeze(1)  # [N, 1, n_rot/2]
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self._cos_sin(positions)
         rot, rest = x[..., : self.n_rot].float(), x[..., self.n_rot:]
         if self.neox:
             x1, x2 = rot.chunk(2, dim=-1)  # pairs (i, i + n_rot/2)
@@ -115,7 +121,8 @@ class Block(nn.Module):
         v = self.attn_v(x).view(n, self.n_kv, self.head_dim)
         if self.attn_q_norm is not None and self.attn_k_norm is not None:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-        q, k = rotary(q, ctx.positions), rotary(k, ctx.positions)
+        qk = rotary(torch.cat([q, k], 1), ctx.positions)  # one rotation for q and k: [N, H + Hkv, D]
+        q, k = qk[:, : self.n_head], qk[:, self.n_head:]
         out = ctx.attend(self.layer, q, k, v)  # [N, H, D]
         return self.attn_output(out.reshape(n, self.n_head * self.head_dim))
 
