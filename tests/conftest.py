@@ -51,3 +51,14 @@ def models_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "models"
     monkeypatch.setenv("LOCALRT_MODELS", str(root))
     return root
+
+
+@pytest.fixture
+def without_mlx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process and its subprocesses see an install without MLX (as on most machines): a None entry
+    in sys.modules makes `import mlx` fail and find_spec answer None; sitecustomize does it in children."""
+    monkeypatch.setitem(sys.modules, "mlx", None)
+    site = tmp_path / "without-mlx"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['mlx'] = None\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))

@@ -88,7 +88,6 @@ def test_lookup_speculation_flag(store: Store) -> None:
     (["run", "smollm2:135m", "hi", "--spec", "self"], "'self' is not supported by the llama.cpp backend"),
     (["run", "smollm2:135m", "hi", "--keepalive", "soon"], "invalid duration"),
     (["run", "smollm2:135m", "hi", "--format", "yaml"], "invalid format"),
-    (["run", "smollm2:135m", "hi", "--backend", "mlx"], "backend mlx is not available"),
     (["run", "smollm2:135m", "hi", "--draft", "nosuch:draft"], "draft model 'nosuch:draft' not found"),
     (["run", "127.0.0.1:9/library/nosuch:latest", "hi"], "Error:"),
 ])
@@ -98,6 +97,13 @@ def test_errors_are_one_line(store: Store, args: list[str], message: str) -> Non
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.startswith("Error")]) == 1
+
+
+def test_backend_not_installed_is_one_line(store: Store, without_mlx: None) -> None:
+    result = localrt("run", "smollm2:135m", "hi", "--backend", "mlx")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == ("Error: backend mlx is not available: mlx is not installed; "
+                                     "pip install 'localrt[mlx]'")
 
 
 def test_auto_pull_when_missing(models_dir: Path, smollm2_gguf: Path) -> None:

@@ -333,7 +333,8 @@ def test_speculative_through_the_runtime(store: Store, smollm2_gguf: Path) -> No
     asyncio.run(scenario())
 
 
-def test_bad_requests_fail_clearly_and_the_runtime_keeps_serving(store: Store, smollm2_gguf: Path) -> None:
+def test_bad_requests_fail_clearly_and_the_runtime_keeps_serving(store: Store, smollm2_gguf: Path,
+                                                                 without_mlx: None) -> None:
     import_model(store, "evil:latest", smollm2_gguf,
                  template="{{ cycler.__init__.__globals__.os.popen('id').read() }}")
     import_model(store, "tiny:latest", smollm2_gguf, params={**PARAMS, "num_ctx": 64})

@@ -417,8 +417,7 @@ def test_error_model_missing(model_root: Path, tmp_path: Path) -> None:
 
 
 @needs_llama
-@pytest.mark.skipif(importlib.util.find_spec("mlx") is not None, reason="mlx is installed here")
-def test_error_backend_not_installed(model_root: Path, tmp_path: Path) -> None:
+def test_error_backend_not_installed(model_root: Path, tmp_path: Path, without_mlx: None) -> None:
     async def scenario() -> None:
         app = make_app(model_root, tmp_path)
         async with app.run_test(size=(100, 30)) as pilot:
