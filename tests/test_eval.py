@@ -104,6 +104,26 @@ def test_eval_command_on_smollm2(smollm2_gguf: Path, tmp_path: Path, capsys: pyt
     assert "perplexity:" in capsys.readouterr().out
 
 
+def test_reference_on_another_backend(smollm2_gguf: Path, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """--reference-backend: the torch engine measured against llama.cpp on the same file. Same weights,
+    other kernels: KL small but not zero (zero would mean both sides ran on one backend)."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("torch")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    args = argparse.Namespace(model=str(smollm2_gguf), text=str(text), reference=str(smollm2_gguf),
+                              backend="torch", reference_backend="llama.cpp", ctx=64, json=True)
+    assert eval_command(args) == 0
+    across = json.loads(capsys.readouterr().out)
+    assert 1e-7 < across["kl"] < 0.05 and across["top1"] >= 0.85, across
+    args.reference_backend = None  # the reference on the model's own backend: identical logits
+    assert eval_command(args) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert same["kl"] == pytest.approx(0.0, abs=1e-7) and same["top1"] == 1.0
+    assert same["perplexity"] == pytest.approx(across["perplexity"])
+
+
 def test_missing_text_file(smollm2_gguf: Path, tmp_path: Path) -> None:
     args = argparse.Namespace(model=str(smollm2_gguf), text=str(tmp_path / "nope.txt"), reference=None,
                               backend="llama.cpp", ctx=64, json=False)
