@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import json
 import os
 import sys
 import threading
@@ -39,6 +38,7 @@ from localrt.backends.base import (
     log_softmax,
     run_in_thread_stream,
 )
+from localrt.backends.grammar import grammar_sampler
 from localrt.backends.lookup import LookupIndex
 from localrt.errors import LocalrtError, OptionError
 
@@ -482,11 +482,11 @@ class LlamaCppModel:
             for token in prompt[-last_n:]:
                 chain.accept(token)
         if fmt is not None:
-            grammar = _grammar_for(fmt)
-            sampler = lib.llama_sampler_init_grammar(m.vocab, grammar.encode("utf-8"), b"root")
-            if not sampler:
+            try:
+                sampler = grammar_sampler(lib, m.vocab, fmt)
+            except LocalrtError:
                 chain.close()
-                raise LocalrtError("the JSON schema could not be turned into a grammar")
+                raise
             lib.llama_sampler_chain_add(chain.sampler, sampler)
         seed = lib.LLAMA_DEFAULT_SEED if sp.seed < 0 else sp.seed & 0xFFFFFFFF
         if sp.greedy:
@@ -746,16 +746,3 @@ class LlamaCppModel:
                     obj.close()
             self._embed_ctx = self._embed_batch = None
         self._close_runners([r for s in self._slots for r in (s.draft, s.runner) if r is not None])
-
-
-def _grammar_for(fmt: str | dict[str, Any]) -> str:
-    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
-
-    if fmt == "json":
-        return JSON_GBNF
-    if isinstance(fmt, dict):
-        try:
-            return json_schema_to_gbnf(json.dumps(fmt))
-        except Exception as e:  # the converter raises bare exceptions on schemas it cannot express
-            raise LocalrtError(f"unsupported JSON schema in format: {e}") from None
-    raise LocalrtError(f"invalid format {fmt!r}: use \"json\" or a JSON schema object")

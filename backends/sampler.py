@@ -13,12 +13,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from localrt.backends.base import SamplingParams
+from localrt.backends.grammar import Grammar
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams, context_length: int) -> None:
+    def __init__(self, params: SamplingParams, context_length: int, grammar: Grammar | None = None) -> None:
         self.params = params
         self.greedy = params.greedy
+        self.grammar = grammar  # `format`: sample() only picks what it allows (no speculation then)
         seed = params.seed if params.seed >= 0 else random.getrandbits(63)
         self.rng = np.random.default_rng(seed)
         last_n = params.repeat_last_n
@@ -70,9 +72,15 @@ class Sampler:
         return float(self.rng.random())
 
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
+        if self.grammar is not None:  # constrained output: only what the grammar allows next
+            logits = self.grammar.mask(np.asarray(logits, dtype=np.float32))
         if self.greedy:
-            return int(self.penalized(np.asarray(logits, dtype=np.float32), history).argmax())
-        return self.draw(self.probs(logits, history))
+            token = int(self.penalized(np.asarray(logits, dtype=np.float32), history).argmax())
+        else:
+            token = self.draw(self.probs(logits, history))
+        if self.grammar is not None:
+            self.grammar.accept(token)
+        return token
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

@@ -249,6 +249,38 @@ def test_speculative_greedy_matches_plain(kind: str, model: LoadedModel, backend
             target.unload()
 
 
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+          "required": ["city", "population"]}
+
+
+@pytest.mark.parametrize("fmt", ["json", "schema"])
+def test_format_constrains_the_output(model: LoadedModel, fmt: str) -> None:
+    """`format`: the answer parses (json) and validates (schema), greedy or sampled, on every backend.
+    Unconstrained, this question gets prose; the grammar is what makes it JSON."""
+    import json
+
+    import jsonschema
+
+    assert model.capabilities.grammar
+    ids = prompt_ids(model, "Give the capital of France and its population.")
+    plain, _ = run(model, GenerateRequest(ids, GREEDY, num_predict=40))
+    with pytest.raises(ValueError):
+        json.loads(text_of(plain))
+    # sampled too (seeded, so each backend repeats its run), for the schema: its shape bounds the answer
+    samplings = [GREEDY] if fmt == "json" else [GREEDY, SamplingParams(temperature=0.5, seed=7)]
+    if fmt == "json":  # any JSON value: ask for a small one, so that it closes within the budget
+        ids = prompt_ids(model, "Describe a cat as JSON with name and age.")
+    for sampling in samplings:
+        request = GenerateRequest(ids, sampling, num_predict=300, format="json" if fmt == "json" else SCHEMA)
+        events, done = run(model, request)
+        value = json.loads(text_of(events))
+        assert done.finish_reason == "stop"
+        if fmt == "schema":
+            jsonschema.validate(value, SCHEMA)
+    with pytest.raises(LocalrtError, match="JSON schema"):
+        run(model, GenerateRequest(ids, GREEDY, num_predict=4, format={"type": "object", "oneOf": 3}))
+
+
 def test_unload(backend_name: str, smollm2_gguf: Path) -> None:
     loaded = registry.get(backend_name).load(smollm2_gguf, LoadOptions(num_ctx=256, num_thread=THREADS))
     loaded.unload()

@@ -32,6 +32,7 @@ from localrt.backends.base import (
     log_softmax,
     run_in_thread_stream,
 )
+from localrt.backends.grammar import Grammar, grammar_for
 from localrt.backends.vocab import Vocab, VocabMethods
 from localrt.errors import LocalrtError, OptionError
 
@@ -74,7 +75,7 @@ class MLXBackend:
             chat=True,
             embedding=True,
             score=True,
-            grammar=False,
+            grammar=True,
             speculative=frozenset({"draft", "lookup", "self"}),
             kv_cache_types=KV_CACHE_TYPES,
             devices=("gpu",) if _on_gpu() else ("cpu",),
@@ -173,8 +174,9 @@ class MLXModel(VocabMethods):
             raise OptionError(f"speculative mode {mode!r} is not supported by the MLX backend")
         if mode == "draft" and self.draft is None:
             raise OptionError("speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)")
-        if req.format is not None:
-            raise OptionError("the MLX backend has no constrained output (format) yet")
+        if req.format is not None:  # constrained: sampled token by token, drafts would skip the grammar
+            grammar_for(req.format)  # a schema it cannot express is an error now, not in the worker
+            mode = "off"
         if not req.prompt_tokens:
             raise LocalrtError("the prompt is empty")
         bad = [t for t in req.prompt_tokens if not 0 <= t < self.n_vocab]
@@ -237,9 +239,17 @@ class MLXModel(VocabMethods):
         if max_tokens <= len(prompt):  # num_predict 0: nothing to generate
             emit(DoneEvent("length", Timings()))
             return
-        out = generate(self.runner, prompt, Sampler(req.sampling, self.context_length), max_tokens=max_tokens,
-                           eog=self._eog, on_token=on_token, cancelled=lambda: req.cancel.cancelled,
-                           proposer=proposer, spec=spec, clock=time.perf_counter_ns)
+        grammar = None
+        if req.format is not None:
+            grammar = Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, req.format)
+        try:
+            out = generate(self.runner, prompt, Sampler(req.sampling, self.context_length, grammar),
+                           max_tokens=max_tokens, eog=self._eog, on_token=on_token,
+                           cancelled=lambda: req.cancel.cancelled, proposer=proposer, spec=spec,
+                           clock=time.perf_counter_ns)
+        finally:
+            if grammar is not None:
+                grammar.close()
         tail = text.finish()
         if tail is not None and (tail.text or tail.token_ids):
             emit(tail)

@@ -31,6 +31,7 @@ from localrt.backends.base import (
     TokenLogprob,
     TopLogprob,
 )
+from localrt.backends.grammar import Grammar
 from localrt.backends.vocab import Vocab, VocabMethods
 from localrt.errors import LocalrtError, OptionError
 
@@ -72,7 +73,7 @@ class TorchBackend:
             chat=True,
             embedding=True,
             score=True,
-            grammar=False,
+            grammar=True,
             speculative=frozenset({"draft", "lookup", "self"}),
             kv_cache_types=(*KV_TYPES_CPU, "fp8") if cuda else KV_TYPES_CPU,
             devices=("cpu", "cuda") if cuda else ("cpu",),
@@ -195,8 +196,6 @@ class TorchModel(VocabMethods):
             raise OptionError(f"speculative mode {mode!r} is not supported by the torch backend")
         if mode == "draft" and "draft" not in self.engine.proposers:
             raise OptionError("speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)")
-        if req.format is not None:
-            raise OptionError("the torch backend has no constrained output (format) yet")
         bad = [t for t in req.prompt_tokens if not 0 <= t < self.n_vocab]
         if bad:
             raise LocalrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
@@ -209,8 +208,18 @@ class TorchModel(VocabMethods):
         mode = req.speculative
         if mode == "auto":
             mode = "draft" if "draft" in self.engine.proposers else "off"
-        seq = self.engine.new_sequence(req.prompt_tokens, req.sampling, max_new=req.num_predict,
-                                       speculative=mode, num_draft=req.num_draft, cancel=req.cancel)
+        grammar = None
+        if req.format is not None:  # constrained: sampled token by token, drafts would skip the grammar
+            grammar = Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, req.format)
+            mode = "off"
+        try:
+            seq = self.engine.new_sequence(req.prompt_tokens, req.sampling, max_new=req.num_predict,
+                                           speculative=mode, num_draft=req.num_draft, cancel=req.cancel,
+                                           grammar=grammar)
+        except BaseException:
+            if grammar is not None:
+                grammar.close()
+            raise
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         text = TextAssembler(req.stop)
@@ -261,6 +270,8 @@ class TorchModel(VocabMethods):
                 req.cancel.cancel()
                 while not seq.finished and not self._closed:
                     await asyncio.sleep(0.005)
+            if grammar is not None and seq.finished:
+                grammar.close()
 
     def _logprob(self, logits: Any, token: int, top_n: int) -> TokenLogprob:
         torch = _torch()

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from localrt.backends.base import CancelToken, SamplingParams
+from localrt.backends.grammar import Grammar
 from localrt.errors import LocalrtError
 
 from .attention import PagedAttention, SeqChunk
@@ -118,7 +119,7 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------
     def new_sequence(self, prompt: Iterable[int], sampling: SamplingParams, *, max_new: int = -1,
                      speculative: str = "off", num_draft: int | None = None,
-                     cancel: CancelToken | None = None) -> Sequence:
+                     cancel: CancelToken | None = None, grammar: Grammar | None = None) -> Sequence:
         tokens = list(prompt)
         ctx = self.config.context_length
         if not tokens:
@@ -129,7 +130,7 @@ class Engine:
         room = ctx - len(tokens)
         max_len = len(tokens) + (room if max_new < 0 else min(max_new, room))
         seq = Sequence(next(self._ids), tokens, len(tokens), max_len,
-                       RequestSampler(sampling, self.device, ctx), cancel or CancelToken())
+                       RequestSampler(sampling, self.device, ctx, grammar), cancel or CancelToken())
         if speculative not in ("off", "auto"):
             if speculative not in self.proposers:
                 raise LocalrtError(f"speculative mode {speculative!r} needs a draft model" if speculative == "draft"

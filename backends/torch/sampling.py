@@ -13,12 +13,15 @@ from collections.abc import Sequence
 import torch
 
 from localrt.backends.base import SamplingParams
+from localrt.backends.grammar import Grammar
 
 
 class RequestSampler:
-    def __init__(self, params: SamplingParams, device: torch.device | str, context_length: int) -> None:
+    def __init__(self, params: SamplingParams, device: torch.device | str, context_length: int,
+                 grammar: Grammar | None = None) -> None:
         self.params = params
         self.greedy = params.greedy
+        self.grammar = grammar  # `format`: sample() only picks what it allows (no speculation then)
         self.generator = torch.Generator(device=device)
         seed = params.seed if params.seed >= 0 else random.getrandbits(63)
         self.generator.manual_seed(seed)
@@ -73,6 +76,13 @@ class RequestSampler:
         return float(torch.rand(1, generator=self.generator, dtype=torch.float64, device=self.generator.device))
 
     def sample(self, logits: torch.Tensor, history: Sequence[int]) -> int:
+        if self.grammar is not None:  # constrained output: the grammar runs on the host, one row per step
+            allowed = self.grammar.mask(logits.float().cpu().numpy())
+            logits = torch.from_numpy(allowed).to(logits.device)
         if self.greedy:
-            return int(self.penalized(logits.float(), history).argmax())
-        return self.draw(self.probs(logits, history))
+            token = int(self.penalized(logits.float(), history).argmax())
+        else:
+            token = self.draw(self.probs(logits, history))
+        if self.grammar is not None:
+            self.grammar.accept(token)
+        return token

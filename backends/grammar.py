@@ -1,0 +1,75 @@
+"""Constrained output (`format`: "json" or a JSON schema) for every backend, by llama.cpp's grammar sampler.
+
+The llama.cpp backend adds the grammar to its sampler chain. The torch and MLX engines sample themselves,
+so `Grammar` gives them the same constraint over plain logits: `mask` sets what the grammar forbids next
+to -inf, `accept` advances it by the chosen token. Both run on the model's llama.cpp vocabulary, so the
+three backends accept exactly the same texts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from typing import Any
+
+import numpy as np
+
+from localrt.errors import LocalrtError
+
+# llama_token_data: {int32 id; float logit; float p}
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+def grammar_for(fmt: str | dict[str, Any]) -> str:
+    """GBNF for Ollama's `format`: "json" (any JSON value) or a JSON schema object."""
+    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+    if fmt == "json":
+        return JSON_GBNF
+    if isinstance(fmt, dict):
+        try:
+            return json_schema_to_gbnf(json.dumps(fmt))
+        except Exception as e:  # the converter raises bare exceptions on schemas it cannot express
+            raise LocalrtError(f"unsupported JSON schema in format: {e}") from None
+    raise LocalrtError(f"invalid format {fmt!r}: use \"json\" or a JSON schema object")
+
+
+def grammar_sampler(lib: Any, vocab: Any, fmt: str | dict[str, Any]) -> Any:
+    """A llama.cpp grammar sampler for `fmt` on `vocab` (the caller frees it, or hands it to a chain)."""
+    sampler = lib.llama_sampler_init_grammar(vocab, grammar_for(fmt).encode("utf-8"), b"root")
+    if not sampler:
+        raise LocalrtError("the JSON schema could not be turned into a grammar")
+    return sampler
+
+
+class Grammar:
+    """One request's constraint over logits [V] (numpy); not thread-safe, like the request it serves."""
+
+    def __init__(self, lib: Any, vocab: Any, n_vocab: int, fmt: str | dict[str, Any]) -> None:
+        self.lib = lib
+        self.sampler = grammar_sampler(lib, vocab, fmt)
+        self._data = np.zeros(n_vocab, dtype=_TOKEN_DATA)
+        self._ids = np.arange(n_vocab, dtype=np.int32)
+        self._array = lib.llama_token_data_array(
+            data=self._data.ctypes.data_as(ctypes.POINTER(lib.llama_token_data)), size=n_vocab, selected=-1,
+            sorted=False)
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """logits [V] -> a copy with -inf on every token the grammar does not allow next."""
+        data = self._data
+        data["id"] = self._ids
+        data["logit"] = logits
+        data["p"] = 0.0
+        self._array.size = len(data)
+        self._array.selected = -1
+        self._array.sorted = False
+        self.lib.llama_sampler_apply(self.sampler, ctypes.byref(self._array))
+        return data["logit"].copy()
+
+    def accept(self, token: int) -> None:
+        self.lib.llama_sampler_accept(self.sampler, token)
+
+    def close(self) -> None:
+        if self.sampler:
+            self.lib.llama_sampler_free(self.sampler)
+            self.sampler = None
