@@ -9,7 +9,6 @@ holds the longest prefix of its prompt, so a conversation keeps its prefix reuse
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 import sys
@@ -40,6 +39,7 @@ from localrt.backends.base import (
 )
 from localrt.backends.grammar import grammar_sampler
 from localrt.backends.lookup import LookupIndex
+from localrt.backends.vocab import token_piece
 from localrt.errors import LocalrtError, OptionError
 
 NAME = "llama.cpp"
@@ -227,18 +227,7 @@ class _Runner:
 
     # -- vocabulary --
     def piece(self, token: int, special: bool = False) -> bytes:
-        key = (token, special)
-        cached = self._piece_cache.get(key)
-        if cached is not None:
-            return cached
-        buf = ctypes.create_string_buffer(256)  # per call: slots' threads read pieces concurrently
-        n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        out = buf.raw[:n]
-        self._piece_cache[key] = out
-        return out
+        return token_piece(self.lib, self.vocab, token, special, self._piece_cache)
 
     def is_eog(self, token: int) -> bool:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))

@@ -10,8 +10,25 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from localrt.errors import LocalrtError
+
+
+def token_piece(lib: Any, vocab: Any, token: int, special: bool, cache: dict[tuple[int, bool], bytes]) -> bytes:
+    """A token's bytes (a piece may be part of a UTF-8 character), memoized in `cache`."""
+    key = (token, special)
+    cached = cache.get(key)
+    if cached is not None:
+        return cached
+    buf = ctypes.create_string_buffer(256)  # per call: several threads (slots, engines) read pieces at once
+    n = lib.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = lib.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    out = buf.raw[:n]
+    cache[key] = out
+    return out
 
 
 class Vocab:
@@ -40,18 +57,7 @@ class Vocab:
         self.add_bos = bool(m.add_bos_token()) and self.bos_token_id is not None
 
     def piece(self, token: int, special: bool = False) -> bytes:
-        key = (token, special)
-        cached = self._pieces.get(key)
-        if cached is not None:
-            return cached
-        buf = ctypes.create_string_buffer(256)
-        n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        out = buf.raw[:n]
-        self._pieces[key] = out
-        return out
+        return token_piece(self.lib, self.vocab, token, special, self._pieces)
 
     def is_eog(self, token: int) -> bool:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
