@@ -361,17 +361,12 @@ class LlamaCppModel:
                 if free:
                     break
                 self._free.wait(0.05)  # wake up now and then to notice a cancellation
-            slot = min(free, key=lambda s: s.last_used)  # least recently used (empty slots first)
-            if prompt:
-                # reuse a slot whose cache the prompt mostly extends; taking one whose cache it mostly
-                # discards would throw away another conversation's prefix for a few shared tokens
-                def gain(s: _Slot) -> int:
-                    common = s.runner.common_prefix(prompt)
-                    return common - (len(s.runner.evaluated) - common)
-
-                best = max(free, key=gain)
-                if gain(best) > 0:
-                    slot = best
+            # reuse a slot whose cache the prompt mostly extends (kept minus discarded tokens > 0); taking
+            # one whose cache it mostly discards would throw away another conversation's prefix for a few
+            # shared tokens: then the least recently used (empty slots first)
+            gains = [2 * s.runner.common_prefix(prompt) - len(s.runner.evaluated) if prompt else 0 for s in free]
+            best = max(range(len(free)), key=gains.__getitem__)
+            slot = free[best] if gains[best] > 0 else min(free, key=lambda s: s.last_used)
             slot.busy = True
             return slot
 

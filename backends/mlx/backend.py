@@ -32,7 +32,7 @@ from localrt.backends.base import (
     log_softmax,
     run_in_thread_stream,
 )
-from localrt.backends.grammar import Grammar, grammar_for
+from localrt.backends.grammar import Grammar
 from localrt.backends.vocab import Vocab, VocabMethods
 from localrt.errors import LocalrtError, OptionError
 
@@ -175,7 +175,6 @@ class MLXModel(VocabMethods):
         if mode == "draft" and self.draft is None:
             raise OptionError("speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)")
         if req.format is not None:  # constrained: sampled token by token, drafts would skip the grammar
-            grammar_for(req.format)  # a schema it cannot express is an error now, not in the worker
             mode = "off"
         if not req.prompt_tokens:
             raise LocalrtError("the prompt is empty")
@@ -193,13 +192,17 @@ class MLXModel(VocabMethods):
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[Event]:
         mode = self._check(req)
+        # built here, so a schema it cannot express fails before any work
+        grammar = None if req.format is None else Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, req.format)
         self._active.add(req.cancel)
         try:
-            async for event in run_in_thread_stream(lambda emit: self._generate(req, mode, emit), req.cancel,
-                                                    self._pool):
+            async for event in run_in_thread_stream(lambda emit: self._generate(req, mode, grammar, emit),
+                                                    req.cancel, self._pool):
                 yield event
-        finally:
+        finally:  # the worker has finished here (run_in_thread_stream waits for it)
             self._active.discard(req.cancel)
+            if grammar is not None:
+                grammar.close()
 
     def _proposer(self, mode: str) -> Any:
         from .engine import LookupProposer, SelfProposer
@@ -210,7 +213,8 @@ class MLXModel(VocabMethods):
             return SelfProposer(self.runner, self.self_spec_layers)
         return self.draft if mode == "draft" else None
 
-    def _generate(self, req: GenerateRequest, mode: str, emit: Callable[[Event], None]) -> None:
+    def _generate(self, req: GenerateRequest, mode: str, grammar: Grammar | None,
+                  emit: Callable[[Event], None]) -> None:
         from localrt.backends.sampler import Sampler
         from localrt.backends.speculation import DEFAULT_NUM_DRAFT
 
@@ -239,17 +243,10 @@ class MLXModel(VocabMethods):
         if max_tokens <= len(prompt):  # num_predict 0: nothing to generate
             emit(DoneEvent("length", Timings()))
             return
-        grammar = None
-        if req.format is not None:
-            grammar = Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, req.format)
-        try:
-            out = generate(self.runner, prompt, Sampler(req.sampling, self.context_length, grammar),
-                           max_tokens=max_tokens, eog=self._eog, on_token=on_token,
-                           cancelled=lambda: req.cancel.cancelled, proposer=proposer, spec=spec,
-                           clock=time.perf_counter_ns)
-        finally:
-            if grammar is not None:
-                grammar.close()
+        out = generate(self.runner, prompt, Sampler(req.sampling, self.context_length, grammar),
+                       max_tokens=max_tokens, eog=self._eog, on_token=on_token,
+                       cancelled=lambda: req.cancel.cancelled, proposer=proposer, spec=spec,
+                       clock=time.perf_counter_ns)
         tail = text.finish()
         if tail is not None and (tail.text or tail.token_ids):
             emit(tail)

@@ -48,7 +48,17 @@ def _causal_mask(n_queries: int, n_keys: int) -> mx.array | None:
     return q_pos >= mx.arange(n_keys)[None, :]  # [L, T]
 
 
-class KVCache:
+class _Trimmable:
+    offset: int
+
+    def trim(self, n: int) -> int:
+        """Forget the last n tokens (rejected drafts): a lower offset is enough, later writes overwrite them."""
+        n = min(n, self.offset)
+        self.offset -= n
+        return n
+
+
+class KVCache(_Trimmable):
     """Keys and values [1, Hkv, capacity, D] in `dtype` (f16 by default, as llama.cpp's cache)."""
 
     def __init__(self, dtype: mx.Dtype = mx.float16) -> None:
@@ -69,17 +79,12 @@ class KVCache:
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
                                                     mask="causal" if n > 1 else None)
 
-    def trim(self, n: int) -> int:
-        n = min(n, self.offset)
-        self.offset -= n
-        return n
-
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.keys, self.values) if a is not None)
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(_Trimmable):
     """Keys and values stored as MLX 8-bit affine groups of 32 along head_dim (about half of fp16).
 
     Attention runs on the packed cache directly: scores = q . dequant(K) via `quantized_matmul`,
@@ -118,11 +123,6 @@ class QuantizedKVCache:
         probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype)  # [1, Hkv, rep, L, T]
         out = mx.quantized_matmul(probs, *values, transpose=False, group_size=self.group_size, bits=self.bits)
         return out.reshape(1, n_head, n, d)
-
-    def trim(self, n: int) -> int:
-        n = min(n, self.offset)
-        self.offset -= n
-        return n
 
     @property
     def nbytes(self) -> int:

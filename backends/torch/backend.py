@@ -270,7 +270,7 @@ class TorchModel(VocabMethods):
                 req.cancel.cancel()
                 while not seq.finished and not self._closed:
                     await asyncio.sleep(0.005)
-            if grammar is not None and seq.finished:
+            if grammar is not None and (seq.finished or self._closed):
                 grammar.close()
 
     def _logprob(self, logits: Any, token: int, top_n: int) -> TokenLogprob:
