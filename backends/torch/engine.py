@@ -1,7 +1,8 @@
 """The engine: one model, one paged KV cache, a scheduler, and a loop that runs steps.
 
-A step = schedule -> (guess) -> one batched forward over every scheduled chunk -> sample or verify
-per sequence -> commit. `step()` is synchronous (tests drive it directly); `start()` runs it in a
+A step = schedule -> (guess) -> one batched forward over every scheduled chunk -> sample (one batched
+pick and one host sync for every plain decode) or verify per sequence -> commit. On CUDA, steps made
+only of single-token decodes replay a captured CUDA graph (`cuda_graphs.DecodeGraphs`). `step()` is synchronous (tests drive it directly); `start()` runs it in a
 background thread that also executes jobs (`call`, for score/embed) between steps.
 """
 
@@ -22,11 +23,12 @@ from localrt.backends.base import CancelToken, SamplingParams
 from localrt.backends.grammar import Grammar
 from localrt.errors import LocalrtError
 
-from .attention import PagedAttention, SeqChunk
+from .attention import PagedAttention, SeqChunk, _fused_available
+from .cuda_graphs import DecodeGraphs
 from .kv_cache import BLOCK_SIZE, BlockPool, KVCache, num_blocks_for
 from .model import DenseCausal, Transformer
 from .prefix_cache import PrefixCache
-from .sampling import RequestSampler
+from .sampling import RequestSampler, sample_batch
 from .scheduler import Scheduled, Scheduler, Sequence
 from .speculative import (
     DEFAULT_NUM_DRAFT,
@@ -54,6 +56,7 @@ class EngineConfig:
     self_spec_layers: int | None = None  # None: four fifths of the layers (shallower exits rarely agree)
     eos_token_ids: tuple[int, ...] = ()
     block_size: int = BLOCK_SIZE
+    cuda_graphs: bool = True  # decode-only steps replay captured graphs (CUDA with Triton only)
 
 
 @dataclass
@@ -78,8 +81,12 @@ class Engine:
             budget = per_block * -(-config.context_length // config.block_size) * config.kv_budget_seqs
         num_blocks = num_blocks_for(budget, per_block)
         self.pool = BlockPool(num_blocks, config.block_size)
-        self.cache = KVCache(cfg.block_count, num_blocks, cfg.attention_head_count_kv, cfg.attention_key_length,
-                             config.kv_cache_type, dtype, self.device, config.block_size)
+        use_graphs = config.cuda_graphs and _graphs_available(self.device)
+        # graphs pad the batch; padded rows write their K/V into one extra block the pool never hands out
+        self.cache = KVCache(cfg.block_count, num_blocks + (1 if use_graphs else 0), cfg.attention_head_count_kv,
+                             cfg.attention_key_length, config.kv_cache_type, dtype, self.device, config.block_size)
+        self.graphs = (DecodeGraphs(model, self.cache, num_blocks, config.max_seqs, config.context_length,
+                                    self.device) if use_graphs else None)
         self.prefix = PrefixCache(self.pool, enabled=config.prefix_caching)
         self.scheduler = Scheduler(self.pool, self.cache, self.prefix, max_batch_tokens=config.max_batch_tokens,
                                    max_seqs=config.max_seqs)
@@ -177,14 +184,29 @@ class Engine:
                 work.rows[i] = (len(rows), len(rows) + 1 + len(item.drafts))
                 rows.extend(range(first, len(feed) + len(tokens)))
             feed.extend(tokens)
-        ctx = PagedAttention(self.cache, chunks, self.device)
-        tokens_t = torch.tensor(feed, dtype=torch.long, device=self.device)
-        logits = self.model(tokens_t, ctx, rows=torch.tensor(rows, dtype=torch.long, device=self.device))
+        if self.graphs is not None and len(feed) == len(rows) == len(plan) and self.graphs.fits(len(plan)):
+            logits = self.graphs.run(feed, chunks)  # every item is one decode token, logits row i for item i
+        else:
+            ctx = PagedAttention(self.cache, chunks, self.device)
+            tokens_t = torch.tensor(feed, dtype=torch.long, device=self.device)
+            logits = self.model(tokens_t, ctx, rows=torch.tensor(rows, dtype=torch.long, device=self.device))
         self.steps += 1
+        sampled = self._sample(work, logits)
         for i, item in enumerate(plan):
             span = work.rows.get(i)
-            self._advance(item, None if span is None else logits[span[0]:span[1]], work.q.get(i))
+            self._advance(item, None if span is None else logits[span[0]:span[1]], work.q.get(i), sampled.get(i))
         return sched.has_work
+
+    def _sample(self, work: _Work, logits: torch.Tensor) -> dict[int, int]:
+        """Plan index -> token for every plain decode (no guesses, no grammar), with one host sync in all."""
+        members = [i for i, item in enumerate(work.plan)
+                   if i in work.rows and not item.drafts and item.seq.sampler.grammar is None]
+        if not members:
+            return {}
+        seqs = [work.plan[i].seq for i in members]
+        tokens = sample_batch([s.sampler for s in seqs], [logits[work.rows[i][0]] for i in members],
+                              [s.tokens for s in seqs])
+        return dict(zip(members, tokens))
 
     def _draft_len(self, seq: Sequence) -> int:
         if seq.spec is None or not seq.spec.enabled:
@@ -204,7 +226,13 @@ class Engine:
                 work.plan[i].drafts = proposal.tokens[:n]
                 work.q[i] = None if proposal.q is None else proposal.q[:n]
 
-    def _advance(self, item: Scheduled, logits: torch.Tensor | None, q: torch.Tensor | None) -> None:
+    @property
+    def graph_replays(self) -> int:
+        """Steps run through the CUDA-graph decode path (0 when it is off)."""
+        return 0 if self.graphs is None else self.graphs.replays
+
+    def _advance(self, item: Scheduled, logits: torch.Tensor | None, q: torch.Tensor | None,
+                 token: int | None = None) -> None:
         seq, sched = item.seq, self.scheduler
         seq.num_computed += item.num_tokens
         if seq.first_token_ns == 0:
@@ -219,6 +247,8 @@ class Engine:
             seq.spec.record(len(item.drafts), accepted)
             seq.timings.draft_count += len(item.drafts)
             seq.timings.draft_accepted_count += accepted
+        elif token is not None:  # sampled with the rest of the batch
+            new_tokens = [token]
         else:
             new_tokens = [seq.sampler.sample(logits[0], seq.tokens)]
         if seq.first_token_ns == 0:
@@ -312,3 +342,7 @@ class Engine:
                     for seq in [*self.scheduler.running]:
                         seq.error = e
                         self.scheduler.finish(seq, "error")
+
+
+def _graphs_available(device: torch.device) -> bool:
+    return device.type == "cuda" and _fused_available(device)  # the graphs' attention is the Triton kernel

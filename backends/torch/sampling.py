@@ -1,8 +1,9 @@
-"""Sampling on the device, one request at a time, with the runtime's parameters.
+"""Sampling on the device with the runtime's parameters: per request, or a whole step's batch at once.
 
 The chain follows llama.cpp's order (penalties, top-k, top-p, min-p, temperature, draw) so both
 backends read the parameters the same way. Each request owns a `torch.Generator`: its draws depend
-only on its own seed and history, never on which other requests share the step.
+only on its own seed and history, never on which other requests share the step. `sample_batch`
+picks one token per row on the device and reads them all back with a single host sync.
 """
 
 from __future__ import annotations
@@ -34,15 +35,15 @@ class RequestSampler:
         """logits [V] with llama.cpp's repeat / frequency / presence penalties over the recent window."""
         if not self.penalize or not history:
             return logits
-        window = torch.as_tensor(list(history[-self.penalty_window:]), device=logits.device)
-        ids, counts = torch.unique(window, return_counts=True)
+        # counts over the whole vocabulary instead of torch.unique: no data-dependent shape, so no sync;
+        # non_blocking: a pageable upload is staged at once, it does not wait for the queued forward
+        window = torch.tensor(list(history[-self.penalty_window:]), dtype=torch.long)
+        window = window.to(logits.device, non_blocking=True)
+        counts = torch.zeros_like(logits).index_add_(0, window, torch.ones_like(window, dtype=logits.dtype))  # [V]
         p = self.params
-        out = logits.clone()
-        chosen = out[ids]
-        chosen = torch.where(chosen > 0, chosen / p.repeat_penalty, chosen * p.repeat_penalty)
-        chosen = chosen - counts.to(out.dtype) * p.frequency_penalty - p.presence_penalty
-        out[ids] = chosen
-        return out
+        out = torch.where(logits > 0, logits / p.repeat_penalty, logits * p.repeat_penalty)
+        out = out - counts * p.frequency_penalty - p.presence_penalty
+        return torch.where(counts > 0, out, logits)
 
     def probs(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         """The distribution a token is drawn from: logits [V] -> probabilities [V] (float32)."""
@@ -65,11 +66,14 @@ class RequestSampler:
         return torch.softmax(x / p.temperature, -1)
 
     def draw(self, probs: torch.Tensor) -> int:
+        return int(self._draw(probs))
+
+    def _draw(self, probs: torch.Tensor) -> torch.Tensor:
         """One token from probs [V]: argmax(p / E) with E ~ Exp(1) is a draw from p, without a sync-heavy multinomial."""
         if self.greedy:
-            return int(probs.argmax())
+            return probs.argmax()
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        return int((probs / noise).argmax())
+        return (probs / noise).argmax()
 
     def uniform(self) -> float:
         # float64: a float32 uniform can be exactly 0, which would accept a draft with p = 0
@@ -79,10 +83,33 @@ class RequestSampler:
         if self.grammar is not None:  # constrained output: the grammar runs on the host, one row per step
             allowed = self.grammar.mask(logits.float().cpu().numpy())
             logits = torch.from_numpy(allowed).to(logits.device)
-        if self.greedy:
-            token = int(self.penalized(logits.float(), history).argmax())
-        else:
-            token = self.draw(self.probs(logits, history))
+        token = int(self.pick(logits, history))
         if self.grammar is not None:
             self.grammar.accept(token)
         return token
+
+    def pick(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        """logits [V] -> the token as a device scalar (no host sync); the grammar is not applied here."""
+        if self.greedy:
+            return self.penalized(logits.float(), history).argmax()
+        return self._draw(self.probs(logits, history))
+
+
+def sample_batch(samplers: Sequence[RequestSampler], logits: Sequence[torch.Tensor],
+                 histories: Sequence[Sequence[int]]) -> list[int]:
+    """One token per request from its logits row [V], with one device->host copy for the whole batch.
+
+    Greedy rows share one argmax over the stacked rows (penalties applied per row first); sampled rows
+    draw with their own generators, so a seeded request gives the same tokens in any batch. Requests
+    with a grammar need the host per token: use `RequestSampler.sample` for those.
+    """
+    assert all(s.grammar is None for s in samplers)
+    greedy = [i for i, s in enumerate(samplers) if s.greedy]
+    best = None
+    if greedy:
+        rows = [samplers[i].penalized(logits[i].float(), histories[i]) for i in greedy]
+        best = torch.stack(rows).argmax(-1)  # [G]
+    where = {i: j for j, i in enumerate(greedy)}
+    picks = [best[where[i]] if best is not None and i in where else s.pick(logits[i], histories[i])
+             for i, s in enumerate(samplers)]
+    return torch.stack(picks).tolist()
