@@ -186,6 +186,8 @@ def main() -> None:
                 steps_per_s = plain / n
                 print(f"{'':>11}   weights read {param_bytes(model.model) * steps_per_s / 1e9:.1f} GB/s "
                       f"= {param_bytes(model.model) * steps_per_s / 1e9 / args.peak_gbps:.0%} of peak")
+    engine = model.engine
+    print(f"\nCUDA graphs: {engine.graph_replays} of {engine.steps} engine steps replayed a captured graph")
     model.unload()
 
 

@@ -35,9 +35,10 @@ class RequestSampler:
         """logits [V] with llama.cpp's repeat / frequency / presence penalties over the recent window."""
         if not self.penalize or not history:
             return logits
-        # counts over the whole vocabulary instead of torch.unique: no data-dependent shape, so no sync;
-        # non_blocking: a pageable upload is staged at once, it does not wait for the queued forward
+        # counts over the whole vocabulary instead of torch.unique: no data-dependent shape, so no sync
         window = torch.tensor(list(history[-self.penalty_window:]), dtype=torch.long)
+        if logits.is_cuda:  # pinned: the upload queues behind the forward instead of waiting for it
+            window = window.pin_memory()
         window = window.to(logits.device, non_blocking=True)
         counts = torch.zeros_like(logits).index_add_(0, window, torch.ones_like(window, dtype=logits.dtype))  # [V]
         p = self.params
