@@ -1,9 +1,10 @@
 """The engine: one model, one paged KV cache, a scheduler, and a loop that runs steps.
 
-A step = schedule -> (guess) -> one batched forward over every scheduled chunk -> sample (one batched
-pick and one host sync for every plain decode) or verify per sequence -> commit. On CUDA, steps made
-only of single-token decodes replay a captured CUDA graph (`cuda_graphs.DecodeGraphs`). `step()` is synchronous (tests drive it directly); `start()` runs it in a
-background thread that also executes jobs (`call`, for score/embed) between steps.
+A step = schedule -> (guess) -> one batched forward over every scheduled chunk -> sample (every plain
+decode in one batch, one host sync) or verify per sequence -> commit. On CUDA, a step made only of
+single-token decodes replays a captured CUDA graph instead (`cuda_graphs.DecodeGraphs`). `step()` is
+synchronous (tests drive it directly); `start()` runs it in a background thread that also executes
+jobs (`call`, for score/embed) between steps.
 """
 
 from __future__ import annotations
@@ -208,6 +209,11 @@ class Engine:
                               [s.tokens for s in seqs])
         return dict(zip(members, tokens))
 
+    @property
+    def graph_replays(self) -> int:
+        """Steps that replayed a captured CUDA graph (0 off CUDA or with `cuda_graphs=False`)."""
+        return 0 if self.graphs is None else self.graphs.replays
+
     def _draft_len(self, seq: Sequence) -> int:
         if seq.spec is None or not seq.spec.enabled:
             return 0
@@ -225,11 +231,6 @@ class Engine:
                 n = min(len(proposal.tokens), work.plan[i].num_draft)
                 work.plan[i].drafts = proposal.tokens[:n]
                 work.q[i] = None if proposal.q is None else proposal.q[:n]
-
-    @property
-    def graph_replays(self) -> int:
-        """Steps run through the CUDA-graph decode path (0 when it is off)."""
-        return 0 if self.graphs is None else self.graphs.replays
 
     def _advance(self, item: Scheduled, logits: torch.Tensor | None, q: torch.Tensor | None,
                  token: int | None = None) -> None:
