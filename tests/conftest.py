@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,24 @@ def _fetch_smollm2() -> Path:
 def smollm2_gguf() -> Path:
     """Path to the real SmolLM2-135M-Instruct Q4_1 GGUF (read-only: copy it before changing it)."""
     return _fetch_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2_file(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """SmolLM2 as a GGUF of a file type: Q4_1 is the catalog's file itself; any other type is our
+    converter's output from the bf16 HF checkpoint (built from that file), made once per session."""
+    made: dict[str, Path] = {"Q4_1": smollm2_gguf}
+
+    def get(file_type: str) -> Path:
+        if file_type not in made:
+            from localrt.converters.convert import convert
+            from tests.fixtures_hf import smollm2_hf_dir
+
+            out = tmp_path_factory.mktemp(file_type.lower()) / f"smollm2-{file_type}.gguf"
+            made[file_type] = convert(smollm2_hf_dir(smollm2_gguf), out, file_type, threads=1).path
+        return made[file_type]
+
+    return get
 
 
 @pytest.fixture

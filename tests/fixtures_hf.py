@@ -169,16 +169,103 @@ def smollm2_hf_dir(gguf_path: Path, dtype: str = "bfloat16") -> Path:
     return target
 
 
+class LlamaCppBuildReference:
+    """`score` from another llama-cpp-python build (e.g. `llama_cpp_blas()`), one subprocess per call:
+    a reference for `localrt.eval.evaluate`, which measures models the way `localrt eval` does."""
+
+    def __init__(self, build: Path | None, gguf: Path, like: Any, threads: int = 1, repack: bool = True) -> None:
+        """`like`: a loaded model of the same file, whose vocabulary facts the reference shares."""
+        self.build, self.gguf, self.threads, self.repack = build, gguf, threads, repack
+        self.n_vocab, self.add_bos, self.bos_token_id = like.n_vocab, like.add_bos, like.bos_token_id
+
+    async def score(self, tokens: list[int], return_logits: bool = False) -> Any:
+        from localrt.backends.base import ScoreResult
+        from localrt.eval import log_softmax
+
+        logits = llama_cpp_logits_of_build(self.build, self.gguf, list(tokens), 512, self.threads, self.repack)[0][:-1]
+        logprobs = log_softmax(logits)[np.arange(len(tokens) - 1), np.asarray(tokens[1:])]
+        return ScoreResult(logprobs, logits if return_logits else None)
+
+
 # ---- llama.cpp's converter and quantizer (the oracle) ----------------------------------------------
+def llama_cpp_sdist() -> Path:
+    """The pinned llama-cpp-python source distribution (llama.cpp's sources under vendor/), downloaded once."""
+    dl = CACHE / "sdist"
+    found = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-q",
+                        "-d", str(dl), LLAMA_CPP_PYTHON], check=True)
+        found = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
+    return found[0]
+
+
+def llama_cpp_blas() -> Path:
+    """A second build of the pinned llama-cpp-python, with OpenBLAS, in its own directory (put it first
+    on PYTHONPATH to use it). Built once (about 15 minutes on 2 cores); needs OpenBLAS's headers
+    (Debian: libopenblas-dev). With weight repacking off (`repack=False` below), its batched matmuls
+    (32+ rows) all run in fp32 on dequantized weights, so its logits are the file's exact function,
+    without the CPU kernels' 8-bit activation rounding."""
+    target = CACHE / "llama-cpp-blas"
+    if (target / "llama_cpp" / "__init__.py").is_file():
+        return target
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    env = {**os.environ, "CMAKE_ARGS": "-DGGML_BLAS=ON -DGGML_BLAS_VENDOR=OpenBLAS"}
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-cache-dir", "-q", "--target",
+                           str(tmp), str(llama_cpp_sdist())], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building llama-cpp-python with OpenBLAS failed (is libopenblas-dev installed?):\n"
+                           f"{proc.stderr[-2000:]}")
+    tmp.rename(target)
+    return target
+
+
+LLAMA_CPP_LOGITS = """
+import pathlib, sys, numpy as np, llama_cpp
+gguf, tokens, out = sys.argv[1], np.load(sys.argv[2]).tolist(), sys.argv[3]
+n_batch, threads, repack = map(int, sys.argv[4:7])
+default_params = llama_cpp.llama_cpp.llama_model_default_params
+def model_params():  # llama-cpp-python's Llama has no argument for this llama.cpp model parameter
+    params = default_params()
+    params.use_extra_bufts = bool(repack)  # the CPU backend's repacked weights (Q4_0, Q4_K, ...)
+    return params
+llama_cpp.llama_cpp.llama_model_default_params = model_params
+llm = llama_cpp.Llama(gguf, logits_all=True, n_ctx=len(tokens) + 8, n_batch=n_batch, n_ubatch=n_batch,
+                      n_threads=threads, verbose=False)
+llm.eval(tokens)
+np.save(out, np.asarray(llm.scores[: len(tokens)], dtype=np.float32))
+print(any(pathlib.Path(llama_cpp.__file__).parent.glob("lib/*ggml-blas*")))  # the BLAS backend's library
+"""
+
+
+def llama_cpp_logits_of_build(build: Path | None, gguf: Path, tokens: list[int], n_batch: int = 512,
+                              threads: int = 1, repack: bool = True) -> tuple[np.ndarray, bool]:
+    """(logits [n, vocab] of every position, whether that build has BLAS) from llama.cpp with its
+    defaults otherwise (f16 KV, no flash attention), in a subprocess: `build` is a directory holding
+    another llama-cpp-python (None: the installed one); two builds cannot share a process.
+    `repack=False` turns off the CPU backend's repacked weight layouts, whose matmuls stay on the CPU
+    kernels (8-bit activations) even in a BLAS build."""
+    import tempfile
+
+    env = dict(os.environ)
+    if build is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(build), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(Path(tmp) / "tokens.npy", np.asarray(tokens, dtype=np.int64))
+        proc = subprocess.run([sys.executable, "-c", LLAMA_CPP_LOGITS, str(gguf), str(Path(tmp) / "tokens.npy"),
+                               str(Path(tmp) / "out.npy"), str(n_batch), str(threads), str(int(repack))],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama.cpp ({build or 'installed'}) failed:\n{proc.stderr[-2000:]}")
+        return np.load(Path(tmp) / "out.npy"), proc.stdout.strip().endswith("True")
+
+
 def llama_cpp_src() -> Path:
     """Directory holding convert_hf_to_gguf.py, conversion/ and gguf-py/ from the pinned sdist."""
     root = CACHE / "llama.cpp-src"
     if (root / "convert_hf_to_gguf.py").is_file():
         return root
-    dl = CACHE / "sdist"
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-q",
-                    "-d", str(dl), LLAMA_CPP_PYTHON], check=True)
-    archive = next(dl.glob("llama_cpp_python-*.tar.gz"))
+    archive = llama_cpp_sdist()
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     with tarfile.open(archive) as tar:

@@ -11,7 +11,9 @@ import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -136,25 +138,44 @@ def fidelity_text() -> str:
     return text[:19_300]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("file_type", ["Q4_1", "Q4_K_M"])
-def test_fidelity_against_llamacpp_and_the_exact_reference(file_type: str, smollm2_gguf: Path,
-                                                           tmp_path: Path) -> None:
-    """MLX computes the dequantized model exactly (it matches the torch engine's fp32 reference);
-    against llama.cpp, whose CPU kernels round activations to 8 bits, it agrees as well as llama.cpp
-    agrees with itself on the same weights (README: Q4_1 vs BF16, 96.9% top-1)."""
-    path = smollm2_gguf
-    if file_type != "Q4_1":  # a Q4_K_M conversion: Q4_K, Q5_0, Q8_0 and (dequantized) Q6_K tensors
-        from localrt.converters.convert import convert
-        from tests.fixtures_hf import smollm2_hf_dir
+class ScoredOnce:
+    """A loaded model whose `score` runs once per window (MLX's CPU backend on Linux is slow), so it
+    can be measured against several references."""
 
-        path = tmp_path / "smollm2-q4km.gguf"
-        convert(smollm2_hf_dir(smollm2_gguf), path, file_type, threads=1)
-    model = registry.get("mlx").load(path, LoadOptions(num_ctx=512, num_batch=512))
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.seen: dict[tuple[int, ...], Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    async def score(self, tokens: list[int], return_logits: bool = False) -> Any:
+        key = tuple(tokens)
+        if key not in self.seen:
+            self.seen[key] = await self.model.score(tokens, return_logits=True)
+        return self.seen[key]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+@pytest.mark.parametrize("file_type", ["Q4_1", "Q4_K_M"])
+def test_fidelity_against_llamacpp_and_the_exact_reference(file_type: str, smollm2_file: Callable[[str], Path]) -> None:
+    """Issue 8's bar (top-1 at least 98%, perplexity within 1% over 2,000+ tokens, as `localrt eval`
+    measures) against llama.cpp built with OpenBLAS, whose batched matmuls compute the file's exact
+    function. The default CPU build of llama.cpp rounds activations to 8 bits before each quantized
+    dot product, noise that it does not reproduce itself (batch 1 vs 512: ~97% top-1); against it MLX
+    agrees as well as llama.cpp agrees with itself. And MLX equals the torch engine's fp32 reference."""
+    from tests.fixtures_hf import LlamaCppBuildReference, llama_cpp_blas
+
+    path = smollm2_file(file_type)  # Q4_K_M: Q4_K, Q5_0, Q8_0 and (dequantized) Q6_K tensors
+    model = ScoredOnce(registry.get("mlx").load(path, LoadOptions(num_ctx=512, num_batch=512)))
     llama = registry.get("llama.cpp").load(path, LoadOptions(num_ctx=512, num_thread=THREADS))
     exact = registry.get("torch").load(path, LoadOptions(num_ctx=512, num_thread=THREADS))
     try:
         tokens = model.tokenize(fidelity_text(), add_special=False)
+        blas = LlamaCppBuildReference(llama_cpp_blas(), path, model, threads=THREADS, repack=False)
+        vs_blas = asyncio.run(evaluate(model, tokens, 512, blas))
+        blas_alone = asyncio.run(evaluate(blas, tokens, 512))
         vs_llama = asyncio.run(evaluate(model, tokens, 512, llama))
         llama_alone = asyncio.run(evaluate(llama, tokens, 512))
         vs_exact = asyncio.run(evaluate(exact, tokens, 512, model))  # the reference's logits come from MLX
@@ -162,10 +183,14 @@ def test_fidelity_against_llamacpp_and_the_exact_reference(file_type: str, smoll
     finally:
         for m in (model, llama, exact):
             m.unload()
-    print(f"{file_type}: mlx ppl {vs_llama.perplexity:.4f}, llama.cpp {llama_alone.perplexity:.4f}, "
-          f"torch fp32 {exact_alone.perplexity:.4f}; vs llama.cpp top-1 {100 * (vs_llama.top1 or 0):.2f}% "
-          f"KL {vs_llama.kl:.6f}; vs torch top-1 {100 * (vs_exact.top1 or 0):.2f}% KL {vs_exact.kl:.2e}")
-    assert vs_llama.tokens >= 2000
+    print(f"{file_type}: mlx ppl {vs_llama.perplexity:.4f}, llama.cpp (OpenBLAS) {blas_alone.perplexity:.4f}, "
+          f"llama.cpp {llama_alone.perplexity:.4f}, torch fp32 {exact_alone.perplexity:.4f}; "
+          f"vs llama.cpp (OpenBLAS) top-1 {100 * (vs_blas.top1 or 0):.2f}% KL {vs_blas.kl:.6f}; "
+          f"vs llama.cpp top-1 {100 * (vs_llama.top1 or 0):.2f}% KL {vs_llama.kl:.6f}; "
+          f"vs torch top-1 {100 * (vs_exact.top1 or 0):.2f}% KL {vs_exact.kl:.2e}")
+    assert vs_blas.tokens >= 2000
+    assert vs_blas.top1 is not None and vs_blas.top1 >= 0.98, vs_blas
+    assert abs(vs_blas.perplexity / blas_alone.perplexity - 1) < 0.01, (vs_blas, blas_alone)
     assert vs_exact.top1 is not None and vs_exact.top1 >= 0.995
     assert abs(vs_llama.perplexity / exact_alone.perplexity - 1) < 0.001
     assert vs_llama.top1 is not None and vs_llama.top1 >= 0.94

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -168,3 +168,32 @@ def test_llama_cpp_numerics_option(tmp_path: Path) -> None:
     assert errors["llama.cpp"] < 0.8 * errors["default"], errors
     with pytest.raises(OptionError):
         TorchModel(path, LoadOptions(num_ctx=128), numerics="fast")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("file_type", ["Q4_1", "Q4_K_M", "Q6_K"])
+def test_fidelity_through_score_against_llama_cpp_blas(file_type: str, smollm2_file: Callable[[str], Path]) -> None:
+    """Issue 6's bar, measured as `localrt eval` measures (4,096 tokens of English, windows of 512,
+    second halves scored: 2,040 tokens): top-1 agreement with llama.cpp at least 98%, perplexity
+    within 1%. The reference is llama.cpp built with OpenBLAS, whose batched matmuls compute the
+    file's exact function; the default CPU build rounds every activation row to 8 bits first, which
+    it does not reproduce itself (its batch-1 and batch-512 logits agree on only ~97% of top-1
+    tokens, `tests/test_torch_model.py::test_smollm2_fidelity_2k_tokens`)."""
+    from localrt.eval import evaluate
+    from tests.fixtures_hf import LlamaCppBuildReference, llama_cpp_blas
+
+    path = smollm2_file(file_type)
+    model = TorchModel(path, LoadOptions(num_ctx=512, num_thread=2))
+    try:
+        tokens = model.tokenize(english_text(), add_special=False)[:4096]
+        reference = LlamaCppBuildReference(llama_cpp_blas(), path, model, threads=2, repack=False)
+        got = asyncio.run(evaluate(model, tokens, 512, reference))
+        reference_alone = asyncio.run(evaluate(reference, tokens, 512))
+    finally:
+        model.unload()
+    print(f"\n{file_type}: top-1 {100 * (got.top1 or 0):.2f}%, KL {got.kl:.6f}, perplexity {got.perplexity:.4f} vs "
+          f"llama.cpp (OpenBLAS) {reference_alone.perplexity:.4f} over {got.tokens} tokens")
+    assert got.tokens >= 2000
+    assert got.top1 is not None and got.top1 >= 0.98, got
+    assert abs(got.perplexity / reference_alone.perplexity - 1) < 0.01, (got, reference_alone)

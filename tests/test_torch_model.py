@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -156,20 +157,10 @@ def test_smollm2_teacher_forced_fidelity(smollm2: Transformer, smollm2_gguf: Pat
     assert abs(got["ppl_ours"] / got["ppl_ref"] - 1) < 0.01, got
 
 
-@pytest.fixture(scope="module")
-def smollm2_q4_k_m(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2 converted by our converter from the bf16 HF checkpoint to Q4_K_M."""
-    from localrt.converters.convert import convert
-    from tests.fixtures_hf import smollm2_hf_dir
-
-    out = tmp_path_factory.mktemp("q4km") / "smollm2-Q4_K_M.gguf"
-    return convert(smollm2_hf_dir(smollm2_gguf), out, "Q4_K_M", threads=1).path
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("file_type", ["Q4_1", "Q4_K_M"])
-def test_smollm2_fidelity_2k_tokens(file_type: str, request: pytest.FixtureRequest) -> None:
+def test_smollm2_fidelity_2k_tokens(file_type: str, smollm2_file: Callable[[str], Path]) -> None:
     """2,048 tokens, teacher-forced, against llama.cpp's batched logits. The top-1 bar is llama.cpp's
     agreement with itself (batched prefill vs token-by-token decoding, same file and machine), every
     disagreement must be a near-tie for llama.cpp. Perplexity: within 1% with the opt-in llama.cpp
@@ -177,7 +168,7 @@ def test_smollm2_fidelity_2k_tokens(file_type: str, request: pytest.FixtureReque
     llama.cpp 1.3% perplexity on the Q4_K_M conversion, so there the default gets 1.5%."""
     from localrt.backends.torch import ggml_numerics
 
-    path = request.getfixturevalue("smollm2_gguf" if file_type == "Q4_1" else "smollm2_q4_k_m")
+    path = smollm2_file(file_type)
     tensors = GGUFTensors(path)
     model = Transformer.from_gguf(tensors, torch.float32, "cpu")
     tokens = english_tokens(path, 2048)
