@@ -81,6 +81,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    def penalty_window(self, context_length: int) -> int:
+        """How many recent tokens the repeat/frequency/presence penalties look at; 0 when none is set."""
+        if self.repeat_penalty == 1.0 and self.frequency_penalty == 0.0 and self.presence_penalty == 0.0:
+            return 0
+        return context_length if self.repeat_last_n < 0 else self.repeat_last_n
+
 
 class CancelToken:
     """Set from any thread; the decode loop checks it between tokens."""

@@ -458,9 +458,8 @@ class LlamaCppModel:
 
         lib, m = self.lib, self._main
         chain = _internals.LlamaSampler()
-        penalize = sp.repeat_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
-        if penalize and sp.repeat_last_n != 0:
-            last_n = m.n_ctx if sp.repeat_last_n < 0 else sp.repeat_last_n
+        last_n = sp.penalty_window(m.n_ctx)
+        if last_n > 0:
             chain.add_penalties(m.n_vocab, last_n, sp.repeat_penalty, sp.frequency_penalty, sp.presence_penalty)
             # llama-server counts the prompt in the penalty window too; the grammar (added after) must not
             for token in prompt[-last_n:]:

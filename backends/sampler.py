@@ -23,14 +23,11 @@ class Sampler:
         self.grammar = grammar  # `format`: sample() only picks what it allows (no speculation then)
         seed = params.seed if params.seed >= 0 else random.getrandbits(63)
         self.rng = np.random.default_rng(seed)
-        last_n = params.repeat_last_n
-        self.penalty_window = context_length if last_n < 0 else last_n
-        self.penalize = self.penalty_window > 0 and (
-            params.repeat_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0)
+        self.penalty_window = params.penalty_window(context_length)  # 0: no penalties
 
     def penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """logits [V] with llama.cpp's repeat / frequency / presence penalties over the recent window."""
-        if not self.penalize or not history:
+        if not self.penalty_window or not history:
             return logits
         ids, counts = np.unique(np.asarray(history[-self.penalty_window:]), return_counts=True)
         p = self.params

@@ -54,7 +54,7 @@ def english_tokens(gguf: Path, n: int) -> list[int]:
 def llama_cpp_logits(build: str, gguf: Path, tokens: list[int], n_batch: int, threads: int) -> np.ndarray:
     from tests.fixtures_hf import llama_cpp_blas, llama_cpp_logits_of_build
 
-    where = {"default": None, "blas": llama_cpp_blas() if build == "blas" else None}.get(build, Path(build))
+    where = None if build == "default" else llama_cpp_blas() if build == "blas" else Path(build)
     # a BLAS build runs without repacked weights: their matmuls would stay on the 8-bit CPU kernels
     logits, blas = llama_cpp_logits_of_build(where, gguf, tokens, n_batch, threads, repack=build == "default")
     print(f"  llama.cpp {build} ({'with' if blas else 'without'} BLAS), n_batch {n_batch}: done", flush=True)
@@ -81,14 +81,10 @@ def engine_logits(engine: str, gguf: Path, tokens: list[int], threads: int) -> n
     return result.logits
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
 def compare(ours: np.ndarray, ref: np.ndarray, tokens: list[int]) -> dict[str, float]:
     """Top-1 agreement, perplexities and mean KL(ref || ours) over the n-1 predicted positions."""
+    from localrt.backends.base import log_softmax
+
     targets = np.array(tokens[1:])
     rows = np.arange(len(targets))
     lo, lr = log_softmax(ours), log_softmax(ref)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from localrt.backends.base import log_softmax
 from localrt.errors import LocalrtError
 
 
@@ -30,12 +31,6 @@ class EvalResult:
     top1: float | None = None  # share of scored tokens where both models' most likely token agree
     windows: int = 0
     ctx: int = 0
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64, copy=False)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
 def windows(tokens: list[int], ctx: int, bos: int | None) -> list[list[int]]:

@@ -179,8 +179,7 @@ class LlamaCppBuildReference:
         self.n_vocab, self.add_bos, self.bos_token_id = like.n_vocab, like.add_bos, like.bos_token_id
 
     async def score(self, tokens: list[int], return_logits: bool = False) -> Any:
-        from localrt.backends.base import ScoreResult
-        from localrt.eval import log_softmax
+        from localrt.backends.base import ScoreResult, log_softmax
 
         logits = llama_cpp_logits_of_build(self.build, self.gguf, list(tokens), 512, self.threads, self.repack)[0][:-1]
         logprobs = log_softmax(logits)[np.arange(len(tokens) - 1), np.asarray(tokens[1:])]

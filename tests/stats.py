@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,3 +41,20 @@ def assert_same_distribution(counts: np.ndarray, probs: np.ndarray) -> None:
     tv = 0.5 * np.abs(counts / n - probs).sum()
     noise = 0.5 * np.sqrt(2 * probs * (1 - probs) / (math.pi * n)).sum()  # E[TV] of an exact sampler
     assert tv < 2 * noise, f"total variation {tv:.3f}, sampling noise alone {noise:.3f}"
+
+
+def de_bruijn_prompt(vocab: int) -> list[int]:
+    """Every 2-gram over the vocabulary occurs, so prompt lookup always finds a continuation."""
+    return [x for a in range(vocab) for b in range(vocab) for x in (a, b)]  # [V * V * 2]
+
+
+def exact_pair_distribution(next_probs: Callable[[list[int]], np.ndarray], prompt: list[int], vocab: int) -> np.ndarray:
+    """P(t2, t3) after `prompt` with t1 marginalised, [V * V], from a next-token distribution [V]."""
+    joint = np.zeros((vocab, vocab))
+    p1 = next_probs(prompt)
+    for t1 in range(vocab):
+        p2 = next_probs([*prompt, t1])
+        for t2 in range(vocab):
+            if p1[t1] * p2[t2] > 0:
+                joint[t2] += p1[t1] * p2[t2] * next_probs([*prompt, t1, t2])
+    return joint.flatten()

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localrt.backends.base import ScoreResult
+from localrt.backends.base import ScoreResult, log_softmax
 from localrt.errors import LocalrtError
-from localrt.eval import eval_command, evaluate, log_softmax, windows
+from localrt.eval import eval_command, evaluate, windows
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg developed "

@@ -26,7 +26,7 @@ from localrt.backends.mlx.model import Transformer  # noqa: E402
 from localrt.backends.sampler import Sampler  # noqa: E402
 from localrt.backends.speculation import break_even_acceptance, verify  # noqa: E402
 from tests.gguf_factory import write_random_model  # noqa: E402
-from tests.stats import assert_same_distribution  # noqa: E402
+from tests.stats import assert_same_distribution, de_bruijn_prompt, exact_pair_distribution  # noqa: E402
 
 
 def load(tmp: Path, name: str, **kwargs: object) -> Transformer:
@@ -60,27 +60,15 @@ def decode(runner: Runner, prompt: list[int], params: SamplingParams, n: int, mo
 MC_VOCAB = 8
 
 
-def de_bruijn_prompt() -> list[int]:
-    """Every 2-gram over the vocabulary occurs, so prompt lookup always finds a continuation."""
-    return [x for a in range(MC_VOCAB) for b in range(MC_VOCAB) for x in (a, b)]
-
-
-def exact_pair_distribution(model: Transformer, prompt: list[int], params: SamplingParams) -> np.ndarray:
-    """P(t2, t3) of the target with t1 marginalised: [V * V], from whole-sequence passes (no engine)."""
+def target_pair_distribution(model: Transformer, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    """The target's P(t2, t3), t1 marginalised, from whole-sequence passes (no engine)."""
     sampler = Sampler(params, 1024)
 
     def next_probs(tokens: list[int]) -> np.ndarray:
         logits = np.array(model(mx.array(tokens), make_caches(model.cfg.block_count, "f32")))[-1]
         return sampler.probs(logits, tokens)
 
-    joint = np.zeros((MC_VOCAB, MC_VOCAB))
-    p1 = next_probs(prompt)
-    for t1 in range(MC_VOCAB):
-        p2 = next_probs([*prompt, t1])
-        for t2 in range(MC_VOCAB):
-            if p1[t1] * p2[t2] > 0:
-                joint[t2] += p1[t1] * p2[t2] * next_probs([*prompt, t1, t2])
-    return joint.flatten()
+    return exact_pair_distribution(next_probs, prompt, MC_VOCAB)
 
 
 @pytest.mark.parametrize("mode", ["self", "lookup", "draft"])
@@ -90,7 +78,7 @@ def test_speculative_sampling_keeps_the_target_distribution(tmp_path: Path, mode
     draft = load(tmp_path, "draft", seed=9, **dims) if mode == "draft" else None
     runner = Runner(target, "f32", num_batch=256)
     proposer = proposer_for(mode, runner, draft, self_layers=1)
-    prompt = de_bruijn_prompt()
+    prompt = de_bruijn_prompt(MC_VOCAB)
     params = SamplingParams(temperature=0.9, top_k=6, top_p=0.97, min_p=0.0, repeat_penalty=1.0)
     trials = 1500
     counts = np.zeros(MC_VOCAB * MC_VOCAB)
@@ -103,7 +91,7 @@ def test_speculative_sampling_keeps_the_target_distribution(tmp_path: Path, mode
         assert spec is not None
         drafted, accepted = drafted + spec.drafted, accepted + spec.accepted
     assert drafted > trials // 2 and 0 < accepted < drafted
-    assert_same_distribution(counts, exact_pair_distribution(target, prompt, params))
+    assert_same_distribution(counts, target_pair_distribution(target, prompt, params))
 
 
 def test_verifier_over_numpy_keeps_the_first_token_distribution() -> None:

@@ -16,6 +16,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
+from localrt.backends.base import log_softmax  # noqa: E402
 from localrt.backends.torch.attention import PagedAttention, SeqChunk  # noqa: E402
 from localrt.backends.torch.gguf_load import GGUFTensors, dequantize  # noqa: E402
 from localrt.backends.torch.kv_cache import KVCache  # noqa: E402
@@ -89,12 +90,6 @@ def english_text() -> str:
     if license_path.is_file():
         text = license_path.read_text(errors="replace") + "\n\n" + text
     return text
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from localrt.backends.torch.engine import Engine, EngineConfig  # noqa: E402
 from localrt.backends.torch.model import DenseCausal, LlamaConfig, Transformer, random_transformer  # noqa: E402
 from localrt.backends.torch.sampling import RequestSampler  # noqa: E402
 from localrt.backends.torch.speculative import break_even_acceptance, expected_tokens, verify  # noqa: E402
-from tests.stats import assert_same_distribution  # noqa: E402
+from tests.stats import assert_same_distribution, de_bruijn_prompt, exact_pair_distribution  # noqa: E402
 
 # ---- the verifier alone, on synthetic distributions -------------------------------------------------
 SAMPLED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11)
@@ -67,28 +67,16 @@ def mc_model(seed: int) -> Transformer:
     return random_transformer(LlamaConfig("llama", MC_VOCAB, 256, 32, 64, 2, 2, 1, 16), seed=seed)
 
 
-def de_bruijn_prompt() -> list[int]:
-    """Every 2-gram over the vocabulary occurs, so prompt lookup always finds a continuation."""
-    return [x for a in range(MC_VOCAB) for b in range(MC_VOCAB) for x in (a, b)]  # [V * V * 2]
-
-
-def exact_pair_distribution(model: Transformer, prompt: list[int], params: SamplingParams) -> np.ndarray:
-    """P(t2, t3) of the target, t1 marginalised: [V * V], from dense passes (no engine)."""
+def target_pair_distribution(model: Transformer, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    """The target's P(t2, t3), t1 marginalised, from dense passes (no engine)."""
     sampler = RequestSampler(params, "cpu", 256)
 
-    def next_probs(tokens: list[int]) -> torch.Tensor:
+    def next_probs(tokens: list[int]) -> np.ndarray:
         with torch.inference_mode():
             logits = model(torch.tensor(tokens), DenseCausal(len(tokens)), rows=torch.tensor([len(tokens) - 1]))
-        return sampler.probs(logits[0], tokens).double()
+        return sampler.probs(logits[0], tokens).double().numpy()
 
-    joint = torch.zeros(MC_VOCAB, MC_VOCAB, dtype=torch.float64)
-    p1 = next_probs(prompt)
-    for t1 in range(MC_VOCAB):
-        p2 = next_probs([*prompt, t1])
-        for t2 in range(MC_VOCAB):
-            if p1[t1] * p2[t2] > 0:
-                joint[t2] += p1[t1] * p2[t2] * next_probs([*prompt, t1, t2])
-    return joint.flatten().numpy()
+    return exact_pair_distribution(next_probs, prompt, MC_VOCAB)
 
 
 @pytest.mark.parametrize("mode", ["self", "lookup", "draft"])
@@ -98,7 +86,7 @@ def test_speculative_sampling_keeps_the_target_distribution(mode: str) -> None:
     # room for 64 sequences in the draft model's cache too (it has no prefix sharing)
     engine = Engine(target, EngineConfig(context_length=256, kv_cache_type="f32", max_seqs=64, kv_budget_seqs=40,
                                          max_batch_tokens=4096, self_spec_layers=1), draft_model=draft)
-    prompt = de_bruijn_prompt()
+    prompt = de_bruijn_prompt(MC_VOCAB)
     params = SamplingParams(temperature=0.9, top_k=6, top_p=0.97, min_p=0.0, repeat_penalty=1.0)
     trials = 2000
     seqs = []
@@ -115,7 +103,7 @@ def test_speculative_sampling_keeps_the_target_distribution(mode: str) -> None:
     drafted = sum(s.timings.draft_count for s in seqs)
     accepted = sum(s.timings.draft_accepted_count for s in seqs)
     assert drafted > trials // 2 and 0 < accepted < drafted
-    assert_same_distribution(counts, exact_pair_distribution(target, prompt, params))
+    assert_same_distribution(counts, target_pair_distribution(target, prompt, params))
     assert engine.pool.num_free == engine.pool.num_blocks
 
 

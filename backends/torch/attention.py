@@ -42,7 +42,7 @@ class PagedAttention:
                  fused: bool | None = None) -> None:
         """`fused`: decode rows through the Triton kernel (None: on CUDA when Triton is installed)."""
         self.cache = cache
-        self.fused = _fused_available(torch.device(device)) if fused is None else fused
+        self.fused = fused_available(torch.device(device)) if fused is None else fused
         bs = cache.block_size
         positions: list[int] = []
         slots: list[int] = []
@@ -101,7 +101,7 @@ class PagedAttention:
         return out.transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
 
 
-def _fused_available(device: torch.device) -> bool:
+def fused_available(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     try:

@@ -24,7 +24,7 @@ from localrt.backends.base import CancelToken, SamplingParams
 from localrt.backends.grammar import Grammar
 from localrt.errors import LocalrtError
 
-from .attention import PagedAttention, SeqChunk, _fused_available
+from .attention import PagedAttention, SeqChunk, fused_available
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import BLOCK_SIZE, BlockPool, KVCache, num_blocks_for
 from .model import DenseCausal, Transformer
@@ -346,4 +346,4 @@ class Engine:
 
 
 def _graphs_available(device: torch.device) -> bool:
-    return device.type == "cuda" and _fused_available(device)  # the graphs' attention is the Triton kernel
+    return device.type == "cuda" and fused_available(device)  # the graphs' attention is the Triton kernel

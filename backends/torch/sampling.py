@@ -26,14 +26,11 @@ class RequestSampler:
         self.generator = torch.Generator(device=device)
         seed = params.seed if params.seed >= 0 else random.getrandbits(63)
         self.generator.manual_seed(seed)
-        last_n = params.repeat_last_n
-        self.penalty_window = context_length if last_n < 0 else last_n
-        self.penalize = self.penalty_window > 0 and (
-            params.repeat_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0)
+        self.penalty_window = params.penalty_window(context_length)  # 0: no penalties
 
     def penalized(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         """logits [V] with llama.cpp's repeat / frequency / presence penalties over the recent window."""
-        if not self.penalize or not history:
+        if not self.penalty_window or not history:
             return logits
         # counts over the whole vocabulary instead of torch.unique: no data-dependent shape, so no sync
         window = torch.tensor(list(history[-self.penalty_window:]), dtype=torch.long)
@@ -105,12 +102,11 @@ def sample_batch(samplers: Sequence[RequestSampler], logits: Sequence[torch.Tens
     with a grammar need the host per token: use `RequestSampler.sample` for those.
     """
     assert all(s.grammar is None for s in samplers)
+    picks: list[torch.Tensor | None] = [None if s.greedy else s.pick(row, history)
+                                        for s, row, history in zip(samplers, logits, histories)]
     greedy = [i for i, s in enumerate(samplers) if s.greedy]
-    best = None
     if greedy:
-        rows = [samplers[i].penalized(logits[i].float(), histories[i]) for i in greedy]
-        best = torch.stack(rows).argmax(-1)  # [G]
-    where = {i: j for j, i in enumerate(greedy)}
-    picks = [best[where[i]] if best is not None and i in where else s.pick(logits[i], histories[i])
-             for i, s in enumerate(samplers)]
-    return torch.stack(picks).tolist()
+        best = torch.stack([samplers[i].penalized(logits[i].float(), histories[i]) for i in greedy]).argmax(-1)  # [G]
+        for j, i in enumerate(greedy):
+            picks[i] = best[j]
+    return torch.stack(picks).tolist()  # type: ignore[arg-type]  # every slot is filled by now
