@@ -302,8 +302,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 async def run_in_thread_stream(
-    work: Callable[[Callable[[T], None]], None], cancel: CancelToken | None = None,
-    executor: concurrent.futures.Executor | None = None, *, wait: bool = True, name: str = "localrt-worker",
+    work: Callable[[Callable[[T], None]], None],
+    cancel: CancelToken | None = None,
+    executor: concurrent.futures.Executor | None = None,
+    *,
+    wait: bool = True,
+    name: str = "localrt-worker",
 ) -> AsyncIterator[T]:
     """Run blocking `work(emit)` in a thread of its own and yield what it emits, without blocking the loop.
 

@@ -31,7 +31,7 @@ def grammar_for(fmt: str | dict[str, Any]) -> str:
             return json_schema_to_gbnf(json.dumps(fmt))
         except Exception as e:  # the converter raises bare exceptions on schemas it cannot express
             raise LocalrtError(f"unsupported JSON schema in format: {e}") from None
-    raise LocalrtError(f"invalid format {fmt!r}: use \"json\" or a JSON schema object")
+    raise LocalrtError(f'invalid format {fmt!r}: use "json" or a JSON schema object')
 
 
 def grammar_sampler(lib: Any, vocab: Any, fmt: str | dict[str, Any]) -> Any:
@@ -51,8 +51,11 @@ class Grammar:
         self._data = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         self._ids = np.arange(n_vocab, dtype=np.int32)
         self._array = lib.llama_token_data_array(
-            data=self._data.ctypes.data_as(ctypes.POINTER(lib.llama_token_data)), size=n_vocab, selected=-1,
-            sorted=False)
+            data=self._data.ctypes.data_as(ctypes.POINTER(lib.llama_token_data)),
+            size=n_vocab,
+            selected=-1,
+            sorted=False,
+        )
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """logits [V] -> a copy with -inf on every token the grammar does not allow next."""

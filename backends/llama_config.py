@@ -38,8 +38,10 @@ class LlamaConfig:
     def from_gguf(cls, metadata: dict[str, Any], vocab_size: int) -> LlamaConfig:
         arch = str(metadata.get("general.architecture", "llama"))
         if arch not in SUPPORTED_ARCHS:
-            raise LocalrtError(f"this backend does not support the {arch!r} architecture yet "
-                               f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
+            raise LocalrtError(
+                f"this backend does not support the {arch!r} architecture yet "
+                f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})"
+            )
 
         def get(key: str, default: Any = None) -> Any:
             value = metadata.get(f"{arch}.{key}", default)

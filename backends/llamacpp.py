@@ -118,8 +118,9 @@ class LlamaCppBackend:
 class _Runner:
     """A llama.cpp model with one context and a record of the tokens its KV cache holds."""
 
-    def __init__(self, path: Path, opts: LoadOptions, n_ctx: int | None = None,
-                 share_model_of: _Runner | None = None) -> None:
+    def __init__(
+        self, path: Path, opts: LoadOptions, n_ctx: int | None = None, share_model_of: _Runner | None = None
+    ) -> None:
         llama_cpp = _lib()
         from llama_cpp import _internals
 
@@ -183,7 +184,9 @@ class _Runner:
             raise LocalrtError(f"llama.cpp could not create a context of {self.n_ctx} tokens: {e}") from None
         self.batch = _internals.LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False)
         self.evaluated: list[int] = []  # exactly the tokens in the KV cache, positions 0..n-1
-        self._piece_cache: dict[tuple[int, bool], bytes] = share_model_of._piece_cache if share_model_of else {}
+        self._piece_cache: dict[tuple[int, bool], bytes] = (
+            share_model_of._piece_cache if share_model_of else {}
+        )
 
     # -- KV cache bookkeeping --
     def common_prefix(self, tokens: Sequence[int]) -> int:
@@ -202,14 +205,18 @@ class _Runner:
                 n = 0
             del self.evaluated[n:]
 
-    def decode(self, tokens: Sequence[int], all_logits: bool = False,
-               on_chunk: Callable[[int, int], None] | None = None) -> None:
+    def decode(
+        self,
+        tokens: Sequence[int],
+        all_logits: bool = False,
+        on_chunk: Callable[[int, int], None] | None = None,
+    ) -> None:
         """Append tokens to the sequence. Logits: the last position, or every position of the batch."""
         n_past = len(self.evaluated)
         if n_past + len(tokens) > self.n_ctx:
             raise LocalrtError(f"context length of {self.n_ctx} tokens exceeded")
         for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
+            chunk = tokens[start : start + self.n_batch]
             self.batch.set_batch(batch=chunk, n_past=n_past + start, logits_all=all_logits)
             try:
                 self.ctx.decode(self.batch)
@@ -330,7 +337,8 @@ class LlamaCppModel:
         first = _Runner(path, self.opts, n_ctx=self.context_length)
         main = self._main
         same_vocab = first.n_vocab == main.n_vocab and all(
-            first.piece(t, True) == main.piece(t, True) for t in range(0, main.n_vocab, max(1, main.n_vocab // 97))
+            first.piece(t, True) == main.piece(t, True)
+            for t in range(0, main.n_vocab, max(1, main.n_vocab // 97))
         )
         if not same_vocab:
             first.close()
@@ -364,7 +372,9 @@ class LlamaCppModel:
             # reuse a slot whose cache the prompt mostly extends (kept minus discarded tokens > 0); taking
             # one whose cache it mostly discards would throw away another conversation's prefix for a few
             # shared tokens: then the least recently used (empty slots first)
-            gains = [2 * s.runner.common_prefix(prompt) - len(s.runner.evaluated) if prompt else 0 for s in free]
+            gains = [
+                2 * s.runner.common_prefix(prompt) - len(s.runner.evaluated) if prompt else 0 for s in free
+            ]
             best = max(range(len(free)), key=gains.__getitem__)
             slot = free[best] if gains[best] > 0 else min(free, key=lambda s: s.last_used)
             slot.busy = True
@@ -400,7 +410,9 @@ class LlamaCppModel:
     # -- tokens --
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         if not text:
-            return [self.bos_token_id] if add_special and self.add_bos and self.bos_token_id is not None else []
+            return (
+                [self.bos_token_id] if add_special and self.add_bos and self.bos_token_id is not None else []
+            )
         return self._main.model.tokenize(text.encode("utf-8"), add_special, parse_special)
 
     def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
@@ -414,7 +426,11 @@ class LlamaCppModel:
         """Texts that tokenizing with parse_special=True turns into control / user-defined tokens."""
         if self._special is None:
             lib, vocab = self.lib, self._main.vocab
-            mask = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED | lib.LLAMA_TOKEN_ATTR_UNKNOWN
+            mask = (
+                lib.LLAMA_TOKEN_ATTR_CONTROL
+                | lib.LLAMA_TOKEN_ATTR_USER_DEFINED
+                | lib.LLAMA_TOKEN_ATTR_UNKNOWN
+            )
             texts = set()
             for token in range(self.n_vocab):
                 if lib.llama_vocab_get_attr(vocab, token) & mask:
@@ -441,7 +457,9 @@ class LlamaCppModel:
                 f"(supported: off, auto, {', '.join(sorted(self.capabilities.speculative))})"
             )
         if mode == "draft" and self._slots[0].draft is None:
-            raise OptionError("speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)")
+            raise OptionError(
+                "speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)"
+            )
         if not req.prompt_tokens:
             raise LocalrtError("the prompt is empty")
         if len(req.prompt_tokens) >= self.context_length:
@@ -453,14 +471,18 @@ class LlamaCppModel:
         if bad:
             raise LocalrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
 
-    def _make_sampler(self, sp: SamplingParams, fmt: str | dict[str, Any] | None, prompt: Sequence[int]) -> Any:
+    def _make_sampler(
+        self, sp: SamplingParams, fmt: str | dict[str, Any] | None, prompt: Sequence[int]
+    ) -> Any:
         from llama_cpp import _internals
 
         lib, m = self.lib, self._main
         chain = _internals.LlamaSampler()
         last_n = sp.penalty_window(m.n_ctx)
         if last_n > 0:
-            chain.add_penalties(m.n_vocab, last_n, sp.repeat_penalty, sp.frequency_penalty, sp.presence_penalty)
+            chain.add_penalties(
+                m.n_vocab, last_n, sp.repeat_penalty, sp.frequency_penalty, sp.presence_penalty
+            )
             # llama-server counts the prompt in the penalty window too; the grammar (added after) must not
             for token in prompt[-last_n:]:
                 chain.accept(token)
@@ -641,14 +663,14 @@ class LlamaCppModel:
                 ptr = self.lib.llama_get_logits(m.ctx.ctx)
                 block = np.ctypeslib.as_array(ptr, shape=(count, self.n_vocab))
                 for s in range(0, count, 64):  # bounded temporaries
-                    rows = block[s:s + 64]
+                    rows = block[s : s + 64]
                     first = start + s
                     last = min(first + len(rows), n - 1)
                     if last <= first:
                         break
                     rows = rows[: last - first]
                     lp = log_softmax(rows)
-                    logprobs[first:last] = lp[np.arange(last - first), tokens[first + 1:last + 1]]
+                    logprobs[first:last] = lp[np.arange(last - first), tokens[first + 1 : last + 1]]
                     if logits_out is not None:
                         logits_out[first:last] = rows
 
@@ -672,8 +694,11 @@ class LlamaCppModel:
         params.embeddings = True
         arch = self.metadata.get("general.architecture", "")
         # chat models declare no pooling; mean pooling is what Ollama uses for them
-        params.pooling_type = (lib.LLAMA_POOLING_TYPE_UNSPECIFIED if f"{arch}.pooling_type" in self.metadata
-                               else lib.LLAMA_POOLING_TYPE_MEAN)
+        params.pooling_type = (
+            lib.LLAMA_POOLING_TYPE_UNSPECIFIED
+            if f"{arch}.pooling_type" in self.metadata
+            else lib.LLAMA_POOLING_TYPE_MEAN
+        )
         params.no_perf = True
         from llama_cpp._utils import suppress_stdout_stderr
 

@@ -24,12 +24,12 @@ class LookupIndex:
         for n in self.sizes:
             table = self.index[n]
             for e in range(max(self.indexed_to, n), end + 1):
-                table[tuple(history[e - n:e])] = e
+                table[tuple(history[e - n : e])] = e
         self.indexed_to = max(self.indexed_to, end + 1)
         for n in self.sizes:
             if len(history) < n:
                 continue
             pos = self.index[n].get(tuple(history[-n:]))
             if pos is not None:
-                return list(history[pos:pos + k])
+                return list(history[pos : pos + k])
         return []

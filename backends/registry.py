@@ -29,10 +29,27 @@ class BackendSpec:
 
 
 SPECS: dict[str, BackendSpec] = {
-    "llama.cpp": BackendSpec("llama.cpp", "localrt.backends.llamacpp", "LlamaCppBackend", ("llama_cpp",),
-                             "pip install 'localrt[llama]'"),
-    "mlx": BackendSpec("mlx", "localrt.backends.mlx", "MLXBackend", ("mlx", "numpy", "llama_cpp"), "pip install 'localrt[mlx]'"),
-    "torch": BackendSpec("torch", "localrt.backends.torch", "TorchBackend", ("torch", "numpy", "llama_cpp"), "pip install 'localrt[torch]'"),
+    "llama.cpp": BackendSpec(
+        "llama.cpp",
+        "localrt.backends.llamacpp",
+        "LlamaCppBackend",
+        ("llama_cpp",),
+        "pip install 'localrt[llama]'",
+    ),
+    "mlx": BackendSpec(
+        "mlx",
+        "localrt.backends.mlx",
+        "MLXBackend",
+        ("mlx", "numpy", "llama_cpp"),
+        "pip install 'localrt[mlx]'",
+    ),
+    "torch": BackendSpec(
+        "torch",
+        "localrt.backends.torch",
+        "TorchBackend",
+        ("torch", "numpy", "llama_cpp"),
+        "pip install 'localrt[torch]'",
+    ),
 }
 
 

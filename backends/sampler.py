@@ -29,7 +29,7 @@ class Sampler:
         """logits [V] with llama.cpp's repeat / frequency / presence penalties over the recent window."""
         if not self.penalty_window or not history:
             return logits
-        ids, counts = np.unique(np.asarray(history[-self.penalty_window:]), return_counts=True)
+        ids, counts = np.unique(np.asarray(history[-self.penalty_window :]), return_counts=True)
         p = self.params
         out = logits.astype(np.float32, copy=True)
         chosen = out[ids]

@@ -15,7 +15,9 @@ from typing import Any
 from localrt.errors import LocalrtError
 
 
-def token_piece(lib: Any, vocab: Any, token: int, special: bool, cache: dict[tuple[int, bool], bytes]) -> bytes:
+def token_piece(
+    lib: Any, vocab: Any, token: int, special: bool, cache: dict[tuple[int, bool], bytes]
+) -> bytes:
     """A token's bytes (a piece may be part of a UTF-8 character), memoized in `cache`."""
     key = (token, special)
     cached = cache.get(key)
@@ -83,7 +85,9 @@ class VocabMethods:
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         if not text:
-            return [self.bos_token_id] if add_special and self.add_bos and self.bos_token_id is not None else []
+            return (
+                [self.bos_token_id] if add_special and self.add_bos and self.bos_token_id is not None else []
+            )
         return self.vocab.model.tokenize(text.encode("utf-8"), add_special, parse_special)
 
     def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
@@ -95,7 +99,13 @@ class VocabMethods:
     def special_tokens(self) -> list[str]:
         if self._special is None:
             lib, vocab = self.vocab.lib, self.vocab.vocab
-            mask = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED | lib.LLAMA_TOKEN_ATTR_UNKNOWN
-            texts = {self.token_text(t) for t in range(self.n_vocab) if lib.llama_vocab_get_attr(vocab, t) & mask}
+            mask = (
+                lib.LLAMA_TOKEN_ATTR_CONTROL
+                | lib.LLAMA_TOKEN_ATTR_USER_DEFINED
+                | lib.LLAMA_TOKEN_ATTR_UNKNOWN
+            )
+            texts = {
+                self.token_text(t) for t in range(self.n_vocab) if lib.llama_vocab_get_attr(vocab, t) & mask
+            }
             self._special = sorted(t for t in texts if t)
         return self._special

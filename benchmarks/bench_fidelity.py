@@ -72,7 +72,9 @@ def engine_logits(engine: str, gguf: Path, tokens: list[int], threads: int) -> n
     else:
         from localrt.backends.torch.backend import TorchModel
 
-        model = TorchModel(gguf, opts, device="cpu", numerics="llama.cpp" if engine == "torch-ggml" else "default")
+        model = TorchModel(
+            gguf, opts, device="cpu", numerics="llama.cpp" if engine == "torch-ggml" else "default"
+        )
     try:
         result = asyncio.run(model.score(tokens, return_logits=True))
     finally:
@@ -98,12 +100,18 @@ def compare(ours: np.ndarray, ref: np.ndarray, tokens: list[int]) -> dict[str, f
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", type=Path, action="append", help="GGUF files (default: the SmolLM2 Q4_1 test file)")
+    ap.add_argument(
+        "--gguf", type=Path, action="append", help="GGUF files (default: the SmolLM2 Q4_1 test file)"
+    )
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--llama-cpp", action="append", default=None,
-                    help="'default' (the installed build), 'blas' (an OpenBLAS build made once under "
-                         "~/.cache/localrt-tests, as the slow tests do) or a directory holding another build; "
-                         "repeatable (default: default and blas)")
+    ap.add_argument(
+        "--llama-cpp",
+        action="append",
+        default=None,
+        help="'default' (the installed build), 'blas' (an OpenBLAS build made once under "
+        "~/.cache/localrt-tests, as the slow tests do) or a directory holding another build; "
+        "repeatable (default: default and blas)",
+    )
     ap.add_argument("--engines", default="torch,torch-ggml,mlx")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="also print every figure as one JSON line")
@@ -122,13 +130,16 @@ def main() -> None:
             rows[engine] = engine_logits(engine, gguf, tokens, args.threads)
         rows["llama.cpp batch 1"] = llama_cpp_logits(builds[0], gguf, tokens, 1, args.threads)[:-1]
         table = figures[gguf.name] = {}
-        head = " | ".join(f"vs llama.cpp {b if b == 'default' else Path(b).name}: top-1, ppl ratio, KL"
-                          for b in builds)
+        head = " | ".join(
+            f"vs llama.cpp {b if b == 'default' else Path(b).name}: top-1, ppl ratio, KL" for b in builds
+        )
         print(f"{'':>18} | {head}")
         for name, logits in rows.items():
             table[name] = {b: compare(logits, ref, tokens) for b, ref in refs.items()}
-            cells = [f"{100 * c['top1']:6.2f}%, {c['ppl'] / c['ppl_ref']:.4f}, {c['kl']:.5f}"
-                     for c in table[name].values()]
+            cells = [
+                f"{100 * c['top1']:6.2f}%, {c['ppl'] / c['ppl_ref']:.4f}, {c['kl']:.5f}"
+                for c in table[name].values()
+            ]
             print(f"{name:>18} | " + " | ".join(f"{cell:>38}" for cell in cells), flush=True)
         for b, c in table[engines[0] if engines else "llama.cpp batch 1"].items():
             print(f"{'':>18}   llama.cpp {b} perplexity {c['ppl_ref']:.4f}")

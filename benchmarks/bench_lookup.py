@@ -19,8 +19,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-CACHED_GGUF = Path(os.environ.get("LOCALRT_TEST_CACHE", Path.home() / ".cache" / "localrt-tests")) / \
-    "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHED_GGUF = (
+    Path(os.environ.get("LOCALRT_TEST_CACHE", Path.home() / ".cache" / "localrt-tests"))
+    / "SmolLM2-135M-Instruct.Q4_1.gguf"
+)
 MODEL = "bench-lookup:latest"
 PARAGRAPH = (
     "The old lighthouse keeper climbed the narrow stairs every evening, lit the great lamp, and watched the "
@@ -33,7 +35,9 @@ TASK = f"Repeat this paragraph with one word changed ('blue' becomes 'red'):\n\n
 def find_gguf(explicit: str | None) -> Path:
     path = Path(explicit) if explicit else CACHED_GGUF
     if not path.is_file():
-        raise SystemExit(f"no GGUF at {path}: pass --gguf PATH (running the test suite once caches SmolLM2 there)")
+        raise SystemExit(
+            f"no GGUF at {path}: pass --gguf PATH (running the test suite once caches SmolLM2 there)"
+        )
     return path
 
 
@@ -56,7 +60,9 @@ async def run_once(rt: Any, options: dict[str, Any]) -> tuple[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gguf", help="model file (default: the test suite's cached SmolLM2)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
@@ -66,18 +72,24 @@ def main() -> None:
 
     from localrt.runtime.manager import Runtime
 
-    temp_store(find_gguf(args.gguf), {"temperature": 0, "num_thread": args.threads, "num_ctx": 2048,
-                                      "num_predict": args.num_predict})
+    temp_store(
+        find_gguf(args.gguf),
+        {"temperature": 0, "num_thread": args.threads, "num_ctx": 2048, "num_predict": args.num_predict},
+    )
     rt = Runtime()
     loop = asyncio.new_event_loop()
     plain_opts = {"speculative": "off"}
     lookup_opts = {"speculative": "lookup", "num_draft": args.num_draft}
     loop.run_until_complete(run_once(rt, {**plain_opts, "num_predict": 4}))  # load and warm up
 
-    print(f"task: repeat a {len(PARAGRAPH.split())}-word paragraph with one word changed; greedy; "
-          f"threads {args.threads}; num_draft {args.num_draft}; {args.rounds} rounds\n")
-    print(f"{'round':>5}  {'plain tok/s':>11}  {'lookup tok/s':>12}  {'speed-up':>8}  {'drafted':>7}  "
-          f"{'accepted':>8}  {'accept %':>8}  identical")
+    print(
+        f"task: repeat a {len(PARAGRAPH.split())}-word paragraph with one word changed; greedy; "
+        f"threads {args.threads}; num_draft {args.num_draft}; {args.rounds} rounds\n"
+    )
+    print(
+        f"{'round':>5}  {'plain tok/s':>11}  {'lookup tok/s':>12}  {'speed-up':>8}  {'drafted':>7}  "
+        f"{'accepted':>8}  {'accept %':>8}  identical"
+    )
     speedups, rates, identical_all = [], [], True
     for r in range(1, args.rounds + 1):
         pairs = [("plain", plain_opts), ("lookup", lookup_opts)]
@@ -92,13 +104,18 @@ def main() -> None:
         accept = lm.draft_accepted_count / lm.draft_count if lm.draft_count else 0.0
         speedups.append(lookup_rate / plain_rate)
         rates.append(accept)
-        print(f"{r:>5}  {plain_rate:>11.1f}  {lookup_rate:>12.1f}  {lookup_rate / plain_rate:>7.2f}x  "
-              f"{lm.draft_count:>7}  {lm.draft_accepted_count:>8}  {accept * 100:>7.1f}%  {same}", flush=True)
+        print(
+            f"{r:>5}  {plain_rate:>11.1f}  {lookup_rate:>12.1f}  {lookup_rate / plain_rate:>7.2f}x  "
+            f"{lm.draft_count:>7}  {lm.draft_accepted_count:>8}  {accept * 100:>7.1f}%  {same}",
+            flush=True,
+        )
     loop.run_until_complete(rt.close())
     print(f"\noutput ({pm.eval_count} tokens): {plain_text[:120]!r}...")
     print(f"greedy outputs identical in every round: {identical_all}")
-    print(f"acceptance rate: {statistics.median(rates) * 100:.1f}%   "
-          f"decode speed-up (median): {statistics.median(speedups):.2f}x")
+    print(
+        f"acceptance rate: {statistics.median(rates) * 100:.1f}%   "
+        f"decode speed-up (median): {statistics.median(speedups):.2f}x"
+    )
     if not identical_all:
         sys.exit(1)
 

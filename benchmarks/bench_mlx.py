@@ -41,7 +41,9 @@ def localrt_rates(backend: str, gguf: Path, threads: int, new: int, rounds: int)
 
     async def one(prompt: list[int]) -> DoneEvent:
         done = None
-        async for event in model.generate(GenerateRequest(prompt, SamplingParams(temperature=0.0), num_predict=new)):
+        async for event in model.generate(
+            GenerateRequest(prompt, SamplingParams(temperature=0.0), num_predict=new)
+        ):
             if isinstance(event, DoneEvent):
                 done = event
         assert done is not None
@@ -105,13 +107,20 @@ def main() -> None:
 
     import mlx.core as mx
 
-    print(f"{args.gguf.name}, {args.new} new tokens, greedy, best of {args.rounds}; "
-          f"MLX device {mx.default_device()}, llama.cpp threads {args.threads}\n")
+    print(
+        f"{args.gguf.name}, {args.new} new tokens, greedy, best of {args.rounds}; "
+        f"MLX device {mx.default_device()}, llama.cpp threads {args.threads}\n"
+    )
     rows = []
     for name in ("mlx", "llama.cpp"):
         t0 = time.perf_counter()
-        rows.append((f"localrt {name}", *localrt_rates(name, args.gguf, args.threads, args.new, args.rounds),
-                     time.perf_counter() - t0))
+        rows.append(
+            (
+                f"localrt {name}",
+                *localrt_rates(name, args.gguf, args.threads, args.new, args.rounds),
+                time.perf_counter() - t0,
+            )
+        )
     t0 = time.perf_counter()
     peer = mlx_lm_rates(args.hf or default_hf_dir(args.gguf), args.new, args.rounds)
     if peer is not None:

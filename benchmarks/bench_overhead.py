@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-CACHED_GGUF = Path(os.environ.get("LOCALRT_TEST_CACHE", Path.home() / ".cache" / "localrt-tests")) / \
-    "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHED_GGUF = (
+    Path(os.environ.get("LOCALRT_TEST_CACHE", Path.home() / ".cache" / "localrt-tests"))
+    / "SmolLM2-135M-Instruct.Q4_1.gguf"
+)
 MODEL = "bench-overhead:latest"
 QUESTION = "Write a long story about a dragon who learns to cook."
 
@@ -31,7 +33,9 @@ QUESTION = "Write a long story about a dragon who learns to cook."
 def find_gguf(explicit: str | None) -> Path:
     path = Path(explicit) if explicit else CACHED_GGUF
     if not path.is_file():
-        raise SystemExit(f"no GGUF at {path}: pass --gguf PATH (running the test suite once caches SmolLM2 there)")
+        raise SystemExit(
+            f"no GGUF at {path}: pass --gguf PATH (running the test suite once caches SmolLM2 there)"
+        )
     return path
 
 
@@ -59,8 +63,14 @@ def rates(stamps: list[tuple[float, float]]) -> tuple[float, float]:
 
 def bare_rate(llm: object, prompt: str, num_predict: int) -> tuple[float, float, int]:
     stamps = []
-    for chunk in llm.create_completion(prompt, max_tokens=num_predict, temperature=0.0, top_k=1,  # type: ignore[attr-defined]
-                                       repeat_penalty=1.0, stream=True):
+    for chunk in llm.create_completion(
+        prompt,
+        max_tokens=num_predict,
+        temperature=0.0,
+        top_k=1,  # type: ignore[attr-defined]
+        repeat_penalty=1.0,
+        stream=True,
+    ):
         if chunk["choices"][0]["text"]:  # the last chunk only carries finish_reason
             stamps.append((time.perf_counter(), time.process_time()))
     return *rates(stamps), len(stamps)
@@ -78,8 +88,13 @@ async def runtime_rate(rt: object, num_predict: int) -> tuple[float, float, int]
 
 
 def cli_rate(num_predict: int) -> float:
-    out = subprocess.run([sys.executable, "-m", "localrt", "run", MODEL, QUESTION, "--verbose"],
-                         capture_output=True, text=True, check=True, env=os.environ.copy())
+    out = subprocess.run(
+        [sys.executable, "-m", "localrt", "run", MODEL, QUESTION, "--verbose"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=os.environ.copy(),
+    )
     match = re.search(r"eval rate:\s+([\d.]+) tokens/s\s*$", out.stderr)
     if not match:
         raise SystemExit(f"no eval rate in: {out.stderr}")
@@ -87,7 +102,9 @@ def cli_rate(num_predict: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gguf", help="model file (default: the test suite's cached SmolLM2)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
@@ -101,19 +118,36 @@ def main() -> None:
     from localrt.runtime.manager import Runtime
 
     gguf = find_gguf(args.gguf)
-    params = {"temperature": 0, "repeat_penalty": 1.0, "num_thread": args.threads, "num_ctx": args.num_ctx,
-              "num_predict": args.num_predict, "num_batch": 512}
+    params = {
+        "temperature": 0,
+        "repeat_penalty": 1.0,
+        "num_thread": args.threads,
+        "num_ctx": args.num_ctx,
+        "num_predict": args.num_predict,
+        "num_batch": 512,
+    }
     temp_store(gguf, MODEL, params)
-    llm = Llama(str(gguf), n_ctx=args.num_ctx, n_batch=512, n_threads=args.threads, n_threads_batch=args.threads,
-                flash_attn=True, verbose=False)
+    llm = Llama(
+        str(gguf),
+        n_ctx=args.num_ctx,
+        n_batch=512,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        flash_attn=True,
+        verbose=False,
+    )
 
     loop = asyncio.new_event_loop()
     rt = Runtime()
     prompt, tokens = loop.run_until_complete(rt.render(MODEL, [{"role": "user", "content": QUESTION}]))
-    print(f"model {gguf.name}, threads {args.threads}, prompt {len(tokens)} tokens, "
-          f"{args.num_predict} new tokens, greedy, {args.rounds} rounds\n")
-    header = (f"{'round':>5}  {'bare tok/s':>10}  {'localrt tok/s':>13}  {'ratio':>6}  "
-              f"{'bare tok/cpu-s':>14}  {'localrt tok/cpu-s':>17}  {'ratio':>6}")
+    print(
+        f"model {gguf.name}, threads {args.threads}, prompt {len(tokens)} tokens, "
+        f"{args.num_predict} new tokens, greedy, {args.rounds} rounds\n"
+    )
+    header = (
+        f"{'round':>5}  {'bare tok/s':>10}  {'localrt tok/s':>13}  {'ratio':>6}  "
+        f"{'bare tok/cpu-s':>14}  {'localrt tok/cpu-s':>17}  {'ratio':>6}"
+    )
     if not args.no_cli:
         header += f"  {'localrt run':>11}  {'ratio':>6}"
     print(header)
@@ -130,7 +164,9 @@ def main() -> None:
             b, bc, nb = bare_rate(llm, prompt, args.num_predict)
         ratios.append(ours / b)
         cpu_ratios.append(oc / bc)
-        line = f"{r:>5}  {b:>10.1f}  {ours:>13.1f}  {ours / b:>6.3f}  {bc:>14.1f}  {oc:>17.1f}  {oc / bc:>6.3f}"
+        line = (
+            f"{r:>5}  {b:>10.1f}  {ours:>13.1f}  {ours / b:>6.3f}  {bc:>14.1f}  {oc:>17.1f}  {oc / bc:>6.3f}"
+        )
         if not args.no_cli:
             c = cli_rate(args.num_predict)
             cli_ratios.append(c / b)

@@ -40,8 +40,15 @@ def c_quantizer():  # -> callable(x, qtype)
 
     lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.ggml_quantize_chunk.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+    ]
 
     def run(x: np.ndarray, qtype: QT) -> np.ndarray:
         rows, n = x.shape
@@ -69,14 +76,18 @@ def bench_encoders(types: list[str], mb: float, repeats: int) -> None:
     cores = os.cpu_count() or 1
     c = c_quantizer()
     print(f"input: {size:.0f} MB float32 ({x.size / 1e6:.1f}M weights), {cores} cores")
-    print(f"{'type':6} {'C 1 thread':>11} {'numpy 1 thr':>12} {'numpy all':>10} {'ratio 1thr':>11}  identical")
+    print(
+        f"{'type':6} {'C 1 thread':>11} {'numpy 1 thr':>12} {'numpy all':>10} {'ratio 1thr':>11}  identical"
+    )
     for name in types:
         qtype = QT[name]
         tc = best_of(lambda q=qtype: c(x, q), repeats)
         t1 = best_of(lambda q=qtype: quants.quantize(x, q, threads=1), repeats)
         ta = best_of(lambda q=qtype: quants.quantize(x, q, threads=0), repeats)
         same = np.array_equal(c(x, qtype), quants.quantize(x, qtype))
-        print(f"{name:6} {size / tc:8.1f} MB/s {size / t1:8.1f} MB/s {size / ta:6.1f} MB/s {t1 / tc:9.1f}x  {same}")
+        print(
+            f"{name:6} {size / tc:8.1f} MB/s {size / t1:8.1f} MB/s {size / ta:6.1f} MB/s {t1 / tc:9.1f}x  {same}"
+        )
 
 
 def bench_convert(model: Path, quant: str) -> None:
@@ -89,8 +100,19 @@ def bench_convert(model: Path, quant: str) -> None:
         work = Path(tmp)
         t = time.perf_counter()
         auto = work / "auto.gguf"
-        subprocess.run([sys.executable, str(llama_cpp_src() / "convert_hf_to_gguf.py"), str(model), "--outfile",
-                        str(auto), "--outtype", auto_outtype(model)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(llama_cpp_src() / "convert_hf_to_gguf.py"),
+                str(model),
+                "--outfile",
+                str(auto),
+                "--outtype",
+                auto_outtype(model),
+            ],
+            check=True,
+            capture_output=True,
+        )
         t_conv = time.perf_counter() - t
         t = time.perf_counter()
         oracle_quantize(auto, work / "llama.gguf", quant)
@@ -100,8 +122,10 @@ def bench_convert(model: Path, quant: str) -> None:
         t_ours = time.perf_counter() - t
         same = (work / "ours.gguf").read_bytes() == (work / "llama.gguf").read_bytes()
     total = t_conv + t_quant
-    print(f"{quant} of {model.name}: llama.cpp convert {t_conv:.1f} s + quantize {t_quant:.1f} s = {total:.1f} s; "
-          f"localrt convert {t_ours:.1f} s ({t_ours / total:.2f}x); files identical: {same}")
+    print(
+        f"{quant} of {model.name}: llama.cpp convert {t_conv:.1f} s + quantize {t_quant:.1f} s = {total:.1f} s; "
+        f"localrt convert {t_ours:.1f} s ({t_ours / total:.2f}x); files identical: {same}"
+    )
 
 
 def quality_table(model: Path, text: Path, ctx: int, types: list[str]) -> None:
@@ -128,8 +152,11 @@ def quality_table(model: Path, text: Path, ctx: int, types: list[str]) -> None:
             m = load(str(path), "llama.cpp", ctx)
             r = asyncio.run(evaluate(m, tokens, ctx, ref))
             m.unload()
-            print(f"| {ft} | {path.stat().st_size / 1e6:.1f} | {r.perplexity:.3f} | {r.kl:.5f} | "
-                  f"{100 * (r.top1 or 0):.2f}% |", flush=True)
+            print(
+                f"| {ft} | {path.stat().st_size / 1e6:.1f} | {r.perplexity:.3f} | {r.kl:.5f} | "
+                f"{100 * (r.top1 or 0):.2f}% |",
+                flush=True,
+            )
             if path != ref_path:
                 path.unlink()
         ref.unload()

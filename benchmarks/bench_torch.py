@@ -25,12 +25,21 @@ from localrt.backends.torch.model import param_bytes
 
 DEFAULT_MODEL = Path.home() / ".cache" / "localrt-tests" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
-QUESTIONS = ["Write a short story about a lighthouse keeper.", "Explain how rain forms.", "Describe a busy market.",
-             "Give advice to a new gardener.", "Tell me about the history of bread.", "Why is the sea salty?",
-             "Describe your ideal weekend.", "How do airplanes fly?"]
-PARAGRAPH = ("The old lighthouse keeper climbed the narrow stairs every evening, lit the great lamp, and watched the "
-             "ships pass safely through the rocky strait until dawn. In the morning he wrote the names of the ships "
-             "in a worn leather book, made a pot of strong tea, and slept until the gulls woke him at noon.")
+QUESTIONS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how rain forms.",
+    "Describe a busy market.",
+    "Give advice to a new gardener.",
+    "Tell me about the history of bread.",
+    "Why is the sea salty?",
+    "Describe your ideal weekend.",
+    "How do airplanes fly?",
+]
+PARAGRAPH = (
+    "The old lighthouse keeper climbed the narrow stairs every evening, lit the great lamp, and watched the "
+    "ships pass safely through the rocky strait until dawn. In the morning he wrote the names of the ships "
+    "in a worn leather book, made a pot of strong tea, and slept until the gulls woke him at noon."
+)
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 
 
@@ -95,8 +104,15 @@ def bench_transformers(path: Path, texts: list[str], new: int, device: str) -> f
     import llama_cpp
 
     vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
-                                              if device == "cpu" else torch.bfloat16).to(device).eval()
+    hf = (
+        AutoModelForCausalLM.from_pretrained(
+            str(path.parent),
+            gguf_file=path.name,
+            torch_dtype=torch.float32 if device == "cpu" else torch.bfloat16,
+        )
+        .to(device)
+        .eval()
+    )
     ids = [vocab.tokenize(t.encode(), add_bos=True, special=True) for t in texts]
     width = max(len(i) for i in ids)
     pad = 0
@@ -107,8 +123,14 @@ def bench_transformers(path: Path, texts: list[str], new: int, device: str) -> f
         best = 0.0
         for _ in range(REPEAT):
             start = time.perf_counter()
-            out = hf.generate(batch, attention_mask=mask, max_new_tokens=new, do_sample=False, min_new_tokens=new,
-                              pad_token_id=pad)
+            out = hf.generate(
+                batch,
+                attention_mask=mask,
+                max_new_tokens=new,
+                do_sample=False,
+                min_new_tokens=new,
+                pad_token_id=pad,
+            )
             best = max(best, (out.shape[1] - width) * len(ids) / (time.perf_counter() - start))
     return best
 
@@ -159,10 +181,13 @@ def main() -> None:
 
     from localrt.backends.torch.backend import TorchModel
 
-    model = TorchModel(args.model, LoadOptions(num_ctx=2048, num_thread=threads, num_batch=512),
-                       device=args.device)
+    model = TorchModel(
+        args.model, LoadOptions(num_ctx=2048, num_thread=threads, num_batch=512), device=args.device
+    )
     assert isinstance(model, TorchModel) and TorchBackend.name == "torch"
-    print(f"model {args.model.name}, device {args.device}, threads {threads}, {args.new} new tokens per request")
+    print(
+        f"model {args.model.name}, device {args.device}, threads {threads}, {args.new} new tokens per request"
+    )
     header = f"{'concurrency':>11} | {'torch':>8} | {'lookup':>16} | {'self':>16} | {'llama.cpp':>9} | {'hf generate':>11}"
     for task in ("chat", "copy"):
         print(f"\n[{task}] aggregate tokens/s (speculative: tokens/s, acceptance)")
@@ -177,15 +202,23 @@ def main() -> None:
                     continue
                 rate, acc = bench_torch(model, texts, args.new, mode)
                 cells.append(f"{rate:8.1f} ({acc:4.0%}) ")
-            cells.append(f"{bench_llama_cpp(args.model, texts, args.new, threads):9.1f}" if "llama" not in skip
-                         else f"{'-':>9}")
-            cells.append(f"{bench_transformers(args.model, texts, args.new, args.device):11.1f}" if "hf" not in skip
-                         else f"{'-':>11}")
+            cells.append(
+                f"{bench_llama_cpp(args.model, texts, args.new, threads):9.1f}"
+                if "llama" not in skip
+                else f"{'-':>9}"
+            )
+            cells.append(
+                f"{bench_transformers(args.model, texts, args.new, args.device):11.1f}"
+                if "hf" not in skip
+                else f"{'-':>11}"
+            )
             print(f"{n:>11} | " + " | ".join(cells))
             if args.peak_gbps and n in (1, 64):
                 steps_per_s = plain / n
-                print(f"{'':>11}   weights read {param_bytes(model.model) * steps_per_s / 1e9:.1f} GB/s "
-                      f"= {param_bytes(model.model) * steps_per_s / 1e9 / args.peak_gbps:.0%} of peak")
+                print(
+                    f"{'':>11}   weights read {param_bytes(model.model) * steps_per_s / 1e9:.1f} GB/s "
+                    f"= {param_bytes(model.model) * steps_per_s / 1e9 / args.peak_gbps:.0%} of peak"
+                )
     engine = model.engine
     print(f"\nCUDA graphs: {engine.graph_replays} of {engine.steps} engine steps replayed a captured graph")
     model.unload()

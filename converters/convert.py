@@ -94,8 +94,12 @@ def base_kv(w: gguf.GGUFWriter, hp: dict[str, Any], arch: Arch, file_type: int) 
         w.add_string(f"{a}.rope.scaling.type", "yarn")
         w.add_float32(f"{a}.rope.scaling.factor", factor)
         w.add_uint32(f"{a}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
-        for src, key in (("extrapolation_factor", "yarn_ext_factor"), ("attention_factor", "yarn_attn_factor"),
-                         ("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+        for src, key in (
+            ("extrapolation_factor", "yarn_ext_factor"),
+            ("attention_factor", "yarn_attn_factor"),
+            ("beta_fast", "yarn_beta_fast"),
+            ("beta_slow", "yarn_beta_slow"),
+        ):
             value = rope.get(src, rope.get("attn_factor")) if src == "attention_factor" else rope.get(src)
             if value is not None:
                 w.add_float32(f"{a}.rope.scaling.{key}", value)
@@ -119,7 +123,9 @@ def general_kv(w: gguf.GGUFWriter, model_dir: Path, repo_id: str | None, total_p
     meta = gguf.Metadata.load(None, model_dir, None, total_params)
     gen = read_json(model_dir / "generation_config.json") or {}
     # llama.cpp's gguf-py also reads HF's name for the repeat penalty
-    meta.sampling_penalty_repeat = gen.get("penalty_repeat", gen.get("repetition_penalty", meta.sampling_penalty_repeat))
+    meta.sampling_penalty_repeat = gen.get(
+        "penalty_repeat", gen.get("repetition_penalty", meta.sampling_penalty_repeat)
+    )
     if repo_id:
         meta.name = repo_id
     if meta.name is None:
@@ -176,12 +182,23 @@ def expected_shapes(hp: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     nh, nkv = hp["num_attention_heads"], hp.get("num_key_value_heads") or hp["num_attention_heads"]
     hd = hp.get("head_dim") or h // nh
     return {
-        "token_embd.weight": (v, h), "output.weight": (v, h), "output_norm.weight": (h,),
-        "attn_norm.weight": (h,), "ffn_norm.weight": (h,),
-        "attn_q.weight": (nh * hd, h), "attn_k.weight": (nkv * hd, h), "attn_v.weight": (nkv * hd, h),
-        "attn_output.weight": (h, nh * hd), "ffn_gate.weight": (ff, h), "ffn_up.weight": (ff, h),
-        "ffn_down.weight": (h, ff), "attn_q.bias": (nh * hd,), "attn_k.bias": (nkv * hd,),
-        "attn_v.bias": (nkv * hd,), "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,),
+        "token_embd.weight": (v, h),
+        "output.weight": (v, h),
+        "output_norm.weight": (h,),
+        "attn_norm.weight": (h,),
+        "ffn_norm.weight": (h,),
+        "attn_q.weight": (nh * hd, h),
+        "attn_k.weight": (nkv * hd, h),
+        "attn_v.weight": (nkv * hd, h),
+        "attn_output.weight": (h, nh * hd),
+        "ffn_gate.weight": (ff, h),
+        "ffn_up.weight": (ff, h),
+        "ffn_down.weight": (h, ff),
+        "attn_q.bias": (nh * hd,),
+        "attn_k.bias": (nkv * hd,),
+        "attn_v.bias": (nkv * hd,),
+        "attn_q_norm.weight": (hd,),
+        "attn_k_norm.weight": (hd,),
     }
 
 
@@ -204,11 +221,15 @@ def collect_tensors(arch: Arch, hp: dict[str, Any], source: dict[str, SafeTensor
         if parts[0] == "blk":
             layer = int(parts[1])
             if layer >= n_layer:
-                raise ConvertError(f"tensor {hf_name} is for layer {layer}, but config.json has {n_layer} layers")
+                raise ConvertError(
+                    f"tensor {hf_name} is for layer {layer}, but config.json has {n_layer} layers"
+                )
             seen.setdefault(base, set()).add(layer)
         want = shapes.get(base)
         if want is not None and st.shape != want:
-            raise ConvertError(f"tensor {hf_name} has shape {list(st.shape)}, config.json implies {list(want)}")
+            raise ConvertError(
+                f"tensor {hf_name} has shape {list(st.shape)}, config.json implies {list(want)}"
+            )
         heads = None
         if arch.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = n_head
@@ -270,8 +291,13 @@ class Result:
     seconds: float
 
 
-def convert(src: str | Path, out: Path, quant: str = "Q4_K_M", threads: int = 0,
-            progress: Callable[[str, int, int], None] | None = None) -> Result:
+def convert(
+    src: str | Path,
+    out: Path,
+    quant: str = "Q4_K_M",
+    threads: int = 0,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> Result:
     """Convert an HF model directory (or repo id) to a GGUF of file type `quant` at `out`."""
     start = time.monotonic()
     file_type = mixes.parse_file_type(quant)
@@ -285,8 +311,11 @@ def convert(src: str | Path, out: Path, quant: str = "Q4_K_M", threads: int = 0,
 
     float_type = FLOAT_FILE_TYPES.get(file_type)
     itype = float_type if float_type is not None else auto_intermediate(tensors)
-    stage_ftype = int(mixes.FILE_TYPES[file_type][0] if float_type is not None else
-                      (gguf.LlamaFileType.MOSTLY_BF16 if itype == QT.BF16 else gguf.LlamaFileType.MOSTLY_F16))
+    stage_ftype = int(
+        mixes.FILE_TYPES[file_type][0]
+        if float_type is not None
+        else (gguf.LlamaFileType.MOSTLY_BF16 if itype == QT.BF16 else gguf.LlamaFileType.MOSTLY_F16)
+    )
 
     w = writer.new_writer(arch.name)
     general_kv(w, model_dir, repo_id, total_params)
@@ -304,8 +333,12 @@ def convert(src: str | Path, out: Path, quant: str = "Q4_K_M", threads: int = 0,
     else:
         by_name = {t.name: t for t in tensors}
         specs = [mixes.TensorSpec(t.name, tuple(reversed(t.shape))) for t in tensors]
-        shape = mixes.ModelShape(arch.name, hp["num_hidden_layers"], hp["num_attention_heads"],
-                                 hp.get("num_key_value_heads") or hp["num_attention_heads"])
+        shape = mixes.ModelShape(
+            arch.name,
+            hp["num_hidden_layers"],
+            hp["num_attention_heads"],
+            hp.get("num_key_value_heads") or hp["num_attention_heads"],
+        )
         types = mixes.plan(specs, file_type, shape)
         for name in mixes.tensor_order(types):
             t = by_name[name]
@@ -313,8 +346,14 @@ def convert(src: str | Path, out: Path, quant: str = "Q4_K_M", threads: int = 0,
             stage = QT.F32 if stored_as_float32(t.name, t.ndim) else itype
             quantizable = mixes.allows_quantization(mixes.TensorSpec(name, tuple(reversed(t.shape))))
             qtype = types[name] if quantizable else stage
-            plan.append((name, t.shape, qtype,
-                         lambda t=t, q=qtype, s=stage: encode(as_intermediate(t.load(), s), q, threads)))
+            plan.append(
+                (
+                    name,
+                    t.shape,
+                    qtype,
+                    lambda t=t, q=qtype, s=stage: encode(as_intermediate(t.load(), s), q, threads),
+                )
+            )
         writer.move_to_end(w, "general.quantization_version")
         writer.set_at_end(w, "general.file_type", int(mixes.FILE_TYPES[file_type][0]), "u32")
 
@@ -360,8 +399,11 @@ def convert_command(args: Any) -> int:
             result = _run_with_progress(args.source, out, file_type, getattr(args, "threads", 0) or 0)
             import_gguf(store, args.name, out)
         print(f"success: created '{args.name}'", file=sys.stderr)
-    print(f"wrote {result.path if args.output else args.name}: {result.file_type}, {result.n_tensors} tensors, "
-          f"{result.nbytes / 1e6:.1f} MB in {result.seconds:.1f} s", file=sys.stderr)
+    print(
+        f"wrote {result.path if args.output else args.name}: {result.file_type}, {result.n_tensors} tensors, "
+        f"{result.nbytes / 1e6:.1f} MB in {result.seconds:.1f} s",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -372,8 +414,14 @@ def _run_with_progress(source: str, out: Path, file_type: str, threads: int) -> 
     console = Console(stderr=True)
     if not console.is_terminal:
         return convert(source, out, file_type, threads)
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                  console=console, transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
         task = bar.add_task(f"converting to {file_type}", total=None)
 
         def progress(name: str, done: int, total: int) -> None:

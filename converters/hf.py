@@ -69,8 +69,10 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             raise ConvertError(f"{path.name}: not a safetensors file (too short)")
         (n,) = struct.unpack("<Q", head)
         if n > min(MAX_HEADER, size - 8):
-            raise ConvertError(f"{path.name}: safetensors header length {n} exceeds the file size {size} "
-                               "(truncated or not a safetensors file)")
+            raise ConvertError(
+                f"{path.name}: safetensors header length {n} exceeds the file size {size} "
+                "(truncated or not a safetensors file)"
+            )
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -96,8 +98,10 @@ def read_part(path: Path) -> dict[str, SafeTensor]:
         if end - begin != int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][1]:
             raise ConvertError(f"{path.name}: tensor {name} has {end - begin} bytes for shape {list(shape)}")
         if start + end > size:
-            raise ConvertError(f"{path.name}: tensor {name} ends at byte {start + end} but the file has "
-                               f"{size} bytes (truncated download?)")
+            raise ConvertError(
+                f"{path.name}: tensor {name} ends at byte {start + end} but the file has "
+                f"{size} bytes (truncated download?)"
+            )
         out[name] = SafeTensor(name, dtype, shape, path, start + begin, end - begin)
     return dict(sorted(out.items()))
 
@@ -113,19 +117,27 @@ def index_tensors(model_dir: Path) -> dict[str, SafeTensor]:
         parts = sorted(set(weight_map.values()))
         missing = [p for p in parts if not (model_dir / p).is_file()]
         if missing:
-            raise ConvertError(f"missing safetensors shards listed in {index_file.name}: {', '.join(missing)}")
+            raise ConvertError(
+                f"missing safetensors shards listed in {index_file.name}: {', '.join(missing)}"
+            )
     else:
         weight_map = None
-        parts = sorted(p for p in os.listdir(model_dir) if p.startswith("model") and p.endswith(".safetensors"))
+        parts = sorted(
+            p for p in os.listdir(model_dir) if p.startswith("model") and p.endswith(".safetensors")
+        )
     if not parts:
-        raise ConvertError(f"no *.safetensors weights in {model_dir} (only safetensors checkpoints are supported)")
+        raise ConvertError(
+            f"no *.safetensors weights in {model_dir} (only safetensors checkpoints are supported)"
+        )
     tensors: dict[str, SafeTensor] = {}
     for part in parts:
         tensors.update(read_part(model_dir / part))
     if weight_map is not None and set(weight_map) != set(tensors):
         missing_t = sorted(set(weight_map) - set(tensors))[:5]
         extra = sorted(set(tensors) - set(weight_map))[:5]
-        raise ConvertError(f"safetensors shards do not match {index_file.name}: missing {missing_t}, extra {extra}")
+        raise ConvertError(
+            f"safetensors shards do not match {index_file.name}: missing {missing_t}, extra {extra}"
+        )
     return tensors
 
 

@@ -95,8 +95,17 @@ def allows_quantization(t: TensorSpec) -> bool:
     name = t.name
     if not name.endswith("weight") or "_norm.weight" in name:
         return False
-    blocked = ("ffn_gate_inp.weight", "altup", "laurel", "per_layer_model_proj", "ssm_conv1d",
-               "attn_rel_b.weight", "position_embd", "token_types", ".rel_pos")
+    blocked = (
+        "ffn_gate_inp.weight",
+        "altup",
+        "laurel",
+        "per_layer_model_proj",
+        "ssm_conv1d",
+        "attn_rel_b.weight",
+        "position_embd",
+        "token_types",
+        ".rel_pos",
+    )
     return not any(b in name for b in blocked)
 
 
@@ -113,10 +122,17 @@ def _category(name: str) -> str:
         return "output"
     if name in ("token_embd.weight", "per_layer_token_embd.weight"):
         return "token_embd"
-    for key, cat in (("attn_qkv.weight", "attn_v"), ("attn_kv_b.weight", "attn_v"), ("attn_v.weight", "attn_v"),
-                     ("attn_k.weight", "attn_k"), ("attn_q.weight", "attn_q"),
-                     ("attn_output.weight", "attn_output"), ("ffn_up", "ffn_up"), ("ffn_gate", "ffn_gate"),
-                     ("ffn_down", "ffn_down")):
+    for key, cat in (
+        ("attn_qkv.weight", "attn_v"),
+        ("attn_kv_b.weight", "attn_v"),
+        ("attn_v.weight", "attn_v"),
+        ("attn_k.weight", "attn_k"),
+        ("attn_q.weight", "attn_q"),
+        ("attn_output.weight", "attn_output"),
+        ("ffn_up", "ffn_up"),
+        ("ffn_gate", "ffn_gate"),
+        ("ffn_down", "ffn_down"),
+    ):
         if key in name:
             return cat
     return "other"
@@ -140,7 +156,9 @@ def plan(tensors: Sequence[TensorSpec], file_type: str, model: ModelShape) -> di
     n_attn_v = sum(1 for n in names if _category(n) == "attn_v")
     tied = "output.weight" not in by_name
     n_gqa = model.n_head // model.n_head_kv if model.n_head_kv else 0
-    is_70b = model.n_layer == 80 and (model.arch == "qwen2" or (model.arch == "llama" and model.n_head != model.n_head_kv))
+    is_70b = model.n_layer == 80 and (
+        model.arch == "qwen2" or (model.arch == "llama" and model.n_head != model.n_head_kv)
+    )
     i_attn_v = i_ffn_down = 0
     out: dict[str, QT] = {}
     for name in names:
@@ -199,7 +217,13 @@ def plan(tensors: Sequence[TensorSpec], file_type: str, model: ModelShape) -> di
             i_ffn_down += 1
         elif cat == "attn_output":
             if model.n_expert == 8:
-                if ftype in (FT.MOSTLY_Q2_K, FT.MOSTLY_Q3_K_S, FT.MOSTLY_Q3_K_M, FT.MOSTLY_Q4_K_S, FT.MOSTLY_Q4_K_M):
+                if ftype in (
+                    FT.MOSTLY_Q2_K,
+                    FT.MOSTLY_Q3_K_S,
+                    FT.MOSTLY_Q3_K_M,
+                    FT.MOSTLY_Q4_K_S,
+                    FT.MOSTLY_Q4_K_M,
+                ):
                     new = QT.Q5_K
             elif ftype == FT.MOSTLY_Q2_K:
                 new = QT.Q3_K

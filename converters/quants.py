@@ -167,8 +167,9 @@ def _levels(iscale: np.ndarray, xm: np.ndarray, lo: int, hi: int, in_range: bool
     return v
 
 
-def _make_qkx2(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
-               use_mad: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _make_qkx2(
+    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Affine scale/min search. x, w: (n, S). Returns (L (n,S) float32 levels, scale (S,), the_min (S,)).
 
     The candidate steps run in order because an accepted candidate moves `min`, which later steps use.
@@ -359,7 +360,9 @@ def _q3_k(x: np.ndarray) -> np.ndarray:
         L = np.where(dl != 0, np.clip(requant, -4, 3) + 4, L)
     L = _from_subblocks(L, nb).astype(np.uint8)  # (nb, 256) levels 0..7
     hbit = L >> 2  # the level's high bit goes to hmask: bit k of hmask[m] for element 32k+m
-    hmask = np.bitwise_or.reduce(hbit.reshape(nb, 8, 32) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
+    hmask = np.bitwise_or.reduce(
+        hbit.reshape(nb, 8, 32) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1
+    )
     l6 = l6.astype(np.uint8)
     scb = np.zeros((nb, 12), np.uint8)
     scb[:, :8] = (l6[:, :8] & 0xF) | ((l6[:, 8:] & 0xF) << 4)
@@ -440,8 +443,15 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     ql[:, :, 1] = (L[:, :, 1] & 0xF) | ((L[:, :, 3] & 0xF) << 4)
     hb = L >> 4
     qh = hb[:, :, 0] | (hb[:, :, 1] << 2) | (hb[:, :, 2] << 4) | (hb[:, :, 3] << 6)
-    out = np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64), sc.astype(np.int8).view(np.uint8),
-                          d16.view(np.uint8).reshape(-1, 2)], axis=1)
+    out = np.concatenate(
+        [
+            ql.reshape(nb, 128),
+            qh.reshape(nb, 64),
+            sc.astype(np.int8).view(np.uint8),
+            d16.view(np.uint8).reshape(-1, 2),
+        ],
+        axis=1,
+    )
     out[zero] = 0  # C zeroes the whole block when every sub-block scale is ~0
     return out
 
@@ -512,7 +522,7 @@ def quantize(data: np.ndarray, qtype: QT, threads: int = 0) -> np.ndarray:
     starts = range(0, len(blocks), per_chunk)
 
     def run(s: int) -> None:
-        out[s:s + per_chunk] = encoder(blocks[s:s + per_chunk])
+        out[s : s + per_chunk] = encoder(blocks[s : s + per_chunk])
 
     workers = threads or os.cpu_count() or 1
     if workers == 1 or len(starts) == 1:

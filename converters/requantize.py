@@ -19,7 +19,13 @@ from localrt.converters.hf import ConvertError
 
 QT = GGMLQuantizationType
 SOURCE_TYPES = (QT.F32, QT.F16, QT.BF16)
-DROPPED = ("general.quantization_version", "general.file_type", "split.no", "split.count", "split.tensors.count")
+DROPPED = (
+    "general.quantization_version",
+    "general.file_type",
+    "split.no",
+    "split.count",
+    "split.tensors.count",
+)
 
 
 def _raw_value(field: Any) -> tuple[Any, GGUFValueType, GGUFValueType | None]:
@@ -56,8 +62,13 @@ def requantize(src: Path, dst: Path, file_type: str, threads: int = 0) -> Path:
     if n_layer is None or n_head is None:
         raise ConvertError(f"{src}: missing {arch}.block_count or {arch}.attention.head_count")
     n_kv = get("attention.head_count_kv")
-    shape = mixes.ModelShape(arch, _first_int(n_layer), _first_int(n_head),
-                             _first_int(n_kv if n_kv is not None else n_head), _first_int(get("expert_count") or 0))
+    shape = mixes.ModelShape(
+        arch,
+        _first_int(n_layer),
+        _first_int(n_head),
+        _first_int(n_kv if n_kv is not None else n_head),
+        _first_int(get("expert_count") or 0),
+    )
 
     by_name = {t.name: t for t in reader.tensors}
     specs = [mixes.TensorSpec(t.name, tuple(int(d) for d in t.shape)) for t in reader.tensors]
@@ -79,8 +90,10 @@ def requantize(src: Path, dst: Path, file_type: str, threads: int = 0) -> Path:
         spec = mixes.TensorSpec(name, ne)
         target = plan[name] if mixes.allows_quantization(spec) else t.tensor_type
         if target != t.tensor_type and t.tensor_type not in SOURCE_TYPES:
-            raise ConvertError(f"{src}: tensor {name} is already {t.tensor_type.name}; requantizing needs an "
-                               "F32, F16 or BF16 GGUF")
+            raise ConvertError(
+                f"{src}: tensor {name} is already {t.tensor_type.name}; requantizing needs an "
+                "F32, F16 or BF16 GGUF"
+            )
         items.append((name, tuple(reversed(ne)), target, lambda t=t, q=target: _encode(t, q, threads)))
     writer.write_streaming(w, Path(dst), items)
     return Path(dst)

@@ -23,8 +23,16 @@ from localrt.converters.pretok import CHECK_TEXT, PRE_TOKENIZERS
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPECIAL_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 # special types the GGUF writer has a key for (cls has none, so llama.cpp's converter skips it)
-ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "sep": "seperator_token_id",
-           "pad": "padding_token_id", "mask": "mask_token_id", "eot": "eot_token_id", "eom": "eom_token_id"}
+ID_KEYS = {
+    "bos": "bos_token_id",
+    "eos": "eos_token_id",
+    "unk": "unknown_token_id",
+    "sep": "seperator_token_id",
+    "pad": "padding_token_id",
+    "mask": "mask_token_id",
+    "eot": "eot_token_id",
+    "eom": "eom_token_id",
+}
 ADD_KEYS = ("bos", "eos", "sep")
 
 KVMap = dict[str, tuple[Any, str]]  # key -> (value, type); re-setting a key keeps its position
@@ -32,10 +40,12 @@ KVMap = dict[str, tuple[Any, str]]  # key -> (value, type); re-setting a key kee
 
 def looks_special(token: str) -> bool:
     """Added tokens that act as control tokens even when not flagged special (<|...|>, <unused..>, ...)."""
-    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
-            or (token.startswith("<|") and token.endswith("|>"))
-            or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
-            or (token.startswith("<unused") and token.endswith(">")))
+    return (
+        token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (token.startswith("<|") and token.endswith("|>"))
+        or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
+        or (token.startswith("<unused") and token.endswith(">"))
+    )
 
 
 # ---- SentencePiece ---------------------------------------------------------------------------------
@@ -59,12 +69,12 @@ def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
         if wire == 0:
             value, pos = _varint(buf, pos)
         elif wire == 1:
-            value, pos = buf[pos:pos + 8], pos + 8
+            value, pos = buf[pos : pos + 8], pos + 8
         elif wire == 2:
             n, pos = _varint(buf, pos)
-            value, pos = buf[pos:pos + n], pos + n
+            value, pos = buf[pos : pos + n], pos + n
         elif wire == 5:
-            value, pos = buf[pos:pos + 4], pos + 4
+            value, pos = buf[pos : pos + 4], pos + 4
         else:
             raise ValueError(f"unsupported protobuf wire type {wire}")
         yield field, wire, value
@@ -127,13 +137,17 @@ def pre_tokenizer_name(tokenizer_json: Path) -> str:
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ConvertError("converting a BPE tokenizer needs the 'tokenizers' package (pip install tokenizers)") from None
+        raise ConvertError(
+            "converting a BPE tokenizer needs the 'tokenizers' package (pip install tokenizers)"
+        ) from None
     ids = Tokenizer.from_file(str(tokenizer_json)).encode(CHECK_TEXT).ids
     digest = hashlib.sha256(str(ids).encode()).hexdigest()
     name = PRE_TOKENIZERS.get(digest)
     if name is None:
-        raise ConvertError(f"{tokenizer_json}: unknown BPE pre-tokenizer (fingerprint {digest}); llama.cpp "
-                           "would not know how to split text for it")
+        raise ConvertError(
+            f"{tokenizer_json}: unknown BPE pre-tokenizer (fingerprint {digest}); llama.cpp "
+            "would not know how to split text for it"
+        )
     return name
 
 
@@ -179,7 +193,9 @@ def bpe_merges(tj: dict[str, Any]) -> list[str]:
     """Merges as "a b" strings; the newer [a, b] form encodes spaces inside a part as U+0120."""
     merges = (tj.get("model") or {}).get("merges") or []
     if merges and isinstance(merges[0], list):
-        return [" ".join("".join("\u0120" if c == " " else c for c in part) for part in pair) for pair in merges]
+        return [
+            " ".join("".join("\u0120" if c == " " else c for c in part) for part in pair) for pair in merges
+        ]
     return list(merges)
 
 
@@ -276,8 +292,9 @@ class _Special:
             elif kind == "TemplateProcessing":
                 bos, cls, eos, sep = self._template(proc, tc, bos, cls, eos, sep)
 
-    def _template(self, proc: dict[str, Any], tc: dict[str, Any] | None, bos: Any, cls: Any, eos: Any,
-                  sep: Any) -> tuple[Any, Any, Any, Any]:
+    def _template(
+        self, proc: dict[str, Any], tc: dict[str, Any] | None, bos: Any, cls: Any, eos: Any, sep: Any
+    ) -> tuple[Any, Any, Any, Any]:
         single, pair = proc.get("single") or [], proc.get("pair") or []
         first = last = None
         if len(single) > 1:
@@ -308,7 +325,11 @@ class _Special:
             start = 1 if first and pair[0].get("SpecialToken", {}).get("id") == first else 0
             stop = -1 if last and pair[-1].get("SpecialToken", {}).get("id") == last else None
             pair = pair[slice(start, stop)]
-            if pair and pair[0].get("Sequence", {}).get("id") == "A" and pair[-1].get("Sequence", {}).get("id") == "B":
+            if (
+                pair
+                and pair[0].get("Sequence", {}).get("id") == "A"
+                and pair[-1].get("Sequence", {}).get("id") == "B"
+            ):
                 middle = pair[1:-1]
                 if middle:
                     add_sep = False

@@ -61,9 +61,12 @@ def nbytes(qtype: QT, shape: tuple[int, ...]) -> int:
     return n // block * size
 
 
-def write_streaming(writer: GGUFWriter, path: Path,
-                    tensors: Iterable[tuple[str, tuple[int, ...], QT, Callable[[], np.ndarray]]],
-                    on_tensor: Callable[[str, int], None] | None = None) -> None:
+def write_streaming(
+    writer: GGUFWriter,
+    path: Path,
+    tensors: Iterable[tuple[str, tuple[int, ...], QT, Callable[[], np.ndarray]]],
+    on_tensor: Callable[[str, int], None] | None = None,
+) -> None:
     """Write `writer`'s keys plus `tensors` = (name, numpy-order shape, type, produce()) to `path`.
 
     produce() returns the encoded data: float32/float16/uint16 arrays or uint8 blocks.

@@ -19,11 +19,21 @@ from localrt.runtime.manager import Runtime
 
 # Different questions, so that a round measures decoding rather than the prefix cache.
 QUESTIONS = [
-    "Explain how a lighthouse works.", "Write a short poem about the sea.", "What causes the seasons?",
-    "Describe a day in the life of a baker.", "How do bees make honey?", "Why is the sky blue?",
-    "Tell me a story about a brave mouse.", "What is photosynthesis?", "How does a bicycle stay upright?",
-    "Describe the water cycle.", "What makes a good friend?", "How do volcanoes form?",
-    "Write a letter to a pen pal.", "Explain what a computer program is.", "Why do cats purr?",
+    "Explain how a lighthouse works.",
+    "Write a short poem about the sea.",
+    "What causes the seasons?",
+    "Describe a day in the life of a baker.",
+    "How do bees make honey?",
+    "Why is the sky blue?",
+    "Tell me a story about a brave mouse.",
+    "What is photosynthesis?",
+    "How does a bicycle stay upright?",
+    "Describe the water cycle.",
+    "What makes a good friend?",
+    "How do volcanoes form?",
+    "Write a letter to a pen pal.",
+    "Explain what a computer program is.",
+    "Why do cats purr?",
     "How are rainbows formed?",
 ]
 MAX_CONCURRENCY = 256
@@ -48,8 +58,10 @@ def parse_concurrency(text: str) -> list[int]:
     except ValueError:
         levels = []
     if not levels or any(not 1 <= n <= MAX_CONCURRENCY for n in levels):
-        raise LocalrtError(f"--concurrency must be a comma-separated list of integers from 1 to "
-                           f"{MAX_CONCURRENCY}, got {text!r}")
+        raise LocalrtError(
+            f"--concurrency must be a comma-separated list of integers from 1 to "
+            f"{MAX_CONCURRENCY}, got {text!r}"
+        )
     return levels
 
 
@@ -62,12 +74,19 @@ async def _one(runtime: Runtime, model: str, question: str, options: dict[str, A
         if chunk.done:
             m = chunk.metrics
             assert m is not None
-            return {"ttft": (first or time.perf_counter()) - start, "tokens": m.eval_count,
-                    "eval_ns": m.eval_ns, "drafted": m.draft_count, "accepted": m.draft_accepted_count}
+            return {
+                "ttft": (first or time.perf_counter()) - start,
+                "tokens": m.eval_count,
+                "eval_ns": m.eval_ns,
+                "drafted": m.draft_count,
+                "accepted": m.draft_accepted_count,
+            }
     raise LocalrtError("the answer ended without a final chunk")
 
 
-async def bench(model: str, levels: list[int], options: dict[str, Any], prompt: str | None = None) -> tuple[str, list[Round]]:
+async def bench(
+    model: str, levels: list[int], options: dict[str, Any], prompt: str | None = None
+) -> tuple[str, list[Round]]:
     runtime = Runtime()
     try:
         async for _ in runtime.chat(model, [], options=options):  # load once, outside the timings
@@ -82,13 +101,21 @@ async def bench(model: str, levels: list[int], options: dict[str, Any], prompt: 
             tokens = sum(r["tokens"] for r in results)
             drafted = sum(r["drafted"] for r in results)
             ttfts = [1000 * r["ttft"] for r in results]
-            rounds.append(Round(
-                concurrency=n, requests=n, tokens=tokens, wall_s=wall, aggregate_tps=tokens / wall,
-                decode_tps_median=statistics.median(r["tokens"] / (r["eval_ns"] / 1e9) if r["eval_ns"] else 0.0
-                                                    for r in results),
-                ttft_ms_median=statistics.median(ttfts), ttft_ms_max=max(ttfts),
-                acceptance=sum(r["accepted"] for r in results) / drafted if drafted else None,
-            ))
+            rounds.append(
+                Round(
+                    concurrency=n,
+                    requests=n,
+                    tokens=tokens,
+                    wall_s=wall,
+                    aggregate_tps=tokens / wall,
+                    decode_tps_median=statistics.median(
+                        r["tokens"] / (r["eval_ns"] / 1e9) if r["eval_ns"] else 0.0 for r in results
+                    ),
+                    ttft_ms_median=statistics.median(ttfts),
+                    ttft_ms_max=max(ttfts),
+                    acceptance=sum(r["accepted"] for r in results) / drafted if drafted else None,
+                )
+            )
         return backend, rounds
     finally:
         await runtime.close()
@@ -105,13 +132,38 @@ def bench_command(args: Any) -> int:
         options["speculative"] = args.spec
     backend, rounds = asyncio.run(bench(args.model, levels, options, args.prompt))
     if args.json:
-        print(json.dumps({"model": args.model, "backend": backend, "num_predict": args.num_predict,
-                          "speculative": args.spec or "auto", "rounds": [asdict(r) for r in rounds]}))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "backend": backend,
+                    "num_predict": args.num_predict,
+                    "speculative": args.spec or "auto",
+                    "rounds": [asdict(r) for r in rounds],
+                }
+            )
+        )
         return 0
     print(f"{args.model} on {backend}, {args.num_predict} tokens per request, greedy")
-    header = ["concurrency", "aggregate tok/s", "decode tok/s", "TTFT ms (median)", "TTFT ms (max)", "acceptance"]
-    rows = [[str(r.concurrency), f"{r.aggregate_tps:.1f}", f"{r.decode_tps_median:.1f}", f"{r.ttft_ms_median:.0f}",
-             f"{r.ttft_ms_max:.0f}", "-" if r.acceptance is None else f"{100 * r.acceptance:.1f}%"] for r in rounds]
+    header = [
+        "concurrency",
+        "aggregate tok/s",
+        "decode tok/s",
+        "TTFT ms (median)",
+        "TTFT ms (max)",
+        "acceptance",
+    ]
+    rows = [
+        [
+            str(r.concurrency),
+            f"{r.aggregate_tps:.1f}",
+            f"{r.decode_tps_median:.1f}",
+            f"{r.ttft_ms_median:.0f}",
+            f"{r.ttft_ms_max:.0f}",
+            "-" if r.acceptance is None else f"{100 * r.acceptance:.1f}%",
+        ]
+        for r in rounds
+    ]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     for line in (header, *rows):
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))

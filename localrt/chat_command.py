@@ -18,7 +18,9 @@ def chat_command(args: argparse.Namespace) -> int:
     try:
         from localrt.tui.app import ChatApp
     except ImportError as e:
-        raise LocalrtError(f"the chat app needs Textual ({e.name or e}): pip install 'localrt[tui]'") from None
+        raise LocalrtError(
+            f"the chat app needs Textual ({e.name or e}): pip install 'localrt[tui]'"
+        ) from None
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise LocalrtError("localrt chat needs a terminal (use `localrt run` for pipes and scripts)")
     app = ChatApp(model)

@@ -31,8 +31,15 @@ def human_size(n: float) -> str:
 
 def human_ago(then: float, now: float | None = None) -> str:
     seconds = max(0, int((now or time.time()) - then))
-    for unit, span in (("year", 31536000), ("month", 2592000), ("week", 604800), ("day", 86400),
-                       ("hour", 3600), ("minute", 60), ("second", 1)):
+    for unit, span in (
+        ("year", 31536000),
+        ("month", 2592000),
+        ("week", 604800),
+        ("day", 86400),
+        ("hour", 3600),
+        ("minute", 60),
+        ("second", 1),
+    ):
         if seconds >= span:
             count = seconds // span
             return f"{count} {unit}{'s' if count != 1 else ''} ago"
@@ -105,8 +112,13 @@ def cmd_create(args: argparse.Namespace) -> int:
         except OSError as e:
             raise LocalrtError(f"cannot read Modelfile {args.file}: {e.strerror}") from None
         base_dir = os.path.dirname(os.path.abspath(args.file))
-    name = create(args.model, modelfile_text=modelfile_text, from_path=args.from_path, base_dir=base_dir,
-                  quantize=args.quantize)
+    name = create(
+        args.model,
+        modelfile_text=modelfile_text,
+        from_path=args.from_path,
+        base_dir=base_dir,
+        quantize=args.quantize,
+    )
     print(f"success: created '{name.display}'")
     return 0
 
@@ -231,8 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="convert HF safetensors to GGUF")
     p.add_argument("source", help="HF model directory or repo id (org/name)")
-    p.add_argument("-q", "--quant", default="Q4_K_M",
-                   help="F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K_S/M/L Q4_K_S/M Q5_K_S/M Q6_K")
+    p.add_argument(
+        "-q",
+        "--quant",
+        default="Q4_K_M",
+        help="F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K_S/M/L Q4_K_S/M Q5_K_S/M Q6_K",
+    )
     p.add_argument("-o", "--output", default=None, help="write FILE.gguf")
     p.add_argument("--name", default=None, help="import into the store as NAME")
     p.add_argument("--threads", type=int, default=0)
@@ -252,8 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model name")
     p.add_argument("--backend", default=None)
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated request counts (default 1,4,16)")
-    p.add_argument("--spec", default=None, choices=["off", "auto", "draft", "lookup", "self"],
-                   help="speculative decoding mode")
+    p.add_argument(
+        "--spec",
+        default=None,
+        choices=["off", "auto", "draft", "lookup", "self"],
+        help="speculative decoding mode",
+    )
     p.add_argument("--num-predict", type=int, default=128, help="tokens per request (default 128)")
     p.add_argument("--prompt", default=None, help="one prompt for every request (default: varied questions)")
     p.add_argument("--json", action="store_true")
@@ -302,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # a bug, not a user mistake: still one line, with a way to see more
         if debug:
             raise
-        print(f"Error: internal error: {type(e).__name__}: {e} (set LOCALRT_DEBUG=1 for details)",
-              file=sys.stderr)
+        print(
+            f"Error: internal error: {type(e).__name__}: {e} (set LOCALRT_DEBUG=1 for details)",
+            file=sys.stderr,
+        )
         return 1

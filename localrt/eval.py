@@ -38,7 +38,7 @@ def windows(tokens: list[int], ctx: int, bos: int | None) -> list[list[int]]:
     step = ctx - 1 if bos is not None else ctx
     out = []
     for start in range(0, len(tokens), step):
-        body = tokens[start:start + step]
+        body = tokens[start : start + step]
         w = [bos, *body] if bos is not None else body
         if len(w) >= 4:
             out.append(w)
@@ -51,8 +51,10 @@ async def evaluate(model: Any, tokens: list[int], ctx: int, reference: Any | Non
         raise LocalrtError("--ctx must be at least 8")
     bos = model.bos_token_id if model.add_bos else None
     if reference is not None and reference.n_vocab != model.n_vocab:
-        raise LocalrtError(f"the reference has {reference.n_vocab} tokens in its vocabulary, the model "
-                           f"{model.n_vocab}: KL needs the same vocabulary")
+        raise LocalrtError(
+            f"the reference has {reference.n_vocab} tokens in its vocabulary, the model "
+            f"{model.n_vocab}: KL needs the same vocabulary"
+        )
     nll = kl_sum = 0.0
     n = agree = 0
     wins = windows(tokens, ctx, bos)
@@ -112,10 +114,16 @@ def eval_command(args: Any) -> int:
         if reference is not None:
             reference.unload()
     if args.json:
-        print(json.dumps({k: v for k, v in asdict(result).items() if k in ("perplexity", "tokens", "kl", "top1")}))
+        print(
+            json.dumps(
+                {k: v for k, v in asdict(result).items() if k in ("perplexity", "tokens", "kl", "top1")}
+            )
+        )
         return 0
-    print(f"perplexity: {result.perplexity:.4f} over {result.tokens} tokens "
-          f"({result.windows} windows of {result.ctx})")
+    print(
+        f"perplexity: {result.perplexity:.4f} over {result.tokens} tokens "
+        f"({result.windows} windows of {result.ctx})"
+    )
     if result.kl is not None and result.top1 is not None:
         print(f"KL divergence vs {args.reference}: {result.kl:.6f}")
         print(f"top-1 agreement: {100 * result.top1:.2f}%")

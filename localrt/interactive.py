@@ -91,7 +91,9 @@ def timing_lines(m: Metrics) -> list[str]:
 class Session:
     """One `localrt run`: the model name, request options and the conversation so far."""
 
-    def __init__(self, args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> None:
+    def __init__(
+        self, args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None
+    ) -> None:
         self.model = args.model
         self.out = out or sys.stdout
         self.err = err or sys.stderr
@@ -123,6 +125,7 @@ class Session:
 
     def run(self, coro_fn: Callable[[], Awaitable[T]]) -> tuple[T | None, bool]:
         """Run a coroutine; Ctrl-C cancels it (not the program). Returns (result, interrupted)."""
+
         async def main() -> T:
             return await coro_fn()
 
@@ -159,12 +162,18 @@ class Session:
 
         # stdout is the answer's: progress (bars or plain lines) goes to stderr
         with contextlib.redirect_stdout(self.err), PullProgress() as bar:
-            pull(self.model, store=store if isinstance(store, Store) else None, insecure=insecure,
-                 progress=bar.update)
+            pull(
+                self.model,
+                store=store if isinstance(store, Store) else None,
+                insecure=insecure,
+                progress=bar.update,
+            )
 
     def load(self) -> None:
         async def go() -> None:
-            async for _ in self.runtime.chat(self.model, [], options=self.options, keep_alive=self.keep_alive):
+            async for _ in self.runtime.chat(
+                self.model, [], options=self.options, keep_alive=self.keep_alive
+            ):
                 pass
 
         _, interrupted = self.run(go)
@@ -180,8 +189,9 @@ class Session:
         final: list[Chunk] = []
 
         async def go() -> None:
-            async for chunk in self.runtime.chat(self.model, msgs, options=self.options, format=self.format,
-                                                 keep_alive=self.keep_alive):
+            async for chunk in self.runtime.chat(
+                self.model, msgs, options=self.options, format=self.format, keep_alive=self.keep_alive
+            ):
                 if chunk.content:
                     parts.append(chunk.content)
                     self.out.write(chunk.content)
@@ -261,8 +271,10 @@ class Session:
             self.format = None
             self.out.write("Disabled format.\n")
         else:
-            self.out.write("Usage: /set parameter K V | /set system TEXT | /set verbose | /set quiet | "
-                           "/set format json | /set noformat\n")
+            self.out.write(
+                "Usage: /set parameter K V | /set system TEXT | /set verbose | /set quiet | "
+                "/set format json | /set noformat\n"
+            )
 
     def _show(self, words: list[str]) -> None:
         what = words[1].lower() if len(words) > 1 else ""
@@ -277,7 +289,9 @@ class Session:
                 for v in value if isinstance(value, list) else [value]:
                     self.out.write(f"{key:<24}{json.dumps(v) if isinstance(v, str) else v}\n")
         elif what == "system":
-            self.out.write((self.system or resolved.system or "No system message was specified for this model.") + "\n")
+            self.out.write(
+                (self.system or resolved.system or "No system message was specified for this model.") + "\n"
+            )
         elif what == "template":
             self.out.write((resolved.template or self._gguf_template(resolved) or "No template.") + "\n")
         else:
@@ -298,17 +312,22 @@ class Session:
             from localrt.store.gguf import format_parameter_count, read_gguf
 
             info = read_gguf(resolved.model_path)
-            rows += [("architecture", info.architecture or "unknown"),
-                     ("parameters", format_parameter_count(info.parameter_count)),
-                     ("context length", str(info.context_length or "unknown")),
-                     ("embedding length", str(info.embedding_length or "unknown")),
-                     ("quantization", info.quantization_label)]
+            rows += [
+                ("architecture", info.architecture or "unknown"),
+                ("parameters", format_parameter_count(info.parameter_count)),
+                ("context length", str(info.context_length or "unknown")),
+                ("embedding length", str(info.embedding_length or "unknown")),
+                ("quantization", info.quantization_label),
+            ]
         except Exception as e:  # the reader is optional here; show what we have
             rows.append(("model", f"{resolved.model_path.name} ({e})"))
         loaded = [p for p in self.runtime.ps() if p.name == resolved.name.display]
         if loaded:
-            rows += [("backend", loaded[0].backend), ("loaded context", str(loaded[0].context_length)),
-                     ("processor", loaded[0].processor)]
+            rows += [
+                ("backend", loaded[0].backend),
+                ("loaded context", str(loaded[0].context_length)),
+                ("processor", loaded[0].processor),
+            ]
         text = "  Model\n" + "".join(f"    {k:<20}{v}\n" for k, v in rows)
         params = {**resolved.params, **self.options}
         if params:
@@ -430,13 +449,26 @@ def ps_command(args: argparse.Namespace) -> int:
         raise LocalrtError(_error_text(response))
     for m in response.json().get("models", []):
         size, vram = int(m.get("size", 0)), int(m.get("size_vram", 0))
-        processor = m.get("processor") or ("100% GPU" if vram >= size > 0 else
-                                           "100% CPU" if vram == 0 else f"{100 - vram * 100 // size}%/{vram * 100 // size}% CPU/GPU")
+        processor = m.get("processor") or (
+            "100% GPU"
+            if vram >= size > 0
+            else "100% CPU"
+            if vram == 0
+            else f"{100 - vram * 100 // size}%/{vram * 100 // size}% CPU/GPU"
+        )
         backend = m.get("backend")
         if backend:
             processor = f"{processor} ({backend})"
-        rows.append([m.get("name", ""), str(m.get("digest", "")).removeprefix("sha256:")[:12], human_size(size),
-                     processor, str(m.get("context_length", "")), _until(m.get("expires_at"))])
+        rows.append(
+            [
+                m.get("name", ""),
+                str(m.get("digest", "")).removeprefix("sha256:")[:12],
+                human_size(size),
+                processor,
+                str(m.get("context_length", "")),
+                _until(m.get("expires_at")),
+            ]
+        )
     print_table(rows)
     return 0
 
@@ -446,8 +478,12 @@ def stop_command(args: argparse.Namespace) -> int:
 
     url, shown = config.server_address()
     try:
-        response = httpx.post(f"{url}/api/generate", json={"model": args.model, "keep_alive": 0},
-                              headers=config.auth_headers(), timeout=60)
+        response = httpx.post(
+            f"{url}/api/generate",
+            json={"model": args.model, "keep_alive": 0},
+            headers=config.auth_headers(),
+            timeout=60,
+        )
     except httpx.HTTPError:
         raise LocalrtError(f"no server running at {shown}") from None
     if response.status_code != 200:

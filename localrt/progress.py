@@ -26,8 +26,13 @@ class PullProgress:
         self.console = console or Console(stderr=True)
         self.live = self.console.is_terminal
         self.bars = Progress(
-            TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            TimeRemainingColumn(), console=self.console, transient=False,
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
         )
         self.tasks: dict[str, Any] = {}
         self.last_status: str | None = None
@@ -37,8 +42,9 @@ class PullProgress:
             self.bars.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self.live:
             self.bars.stop()
 

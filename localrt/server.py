@@ -23,7 +23,10 @@ def serve_command(args: argparse.Namespace) -> int:
         await runtime.close()  # cancels in-flight generations so their streams end cleanly
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("localrt").info("localrt serving on http://%s:%d (models: %s)", host, port, config.models_dir())
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
-                timeout_keep_alive=5)
+    logging.getLogger("localrt").info(
+        "localrt serving on http://%s:%d (models: %s)", host, port, config.models_dir()
+    )
+    uvicorn.run(
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10, timeout_keep_alive=5
+    )
     return 0

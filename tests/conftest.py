@@ -80,4 +80,6 @@ def without_mlx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     site = tmp_path / "without-mlx"
     site.mkdir()
     (site / "sitecustomize.py").write_text("import sys\nsys.modules['mlx'] = None\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    )

@@ -27,8 +27,10 @@ CACHE = Path(os.environ.get("LOCALRT_TEST_CACHE", Path.home() / ".cache" / "loca
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 ORACLE_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
-CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paris is the capital of France, and Berlin is the capital of Germany.",
@@ -69,11 +71,22 @@ def train_sentencepiece(out_dir: Path, vocab_size: int = 400) -> None:
     import sentencepiece as spm
 
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS), model_prefix=str(out_dir / "tokenizer"), vocab_size=vocab_size,
-        model_type="bpe", byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0,
+        sentence_iterator=iter(CORPUS),
+        model_prefix=str(out_dir / "tokenizer"),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
         # Llama 2's settings: raw text kept as is (llama.cpp does not normalize), digits split
-        normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
-        control_symbols=["<|im_start|>", "<|im_end|>"], minloglevel=2, num_threads=1,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        control_symbols=["<|im_start|>", "<|im_end|>"],
+        minloglevel=2,
+        num_threads=1,
     )
     (out_dir / "tokenizer.vocab").unlink()
 
@@ -81,9 +94,21 @@ def train_sentencepiece(out_dir: Path, vocab_size: int = 400) -> None:
 ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def write_tiny_model(out_dir: Path, arch: str = "llama", hidden: int = 256, ff: int = 512, n_layer: int = 4,
-                     n_head: int = 4, n_kv: int = 1, vocab: int = 512, tied: bool = False, dtype: str = "F32",
-                     shards: int = 1, seed: int = 0, rope_scaling: dict[str, Any] | None = None) -> Path:
+def write_tiny_model(
+    out_dir: Path,
+    arch: str = "llama",
+    hidden: int = 256,
+    ff: int = 512,
+    n_layer: int = 4,
+    n_head: int = 4,
+    n_kv: int = 1,
+    vocab: int = 512,
+    tied: bool = False,
+    dtype: str = "F32",
+    shards: int = 1,
+    seed: int = 0,
+    rope_scaling: dict[str, Any] | None = None,
+) -> Path:
     """A random-weight checkpoint whose matrix rows are multiples of 256 (every k-quant path)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -123,12 +148,24 @@ def write_tiny_model(out_dir: Path, arch: str = "llama", hidden: int = 256, ff: 
             chunk = {n: t[n] for n in names[s::shards]}
             write_safetensors(out_dir / part, chunk, dtype)
             weight_map |= dict.fromkeys(chunk, part)
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        (out_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
     config: dict[str, Any] = {
-        "architectures": [ARCHES[arch]], "model_type": arch, "hidden_size": hidden, "intermediate_size": ff,
-        "num_hidden_layers": n_layer, "num_attention_heads": n_head, "num_key_value_heads": n_kv,
-        "vocab_size": vocab, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": tied, "bos_token_id": 1, "eos_token_id": 2,
+        "architectures": [ARCHES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": ff,
+        "num_hidden_layers": n_layer,
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "vocab_size": vocab,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tied,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
         "torch_dtype": {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype],
     }
     if arch == "qwen3":
@@ -137,10 +174,19 @@ def write_tiny_model(out_dir: Path, arch: str = "llama", hidden: int = 256, ff: 
         config["rope_scaling"] = rope_scaling
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     train_sentencepiece(out_dir, vocab_size=min(vocab, 400))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
-        "add_eos_token": False, "chat_template": CHAT_TEMPLATE,
-    }, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": True,
+                "add_eos_token": False,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+    )
     return out_dir
 
 
@@ -154,8 +200,9 @@ def smollm2_hf_dir(gguf_path: Path, dtype: str = "bfloat16") -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                  torch_dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, torch_dtype=torch.float32
+    )
     cfg = loaded.config.to_dict()
     cfg.pop("quantization_config", None)  # a GGUF-loaded model refuses save_pretrained; a fresh one does not
     fresh = LlamaForCausalLM(LlamaConfig(**cfg)).to(getattr(torch, dtype))
@@ -173,7 +220,9 @@ class LlamaCppBuildReference:
     """`score` from another llama-cpp-python build (e.g. `llama_cpp_blas()`), one subprocess per call:
     a reference for `localrt.eval.evaluate`, which measures models the way `localrt eval` does."""
 
-    def __init__(self, build: Path | None, gguf: Path, like: Any, threads: int = 1, repack: bool = True) -> None:
+    def __init__(
+        self, build: Path | None, gguf: Path, like: Any, threads: int = 1, repack: bool = True
+    ) -> None:
         """`like`: a loaded model of the same file, whose vocabulary facts the reference shares."""
         self.build, self.gguf, self.threads, self.repack = build, gguf, threads, repack
         self.n_vocab, self.add_bos, self.bos_token_id = like.n_vocab, like.add_bos, like.bos_token_id
@@ -181,7 +230,9 @@ class LlamaCppBuildReference:
     async def score(self, tokens: list[int], return_logits: bool = False) -> Any:
         from localrt.backends.base import ScoreResult, log_softmax
 
-        logits = llama_cpp_logits_of_build(self.build, self.gguf, list(tokens), 512, self.threads, self.repack)[0][:-1]
+        logits = llama_cpp_logits_of_build(
+            self.build, self.gguf, list(tokens), 512, self.threads, self.repack
+        )[0][:-1]
         logprobs = log_softmax(logits)[np.arange(len(tokens) - 1), np.asarray(tokens[1:])]
         return ScoreResult(logprobs, logits if return_logits else None)
 
@@ -192,8 +243,22 @@ def llama_cpp_sdist() -> Path:
     dl = CACHE / "sdist"
     found = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
     if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-q",
-                        "-d", str(dl), LLAMA_CPP_PYTHON], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-binary",
+                ":all:",
+                "--no-deps",
+                "-q",
+                "-d",
+                str(dl),
+                LLAMA_CPP_PYTHON,
+            ],
+            check=True,
+        )
         found = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
     return found[0]
 
@@ -210,11 +275,28 @@ def llama_cpp_blas() -> Path:
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     env = {**os.environ, "CMAKE_ARGS": "-DGGML_BLAS=ON -DGGML_BLAS_VENDOR=OpenBLAS"}
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-cache-dir", "-q", "--target",
-                           str(tmp), str(llama_cpp_sdist())], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-cache-dir",
+            "-q",
+            "--target",
+            str(tmp),
+            str(llama_cpp_sdist()),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"building llama-cpp-python with OpenBLAS failed (is libopenblas-dev installed?):\n"
-                           f"{proc.stderr[-2000:]}")
+        raise RuntimeError(
+            f"building llama-cpp-python with OpenBLAS failed (is libopenblas-dev installed?):\n"
+            f"{proc.stderr[-2000:]}"
+        )
     tmp.rename(target)
     return target
 
@@ -237,8 +319,14 @@ print(any(pathlib.Path(llama_cpp.__file__).parent.glob("lib/*ggml-blas*")))  # t
 """
 
 
-def llama_cpp_logits_of_build(build: Path | None, gguf: Path, tokens: list[int], n_batch: int = 512,
-                              threads: int = 1, repack: bool = True) -> tuple[np.ndarray, bool]:
+def llama_cpp_logits_of_build(
+    build: Path | None,
+    gguf: Path,
+    tokens: list[int],
+    n_batch: int = 512,
+    threads: int = 1,
+    repack: bool = True,
+) -> tuple[np.ndarray, bool]:
     """(logits [n, vocab] of every position, whether that build has BLAS) from llama.cpp with its
     defaults otherwise (f16 KV, no flash attention), in a subprocess: `build` is a directory holding
     another llama-cpp-python (None: the installed one); two builds cannot share a process.
@@ -251,9 +339,22 @@ def llama_cpp_logits_of_build(build: Path | None, gguf: Path, tokens: list[int],
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(build), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as tmp:
         np.save(Path(tmp) / "tokens.npy", np.asarray(tokens, dtype=np.int64))
-        proc = subprocess.run([sys.executable, "-c", LLAMA_CPP_LOGITS, str(gguf), str(Path(tmp) / "tokens.npy"),
-                               str(Path(tmp) / "out.npy"), str(n_batch), str(threads), str(int(repack))],
-                              env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                LLAMA_CPP_LOGITS,
+                str(gguf),
+                str(Path(tmp) / "tokens.npy"),
+                str(Path(tmp) / "out.npy"),
+                str(n_batch),
+                str(threads),
+                str(int(repack)),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"llama.cpp ({build or 'installed'}) failed:\n{proc.stderr[-2000:]}")
         return np.load(Path(tmp) / "out.npy"), proc.stdout.strip().endswith("True")
@@ -298,8 +399,9 @@ def oracle_convert_many(jobs: list[tuple[Path, Path, str]]) -> None:
         return
     script = llama_cpp_src() / "convert_hf_to_gguf.py"
     payload = json.dumps([[str(m), str(o), t] for m, o, t in jobs])
-    proc = subprocess.run([sys.executable, "-c", ORACLE_DRIVER, str(script)], input=payload,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", ORACLE_DRIVER, str(script)], input=payload, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf failed:\n{proc.stderr[-3000:]}")
 
@@ -355,8 +457,11 @@ def compare_gguf(ours: Path, theirs: Path) -> list[str]:
     a, b = GGUFReader(ours), GGUFReader(theirs)
 
     def fields(r: GGUFReader) -> dict[str, tuple[list[str], list[bytes]]]:
-        return {k: ([t.name for t in f.types], [bytes(f.parts[i]) for i in f.data])
-                for k, f in r.fields.items() if not k.startswith("GGUF.")}
+        return {
+            k: ([t.name for t in f.types], [bytes(f.parts[i]) for i in f.data])
+            for k, f in r.fields.items()
+            if not k.startswith("GGUF.")
+        }
 
     fa, fb = fields(a), fields(b)
     out = []
@@ -369,7 +474,9 @@ def compare_gguf(ours: Path, theirs: Path) -> list[str]:
                 i = next(i for i, (x, y) in enumerate(zip(va, vb)) if x != y)
                 out.append(f"{key}[{i}]: ours {va[i]!r} vs llama.cpp {vb[i]!r}")
             else:
-                out.append(f"{key}: ours {fa[key][0]} {str(va)[:80]!r} vs llama.cpp {fb[key][0]} {str(vb)[:80]!r}")
+                out.append(
+                    f"{key}: ours {fa[key][0]} {str(va)[:80]!r} vs llama.cpp {fb[key][0]} {str(vb)[:80]!r}"
+                )
     names_a, names_b = [t.name for t in a.tensors], [t.name for t in b.tensors]
     if names_a != names_b:
         out.append(f"tensor order: ours {names_a[:8]}... vs llama.cpp {names_b[:8]}...")
@@ -379,7 +486,9 @@ def compare_gguf(ours: Path, theirs: Path) -> list[str]:
         if u is None:
             out.append(f"{t.name}: not in llama.cpp's file")
         elif t.tensor_type != u.tensor_type or list(t.shape) != list(u.shape):
-            out.append(f"{t.name}: ours {t.tensor_type.name}{list(t.shape)} vs llama.cpp {u.tensor_type.name}{list(u.shape)}")
+            out.append(
+                f"{t.name}: ours {t.tensor_type.name}{list(t.shape)} vs llama.cpp {u.tensor_type.name}{list(u.shape)}"
+            )
         elif t.data.tobytes() != u.data.tobytes():
             out.append(f"{t.name}: {t.tensor_type.name} bytes differ")
     if not out and ours.read_bytes() != theirs.read_bytes():

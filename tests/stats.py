@@ -48,7 +48,9 @@ def de_bruijn_prompt(vocab: int) -> list[int]:
     return [x for a in range(vocab) for b in range(vocab) for x in (a, b)]  # [V * V * 2]
 
 
-def exact_pair_distribution(next_probs: Callable[[list[int]], np.ndarray], prompt: list[int], vocab: int) -> np.ndarray:
+def exact_pair_distribution(
+    next_probs: Callable[[list[int]], np.ndarray], prompt: list[int], vocab: int
+) -> np.ndarray:
     """P(t2, t3) after `prompt` with t1 marginalised, [V * V], from a next-token distribution [V]."""
     joint = np.zeros((vocab, vocab))
     p1 = next_probs(prompt)

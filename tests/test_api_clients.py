@@ -26,16 +26,28 @@ from tests.servers.serve import LocalrtServer
 
 MODEL = "smollm2:135m"
 GREEDY = {"temperature": 0, "num_predict": 24, "num_ctx": 2048}
-CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
-               "required": ["city", "country"]}
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+    "required": ["city", "country"],
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 # Forces the model's output into the shape of a call, so the tool-call path is exercised for real.
-CALL_SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "enum": ["get_weather"]},
-    "arguments": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
-    "required": ["name", "arguments"]}
+CALL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["get_weather"]},
+        "arguments": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+    "required": ["name", "arguments"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -101,27 +113,40 @@ def test_chat_streamed_and_not(client: ollama.Client) -> None:
 
 
 def test_chat_json_schema_output_validates(client: ollama.Client) -> None:
-    r = client.chat(MODEL, messages=[{"role": "user", "content": "Where is the Eiffel Tower? Answer in JSON."}],
-                    format=CITY_SCHEMA, options={**GREEDY, "num_predict": 64})
+    r = client.chat(
+        MODEL,
+        messages=[{"role": "user", "content": "Where is the Eiffel Tower? Answer in JSON."}],
+        format=CITY_SCHEMA,
+        options={**GREEDY, "num_predict": 64},
+    )
     jsonschema.validate(json.loads(r.message.content), CITY_SCHEMA)
 
 
 def test_tool_call_round_trip(client: ollama.Client) -> None:
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    r = client.chat(MODEL, messages=messages, tools=[WEATHER_TOOL], format=CALL_SCHEMA,
-                    options={**GREEDY, "num_predict": 64})
+    r = client.chat(
+        MODEL,
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        format=CALL_SCHEMA,
+        options={**GREEDY, "num_predict": 64},
+    )
     assert r.message.tool_calls, r.message
     call = r.message.tool_calls[0]
     assert call.function.name == "get_weather" and isinstance(call.function.arguments["city"], str)
     # the answer to the call goes back in; the template renders tool messages and the model replies
-    messages += [r.message, {"role": "tool", "content": '{"temperature": "21C", "sky": "clear"}',
-                             "tool_name": "get_weather"}]
+    messages += [
+        r.message,
+        {"role": "tool", "content": '{"temperature": "21C", "sky": "clear"}', "tool_name": "get_weather"},
+    ]
     follow = client.chat(MODEL, messages=messages, tools=[WEATHER_TOOL], options=GREEDY)
     assert follow.done and (follow.message.content or follow.message.tool_calls)
 
 
 def test_logprobs(client: ollama.Client) -> None:
-    r = client.generate(MODEL, "The sky is", options={**GREEDY, "num_predict": 4}, logprobs=True, top_logprobs=3)
+    r = client.generate(
+        MODEL, "The sky is", options={**GREEDY, "num_predict": 4}, logprobs=True, top_logprobs=3
+    )
     assert r.logprobs and len(r.logprobs) == r.eval_count
     first = r.logprobs[0]
     assert len(first.top_logprobs) == 3
@@ -153,9 +178,16 @@ def test_copy_and_delete(client: ollama.Client) -> None:
 
 def test_create_from_uploaded_blob(client: ollama.Client, smollm2_gguf: Path) -> None:
     digest = client.create_blob(smollm2_gguf)
-    statuses = [p.status for p in client.create("me/smol-created", files={"model.gguf": digest},
-                                                system="You are terse.", parameters={"temperature": 0.1},
-                                                stream=True)]
+    statuses = [
+        p.status
+        for p in client.create(
+            "me/smol-created",
+            files={"model.gguf": digest},
+            system="You are terse.",
+            parameters={"temperature": 0.1},
+            stream=True,
+        )
+    ]
     assert statuses[-1] == "success"
     info = client.show("me/smol-created")
     assert 'SYSTEM """You are terse."""' in info.modelfile and "temperature" in info.parameters
@@ -196,8 +228,11 @@ def test_errors_and_server_stays_up(client: ollama.Client) -> None:
 
 def test_disconnect_cancels_generation(server: LocalrtServer) -> None:
     """A client that goes away mid-stream frees the model: the next request is served at once."""
-    body = {"model": MODEL, "prompt": "Count from one to ten thousand, one number per line.",
-            "options": {"temperature": 0, "num_predict": 6000, "num_ctx": 8192}}
+    body = {
+        "model": MODEL,
+        "prompt": "Count from one to ten thousand, one number per line.",
+        "options": {"temperature": 0, "num_predict": 6000, "num_ctx": 8192},
+    }
     with httpx.stream("POST", server.url + "/api/generate", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i >= 3:
@@ -206,9 +241,18 @@ def test_disconnect_cancels_generation(server: LocalrtServer) -> None:
     result: dict = {}
 
     def follow_up() -> None:
-        result.update(httpx.post(server.url + "/api/generate", json={
-            "model": MODEL, "prompt": "Hi", "stream": False, "options": {**GREEDY, "num_predict": 2}},
-            timeout=120).json())
+        result.update(
+            httpx.post(
+                server.url + "/api/generate",
+                json={
+                    "model": MODEL,
+                    "prompt": "Hi",
+                    "stream": False,
+                    "options": {**GREEDY, "num_predict": 2},
+                },
+                timeout=120,
+            ).json()
+        )
         done.set()
 
     threading.Thread(target=follow_up, daemon=True).start()
@@ -218,7 +262,9 @@ def test_disconnect_cancels_generation(server: LocalrtServer) -> None:
 
 
 def test_metrics_and_tokenize(server: LocalrtServer) -> None:
-    toks = httpx.post(server.url + "/api/tokenize", json={"model": MODEL, "text": "Hello world"}).json()["tokens"]
+    toks = httpx.post(server.url + "/api/tokenize", json={"model": MODEL, "text": "Hello world"}).json()[
+        "tokens"
+    ]
     assert toks and all(isinstance(t, int) for t in toks)
     text = httpx.post(server.url + "/api/detokenize", json={"model": MODEL, "tokens": toks}).json()["text"]
     assert text.strip() == "Hello world"
@@ -241,9 +287,18 @@ def test_openai_chat(oai: openai.OpenAI) -> None:
     r = oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason in ("stop", "length")
-    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    stream = oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24, stream=True,
-                                         stream_options={"include_usage": True})
+    assert (
+        r.usage.completion_tokens > 0
+        and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    )
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r.choices[0].message.content
@@ -259,30 +314,54 @@ def test_openai_completions_and_embeddings(oai: openai.OpenAI) -> None:
 
 def test_openai_json_schema_and_tools(oai: openai.OpenAI) -> None:
     r = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Where is the Eiffel Tower?"}], temperature=0,
-        max_tokens=64, response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": CITY_SCHEMA}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Where is the Eiffel Tower?"}],
+        temperature=0,
+        max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": CITY_SCHEMA}},
+    )
     jsonschema.validate(json.loads(r.choices[0].message.content), CITY_SCHEMA)
     call = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], temperature=0,
-        max_tokens=64, tools=[WEATHER_TOOL],
-        response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": CALL_SCHEMA}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        temperature=0,
+        max_tokens=64,
+        tools=[WEATHER_TOOL],
+        response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": CALL_SCHEMA}},
+    )
     choice = call.choices[0]
     assert choice.finish_reason == "tool_calls"
     tool_call = choice.message.tool_calls[0]
     assert tool_call.function.name == "get_weather" and "city" in json.loads(tool_call.function.arguments)
-    follow = oai.chat.completions.create(model=MODEL, temperature=0, max_tokens=16, tools=[WEATHER_TOOL], messages=[
-        {"role": "user", "content": "What is the weather in Paris?"}, choice.message.model_dump(exclude_none=True),
-        {"role": "tool", "tool_call_id": tool_call.id, "content": '{"temperature": "21C"}'}])
+    follow = oai.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=16,
+        tools=[WEATHER_TOOL],
+        messages=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": tool_call.id, "content": '{"temperature": "21C"}'},
+        ],
+    )
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_openai_logprobs_and_errors(oai: openai.OpenAI) -> None:
-    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0,
-                                    max_tokens=3, logprobs=True, top_logprobs=2)
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        temperature=0,
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = r.choices[0].logprobs.content
     assert content and len(content[0].top_logprobs) == 2
     with pytest.raises(openai.NotFoundError) as err:
         oai.chat.completions.create(model="nosuch", messages=[{"role": "user", "content": "Hi"}])
     assert err.value.body["type"] == "not_found_error"
     with pytest.raises(openai.BadRequestError):
-        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature="hot")
+        oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature="hot"
+        )

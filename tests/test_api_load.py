@@ -40,8 +40,11 @@ def rss_bytes(pid: int) -> int:
 
 
 def one_client(url: str, i: int, results: list[tuple[int, str]]) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Say a word about the number {i}."}],
-            "options": {"temperature": 0, "num_predict": 6, "num_ctx": 1024}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Say a word about the number {i}."}],
+        "options": {"temperature": 0, "num_predict": 6, "num_ctx": 1024},
+    }
     try:
         with httpx.stream("POST", url + "/api/chat", json=body, timeout=httpx.Timeout(240, connect=10)) as r:
             if r.status_code != 200:
@@ -60,14 +63,24 @@ def one_client(url: str, i: int, results: list[tuple[int, str]]) -> None:
 
 
 def test_32_concurrent_streaming_clients(server: LocalrtServer) -> None:
-    warm = httpx.post(server.url + "/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False,
-                                                          "options": {"num_predict": 1, "num_ctx": 1024}}, timeout=240)
+    warm = httpx.post(
+        server.url + "/api/generate",
+        json={
+            "model": MODEL,
+            "prompt": "Hi",
+            "stream": False,
+            "options": {"num_predict": 1, "num_ctx": 1024},
+        },
+        timeout=240,
+    )
     assert warm.status_code == 200
     baseline = rss_bytes(server.proc.pid)
 
     results: list[tuple[int, str]] = [(0, "")] * CLIENTS
-    threads = [threading.Thread(target=one_client, args=(server.url, i, results), daemon=True)
-               for i in range(CLIENTS)]
+    threads = [
+        threading.Thread(target=one_client, args=(server.url, i, results), daemon=True)
+        for i in range(CLIENTS)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -33,8 +33,17 @@ MODEL = "tiny:latest"
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
 # Operations that load the model: their positive cases are pointed at the fixture model so
 # generation runs for real instead of stopping at "model not found".
-USES_MODEL = ("/api/generate", "/api/chat", "/api/embed", "/api/embeddings", "/api/tokenize",
-              "/api/detokenize", "/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+USES_MODEL = (
+    "/api/generate",
+    "/api/chat",
+    "/api/embed",
+    "/api/embeddings",
+    "/api/tokenize",
+    "/api/detokenize",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+)
 STATEFUL = (*USES_MODEL, "/api/create", "/api/blobs/{digest}", "/api/pull")
 
 
@@ -46,11 +55,22 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalrtServer]:
     # Nothing listens there: every registry, Hub, index and proxy the server could use is a closed local
     # port, so no generated name can make it reach the network.
     dead = f"http://127.0.0.1:{free_port()}"
-    offline = {"HF_ENDPOINT": dead, "PIP_INDEX_URL": dead + "/simple", "PIP_NO_INDEX": "1", "NO_PROXY": "",
-               "no_proxy": "", **{k: dead for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy",
-                                                   "https_proxy", "all_proxy")}}
-    srv = LocalrtServer(root / "models", root / "serve.log",
-                        env={"LOCALRT_KEEP_ALIVE": "10m", "LOCALRT_MAX_BODY": str(1 << 20), **offline})
+    offline = {
+        "HF_ENDPOINT": dead,
+        "PIP_INDEX_URL": dead + "/simple",
+        "PIP_NO_INDEX": "1",
+        "NO_PROXY": "",
+        "no_proxy": "",
+        **{
+            k: dead
+            for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+        },
+    }
+    srv = LocalrtServer(
+        root / "models",
+        root / "serve.log",
+        env={"LOCALRT_KEEP_ALIVE": "10m", "LOCALRT_MAX_BODY": str(1 << 20), **offline},
+    )
     srv.dead_registry = dead.removeprefix("http://")  # type: ignore[attr-defined]
     yield srv
     assert srv.stop() in (0, -signal.SIGTERM)
@@ -60,12 +80,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalrtServer]:
 
 @pytest.fixture(scope="module")
 def api_schema(server: LocalrtServer) -> Any:
-    config = SchemathesisConfig.from_dict({
-        "seed": 20261129,
-        "generation": {"deterministic": True, "mode": "all", "max-examples": 12, "no-shrink": True},
-        "phases": {"stateful": {"enabled": False}},
-        "request-timeout": 120,
-    })
+    config = SchemathesisConfig.from_dict(
+        {
+            "seed": 20261129,
+            "generation": {"deterministic": True, "mode": "all", "max-examples": 12, "no-shrink": True},
+            "phases": {"stateful": {"enabled": False}},
+            "request-timeout": 120,
+        }
+    )
     return schemathesis.openapi.from_url(server.url + "/openapi.json", config=config)
 
 

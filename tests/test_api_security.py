@@ -21,8 +21,11 @@ KEY = "s3cret-key"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalrtServer]:
     root = tmp_path_factory.mktemp("api-security")
-    srv = LocalrtServer(root / "models", root / "serve.log",
-                        env={"LOCALRT_ORIGINS": "https://trusted.example", "LOCALRT_MAX_BODY": "65536"})
+    srv = LocalrtServer(
+        root / "models",
+        root / "serve.log",
+        env={"LOCALRT_ORIGINS": "https://trusted.example", "LOCALRT_MAX_BODY": "65536"},
+    )
     yield srv
     srv.stop()
 
@@ -47,19 +50,31 @@ def test_local_host_headers_pass(server: LocalrtServer, host: str) -> None:
     assert httpx.get(server.url + "/api/tags", headers={"Host": host}).status_code == 200
 
 
-@pytest.mark.parametrize("method, path", [("GET", "/api/tags"), ("POST", "/api/delete"), ("DELETE", "/api/delete"),
-                                          ("OPTIONS", "/api/chat"), ("POST", "/v1/chat/completions")])
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/api/tags"),
+        ("POST", "/api/delete"),
+        ("DELETE", "/api/delete"),
+        ("OPTIONS", "/api/chat"),
+        ("POST", "/v1/chat/completions"),
+    ],
+)
 def test_foreign_origin_is_refused_on_every_method(server: LocalrtServer, method: str, path: str) -> None:
-    r = httpx.request(method, server.url + path, headers={"Origin": "https://evil.example"},
-                      content=b'{"model": "x"}')
+    r = httpx.request(
+        method, server.url + path, headers={"Origin": "https://evil.example"}, content=b'{"model": "x"}'
+    )
     assert r.status_code == 403
     if path.startswith("/v1/"):
         assert r.json()["error"]["type"] == "permission_error"
 
 
 def test_simple_cross_site_post_cannot_delete(server: LocalrtServer) -> None:
-    r = httpx.post(server.url + "/api/pull", headers={"Origin": "http://evil.example", "Content-Type": "text/plain"},
-                   content=b'{"model": "x"}')
+    r = httpx.post(
+        server.url + "/api/pull",
+        headers={"Origin": "http://evil.example", "Content-Type": "text/plain"},
+        content=b'{"model": "x"}',
+    )
     assert r.status_code == 403
 
 
@@ -68,7 +83,9 @@ def test_allowed_origins_get_cors_headers(server: LocalrtServer, origin: str) ->
     r = httpx.get(server.url + "/api/tags", headers={"Origin": origin})
     assert r.status_code == 200
     assert r.headers["access-control-allow-origin"] == origin
-    pre = httpx.options(server.url + "/api/chat", headers={"Origin": origin, "Access-Control-Request-Method": "POST"})
+    pre = httpx.options(
+        server.url + "/api/chat", headers={"Origin": origin, "Access-Control-Request-Method": "POST"}
+    )
     assert pre.status_code == 204 and "POST" in pre.headers["access-control-allow-methods"]
 
 
@@ -98,8 +115,9 @@ def test_body_cap(server: LocalrtServer) -> None:
         ("/api/delete", b'{"model": "nosuch"}', 404, "not found"),
     ],
 )
-def test_bad_requests_get_clear_errors(server: LocalrtServer, path: str, body: bytes, status: int,
-                                       fragment: str) -> None:
+def test_bad_requests_get_clear_errors(
+    server: LocalrtServer, path: str, body: bytes, status: int, fragment: str
+) -> None:
     method = "DELETE" if path == "/api/delete" else "POST"
     r = httpx.request(method, server.url + path, content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == status, r.text
@@ -136,8 +154,14 @@ def test_api_key(keyed_server: LocalrtServer) -> None:
 def test_openai_error_shape(server: LocalrtServer) -> None:
     r = httpx.get(server.url + "/v1/models/nosuch")
     assert r.status_code == 404
-    assert r.json() == {"error": {"message": "model 'nosuch' not found", "type": "not_found_error",
-                                  "param": None, "code": None}}
+    assert r.json() == {
+        "error": {
+            "message": "model 'nosuch' not found",
+            "type": "not_found_error",
+            "param": None,
+            "code": None,
+        }
+    }
 
 
 # ---- bad input on every route (hand-written; tests/test_api_schema.py fuzzes the same routes) ----
@@ -166,30 +190,39 @@ def error_message(r: httpx.Response) -> str:
     return err["message"] if isinstance(err, dict) else err
 
 
-@pytest.mark.parametrize("method, path, body, field", [
-    ("POST", "/api/generate", {"model": TINY, "prompt": 5}, "prompt"),
-    ("POST", "/api/generate", {"model": TINY, "stream": "yes"}, "stream"),
-    ("POST", "/api/generate", {"model": TINY, "context": [1, "two"]}, "context"),
-    ("POST", "/api/chat", {"model": TINY, "messages": "hi"}, "messages"),
-    ("POST", "/api/chat", {"model": TINY, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
-    ("POST", "/api/embed", {"model": TINY, "input": 7}, "input"),
-    ("POST", "/api/embeddings", {"model": TINY, "prompt": [1]}, "prompt"),
-    ("POST", "/api/tokenize", {"model": TINY, "text": 1}, "text"),
-    ("POST", "/api/detokenize", {"model": TINY, "tokens": ["a"]}, "tokens"),
-    ("POST", "/api/show", {"model": 5}, "model"),
-    ("DELETE", "/api/delete", {"model": []}, "model"),
-    ("POST", "/api/copy", {"source": TINY, "destination": 1}, "destination"),
-    ("POST", "/api/pull", {"model": "x", "insecure": "yes"}, "insecure"),
-    ("POST", "/api/create", {"model": "x", "files": [1]}, "files"),
-    ("POST", "/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": 1}]}, "messages"),
-    ("POST", "/v1/chat/completions", {"model": TINY, "messages": [], "stream": 1}, "messages"),
-    ("POST", "/v1/completions", {"model": TINY, "prompt": {}}, "prompt"),
-    ("POST", "/v1/embeddings", {"model": TINY, "input": 5}, "input"),
-    ("POST", "/api/generate", [TINY], "JSON object"),
-    ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "invalid JSON"),
-])
-def test_wrong_types_are_400_naming_the_field(model_server: LocalrtServer, method: str, path: str, body: object,
-                                              field: str) -> None:
+@pytest.mark.parametrize(
+    "method, path, body, field",
+    [
+        ("POST", "/api/generate", {"model": TINY, "prompt": 5}, "prompt"),
+        ("POST", "/api/generate", {"model": TINY, "stream": "yes"}, "stream"),
+        ("POST", "/api/generate", {"model": TINY, "context": [1, "two"]}, "context"),
+        ("POST", "/api/chat", {"model": TINY, "messages": "hi"}, "messages"),
+        ("POST", "/api/chat", {"model": TINY, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ("POST", "/api/embed", {"model": TINY, "input": 7}, "input"),
+        ("POST", "/api/embeddings", {"model": TINY, "prompt": [1]}, "prompt"),
+        ("POST", "/api/tokenize", {"model": TINY, "text": 1}, "text"),
+        ("POST", "/api/detokenize", {"model": TINY, "tokens": ["a"]}, "tokens"),
+        ("POST", "/api/show", {"model": 5}, "model"),
+        ("DELETE", "/api/delete", {"model": []}, "model"),
+        ("POST", "/api/copy", {"source": TINY, "destination": 1}, "destination"),
+        ("POST", "/api/pull", {"model": "x", "insecure": "yes"}, "insecure"),
+        ("POST", "/api/create", {"model": "x", "files": [1]}, "files"),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"model": TINY, "messages": [{"role": "user", "content": 1}]},
+            "messages",
+        ),
+        ("POST", "/v1/chat/completions", {"model": TINY, "messages": [], "stream": 1}, "messages"),
+        ("POST", "/v1/completions", {"model": TINY, "prompt": {}}, "prompt"),
+        ("POST", "/v1/embeddings", {"model": TINY, "input": 5}, "input"),
+        ("POST", "/api/generate", [TINY], "JSON object"),
+        ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "invalid JSON"),
+    ],
+)
+def test_wrong_types_are_400_naming_the_field(
+    model_server: LocalrtServer, method: str, path: str, body: object, field: str
+) -> None:
     r = call(model_server, method, path, body)
     assert r.status_code == 400, r.text
     assert field in error_message(r)
@@ -197,31 +230,48 @@ def test_wrong_types_are_400_naming_the_field(model_server: LocalrtServer, metho
         assert r.json()["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("path, body, option", [
-    ("/api/generate", {"options": {"num_ctx": -1}}, "num_ctx"),
-    ("/api/generate", {"options": {"temperature": 1e9}}, "temperature"),
-    ("/api/chat", {"messages": [], "options": {"top_k": "many"}}, "top_k"),
-    ("/api/chat", {"messages": [], "options": {"seed": True}}, "seed"),
-    ("/api/embed", {"input": "x", "options": {"bogus": 1}}, "bogus"),
-    ("/api/generate", {"options": {"num_predict": -7}}, "num_predict"),
-    ("/api/generate", {"keep_alive": "nan"}, "duration"),
-    ("/api/generate", {"top_logprobs": 99}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": -5}, "max_tokens"),
-])
-def test_negative_or_absurd_options_are_400(model_server: LocalrtServer, path: str, body: dict, option: str) -> None:
+@pytest.mark.parametrize(
+    "path, body, option",
+    [
+        ("/api/generate", {"options": {"num_ctx": -1}}, "num_ctx"),
+        ("/api/generate", {"options": {"temperature": 1e9}}, "temperature"),
+        ("/api/chat", {"messages": [], "options": {"top_k": "many"}}, "top_k"),
+        ("/api/chat", {"messages": [], "options": {"seed": True}}, "seed"),
+        ("/api/embed", {"input": "x", "options": {"bogus": 1}}, "bogus"),
+        ("/api/generate", {"options": {"num_predict": -7}}, "num_predict"),
+        ("/api/generate", {"keep_alive": "nan"}, "duration"),
+        ("/api/generate", {"top_logprobs": 99}, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
+            "temperature",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": -5}, "max_tokens"),
+    ],
+)
+def test_negative_or_absurd_options_are_400(
+    model_server: LocalrtServer, path: str, body: dict, option: str
+) -> None:
     r = call(model_server, "POST", path, {"model": TINY, "stream": False, **body})
     assert r.status_code == 400, r.text
     assert option in error_message(r)
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/api/generate", {"prompt": "hi"}), ("/api/chat", {"messages": []}), ("/api/embed", {"input": "x"}),
-    ("/api/embeddings", {"prompt": ""}), ("/api/tokenize", {"text": "x"}), ("/api/show", {}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-    ("/v1/completions", {"prompt": "x"}), ("/v1/embeddings", {"input": "x"}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/api/generate", {"prompt": "hi"}),
+        ("/api/chat", {"messages": []}),
+        ("/api/embed", {"input": "x"}),
+        ("/api/embeddings", {"prompt": ""}),
+        ("/api/tokenize", {"text": "x"}),
+        ("/api/show", {}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/embeddings", {"input": "x"}),
+    ],
+)
 def test_unknown_model_is_404_naming_it(model_server: LocalrtServer, path: str, body: dict) -> None:
     r = call(model_server, "POST", path, {"model": "no-such-model:7b", "stream": False, **body})
     assert r.status_code == 404, r.text
@@ -243,14 +293,27 @@ def test_embed_with_null_input_loads_the_model(model_server: LocalrtServer) -> N
 def test_legacy_embeddings_needs_a_model_even_for_an_empty_prompt(model_server: LocalrtServer) -> None:
     r = call(model_server, "POST", "/api/embeddings", {"prompt": None})
     assert r.status_code == 400 and "model is required" in r.json()["error"]
-    r = call(model_server, "POST", "/api/embeddings", {"model": TINY, "prompt": "", "options": {"flash_attn": {}}})
+    r = call(
+        model_server, "POST", "/api/embeddings", {"model": TINY, "prompt": "", "options": {"flash_attn": {}}}
+    )
     assert r.status_code == 400 and "flash_attn" in r.json()["error"]
-    assert call(model_server, "POST", "/api/embeddings", {"model": TINY, "prompt": ""}).json() == {"embedding": []}
+    assert call(model_server, "POST", "/api/embeddings", {"model": TINY, "prompt": ""}).json() == {
+        "embedding": []
+    }
 
 
-@pytest.mark.parametrize("method, path, key", [("POST", "/api/show", "model"), ("DELETE", "/api/delete", "model"),
-                                               ("POST", "/api/copy", "source"), ("POST", "/api/create", "from")])
-def test_host_longer_than_a_file_name_is_400(model_server: LocalrtServer, method: str, path: str, key: str) -> None:
+@pytest.mark.parametrize(
+    "method, path, key",
+    [
+        ("POST", "/api/show", "model"),
+        ("DELETE", "/api/delete", "model"),
+        ("POST", "/api/copy", "source"),
+        ("POST", "/api/create", "from"),
+    ],
+)
+def test_host_longer_than_a_file_name_is_400(
+    model_server: LocalrtServer, method: str, path: str, key: str
+) -> None:
     name = "h" * 300 + "/ns/model:tag"  # the host becomes one directory name in the store
     body = {"model": "dst", "destination": "dst", key: name}
     r = call(model_server, method, path, body)
@@ -259,8 +322,12 @@ def test_host_longer_than_a_file_name_is_400(model_server: LocalrtServer, method
 
 
 def test_keep_alive_past_any_date_reads_as_forever(model_server: LocalrtServer) -> None:
-    r = call(model_server, "POST", "/api/generate", {"model": TINY, "prompt": "hi", "stream": False,
-                                                     "keep_alive": 1e300, "options": GEN})
+    r = call(
+        model_server,
+        "POST",
+        "/api/generate",
+        {"model": TINY, "prompt": "hi", "stream": False, "keep_alive": 1e300, "options": GEN},
+    )
     assert r.status_code == 200, r.text
     ps = httpx.get(model_server.url + "/api/ps")
     assert ps.status_code == 200, ps.text
@@ -274,4 +341,6 @@ def test_integral_numbers_count_as_integers(model_server: LocalrtServer) -> None
     as_int = call(model_server, "POST", "/api/detokenize", {"model": TINY, "tokens": [300, 301]})
     assert as_float.status_code == 200, as_float.text
     assert as_float.json() == as_int.json()
-    assert call(model_server, "POST", "/api/detokenize", {"model": TINY, "tokens": [300.5]}).status_code == 400
+    assert (
+        call(model_server, "POST", "/api/detokenize", {"model": TINY, "tokens": [300.5]}).status_code == 400
+    )

@@ -31,11 +31,15 @@ BACKENDS = registry.installed()
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
 pytestmark = pytest.mark.skipif(not BACKENDS, reason="no backend installed")
 
-CHAT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"
-        "<|im_start|>assistant\n")
+CHAT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
-PARAGRAPH = ("The old lighthouse keeper climbed the narrow stairs every evening, lit the great lamp, "
-             "and watched the ships pass safely through the rocky strait until dawn.")
+PARAGRAPH = (
+    "The old lighthouse keeper climbed the narrow stairs every evening, lit the great lamp, "
+    "and watched the ships pass safely through the rocky strait until dawn."
+)
 COPY_PROMPT = CHAT.format(q=f"Repeat this text exactly:\n{PARAGRAPH}") + PARAGRAPH[:40]
 
 
@@ -114,14 +118,18 @@ def test_greedy_is_deterministic(model: LoadedModel) -> None:
 
 
 def test_num_predict_ends_with_length(model: LoadedModel) -> None:
-    events, done = run(model, GenerateRequest(prompt_ids(model, "Count from one to fifty."), GREEDY, num_predict=5))
+    events, done = run(
+        model, GenerateRequest(prompt_ids(model, "Count from one to fifty."), GREEDY, num_predict=5)
+    )
     assert done.finish_reason == "length"
     assert done.timings.eval_count == 5
     assert len(ids_of(events)) == 5
 
 
 def test_eos_ends_with_stop(model: LoadedModel) -> None:
-    _, done = run(model, GenerateRequest(prompt_ids(model, "What is the capital of France?"), GREEDY, num_predict=64))
+    _, done = run(
+        model, GenerateRequest(prompt_ids(model, "What is the capital of France?"), GREEDY, num_predict=64)
+    )
     assert done.finish_reason == "stop"
 
 
@@ -136,7 +144,9 @@ def test_stop_string_is_not_emitted(model: LoadedModel) -> None:
 
 def test_cancel_ends_with_cancel(model: LoadedModel) -> None:
     async def scenario() -> DoneEvent:
-        request = GenerateRequest(prompt_ids(model, "Write a long story about a dragon."), GREEDY, num_predict=500)
+        request = GenerateRequest(
+            prompt_ids(model, "Write a long story about a dragon."), GREEDY, num_predict=500
+        )
         done = None
         async for event in model.generate(request):
             if isinstance(event, DoneEvent):
@@ -153,7 +163,9 @@ def test_cancel_ends_with_cancel(model: LoadedModel) -> None:
 
 def test_closing_the_stream_frees_the_model(model: LoadedModel) -> None:
     async def scenario() -> None:
-        stream = model.generate(GenerateRequest(prompt_ids(model, "Tell me a story."), GREEDY, num_predict=500))
+        stream = model.generate(
+            GenerateRequest(prompt_ids(model, "Tell me a story."), GREEDY, num_predict=500)
+        )
         async for _ in stream:
             break
         await stream.aclose()  # type: ignore[attr-defined]
@@ -185,13 +197,15 @@ def test_score_matches_generation_logprobs(model: LoadedModel) -> None:
     assert result.logprobs.shape == (len(ids) + len(generated) - 1,)
     assert np.all(np.isfinite(result.logprobs)) and np.all(result.logprobs <= 0)
     assert result.logits is not None and result.logits.shape == (len(result.logprobs), model.n_vocab)
-    np.testing.assert_allclose(result.logprobs[-len(generated):], gen_lps, atol=0.02)
+    np.testing.assert_allclose(result.logprobs[-len(generated) :], gen_lps, atol=0.02)
 
 
 def test_embed(model: LoadedModel) -> None:
     if not model.capabilities.embedding:
         pytest.skip("backend has no embeddings")
-    a, b, a2 = asyncio.run(model.embed(["The cat sat on the mat.", "Quantum chromodynamics", "The cat sat on the mat."]))
+    a, b, a2 = asyncio.run(
+        model.embed(["The cat sat on the mat.", "Quantum chromodynamics", "The cat sat on the mat."])
+    )
     assert len(a) == len(b) > 100
     assert np.linalg.norm(a) == pytest.approx(1.0, abs=1e-4)
     np.testing.assert_allclose(a, a2, atol=1e-5)
@@ -209,8 +223,11 @@ def test_timings_are_filled(model: LoadedModel) -> None:
 def test_prefix_reuse_evaluates_only_new_tokens(model: LoadedModel) -> None:
     first = prompt_ids(model, "What is the capital of France?")
     events, first_done = run(model, GenerateRequest(first, GREEDY, num_predict=8))
-    follow_up = model.tokenize("<|im_end|>\n<|im_start|>user\nAnd of Germany?<|im_end|>\n<|im_start|>assistant\n",
-                               add_special=False, parse_special=True)
+    follow_up = model.tokenize(
+        "<|im_end|>\n<|im_start|>user\nAnd of Germany?<|im_end|>\n<|im_start|>assistant\n",
+        add_special=False,
+        parse_special=True,
+    )
     second = first + ids_of(events) + follow_up
     _, done = run(model, GenerateRequest(second, GREEDY, num_predict=4))
     # a last token sampled at the num_predict limit was never evaluated, so it counts as new
@@ -228,8 +245,9 @@ def test_prompt_past_context_is_an_error(model: LoadedModel) -> None:
 
 
 @pytest.mark.parametrize("kind", ["lookup", "draft", "self"])
-def test_speculative_greedy_matches_plain(kind: str, model: LoadedModel, backend_name: str,
-                                          smollm2_gguf: Path) -> None:
+def test_speculative_greedy_matches_plain(
+    kind: str, model: LoadedModel, backend_name: str, smollm2_gguf: Path
+) -> None:
     if kind not in model.capabilities.speculative:
         with pytest.raises(LocalrtError, match="not supported"):
             run(model, GenerateRequest(prompt_ids(model, "Hi"), GREEDY, num_predict=2, speculative=kind))
@@ -249,8 +267,11 @@ def test_speculative_greedy_matches_plain(kind: str, model: LoadedModel, backend
             target.unload()
 
 
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
-          "required": ["city", "population"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+    "required": ["city", "population"],
+}
 
 
 @pytest.mark.parametrize("fmt", ["json", "schema"])

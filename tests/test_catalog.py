@@ -53,7 +53,10 @@ url = "registry.example/library/tiny:1"
         (GOOD.format(sha="0" * 64).replace('"tiny:1"', '"../x"', 1), "invalid model name"),
         (GOOD.format(sha="0" * 64) + '[parameters]\nnum_ctx = "big"\n', "num_ctx"),
         (GOOD.format(sha="0" * 64) + 'file = "x.gguf"\n', "hf.co sources only"),
-        (GOOD.format(sha="0" * 64).replace("registry.example/library/tiny:1", "pypi:--evil#x"), "invalid PyPI"),
+        (
+            GOOD.format(sha="0" * 64).replace("registry.example/library/tiny:1", "pypi:--evil#x"),
+            "invalid PyPI",
+        ),
     ],
 )
 def test_bad_catalog_files_name_the_file(tmp_path: Path, text: str, fragment: str) -> None:
@@ -86,19 +89,24 @@ def write_entry(folder: Path, sha: str, sources: list[str]) -> None:
     (folder / "tiny.toml").write_text(text)
 
 
-def test_sources_are_tried_in_order_until_one_works(tmp_path: Path, models_dir: Path,
-                                                     servers: tuple[Registry, Hub]) -> None:
+def test_sources_are_tried_in_order_until_one_works(
+    tmp_path: Path, models_dir: Path, servers: tuple[Registry, Hub]
+) -> None:
     registry, hub = servers
     wanted = write_tiny_llama(tmp_path / "wanted.gguf", file_type="Q8_0")
     other = write_tiny_llama(tmp_path / "other.gguf", file_type="Q8_0", seed=7)
     sha = hashlib.sha256(wanted.read_bytes()).hexdigest()
     registry.add_model("library/tiny", "1", other.read_bytes())  # serves a different model
     hub.add_repo("org/tiny-GGUF", {"tiny.Q8_0.gguf": wanted})
-    write_entry(tmp_path, sha, [
-        'url = "127.0.0.1:9/library/tiny:1"',  # nothing listens there
-        f'url = "{registry.address}/library/tiny:1"',
-        'url = "hf.co/org/tiny-GGUF:Q8_0"',
-    ])
+    write_entry(
+        tmp_path,
+        sha,
+        [
+            'url = "127.0.0.1:9/library/tiny:1"',  # nothing listens there
+            f'url = "{registry.address}/library/tiny:1"',
+            'url = "hf.co/org/tiny-GGUF:Q8_0"',
+        ],
+    )
     store = Store(models_dir)
     name = pull("tiny:1", store=store, insecure=True, catalog=load_catalog(tmp_path))
     assert name == parse_name("tiny:1")
@@ -109,14 +117,19 @@ def test_sources_are_tried_in_order_until_one_works(tmp_path: Path, models_dir: 
     assert registry.seen("GET", "/manifests/") and not registry.seen(contains="/blobs/")
 
 
-def test_when_every_source_fails_the_error_lists_each(tmp_path: Path, models_dir: Path,
-                                                      servers: tuple[Registry, Hub]) -> None:
+def test_when_every_source_fails_the_error_lists_each(
+    tmp_path: Path, models_dir: Path, servers: tuple[Registry, Hub]
+) -> None:
     registry, _ = servers
-    write_entry(tmp_path, "0" * 64, [
-        'url = "127.0.0.1:9/library/tiny:1"',
-        f'url = "{registry.address}/library/tiny:1"',
-        'url = "hf.co/org/missing:Q8_0"',
-    ])
+    write_entry(
+        tmp_path,
+        "0" * 64,
+        [
+            'url = "127.0.0.1:9/library/tiny:1"',
+            f'url = "{registry.address}/library/tiny:1"',
+            'url = "hf.co/org/missing:Q8_0"',
+        ],
+    )
     with pytest.raises(PullError) as info:
         pull("tiny:1", store=Store(models_dir), insecure=True, catalog=load_catalog(tmp_path))
     message = str(info.value)
@@ -124,6 +137,8 @@ def test_when_every_source_fails_the_error_lists_each(tmp_path: Path, models_dir
     reasons = message.split(": every source failed: ", 1)[1].split("; ")
     assert len(reasons) == 3
     assert reasons[0].startswith("127.0.0.1:9/library/tiny:1: cannot reach 127.0.0.1:9")
-    assert reasons[1].startswith(f"{registry.address}/library/tiny:1: pull model manifest: file does not exist")
+    assert reasons[1].startswith(
+        f"{registry.address}/library/tiny:1: pull model manifest: file does not exist"
+    )
     assert reasons[2].startswith("hf.co/org/missing:Q8_0: hf.co/org/missing not found")
     assert Store(models_dir).list_models() == []

@@ -11,9 +11,17 @@ from pathlib import Path
 import pytest
 
 
-def localrt(*args: str, env: dict[str, str] | None = None, input: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "localrt", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, input=input, timeout=300)
+def localrt(
+    *args: str, env: dict[str, str] | None = None, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "localrt", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        input=input,
+        timeout=300,
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -42,8 +50,13 @@ def test_create_list_show_path(store_with_smollm2: Path, smollm2_gguf: Path) -> 
 
     show = localrt("show", "smollm2:135m")
     assert show.returncode == 0, show.stderr
-    fields = dict(line.strip().split(None, 1) for line in show.stdout.splitlines()
-                  if line.startswith("    ") and len(line.split()) >= 2 and not line.strip().startswith(("context", "embedding")))
+    fields = dict(
+        line.strip().split(None, 1)
+        for line in show.stdout.splitlines()
+        if line.startswith("    ")
+        and len(line.split()) >= 2
+        and not line.strip().startswith(("context", "embedding"))
+    )
     assert fields["architecture"] == "llama"
     assert fields["quantization"] == "Q4_1"
     assert fields["parameters"].startswith("13") and fields["parameters"].endswith("M")
@@ -80,7 +93,9 @@ def test_cp_and_rm_collect_blobs(store_with_smollm2: Path) -> None:
         (("show",), ("required",)),
     ],
 )
-def test_user_mistakes_are_one_line(models_dir: Path, args: tuple[str, ...], fragments: tuple[str, ...]) -> None:
+def test_user_mistakes_are_one_line(
+    models_dir: Path, args: tuple[str, ...], fragments: tuple[str, ...]
+) -> None:
     assert_one_line_error(localrt(*args), *fragments)
 
 

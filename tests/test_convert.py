@@ -33,7 +33,20 @@ pytest.importorskip("sentencepiece")
 llama_cpp = pytest.importorskip("llama_cpp")
 
 QUANT_TYPES = [t for t in mixes.FILE_TYPES if t not in ("F32", "F16", "BF16")]
-FAST_TYPES = ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q6_K"]
+FAST_TYPES = [
+    "F16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K_S",
+    "Q3_K_M",
+    "Q4_K_S",
+    "Q4_K_M",
+    "Q5_K_M",
+    "Q6_K",
+]
 
 
 def needs_oracle() -> None:
@@ -55,9 +68,19 @@ TINY = {
     # f16 weights in 3 shards with an index, per-head q/k norms
     "qwen3-f16-sharded": dict(arch="qwen3", n_layer=2, n_kv=2, tied=True, dtype="F16", shards=3),
     # Llama 3 rope scaling: an extra rope_freqs.weight tensor
-    "llama3-rope": dict(arch="llama", n_layer=2, n_kv=1, dtype="BF16", rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 256}),
+    "llama3-rope": dict(
+        arch="llama",
+        n_layer=2,
+        n_kv=1,
+        dtype="BF16",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+    ),
     # 320-wide rows: the 32-block fallbacks of every k-quant
     "rows320": dict(arch="llama", hidden=320, ff=640, n_head=5, n_kv=5, n_layer=2, vocab=384),
 }
@@ -75,8 +98,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
     return out
 
 
-@pytest.mark.parametrize("file_type", [pytest.param(t, marks=[] if t in FAST_TYPES else pytest.mark.slow)
-                                       for t in mixes.FILE_TYPES])
+@pytest.mark.parametrize(
+    "file_type",
+    [pytest.param(t, marks=[] if t in FAST_TYPES else pytest.mark.slow) for t in mixes.FILE_TYPES],
+)
 def test_tiny_llama_matches_llama_cpp(tiny: dict[str, tuple[Path, Path]], file_type: str) -> None:
     model, work = tiny["llama"]
     theirs = oracle_file(model, work, file_type)
@@ -111,8 +136,9 @@ def smollm2_work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("smollm2")
 
 
-@pytest.mark.parametrize("file_type", [pytest.param(t, marks=[] if t == "Q4_K_M" else pytest.mark.slow)
-                                       for t in mixes.FILE_TYPES])
+@pytest.mark.parametrize(
+    "file_type", [pytest.param(t, marks=[] if t == "Q4_K_M" else pytest.mark.slow) for t in mixes.FILE_TYPES]
+)
 def test_smollm2_matches_llama_cpp(smollm2_hf: Path, smollm2_work: Path, file_type: str) -> None:
     theirs = oracle_file(smollm2_hf, smollm2_work, file_type)
     ours = convert(smollm2_hf, smollm2_work / f"ours-{file_type}.gguf", file_type).path
@@ -131,8 +157,10 @@ SAMPLES = [
     "I've been 'told' he's there, 'RE you sure? We'Ve a'lL",
     "",
 ]
-SPECIAL_SAMPLES = ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-                   "text<|endoftext|>more"]
+SPECIAL_SAMPLES = [
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "text<|endoftext|>more",
+]
 
 
 def test_smollm2_tokenizes_like_hf(smollm2_hf: Path, smollm2_work: Path) -> None:
@@ -182,7 +210,9 @@ def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
     cfg = json.loads((model / "config.json").read_text())
     cfg["architectures"] = ["FalconForCausalLM"]
     (model / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConvertError, match=r"FalconForCausalLM.*supported: .*LlamaForCausalLM.*Qwen2ForCausalLM"):
+    with pytest.raises(
+        ConvertError, match=r"FalconForCausalLM.*supported: .*LlamaForCausalLM.*Qwen2ForCausalLM"
+    ):
         convert(model, tmp_path / "out.gguf", "Q4_K_M")
 
 
@@ -191,7 +221,9 @@ def test_shape_mismatch(tmp_path: Path) -> None:
     cfg = json.loads((model / "config.json").read_text())
     cfg["intermediate_size"] = 768
     (model / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConvertError, match=r"down_proj.weight has shape \[256, 512\], config.json implies \[256, 768\]"):
+    with pytest.raises(
+        ConvertError, match=r"down_proj.weight has shape \[256, 512\], config.json implies \[256, 768\]"
+    ):
         convert(model, tmp_path / "out.gguf", "Q4_K_M")
     assert not list(tmp_path.glob("out.gguf*"))
 
@@ -218,7 +250,9 @@ def test_missing_layer_and_unknown_tensor(tmp_path: Path) -> None:
         convert(model, tmp_path / "out.gguf", "Q8_0")
     cfg["num_hidden_layers"] = 2
     (model / "config.json").write_text(json.dumps(cfg))
-    write_safetensors(model / "model-extra.safetensors", {"model.vision_tower.weight": np.zeros((4, 4))}, "F32")
+    write_safetensors(
+        model / "model-extra.safetensors", {"model.vision_tower.weight": np.zeros((4, 4))}, "F32"
+    )
     with pytest.raises(ConvertError, match="vision_tower.weight.*no GGUF name"):
         convert(model, tmp_path / "out.gguf", "Q8_0")
 
@@ -255,7 +289,9 @@ def test_convert_from_hub_repo_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         remote = convert("org/tiny", tmp_path / "remote.gguf", "Q8_0").path
     diffs = compare_gguf(remote, local)
-    assert len(diffs) == 1 and "general.name" in diffs[0] and "'org/tiny'" in diffs[0], diffs  # named after the repo
+    assert len(diffs) == 1 and "general.name" in diffs[0] and "'org/tiny'" in diffs[0], (
+        diffs
+    )  # named after the repo
 
 
 def test_convert_command_writes_file_and_imports(tmp_path: Path, models_dir: Path) -> None:
@@ -266,8 +302,9 @@ def test_convert_command_writes_file_and_imports(tmp_path: Path, models_dir: Pat
     from localrt.store.store import Store
 
     model = write_tiny_model(tmp_path / "m", n_layer=1)
-    args = argparse.Namespace(source=str(model), quant="q4_k_m", output=str(tmp_path / "out.gguf"), name=None,
-                              threads=1)
+    args = argparse.Namespace(
+        source=str(model), quant="q4_k_m", output=str(tmp_path / "out.gguf"), name=None, threads=1
+    )
     assert convert_command(args) == 0
     args.output, args.name = None, "tiny:q4"
     assert convert_command(args) == 0
@@ -295,10 +332,22 @@ print(next(int(line.split()[1]) for line in open("/proc/self/status") if line.st
 def test_peak_memory_follows_largest_tensor_not_model(tmp_path: Path) -> None:
     peaks = []
     for layers in (4, 8):  # 27 MB and 54 MB of f16 weights; the interpreter with numpy is ~60 MB
-        model = write_tiny_model(tmp_path / f"m{layers}", hidden=512, ff=1536, n_head=8, n_kv=8, n_layer=layers,
-                                 vocab=512, dtype="F16")
-        out = subprocess.run([sys.executable, "-c", PEAK_RSS, str(model), str(tmp_path / f"o{layers}.gguf")],
-                             capture_output=True, text=True, check=True)
+        model = write_tiny_model(
+            tmp_path / f"m{layers}",
+            hidden=512,
+            ff=1536,
+            n_head=8,
+            n_kv=8,
+            n_layer=layers,
+            vocab=512,
+            dtype="F16",
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", PEAK_RSS, str(model), str(tmp_path / f"o{layers}.gguf")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         peaks.append(int(out.stdout.split()[-1]))
         shutil.rmtree(model)
     assert peaks[1] < peaks[0] * 1.10, f"peak RSS {peaks[0]} KiB -> {peaks[1]} KiB with twice the layers"
@@ -313,8 +362,14 @@ def test_permute_rows_interleaves_halves_per_head() -> None:
 def test_hyperparameters_fill_transformers_defaults() -> None:
     from localrt.converters.arch import find_arch
 
-    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 300,
+    }
     hp = hyperparameters(cfg, find_arch(cfg))
     assert hp["num_key_value_heads"] == 4 and hp["head_dim"] == 64 and hp["max_position_embeddings"] == 2048
     assert hp["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}

@@ -50,7 +50,12 @@ def digest_of(path: Path) -> str:
 def test_parse_modelfile_types_and_multiline_values() -> None:
     mf = parse_modelfile(MODELFILE)
     assert mf.from_ == "./weights/tiny.gguf" and mf.from_line == 2
-    assert mf.parameters == {"temperature": 0.4, "num_ctx": 128, "stop": ["<|im_end|>", "</s>"], "use_mmap": False}
+    assert mf.parameters == {
+        "temperature": 0.4,
+        "num_ctx": 128,
+        "stop": ["<|im_end|>", "</s>"],
+        "use_mmap": False,
+    }
     assert mf.template == "{{ bos_token }}{% for m in messages %}\n{{ m.content }}\n{% endfor %}"
     assert mf.system == "You are terse."
     assert mf.license == "MIT"
@@ -62,7 +67,11 @@ def test_create_from_a_gguf_with_overrides(tiny: Path, store: Store) -> None:
     resolved = store.resolve(name)
     assert digest_of(resolved.model_path) == digest_of(tiny)
     expected = parse_modelfile(MODELFILE)
-    assert (resolved.template, resolved.system, resolved.license) == (expected.template, expected.system, "MIT")
+    assert (resolved.template, resolved.system, resolved.license) == (
+        expected.template,
+        expected.system,
+        "MIT",
+    )
     assert resolved.params == expected.parameters
     info = read_gguf(tiny)
     assert resolved.config["model_format"] == "gguf"
@@ -82,9 +91,12 @@ def test_create_with_from_path_only(tiny: Path, store: Store) -> None:
 def test_from_an_existing_model_inherits_and_overrides(tiny: Path, store: Store, tmp_path: Path) -> None:
     base = create("base", modelfile_text=MODELFILE, store=store, base_dir=tiny.parent.parent)
     draft = write_tiny_llama(tmp_path / "draft.gguf", file_type="F32", seed=3)
-    derived = create("derived", store=store, base_dir=tmp_path, modelfile_text=(
-        "FROM base\nSYSTEM You are verbose.\nPARAMETER temperature 1\nDRAFT draft.gguf\n"
-    ))
+    derived = create(
+        "derived",
+        store=store,
+        base_dir=tmp_path,
+        modelfile_text=("FROM base\nSYSTEM You are verbose.\nPARAMETER temperature 1\nDRAFT draft.gguf\n"),
+    )
     a, b = store.resolve(base), store.resolve(derived)
     assert a.model_path == b.model_path  # one blob, shared
     assert b.template == a.template and b.license == a.license
@@ -99,12 +111,15 @@ def test_from_an_existing_model_inherits_and_overrides(tiny: Path, store: Store,
     "text, fragment",
     [
         ("FROM x.gguf\nPARAMETER temperature 0.1\nFROB 1\n", "Modelfile line 3: unknown instruction 'FROB'"),
-        ("FROM x.gguf\n\nTEMPLATE \"\"\"never closed\n{{ x }}\n", "Modelfile line 3: TEMPLATE opens \"\"\""),
-        ("# c\nFROM x.gguf\nPARAMETER num_ctx lots\n", "Modelfile line 3: parameter num_ctx expects an integer"),
+        ('FROM x.gguf\n\nTEMPLATE """never closed\n{{ x }}\n', 'Modelfile line 3: TEMPLATE opens """'),
+        (
+            "# c\nFROM x.gguf\nPARAMETER num_ctx lots\n",
+            "Modelfile line 3: parameter num_ctx expects an integer",
+        ),
         ("FROM x.gguf\nPARAMETER temperature\n", "Modelfile line 2: PARAMETER needs a name and a value"),
         ("FROM a.gguf\nFROM b.gguf\n", "Modelfile line 2: a second FROM (the first is on line 1)"),
         ("FROM x.gguf\nADAPTER lora.gguf\n", "Modelfile line 2: ADAPTER is not supported yet"),
-        ("FROM x.gguf\nSYSTEM \"unterminated\n", "Modelfile line 2: unterminated quote"),
+        ('FROM x.gguf\nSYSTEM "unterminated\n', "Modelfile line 2: unterminated quote"),
         ("PARAMETER temperature 1\n", "no FROM line"),
     ],
 )
@@ -146,5 +161,3 @@ def test_create_quantize_refuses_a_quantized_source(tiny: Path, store: Store) ->
     with pytest.raises(LocalrtError):
         create("x", from_path=str(tiny), store=store, quantize="Q4_K_M")
     assert not store.exists(parse_name("x"))
-
-

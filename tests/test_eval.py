@@ -64,7 +64,7 @@ def test_kl_and_top1_match_a_direct_computation() -> None:
     # recompute over exactly the scored positions
     kls, agree = [], []
     for w in windows(tokens, 40, 0):
-        prev = w[len(w) // 2:-1]
+        prev = w[len(w) // 2 : -1]
         p, q = log_softmax(ref_table[prev]), log_softmax(noisy[prev])
         kls += list((np.exp(p) * (p - q)).sum(-1))
         agree += list(ref_table[prev].argmax(-1) == noisy[prev].argmax(-1))
@@ -83,16 +83,26 @@ def test_windows_start_with_bos_and_cover_the_text() -> None:
 
 def test_vocabularies_must_match() -> None:
     with pytest.raises(LocalrtError, match="same vocabulary"):
-        asyncio.run(evaluate(FakeModel(np.zeros((10, 10))), [1, 2, 3, 4, 5], 8, FakeModel(np.zeros((12, 12)))))
+        asyncio.run(
+            evaluate(FakeModel(np.zeros((10, 10))), [1, 2, 3, 4, 5], 8, FakeModel(np.zeros((12, 12))))
+        )
 
 
 # ---- the real thing: SmolLM2 through the llama.cpp backend -------------------------------------------
-def test_eval_command_on_smollm2(smollm2_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_eval_command_on_smollm2(
+    smollm2_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("llama_cpp")
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
-    args = argparse.Namespace(model=str(smollm2_gguf), text=str(text), reference=str(smollm2_gguf),
-                              backend="llama.cpp", ctx=64, json=True)
+    args = argparse.Namespace(
+        model=str(smollm2_gguf),
+        text=str(text),
+        reference=str(smollm2_gguf),
+        backend="llama.cpp",
+        ctx=64,
+        json=True,
+    )
     assert eval_command(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"perplexity", "tokens", "kl", "top1"}
@@ -104,16 +114,24 @@ def test_eval_command_on_smollm2(smollm2_gguf: Path, tmp_path: Path, capsys: pyt
     assert "perplexity:" in capsys.readouterr().out
 
 
-def test_reference_on_another_backend(smollm2_gguf: Path, tmp_path: Path,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_reference_on_another_backend(
+    smollm2_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--reference-backend: the torch engine measured against llama.cpp on the same file. Same weights,
     other kernels: KL small but not zero (zero would mean both sides ran on one backend)."""
     pytest.importorskip("llama_cpp")
     pytest.importorskip("torch")
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
-    args = argparse.Namespace(model=str(smollm2_gguf), text=str(text), reference=str(smollm2_gguf),
-                              backend="torch", reference_backend="llama.cpp", ctx=64, json=True)
+    args = argparse.Namespace(
+        model=str(smollm2_gguf),
+        text=str(text),
+        reference=str(smollm2_gguf),
+        backend="torch",
+        reference_backend="llama.cpp",
+        ctx=64,
+        json=True,
+    )
     assert eval_command(args) == 0
     across = json.loads(capsys.readouterr().out)
     assert 1e-7 < across["kl"] < 0.05 and across["top1"] >= 0.85, across
@@ -125,7 +143,13 @@ def test_reference_on_another_backend(smollm2_gguf: Path, tmp_path: Path,
 
 
 def test_missing_text_file(smollm2_gguf: Path, tmp_path: Path) -> None:
-    args = argparse.Namespace(model=str(smollm2_gguf), text=str(tmp_path / "nope.txt"), reference=None,
-                              backend="llama.cpp", ctx=64, json=False)
+    args = argparse.Namespace(
+        model=str(smollm2_gguf),
+        text=str(tmp_path / "nope.txt"),
+        reference=None,
+        backend="llama.cpp",
+        ctx=64,
+        json=False,
+    )
     with pytest.raises(LocalrtError, match="cannot read"):
         eval_command(args)

@@ -16,8 +16,10 @@ from localrt.backends.base import DoneEvent, GenerateRequest, LoadOptions, Sampl
 from localrt.backends.llamacpp import LlamaCppBackend, LlamaCppModel, LookupProposer  # noqa: E402
 from localrt.errors import LocalrtError, OptionError  # noqa: E402
 
-CHAT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"
-        "<|im_start|>assistant\n")
+CHAT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 # One decode thread by default: on a busy 2-core runner, spinning thread pools slow down many-fold.
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
@@ -61,7 +63,9 @@ def test_capabilities() -> None:
 def test_quantized_kv_cache(kv: str, smollm2_gguf: Path, model: LlamaCppModel) -> None:
     m = LlamaCppBackend.load(smollm2_gguf, LoadOptions(num_ctx=1024, num_thread=THREADS, kv_cache_type=kv))
     try:
-        text, _, _ = generate(m, GenerateRequest(ask(m, "What is the capital of France?"), GREEDY, num_predict=10))
+        text, _, _ = generate(
+            m, GenerateRequest(ask(m, "What is the capital of France?"), GREEDY, num_predict=10)
+        )
         assert text.strip()
         if kv == "q8_0":  # q4_0 is too lossy for a 135M model to keep its answer
             assert "Paris" in text
@@ -84,10 +88,17 @@ def test_json_format(model: LlamaCppModel) -> None:
 
 
 def test_json_schema_format(model: LlamaCppModel) -> None:
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
-              "required": ["city", "population"]}
-    text, _, done = generate(model, GenerateRequest(ask(model, "Give the capital of France as JSON."), GREEDY,
-                                                    num_predict=60, format=schema))
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+    }
+    text, _, done = generate(
+        model,
+        GenerateRequest(
+            ask(model, "Give the capital of France as JSON."), GREEDY, num_predict=60, format=schema
+        ),
+    )
     obj = json.loads(text)
     assert set(obj) == {"city", "population"} and isinstance(obj["population"], int)
     assert done.finish_reason == "stop"
@@ -134,8 +145,12 @@ def test_bad_token_ids(model: LlamaCppModel) -> None:
 
 
 def test_mirostat_and_penalties_run(model: LlamaCppModel) -> None:
-    for params in (SamplingParams(mirostat=2, seed=1), SamplingParams(repeat_penalty=1.3, presence_penalty=0.5,
-                                                                      frequency_penalty=0.5, repeat_last_n=-1, seed=1)):
+    for params in (
+        SamplingParams(mirostat=2, seed=1),
+        SamplingParams(
+            repeat_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5, repeat_last_n=-1, seed=1
+        ),
+    ):
         _, ids, done = generate(model, GenerateRequest(ask(model, "Say something."), params, num_predict=8))
         assert ids and done.finish_reason in ("length", "stop")
 
@@ -156,9 +171,13 @@ def test_lookup_proposer_finds_latest_match() -> None:
 def test_parallel_slots_give_each_request_its_own_output(smollm2_gguf: Path, model: LlamaCppModel) -> None:
     """Two slots on one set of weights, a draft context per slot: side by side = one at a time."""
     questions = ["What is the capital of France?", "Name three colours of the rainbow."]
-    alone = [generate(model, GenerateRequest(prompt_tokens=ask(model, q), sampling=GREEDY, num_predict=24))[1]
-             for q in questions]
-    opts = LoadOptions(num_ctx=1024, num_thread=THREADS, num_batch=256, num_parallel=2, draft_model=smollm2_gguf)
+    alone = [
+        generate(model, GenerateRequest(prompt_tokens=ask(model, q), sampling=GREEDY, num_predict=24))[1]
+        for q in questions
+    ]
+    opts = LoadOptions(
+        num_ctx=1024, num_thread=THREADS, num_batch=256, num_parallel=2, draft_model=smollm2_gguf
+    )
     two = LlamaCppBackend.load(smollm2_gguf, opts)
     try:
         assert two.capabilities.parallel_slots == 2
@@ -166,7 +185,9 @@ def test_parallel_slots_give_each_request_its_own_output(smollm2_gguf: Path, mod
         async def both() -> list[list[int]]:
             async def one(q: str) -> list[int]:
                 ids: list[int] = []
-                req = GenerateRequest(prompt_tokens=ask(two, q), sampling=GREEDY, num_predict=24, speculative="draft")
+                req = GenerateRequest(
+                    prompt_tokens=ask(two, q), sampling=GREEDY, num_predict=24, speculative="draft"
+                )
                 async for event in two.generate(req):
                     if isinstance(event, TextEvent):
                         ids += event.token_ids

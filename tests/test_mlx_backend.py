@@ -26,8 +26,10 @@ from localrt.eval import evaluate  # noqa: E402
 from tests.gguf_factory import write_tiny_llama  # noqa: E402
 
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
-CHAT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"
-        "<|im_start|>assistant\n")
+CHAT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 
 def opts(**extra: object) -> LoadOptions:
@@ -89,7 +91,10 @@ def test_bad_load_options_are_one_clear_error(smollm2_gguf: Path, tmp_path: Path
 
 def test_draft_mode_without_a_draft_model_is_refused(q8_model: object) -> None:
     with pytest.raises(OptionError, match="needs a draft model"):
-        run(q8_model, GenerateRequest([1, 2, 3], SamplingParams(temperature=0.0), num_predict=1, speculative="draft"))
+        run(
+            q8_model,
+            GenerateRequest([1, 2, 3], SamplingParams(temperature=0.0), num_predict=1, speculative="draft"),
+        )
 
 
 def test_auto_picks_mlx_on_apple_silicon(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,7 +164,9 @@ class ScoredOnce:
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
 @pytest.mark.parametrize("file_type", ["Q4_1", "Q4_K_M"])
-def test_fidelity_against_llamacpp_and_the_exact_reference(file_type: str, smollm2_file: Callable[[str], Path]) -> None:
+def test_fidelity_against_llamacpp_and_the_exact_reference(
+    file_type: str, smollm2_file: Callable[[str], Path]
+) -> None:
     """Issue 8's bar (top-1 at least 98%, perplexity within 1% over 2,000+ tokens, as `localrt eval`
     measures) against llama.cpp built with OpenBLAS, whose batched matmuls compute the file's exact
     function. The default CPU build of llama.cpp rounds activations to 8 bits before each quantized
@@ -183,11 +190,13 @@ def test_fidelity_against_llamacpp_and_the_exact_reference(file_type: str, smoll
     finally:
         for m in (model, llama, exact):
             m.unload()
-    print(f"{file_type}: mlx ppl {vs_llama.perplexity:.4f}, llama.cpp (OpenBLAS) {blas_alone.perplexity:.4f}, "
-          f"llama.cpp {llama_alone.perplexity:.4f}, torch fp32 {exact_alone.perplexity:.4f}; "
-          f"vs llama.cpp (OpenBLAS) top-1 {100 * (vs_blas.top1 or 0):.2f}% KL {vs_blas.kl:.6f}; "
-          f"vs llama.cpp top-1 {100 * (vs_llama.top1 or 0):.2f}% KL {vs_llama.kl:.6f}; "
-          f"vs torch top-1 {100 * (vs_exact.top1 or 0):.2f}% KL {vs_exact.kl:.2e}")
+    print(
+        f"{file_type}: mlx ppl {vs_llama.perplexity:.4f}, llama.cpp (OpenBLAS) {blas_alone.perplexity:.4f}, "
+        f"llama.cpp {llama_alone.perplexity:.4f}, torch fp32 {exact_alone.perplexity:.4f}; "
+        f"vs llama.cpp (OpenBLAS) top-1 {100 * (vs_blas.top1 or 0):.2f}% KL {vs_blas.kl:.6f}; "
+        f"vs llama.cpp top-1 {100 * (vs_llama.top1 or 0):.2f}% KL {vs_llama.kl:.6f}; "
+        f"vs torch top-1 {100 * (vs_exact.top1 or 0):.2f}% KL {vs_exact.kl:.2e}"
+    )
     assert vs_blas.tokens >= 2000
     assert vs_blas.top1 is not None and vs_blas.top1 >= 0.98, vs_blas
     assert abs(vs_blas.perplexity / blas_alone.perplexity - 1) < 0.01, (vs_blas, blas_alone)

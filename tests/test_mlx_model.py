@@ -43,7 +43,9 @@ def test_repack_dequantizes_exactly_like_ggml(qtype: str) -> None:
     np.testing.assert_array_equal(np.array(qw.dequantize()), reference)  # bit for bit
     # and the quantized matmul runs on the packed weights
     x = rng.standard_normal((3, 512)).astype(np.float32)
-    y = mx.quantized_matmul(mx.array(x), qw.weight, qw.scales, qw.biases, transpose=True, group_size=32, bits=qw.bits)
+    y = mx.quantized_matmul(
+        mx.array(x), qw.weight, qw.scales, qw.biases, transpose=True, group_size=32, bits=qw.bits
+    )
     np.testing.assert_allclose(np.array(y), x @ reference.T, rtol=1e-4, atol=1e-3)
 
 
@@ -101,11 +103,23 @@ def _logits_pair(path: Path, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]
     return got, ref
 
 
-@pytest.mark.parametrize("arch,weight_type,tied", [("llama", "Q4_K", True), ("qwen2", "Q8_0", False),
-                                                   ("llama", "Q6_K", False)])
-def test_model_matches_the_dequantized_reference(tmp_path: Path, arch: str, weight_type: str, tied: bool) -> None:
-    path = write_random_model(tmp_path / "m.gguf", arch=arch, n_embd=256, n_ff=512, n_head=4, n_head_kv=2,
-                              weight_type=weight_type, tied=tied, seed=1)
+@pytest.mark.parametrize(
+    "arch,weight_type,tied", [("llama", "Q4_K", True), ("qwen2", "Q8_0", False), ("llama", "Q6_K", False)]
+)
+def test_model_matches_the_dequantized_reference(
+    tmp_path: Path, arch: str, weight_type: str, tied: bool
+) -> None:
+    path = write_random_model(
+        tmp_path / "m.gguf",
+        arch=arch,
+        n_embd=256,
+        n_ff=512,
+        n_head=4,
+        n_head_kv=2,
+        weight_type=weight_type,
+        tied=tied,
+        seed=1,
+    )
     tokens = np.random.default_rng(0).integers(0, 96, 24).tolist()
     got, ref = _logits_pair(path, tokens)
     assert got.shape == ref.shape == (24, 96)
@@ -116,8 +130,14 @@ def test_model_matches_the_dequantized_reference(tmp_path: Path, arch: str, weig
 # ---- caches --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Transformer:
-    path = write_random_model(tmp_path_factory.mktemp("mlx") / "tiny.gguf", n_vocab=96, n_embd=128,
-                              weight_type="Q4_0", context_length=1024, seed=2)  # head_dim 32: one 8-bit KV group
+    path = write_random_model(
+        tmp_path_factory.mktemp("mlx") / "tiny.gguf",
+        n_vocab=96,
+        n_embd=128,
+        weight_type="Q4_0",
+        context_length=1024,
+        seed=2,
+    )  # head_dim 32: one 8-bit KV group
     return Transformer(GGUFTensors(path), mx.float32)
 
 
@@ -129,7 +149,7 @@ def test_chunked_prefill_past_the_growth_step_matches_one_pass(tiny: Transformer
     tokens = np.random.default_rng(1).integers(0, 96, STEP + 44).tolist()
     whole = _feed(tiny, make_caches(2, "f32"), tokens)
     caches = make_caches(2, "f32")
-    parts = [_feed(tiny, caches, tokens[s:s + 37]) for s in range(0, len(tokens), 37)]
+    parts = [_feed(tiny, caches, tokens[s : s + 37]) for s in range(0, len(tokens), 37)]
     assert caches[0].offset == len(tokens) and caches[0].keys.shape[2] == 2 * STEP  # grew in steps
     np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-4)
 
@@ -142,7 +162,7 @@ def test_trim_forgets_the_tail(tiny: Transformer) -> None:
     for c in caches:
         assert c.trim(len(a)) == len(a)
     after_trim = _feed(tiny, caches, b)
-    fresh = _feed(tiny, make_caches(2, "f16"), prefix + b)[-len(b):]
+    fresh = _feed(tiny, make_caches(2, "f16"), prefix + b)[-len(b) :]
     np.testing.assert_allclose(after_trim, fresh, atol=1e-4)
 
 
@@ -151,7 +171,9 @@ def test_8bit_kv_cache_stays_close_and_is_smaller(tiny: Transformer) -> None:
     exact_caches, q8_caches = make_caches(2, "f32"), make_caches(2, "q8_0")
     exact = _feed(tiny, exact_caches, tokens[:50])
     q8 = _feed(tiny, q8_caches, tokens[:50])
-    exact = np.concatenate([exact, _feed(tiny, exact_caches, tokens[50:51]), _feed(tiny, exact_caches, tokens[51:])])
+    exact = np.concatenate(
+        [exact, _feed(tiny, exact_caches, tokens[50:51]), _feed(tiny, exact_caches, tokens[51:])]
+    )
     q8 = np.concatenate([q8, _feed(tiny, q8_caches, tokens[50:51]), _feed(tiny, q8_caches, tokens[51:])])
     assert np.abs(q8 - exact).max() < 0.02 * np.abs(exact).max()
     assert (q8.argmax(-1) == exact.argmax(-1)).mean() >= 0.95
@@ -169,8 +191,15 @@ def _run(runner: Runner, prompt: list[int], n: int) -> tuple[list[int], int]:
         out.append(token)
         return False  # no stop strings here
 
-    result = generate(runner, prompt, Sampler(SamplingParams(temperature=0.0), 1024), max_tokens=len(prompt) + n,
-                      eog=set(), on_token=on_token, cancelled=lambda: False)
+    result = generate(
+        runner,
+        prompt,
+        Sampler(SamplingParams(temperature=0.0), 1024),
+        max_tokens=len(prompt) + n,
+        eog=set(),
+        on_token=on_token,
+        cancelled=lambda: False,
+    )
     return out, result.prompt_eval_count
 
 

@@ -42,8 +42,16 @@ def proposer_for(mode: str, runner: Runner, draft: Transformer | None, self_laye
     return DraftProposer(Runner(draft, runner.kv_cache_type, runner.num_batch), 0.5)
 
 
-def decode(runner: Runner, prompt: list[int], params: SamplingParams, n: int, mode: str = "off",
-           proposer: object | None = None, k: int = 4, cost: float = 0.0) -> tuple[list[int], SpecStats | None]:
+def decode(
+    runner: Runner,
+    prompt: list[int],
+    params: SamplingParams,
+    n: int,
+    mode: str = "off",
+    proposer: object | None = None,
+    k: int = 4,
+    cost: float = 0.0,
+) -> tuple[list[int], SpecStats | None]:
     out: list[int] = []
 
     def on_token(token: int, logits: np.ndarray) -> bool:
@@ -51,8 +59,17 @@ def decode(runner: Runner, prompt: list[int], params: SamplingParams, n: int, mo
         return False
 
     spec = SpecStats(mode, k, cost) if proposer is not None else None
-    generate(runner, prompt, Sampler(params, 1024), max_tokens=len(prompt) + n, eog=set(), on_token=on_token,
-             cancelled=lambda: False, proposer=proposer, spec=spec)
+    generate(
+        runner,
+        prompt,
+        Sampler(params, 1024),
+        max_tokens=len(prompt) + n,
+        eog=set(),
+        on_token=on_token,
+        cancelled=lambda: False,
+        proposer=proposer,
+        spec=spec,
+    )
     return out, spec
 
 
@@ -121,8 +138,9 @@ def greedy_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer
 
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
 @pytest.mark.parametrize("mode", ["self", "lookup", "draft-same", "draft-other"])
-def test_greedy_output_identical_with_each_proposer(greedy_models: tuple[Transformer, Transformer],
-                                                    mode: str, penalty: float) -> None:
+def test_greedy_output_identical_with_each_proposer(
+    greedy_models: tuple[Transformer, Transformer], mode: str, penalty: float
+) -> None:
     target, other = greedy_models
     draft = target if mode == "draft-same" else other
     params = SamplingParams(temperature=0.0, repeat_penalty=penalty, repeat_last_n=16)
@@ -131,8 +149,15 @@ def test_greedy_output_identical_with_each_proposer(greedy_models: tuple[Transfo
     for prompt in ([*base, *base, *base[:5]], rng.integers(3, 96, 30).tolist()):
         plain, _ = decode(Runner(target, "f32", 64), prompt, params, 30)
         runner = Runner(target, "f32", 64)
-        fast, spec = decode(runner, prompt, params, 30, mode.split("-")[0],
-                            proposer_for(mode.split("-")[0], runner, draft, self_layers=2), k=5)
+        fast, spec = decode(
+            runner,
+            prompt,
+            params,
+            30,
+            mode.split("-")[0],
+            proposer_for(mode.split("-")[0], runner, draft, self_layers=2),
+            k=5,
+        )
         assert fast == plain
         assert spec is not None and spec.drafted > 0
 
@@ -140,21 +165,40 @@ def test_greedy_output_identical_with_each_proposer(greedy_models: tuple[Transfo
 def test_speculation_switches_off_below_break_even(greedy_models: tuple[Transformer, Transformer]) -> None:
     target, other = greedy_models  # a draft that rarely agrees
     runner = Runner(target, "f32", 64)
-    _, spec = decode(runner, list(range(3, 40)), SamplingParams(temperature=0.0), 120, "draft",
-                     proposer_for("draft", runner, other, 2), k=4, cost=0.5)
+    _, spec = decode(
+        runner,
+        list(range(3, 40)),
+        SamplingParams(temperature=0.0),
+        120,
+        "draft",
+        proposer_for("draft", runner, other, 2),
+        k=4,
+        cost=0.5,
+    )
     assert spec is not None and not spec.enabled
     assert spec.drafted < 60  # it stopped guessing early, not after 120 tokens
     assert spec.accepted / spec.drafted < break_even_acceptance(4, 0.5)
 
 
 # ---- the numpy sampler reads the parameters as the torch engine's sampler does ----------------------
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.7, top_k=5, top_p=1.0, min_p=0.0),
-    SamplingParams(temperature=1.2, top_k=0, top_p=0.8, min_p=0.0),
-    SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.1, repeat_penalty=1.3, frequency_penalty=0.2,
-                   presence_penalty=0.1, repeat_last_n=8),
-    SamplingParams(temperature=0.0, repeat_penalty=1.5),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_k=5, top_p=1.0, min_p=0.0),
+        SamplingParams(temperature=1.2, top_k=0, top_p=0.8, min_p=0.0),
+        SamplingParams(
+            temperature=1.0,
+            top_k=40,
+            top_p=0.95,
+            min_p=0.1,
+            repeat_penalty=1.3,
+            frequency_penalty=0.2,
+            presence_penalty=0.1,
+            repeat_last_n=8,
+        ),
+        SamplingParams(temperature=0.0, repeat_penalty=1.5),
+    ],
+)
 def test_sampler_matches_the_torch_sampler(params: SamplingParams) -> None:
     torch = pytest.importorskip("torch")
     from localrt.backends.torch.sampling import RequestSampler

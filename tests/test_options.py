@@ -14,13 +14,21 @@ def test_ollama_defaults() -> None:
     assert (o.repeat_penalty, o.repeat_last_n, o.presence_penalty, o.frequency_penalty) == (1.0, 64, 0.0, 0.0)
     assert (o.seed, o.stop, o.num_predict, o.num_keep, o.num_batch, o.num_gpu) == (-1, [], -1, 4, 512, -1)
     assert o.num_ctx == 4096
-    assert (o.backend, o.kv_cache_type, o.speculative, o.draft_model, o.num_draft) == ("auto", "f16", "auto", None, None)
+    assert (o.backend, o.kv_cache_type, o.speculative, o.draft_model, o.num_draft) == (
+        "auto",
+        "f16",
+        "auto",
+        None,
+        None,
+    )
 
 
 def test_every_spec_option_is_known() -> None:
-    spec = ("temperature top_k top_p min_p typical_p repeat_penalty repeat_last_n presence_penalty "
-            "frequency_penalty seed stop num_predict num_ctx num_keep num_thread num_gpu num_batch "
-            "backend kv_cache_type speculative draft_model num_draft").split()
+    spec = (
+        "temperature top_k top_p min_p typical_p repeat_penalty repeat_last_n presence_penalty "
+        "frequency_penalty seed stop num_predict num_ctx num_keep num_thread num_gpu num_batch "
+        "backend kv_cache_type speculative draft_model num_draft"
+    ).split()
     assert set(spec) <= OPTION_NAMES
 
 
@@ -44,35 +52,47 @@ def test_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         Options.merge()
 
 
-@pytest.mark.parametrize("name,value,message", [
-    ("temprature", 0.5, "unknown option 'temprature'"),
-    ("temperature", "hot", "'temperature' must be a number"),
-    ("temperature", True, "'temperature' must be a number, got a boolean"),
-    ("top_k", 1.5, "'top_k' must be an integer"),
-    ("top_k", False, "'top_k' must be an integer, got a boolean"),
-    ("num_ctx", "2048", "'num_ctx' must be an integer, got a string"),
-    ("seed", None, "'seed' must be an integer, got null"),
-    ("top_p", 1.5, "'top_p' is out of range"),
-    ("temperature", -1, "'temperature' is out of range"),
-    ("temperature", float("nan"), "finite"),
-    ("num_predict", -3, "'num_predict'"),
-    ("num_ctx", 0, "'num_ctx' is out of range"),
-    ("stop", 5, "'stop' must be a string or a list of strings"),
-    ("stop", ["a", 1], "'stop' must be a string or a list of strings"),
-    ("backend", "tensorflow", "unknown backend"),
-    ("kv_cache_type", "q3", "unknown KV cache type"),
-    ("speculative", "sometimes", "'speculative' must be one of"),
-    ("draft_model", 3, "'draft_model' must be a model name"),
-    ("num_draft", 1000, "'num_draft' is out of range"),
-])
+@pytest.mark.parametrize(
+    "name,value,message",
+    [
+        ("temprature", 0.5, "unknown option 'temprature'"),
+        ("temperature", "hot", "'temperature' must be a number"),
+        ("temperature", True, "'temperature' must be a number, got a boolean"),
+        ("top_k", 1.5, "'top_k' must be an integer"),
+        ("top_k", False, "'top_k' must be an integer, got a boolean"),
+        ("num_ctx", "2048", "'num_ctx' must be an integer, got a string"),
+        ("seed", None, "'seed' must be an integer, got null"),
+        ("top_p", 1.5, "'top_p' is out of range"),
+        ("temperature", -1, "'temperature' is out of range"),
+        ("temperature", float("nan"), "finite"),
+        ("num_predict", -3, "'num_predict'"),
+        ("num_ctx", 0, "'num_ctx' is out of range"),
+        ("stop", 5, "'stop' must be a string or a list of strings"),
+        ("stop", ["a", 1], "'stop' must be a string or a list of strings"),
+        ("backend", "tensorflow", "unknown backend"),
+        ("kv_cache_type", "q3", "unknown KV cache type"),
+        ("speculative", "sometimes", "'speculative' must be one of"),
+        ("draft_model", 3, "'draft_model' must be a model name"),
+        ("num_draft", 1000, "'num_draft' is out of range"),
+    ],
+)
 def test_bad_values_name_the_option(name: str, value: object, message: str) -> None:
     with pytest.raises(OptionError, match=message.replace("(", r"\(")):
         Options.merge({name: value})
 
 
 def test_normalisation() -> None:
-    o = Options.merge({"stop": "END", "top_k": 20.0, "temperature": 1, "backend": "LLAMA.CPP",
-                       "kv_cache_type": "int8", "speculative": "Lookup", "draft_num_predict": 5})
+    o = Options.merge(
+        {
+            "stop": "END",
+            "top_k": 20.0,
+            "temperature": 1,
+            "backend": "LLAMA.CPP",
+            "kv_cache_type": "int8",
+            "speculative": "Lookup",
+            "draft_num_predict": 5,
+        }
+    )
     assert o.stop == ["END"] and o.top_k == 20 and isinstance(o.top_k, int)
     assert o.temperature == 1.0 and isinstance(o.temperature, float)
     assert (o.backend, o.kv_cache_type, o.speculative, o.num_draft) == ("llama.cpp", "q8_0", "lookup", 5)
@@ -99,14 +119,18 @@ def test_text_values_from_modelfile_and_set_parameter() -> None:
     with pytest.raises(OptionError, match="'num_ctx' must be an integer"):
         parse_option_value("num_ctx", "big")
     # Modelfile layers may hold text; they are converted, request layers are not
-    o = Options.merge({"temperature": "0.3", "num_ctx": "1024", "num_gqa": 8}, {"top_k": 5}, lenient=(True, False))
+    o = Options.merge(
+        {"temperature": "0.3", "num_ctx": "1024", "num_gqa": 8}, {"top_k": 5}, lenient=(True, False)
+    )
     assert (o.temperature, o.num_ctx, o.top_k) == (0.3, 1024, 5)  # unknown model parameters are skipped
     with pytest.raises(OptionError, match="unknown option 'num_gqa'"):
         Options.merge({}, {"num_gqa": 8}, lenient=(True, False))
 
 
 def test_views_for_the_backend() -> None:
-    o = Options.merge({"temperature": 0, "seed": 42, "num_ctx": 100_000, "num_thread": 3, "kv_cache_type": "q8_0"})
+    o = Options.merge(
+        {"temperature": 0, "seed": 42, "num_ctx": 100_000, "num_thread": 3, "kv_cache_type": "q8_0"}
+    )
     s = o.sampling()
     assert s.greedy and s.seed == 42
     lo = o.load_options(model_context_length=8192)

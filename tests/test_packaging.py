@@ -11,8 +11,13 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPED = {"localrt": "localrt", "backends": "localrt.backends", "converters": "localrt.converters",
-          "tui": "localrt.tui", "models": "localrt.catalog"}
+MAPPED = {
+    "localrt": "localrt",
+    "backends": "localrt.backends",
+    "converters": "localrt.converters",
+    "tui": "localrt.tui",
+    "models": "localrt.catalog",
+}
 
 
 def test_every_package_folder_is_listed() -> None:
@@ -27,7 +32,16 @@ def test_every_package_folder_is_listed() -> None:
 
 
 def test_top_level_layout() -> None:
-    for entry in ("pyproject.toml", "README.md", "localrt", "backends", "converters", "tui", "tests", "models"):
+    for entry in (
+        "pyproject.toml",
+        "README.md",
+        "localrt",
+        "backends",
+        "converters",
+        "tui",
+        "tests",
+        "models",
+    ):
         assert (ROOT / entry).exists(), entry
 
 

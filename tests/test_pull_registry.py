@@ -49,16 +49,26 @@ def blob_gets(server: Registry | BlobHost, digest: str) -> list:
 def real_pull(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     with Registry() as server:
         manifest_digest, layer = server.add_model(
-            "library/smollm2", "135m", smollm2_gguf,
-            template="{{ .Prompt }}", params={"temperature": 0.2, "stop": ["<|im_end|>"]},
+            "library/smollm2",
+            "135m",
+            smollm2_gguf,
+            template="{{ .Prompt }}",
+            params={"temperature": 0.2, "stop": ["<|im_end|>"]},
         )
         store = Store(tmp_path_factory.mktemp("real") / "models")
         events: list[Progress] = []
         name = f"{server.address}/library/smollm2:135m"
         started = time.monotonic()
         result = pull(name, store=store, insecure=True, progress=events.append)
-        yield {"server": server, "store": store, "events": events, "name": result, "layer": layer,
-               "manifest_digest": manifest_digest, "seconds": time.monotonic() - started}
+        yield {
+            "server": server,
+            "store": store,
+            "events": events,
+            "name": result,
+            "layer": layer,
+            "manifest_digest": manifest_digest,
+            "seconds": time.monotonic() - started,
+        }
 
 
 def test_real_smollm2_pull_is_verified_and_listed(real_pull: dict, smollm2_gguf: Path) -> None:
@@ -87,7 +97,9 @@ def test_real_pull_progress_is_ollamas(real_pull: dict) -> None:
     assert statuses[-3:] == ["verifying sha256 digest", "writing manifest", "success"]
     layer = real_pull["layer"]
     mine = [e for e in events if e.digest == layer["digest"]]
-    assert mine and all(e.status == f"pulling {layer['digest'][7:19]}" and e.total == layer["size"] for e in mine)
+    assert mine and all(
+        e.status == f"pulling {layer['digest'][7:19]}" and e.total == layer["size"] for e in mine
+    )
     assert [e.completed for e in mine] == sorted(e.completed for e in mine)  # monotonic
     assert mine[-1].completed == layer["size"]
 
@@ -113,14 +125,19 @@ def test_a_server_that_ignores_range_restarts_cleanly(registry: Registry, store:
     assert store.resolve(name).model_path.read_bytes() == payload  # the 200 body replaced the partial
 
 
-def test_killed_pull_resumes_from_the_partial_file(registry: Registry, store: Store, models_dir: Path) -> None:
+def test_killed_pull_resumes_from_the_partial_file(
+    registry: Registry, store: Store, models_dir: Path
+) -> None:
     payload = os.urandom(6_000_000)
     _, layer = registry.add_model("library/slow", "1", payload)
     registry.delay = 0.02  # 64 KiB per 20 ms: the first pull is still running when it is killed
     name = f"{registry.address}/library/slow:1"
-    proc = subprocess.Popen([sys.executable, "-m", "localrt", "pull", name, "--insecure"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "LOCALRT_MODELS": str(models_dir)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localrt", "pull", name, "--insecure"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "LOCALRT_MODELS": str(models_dir)},
+    )
     partial = store.partial_path(layer["digest"])
     deadline = time.monotonic() + 60
     while not (partial.exists() and partial.stat().st_size > 500_000):
@@ -152,11 +169,16 @@ def test_wrong_bytes_are_rejected_and_nothing_is_written(registry: Registry, sto
     assert not store.partial_path(layer["digest"]).exists()
 
 
-def test_traversal_digest_in_manifest_writes_nothing(registry: Registry, store: Store, tmp_path: Path) -> None:
+def test_traversal_digest_in_manifest_writes_nothing(
+    registry: Registry, store: Store, tmp_path: Path
+) -> None:
     good = registry.add_blob(b"config")
-    manifest = {"schemaVersion": 2, "mediaType": MANIFEST_MEDIA_TYPE,
-                "config": {"mediaType": "application/vnd.docker.container.image.v1+json", **good},
-                "layers": [{"mediaType": MEDIA_MODEL, "digest": "sha256:../../x", "size": 10}]}
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": MANIFEST_MEDIA_TYPE,
+        "config": {"mediaType": "application/vnd.docker.container.image.v1+json", **good},
+        "layers": [{"mediaType": MEDIA_MODEL, "digest": "sha256:../../x", "size": 10}],
+    }
     registry.add_manifest("library/evil", "1", manifest)
     before = files_under(tmp_path)
     with pytest.raises(PullError, match="invalid manifest.*invalid digest"):
@@ -229,12 +251,19 @@ def test_unreachable_registry_fails_fast(store: Store, name: str) -> None:
 
 def test_layer_bigger_than_the_disk_is_refused_up_front(registry: Registry, store: Store) -> None:
     config = registry.add_blob(b"{}")
-    registry.add_manifest("library/huge", "1", {
-        "schemaVersion": 2, "mediaType": MANIFEST_MEDIA_TYPE,
-        "config": {"mediaType": "application/vnd.docker.container.image.v1+json", **config},
-        "layers": [{"mediaType": MEDIA_MODEL, "digest": "sha256:" + "ab" * 32, "size": 10**18}],
-    })
-    with pytest.raises(PullError, match=re.escape(f"not enough disk space: need {format_bytes(10**18)}, have ")):
+    registry.add_manifest(
+        "library/huge",
+        "1",
+        {
+            "schemaVersion": 2,
+            "mediaType": MANIFEST_MEDIA_TYPE,
+            "config": {"mediaType": "application/vnd.docker.container.image.v1+json", **config},
+            "layers": [{"mediaType": MEDIA_MODEL, "digest": "sha256:" + "ab" * 32, "size": 10**18}],
+        },
+    )
+    with pytest.raises(
+        PullError, match=re.escape(f"not enough disk space: need {format_bytes(10**18)}, have ")
+    ):
         pull(f"{registry.address}/library/huge:1", store=store, insecure=True)
     assert not registry.seen(contains="/blobs/")
 
@@ -251,8 +280,9 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", str(mount)], check=False)
 
 
-def test_disk_filling_up_mid_blob_keeps_the_partial(registry: Registry, tiny_disk: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_filling_up_mid_blob_keeps_the_partial(
+    registry: Registry, tiny_disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _, layer = registry.add_model("library/big", "1", os.urandom(3_000_000))
     # skip the up-front check so the write itself meets ENOSPC
     monkeypatch.setattr("localrt.store.sources.oci.check_free_space", lambda store, needed: None)

@@ -25,8 +25,15 @@ QT = GGMLQuantizationType
 def _ggml() -> ctypes.CDLL:
     lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.ggml_quantize_chunk.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+    ]
     return lib
 
 
@@ -115,8 +122,18 @@ def test_float_types() -> None:
 
 
 # ---- file types: our plan + encoders vs llama_model_quantize ----------------------------------------
-def write_tiny_gguf(path: Path, n_embd: int, n_ff: int, n_layer: int, n_head: int, n_kv: int, n_vocab: int,
-                    tied: bool, dtype: type, seed: int = 0) -> dict[str, np.ndarray]:
+def write_tiny_gguf(
+    path: Path,
+    n_embd: int,
+    n_ff: int,
+    n_layer: int,
+    n_head: int,
+    n_kv: int,
+    n_vocab: int,
+    tied: bool,
+    dtype: type,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
     """A random-weight llama GGUF (F32 or F16 matrices, F32 norms), the input llama-quantize expects."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -134,16 +151,25 @@ def write_tiny_gguf(path: Path, n_embd: int, n_ff: int, n_layer: int, n_head: in
     w.add_token_scores([0.0] * n_vocab)
     w.add_token_types([1] * n_vocab)
     hd = n_embd // n_head
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (n_vocab, n_embd), "output_norm.weight": (n_embd,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (n_vocab, n_embd),
+        "output_norm.weight": (n_embd,),
+    }
     if not tied:
         shapes["output.weight"] = (n_vocab, n_embd)
     for i in range(n_layer):
         p = f"blk.{i}."
-        shapes |= {p + "attn_norm.weight": (n_embd,), p + "attn_q.weight": (n_embd, n_embd),
-                   p + "attn_k.weight": (n_kv * hd, n_embd), p + "attn_v.weight": (n_kv * hd, n_embd),
-                   p + "attn_output.weight": (n_embd, n_embd), p + "ffn_norm.weight": (n_embd,),
-                   p + "ffn_gate.weight": (n_ff, n_embd), p + "ffn_up.weight": (n_ff, n_embd),
-                   p + "ffn_down.weight": (n_embd, n_ff)}
+        shapes |= {
+            p + "attn_norm.weight": (n_embd,),
+            p + "attn_q.weight": (n_embd, n_embd),
+            p + "attn_k.weight": (n_kv * hd, n_embd),
+            p + "attn_v.weight": (n_kv * hd, n_embd),
+            p + "attn_output.weight": (n_embd, n_embd),
+            p + "ffn_norm.weight": (n_embd,),
+            p + "ffn_gate.weight": (n_ff, n_embd),
+            p + "ffn_up.weight": (n_ff, n_embd),
+            p + "ffn_down.weight": (n_embd, n_ff),
+        }
     data = {}
     for name, shape in shapes.items():
         a = (rng.standard_normal(shape) * 0.02).astype(np.float32)
@@ -166,9 +192,13 @@ def llama_quantize(src: Path, dst: Path, file_type: str) -> None:
 
 MODELS = {
     # rows that are multiples of 256: every k-quant path; GQA 4 (the Q2_K attn_v rule)
-    "k256": dict(n_embd=256, n_ff=256, n_layer=8, n_head=4, n_kv=1, n_vocab=256, tied=False, dtype=np.float32),
+    "k256": dict(
+        n_embd=256, n_ff=256, n_layer=8, n_head=4, n_kv=1, n_vocab=256, tied=False, dtype=np.float32
+    ),
     # 96-wide rows: the 32-block fallbacks; 16 layers (Q3_K_M's n/16 rule); tied embeddings; F16 input
-    "fallback96": dict(n_embd=96, n_ff=160, n_layer=16, n_head=3, n_kv=3, n_vocab=256, tied=True, dtype=np.float16),
+    "fallback96": dict(
+        n_embd=96, n_ff=160, n_layer=16, n_head=3, n_kv=3, n_vocab=256, tied=True, dtype=np.float16
+    ),
 }
 
 
@@ -194,15 +224,33 @@ def test_file_type_matches_llama_quantize(tiny_model, file_type: str, tmp_path: 
         want = plan[t.name]
         assert t.tensor_type == want, f"{t.name}: llama.cpp chose {t.tensor_type.name}, we chose {want.name}"
         ours = quants.quantize(data[t.name].astype(np.float32), want)
-        assert np.asarray(ours).tobytes() == np.asarray(t.data).tobytes(), f"{t.name} ({want.name}) bytes differ"
+        assert np.asarray(ours).tobytes() == np.asarray(t.data).tobytes(), (
+            f"{t.name} ({want.name}) bytes differ"
+        )
 
 
 def test_use_more_bits_layers() -> None:
     # llama.cpp's sets for common depths (reference notes, section 3.2)
     assert [i for i in range(16) if mixes._use_more_bits(i, 16)] == [0, 1, 4, 7, 10, 13, 14, 15]
     assert [i for i in range(22) if mixes._use_more_bits(i, 22)] == [0, 1, 4, 7, 10, 13, 16, 19, 20, 21]
-    assert [i for i in range(32) if mixes._use_more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29,
-                                                                   30, 31]
+    assert [i for i in range(32) if mixes._use_more_bits(i, 32)] == [
+        0,
+        1,
+        2,
+        3,
+        6,
+        9,
+        12,
+        15,
+        18,
+        21,
+        24,
+        27,
+        28,
+        29,
+        30,
+        31,
+    ]
 
 
 def test_parse_file_type() -> None:

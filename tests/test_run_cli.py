@@ -41,8 +41,14 @@ def free_port() -> int:
 
 def localrt(*args: str, stdin: str | None = "", timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "LOCALRT_HOST": f"127.0.0.1:{free_port()}"}
-    return subprocess.run([sys.executable, "-m", "localrt", *args], input=stdin, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "localrt", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def test_one_shot_answers_paris(store: Store) -> None:
@@ -57,8 +63,16 @@ def test_verbose_prints_ollamas_timing_lines(store: Store) -> None:
     assert result.returncode == 0, result.stderr
     lines = result.stderr.strip().splitlines()
     labels = [line.split(":")[0] for line in lines]
-    assert labels == ["total duration", "load duration", "prompt eval count", "prompt eval duration",
-                      "prompt eval rate", "eval count", "eval duration", "eval rate"]
+    assert labels == [
+        "total duration",
+        "load duration",
+        "prompt eval count",
+        "prompt eval duration",
+        "prompt eval rate",
+        "eval count",
+        "eval duration",
+        "eval rate",
+    ]
     assert re.fullmatch(r"prompt eval count:    \d+ token\(s\)", lines[2])
     assert re.fullmatch(r"eval rate:            \d+\.\d\d tokens/s", lines[-1])
     assert re.fullmatch(r"total duration:       [\d.]+(s|ms)", lines[0])
@@ -71,26 +85,37 @@ def test_stdin_is_the_prompt(store: Store) -> None:
 
 
 def test_format_json(store: Store) -> None:
-    result = localrt("run", "smollm2:135m", "Describe Paris as JSON with name and country.", "--format", "json")
+    result = localrt(
+        "run", "smollm2:135m", "Describe Paris as JSON with name and country.", "--format", "json"
+    )
     assert result.returncode == 0, result.stderr
     assert isinstance(json.loads(result.stdout), dict)
 
 
 def test_lookup_speculation_flag(store: Store) -> None:
-    result = localrt("run", "smollm2:135m", "Repeat exactly: red green blue, red green blue, red green blue.",
-                     "--spec", "lookup", "--verbose")
+    result = localrt(
+        "run",
+        "smollm2:135m",
+        "Repeat exactly: red green blue, red green blue, red green blue.",
+        "--spec",
+        "lookup",
+        "--verbose",
+    )
     assert result.returncode == 0, result.stderr
     assert "draft accepted:" in result.stderr and "eval rate:" in result.stderr.splitlines()[-1]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["run", "nosuch:1b", "hi", "--backend", "tensorflow"], "unknown backend 'tensorflow'"),
-    (["run", "smollm2:135m", "hi", "--spec", "self"], "'self' is not supported by the llama.cpp backend"),
-    (["run", "smollm2:135m", "hi", "--keepalive", "soon"], "invalid duration"),
-    (["run", "smollm2:135m", "hi", "--format", "yaml"], "invalid format"),
-    (["run", "smollm2:135m", "hi", "--draft", "nosuch:draft"], "draft model 'nosuch:draft' not found"),
-    (["run", "127.0.0.1:9/library/nosuch:latest", "hi"], "Error:"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["run", "nosuch:1b", "hi", "--backend", "tensorflow"], "unknown backend 'tensorflow'"),
+        (["run", "smollm2:135m", "hi", "--spec", "self"], "'self' is not supported by the llama.cpp backend"),
+        (["run", "smollm2:135m", "hi", "--keepalive", "soon"], "invalid duration"),
+        (["run", "smollm2:135m", "hi", "--format", "yaml"], "invalid format"),
+        (["run", "smollm2:135m", "hi", "--draft", "nosuch:draft"], "draft model 'nosuch:draft' not found"),
+        (["run", "127.0.0.1:9/library/nosuch:latest", "hi"], "Error:"),
+    ],
+)
 def test_errors_are_one_line(store: Store, args: list[str], message: str) -> None:
     result = localrt(*args)
     assert result.returncode == 1
@@ -102,22 +127,30 @@ def test_errors_are_one_line(store: Store, args: list[str], message: str) -> Non
 def test_backend_not_installed_is_one_line(store: Store, without_mlx: None) -> None:
     result = localrt("run", "smollm2:135m", "hi", "--backend", "mlx")
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == ("Error: backend mlx is not available: mlx is not installed; "
-                                     "pip install 'localrt[mlx]'")
+    assert result.stderr.strip() == (
+        "Error: backend mlx is not available: mlx is not installed; pip install 'localrt[mlx]'"
+    )
 
 
 def test_auto_pull_when_missing(models_dir: Path, smollm2_gguf: Path) -> None:
     from tests.servers.registry import Registry
 
     with Registry() as registry:
-        registry.add_model("library/smollm2", "135m", smollm2_gguf, template="{{ .Prompt }}",
-                           params={**PARAMS, "num_predict": 8})
+        registry.add_model(
+            "library/smollm2",
+            "135m",
+            smollm2_gguf,
+            template="{{ .Prompt }}",
+            params={**PARAMS, "num_predict": 8},
+        )
         name = f"{registry.address}/library/smollm2:135m"
         result = localrt("run", name, "Hello", "--insecure")
     assert result.returncode == 0, result.stderr
     assert "pulling" in result.stderr and "success" in result.stderr
     assert result.stdout.strip()
-    assert Store(models_dir).exists(__import__("localrt.store.names", fromlist=["parse_name"]).parse_name(name))
+    assert Store(models_dir).exists(
+        __import__("localrt.store.names", fromlist=["parse_name"]).parse_name(name)
+    )
 
 
 def test_bench_reports_each_concurrency(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,20 +165,33 @@ def test_bench_reports_each_concurrency(store: Store, monkeypatch: pytest.Monkey
         assert r["aggregate_tps"] > 0 and r["decode_tps_median"] > 0
         assert 0 < r["ttft_ms_median"] <= r["ttft_ms_max"] and r["acceptance"] is None
     copy = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog"
-    result = localrt("bench", "smollm2:135m", "--concurrency", "1", "--num-predict", "24", "--spec", "lookup",
-                     "--prompt", copy)
+    result = localrt(
+        "bench",
+        "smollm2:135m",
+        "--concurrency",
+        "1",
+        "--num-predict",
+        "24",
+        "--spec",
+        "lookup",
+        "--prompt",
+        copy,
+    )
     assert result.returncode == 0, result.stderr
     header, row = result.stdout.splitlines()[1:3]
     assert header.split()[0] == "concurrency" and row.split()[0] == "1"
     assert row.split()[-1].endswith("%")  # lookup drafted, so an acceptance rate is shown
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--concurrency", "0"], "--concurrency must be"),
-    (["--concurrency", "two"], "--concurrency must be"),
-    (["--num-predict", "0"], "--num-predict must be at least 1"),
-    (["--spec", "fast"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--concurrency", "0"], "--concurrency must be"),
+        (["--concurrency", "two"], "--concurrency must be"),
+        (["--num-predict", "0"], "--num-predict must be at least 1"),
+        (["--spec", "fast"], "invalid choice"),
+    ],
+)
 def test_bench_bad_arguments(store: Store, args: list[str], message: str) -> None:
     result = localrt("bench", "smollm2:135m", *args)
     assert result.returncode != 0 and message in result.stderr
@@ -185,7 +231,9 @@ class Terminal:
                 try:
                     self.seen += os.read(self.master, 65536).decode("utf-8", "replace")
                 except OSError:  # the child closed the terminal
-                    raise AssertionError(f"terminal closed waiting for {pattern!r}; got:\n{self.seen}") from None
+                    raise AssertionError(
+                        f"terminal closed waiting for {pattern!r}; got:\n{self.seen}"
+                    ) from None
         return self.seen
 
     def send(self, text: str) -> None:

@@ -76,8 +76,11 @@ def test_two_turn_chat_keeps_context_and_evaluates_only_new_tokens(store: Store)
         rt = Runtime(store)
         try:
             first, done1 = await collect(rt.chat("smollm2:135m", FRANCE))
-            history = [*FRANCE, {"role": "assistant", "content": first},
-                       {"role": "user", "content": "And what is the capital of Germany?"}]
+            history = [
+                *FRANCE,
+                {"role": "assistant", "content": first},
+                {"role": "user", "content": "And what is the capital of Germany?"},
+            ]
             second, done2 = await collect(rt.chat("smollm2:135m", history))
             assert "Berlin" in second
             _, p1 = await rt.render("smollm2:135m", [{"role": "system", "content": SYSTEM}, *FRANCE])
@@ -101,12 +104,23 @@ def test_generate_raw_context_and_json(store: Store) -> None:
         try:
             text, final = await collect(rt.generate("smollm2:135m", "What is the capital of France?"))
             assert "Paris" in text and final.context and len(final.context) > 10
-            raw, _ = await collect(rt.generate(
-                "smollm2:135m", "<|im_start|>user\nSay hello<|im_end|>\n<|im_start|>assistant\n", raw=True,
-                options={"num_predict": 8}))
+            raw, _ = await collect(
+                rt.generate(
+                    "smollm2:135m",
+                    "<|im_start|>user\nSay hello<|im_end|>\n<|im_start|>assistant\n",
+                    raw=True,
+                    options={"num_predict": 8},
+                )
+            )
             assert raw.strip()
-            js, _ = await collect(rt.generate("smollm2:135m", "A JSON object with a name and an age.",
-                                              format="json", options={"num_predict": 60}))
+            js, _ = await collect(
+                rt.generate(
+                    "smollm2:135m",
+                    "A JSON object with a name and an age.",
+                    format="json",
+                    options={"num_predict": 60},
+                )
+            )
             assert isinstance(json.loads(js), dict)
             with pytest.raises(LocalrtError, match="raw mode"):
                 await collect(rt.generate("smollm2:135m", "x", raw=True, system="s"))
@@ -122,8 +136,16 @@ def test_stop_option_logprobs_and_options_precedence(store: Store) -> None:
         try:
             text, final = await collect(rt.chat("smollm2:135m", FRANCE, options={"stop": ["Paris"]}))
             assert "Paris" not in text and final.done_reason == "stop"
-            _, final = await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 3},
-                                             logprobs=True, top_logprobs=2, stream=False))
+            _, final = await collect(
+                rt.chat(
+                    "smollm2:135m",
+                    FRANCE,
+                    options={"num_predict": 3},
+                    logprobs=True,
+                    top_logprobs=2,
+                    stream=False,
+                )
+            )
             assert final.done_reason == "length" and final.metrics and final.metrics.eval_count == 3
             assert final.logprobs and len(final.logprobs) == 3 and len(final.logprobs[0]["top_logprobs"]) == 2
         finally:
@@ -137,11 +159,18 @@ def test_embed_tokenize_score(store: Store) -> None:
         rt = Runtime(store)
         try:
             result = await rt.embed("smollm2:135m", ["hello world", "goodbye"])
-            assert len(result.embeddings) == 2 and len(result.embeddings[0]) == 576 and result.prompt_eval_count > 0
+            assert (
+                len(result.embeddings) == 2
+                and len(result.embeddings[0]) == 576
+                and result.prompt_eval_count > 0
+            )
             ids = await rt.tokenize("smollm2:135m", "Hello world")
             assert await rt.detokenize("smollm2:135m", ids) == "Hello world"
             scored = await rt.score("smollm2:135m", "The capital of France is Paris.")
-            assert len(scored.logprobs) == len(await rt.tokenize("smollm2:135m", "The capital of France is Paris.")) - 1
+            assert (
+                len(scored.logprobs)
+                == len(await rt.tokenize("smollm2:135m", "The capital of France is Paris.")) - 1
+            )
         finally:
             await rt.close()
 
@@ -209,10 +238,14 @@ def test_queue_limit_answers_busy(store: Store) -> None:
             story = [{"role": "user", "content": "Tell me a very long story about dragons."}]
             first = rt.chat("smollm2:135m", story, options={"num_predict": 300})
             await first.__anext__()  # running, holding the model
-            waiting = asyncio.ensure_future(collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 1})))
+            waiting = asyncio.ensure_future(
+                collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 1}))
+            )
             await asyncio.sleep(0.05)  # queued
             assert rt.queue_depth() == {"smollm2:135m": 2}
-            with pytest.raises(ServerBusy, match="server busy, please try again.  maximum pending requests exceeded"):
+            with pytest.raises(
+                ServerBusy, match="server busy, please try again.  maximum pending requests exceeded"
+            ):
                 await collect(rt.chat("smollm2:135m", FRANCE))
             await first.aclose()  # the client went away: generation stops, the queue moves on
             _, done = await waiting
@@ -224,8 +257,9 @@ def test_queue_limit_answers_busy(store: Store) -> None:
 
 
 @pytest.mark.parametrize("backend,parallel", [("llama.cpp", "2"), ("torch", "")])
-def test_parallel_slots_serve_requests_side_by_side(store: Store, monkeypatch: pytest.MonkeyPatch,
-                                                    backend: str, parallel: str) -> None:
+def test_parallel_slots_serve_requests_side_by_side(
+    store: Store, monkeypatch: pytest.MonkeyPatch, backend: str, parallel: str
+) -> None:
     """Two slots on llama.cpp (LOCALRT_NUM_PARALLEL=2), the torch engine's batch by default: a short
     request finishes while a long one is still streaming."""
     if backend == "torch":
@@ -236,8 +270,11 @@ def test_parallel_slots_serve_requests_side_by_side(store: Store, monkeypatch: p
         rt = Runtime(store)
         try:
             story = [{"role": "user", "content": "Tell me a very long story about dragons."}]
-            long = rt.chat("smollm2:135m", story,
-                           options={"num_predict": 900, "temperature": 0.8, "seed": 1, "backend": backend})
+            long = rt.chat(
+                "smollm2:135m",
+                story,
+                options={"num_predict": 900, "temperature": 0.8, "seed": 1, "backend": backend},
+            )
             await long.__anext__()  # streaming, holding one slot
             text, done = await collect(rt.chat("smollm2:135m", FRANCE, options={"backend": backend}))
             assert "Paris" in text and done.done_reason == "stop"
@@ -276,7 +313,9 @@ def test_one_slot_serves_waiting_requests_in_arrival_order(store: Store) -> None
     asyncio.run(scenario())
 
 
-def test_each_conversation_keeps_its_slot_and_its_prefix(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_conversation_keeps_its_slot_and_its_prefix(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two slots, two interleaved conversations: each second turn evaluates only its new tokens."""
     monkeypatch.setenv("LOCALRT_NUM_PARALLEL", "2")
 
@@ -304,7 +343,9 @@ def test_load_time_option_change_reloads(store: Store) -> None:
         rt = Runtime(store)
         try:
             await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 1}))
-            _, final = await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 1, "num_ctx": 512}))
+            _, final = await collect(
+                rt.chat("smollm2:135m", FRANCE, options={"num_predict": 1, "num_ctx": 512})
+            )
             assert final.metrics and final.metrics.load_ns > 0 and rt.ps()[0].context_length == 512
         finally:
             await rt.close()
@@ -314,16 +355,27 @@ def test_load_time_option_change_reloads(store: Store) -> None:
 
 def test_speculative_through_the_runtime(store: Store, smollm2_gguf: Path) -> None:
     import_model(store, "smollm2:draft", smollm2_gguf, draft=smollm2_gguf)
-    copy = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog, "
-                                        "the quick brown fox jumps over the lazy dog."}]
+    copy = [
+        {
+            "role": "user",
+            "content": "Repeat exactly: the quick brown fox jumps over the lazy dog, "
+            "the quick brown fox jumps over the lazy dog.",
+        }
+    ]
 
     async def scenario() -> None:
         rt = Runtime(store)
         try:
-            plain, _ = await collect(rt.chat("smollm2:135m", copy, options={"num_predict": 30, "speculative": "off"}))
-            looked, fin = await collect(rt.chat("smollm2:135m", copy, options={"num_predict": 30, "speculative": "lookup"}))
+            plain, _ = await collect(
+                rt.chat("smollm2:135m", copy, options={"num_predict": 30, "speculative": "off"})
+            )
+            looked, fin = await collect(
+                rt.chat("smollm2:135m", copy, options={"num_predict": 30, "speculative": "lookup"})
+            )
             assert looked == plain and fin.metrics and fin.metrics.draft_count > 0
-            drafted, fin = await collect(rt.chat("smollm2:draft", copy, options={"num_predict": 30}))  # auto -> draft
+            drafted, fin = await collect(
+                rt.chat("smollm2:draft", copy, options={"num_predict": 30})
+            )  # auto -> draft
             assert drafted == plain and fin.metrics and fin.metrics.draft_accepted_count > 0
             with pytest.raises(OptionError, match="not supported"):
                 await collect(rt.chat("smollm2:135m", copy, options={"speculative": "self"}))
@@ -333,32 +385,46 @@ def test_speculative_through_the_runtime(store: Store, smollm2_gguf: Path) -> No
     asyncio.run(scenario())
 
 
-def test_bad_requests_fail_clearly_and_the_runtime_keeps_serving(store: Store, smollm2_gguf: Path,
-                                                                 without_mlx: None) -> None:
-    import_model(store, "evil:latest", smollm2_gguf,
-                 template="{{ cycler.__init__.__globals__.os.popen('id').read() }}")
+def test_bad_requests_fail_clearly_and_the_runtime_keeps_serving(
+    store: Store, smollm2_gguf: Path, without_mlx: None
+) -> None:
+    import_model(
+        store, "evil:latest", smollm2_gguf, template="{{ cycler.__init__.__globals__.os.popen('id').read() }}"
+    )
     import_model(store, "tiny:latest", smollm2_gguf, params={**PARAMS, "num_ctx": 64})
 
     async def scenario() -> None:
         rt = Runtime(store)
         try:
             cases: list[tuple[type[Exception], str, Any]] = [
-                (ModelNotFound, "model 'nosuch:latest' not found",
-                 lambda: rt.chat("nosuch", FRANCE)),
-                (OptionError, "unknown option 'temprature'",
-                 lambda: rt.chat("smollm2:135m", FRANCE, options={"temprature": 0.5})),
-                (OptionError, "'num_ctx' must be an integer, got a string",
-                 lambda: rt.chat("smollm2:135m", FRANCE, options={"num_ctx": "2048"})),
-                (OptionError, "'temperature' must be a number, got a boolean",
-                 lambda: rt.chat("smollm2:135m", FRANCE, options={"temperature": True})),
-                (TemplateError, "refused by the sandbox",
-                 lambda: rt.chat("evil", FRANCE)),
-                (LocalrtError, "does not fit the context length of 64 tokens",
-                 lambda: rt.chat("tiny", [{"role": "user", "content": "word " * 200}])),
-                (BackendUnavailable, "backend mlx is not available",
-                 lambda: rt.chat("smollm2:135m", FRANCE, options={"backend": "mlx"})),
-                (LocalrtError, "invalid format",
-                 lambda: rt.chat("smollm2:135m", FRANCE, format="yaml")),
+                (ModelNotFound, "model 'nosuch:latest' not found", lambda: rt.chat("nosuch", FRANCE)),
+                (
+                    OptionError,
+                    "unknown option 'temprature'",
+                    lambda: rt.chat("smollm2:135m", FRANCE, options={"temprature": 0.5}),
+                ),
+                (
+                    OptionError,
+                    "'num_ctx' must be an integer, got a string",
+                    lambda: rt.chat("smollm2:135m", FRANCE, options={"num_ctx": "2048"}),
+                ),
+                (
+                    OptionError,
+                    "'temperature' must be a number, got a boolean",
+                    lambda: rt.chat("smollm2:135m", FRANCE, options={"temperature": True}),
+                ),
+                (TemplateError, "refused by the sandbox", lambda: rt.chat("evil", FRANCE)),
+                (
+                    LocalrtError,
+                    "does not fit the context length of 64 tokens",
+                    lambda: rt.chat("tiny", [{"role": "user", "content": "word " * 200}]),
+                ),
+                (
+                    BackendUnavailable,
+                    "backend mlx is not available",
+                    lambda: rt.chat("smollm2:135m", FRANCE, options={"backend": "mlx"}),
+                ),
+                (LocalrtError, "invalid format", lambda: rt.chat("smollm2:135m", FRANCE, format="yaml")),
             ]
             for error, message, make in cases:
                 with pytest.raises(error, match=message) as info:

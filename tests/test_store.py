@@ -25,7 +25,11 @@ def put_model(store: Store, name: str, payload: bytes, params: dict | None = Non
         d, s = store.add_blob_bytes(json.dumps(params).encode())
         layers.append({"mediaType": MEDIA_PARAMS, "digest": d, "size": s})
     cfg_digest, cfg_size = store.add_blob_bytes(b'{"model_format":"gguf"}')
-    cfg = {"mediaType": "application/vnd.docker.container.image.v1+json", "digest": cfg_digest, "size": cfg_size}
+    cfg = {
+        "mediaType": "application/vnd.docker.container.image.v1+json",
+        "digest": cfg_digest,
+        "size": cfg_size,
+    }
     return store.write_manifest(parse_name(name), Store.build_manifest(cfg, layers))
 
 
@@ -124,9 +128,16 @@ def test_reads_an_existing_ollama_store(tmp_path: Path) -> None:
         hexd = hashlib.sha256(data).hexdigest()
         (blobs / f"sha256-{hexd}").write_bytes(data)
         layers.append({"mediaType": media, "digest": f"sha256:{hexd}", "size": len(data)})
-    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
-                "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
-                           "digest": layers[1]["digest"], "size": layers[1]["size"]}, "layers": layers}
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+        "config": {
+            "mediaType": "application/vnd.docker.container.image.v1+json",
+            "digest": layers[1]["digest"],
+            "size": layers[1]["size"],
+        },
+        "layers": layers,
+    }
     path = tmp_path / "manifests" / "registry.ollama.ai" / "library" / "llama3.2" / "latest"
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(manifest, indent=3))

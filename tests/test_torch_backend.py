@@ -21,7 +21,7 @@ from localrt.backends.torch import TorchBackend, TorchModel  # noqa: E402
 from localrt.errors import LocalrtError  # noqa: E402
 from tests.test_torch_model import english_text  # noqa: E402
 
-CHAT = ("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
+CHAT = "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 
 
@@ -63,14 +63,28 @@ def test_capabilities() -> None:
 def test_tokens_are_llama_cpp_tokens(model: TorchModel, smollm2_gguf: Path) -> None:
     vocab = llama_cpp.Llama(str(smollm2_gguf), vocab_only=True, verbose=False)
     text = english_text()[:3000] + " Ünïcödé 東京 🚀 <|im_start|>"
-    assert model.tokenize(text, parse_special=True) == vocab.tokenize(text.encode(), add_bos=True, special=True)
+    assert model.tokenize(text, parse_special=True) == vocab.tokenize(
+        text.encode(), add_bos=True, special=True
+    )
 
 
 def test_concurrent_streams_match_solo_runs(model: TorchModel) -> None:
-    questions = ["What is the capital of France?", "Name three fruits.", "Write a haiku about rain.",
-                 "What is 2 + 2?", "Say hello in Spanish.", "What colour is the sky?"]
-    requests = [GenerateRequest(chat(model, q), GREEDY if i % 2 else SamplingParams(temperature=0.8, seed=i),
-                                num_predict=12 + 3 * i) for i, q in enumerate(questions)]
+    questions = [
+        "What is the capital of France?",
+        "Name three fruits.",
+        "Write a haiku about rain.",
+        "What is 2 + 2?",
+        "Say hello in Spanish.",
+        "What colour is the sky?",
+    ]
+    requests = [
+        GenerateRequest(
+            chat(model, q),
+            GREEDY if i % 2 else SamplingParams(temperature=0.8, seed=i),
+            num_predict=12 + 3 * i,
+        )
+        for i, q in enumerate(questions)
+    ]
 
     async def together() -> list[list[int]]:
         results = await asyncio.gather(*(collect(model, r) for r in requests))
@@ -97,8 +111,9 @@ def test_prefix_cache_cuts_time_to_first_token(model: TorchModel) -> None:
 
     async def scenario() -> tuple[float, float, int]:
         _, _, cold = await collect(model, GenerateRequest(first, GREEDY, num_predict=1))
-        _, done, warm = await collect(model, GenerateRequest(chat(model, "Who wrote it?", system=system), GREEDY,
-                                                               num_predict=1))
+        _, done, warm = await collect(
+            model, GenerateRequest(chat(model, "Who wrote it?", system=system), GREEDY, num_predict=1)
+        )
         return cold, warm, done.timings.prompt_eval_count
 
     cold, warm, evaluated = asyncio.run(scenario())
@@ -122,7 +137,9 @@ def test_score_perplexity_matches_llama_cpp(model: TorchModel, smollm2_gguf: Pat
 
 
 def test_embed_is_normalized_and_deterministic(model: TorchModel) -> None:
-    a, b, a2 = asyncio.run(model.embed(["The cat sat on the mat.", "Quantum chromodynamics", "The cat sat on the mat."]))
+    a, b, a2 = asyncio.run(
+        model.embed(["The cat sat on the mat.", "Quantum chromodynamics", "The cat sat on the mat."])
+    )
     assert len(a) == 576 and abs(np.linalg.norm(a) - 1) < 1e-6
     np.testing.assert_allclose(a, a2, atol=1e-6)
     assert float(np.dot(a, b)) < 0.999
@@ -148,8 +165,16 @@ def test_llama_cpp_numerics_option(tmp_path: Path) -> None:
     from localrt.errors import OptionError
     from tests.gguf_factory import write_tiny_llama
 
-    path = write_tiny_llama(tmp_path / "q41.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_layer=2,
-                            file_type="Q4_1", seed=3)
+    path = write_tiny_llama(
+        tmp_path / "q41.gguf",
+        n_embd=128,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=256,
+        n_layer=2,
+        file_type="Q4_1",
+        seed=3,
+    )
     tokens = [1, *np.random.default_rng(0).integers(5, 250, 40).tolist()]
     llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=128, n_threads=1, verbose=False)  # f16 KV, no FA
     try:
@@ -173,7 +198,9 @@ def test_llama_cpp_numerics_option(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("file_type", ["Q4_1", "Q4_K_M", "Q6_K"])
-def test_fidelity_through_score_against_llama_cpp_blas(file_type: str, smollm2_file: Callable[[str], Path]) -> None:
+def test_fidelity_through_score_against_llama_cpp_blas(
+    file_type: str, smollm2_file: Callable[[str], Path]
+) -> None:
     """Issue 6's bar, measured as `localrt eval` measures (4,096 tokens of English, windows of 512,
     second halves scored: 2,040 tokens): top-1 agreement with llama.cpp at least 98%, perplexity
     within 1%. The reference is llama.cpp built with OpenBLAS, whose batched matmuls compute the
@@ -192,8 +219,10 @@ def test_fidelity_through_score_against_llama_cpp_blas(file_type: str, smollm2_f
         reference_alone = asyncio.run(evaluate(reference, tokens, 512))
     finally:
         model.unload()
-    print(f"\n{file_type}: top-1 {100 * (got.top1 or 0):.2f}%, KL {got.kl:.6f}, perplexity {got.perplexity:.4f} vs "
-          f"llama.cpp (OpenBLAS) {reference_alone.perplexity:.4f} over {got.tokens} tokens")
+    print(
+        f"\n{file_type}: top-1 {100 * (got.top1 or 0):.2f}%, KL {got.kl:.6f}, perplexity {got.perplexity:.4f} vs "
+        f"llama.cpp (OpenBLAS) {reference_alone.perplexity:.4f} over {got.tokens} tokens"
+    )
     assert got.tokens >= 2000
     assert got.top1 is not None and got.top1 >= 0.98, got
     assert abs(got.perplexity / reference_alone.perplexity - 1) < 0.01, (got, reference_alone)

@@ -26,22 +26,35 @@ from localrt.backends.torch.sampling import RequestSampler  # noqa: E402
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None
     or (os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available()),
-    reason="the decode kernel needs Triton and a GPU or Triton's interpreter")
+    reason="the decode kernel needs Triton and a GPU or Triton's interpreter",
+)
 
 GREEDY = SamplingParams(temperature=0.0)
 CFG = LlamaConfig("llama", 64, 256, 64, 128, 2, 8, 2, 8)  # GQA: 4 query heads per KV head
 
 
-def decode_logits(model: Transformer, kv_type: str, lengths: list[int], tables: list[list[int]],
-                  max_seqs: int, static: bool, steps: int = 2) -> tuple[list[torch.Tensor], KVCache]:
+def decode_logits(
+    model: Transformer,
+    kv_type: str,
+    lengths: list[int],
+    tables: list[list[int]],
+    max_seqs: int,
+    static: bool,
+    steps: int = 2,
+) -> tuple[list[torch.Tensor], KVCache]:
     """Prefill every prompt but its last token, then `steps` greedy decode steps -> logits per step."""
-    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+    prompts = [
+        torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths
+    ]
     cache = KVCache(2, 33, 2, 8, kv_type, torch.float32, "cpu")  # block 32: the graphs' scratch block
     graphs = DecodeGraphs(model, cache, 32, max_seqs, 256, "cpu")
     out = []
     with torch.inference_mode():
         prefill = [SeqChunk(n - 1, n - 1, t) for n, t in zip(lengths, tables)]
-        model(torch.tensor([x for p in prompts for x in p[:-1]]), PagedAttention(cache, prefill, "cpu", fused=False))
+        model(
+            torch.tensor([x for p in prompts for x in p[:-1]]),
+            PagedAttention(cache, prefill, "cpu", fused=False),
+        )
         for _ in range(steps):
             chunks = [SeqChunk(1, len(p), t) for p, t in zip(prompts, tables)]
             feed = [p[-1] for p in prompts]
@@ -57,14 +70,19 @@ def decode_logits(model: Transformer, kv_type: str, lengths: list[int], tables: 
 
 
 @needs_triton
-@pytest.mark.parametrize(("kv_type", "lengths", "max_seqs"), [
-    ("f32", [5, 33, 16], 16),  # batch 3 in bucket 4, mixed lengths, a block boundary crossed
-    ("f32", [17], 16),  # bucket 1
-    ("q8_0", [5, 33, 16, 47, 2], 6),  # bucket 6 (capped at max_seqs), quantized K/V written by the path
-])
+@pytest.mark.parametrize(
+    ("kv_type", "lengths", "max_seqs"),
+    [
+        ("f32", [5, 33, 16], 16),  # batch 3 in bucket 4, mixed lengths, a block boundary crossed
+        ("f32", [17], 16),  # bucket 1
+        ("q8_0", [5, 33, 16, 47, 2], 6),  # bucket 6 (capped at max_seqs), quantized K/V written by the path
+    ],
+)
 def test_static_decode_equals_paged_attention(kv_type: str, lengths: list[int], max_seqs: int) -> None:
     model = random_transformer(CFG, seed=3)
-    tables = [[3, 7, 30, 31], [1, 2, 9, 10], [4, 5, 11, 12], [13, 14, 15, 20], [21, 22, 23, 24]][:len(lengths)]
+    tables = [[3, 7, 30, 31], [1, 2, 9, 10], [4, 5, 11, 12], [13, 14, 15, 20], [21, 22, 23, 24]][
+        : len(lengths)
+    ]
     ref, ref_cache = decode_logits(model, kv_type, lengths, tables, max_seqs, static=False)
     got, cache = decode_logits(model, kv_type, lengths, tables, max_seqs, static=True)
     for a, b in zip(got, ref):
@@ -77,8 +95,9 @@ def test_static_decode_equals_paged_attention(kv_type: str, lengths: list[int], 
             assert diff <= (1 if cache.quantized else 1e-4)
 
 
-def run_each(model: Transformer, requests: list[tuple[list[int], SamplingParams]], together: bool,
-             **config: object) -> list[list[int]]:
+def run_each(
+    model: Transformer, requests: list[tuple[list[int], SamplingParams]], together: bool, **config: object
+) -> list[list[int]]:
     options: dict[str, object] = {"context_length": 256, "kv_cache_type": "f32", "max_seqs": 3, **config}
 
     def engine() -> Engine:
@@ -89,13 +108,13 @@ def run_each(model: Transformer, requests: list[tuple[list[int], SamplingParams]
             e = engine()
             seqs = [e.new_sequence(p, s, max_new=12) for p, s in requests]
             e.run(seqs)
-            return [s.tokens[s.prompt_len:] for s in seqs]
+            return [s.tokens[s.prompt_len :] for s in seqs]
         out = []
         for p, s in requests:
             e = engine()
             seq = e.new_sequence(p, s, max_new=12)
             e.run([seq])
-            out.append(seq.tokens[seq.prompt_len:])
+            out.append(seq.tokens[seq.prompt_len :])
         return out
 
 

@@ -64,11 +64,11 @@ def run_workload(engine: Engine, reqs: list[Req]) -> list[Sequence]:
 def solo(model: Transformer, req: Req) -> list[int]:
     engine = make_engine(model, prefix_caching=False)
     (seq,) = run_workload(engine, [Req(req.prompt, req.max_new, req.sampling)])
-    return seq.tokens[len(req.prompt):]
+    return seq.tokens[len(req.prompt) :]
 
 
 def generated(seq: Sequence) -> list[int]:
-    return seq.tokens[seq.prompt_len:]
+    return seq.tokens[seq.prompt_len :]
 
 
 def assert_pool_empty(engine: Engine) -> None:
@@ -86,10 +86,19 @@ def random_requests(n: int, seed: int, *, cancel: bool = True) -> list[Req]:
     rng = np.random.default_rng(seed)
     reqs = []
     for i in range(n):
-        sampling = GREEDY if i % 3 == 0 else SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=1000 + i)
+        sampling = (
+            GREEDY if i % 3 == 0 else SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=1000 + i)
+        )
         cancel_at = int(rng.integers(3, 15)) if cancel and i % 5 == 4 else None
-        reqs.append(Req(rng.integers(3, VOCAB, int(rng.integers(2, 90))).tolist(), int(rng.integers(4, 30)),
-                        sampling, arrival=int(rng.integers(0, 12)), cancel_at=cancel_at))
+        reqs.append(
+            Req(
+                rng.integers(3, VOCAB, int(rng.integers(2, 90))).tolist(),
+                int(rng.integers(4, 30)),
+                sampling,
+                arrival=int(rng.integers(0, 12)),
+                cancel_at=cancel_at,
+            )
+        )
     return reqs
 
 
@@ -153,9 +162,13 @@ def test_chunked_prefill_keeps_decodes_running(model: Transformer) -> None:
 
 
 def test_preemption_by_recompute_keeps_output(model: Transformer) -> None:
-    reqs = [Req(list(range(3 + i, 43 + i)), 40, GREEDY if i % 2 else SamplingParams(temperature=1.0, seed=i))
-            for i in range(6)]
-    engine = make_engine(model, kv_budget_bytes=KVCache.bytes_per_block(2, 2, 16, "f32") * 14, prefix_caching=False)
+    reqs = [
+        Req(list(range(3 + i, 43 + i)), 40, GREEDY if i % 2 else SamplingParams(temperature=1.0, seed=i))
+        for i in range(6)
+    ]
+    engine = make_engine(
+        model, kv_budget_bytes=KVCache.bytes_per_block(2, 2, 16, "f32") * 14, prefix_caching=False
+    )
     seqs = run_workload(engine, reqs)
     assert engine.scheduler.num_preemptions > 0
     for req, seq in zip(reqs, seqs):
@@ -253,11 +266,23 @@ def test_paged_memory_waste_and_admission(model: Transformer) -> None:
     4 max-length sequences admits far more than 4."""
     ctx = 1024
     per_block = KVCache.bytes_per_block(2, 2, 16, "f32")
-    engine = make_engine(model, context_length=ctx, kv_budget_bytes=per_block * 4 * ctx // 16, max_seqs=64,
-                         max_batch_tokens=4096, prefix_caching=False)
+    engine = make_engine(
+        model,
+        context_length=ctx,
+        kv_budget_bytes=per_block * 4 * ctx // 16,
+        max_seqs=64,
+        max_batch_tokens=4096,
+        prefix_caching=False,
+    )
     rng = np.random.default_rng(5)
-    seqs = [engine.new_sequence(rng.integers(3, VOCAB, int(rng.integers(100, 400))).tolist(), GREEDY,
-                                max_new=int(rng.integers(5, 60))) for _ in range(40)]
+    seqs = [
+        engine.new_sequence(
+            rng.integers(3, VOCAB, int(rng.integers(100, 400))).tolist(),
+            GREEDY,
+            max_new=int(rng.integers(5, 60)),
+        )
+        for _ in range(40)
+    ]
     wastes, concurrent = [], 0
     with torch.inference_mode():
         for s in seqs:
@@ -295,11 +320,15 @@ def smollm2_paged(smollm2_gguf: Path) -> tuple[Transformer, list[int], torch.Ten
 def paged_logits(model: Transformer, tokens: list[int], kv_type: str) -> torch.Tensor:
     cache = KVCache(model.cfg.block_count, 16, 3, 64, kv_type, torch.float32, "cpu")
     with torch.inference_mode():
-        return model(torch.tensor(tokens), PagedAttention(cache, [SeqChunk(192, 192, list(range(12)))], "cpu"))
+        return model(
+            torch.tensor(tokens), PagedAttention(cache, [SeqChunk(192, 192, list(range(12)))], "cpu")
+        )
 
 
 @pytest.mark.parametrize("kv_type", ["q8_0", "f16", "bf16"])
-def test_quantized_kv_is_close_to_fp32(kv_type: str, smollm2_paged: tuple[Transformer, list[int], torch.Tensor]) -> None:
+def test_quantized_kv_is_close_to_fp32(
+    kv_type: str, smollm2_paged: tuple[Transformer, list[int], torch.Tensor]
+) -> None:
     model, tokens, reference = smollm2_paged
     logits = paged_logits(model, tokens, kv_type)
     bound = {"q8_0": 5e-3, "f16": 1e-4, "bf16": 2e-2}[kv_type]

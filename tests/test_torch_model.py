@@ -24,8 +24,18 @@ from localrt.backends.torch.model import DenseCausal, LlamaConfig, Transformer, 
 from tests.gguf_factory import write_tiny_llama  # noqa: E402
 
 # byte offsets of the fp16 scale fields in each block (random bytes there could be NaN or inf)
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
-              "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+F16_FIELDS = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
 
 
 @pytest.mark.parametrize("type_name", [*F16_FIELDS, "F16", "BF16", "F32"])
@@ -35,9 +45,11 @@ def test_dequantizers_match_gguf_py(type_name: str) -> None:
     rng = np.random.default_rng(7)
     n_blocks = 48
     if type_name in F16_FIELDS:
-        raw = rng.integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)  # every bit pattern of the payload
+        raw = rng.integers(
+            0, 256, (n_blocks, block_bytes), dtype=np.uint8
+        )  # every bit pattern of the payload
         for offset in F16_FIELDS[type_name]:
-            raw[:, offset:offset + 2] = rng.uniform(-2, 2, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+            raw[:, offset : offset + 2] = rng.uniform(-2, 2, (n_blocks, 1)).astype(np.float16).view(np.uint8)
     else:
         values = rng.standard_normal(n_blocks * 32).astype(np.float32)
         raw = {"F16": values.astype(np.float16), "F32": values}.get(type_name)
@@ -58,7 +70,9 @@ def test_dequantize_keeps_torch_order() -> None:
 
 
 def tiny_logits_llama_cpp(path: Path, tokens: list[int]) -> np.ndarray:
-    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=256, n_threads=1, verbose=False, type_k=0, type_v=0)
+    llm = llama_cpp.Llama(
+        str(path), logits_all=True, n_ctx=256, n_threads=1, verbose=False, type_k=0, type_v=0
+    )
     try:
         llm.eval(tokens)
         return np.array(llm.scores[: len(tokens)])
@@ -68,8 +82,16 @@ def tiny_logits_llama_cpp(path: Path, tokens: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("file_type", ["F32", "Q8_0", "Q4_1"])
 def test_tiny_gguf_logits_match_llama_cpp(tmp_path: Path, file_type: str) -> None:
-    path = write_tiny_llama(tmp_path / "tiny.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_layer=2,
-                            file_type=file_type, seed=3)
+    path = write_tiny_llama(
+        tmp_path / "tiny.gguf",
+        n_embd=128,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=256,
+        n_layer=2,
+        file_type=file_type,
+        seed=3,
+    )
     model = Transformer.from_gguf(GGUFTensors(path), torch.float32, "cpu")
     assert model.cfg.attention_head_count_kv == 2 and not model.cfg.rope_neox
     tokens = [1, *np.random.default_rng(0).integers(5, model.cfg.vocab_size, 40).tolist()]
@@ -85,7 +107,9 @@ def english_text() -> str:
     from pydoc_data.topics import topics
 
     # base_prefix: inside a virtual environment the license is still the base interpreter's
-    license_path = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "LICENSE.txt"
+    license_path = (
+        Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "LICENSE.txt"
+    )
     text = topics["specialnames"] + "\n\n" + topics["import"]
     if license_path.is_file():
         text = license_path.read_text(errors="replace") + "\n\n" + text
@@ -100,8 +124,15 @@ def smollm2(smollm2_gguf: Path) -> Transformer:
 def llama_cpp_logits(path: Path, tokens: list[int], n_batch: int = 512) -> np.ndarray:
     """llama.cpp's logits for every position, its defaults otherwise (f16 KV, no flash attention)."""
     threads = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
-    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=len(tokens) + 8, n_batch=n_batch, n_ubatch=n_batch,
-                          n_threads=threads, verbose=False)
+    llm = llama_cpp.Llama(
+        str(path),
+        logits_all=True,
+        n_ctx=len(tokens) + 8,
+        n_batch=n_batch,
+        n_ubatch=n_batch,
+        n_threads=threads,
+        verbose=False,
+    )
     try:
         llm.eval(tokens)
         return np.array(llm.scores[: len(tokens)])
@@ -175,9 +206,11 @@ def test_smollm2_fidelity_2k_tokens(file_type: str, smollm2_file: Callable[[str]
         emulated = model(torch.tensor(tokens), ggml_numerics.GGMLDenseCausal(len(tokens))).numpy()
     got, emu = compare(ours, ref, tokens), compare(emulated, ref, tokens)
     decoded = compare(llama_cpp_logits(path, tokens, n_batch=1), ref, tokens)
-    print(f"\n{file_type}: top-1 vs llama.cpp {got['top1']:.4f}, emulated {emu['top1']:.4f}, llama.cpp n_batch 1 "
-          f"vs 512 {decoded['top1']:.4f}; ppl {got['ppl_ours']:.4f}, emulated {emu['ppl_ours']:.4f}, llama.cpp "
-          f"{got['ppl_ref']:.4f}; largest llama.cpp margin where we differ {got['max_margin']:.3f}")
+    print(
+        f"\n{file_type}: top-1 vs llama.cpp {got['top1']:.4f}, emulated {emu['top1']:.4f}, llama.cpp n_batch 1 "
+        f"vs 512 {decoded['top1']:.4f}; ppl {got['ppl_ours']:.4f}, emulated {emu['ppl_ours']:.4f}, llama.cpp "
+        f"{got['ppl_ref']:.4f}; largest llama.cpp margin where we differ {got['max_margin']:.3f}"
+    )
     assert got["top1"] >= decoded["top1"] - 0.002, (got, decoded)
     assert emu["top1"] >= decoded["top1"] - 0.01, (emu, decoded)
     assert got["top1"] >= 0.95 and got["max_margin"] < 1.0, got
@@ -189,8 +222,9 @@ def test_smollm2_fidelity_2k_tokens(file_type: str, smollm2_file: Callable[[str]
 def test_smollm2_equals_fp32_reference(smollm2: Transformer, smollm2_gguf: Path) -> None:
     """transformers' own GGUF loader (dequantize, un-permute Q/K, fp32 Llama): the same logits."""
     transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
-                                                           torch_dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, torch_dtype=torch.float32
+    )
     vocab = llama_cpp.Llama(str(smollm2_gguf), vocab_only=True, verbose=False)
     tokens = vocab.tokenize(english_text().encode())[:512]
     with torch.inference_mode():
@@ -227,14 +261,19 @@ def test_paged_attention_equals_dense(kv_type: str) -> None:
         # all prompts in one step but in uneven pieces: first a prefix chunk, then the rest + a decode row
         split = [n // 2 for n in lengths]
         chunks = [SeqChunk(s, s, t) for s, t in zip(split, tables)]
-        model(torch.tensor([x for p, s in zip(prompts, split) for x in p[:s]]), PagedAttention(cache, chunks, "cpu"))
+        model(
+            torch.tensor([x for p, s in zip(prompts, split) for x in p[:s]]),
+            PagedAttention(cache, chunks, "cpu"),
+        )
         chunks = [SeqChunk(n - s, n, t) for n, s, t in zip(lengths, split, tables)]
-        paged = model(torch.tensor([x for p, s in zip(prompts, split) for x in p[s:]]),
-                      PagedAttention(cache, chunks, "cpu"))
+        paged = model(
+            torch.tensor([x for p, s in zip(prompts, split) for x in p[s:]]),
+            PagedAttention(cache, chunks, "cpu"),
+        )
     start = 0
     tol = {"f32": 1e-4, "f16": 5e-3, "bf16": 5e-2, "q8_0": 5e-2, "fp8": 0.15}[kv_type]
     for d, n, s in zip(dense, lengths, split):
-        torch.testing.assert_close(paged[start:start + n - s], d[s:], atol=tol, rtol=0)
+        torch.testing.assert_close(paged[start : start + n - s], d[s:], atol=tol, rtol=0)
         start += n - s
 
 
@@ -272,7 +311,9 @@ def write_kquant_llama(path: Path, mix: dict[str, str], seed: int = 0, dequantiz
         n_blocks = rows * cols // block_elems
         raw = rng.integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
         for offset in F16_FIELDS[type_name]:  # small scales keep activations in range
-            raw[:, offset:offset + 2] = rng.uniform(0.00005, 0.0004, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+            raw[:, offset : offset + 2] = (
+                rng.uniform(0.00005, 0.0004, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+            )
         if dequantized:
             w.add_tensor(name, gguf_dequantize(raw.reshape(-1), qtype).reshape(rows, cols))
         else:
@@ -282,9 +323,15 @@ def write_kquant_llama(path: Path, mix: dict[str, str], seed: int = 0, dequantiz
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        for name, rows, cols in [("attn_q", n_embd, n_embd), ("attn_k", n_embd // 2, n_embd),
-                                 ("attn_v", n_embd // 2, n_embd), ("attn_output", n_embd, n_embd),
-                                 ("ffn_gate", n_ff, n_embd), ("ffn_up", n_ff, n_embd), ("ffn_down", n_embd, n_ff)]:
+        for name, rows, cols in [
+            ("attn_q", n_embd, n_embd),
+            ("attn_k", n_embd // 2, n_embd),
+            ("attn_v", n_embd // 2, n_embd),
+            ("attn_output", n_embd, n_embd),
+            ("ffn_gate", n_ff, n_embd),
+            ("ffn_up", n_ff, n_embd),
+            ("ffn_down", n_embd, n_ff),
+        ]:
             weight(f"blk.{i}.{name}.weight", rows, cols)
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     weight("output.weight", len(tokens), n_embd)
@@ -295,10 +342,18 @@ def write_kquant_llama(path: Path, mix: dict[str, str], seed: int = 0, dequantiz
     return path
 
 
-@pytest.mark.parametrize("mix", [
-    {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"},  # Q4_K_M's layout: Q4_K, Q6_K where it matters
-    {"attn": "Q3_K", "ffn_gate": "Q2_K", "ffn_up": "Q5_K", "token_embd": "Q6_K"},
-], ids=["Q4_K_M", "Q2_K-Q6_K"])
+@pytest.mark.parametrize(
+    "mix",
+    [
+        {
+            "attn_v": "Q6_K",
+            "ffn_down": "Q6_K",
+            "output": "Q6_K",
+        },  # Q4_K_M's layout: Q4_K, Q6_K where it matters
+        {"attn": "Q3_K", "ffn_gate": "Q2_K", "ffn_up": "Q5_K", "token_embd": "Q6_K"},
+    ],
+    ids=["Q4_K_M", "Q2_K-Q6_K"],
+)
 def test_kquant_gguf_logits_match_llama_cpp(tmp_path: Path, mix: dict[str, str]) -> None:
     """Against llama.cpp on the same weights stored as F32: equal. Against llama.cpp on the k-quant file:
     close, not equal, because llama.cpp quantizes activations to 8 bits for k-quant dot products (on these
@@ -308,7 +363,9 @@ def test_kquant_gguf_logits_match_llama_cpp(tmp_path: Path, mix: dict[str, str])
     tokens = [1, *np.random.default_rng(1).integers(5, model.cfg.vocab_size, 60).tolist()]
     with torch.inference_mode():
         ours = model(torch.tensor(tokens), DenseCausal(len(tokens))).numpy()
-    dense_ref = tiny_logits_llama_cpp(write_kquant_llama(tmp_path / "f32.gguf", mix, dequantized=True), tokens)
+    dense_ref = tiny_logits_llama_cpp(
+        write_kquant_llama(tmp_path / "f32.gguf", mix, dequantized=True), tokens
+    )
     np.testing.assert_allclose(ours, dense_ref, atol=0.01)
     quant_ref = tiny_logits_llama_cpp(quantized, tokens)
     assert np.corrcoef(ours.ravel(), quant_ref.ravel())[0, 1] > 0.99
@@ -325,10 +382,20 @@ def test_ggml_activation_rounding_reproduces_llama_cpp(tmp_path: Path, file_type
     from localrt.backends.torch import ggml_numerics
 
     if file_type == "Q4_K_M":
-        path = write_kquant_llama(tmp_path / "m.gguf", {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"})
+        path = write_kquant_llama(
+            tmp_path / "m.gguf", {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}
+        )
     else:
-        path = write_tiny_llama(tmp_path / "m.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_layer=2,
-                                file_type=file_type, seed=3)
+        path = write_tiny_llama(
+            tmp_path / "m.gguf",
+            n_embd=128,
+            n_head=4,
+            n_head_kv=2,
+            n_ff=256,
+            n_layer=2,
+            file_type=file_type,
+            seed=3,
+        )
     tensors = GGUFTensors(path)
     model = Transformer.from_gguf(tensors, torch.float32, "cpu")
     exact = {"plain": 0, "emulated": 0}
@@ -353,8 +420,9 @@ def test_ggml_attention_rounding_is_closer_to_llama_cpp_f16_kv(tmp_path: Path) -
     to fp16; `GGMLDenseCausal` does the same, and lands closer to it than fp32 attention does."""
     from localrt.backends.torch.ggml_numerics import GGMLDenseCausal
 
-    path = write_tiny_llama(tmp_path / "f32.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_layer=2,
-                            file_type="F32", seed=3)
+    path = write_tiny_llama(
+        tmp_path / "f32.gguf", n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_layer=2, file_type="F32", seed=3
+    )
     model = Transformer.from_gguf(GGUFTensors(path), torch.float32, "cpu")
     tokens = [1, *np.random.default_rng(0).integers(5, model.cfg.vocab_size, 40).tolist()]
     llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=256, n_threads=1, verbose=False)  # f16 KV default

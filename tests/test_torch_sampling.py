@@ -61,13 +61,18 @@ def test_seeds_reproducible_regardless_of_batch() -> None:
     def run(companions: int) -> list[int]:
         engine = Engine(model, EngineConfig(context_length=512, kv_cache_type="f32"))
         rng = np.random.default_rng(companions)
-        others = [engine.new_sequence(rng.integers(3, 96, int(rng.integers(2, 50))).tolist(),
-                                      SamplingParams(temperature=0.7, seed=int(rng.integers(0, 1000))), max_new=20)
-                  for _ in range(companions)]
+        others = [
+            engine.new_sequence(
+                rng.integers(3, 96, int(rng.integers(2, 50))).tolist(),
+                SamplingParams(temperature=0.7, seed=int(rng.integers(0, 1000))),
+                max_new=20,
+            )
+            for _ in range(companions)
+        ]
         mine = engine.new_sequence(prompt, params, max_new=30)
         with torch.inference_mode():
-            engine.run([*others[: companions // 2], mine, *others[companions // 2:]])
-        return mine.tokens[len(prompt):]
+            engine.run([*others[: companions // 2], mine, *others[companions // 2 :]])
+        return mine.tokens[len(prompt) :]
 
     alone = run(0)
     assert run(5) == alone and run(11) == alone
@@ -76,4 +81,4 @@ def test_seeds_reproducible_regardless_of_batch() -> None:
     seq = engine.new_sequence(prompt, other_seed, max_new=30)
     with torch.inference_mode():
         engine.run([seq])
-    assert seq.tokens[len(prompt):] != alone
+    assert seq.tokens[len(prompt) :] != alone

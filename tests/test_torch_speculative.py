@@ -73,7 +73,9 @@ def target_pair_distribution(model: Transformer, prompt: list[int], params: Samp
 
     def next_probs(tokens: list[int]) -> np.ndarray:
         with torch.inference_mode():
-            logits = model(torch.tensor(tokens), DenseCausal(len(tokens)), rows=torch.tensor([len(tokens) - 1]))
+            logits = model(
+                torch.tensor(tokens), DenseCausal(len(tokens)), rows=torch.tensor([len(tokens) - 1])
+            )
         return sampler.probs(logits[0], tokens).double().numpy()
 
     return exact_pair_distribution(next_probs, prompt, MC_VOCAB)
@@ -84,8 +86,18 @@ def test_speculative_sampling_keeps_the_target_distribution(mode: str) -> None:
     target = mc_model(seed=2)
     draft = mc_model(seed=9) if mode == "draft" else None
     # room for 64 sequences in the draft model's cache too (it has no prefix sharing)
-    engine = Engine(target, EngineConfig(context_length=256, kv_cache_type="f32", max_seqs=64, kv_budget_seqs=40,
-                                         max_batch_tokens=4096, self_spec_layers=1), draft_model=draft)
+    engine = Engine(
+        target,
+        EngineConfig(
+            context_length=256,
+            kv_cache_type="f32",
+            max_seqs=64,
+            kv_budget_seqs=40,
+            max_batch_tokens=4096,
+            self_spec_layers=1,
+        ),
+        draft_model=draft,
+    )
     prompt = de_bruijn_prompt(MC_VOCAB)
     params = SamplingParams(temperature=0.9, top_k=6, top_p=0.97, min_p=0.0, repeat_penalty=1.0)
     trials = 2000
@@ -98,7 +110,7 @@ def test_speculative_sampling_keeps_the_target_distribution(mode: str) -> None:
         engine.run(seqs)
     counts = np.zeros(MC_VOCAB * MC_VOCAB)
     for s in seqs:
-        t2, t3 = s.tokens[len(prompt) + 1:len(prompt) + 3]
+        t2, t3 = s.tokens[len(prompt) + 1 : len(prompt) + 3]
         counts[t2 * MC_VOCAB + t3] += 1
     drafted = sum(s.timings.draft_count for s in seqs)
     accepted = sum(s.timings.draft_accepted_count for s in seqs)
@@ -107,7 +119,9 @@ def test_speculative_sampling_keeps_the_target_distribution(mode: str) -> None:
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
-def greedy_runs(engine: Engine, prompts: list[list[int]], mode: str, params: SamplingParams) -> list[list[int]]:
+def greedy_runs(
+    engine: Engine, prompts: list[list[int]], mode: str, params: SamplingParams
+) -> list[list[int]]:
     seqs = [engine.new_sequence(p, params, max_new=40, speculative=mode, num_draft=5) for p in prompts]
     with torch.inference_mode():
         engine.run(seqs)
@@ -115,7 +129,7 @@ def greedy_runs(engine: Engine, prompts: list[list[int]], mode: str, params: Sam
     assert engine.pool.num_free == engine.pool.num_blocks
     if mode != "off":
         assert sum(s.timings.draft_count for s in seqs) > 0
-    return [s.tokens[s.prompt_len:] for s in seqs]
+    return [s.tokens[s.prompt_len :] for s in seqs]
 
 
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
@@ -131,8 +145,11 @@ def test_greedy_output_identical_with_each_proposer(mode: str, penalty: float) -
     prompts = [[*base, *base, *base[:5]], rng.integers(3, 96, 30).tolist(), [5, 6, 7, 5, 6, 7, 5, 6]]
 
     def engine() -> Engine:
-        return Engine(target, EngineConfig(context_length=512, kv_cache_type="f32", self_spec_layers=2),
-                      draft_model=draft)
+        return Engine(
+            target,
+            EngineConfig(context_length=512, kv_cache_type="f32", self_spec_layers=2),
+            draft_model=draft,
+        )
 
     plain = greedy_runs(engine(), prompts, "off", params)
     fast = greedy_runs(engine(), prompts, mode.split("-")[0], params)
@@ -143,8 +160,9 @@ def test_speculation_switches_off_below_break_even() -> None:
     target = random_transformer(LlamaConfig("llama", 96, 512, 64, 128, 2, 4, 2, 16), seed=4)
     other = random_transformer(target.cfg, seed=8)  # a draft that rarely agrees
     engine = Engine(target, EngineConfig(context_length=512, kv_cache_type="f32"), draft_model=other)
-    seq = engine.new_sequence(list(range(3, 40)), SamplingParams(temperature=0.0), max_new=150, speculative="draft",
-                              num_draft=4)
+    seq = engine.new_sequence(
+        list(range(3, 40)), SamplingParams(temperature=0.0), max_new=150, speculative="draft", num_draft=4
+    )
     with torch.inference_mode():
         engine.run([seq])
     assert seq.spec is not None and not seq.spec.enabled

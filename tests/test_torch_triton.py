@@ -15,8 +15,10 @@ from localrt.backends.torch.attention import PagedAttention, SeqChunk  # noqa: E
 from localrt.backends.torch.kv_cache import KVCache  # noqa: E402
 from localrt.backends.torch.model import LlamaConfig, random_transformer  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="Triton needs a GPU or its interpreter")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="Triton needs a GPU or its interpreter",
+)
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "bf16", "q8_0"])
@@ -33,5 +35,7 @@ def test_fused_decode_equals_gather_path(kv_type: str) -> None:
             prefill = [SeqChunk(n - 1, n - 1, t) for n, t in zip(lengths, tables)]
             model(torch.cat([p[:-1] for p in prompts]), PagedAttention(cache, prefill, "cpu", fused=fused))
             decode = [SeqChunk(1, n, t) for n, t in zip(lengths, tables)]
-            logits[fused] = model(torch.stack([p[-1] for p in prompts]), PagedAttention(cache, decode, "cpu", fused=fused))
+            logits[fused] = model(
+                torch.stack([p[-1] for p in prompts]), PagedAttention(cache, decode, "cpu", fused=fused)
+            )
     torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)

@@ -51,8 +51,10 @@ TWIN = "twin:latest"  # the same weights under a second name, to switch between
 BROKEN = "broken-template:latest"
 T0 = 1_700_000_000.0
 
-needs_llama = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
-                                 reason="llama-cpp-python is not installed (pip install 'localrt[llama]')")
+needs_llama = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is not installed (pip install 'localrt[llama]')",
+)
 
 
 def free_port() -> int:
@@ -76,8 +78,14 @@ def model_root(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> 
     store = Store(root)
     import_gguf(store, MODEL, smollm2_gguf, system=SYSTEM, params=PARAMS)
     store.copy(parse_name(MODEL), parse_name(TWIN))
-    import_gguf(store, BROKEN, smollm2_gguf, system=SYSTEM, params=PARAMS,
-                template="{% for m in messages %}{{ m.content }")  # unclosed: jinja cannot compile it
+    import_gguf(
+        store,
+        BROKEN,
+        smollm2_gguf,
+        system=SYSTEM,
+        params=PARAMS,
+        template="{% for m in messages %}{{ m.content }",
+    )  # unclosed: jinja cannot compile it
     return root
 
 
@@ -88,8 +96,15 @@ class RecordingApp(ChatApp):
         super().__init__(*args, **kwargs)
         self.noted: list[tuple[str, str]] = []
 
-    def notify(self, message: str, *, title: str = "", severity: Any = "information",
-               timeout: float | None = None, markup: bool = False) -> None:
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: Any = "information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
         self.noted.append((severity, f"{title}: {message}" if title else message))
         super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
 
@@ -133,19 +148,33 @@ class FakeClient:
     kind = "runtime"
     where = "in-process"
 
-    def __init__(self, models: Sequence[str] = (MODEL, TWIN), answer: Sequence[str] = ("Hello", " there", ".")):
+    def __init__(
+        self, models: Sequence[str] = (MODEL, TWIN), answer: Sequence[str] = ("Hello", " there", ".")
+    ):
         self.models = list(models)
         self.answer = list(answer)
         self.requests: list[dict[str, Any]] = []
 
-    async def chat(self, model: str, messages: Sequence[Mapping[str, Any]], *,
-                   options: Mapping[str, Any] | None = None, format: str | None = None) -> AsyncIterator[Chunk]:
-        self.requests.append({"model": model, "messages": list(messages), "options": options, "format": format})
+    async def chat(
+        self,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        options: Mapping[str, Any] | None = None,
+        format: str | None = None,
+    ) -> AsyncIterator[Chunk]:
+        self.requests.append(
+            {"model": model, "messages": list(messages), "options": options, "format": format}
+        )
         for piece in self.answer:
             await asyncio.sleep(0)
             yield Chunk(model=model, content=piece)
-        yield Chunk(model=model, done=True, done_reason="stop",
-                    metrics=Metrics(total_ns=10**9, eval_count=42, eval_ns=10**9, prompt_eval_count=20))
+        yield Chunk(
+            model=model,
+            done=True,
+            done_reason="stop",
+            metrics=Metrics(total_ns=10**9, eval_count=42, eval_ns=10**9, prompt_eval_count=20),
+        )
 
     async def list_models(self) -> list[ModelRow]:
         return [ModelRow(name, 98_363_392 + i, T0) for i, name in enumerate(self.models)]
@@ -162,8 +191,9 @@ class FakeClient:
     async def context_length(self, model: str, options: Mapping[str, Any] | None = None) -> int | None:
         return 1024
 
-    async def count_tokens(self, model: str, messages: Sequence[Mapping[str, Any]],
-                           options: Mapping[str, Any] | None = None) -> tuple[int, bool]:
+    async def count_tokens(
+        self, model: str, messages: Sequence[Mapping[str, Any]], options: Mapping[str, Any] | None = None
+    ) -> tuple[int, bool]:
         return 20 * len(messages), True
 
     async def close(self) -> None:
@@ -362,7 +392,9 @@ def test_pulling_a_model_shows_progress(tmp_path: Path, monkeypatch: pytest.Monk
                     await pilot.pause(0.02)
                 assert any(0 < done < total for done, total in seen), seen  # visible partial progress
                 assert screen.events_seen > 5
-                await until(pilot, lambda: app.conversation.model == name, 10, "the pulled model to be chosen")
+                await until(
+                    pilot, lambda: app.conversation.model == name, 10, "the pulled model to be chosen"
+                )
                 assert app.is_installed(name)
                 listed = [item.model_name for item in app.query("#models ModelItem")]  # type: ignore[attr-defined]
                 assert name in listed
@@ -382,8 +414,12 @@ def test_model_info_and_delete(model_root: Path, tmp_path: Path) -> None:
             await pilot.press("f3")
             await until(pilot, lambda: isinstance(app.screen, ModelInfoScreen), 20, "the info dialog")
             info = app.screen.info  # type: ignore[attr-defined]
-            assert (info.name, info.architecture, info.quantization, info.context_length) == \
-                (MODEL, "llama", "Q4_1", 8192)
+            assert (info.name, info.architecture, info.quantization, info.context_length) == (
+                MODEL,
+                "llama",
+                "Q4_1",
+                8192,
+            )
             assert info.backend == "llama.cpp (not loaded)" and info.size > 90_000_000
             await pilot.press("escape")
             models = app.query_one("#models", ListView)
@@ -451,7 +487,9 @@ def test_error_server_unreachable(tmp_path: Path) -> None:
             await pilot.press("f5")
             app.screen.query_one("#pull-name", Input).value = MODEL
             await pilot.click("#pull-start")
-            await until(pilot, lambda: sum("cannot reach" in m for m in app.errors()) == 3, 20, "the pull error")
+            await until(
+                pilot, lambda: sum("cannot reach" in m for m in app.errors()) == 3, 20, "the pull error"
+            )
             assert app.is_running and app.chat_input.text == "Hello?"
 
     asyncio.run(scenario())
@@ -552,7 +590,9 @@ def test_multiline_input_and_the_status_bar_numbers(tmp_path: Path) -> None:
             assert app.conversation.messages[0].content == "line1\nline2"
             assert app.conversation.messages[1].content == "Hello there."
             stats = app.status.stats
-            assert stats.tokens_per_s == pytest.approx(42.0) and stats.ctx_used == 40 and stats.ctx_len == 1024
+            assert (
+                stats.tokens_per_s == pytest.approx(42.0) and stats.ctx_used == 40 and stats.ctx_len == 1024
+            )
             assert "42.0 tok/s" in str(app.status.line()) and "ctx 40/1024 4%" in str(app.status.line())
             # speculative numbers appear when the engine reports drafts
             stats.draft_count, stats.draft_accepted = 50, 35

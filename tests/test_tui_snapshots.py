@@ -58,14 +58,36 @@ def seeded_app(tmp_path: Path, *, warn: bool = False) -> ChatApp:
     db = ConversationStore(tmp_path / "chat.db", clock=lambda: T0 + next(clock))
     one = db.create("What is the capital of France?", MODEL)
     db.add_message(one.id, Message("user", "What is the capital of France?"))
-    db.add_message(one.id, Message("assistant", "The capital of France is Paris.", model=MODEL,
-                                   stats={"ttft_s": 0.21, "tokens_per_s": 42.5, "context_tokens": 45}))
-    two = db.create("Write a Python function that adds two numbers.", MODEL,
-                    Settings(system="You are a concise coding assistant.", options={"temperature": 0.0}))
+    db.add_message(
+        one.id,
+        Message(
+            "assistant",
+            "The capital of France is Paris.",
+            model=MODEL,
+            stats={"ttft_s": 0.21, "tokens_per_s": 42.5, "context_tokens": 45},
+        ),
+    )
+    two = db.create(
+        "Write a Python function that adds two numbers.",
+        MODEL,
+        Settings(system="You are a concise coding assistant.", options={"temperature": 0.0}),
+    )
     db.add_message(two.id, Message("user", "Write a Python function that adds two numbers."))
-    db.add_message(two.id, Message("assistant", CODE_ANSWER, model=MODEL, stats={
-        "ttft_s": 0.18, "tokens_per_s": 38.2, "context_tokens": 870 if warn else 96,
-        "draft_count": 40, "draft_accepted_count": 29}))
+    db.add_message(
+        two.id,
+        Message(
+            "assistant",
+            CODE_ANSWER,
+            model=MODEL,
+            stats={
+                "ttft_s": 0.18,
+                "tokens_per_s": 38.2,
+                "context_tokens": 870 if warn else 96,
+                "draft_count": 40,
+                "draft_accepted_count": 29,
+            },
+        ),
+    )
     return ChatApp(MODEL, client=FakeClient(), store=db, clock=lambda: NOW)
 
 
@@ -134,14 +156,17 @@ def test_pull(snap_compare: Callable[..., bool], tmp_path: Path, size: tuple[int
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_model_info(snap_compare: Callable[..., bool], tmp_path: Path, size: tuple[int, int]) -> None:
-    assert snap_compare(seeded_app(tmp_path), terminal_size=size, run_before=then_press("f3", ModelInfoScreen))
+    assert snap_compare(
+        seeded_app(tmp_path), terminal_size=size, run_before=then_press("f3", ModelInfoScreen)
+    )
 
 
 def test_context_warning_80x24(snap_compare: Callable[..., bool], tmp_path: Path) -> None:
     assert snap_compare(seeded_app(tmp_path, warn=True), terminal_size=(80, 24), run_before=open_latest)
 
 
-def test_no_color_80x24(snap_compare: Callable[..., bool], tmp_path: Path,
-                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_color_80x24(
+    snap_compare: Callable[..., bool], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("NO_COLOR", "1")
     assert snap_compare(seeded_app(tmp_path), terminal_size=(80, 24), run_before=open_latest)

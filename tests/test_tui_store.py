@@ -46,7 +46,9 @@ def test_schema_is_versioned_and_reopening_keeps_data(tmp_path: Path) -> None:
     path = tmp_path / "chat.db"
     first = ConversationStore(path)
     assert first.schema_version == SCHEMA_VERSION
-    conv = first.create("Hello there", "smollm2:135m", Settings(system="Be brief.", options={"temperature": 0.0}))
+    conv = first.create(
+        "Hello there", "smollm2:135m", Settings(system="Be brief.", options={"temperature": 0.0})
+    )
     first.add_message(conv.id, Message("user", "Hello there"))
     first.close()
     again = ConversationStore(path)  # migrations do not run twice
@@ -88,8 +90,12 @@ def test_rename_model_settings_delete_and_order(db: ConversationStore) -> None:
     db.set_model(a.id, "c:latest")
     db.set_settings(a.id, Settings(options={"top_k": 5}, json_output=True))
     loaded = db.load(a.id)
-    assert (loaded.title, loaded.model, loaded.settings.options, loaded.settings.json_output) == \
-        ("renamed", "c:latest", {"top_k": 5}, True)
+    assert (loaded.title, loaded.model, loaded.settings.options, loaded.settings.json_output) == (
+        "renamed",
+        "c:latest",
+        {"top_k": 5},
+        True,
+    )
     assert db.conversations()[0].id == a.id  # touched last
     db.add_message(b.id, Message("user", "x"))
     db.delete(b.id)
@@ -119,11 +125,18 @@ def test_default_path_honours_localrt_data(tmp_path: Path, monkeypatch: pytest.M
 def test_markdown_export() -> None:
     from localrt.tui.store import Conversation
 
-    conv = Conversation(1, "Capitals", "smollm2:135m", Settings(system="Be brief.", options={"temperature": 0.0}),
-                        messages=[Message("user", "Capital of France?"),
-                                  Message("assistant", "Paris.", model="smollm2:135m"),
-                                  Message("user", "And Spain?"),
-                                  Message("assistant", "Mad", model="smollm2:135m", done_reason="cancel")])
+    conv = Conversation(
+        1,
+        "Capitals",
+        "smollm2:135m",
+        Settings(system="Be brief.", options={"temperature": 0.0}),
+        messages=[
+            Message("user", "Capital of France?"),
+            Message("assistant", "Paris.", model="smollm2:135m"),
+            Message("user", "And Spain?"),
+            Message("assistant", "Mad", model="smollm2:135m", done_reason="cancel"),
+        ],
+    )
     text = to_markdown(conv)
     assert text.startswith("# Capitals\n")
     assert "- model: `smollm2:135m`" in text and "- temperature: `0.0`" in text
@@ -141,21 +154,47 @@ def test_titles_and_slugs() -> None:
 
 # ---- settings: validated exactly as request options are ------------------------------------------
 def test_settings_fields_parse_like_set_parameter() -> None:
-    options, errors = parse_fields({"temperature": "0", "top_p": "0.5", "top_k": "20", "num_ctx": "2048",
-                                    "num_predict": "64", "seed": "", "draft_model": "", "backend": "llama.cpp",
-                                    "speculative": None})
+    options, errors = parse_fields(
+        {
+            "temperature": "0",
+            "top_p": "0.5",
+            "top_k": "20",
+            "num_ctx": "2048",
+            "num_predict": "64",
+            "seed": "",
+            "draft_model": "",
+            "backend": "llama.cpp",
+            "speculative": None,
+        }
+    )
     assert errors == {}
-    assert options == {"temperature": 0.0, "top_p": 0.5, "top_k": 20, "num_ctx": 2048, "num_predict": 64,
-                       "backend": "llama.cpp"}
+    assert options == {
+        "temperature": 0.0,
+        "top_p": 0.5,
+        "top_k": 20,
+        "num_ctx": 2048,
+        "num_predict": 64,
+        "backend": "llama.cpp",
+    }
     Options.merge(options)  # what the runtime will do with them
-    assert summary(options, True) == "backend=llama.cpp · num_ctx=2048 · num_predict=64 · temperature=0 · " \
-                                     "top_k=20 · top_p=0.5 · json"
+    assert (
+        summary(options, True) == "backend=llama.cpp · num_ctx=2048 · num_predict=64 · temperature=0 · "
+        "top_k=20 · top_p=0.5 · json"
+    )
 
 
-@pytest.mark.parametrize(("field", "text"), [
-    ("temperature", "hot"), ("temperature", "-1"), ("top_p", "1.5"), ("top_k", "2.5"), ("num_ctx", "0"),
-    ("backend", "tpu"), ("speculative", "sometimes"),
-])
+@pytest.mark.parametrize(
+    ("field", "text"),
+    [
+        ("temperature", "hot"),
+        ("temperature", "-1"),
+        ("top_p", "1.5"),
+        ("top_k", "2.5"),
+        ("num_ctx", "0"),
+        ("backend", "tpu"),
+        ("speculative", "sometimes"),
+    ],
+)
 def test_bad_settings_fail_with_the_api_message(field: str, text: str) -> None:
     options, errors = parse_fields({field: text})
     assert field in errors and not options

@@ -39,8 +39,13 @@ SCREENSHOT = ROOT / "docs" / "tui.svg"
 def env(tmp_path: Path, smollm2_gguf: Path) -> dict[str, str]:
     """A store with SmolLM2 (greedy, short answers), a private chat DB and no server on LOCALRT_HOST."""
     import_gguf(Store(tmp_path / "models"), MODEL, smollm2_gguf, system=SYSTEM, params=PARAMS)
-    return {**os.environ, "LOCALRT_MODELS": str(tmp_path / "models"), "LOCALRT_DATA": str(tmp_path / "data"),
-            "LOCALRT_HOST": f"127.0.0.1:{free_port()}", "TERM": "xterm-256color"}
+    return {
+        **os.environ,
+        "LOCALRT_MODELS": str(tmp_path / "models"),
+        "LOCALRT_DATA": str(tmp_path / "data"),
+        "LOCALRT_HOST": f"127.0.0.1:{free_port()}",
+        "TERM": "xterm-256color",
+    }
 
 
 def chat_argv() -> list[str]:
@@ -74,8 +79,17 @@ def test_localrt_chat_in_a_real_terminal(env: dict[str, str], tmp_path: Path) ->
         raise AssertionError(f"{text!r} never appeared; the pane shows:\n{screen()}")
 
     command = " ".join(shlex.quote(a) for a in chat_argv())
-    run("new-session", "-d", "-s", "chat", "-x", "100", "-y", "30",
-        f"cd {shlex.quote(str(ROOT))} && {command}; echo EXITED-$?; sleep 30")
+    run(
+        "new-session",
+        "-d",
+        "-s",
+        "chat",
+        "-x",
+        "100",
+        "-y",
+        "30",
+        f"cd {shlex.quote(str(ROOT))} && {command}; echo EXITED-$?; sleep 30",
+    )
     try:
         wait_for("Ask anything", 60)  # the input's placeholder: the app is up
         run("send-keys", "-t", "chat", "-l", FRANCE)
@@ -125,8 +139,13 @@ asyncio.run(main())
 
 def test_killing_the_app_mid_answer_loses_no_earlier_message(env: dict[str, str], tmp_path: Path) -> None:
     db = tmp_path / "data" / "chat.db"
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, MODEL, env["LOCALRT_MODELS"], str(db), FRANCE],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, MODEL, env["LOCALRT_MODELS"], str(db), FRANCE],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 180

@@ -57,9 +57,13 @@ class Action:
 ACTIONS: list[Action] = [
     Action("ctrl+n", "new_conversation", "New conversation", "Start a new conversation", "New"),
     Action("ctrl+o", "switch_model", "Switch model", "Pick the model for this conversation", "Model"),
-    Action("f4", "settings", "Conversation settings",
-           "System prompt, temperature, top_p, top_k, context length, backend, speculative, JSON output",
-           "Settings"),
+    Action(
+        "f4",
+        "settings",
+        "Conversation settings",
+        "System prompt, temperature, top_p, top_k, context length, backend, speculative, JSON output",
+        "Settings",
+    ),
     Action("escape", "stop", "Stop answer", "Stop the current answer and keep what was generated", "Stop"),
     Action("f2", "rename", "Rename conversation", "Give this conversation a new title"),
     Action("f7", "export", "Export conversation", "Write this conversation to a Markdown file"),
@@ -78,8 +82,15 @@ INPUT_KEYS = [
     ("Ctrl+P", "Command palette (every action)"),
     ("Tab, Shift+Tab", "Move between the sidebar, the conversation and the input"),
 ]
-WELCOME_KEYS = [("Enter", "send"), ("Ctrl+J", "new line"), ("Esc", "stop an answer"), ("Ctrl+O", "switch model"),
-                ("F4", "settings"), ("F1", "help"), ("Ctrl+P", "every command")]
+WELCOME_KEYS = [
+    ("Enter", "send"),
+    ("Ctrl+J", "new line"),
+    ("Esc", "stop an answer"),
+    ("Ctrl+O", "switch model"),
+    ("F4", "settings"),
+    ("F1", "help"),
+    ("Ctrl+P", "every command"),
+]
 SAVE_EVERY = 0.5  # seconds between saves of a streaming answer, so a kill loses at most this much
 
 
@@ -87,6 +98,7 @@ def key_label(key: str) -> str:
     """ctrl+n -> Ctrl+N, f4 -> F4, escape -> Esc."""
     if key == "escape":
         return "Esc"
+
     def part(p: str) -> str:
         return p.upper() if len(p) == 1 or (p[0] == "f" and p[1:].isdigit()) else p.title()
 
@@ -108,12 +120,22 @@ class ChatApp(App[int]):
     TITLE = "localrt chat"
     # priority bindings: the focused TextArea binds many keys itself (F6, F7, ctrl+...); Esc is left
     # to dialogs and the palette, which close on it (check_action mutes the rest while a dialog is open)
-    BINDINGS = [Binding(a.key, a.action, a.short or a.title, show=bool(a.short), priority=a.key != "escape")
-                for a in ACTIONS if a.action != "quit"]
+    BINDINGS = [
+        Binding(a.key, a.action, a.short or a.title, show=bool(a.short), priority=a.key != "escape")
+        for a in ACTIONS
+        if a.action != "quit"
+    ]
 
-    def __init__(self, model: str | None = None, *, client: ChatClient | None = None,
-                 store: ConversationStore | None = None, db_path: Path | str | None = None,
-                 clock: Callable[[], float] = time.time, export_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        client: ChatClient | None = None,
+        store: ConversationStore | None = None,
+        db_path: Path | str | None = None,
+        clock: Callable[[], float] = time.time,
+        export_dir: Path | None = None,
+    ) -> None:
         super().__init__()
         self.client: ChatClient = client if client is not None else connect()
         self.clock = clock
@@ -126,8 +148,15 @@ class ChatApp(App[int]):
         self.busy = False  # an answer is streaming (or loading)
         self._ctx_warned: int | None = None  # conversation id already warned about its context
 
-    def notify(self, message: str, *, title: str = "", severity: Any = "information",
-               timeout: float | None = None, markup: bool = False) -> None:
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: Any = "information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
         # plain text by default: error messages carry brackets ("[Errno 111]") that are not markup
         super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
 
@@ -165,13 +194,21 @@ class ChatApp(App[int]):
         if self.initial_model:
             self.set_model(self.initial_model, announce=False)
             if self.conversation.model and not self.is_installed(self.conversation.model):
-                self.notify(f"model '{self.conversation.model}' not found, try pulling it first (F5)",
-                            title="Model missing", severity="error", timeout=10)
+                self.notify(
+                    f"model '{self.conversation.model}' not found, try pulling it first (F5)",
+                    title="Model missing",
+                    severity="error",
+                    timeout=10,
+                )
         elif self.models:
             self.set_model(self.models[0].name, announce=False)
         else:
-            self.notify("No models installed yet: press F5 to pull one (e.g. smollm2:135m).",
-                        title="No models", severity="warning", timeout=10)
+            self.notify(
+                "No models installed yet: press F5 to pull one (e.g. smollm2:135m).",
+                title="No models",
+                severity="warning",
+                timeout=10,
+            )
         await self.show_conversation()
         self.chat_input.focus()
 
@@ -287,15 +324,24 @@ class ChatApp(App[int]):
         self._restore_stats()
 
     def _message_view(self, m: Message) -> MessageView:
-        note = "" if m.complete and m.done_reason not in ("cancel", "error") else \
-            "stopped" if m.done_reason == "cancel" else "interrupted" if not m.complete else "error"
+        note = (
+            ""
+            if m.complete and m.done_reason not in ("cancel", "error")
+            else "stopped"
+            if m.done_reason == "cancel"
+            else "interrupted"
+            if not m.complete
+            else "error"
+        )
         author = (m.model or "assistant") if m.role == "assistant" else None
         return MessageView(m.role, m.content, author=author, note=note)
 
     def _restore_stats(self) -> None:
         """A reopened conversation shows the numbers of its last answer."""
         stats = self.status.stats
-        last = next((m for m in reversed(self.conversation.messages) if m.role == "assistant" and m.stats), None)
+        last = next(
+            (m for m in reversed(self.conversation.messages) if m.role == "assistant" and m.stats), None
+        )
         s = last.stats if last and last.stats else {}
         stats.ttft, stats.tokens_per_s = s.get("ttft_s"), s.get("tokens_per_s")
         stats.draft_count, stats.draft_accepted = s.get("draft_count", 0), s.get("draft_accepted_count", 0)
@@ -318,8 +364,12 @@ class ChatApp(App[int]):
         if conv.id in ids:
             self.query_one("#conversations", ListView).index = ids.index(conv.id)
         if conv.model and not self.is_installed(conv.model):
-            self.notify(f"model '{conv.model}' not found, try pulling it first (F5)", title="Model missing",
-                        severity="warning", timeout=8)
+            self.notify(
+                f"model '{conv.model}' not found, try pulling it first (F5)",
+                title="Model missing",
+                severity="warning",
+                timeout=8,
+            )
 
     # ---- sending and streaming -------------------------------------------------------------
     @on(ChatInput.Submitted)
@@ -335,7 +385,9 @@ class ChatApp(App[int]):
             return
         conv = self.conversation
         if not conv.model:
-            self.notify("No model selected: Ctrl+O picks one, F5 pulls one.", title="No model", severity="error")
+            self.notify(
+                "No model selected: Ctrl+O picks one, F5 pulls one.", title="No model", severity="error"
+            )
             return
         self.chat_input.clear()
         if conv.id is None:
@@ -351,8 +403,9 @@ class ChatApp(App[int]):
             await pane.query("#welcome").remove()
         await pane.mount(self._message_view(question))
         self.busy = True
-        self.answer_worker = self.run_worker(self._answer(conv, question), name="answer", group="answer",
-                                             exit_on_error=False)
+        self.answer_worker = self.run_worker(
+            self._answer(conv, question), name="answer", group="answer", exit_on_error=False
+        )
 
     async def _answer(self, conv: Conversation, question: Message) -> None:
         model = conv.model or ""
@@ -406,8 +459,11 @@ class ChatApp(App[int]):
         reply.done_reason = "cancel" if stopped else (final.done_reason if final else "error")
         reply.stats = {"ttft_s": stats.ttft}
         if m is not None and m.eval_ns:
-            reply.stats.update(tokens_per_s=m.eval_count / m.eval_ns * 1e9, eval_count=m.eval_count,
-                               prompt_eval_count=m.prompt_eval_count)
+            reply.stats.update(
+                tokens_per_s=m.eval_count / m.eval_ns * 1e9,
+                eval_count=m.eval_count,
+                prompt_eval_count=m.prompt_eval_count,
+            )
         elif stats.live_rate() is not None:
             reply.stats["tokens_per_s"] = stats.live_rate()
         if m is not None and m.draft_count:
@@ -442,8 +498,15 @@ class ChatApp(App[int]):
         if pane.max_scroll_y - pane.scroll_y <= 3:
             pane.scroll_end(animate=False)
 
-    async def _finish_answer(self, conv: Conversation, question: Message, view: MessageView, reply: Message,
-                             error: str | None, stopped: bool) -> None:
+    async def _finish_answer(
+        self,
+        conv: Conversation,
+        question: Message,
+        view: MessageView,
+        reply: Message,
+        error: str | None,
+        stopped: bool,
+    ) -> None:
         stats, bar = self.status.stats, self.status
         stats.state = ""
         s = reply.stats or {}
@@ -466,8 +529,15 @@ class ChatApp(App[int]):
             if stopped:
                 self.notify("Stopped before the answer began.", severity="information")
             return
-        view.set_note("stopped" if stopped else "error" if error else
-                      "cut at the length limit" if reply.done_reason == "length" else "")
+        view.set_note(
+            "stopped"
+            if stopped
+            else "error"
+            if error
+            else "cut at the length limit"
+            if reply.done_reason == "length"
+            else ""
+        )
         if stopped:
             self.notify("Answer stopped; what was generated is kept.", severity="information", timeout=3)
         if conv is self.conversation and not error:
@@ -489,10 +559,14 @@ class ChatApp(App[int]):
         bar.refresh_stats()
         if stats.near_overflow and self._ctx_warned != conv.id:
             self._ctx_warned = conv.id
-            self.notify(f"This conversation fills {stats.ctx_share:.0%} of the context "
-                        f"({stats.ctx_used}/{stats.ctx_len} tokens): the next answers may not fit. "
-                        "Ctrl+N starts a new conversation; F4 raises the context length.",
-                        title="Context almost full", severity="warning", timeout=12)
+            self.notify(
+                f"This conversation fills {stats.ctx_share:.0%} of the context "
+                f"({stats.ctx_used}/{stats.ctx_len} tokens): the next answers may not fit. "
+                "Ctrl+N starts a new conversation; F4 raises the context length.",
+                title="Context almost full",
+                severity="warning",
+                timeout=12,
+            )
 
     # ---- sidebar events --------------------------------------------------------------------
     @on(ListView.Selected, "#models")
@@ -580,7 +654,9 @@ class ChatApp(App[int]):
             try:
                 target.write_text(to_markdown(conv), encoding="utf-8")
             except OSError as e:
-                self.notify(f"cannot write {target}: {e.strerror or e}", title="Export failed", severity="error")
+                self.notify(
+                    f"cannot write {target}: {e.strerror or e}", title="Export failed", severity="error"
+                )
                 return
             self.notify(f"Exported to {target}", title="Export")
 
@@ -674,13 +750,19 @@ class ChatApp(App[int]):
         for a in ACTIONS:
             if a.action == "quit":
                 continue  # Textual's own "Quit" entry comes with super() below
-            yield SystemCommand(f"{a.title} ({key_label(a.key)})", a.description,
-                                getattr(self, f"action_{a.action}"))
+            yield SystemCommand(
+                f"{a.title} ({key_label(a.key)})", a.description, getattr(self, f"action_{a.action}")
+            )
         for m in self.models:
-            yield SystemCommand(f"Use model {m.name}", f"Switch this conversation to {m.name}",
-                                lambda name=m.name: self.switch_model(name))
+            yield SystemCommand(
+                f"Use model {m.name}",
+                f"Switch this conversation to {m.name}",
+                lambda name=m.name: self.switch_model(name),
+            )
         for c in self.db.conversations()[:30]:
-            yield SystemCommand(f"Open conversation: {c.title}", "Reopen a saved conversation",
-                                lambda cid=c.id: self.run_worker(self.open_conversation(cid or 0),
-                                                                 exit_on_error=False))
+            yield SystemCommand(
+                f"Open conversation: {c.title}",
+                "Reopen a saved conversation",
+                lambda cid=c.id: self.run_worker(self.open_conversation(cid or 0), exit_on_error=False),
+            )
         yield from super().get_system_commands(screen)

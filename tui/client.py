@@ -63,8 +63,14 @@ class ChatClient(Protocol):
     kind: str  # "runtime" | "server"
     where: str  # shown in the status bar
 
-    def chat(self, model: str, messages: Sequence[Message], *, options: Mapping[str, Any] | None = None,
-             format: str | None = None) -> AsyncIterator[Chunk]: ...
+    def chat(
+        self,
+        model: str,
+        messages: Sequence[Message],
+        *,
+        options: Mapping[str, Any] | None = None,
+        format: str | None = None,
+    ) -> AsyncIterator[Chunk]: ...
 
     async def list_models(self) -> list[ModelRow]: ...
 
@@ -76,8 +82,9 @@ class ChatClient(Protocol):
 
     async def context_length(self, model: str, options: Mapping[str, Any] | None = None) -> int | None: ...
 
-    async def count_tokens(self, model: str, messages: Sequence[Message],
-                           options: Mapping[str, Any] | None = None) -> tuple[int, bool]: ...
+    async def count_tokens(
+        self, model: str, messages: Sequence[Message], options: Mapping[str, Any] | None = None
+    ) -> tuple[int, bool]: ...
 
     async def close(self) -> None: ...
 
@@ -105,8 +112,14 @@ class RuntimeClient:
             self._runtime = Runtime(self.store)
         return self._runtime
 
-    def chat(self, model: str, messages: Sequence[Message], *, options: Mapping[str, Any] | None = None,
-             format: str | None = None) -> AsyncIterator[Chunk]:
+    def chat(
+        self,
+        model: str,
+        messages: Sequence[Message],
+        *,
+        options: Mapping[str, Any] | None = None,
+        format: str | None = None,
+    ) -> AsyncIterator[Chunk]:
         # the runtime's own generator: closing or cancelling it cancels the generation there
         return self.runtime.chat(model, messages, options=options or None, format=format)
 
@@ -132,9 +145,15 @@ class RuntimeClient:
             except LocalrtError as e:
                 backend = f"unavailable: {e}"
         return ModelInfo(
-            name=resolved.name.display, architecture=info.architecture or "unknown",
-            parameters=format_parameter_count(info.parameter_count), quantization=info.quantization_label,
-            context_length=info.context_length, size=resolved.size, backend=backend, loaded_context=loaded_ctx)
+            name=resolved.name.display,
+            architecture=info.architecture or "unknown",
+            parameters=format_parameter_count(info.parameter_count),
+            quantization=info.quantization_label,
+            context_length=info.context_length,
+            size=resolved.size,
+            backend=backend,
+            loaded_context=loaded_ctx,
+        )
 
     def pull(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
         from localrt.store.pull import pull
@@ -164,8 +183,9 @@ class RuntimeClient:
         trained = (await asyncio.to_thread(read_gguf, resolved.model_path)).context_length
         return min(num_ctx, trained) if trained else num_ctx
 
-    async def count_tokens(self, model: str, messages: Sequence[Message],
-                           options: Mapping[str, Any] | None = None) -> tuple[int, bool]:
+    async def count_tokens(
+        self, model: str, messages: Sequence[Message], options: Mapping[str, Any] | None = None
+    ) -> tuple[int, bool]:
         # the exact prompt the next request would start from: templated and tokenized by the runtime,
         # with the model's own system prompt where the conversation has none (as Runtime.chat adds it)
         msgs = [dict(m) for m in messages]
@@ -200,13 +220,16 @@ class ServerClient:
     @property
     def http(self) -> httpx.AsyncClient:
         if self._http is None:  # made on the app's loop, on first use
-            self._http = httpx.AsyncClient(base_url=self.base_url, headers=config.auth_headers(),
-                                           timeout=self._timeout)
+            self._http = httpx.AsyncClient(
+                base_url=self.base_url, headers=config.auth_headers(), timeout=self._timeout
+            )
         return self._http
 
     def _unreachable(self, e: Exception) -> ServerUnreachable:
-        return ServerUnreachable(f"cannot reach the localrt server at {self._shown} "
-                                 f"({type(e).__name__}); is `localrt serve` running?")
+        return ServerUnreachable(
+            f"cannot reach the localrt server at {self._shown} "
+            f"({type(e).__name__}); is `localrt serve` running?"
+        )
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
@@ -232,8 +255,14 @@ class ServerClient:
         except httpx.TransportError as e:
             raise self._unreachable(e) from None
 
-    async def chat(self, model: str, messages: Sequence[Message], *, options: Mapping[str, Any] | None = None,
-                   format: str | None = None) -> AsyncIterator[Chunk]:
+    async def chat(
+        self,
+        model: str,
+        messages: Sequence[Message],
+        *,
+        options: Mapping[str, Any] | None = None,
+        format: str | None = None,
+    ) -> AsyncIterator[Chunk]:
         body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages], "stream": True}
         if options:
             body["options"] = dict(options)
@@ -244,9 +273,14 @@ class ServerClient:
             metrics = None
             if item.get("done"):
                 metrics = Metrics.from_ollama(item)
-            yield Chunk(model=item.get("model", model), content=message.get("content") or "",
-                        done=bool(item.get("done")), done_reason=item.get("done_reason"),
-                        tool_calls=message.get("tool_calls"), metrics=metrics)
+            yield Chunk(
+                model=item.get("model", model),
+                content=message.get("content") or "",
+                done=bool(item.get("done")),
+                done_reason=item.get("done_reason"),
+                tool_calls=message.get("tool_calls"),
+                metrics=metrics,
+            )
 
     async def list_models(self) -> list[ModelRow]:
         from datetime import datetime
@@ -280,15 +314,21 @@ class ServerClient:
         size = next((r.size for r in await self.list_models() if r.name == key), 0)
         loaded = await self._loaded(model)
         return ModelInfo(
-            name=key, architecture=arch, parameters=details.get("parameter_size") or "unknown",
+            name=key,
+            architecture=arch,
+            parameters=details.get("parameter_size") or "unknown",
             quantization=details.get("quantization_level") or "unknown",
-            context_length=info.get(f"{arch}.context_length"), size=size,
+            context_length=info.get(f"{arch}.context_length"),
+            size=size,
             backend=(loaded.get("backend") or "unknown") if loaded else "(not loaded on the server)",
-            loaded_context=loaded.get("context_length") if loaded else None)
+            loaded_context=loaded.get("context_length") if loaded else None,
+        )
 
     async def pull(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
         async for item in self._ndjson("/api/pull", {"model": model, "insecure": insecure, "stream": True}):
-            yield Progress(item.get("status", ""), item.get("digest"), item.get("total"), item.get("completed"))
+            yield Progress(
+                item.get("status", ""), item.get("digest"), item.get("total"), item.get("completed")
+            )
 
     async def delete(self, model: str) -> None:
         await self._request("DELETE", "/api/delete", json={"model": model})
@@ -303,8 +343,9 @@ class ServerClient:
         num_ctx = Options.merge(options).num_ctx  # the server's Modelfile parameters are not known here
         return min(num_ctx, info.context_length) if info.context_length else num_ctx
 
-    async def count_tokens(self, model: str, messages: Sequence[Message],
-                           options: Mapping[str, Any] | None = None) -> tuple[int, bool]:
+    async def count_tokens(
+        self, model: str, messages: Sequence[Message], options: Mapping[str, Any] | None = None
+    ) -> tuple[int, bool]:
         # the server has no render route: tokenize the text and add a few tokens per message for
         # the template's role markers, so the count is an estimate (shown with a ~)
         text = "\n".join(str(m.get("content") or "") for m in messages)

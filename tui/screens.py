@@ -164,8 +164,13 @@ class SettingsScreen(Dialog):
                         yield Input(field_text(opts, name), placeholder=placeholder, id=name, compact=True)
                     for name, (label, choices) in CHOICE_FIELDS.items():
                         yield Label(label, classes="field-label")
-                        yield Select([(c, c) for c in choices], value=opts.get(name, Select.NULL),
-                                     prompt="model default", id=name, compact=True)
+                        yield Select(
+                            [(c, c) for c in choices],
+                            value=opts.get(name, Select.NULL),
+                            prompt="model default",
+                            id=name,
+                            compact=True,
+                        )
                     yield Label("JSON output", classes="field-label")
                     yield Switch(self.settings.json_output, id="json")
             yield Static("", id="settings-error")
@@ -192,7 +197,9 @@ class SettingsScreen(Dialog):
             self.app.notify(message, title="Invalid setting", severity="error")
             return
         system = self.query_one("#system", TextArea).text.strip()
-        self.dismiss(Settings(system=system, options=options, json_output=self.query_one("#json", Switch).value))
+        self.dismiss(
+            Settings(system=system, options=options, json_output=self.query_one("#json", Switch).value)
+        )
 
     @on(Button.Pressed, "#save")
     def _save(self) -> None:
@@ -215,7 +222,9 @@ class PullScreen(Dialog):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="pull"):
             yield Label("Pull a model", classes="dialog-title")
-            yield Input(self.initial, placeholder="name, e.g. smollm2:135m or host/ns/model:tag", id="pull-name")
+            yield Input(
+                self.initial, placeholder="name, e.g. smollm2:135m or host/ns/model:tag", id="pull-name"
+            )
             yield Checkbox("Allow http registries (--insecure)", id="insecure")
             yield Label("", id="pull-status")
             # hidden until sizes are known: an indeterminate bar animates (and snapshots would differ)
@@ -282,9 +291,13 @@ class ModelInfoScreen(Dialog):
     def compose(self) -> ComposeResult:
         i = self.info
         rows = [
-            ("architecture", i.architecture), ("parameters", i.parameters), ("quantization", i.quantization),
-            ("size", human_size(i.size)), ("context length", str(i.context_length or "unknown")),
-            ("loaded context", str(i.loaded_context) if i.loaded_context else "–"), ("backend", i.backend),
+            ("architecture", i.architecture),
+            ("parameters", i.parameters),
+            ("quantization", i.quantization),
+            ("size", human_size(i.size)),
+            ("context length", str(i.context_length or "unknown")),
+            ("loaded context", str(i.loaded_context) if i.loaded_context else "–"),
+            ("backend", i.backend),
         ]
         with Vertical(classes="dialog", id="info"):
             yield Label(i.name, classes="dialog-title")

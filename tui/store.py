@@ -61,8 +61,9 @@ class Settings:
     json_output: bool = False
 
     def to_json(self) -> str:
-        return json.dumps({"system": self.system, "options": self.options, "json": self.json_output},
-                          sort_keys=True)
+        return json.dumps(
+            {"system": self.system, "options": self.options, "json": self.json_output}, sort_keys=True
+        )
 
     @classmethod
     def from_json(cls, text: str | None) -> Settings:
@@ -70,8 +71,11 @@ class Settings:
             raw = json.loads(text or "{}")
         except ValueError:
             raw = {}
-        return cls(system=str(raw.get("system") or ""), options=dict(raw.get("options") or {}),
-                   json_output=bool(raw.get("json")))
+        return cls(
+            system=str(raw.get("system") or ""),
+            options=dict(raw.get("options") or {}),
+            json_output=bool(raw.get("json")),
+        )
 
 
 @dataclass
@@ -138,8 +142,10 @@ class ConversationStore:
         with self._tx() as db:
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
-                raise LocalrtError(f"{self.path} was written by a newer localrt (schema {version}, "
-                                   f"this one knows {SCHEMA_VERSION})")
+                raise LocalrtError(
+                    f"{self.path} was written by a newer localrt (schema {version}, "
+                    f"this one knows {SCHEMA_VERSION})"
+                )
             for v in range(version + 1, SCHEMA_VERSION + 1):
                 for statement in MIGRATIONS[v]:
                     db.execute(statement)
@@ -157,8 +163,11 @@ class ConversationStore:
         now = self.clock()
         settings = settings or Settings()
         with self._tx() as db:
-            cur = db.execute("INSERT INTO conversations(title, model, settings, created_at, updated_at) "
-                             "VALUES (?, ?, ?, ?, ?)", (make_title(title), model, settings.to_json(), now, now))
+            cur = db.execute(
+                "INSERT INTO conversations(title, model, settings, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (make_title(title), model, settings.to_json(), now, now),
+            )
         return Conversation(cur.lastrowid, make_title(title), model, settings, now, now)
 
     def conversations(self) -> list[Conversation]:
@@ -170,8 +179,12 @@ class ConversationStore:
         if row is None:
             raise LocalrtError(f"conversation {conversation_id} does not exist")
         conv = self._conversation(row)
-        conv.messages = [self._message(m) for m in self.db.execute(
-            "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,))]
+        conv.messages = [
+            self._message(m)
+            for m in self.db.execute(
+                "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
+            )
+        ]
         return conv
 
     def rename(self, conversation_id: int, title: str) -> None:
@@ -190,8 +203,10 @@ class ConversationStore:
     def _update_conversation(self, conversation_id: int, **values: Any) -> None:
         cols = ", ".join(f"{k} = ?" for k in values)
         with self._tx() as db:
-            db.execute(f"UPDATE conversations SET {cols}, updated_at = ? WHERE id = ?",
-                       (*values.values(), self.clock(), conversation_id))
+            db.execute(
+                f"UPDATE conversations SET {cols}, updated_at = ? WHERE id = ?",
+                (*values.values(), self.clock(), conversation_id),
+            )
 
     # ---- messages --------------------------------------------------------------------------
     def add_message(self, conversation_id: int, message: Message) -> int:
@@ -200,18 +215,36 @@ class ConversationStore:
             cur = db.execute(
                 "INSERT INTO messages(conversation_id, role, content, model, created_at, complete, done_reason, "
                 "stats) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (conversation_id, message.role, message.content, message.model, message.created_at,
-                 int(message.complete), message.done_reason, _dump(message.stats)))
-            db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (self.clock(), conversation_id))
+                (
+                    conversation_id,
+                    message.role,
+                    message.content,
+                    message.model,
+                    message.created_at,
+                    int(message.complete),
+                    message.done_reason,
+                    _dump(message.stats),
+                ),
+            )
+            db.execute(
+                "UPDATE conversations SET updated_at = ? WHERE id = ?", (self.clock(), conversation_id)
+            )
         message.id = cur.lastrowid
         return message.id
 
     def update_message(self, message: Message) -> None:
         assert message.id is not None
         with self._tx() as db:
-            db.execute("UPDATE messages SET content = ?, complete = ?, done_reason = ?, stats = ? WHERE id = ?",
-                       (message.content, int(message.complete), message.done_reason, _dump(message.stats),
-                        message.id))
+            db.execute(
+                "UPDATE messages SET content = ?, complete = ?, done_reason = ?, stats = ? WHERE id = ?",
+                (
+                    message.content,
+                    int(message.complete),
+                    message.done_reason,
+                    _dump(message.stats),
+                    message.id,
+                ),
+            )
 
     def delete_message(self, message_id: int) -> None:
         with self._tx() as db:
@@ -220,14 +253,28 @@ class ConversationStore:
     # ---- rows ------------------------------------------------------------------------------
     @staticmethod
     def _conversation(row: sqlite3.Row) -> Conversation:
-        return Conversation(row["id"], row["title"], row["model"], Settings.from_json(row["settings"]),
-                            row["created_at"], row["updated_at"])
+        return Conversation(
+            row["id"],
+            row["title"],
+            row["model"],
+            Settings.from_json(row["settings"]),
+            row["created_at"],
+            row["updated_at"],
+        )
 
     @staticmethod
     def _message(row: sqlite3.Row) -> Message:
         stats = json.loads(row["stats"]) if row["stats"] else None
-        return Message(row["role"], row["content"], row["model"], row["created_at"], bool(row["complete"]),
-                       row["done_reason"], stats, row["id"])
+        return Message(
+            row["role"],
+            row["content"],
+            row["model"],
+            row["created_at"],
+            bool(row["complete"]),
+            row["done_reason"],
+            stats,
+            row["id"],
+        )
 
 
 def _dump(stats: dict[str, Any] | None) -> str | None:

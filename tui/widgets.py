@@ -30,9 +30,14 @@ class ChatInput(TextArea):
         text: str
 
     def __init__(self, **kwargs: object) -> None:
-        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus",
-                         placeholder="Ask anything · Enter sends · Ctrl+J new line · F1 help",
-                         compact=True, **kwargs)  # type: ignore[arg-type]
+        super().__init__(
+            soft_wrap=True,
+            show_line_numbers=False,
+            tab_behavior="focus",
+            placeholder="Ask anything · Enter sends · Ctrl+J new line · F1 help",
+            compact=True,
+            **kwargs,
+        )  # type: ignore[arg-type]
 
     async def _on_key(self, event: Key) -> None:
         # runs before TextArea's own handler (which would insert a newline); prevent_default stops it

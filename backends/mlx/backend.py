@@ -95,13 +95,17 @@ class MLXModel(VocabMethods):
         self.path, self.opts = path, opts
         self.capabilities = MLXBackend.capabilities()
         if opts.kv_cache_type not in KV_CACHE_TYPES:
-            raise OptionError(f"kv_cache_type {opts.kv_cache_type!r} is not supported by the MLX backend "
-                              f"(supported: {', '.join(KV_CACHE_TYPES)})")
+            raise OptionError(
+                f"kv_cache_type {opts.kv_cache_type!r} is not supported by the MLX backend "
+                f"(supported: {', '.join(KV_CACHE_TYPES)})"
+            )
         if not path.is_file():
             raise LocalrtError(f"model file not found: {path}")
         if opts.draft_model is not None and not Path(opts.draft_model).is_file():
             raise LocalrtError(f"draft model file not found: {opts.draft_model}")
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlx", initializer=_own_stream)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="mlx", initializer=_own_stream
+        )
         self._closed = False
         self._active: set[Any] = set()
         self.vocab = Vocab(path)
@@ -130,16 +134,21 @@ class MLXModel(VocabMethods):
         self.dtype = mx.float16 if _on_gpu() else mx.float32
         self.verify_cost = VERIFY_COST_PER_DRAFT["gpu" if _on_gpu() else "cpu"]
         tensors = GGUFTensors(self.path)
-        self.metadata: dict[str, str] = {k: str(v) for k, v in tensors.metadata.items()
-                                         if not isinstance(v, (list, tuple)) and not hasattr(v, "tobytes")}
+        self.metadata: dict[str, str] = {
+            k: str(v)
+            for k, v in tensors.metadata.items()
+            if not isinstance(v, (list, tuple)) and not hasattr(v, "tobytes")
+        }
         self.model = Transformer(tensors, self.dtype)
         tensors.close()
         cfg = self.model.cfg
         train_ctx = cfg.context_length
         self.context_length = max(16, min(opts.num_ctx, train_ctx) if train_ctx > 0 else opts.num_ctx)
         if opts.kv_cache_type == "q8_0" and cfg.attention_key_length % KV_GROUP:
-            raise OptionError(f"kv_cache_type q8_0 needs a head size that is a multiple of {KV_GROUP} "
-                              f"(this model's is {cfg.attention_key_length})")
+            raise OptionError(
+                f"kv_cache_type q8_0 needs a head size that is a multiple of {KV_GROUP} "
+                f"(this model's is {cfg.attention_key_length})"
+            )
         self.runner = Runner(self.model, opts.kv_cache_type, opts.num_batch)
         # the exit must sit near the top to agree with the full model: on SmolLM2-135M the argmax of
         # 24 of 30 layers matches 26% of the time on copied text, of 27 layers 49%
@@ -152,12 +161,16 @@ class MLXModel(VocabMethods):
             dt = GGUFTensors(Path(opts.draft_model))
             draft_vocab = dt.metadata.get("tokenizer.ggml.tokens")
             if draft_vocab is None or len(draft_vocab) != self.n_vocab:
-                raise LocalrtError(f"draft model {Path(opts.draft_model).name} does not share the model's vocabulary")
+                raise LocalrtError(
+                    f"draft model {Path(opts.draft_model).name} does not share the model's vocabulary"
+                )
             draft_model = Transformer(dt, self.dtype)
             dt.close()
             self.memory_bytes += draft_model.nbytes
-            self.draft = DraftProposer(Runner(draft_model, opts.kv_cache_type, opts.num_batch),
-                                       draft_model.nbytes / self.model.nbytes)
+            self.draft = DraftProposer(
+                Runner(draft_model, opts.kv_cache_type, opts.num_batch),
+                draft_model.nbytes / self.model.nbytes,
+            )
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run fn on the model's MLX thread and wait for it (load, unload)."""
@@ -173,7 +186,9 @@ class MLXModel(VocabMethods):
         if mode not in ("off", *self.capabilities.speculative):
             raise OptionError(f"speculative mode {mode!r} is not supported by the MLX backend")
         if mode == "draft" and self.draft is None:
-            raise OptionError("speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)")
+            raise OptionError(
+                "speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)"
+            )
         if req.format is not None:  # constrained: sampled token by token, drafts would skip the grammar
             mode = "off"
         if not req.prompt_tokens:
@@ -183,8 +198,10 @@ class MLXModel(VocabMethods):
             raise LocalrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
         n = len(req.prompt_tokens)
         if n >= self.context_length:
-            raise LocalrtError(f"the prompt is {n} tokens, which does not fit the context length of "
-                               f"{self.context_length} tokens (raise num_ctx or shorten the input)")
+            raise LocalrtError(
+                f"the prompt is {n} tokens, which does not fit the context length of "
+                f"{self.context_length} tokens (raise num_ctx or shorten the input)"
+            )
         return mode
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
@@ -193,11 +210,16 @@ class MLXModel(VocabMethods):
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[Event]:
         mode = self._check(req)
         # built here, so a schema it cannot express fails before any work
-        grammar = None if req.format is None else Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, req.format)
+        grammar = (
+            None
+            if req.format is None
+            else Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, req.format)
+        )
         self._active.add(req.cancel)
         try:
-            async for event in run_in_thread_stream(lambda emit: self._generate(req, mode, grammar, emit),
-                                                    req.cancel, self._pool):
+            async for event in run_in_thread_stream(
+                lambda emit: self._generate(req, mode, grammar, emit), req.cancel, self._pool
+            ):
                 yield event
         finally:  # the worker has finished here (run_in_thread_stream waits for it)
             self._active.discard(req.cancel)
@@ -213,8 +235,9 @@ class MLXModel(VocabMethods):
             return SelfProposer(self.runner, self.self_spec_layers)
         return self.draft if mode == "draft" else None
 
-    def _generate(self, req: GenerateRequest, mode: str, grammar: Grammar | None,
-                  emit: Callable[[Event], None]) -> None:
+    def _generate(
+        self, req: GenerateRequest, mode: str, grammar: Grammar | None, emit: Callable[[Event], None]
+    ) -> None:
         from localrt.backends.sampler import Sampler
         from localrt.backends.speculation import DEFAULT_NUM_DRAFT
 
@@ -231,7 +254,9 @@ class MLXModel(VocabMethods):
         proposer = self._proposer(mode)
         spec = None
         if proposer is not None:
-            spec = SpecStats(mode, req.num_draft or DEFAULT_NUM_DRAFT[mode], proposer.cost_per_draft + self.verify_cost)
+            spec = SpecStats(
+                mode, req.num_draft or DEFAULT_NUM_DRAFT[mode], proposer.cost_per_draft + self.verify_cost
+            )
 
         def on_token(token: int, logits: np.ndarray) -> bool:
             lp = self._logprob(logits, token, req.top_logprobs) if want_lp else None
@@ -243,19 +268,36 @@ class MLXModel(VocabMethods):
         if max_tokens <= len(prompt):  # num_predict 0: nothing to generate
             emit(DoneEvent("length", Timings()))
             return
-        out = generate(self.runner, prompt, Sampler(req.sampling, self.context_length, grammar),
-                       max_tokens=max_tokens, eog=self._eog, on_token=on_token,
-                       cancelled=lambda: req.cancel.cancelled, proposer=proposer, spec=spec,
-                       clock=time.perf_counter_ns)
+        out = generate(
+            self.runner,
+            prompt,
+            Sampler(req.sampling, self.context_length, grammar),
+            max_tokens=max_tokens,
+            eog=self._eog,
+            on_token=on_token,
+            cancelled=lambda: req.cancel.cancelled,
+            proposer=proposer,
+            spec=spec,
+            clock=time.perf_counter_ns,
+        )
         tail = text.finish()
         if tail is not None and (tail.text or tail.token_ids):
             emit(tail)
         now = time.perf_counter_ns()
         first = out.first_token_ns or now
-        emit(DoneEvent(out.reason, Timings(  # type: ignore[arg-type]
-            prompt_eval_count=out.prompt_eval_count, prompt_eval_ns=max(1, first - start_ns),
-            eval_count=out.generated, eval_ns=max(1, now - first),
-            draft_count=out.drafted, draft_accepted_count=out.accepted)))
+        emit(
+            DoneEvent(
+                out.reason,
+                Timings(  # type: ignore[arg-type]
+                    prompt_eval_count=out.prompt_eval_count,
+                    prompt_eval_ns=max(1, first - start_ns),
+                    eval_count=out.generated,
+                    eval_ns=max(1, now - first),
+                    draft_count=out.drafted,
+                    draft_accepted_count=out.accepted,
+                ),
+            )
+        )
 
     def _logprob(self, logits: np.ndarray, token: int, top_n: int) -> TokenLogprob:
         lp = log_softmax(logits)
@@ -295,7 +337,7 @@ class MLXModel(VocabMethods):
         chunks = []
         step = max(1, self.opts.num_batch)
         for s in range(0, len(ids), step):
-            h = self.model.hidden(mx.array(ids[s:s + step], dtype=mx.int32), caches)
+            h = self.model.hidden(mx.array(ids[s : s + step], dtype=mx.int32), caches)
             mx.eval(h)
             chunks.append(h)
         return mx.concatenate(chunks)

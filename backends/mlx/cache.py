@@ -28,8 +28,9 @@ class Cache(Protocol):
     def nbytes(self) -> int: ...
 
 
-def _grow(buf: mx.array | None, offset: int, needed: int, shape_tail: tuple[int, ...], n_heads: int,
-          dtype: mx.Dtype) -> mx.array:
+def _grow(
+    buf: mx.array | None, offset: int, needed: int, shape_tail: tuple[int, ...], n_heads: int, dtype: mx.Dtype
+) -> mx.array:
     """A buffer [1, heads, capacity, *tail] with room for `needed` tokens, keeping the first `offset`."""
     if buf is not None and needed <= buf.shape[2]:
         return buf
@@ -72,12 +73,13 @@ class KVCache(_Trimmable):
         end = self.offset + n
         self.keys = _grow(self.keys, self.offset, end, (d,), n_kv, self.dtype)
         self.values = _grow(self.values, self.offset, end, (v.shape[-1],), n_kv, self.dtype)
-        self.keys[:, :, self.offset:end] = k
-        self.values[:, :, self.offset:end] = v
+        self.keys[:, :, self.offset : end] = k
+        self.values[:, :, self.offset : end] = v
         self.offset = end
         keys, values = (a[:, :, :end].astype(q.dtype) for a in (self.keys, self.values))
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
-                                                    mask="causal" if n > 1 else None)
+        return mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=scale, mask="causal" if n > 1 else None
+        )
 
     @property
     def nbytes(self) -> int:
@@ -97,13 +99,17 @@ class QuantizedKVCache(_Trimmable):
         self.values: tuple[mx.array, mx.array, mx.array] | None = None
         self.offset = 0
 
-    def _store(self, buf: tuple[mx.array, ...] | None, x: mx.array, end: int) -> tuple[mx.array, mx.array, mx.array]:
+    def _store(
+        self, buf: tuple[mx.array, ...] | None, x: mx.array, end: int
+    ) -> tuple[mx.array, mx.array, mx.array]:
         packed = mx.quantize(x, group_size=self.group_size, bits=self.bits)  # (uint32 words, scales, biases)
         n_kv = x.shape[1]
-        out = tuple(_grow(None if buf is None else buf[i], self.offset, end, (p.shape[-1],), n_kv, p.dtype)
-                    for i, p in enumerate(packed))
+        out = tuple(
+            _grow(None if buf is None else buf[i], self.offset, end, (p.shape[-1],), n_kv, p.dtype)
+            for i, p in enumerate(packed)
+        )
         for o, p in zip(out, packed):
-            o[:, :, self.offset:end] = p
+            o[:, :, self.offset : end] = p
         return out  # type: ignore[return-value]
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:

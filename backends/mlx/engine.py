@@ -57,15 +57,17 @@ class Runner:
     def trim(self, n: int) -> None:
         if n > 0:
             trim_caches(self.caches, n)
-            del self.tokens[len(self.tokens) - n:]
+            del self.tokens[len(self.tokens) - n :]
 
-    def feed(self, tokens: Sequence[int], rows: str = "last", num_layers: int | None = None) -> np.ndarray | None:
+    def feed(
+        self, tokens: Sequence[int], rows: str = "last", num_layers: int | None = None
+    ) -> np.ndarray | None:
         """Append tokens to the caches, chunk by chunk; logits (float32 numpy) for the last token
         (rows="last": [V]), every token ("all": [n, V]) or none ("none")."""
         out: list[np.ndarray] = []
         caches = self.caches
         for s in range(0, len(tokens), self.num_batch):
-            chunk = list(tokens[s:s + self.num_batch])
+            chunk = list(tokens[s : s + self.num_batch])
             last_chunk = s + self.num_batch >= len(tokens)
             hidden = self.model.hidden(mx.array(chunk, dtype=mx.int32), caches, num_layers)  # [n, dim]
             if rows == "all":
@@ -93,7 +95,9 @@ class SpecStats:
     def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
-        if self.drafted >= WARMUP_DRAFTS and self.accepted / self.drafted < break_even_acceptance(self.k, self.cost_per_draft):
+        if self.drafted >= WARMUP_DRAFTS and self.accepted / self.drafted < break_even_acceptance(
+            self.k, self.cost_per_draft
+        ):
             self.enabled = False  # speculation costs this request more than it saves
 
 
@@ -113,8 +117,9 @@ def _guess(sampler: Sampler, logits: np.ndarray, history: list[int]) -> tuple[in
     return sampler.draw(q), q
 
 
-def _model_guesses(runner: Runner, first: Sequence[int], tokens: list[int], k: int, sampler: Sampler,
-                   num_layers: int | None) -> tuple[list[int], list[np.ndarray]]:
+def _model_guesses(
+    runner: Runner, first: Sequence[int], tokens: list[int], k: int, sampler: Sampler, num_layers: int | None
+) -> tuple[list[int], list[np.ndarray]]:
     """k guesses from `runner` (fed `first` then each guess but the last)."""
     drafts: list[int] = []
     qs: list[np.ndarray] = []
@@ -184,9 +189,19 @@ class Outcome:
     first_token_ns: int = 0
 
 
-def generate(target: Runner, prompt: list[int], sampler: Sampler, *, max_tokens: int, eog: set[int],
-             on_token: OnToken, cancelled: Callable[[], bool], proposer: Proposer | None = None,
-             spec: SpecStats | None = None, clock: Callable[[], int] = lambda: 0) -> Outcome:
+def generate(
+    target: Runner,
+    prompt: list[int],
+    sampler: Sampler,
+    *,
+    max_tokens: int,
+    eog: set[int],
+    on_token: OnToken,
+    cancelled: Callable[[], bool],
+    proposer: Proposer | None = None,
+    spec: SpecStats | None = None,
+    clock: Callable[[], int] = lambda: 0,
+) -> Outcome:
     """Decode after `prompt` until EOS, a stop string, `max_tokens` total tokens, or cancel."""
     reused = target.reuse(prompt)
     out = Outcome("length", prompt_eval_count=len(prompt) - reused)

@@ -52,7 +52,9 @@ class QuantizedWeight:
         return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
 
     def dequantize(self) -> mx.array:
-        return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+        return mx.dequantize(
+            self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits
+        )
 
 
 # ---- GGUF blocks -> (q [nb, groups, 32] uint8, scale [nb, groups], bias [nb, groups]) ----------------
@@ -121,8 +123,13 @@ def _q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 EXACT = {  # ggml type -> (MLX bits, block unpacker)
-    "Q4_0": (4, _q4_0), "Q4_1": (4, _q4_1), "Q5_0": (5, _q5_0), "Q5_1": (5, _q5_1), "Q8_0": (8, _q8_0),
-    "Q4_K": (4, _q4_k), "Q5_K": (5, _q5_k),
+    "Q4_0": (4, _q4_0),
+    "Q4_1": (4, _q4_1),
+    "Q5_0": (5, _q5_0),
+    "Q5_1": (5, _q5_1),
+    "Q8_0": (8, _q8_0),
+    "Q4_K": (4, _q4_k),
+    "Q5_K": (5, _q5_k),
 }
 
 
@@ -149,14 +156,18 @@ def repack(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...]) -> Quantized
     blocks = raw.reshape(n_out, -1, block_bytes)  # [out, in / block, bytes]
     words, scales, biases = [], [], []
     for r in range(0, n_out, ROWS_PER_CHUNK):
-        chunk = blocks[r:r + ROWS_PER_CHUNK]
+        chunk = blocks[r : r + ROWS_PER_CHUNK]
         rows = chunk.shape[0]
         q, s, b = unpack(chunk.reshape(-1, block_bytes))  # q [nb, groups, 32]
         words.append(pack(q.reshape(rows, n_in), bits))
         scales.append(s.reshape(rows, n_in // GROUP))
         biases.append(b.reshape(rows, n_in // GROUP))
-    return QuantizedWeight(mx.array(np.concatenate(words)), mx.array(np.concatenate(scales)),
-                           mx.array(np.concatenate(biases)), bits)
+    return QuantizedWeight(
+        mx.array(np.concatenate(words)),
+        mx.array(np.concatenate(scales)),
+        mx.array(np.concatenate(biases)),
+        bits,
+    )
 
 
 def dequantize(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -200,7 +211,7 @@ class GGUFTensors:
         if t is None:
             raise LocalrtError(f"GGUF tensor {name!r} is missing")
         start = self.info.data_offset + t.offset
-        return np.asarray(self._map[start:start + t.n_bytes]), t
+        return np.asarray(self._map[start : start + t.n_bytes]), t
 
     def dense(self, name: str, dtype: mx.Dtype) -> mx.array:
         raw, t = self.raw(name)

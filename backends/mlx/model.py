@@ -32,8 +32,9 @@ class Linear:
     def __call__(self, x: mx.array) -> mx.array:
         w = self.weight
         if isinstance(w, QuantizedWeight):
-            y = mx.quantized_matmul(x, w.weight, w.scales, w.biases, transpose=True,
-                                    group_size=w.group_size, bits=w.bits)
+            y = mx.quantized_matmul(
+                x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
+            )
         else:
             y = x @ w.T
         return y if self.bias is None else y + self.bias
@@ -42,7 +43,9 @@ class Linear:
         """W[ids] (embedding lookup): gather packed rows, then dequantize only those."""
         w = self.weight
         if isinstance(w, QuantizedWeight):
-            return mx.dequantize(w.weight[ids], w.scales[ids], w.biases[ids], group_size=w.group_size, bits=w.bits)
+            return mx.dequantize(
+                w.weight[ids], w.scales[ids], w.biases[ids], group_size=w.group_size, bits=w.bits
+            )
         return w[ids]
 
 
@@ -57,10 +60,16 @@ class Block:
         p = f"blk.{i}."
 
         def linear(name: str) -> Linear:
-            bias = t.dense(p + name + ".bias", dtype) if p + name + ".bias" in t else None  # Qwen2 q/k/v biases
+            bias = (
+                t.dense(p + name + ".bias", dtype) if p + name + ".bias" in t else None
+            )  # Qwen2 q/k/v biases
             return Linear(t.matrix(p + name + ".weight", dtype), bias)
 
-        self.n_head, self.n_kv, self.head_dim = cfg.attention_head_count, cfg.attention_head_count_kv, cfg.attention_key_length
+        self.n_head, self.n_kv, self.head_dim = (
+            cfg.attention_head_count,
+            cfg.attention_head_count_kv,
+            cfg.attention_key_length,
+        )
         self.eps = cfg.attention_layer_norm_rms_epsilon
         self.attn_norm = t.dense(p + "attn_norm.weight", dtype)
         self.attn_q, self.attn_k, self.attn_v = linear("attn_q"), linear("attn_k"), linear("attn_v")
@@ -104,12 +113,19 @@ class Rope:
         self.freqs: mx.array | None = None
         if freq_factors is not None:  # Llama 3.1's rope_freqs.weight stretches the wavelengths
             exps = mx.arange(0, self.n_rot, 2, dtype=mx.float32) / self.n_rot
-            self.freqs = (cfg.rope_freq_base ** exps) * freq_factors.astype(mx.float32)
+            self.freqs = (cfg.rope_freq_base**exps) * freq_factors.astype(mx.float32)
             self.base = None
 
     def __call__(self, x: mx.array, offset: int) -> mx.array:
-        return mx.fast.rope(x, self.n_rot, traditional=self.traditional, base=self.base, scale=self.scale,
-                            offset=offset, freqs=self.freqs)
+        return mx.fast.rope(
+            x,
+            self.n_rot,
+            traditional=self.traditional,
+            base=self.base,
+            scale=self.scale,
+            offset=offset,
+            freqs=self.freqs,
+        )
 
 
 class Transformer:
@@ -149,7 +165,12 @@ class Transformer:
     def arrays(self) -> list[mx.array]:
         """Every weight array (quantized triplets expanded), each once."""
         out: dict[int, mx.array] = {}
-        for obj in [self.token_embd, self.output, self.output_norm, *(v for b in self.blk for v in vars(b).values())]:
+        for obj in [
+            self.token_embd,
+            self.output,
+            self.output_norm,
+            *(v for b in self.blk for v in vars(b).values()),
+        ]:
             parts = [obj.weight, obj.bias] if isinstance(obj, Linear) else [obj]
             for w in parts:
                 arrays = [w.weight, w.scales, w.biases] if isinstance(w, QuantizedWeight) else [w]

@@ -38,8 +38,13 @@ class _Group:
 class PagedAttention:
     """An `AttentionContext` over a `KVCache`; built once per step, used by every layer."""
 
-    def __init__(self, cache: KVCache, chunks: Sequence[SeqChunk], device: torch.device | str,
-                 fused: bool | None = None) -> None:
+    def __init__(
+        self,
+        cache: KVCache,
+        chunks: Sequence[SeqChunk],
+        device: torch.device | str,
+        fused: bool | None = None,
+    ) -> None:
         """`fused`: decode rows through the Triton kernel (None: on CUDA when Triton is installed)."""
         self.cache = cache
         self.fused = fused_available(torch.device(device)) if fused is None else fused
@@ -73,8 +78,9 @@ class PagedAttention:
         key_pos = torch.arange(n_blocks * bs)  # [L]
         query_pos = ctx[:, None] - q_len + torch.arange(q_len)[None, :]  # [B, q_len]
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, q_len, L] causal within context
-        return _Group(rows.flatten().to(device), tables.to(device), mask.unsqueeze(1).to(device), q_len,
-                      ctx.to(device))
+        return _Group(
+            rows.flatten().to(device), tables.to(device), mask.unsqueeze(1).to(device), q_len, ctx.to(device)
+        )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]; k/v are stored first, then read back paged."""
@@ -96,8 +102,9 @@ class PagedAttention:
         b, n_head, head_dim = group.tables.shape[0], q.shape[1], q.shape[2]
         keys, values = self.cache.gather(layer, group.tables)  # [B, L, Hkv, D]
         q = q.view(b, group.q_len, n_head, head_dim).transpose(1, 2)  # [B, H, q_len, D]
-        out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=group.mask, enable_gqa=True)  # [B, H, q_len, D]
+        out = F.scaled_dot_product_attention(
+            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask, enable_gqa=True
+        )  # [B, H, q_len, D]
         return out.transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
 
 

@@ -98,9 +98,17 @@ def _threads(opts: LoadOptions) -> int:
 class TorchModel(VocabMethods):
     backend_name = NAME
 
-    def __init__(self, path: Path, opts: LoadOptions, *, kv_budget_bytes: int | None = None,
-                 max_batch_tokens: int | None = None, self_spec_layers: int | None = None,
-                 device: str | None = None, numerics: str = "default") -> None:
+    def __init__(
+        self,
+        path: Path,
+        opts: LoadOptions,
+        *,
+        kv_budget_bytes: int | None = None,
+        max_batch_tokens: int | None = None,
+        self_spec_layers: int | None = None,
+        device: str | None = None,
+        numerics: str = "default",
+    ) -> None:
         """`numerics="llama.cpp"` (opt-in, CPU comparisons only): round activations and attention as
         llama.cpp's CPU kernels do (`ggml_numerics.py`); the default is plain fp32 on the dequantized weights."""
         torch = _torch()
@@ -115,8 +123,10 @@ class TorchModel(VocabMethods):
             device = "cuda" if opts.num_gpu != 0 and _cuda_available() else "cpu"
         self.device = torch.device(device)
         if opts.kv_cache_type not in self.capabilities.kv_cache_types:
-            raise OptionError(f"kv_cache_type {opts.kv_cache_type!r} is not supported by the torch backend here "
-                              f"(supported: {', '.join(self.capabilities.kv_cache_types)})")
+            raise OptionError(
+                f"kv_cache_type {opts.kv_cache_type!r} is not supported by the torch backend here "
+                f"(supported: {', '.join(self.capabilities.kv_cache_types)})"
+            )
         if not path.is_file():
             raise LocalrtError(f"model file not found: {path}")
         if self.device.type == "cpu":
@@ -128,8 +138,11 @@ class TorchModel(VocabMethods):
             dtype = torch.float32
         self.vocab = Vocab(path)
         tensors = GGUFTensors(path)
-        self.metadata: dict[str, str] = {k: str(v) for k, v in tensors.metadata.items()
-                                         if not isinstance(v, (list, tuple)) and not hasattr(v, "tobytes")}
+        self.metadata: dict[str, str] = {
+            k: str(v)
+            for k, v in tensors.metadata.items()
+            if not isinstance(v, (list, tuple)) and not hasattr(v, "tobytes")
+        }
         self.model = Transformer.from_gguf(tensors, dtype, self.device)
         if numerics not in ("default", "llama.cpp"):
             raise OptionError(f"numerics {numerics!r} is not one of: default, llama.cpp")
@@ -195,7 +208,9 @@ class TorchModel(VocabMethods):
         if mode not in ("off", "auto") and mode not in self.capabilities.speculative:
             raise OptionError(f"speculative mode {mode!r} is not supported by the torch backend")
         if mode == "draft" and "draft" not in self.engine.proposers:
-            raise OptionError("speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)")
+            raise OptionError(
+                "speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)"
+            )
         bad = [t for t in req.prompt_tokens if not 0 <= t < self.n_vocab]
         if bad:
             raise LocalrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
@@ -213,9 +228,15 @@ class TorchModel(VocabMethods):
             grammar = Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, req.format)
             mode = "off"
         try:
-            seq = self.engine.new_sequence(req.prompt_tokens, req.sampling, max_new=req.num_predict,
-                                           speculative=mode, num_draft=req.num_draft, cancel=req.cancel,
-                                           grammar=grammar)
+            seq = self.engine.new_sequence(
+                req.prompt_tokens,
+                req.sampling,
+                max_new=req.num_predict,
+                speculative=mode,
+                num_draft=req.num_draft,
+                cancel=req.cancel,
+                grammar=grammar,
+            )
         except BaseException:
             if grammar is not None:
                 grammar.close()

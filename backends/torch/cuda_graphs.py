@@ -31,8 +31,14 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 class StaticDecodeAttention:
     """An `AttentionContext` for one query row per sequence over static tensors (graph-capturable)."""
 
-    def __init__(self, cache: KVCache, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                 lens: torch.Tensor) -> None:
+    def __init__(
+        self,
+        cache: KVCache,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> None:
         self.cache = cache
         self.positions = positions  # [B] int64, position of each row's token
         self.slots = slots  # [B] flat KV slot (block * block_size + offset) of each row's token
@@ -52,8 +58,16 @@ class StaticDecodeAttention:
 class DecodeGraphs:
     """Static input buffers, one graph per bucket captured on first use, in one shared memory pool."""
 
-    def __init__(self, model: Transformer, cache: KVCache, scratch_block: int, max_seqs: int,
-                 context_length: int, device: torch.device | str, capture: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        scratch_block: int,
+        max_seqs: int,
+        context_length: int,
+        device: torch.device | str,
+        capture: bool | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.device = torch.device(device)

@@ -68,15 +68,25 @@ class _Work:
 
 
 class Engine:
-    def __init__(self, model: Transformer, config: EngineConfig, device: torch.device | str = "cpu",
-                 draft_model: Transformer | None = None) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        config: EngineConfig,
+        device: torch.device | str = "cpu",
+        draft_model: Transformer | None = None,
+    ) -> None:
         self.model = model
         self.config = config
         self.device = torch.device(device)
         cfg = model.cfg
         dtype = model.token_embd.weight.dtype
-        per_block = KVCache.bytes_per_block(cfg.block_count, cfg.attention_head_count_kv, cfg.attention_key_length,
-                                            config.kv_cache_type, config.block_size)
+        per_block = KVCache.bytes_per_block(
+            cfg.block_count,
+            cfg.attention_head_count_kv,
+            cfg.attention_key_length,
+            config.kv_cache_type,
+            config.block_size,
+        )
         budget = config.kv_budget_bytes
         if budget is None:
             budget = per_block * -(-config.context_length // config.block_size) * config.kv_budget_seqs
@@ -84,13 +94,29 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size)
         use_graphs = config.cuda_graphs and _graphs_available(self.device)
         # graphs pad the batch; padded rows write their K/V into one extra block the pool never hands out
-        self.cache = KVCache(cfg.block_count, num_blocks + (1 if use_graphs else 0), cfg.attention_head_count_kv,
-                             cfg.attention_key_length, config.kv_cache_type, dtype, self.device, config.block_size)
-        self.graphs = (DecodeGraphs(model, self.cache, num_blocks, config.max_seqs, config.context_length,
-                                    self.device) if use_graphs else None)
+        self.cache = KVCache(
+            cfg.block_count,
+            num_blocks + (1 if use_graphs else 0),
+            cfg.attention_head_count_kv,
+            cfg.attention_key_length,
+            config.kv_cache_type,
+            dtype,
+            self.device,
+            config.block_size,
+        )
+        self.graphs = (
+            DecodeGraphs(model, self.cache, num_blocks, config.max_seqs, config.context_length, self.device)
+            if use_graphs
+            else None
+        )
         self.prefix = PrefixCache(self.pool, enabled=config.prefix_caching)
-        self.scheduler = Scheduler(self.pool, self.cache, self.prefix, max_batch_tokens=config.max_batch_tokens,
-                                   max_seqs=config.max_seqs)
+        self.scheduler = Scheduler(
+            self.pool,
+            self.cache,
+            self.prefix,
+            max_batch_tokens=config.max_batch_tokens,
+            max_seqs=config.max_seqs,
+        )
         self.scheduler.on_release = self._release_spec
         verify_cost = VERIFY_COST_PER_DRAFT.get(self.device.type, 0.1)
         layers = config.self_spec_layers or max(1, cfg.block_count - cfg.block_count // 5)
@@ -118,31 +144,58 @@ class Engine:
         if dc.vocab_size != self.model.cfg.vocab_size:
             raise LocalrtError("the draft model does not share the model's vocabulary")
         dtype = draft.token_embd.weight.dtype
-        cache = KVCache(dc.block_count, num_blocks, dc.attention_head_count_kv, dc.attention_key_length,
-                        self.config.kv_cache_type, dtype, self.device, self.config.block_size)
+        cache = KVCache(
+            dc.block_count,
+            num_blocks,
+            dc.attention_head_count_kv,
+            dc.attention_key_length,
+            self.config.kv_cache_type,
+            dtype,
+            self.device,
+            self.config.block_size,
+        )
         pool = BlockPool(num_blocks, self.config.block_size)
         ratio = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in self.model.parameters())
         return DraftModelProposer(draft, cache, pool, self.device, ratio)
 
     # ---- requests ---------------------------------------------------------------------------
-    def new_sequence(self, prompt: Iterable[int], sampling: SamplingParams, *, max_new: int = -1,
-                     speculative: str = "off", num_draft: int | None = None,
-                     cancel: CancelToken | None = None, grammar: Grammar | None = None) -> Sequence:
+    def new_sequence(
+        self,
+        prompt: Iterable[int],
+        sampling: SamplingParams,
+        *,
+        max_new: int = -1,
+        speculative: str = "off",
+        num_draft: int | None = None,
+        cancel: CancelToken | None = None,
+        grammar: Grammar | None = None,
+    ) -> Sequence:
         tokens = list(prompt)
         ctx = self.config.context_length
         if not tokens:
             raise LocalrtError("the prompt is empty")
         if len(tokens) >= ctx:
-            raise LocalrtError(f"the prompt is {len(tokens)} tokens, which does not fit the context length of "
-                               f"{ctx} tokens (raise num_ctx or shorten the input)")
+            raise LocalrtError(
+                f"the prompt is {len(tokens)} tokens, which does not fit the context length of "
+                f"{ctx} tokens (raise num_ctx or shorten the input)"
+            )
         room = ctx - len(tokens)
         max_len = len(tokens) + (room if max_new < 0 else min(max_new, room))
-        seq = Sequence(next(self._ids), tokens, len(tokens), max_len,
-                       RequestSampler(sampling, self.device, ctx, grammar), cancel or CancelToken())
+        seq = Sequence(
+            next(self._ids),
+            tokens,
+            len(tokens),
+            max_len,
+            RequestSampler(sampling, self.device, ctx, grammar),
+            cancel or CancelToken(),
+        )
         if speculative not in ("off", "auto"):
             if speculative not in self.proposers:
-                raise LocalrtError(f"speculative mode {speculative!r} needs a draft model" if speculative == "draft"
-                                   else f"speculative mode {speculative!r} is not supported")
+                raise LocalrtError(
+                    f"speculative mode {speculative!r} needs a draft model"
+                    if speculative == "draft"
+                    else f"speculative mode {speculative!r} is not supported"
+                )
             proposer = self.proposers[speculative]
             k = num_draft or DEFAULT_NUM_DRAFT[speculative]
             seq.spec = SpecState(speculative, k, proposer.cost_per_draft + self.verify_cost)
@@ -178,7 +231,7 @@ class Engine:
         for i, item in enumerate(plan):
             seq = item.seq
             start = seq.num_computed
-            tokens = seq.tokens[start:start + item.num_tokens] + item.drafts
+            tokens = seq.tokens[start : start + item.num_tokens] + item.drafts
             chunks.append(SeqChunk(len(tokens), start + len(tokens), seq.block_table))
             if start + item.num_tokens == len(seq.tokens):  # caught up: logits for the last token (+ guesses)
                 first = len(feed) + item.num_tokens - 1
@@ -195,18 +248,24 @@ class Engine:
         sampled = self._sample(work, logits)
         for i, item in enumerate(plan):
             span = work.rows.get(i)
-            self._advance(item, None if span is None else logits[span[0]:span[1]], work.q.get(i), sampled.get(i))
+            self._advance(
+                item, None if span is None else logits[span[0] : span[1]], work.q.get(i), sampled.get(i)
+            )
         return sched.has_work
 
     def _sample(self, work: _Work, logits: torch.Tensor) -> dict[int, int]:
         """Plan index -> token for every plain decode (no guesses, no grammar), with one host sync in all."""
-        members = [i for i, item in enumerate(work.plan)
-                   if i in work.rows and not item.drafts and item.seq.sampler.grammar is None]
+        members = [
+            i
+            for i, item in enumerate(work.plan)
+            if i in work.rows and not item.drafts and item.seq.sampler.grammar is None
+        ]
         if not members:
             return {}
         seqs = [work.plan[i].seq for i in members]
-        tokens = sample_batch([s.sampler for s in seqs], [logits[work.rows[i][0]] for i in members],
-                              [s.tokens for s in seqs])
+        tokens = sample_batch(
+            [s.sampler for s in seqs], [logits[work.rows[i][0]] for i in members], [s.tokens for s in seqs]
+        )
         return dict(zip(members, tokens))
 
     @property
@@ -226,14 +285,16 @@ class Engine:
                 by_mode.setdefault(item.seq.spec.mode, []).append(i)
         for mode, members in by_mode.items():
             proposals: list[Proposal] = self.proposers[mode].propose(
-                [work.plan[i].seq for i in members], [work.plan[i].num_draft for i in members])
+                [work.plan[i].seq for i in members], [work.plan[i].num_draft for i in members]
+            )
             for i, proposal in zip(members, proposals):
                 n = min(len(proposal.tokens), work.plan[i].num_draft)
                 work.plan[i].drafts = proposal.tokens[:n]
                 work.q[i] = None if proposal.q is None else proposal.q[:n]
 
-    def _advance(self, item: Scheduled, logits: torch.Tensor | None, q: torch.Tensor | None,
-                 token: int | None = None) -> None:
+    def _advance(
+        self, item: Scheduled, logits: torch.Tensor | None, q: torch.Tensor | None, token: int | None = None
+    ) -> None:
         seq, sched = item.seq, self.scheduler
         seq.num_computed += item.num_tokens
         if seq.first_token_ns == 0:

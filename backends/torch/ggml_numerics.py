@@ -27,9 +27,18 @@ from .gguf_load import GGUFTensors
 
 # weight type -> activation format of its dot product (ggml-cpu.c type_traits_cpu[].vec_dot_type)
 VEC_DOT_TYPE: dict[str, str] = {
-    "Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q4_1": "Q8_1", "Q5_1": "Q8_1",
-    "Q2_K": "Q8_K", "Q3_K": "Q8_K", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K",
-    "F16": "F16", "BF16": "BF16",
+    "Q4_0": "Q8_0",
+    "Q5_0": "Q8_0",
+    "Q8_0": "Q8_0",
+    "Q4_1": "Q8_1",
+    "Q5_1": "Q8_1",
+    "Q2_K": "Q8_K",
+    "Q3_K": "Q8_K",
+    "Q4_K": "Q8_K",
+    "Q5_K": "Q8_K",
+    "Q6_K": "Q8_K",
+    "F16": "F16",
+    "BF16": "BF16",
 }
 
 
@@ -136,7 +145,7 @@ class GGMLDenseCausal:
         group = n_head // k.shape[1]
         r = [t.half().float().transpose(0, 1) for t in (q, k, v)]  # [H(kv), N, D]
         qh, kh, vh = r[0], r[1].repeat_interleave(group, 0), r[2].repeat_interleave(group, 0)
-        scores = (qh @ kh.transpose(1, 2)) * head_dim ** -0.5  # [H, N, N]
+        scores = (qh @ kh.transpose(1, 2)) * head_dim**-0.5  # [H, N, N]
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         probs = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         out = probs.half().float() @ vh  # [H, N, D]

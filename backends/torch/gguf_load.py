@@ -150,10 +150,19 @@ def dequant_f32(b: torch.Tensor) -> torch.Tensor:
 
 
 DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "F32": dequant_f32, "F16": dequant_f16, "BF16": dequant_bf16,
-    "Q4_0": dequant_q4_0, "Q4_1": dequant_q4_1, "Q5_0": dequant_q5_0, "Q5_1": dequant_q5_1,
-    "Q8_0": dequant_q8_0, "Q2_K": dequant_q2_k, "Q3_K": dequant_q3_k, "Q4_K": dequant_q4_k,
-    "Q5_K": dequant_q5_k, "Q6_K": dequant_q6_k,
+    "F32": dequant_f32,
+    "F16": dequant_f16,
+    "BF16": dequant_bf16,
+    "Q4_0": dequant_q4_0,
+    "Q4_1": dequant_q4_1,
+    "Q5_0": dequant_q5_0,
+    "Q5_1": dequant_q5_1,
+    "Q8_0": dequant_q8_0,
+    "Q2_K": dequant_q2_k,
+    "Q3_K": dequant_q3_k,
+    "Q4_K": dequant_q4_k,
+    "Q5_K": dequant_q5_k,
+    "Q6_K": dequant_q6_k,
 }
 ROWS_PER_CHUNK = 1 << 14  # blocks dequantized at once: bounds the int16/float temporaries
 
@@ -169,8 +178,12 @@ def dequantize(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...]) -> tor
         out = fn(raw)
     else:
         blocks = raw.view(-1, block_bytes)  # [n_blocks, bytes per block]
-        out = torch.cat([fn(blocks[i:i + ROWS_PER_CHUNK]).reshape(-1)
-                         for i in range(0, blocks.shape[0], ROWS_PER_CHUNK)])
+        out = torch.cat(
+            [
+                fn(blocks[i : i + ROWS_PER_CHUNK]).reshape(-1)
+                for i in range(0, blocks.shape[0], ROWS_PER_CHUNK)
+            ]
+        )
     if out.numel() != n_elements:
         raise LocalrtError(f"tensor of {n_elements} elements decoded to {out.numel()}")
     return out.reshape(tuple(reversed(shape)))
@@ -199,7 +212,7 @@ class GGUFTensors:
             raise LocalrtError(f"GGUF tensor {name!r} is missing")
         start = self.info.data_offset + t.offset
         # a copy: the map is read-only and torch wants writable storage
-        return torch.from_numpy(np.array(self._map[start:start + t.n_bytes]))
+        return torch.from_numpy(np.array(self._map[start : start + t.n_bytes]))
 
     def get(self, name: str) -> torch.Tensor:
         t = self.by_name.get(name)

@@ -115,11 +115,22 @@ class BlockPool:
 class KVCache:
     """Per-layer K and V tensors [num_blocks, block_size, n_kv_heads, head_dim] (+ scales if quantized)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, n_kv_heads: int, head_dim: int, kv_type: str,
-                 compute_dtype: torch.dtype, device: torch.device | str, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        n_kv_heads: int,
+        head_dim: int,
+        kv_type: str,
+        compute_dtype: torch.dtype,
+        device: torch.device | str,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
         if kv_type not in KV_STORAGE:
-            raise OptionError(f"kv_cache_type {kv_type!r} is not supported by the torch backend "
-                              f"(supported: {', '.join(KV_STORAGE)})")
+            raise OptionError(
+                f"kv_cache_type {kv_type!r} is not supported by the torch backend "
+                f"(supported: {', '.join(KV_STORAGE)})"
+            )
         self.kv_type = kv_type
         self.storage = KV_STORAGE[kv_type]
         self.quantized = kv_type in QUANTIZED_KV
@@ -136,8 +147,9 @@ class KVCache:
             self.v_scale = [torch.ones(shape[:3], device=device) for _ in range(num_layers)]
 
     @staticmethod
-    def bytes_per_block(num_layers: int, n_kv_heads: int, head_dim: int, kv_type: str,
-                        block_size: int = BLOCK_SIZE) -> int:
+    def bytes_per_block(
+        num_layers: int, n_kv_heads: int, head_dim: int, kv_type: str, block_size: int = BLOCK_SIZE
+    ) -> int:
         elem = torch.empty(0, dtype=KV_STORAGE[kv_type]).element_size()
         per_token = n_kv_heads * head_dim * elem + (n_kv_heads * 4 if kv_type in QUANTIZED_KV else 0)
         return 2 * num_layers * block_size * per_token
@@ -184,7 +196,9 @@ class KVCache:
             x = x.to(self.compute_dtype)
             if self.quantized:
                 x = x * scales[layer].index_select(0, flat).unsqueeze(-1).to(self.compute_dtype)
-            out.append(x.view(b, n_blocks * self.block_size, *x.shape[2:]))  # [B, n_blocks * block_size, Hkv, D]
+            out.append(
+                x.view(b, n_blocks * self.block_size, *x.shape[2:])
+            )  # [B, n_blocks * block_size, Hkv, D]
         return out[0], out[1]
 
     def copy_block(self, src: int, dst: int) -> None:

@@ -53,7 +53,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 (as llama.cpp does), scale in the compute dtype
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight  # one fused kernel
+        return (
+            F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+        )  # one fused kernel
 
 
 class Rotary(nn.Module):
@@ -82,7 +84,7 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [N, heads, head_dim] rotated by each token's position."""
         cos, sin = self._cos_sin(positions)
-        rot, rest = x[..., : self.n_rot].float(), x[..., self.n_rot:]
+        rot, rest = x[..., : self.n_rot].float(), x[..., self.n_rot :]
         if self.neox:
             x1, x2 = rot.chunk(2, dim=-1)  # pairs (i, i + n_rot/2)
         else:
@@ -122,7 +124,7 @@ class Block(nn.Module):
         if self.attn_q_norm is not None and self.attn_k_norm is not None:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         qk = rotary(torch.cat([q, k], 1), ctx.positions)  # one rotation for q and k: [N, H + Hkv, D]
-        q, k = qk[:, : self.n_head], qk[:, self.n_head:]
+        q, k = qk[:, : self.n_head], qk[:, self.n_head :]
         out = ctx.attend(self.layer, q, k, v)  # [N, H, D]
         return self.attn_output(out.reshape(n, self.n_head * self.head_dim))
 
@@ -135,8 +137,14 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, *, qkv_bias: bool = False, qk_norm: bool = False,
-                 freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        *,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        freq_factors: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.token_embd = nn.Embedding(cfg.vocab_size, cfg.embedding_length)
@@ -145,8 +153,14 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.embedding_length, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, freq_factors)
 
-    def hidden(self, tokens: torch.Tensor, ctx: AttentionContext, *, num_layers: int | None = None,
-               rows: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(
+        self,
+        tokens: torch.Tensor,
+        ctx: AttentionContext,
+        *,
+        num_layers: int | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens [N] -> final-normed hidden states [R, dim] of `rows` (all N when None).
 
         `num_layers` runs only the first blocks (self-speculative drafting); the final norm and
@@ -159,8 +173,14 @@ class Transformer(nn.Module):
             x = x[rows]  # [R, dim]: the head is the biggest matmul, so only where logits are needed
         return self.output_norm(x)
 
-    def forward(self, tokens: torch.Tensor, ctx: AttentionContext, *, num_layers: int | None = None,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        ctx: AttentionContext,
+        *,
+        num_layers: int | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens [N] -> logits [R, vocab] in float32."""
         return self.output(self.hidden(tokens, ctx, num_layers=num_layers, rows=rows)).float()
 
@@ -173,7 +193,9 @@ class Transformer(nn.Module):
         cfg = LlamaConfig.from_gguf(md, len(vocab) if vocab is not None else embd.shape[1])
         freq_factors = tensors.get("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
         with torch.device("meta"):
-            model = cls(cfg, qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors)
+            model = cls(
+                cfg, qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors
+            )
         state: dict[str, torch.Tensor] = {}
         for name in model.state_dict():  # GGUF names, one tensor in memory at a time
             if name == "output.weight" and name not in tensors:

@@ -57,7 +57,7 @@ class PrefixCache:
             return found, 0
         bs, parent, pos = self.block_size, ROOT_KEY, 0
         while pos + bs <= max_tokens:
-            key = chain_key(parent, tokens[pos:pos + bs])
+            key = chain_key(parent, tokens[pos : pos + bs])
             block = self._full.get(key)
             if block is None:
                 break
@@ -65,7 +65,7 @@ class PrefixCache:
             found.keys.append(key)
             parent, pos = key, pos + bs
         # a cached block (full or partial) under the same parent that starts like the rest
-        rest = tuple(tokens[pos:min(pos + bs, max_tokens)])
+        rest = tuple(tokens[pos : min(pos + bs, max_tokens)])
         best, best_len = None, 0
         for cached_tokens, block in self._children.get(parent, {}).items():
             n = 0

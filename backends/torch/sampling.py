@@ -18,8 +18,13 @@ from localrt.backends.grammar import Grammar
 
 
 class RequestSampler:
-    def __init__(self, params: SamplingParams, device: torch.device | str, context_length: int,
-                 grammar: Grammar | None = None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        device: torch.device | str,
+        context_length: int,
+        grammar: Grammar | None = None,
+    ) -> None:
         self.params = params
         self.greedy = params.greedy
         self.grammar = grammar  # `format`: sample() only picks what it allows (no speculation then)
@@ -33,11 +38,13 @@ class RequestSampler:
         if not self.penalty_window or not history:
             return logits
         # counts over the whole vocabulary instead of torch.unique: no data-dependent shape, so no sync
-        window = torch.tensor(list(history[-self.penalty_window:]), dtype=torch.long)
+        window = torch.tensor(list(history[-self.penalty_window :]), dtype=torch.long)
         if logits.is_cuda:  # pinned: the upload queues behind the forward instead of waiting for it
             window = window.pin_memory()
         window = window.to(logits.device, non_blocking=True)
-        counts = torch.zeros_like(logits).index_add_(0, window, torch.ones_like(window, dtype=logits.dtype))  # [V]
+        counts = torch.zeros_like(logits).index_add_(
+            0, window, torch.ones_like(window, dtype=logits.dtype)
+        )  # [V]
         p = self.params
         out = torch.where(logits > 0, logits / p.repeat_penalty, logits * p.repeat_penalty)
         out = out - counts * p.frequency_penalty - p.presence_penalty
@@ -75,7 +82,9 @@ class RequestSampler:
 
     def uniform(self) -> float:
         # float64: a float32 uniform can be exactly 0, which would accept a draft with p = 0
-        return float(torch.rand(1, generator=self.generator, dtype=torch.float64, device=self.generator.device))
+        return float(
+            torch.rand(1, generator=self.generator, dtype=torch.float64, device=self.generator.device)
+        )
 
     def sample(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         if self.grammar is not None:  # constrained output: the grammar runs on the host, one row per step
@@ -93,8 +102,9 @@ class RequestSampler:
         return self._draw(self.probs(logits, history))
 
 
-def sample_batch(samplers: Sequence[RequestSampler], logits: Sequence[torch.Tensor],
-                 histories: Sequence[Sequence[int]]) -> list[int]:
+def sample_batch(
+    samplers: Sequence[RequestSampler], logits: Sequence[torch.Tensor], histories: Sequence[Sequence[int]]
+) -> list[int]:
     """One token per request from its logits row [V], with one device->host copy for the whole batch.
 
     Greedy rows share one argmax over the stacked rows (penalties applied per row first); sampled rows
@@ -102,11 +112,14 @@ def sample_batch(samplers: Sequence[RequestSampler], logits: Sequence[torch.Tens
     with a grammar need the host per token: use `RequestSampler.sample` for those.
     """
     assert all(s.grammar is None for s in samplers)
-    picks: list[torch.Tensor | None] = [None if s.greedy else s.pick(row, history)
-                                        for s, row, history in zip(samplers, logits, histories)]
+    picks: list[torch.Tensor | None] = [
+        None if s.greedy else s.pick(row, history) for s, row, history in zip(samplers, logits, histories)
+    ]
     greedy = [i for i, s in enumerate(samplers) if s.greedy]
     if greedy:
-        best = torch.stack([samplers[i].penalized(logits[i].float(), histories[i]) for i in greedy]).argmax(-1)  # [G]
+        best = torch.stack([samplers[i].penalized(logits[i].float(), histories[i]) for i in greedy]).argmax(
+            -1
+        )  # [G]
         for j, i in enumerate(greedy):
             picks[i] = best[j]
     return torch.stack(picks).tolist()  # type: ignore[arg-type]  # every slot is filled by now

@@ -67,8 +67,15 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, cache: KVCache, prefix_cache: PrefixCache, *,
-                 max_batch_tokens: int = 512, max_seqs: int = 16) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        cache: KVCache,
+        prefix_cache: PrefixCache,
+        *,
+        max_batch_tokens: int = 512,
+        max_seqs: int = 16,
+    ) -> None:
         self.pool = pool
         self.cache = cache
         self.prefix = prefix_cache
@@ -174,14 +181,16 @@ class Scheduler:
         while len(seq.block_keys) < seq.num_computed // bs:
             i = len(seq.block_keys)
             parent = seq.block_keys[-1] if seq.block_keys else ROOT_KEY
-            seq.block_keys.append(self.prefix.insert_full(seq.block_table[i], parent, seq.tokens[i * bs:(i + 1) * bs]))
+            seq.block_keys.append(
+                self.prefix.insert_full(seq.block_table[i], parent, seq.tokens[i * bs : (i + 1) * bs])
+            )
 
     def _release(self, seq: Sequence) -> None:
         """Free a sequence's blocks, keeping its computed tail findable (copy-on-write on reuse)."""
         bs = self.pool.block_size
         self.commit(seq)
         full = len(seq.block_keys)
-        tail = seq.tokens[full * bs:seq.num_computed]
+        tail = seq.tokens[full * bs : seq.num_computed]
         if tail and full < len(seq.block_table):
             parent = seq.block_keys[-1] if seq.block_keys else ROOT_KEY
             self.prefix.insert_partial(seq.block_table[full], parent, tail)

@@ -68,7 +68,9 @@ class SpecState:
     def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
-        if self.drafted >= WARMUP_DRAFTS and self.acceptance < break_even_acceptance(self.k, self.cost_per_draft):
+        if self.drafted >= WARMUP_DRAFTS and self.acceptance < break_even_acceptance(
+            self.k, self.cost_per_draft
+        ):
             self.enabled = False  # speculation costs this request more than it saves
 
 
@@ -89,14 +91,23 @@ class LookupProposer:
         pass
 
 
-def _draft_step(model: Transformer, cache: KVCache, chunks: list[SeqChunk], feed: list[int],
-                rows: list[int], device: torch.device, num_layers: int | None) -> torch.Tensor:
+def _draft_step(
+    model: Transformer,
+    cache: KVCache,
+    chunks: list[SeqChunk],
+    feed: list[int],
+    rows: list[int],
+    device: torch.device,
+    num_layers: int | None,
+) -> torch.Tensor:
     ctx = PagedAttention(cache, chunks, device)
     tokens = torch.tensor(feed, dtype=torch.long, device=device)
     return model(tokens, ctx, num_layers=num_layers, rows=torch.tensor(rows, device=device))
 
 
-def _guess(seqs: Sequence[Seq], logits: torch.Tensor, histories: list[list[int]]) -> tuple[list[int], list[torch.Tensor]]:
+def _guess(
+    seqs: Sequence[Seq], logits: torch.Tensor, histories: list[list[int]]
+) -> tuple[list[int], list[torch.Tensor]]:
     """One guess per sequence from its draft logits [B, V]: greedy -> argmax, else a draw from q."""
     tokens, qs = [], []
     for i, seq in enumerate(seqs):
@@ -114,8 +125,13 @@ class _ModelProposer:
         self.device = device
         self.num_layers = num_layers
 
-    def _run(self, seqs: Sequence[Seq], ks: Sequence[int], cache: KVCache,
-             start: Callable[[Seq], tuple[list[int], int, Sequence[int]]]) -> list[Proposal]:
+    def _run(
+        self,
+        seqs: Sequence[Seq],
+        ks: Sequence[int],
+        cache: KVCache,
+        start: Callable[[Seq], tuple[list[int], int, Sequence[int]]],
+    ) -> list[Proposal]:
         """`start(seq)` -> (tokens to feed first, their first position, block table)."""
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -130,7 +146,11 @@ class _ModelProposer:
                 if step == 0:
                     tokens, pos, table = first[i]
                 else:
-                    tokens, pos, table = [drafts[i][-1]], first[i][1] + len(first[i][0]) + step - 1, first[i][2]
+                    tokens, pos, table = (
+                        [drafts[i][-1]],
+                        first[i][1] + len(first[i][0]) + step - 1,
+                        first[i][2],
+                    )
                 chunks.append(SeqChunk(len(tokens), pos + len(tokens), table))
                 feed.extend(tokens)
                 rows.append(len(feed) - 1)
@@ -141,8 +161,10 @@ class _ModelProposer:
             for j, i in enumerate(live):
                 drafts[i].append(guesses[j])
                 qs[i].append(guess_q[j])
-        return [Proposal(d, torch.stack(q) if q and not s.sampler.greedy else None)
-                for d, q, s in zip(drafts, qs, seqs)]
+        return [
+            Proposal(d, torch.stack(q) if q and not s.sampler.greedy else None)
+            for d, q, s in zip(drafts, qs, seqs)
+        ]
 
 
 class SelfProposer(_ModelProposer):
@@ -167,8 +189,9 @@ class SelfProposer(_ModelProposer):
 class DraftModelProposer(_ModelProposer):
     """A small model with the target's vocabulary, with its own block pool (no prefix sharing)."""
 
-    def __init__(self, model: Transformer, cache: KVCache, pool: BlockPool, device: torch.device,
-                 cost_per_draft: float) -> None:
+    def __init__(
+        self, model: Transformer, cache: KVCache, pool: BlockPool, device: torch.device, cost_per_draft: float
+    ) -> None:
         super().__init__(model, device, None)
         self.cache = cache
         self.pool = pool

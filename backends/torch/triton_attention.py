@@ -18,13 +18,29 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, sm_scale,
-    stride_qb, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_sb, stride_st,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    tables_ptr,
+    lens_ptr,
+    out_ptr,
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_sb,
+    stride_st,
     stride_tb,
-    stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -57,9 +73,15 @@ def _paged_decode_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, acc / l_i)
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                 context_lens: torch.Tensor, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [B, H, D]; caches [num_blocks, block_size, Hkv, D]; tables [B, max_blocks]; lens [B] -> [B, H, D]."""
     b, n_head, head_dim = q.shape
     _, block_size, n_kv, _ = k_cache.shape
@@ -69,12 +91,28 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ks = k_scale if quantized else context_lens  # any tensor: unused when not quantized
     vs = v_scale if quantized else context_lens
     _paged_decode_kernel[(b, n_head)](
-        q, k_cache, v_cache, ks, vs, tables, context_lens, out, 1.0 / math.sqrt(head_dim),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_scale.stride(0) if quantized else 0, k_scale.stride(1) if quantized else 0,
+        q,
+        k_cache,
+        v_cache,
+        ks,
+        vs,
+        tables,
+        context_lens,
+        out,
+        1.0 / math.sqrt(head_dim),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_scale.stride(0) if quantized else 0,
+        k_scale.stride(1) if quantized else 0,
         tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=n_head // n_kv, BLOCK=block_size, HEAD_DIM=head_dim, QUANTIZED=quantized,
+        out.stride(0),
+        out.stride(1),
+        GROUP=n_head // n_kv,
+        BLOCK=block_size,
+        HEAD_DIM=head_dim,
+        QUANTIZED=quantized,
     )
     return out.to(q.dtype)

@@ -40,8 +40,10 @@ class Arch:
             m = regex.match(hf_name)
             if m:
                 return dst.format(bid=m.group("bid")) if "{bid}" in dst else dst
-        raise ConvertError(f"tensor {hf_name!r} has no GGUF name in the {self.name} table "
-                           "(an unsupported variant of the architecture?)")
+        raise ConvertError(
+            f"tensor {hf_name!r} has no GGUF name in the {self.name} table "
+            "(an unsupported variant of the architecture?)"
+        )
 
 
 LLAMA_LAYER = {

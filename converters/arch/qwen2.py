@@ -15,7 +15,12 @@ BIASES = {
 
 def defaults(config: dict[str, Any]) -> dict[str, Any]:
     # Qwen2Config's defaults for keys config.json leaves out
-    return {"max_position_embeddings": 32768, "num_key_value_heads": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    return {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 32,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+    }
 
 
 ARCH = Arch(

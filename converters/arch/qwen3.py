@@ -14,8 +14,13 @@ QK_NORMS = {
 
 def defaults(config: dict[str, Any]) -> dict[str, Any]:
     # Qwen3Config's defaults (head_dim is explicit there, 128 unless given)
-    return {"max_position_embeddings": 32768, "num_key_value_heads": 32, "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0, "head_dim": 128}
+    return {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 32,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "head_dim": 128,
+    }
 
 
 ARCH = Arch(

@@ -30,11 +30,18 @@ def error_response(request: Request, status: int, message: str) -> JSONResponse:
     return JSONResponse(error_body(message, status, is_openai_path(request)), status_code=status)
 
 
-def create_app(*, store: Store | None = None, runtime: Any = None, bind_host: str = "127.0.0.1",
-               api_key: str | None = None, max_body: int | None = None) -> FastAPI:
+def create_app(
+    *,
+    store: Store | None = None,
+    runtime: Any = None,
+    bind_host: str = "127.0.0.1",
+    api_key: str | None = None,
+    max_body: int | None = None,
+) -> FastAPI:
     """Build the app; `runtime` is the shared localrt.runtime manager (made lazily when None)."""
-    app = FastAPI(title="localrt", version=__version__,
-                  description="Ollama- and OpenAI-compatible local LLM API")
+    app = FastAPI(
+        title="localrt", version=__version__, description="Ollama- and OpenAI-compatible local LLM API"
+    )
     app.state.store = store or Store()
     app.state.runtime = runtime
     app.state.metrics = ServerMetrics()
@@ -70,7 +77,10 @@ def create_app(*, store: Store | None = None, runtime: Any = None, bind_host: st
     app.include_router(openai.router)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     app.add_middleware(RequestCounter, metrics=app.state.metrics)
-    app.add_middleware(SecurityMiddleware, bind_host=bind_host,
-                       api_key=api_key if api_key is not None else os.environ.get("LOCALRT_API_KEY") or None,
-                       max_body=max_body or config.env_int("LOCALRT_MAX_BODY", DEFAULT_MAX_BODY))
+    app.add_middleware(
+        SecurityMiddleware,
+        bind_host=bind_host,
+        api_key=api_key if api_key is not None else os.environ.get("LOCALRT_API_KEY") or None,
+        max_body=max_body or config.env_int("LOCALRT_MAX_BODY", DEFAULT_MAX_BODY),
+    )
     return app

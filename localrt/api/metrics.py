@@ -42,8 +42,9 @@ class Metrics:
         with self._lock:
             self.requests[(route, status)] += 1
 
-    def observe_generation(self, model: str, ttft_s: float | None, prompt_tokens: int, eval_count: int,
-                           eval_s: float) -> None:
+    def observe_generation(
+        self, model: str, ttft_s: float | None, prompt_tokens: int, eval_count: int, eval_s: float
+    ) -> None:
         with self._lock:
             self.prompt_tokens += prompt_tokens
             self.generated_tokens += eval_count

@@ -48,12 +48,21 @@ def model_details(store: Store, resolved: ResolvedModel) -> dict[str, Any]:
         from localrt.store.gguf import format_parameter_count, read_gguf
 
         info = read_gguf(resolved.model_path)
-        cfg = {"model_family": info.architecture, "model_type": format_parameter_count(info.parameter_count),
-               "file_type": info.file_type, **cfg}
+        cfg = {
+            "model_family": info.architecture,
+            "model_type": format_parameter_count(info.parameter_count),
+            "file_type": info.file_type,
+            **cfg,
+        }
     family = cfg.get("model_family") or ""
-    return {"parent_model": "", "format": cfg.get("model_format", "gguf"), "family": family,
-            "families": cfg.get("model_families") or ([family] if family else None),
-            "parameter_size": cfg.get("model_type", ""), "quantization_level": cfg.get("file_type", "")}
+    return {
+        "parent_model": "",
+        "format": cfg.get("model_format", "gguf"),
+        "family": family,
+        "families": cfg.get("model_families") or ([family] if family else None),
+        "parameter_size": cfg.get("model_type", ""),
+        "quantization_level": cfg.get("file_type", ""),
+    }
 
 
 ERRORS = wire.error_responses(False)
@@ -94,9 +103,16 @@ async def tags(request: Request) -> dict[str, Any]:
             details = model_details(store, store.resolve(entry.name))
         except LocalrtError:
             continue  # a damaged entry is skipped, not a 500 for the whole list
-        models.append({"name": entry.name.display, "model": entry.name.display,
-                       "modified_at": rfc3339(entry.modified), "size": entry.size,
-                       "digest": entry.manifest_digest.split(":", 1)[1], "details": details})
+        models.append(
+            {
+                "name": entry.name.display,
+                "model": entry.name.display,
+                "modified_at": rfc3339(entry.modified),
+                "size": entry.size,
+                "digest": entry.manifest_digest.split(":", 1)[1],
+                "details": details,
+            }
+        )
     return {"models": models}
 
 
@@ -107,8 +123,11 @@ def required_model(f: dict[str, Any], key: str = "model") -> str:
     return value
 
 
-@router.post("/api/show", openapi_extra=wire.request_body(wire.ModelRequest),
-             responses={200: wire.ok(wire.ShowResponse), **MODEL_ERRORS})
+@router.post(
+    "/api/show",
+    openapi_extra=wire.request_body(wire.ModelRequest),
+    responses={200: wire.ok(wire.ShowResponse), **MODEL_ERRORS},
+)
 async def show(request: Request) -> dict[str, Any]:
     from localrt.show import modelfile_text, parameter_lines, template_of
     from localrt.store.gguf import read_gguf
@@ -132,7 +151,8 @@ async def show(request: Request) -> dict[str, Any]:
         "model_info": info.summary(),
         "capabilities": capabilities,
         "modified_at": rfc3339(store.manifest_path(resolved.name).stat().st_mtime)
-        if store.manifest_path(resolved.name).exists() else None,
+        if store.manifest_path(resolved.name).exists()
+        else None,
     }
 
 
@@ -175,8 +195,11 @@ async def respond(items: AsyncIterator[dict[str, Any]], stream: bool) -> Respons
     return ndjson_response(all_items)
 
 
-@router.post("/api/pull", openapi_extra=wire.request_body(wire.PullRequest),
-             responses={200: STREAMED, **wire.error_responses(False, 404, 502)})
+@router.post(
+    "/api/pull",
+    openapi_extra=wire.request_body(wire.PullRequest),
+    responses={200: STREAMED, **wire.error_responses(False, 404, 502)},
+)
 async def pull(request: Request) -> Response:
     from localrt.store.pull import pull as do_pull
 
@@ -187,12 +210,16 @@ async def pull(request: Request) -> Response:
     def work(emit: Callable[[dict[str, Any]], None]) -> None:
         do_pull(name, store=store, insecure=insecure, progress=lambda e: emit(progress_dict(e)))
 
-    return await respond(run_in_thread_stream(work, wait=False, name="localrt-pull"),
-                         body.get("stream", True) is not False)
+    return await respond(
+        run_in_thread_stream(work, wait=False, name="localrt-pull"), body.get("stream", True) is not False
+    )
 
 
-@router.post("/api/create", openapi_extra=wire.request_body(wire.CreateRequest),
-             responses={200: STREAMED, **MODEL_ERRORS})
+@router.post(
+    "/api/create",
+    openapi_extra=wire.request_body(wire.CreateRequest),
+    responses={200: STREAMED, **MODEL_ERRORS},
+)
 async def create(request: Request) -> Response:
     from localrt.store.modelfile import create_from_request
 
@@ -204,8 +231,9 @@ async def create(request: Request) -> Response:
         create_from_request(name, fields, store=store, progress=lambda status: emit({"status": status}))
         emit({"status": "success"})
 
-    return await respond(run_in_thread_stream(work, wait=False, name="localrt-create"),
-                         fields.get("stream", True) is not False)
+    return await respond(
+        run_in_thread_stream(work, wait=False, name="localrt-create"), fields.get("stream", True) is not False
+    )
 
 
 @router.head("/api/blobs/{digest}", responses=wire.error_responses(False, 404))
@@ -214,9 +242,16 @@ async def blob_exists(request: Request, digest: BlobDigest) -> Response:
     return Response(status_code=200 if exists else 404)
 
 
-@router.post("/api/blobs/{digest}", responses={201: {"description": "stored"}, **ERRORS}, openapi_extra={
-    "requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string",
-                                                                                          "format": "binary"}}}}})
+@router.post(
+    "/api/blobs/{digest}",
+    responses={201: {"description": "stored"}, **ERRORS},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        }
+    },
+)
 async def blob_upload(request: Request, digest: BlobDigest) -> Response:
     digest = normalize_digest(digest)
     store = store_of(request)
@@ -233,11 +268,23 @@ async def blob_upload(request: Request, digest: BlobDigest) -> Response:
 async def ps(request: Request) -> dict[str, Any]:
     runtime = request.app.state.runtime
     rows = runtime.ps() if runtime is not None else []
-    return {"models": [{
-        "name": row.name, "model": row.name, "size": row.size, "digest": row.digest.split(":", 1)[-1],
-        "details": row.details, "size_vram": row.size_vram, "context_length": row.context_length,
-        "expires_at": expiry(row.expires_at),
-        "backend": row.backend, "processor": row.processor} for row in rows]}
+    return {
+        "models": [
+            {
+                "name": row.name,
+                "model": row.name,
+                "size": row.size,
+                "digest": row.digest.split(":", 1)[-1],
+                "details": row.details,
+                "size_vram": row.size_vram,
+                "context_length": row.context_length,
+                "expires_at": expiry(row.expires_at),
+                "backend": row.backend,
+                "processor": row.processor,
+            }
+            for row in rows
+        ]
+    }
 
 
 # ---- generation ------------------------------------------------------------------------------
@@ -253,8 +300,12 @@ def metrics_fields(m: Metrics | None) -> dict[str, Any]:
 
 
 def chunk_to_generate(chunk: Chunk) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": chunk.model, "created_at": chunk.created_at, "response": chunk.content,
-                           "done": chunk.done}
+    out: dict[str, Any] = {
+        "model": chunk.model,
+        "created_at": chunk.created_at,
+        "response": chunk.content,
+        "done": chunk.done,
+    }
     if chunk.logprobs:
         out["logprobs"] = chunk.logprobs
     if chunk.done:
@@ -271,8 +322,12 @@ def chunk_to_chat(chunk: Chunk) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": chunk.content}
     if chunk.tool_calls:
         message["tool_calls"] = chunk.tool_calls
-    out: dict[str, Any] = {"model": chunk.model, "created_at": chunk.created_at, "message": message,
-                           "done": chunk.done}
+    out: dict[str, Any] = {
+        "model": chunk.model,
+        "created_at": chunk.created_at,
+        "message": message,
+        "done": chunk.done,
+    }
     if chunk.logprobs:
         out["logprobs"] = chunk.logprobs
     if chunk.done:
@@ -286,8 +341,9 @@ def observe(request: Request, chunk: Chunk) -> None:
     m = chunk.metrics
     if chunk.done and m is not None and m.eval_count:
         ttft = (m.load_ns + m.prompt_eval_ns) / 1e9
-        request.app.state.metrics.observe_generation(chunk.model, ttft, m.prompt_eval_count, m.eval_count,
-                                                     m.eval_ns / 1e9)
+        request.app.state.metrics.observe_generation(
+            chunk.model, ttft, m.prompt_eval_count, m.eval_count, m.eval_ns / 1e9
+        )
 
 
 def bool_field(fields: dict[str, Any], key: str, default: bool) -> bool:
@@ -306,8 +362,9 @@ def optional_str(fields: dict[str, Any], key: str) -> str | None:
     return value
 
 
-async def generation_response(request: Request, chunks: AsyncIterator[Chunk], stream: bool,
-                              to_wire: Callable[[Chunk], dict[str, Any]]) -> Response:
+async def generation_response(
+    request: Request, chunks: AsyncIterator[Chunk], stream: bool, to_wire: Callable[[Chunk], dict[str, Any]]
+) -> Response:
     async def wire() -> AsyncIterator[dict[str, Any]]:
         async for chunk in chunks:
             observe(request, chunk)
@@ -322,28 +379,44 @@ async def generation_response(request: Request, chunks: AsyncIterator[Chunk], st
     return ndjson_response(items)
 
 
-@router.post("/api/generate", openapi_extra=wire.request_body(wire.GenerateRequest),
-             responses={200: wire.ok(wire.GenerateResponse, STREAMED), **GENERATION_ERRORS})
+@router.post(
+    "/api/generate",
+    openapi_extra=wire.request_body(wire.GenerateRequest),
+    responses={200: wire.ok(wire.GenerateResponse, STREAMED), **GENERATION_ERRORS},
+)
 async def generate(request: Request) -> Response:
     f = await wire.read_json(request, wire.GenerateRequest)
     runtime = runtime_of(request)
     context = f.get("context")
-    if context is not None and (not isinstance(context, list) or not all(isinstance(t, int) for t in context)):
+    if context is not None and (
+        not isinstance(context, list) or not all(isinstance(t, int) for t in context)
+    ):
         raise LocalrtError("context must be a list of token ids")
     prompt = f.get("prompt") or ""
     if not isinstance(prompt, str):
         raise LocalrtError("prompt must be a string")
     stream = bool_field(f, "stream", True)
     chunks = runtime.generate(
-        required_model(f), prompt, system=optional_str(f, "system"), raw=bool_field(f, "raw", False),
-        context=context, options=f.get("options"), format=f.get("format") or None,
-        keep_alive=f.get("keep_alive"), logprobs=bool_field(f, "logprobs", False),
-        top_logprobs=f.get("top_logprobs") or 0, stream=stream)
+        required_model(f),
+        prompt,
+        system=optional_str(f, "system"),
+        raw=bool_field(f, "raw", False),
+        context=context,
+        options=f.get("options"),
+        format=f.get("format") or None,
+        keep_alive=f.get("keep_alive"),
+        logprobs=bool_field(f, "logprobs", False),
+        top_logprobs=f.get("top_logprobs") or 0,
+        stream=stream,
+    )
     return await generation_response(request, chunks, stream, chunk_to_generate)
 
 
-@router.post("/api/chat", openapi_extra=wire.request_body(wire.ChatRequest),
-             responses={200: wire.ok(wire.ChatResponse, STREAMED), **GENERATION_ERRORS})
+@router.post(
+    "/api/chat",
+    openapi_extra=wire.request_body(wire.ChatRequest),
+    responses={200: wire.ok(wire.ChatResponse, STREAMED), **GENERATION_ERRORS},
+)
 async def chat(request: Request) -> Response:
     f = await wire.read_json(request, wire.ChatRequest)
     runtime = runtime_of(request)
@@ -360,50 +433,82 @@ async def chat(request: Request) -> Response:
         raise LocalrtError("tools must be a list")
     stream = bool_field(f, "stream", True)
     chunks = runtime.chat(
-        required_model(f), messages, options=f.get("options"), tools=tools or None,
-        format=f.get("format") or None, keep_alive=f.get("keep_alive"), logprobs=bool_field(f, "logprobs", False),
-        top_logprobs=f.get("top_logprobs") or 0, stream=stream)
+        required_model(f),
+        messages,
+        options=f.get("options"),
+        tools=tools or None,
+        format=f.get("format") or None,
+        keep_alive=f.get("keep_alive"),
+        logprobs=bool_field(f, "logprobs", False),
+        top_logprobs=f.get("top_logprobs") or 0,
+        stream=stream,
+    )
     return await generation_response(request, chunks, stream, chunk_to_chat)
 
 
-@router.post("/api/embed", openapi_extra=wire.request_body(wire.EmbedRequest),
-             responses={200: wire.ok(wire.EmbedResponse), **GENERATION_ERRORS})
+@router.post(
+    "/api/embed",
+    openapi_extra=wire.request_body(wire.EmbedRequest),
+    responses={200: wire.ok(wire.EmbedResponse), **GENERATION_ERRORS},
+)
 async def embed(request: Request) -> dict[str, Any]:
     f = await wire.read_json(request, wire.EmbedRequest)
     inputs = f.get("input") or ""  # null or absent: only load the model, as Ollama does
-    result = await runtime_of(request).embed(required_model(f), inputs, options=f.get("options"),
-                                             keep_alive=f.get("keep_alive"),
-                                             truncate=bool_field(f, "truncate", True))
-    return {"model": result.model, "embeddings": result.embeddings, "total_duration": result.total_ns,
-            "load_duration": result.load_ns, "prompt_eval_count": result.prompt_eval_count}
+    result = await runtime_of(request).embed(
+        required_model(f),
+        inputs,
+        options=f.get("options"),
+        keep_alive=f.get("keep_alive"),
+        truncate=bool_field(f, "truncate", True),
+    )
+    return {
+        "model": result.model,
+        "embeddings": result.embeddings,
+        "total_duration": result.total_ns,
+        "load_duration": result.load_ns,
+        "prompt_eval_count": result.prompt_eval_count,
+    }
 
 
-@router.post("/api/embeddings", openapi_extra=wire.request_body(wire.EmbeddingsRequest),
-             responses={200: wire.ok(wire.EmbeddingsResponse), **GENERATION_ERRORS})
+@router.post(
+    "/api/embeddings",
+    openapi_extra=wire.request_body(wire.EmbeddingsRequest),
+    responses={200: wire.ok(wire.EmbeddingsResponse), **GENERATION_ERRORS},
+)
 async def embeddings_legacy(request: Request) -> dict[str, Any]:
     f = await wire.read_json(request, wire.EmbeddingsRequest)
     prompt = f.get("prompt") or ""
     # an empty prompt still loads the model (and checks the name and options), as Ollama does
-    result = await runtime_of(request).embed(required_model(f), prompt, options=f.get("options"),
-                                             keep_alive=f.get("keep_alive"))
+    result = await runtime_of(request).embed(
+        required_model(f), prompt, options=f.get("options"), keep_alive=f.get("keep_alive")
+    )
     return {"embedding": result.embeddings[0] if prompt else []}
 
 
-@router.post("/api/tokenize", openapi_extra=wire.request_body(wire.TokenizeRequest),
-             responses={200: wire.ok(wire.TokenizeResponse), **GENERATION_ERRORS})
+@router.post(
+    "/api/tokenize",
+    openapi_extra=wire.request_body(wire.TokenizeRequest),
+    responses={200: wire.ok(wire.TokenizeResponse), **GENERATION_ERRORS},
+)
 async def tokenize(request: Request) -> dict[str, Any]:
     f = await wire.read_json(request, wire.TokenizeRequest)
     text = f.get("text") if f.get("text") is not None else f.get("content") or ""
     if not isinstance(text, str):
         raise LocalrtError("text must be a string")
-    tokens = await runtime_of(request).tokenize(required_model(f), text,
-                                                add_special=bool_field(f, "add_special", True),
-                                                parse_special=bool_field(f, "parse_special", False))
+    tokens = await runtime_of(request).tokenize(
+        required_model(f),
+        text,
+        add_special=bool_field(f, "add_special", True),
+        parse_special=bool_field(f, "parse_special", False),
+    )
     return {"model": required_model(f), "tokens": tokens}
 
 
-@router.post("/api/detokenize", openapi_extra=wire.request_body(wire.DetokenizeRequest),
-             responses={200: wire.ok(wire.DetokenizeResponse), **GENERATION_ERRORS})
+@router.post(
+    "/api/detokenize",
+    openapi_extra=wire.request_body(wire.DetokenizeRequest),
+    responses={200: wire.ok(wire.DetokenizeResponse), **GENERATION_ERRORS},
+)
 async def detokenize(request: Request) -> dict[str, Any]:
     f = await wire.read_json(request, wire.DetokenizeRequest)
     tokens = f.get("tokens")
@@ -418,4 +523,5 @@ async def metrics(request: Request) -> str:
     runtime = request.app.state.runtime
     return request.app.state.metrics.render(
         queue_depth=lambda: runtime.queue_depth() if runtime is not None else {},
-        loaded=lambda: [row.name for row in runtime.ps()] if runtime is not None else [])
+        loaded=lambda: [row.name for row in runtime.ps()] if runtime is not None else [],
+    )

@@ -34,13 +34,18 @@ def model_object(display: str, created: float, owner: str) -> dict[str, Any]:
 @router.get("/models", responses={200: wire.ok(wire.ModelList), **ERRORS})
 async def list_models(request: Request) -> dict[str, Any]:
     entries = request.app.state.store.list_models()
-    return {"object": "list",
-            "data": [model_object(e.name.display, e.modified, e.name.namespace) for e in entries]}
+    return {
+        "object": "list",
+        "data": [model_object(e.name.display, e.modified, e.name.namespace) for e in entries],
+    }
 
 
-@router.get("/models/{model_id:path}", responses={200: wire.ok(wire.ModelObject), **wire.error_responses(True, 404)})
-async def get_model(request: Request,
-                    model_id: Annotated[str, Path(json_schema_extra=wire.NAME_SCHEMA)]) -> dict[str, Any]:
+@router.get(
+    "/models/{model_id:path}", responses={200: wire.ok(wire.ModelObject), **wire.error_responses(True, 404)}
+)
+async def get_model(
+    request: Request, model_id: Annotated[str, Path(json_schema_extra=wire.NAME_SCHEMA)]
+) -> dict[str, Any]:
     wanted = parse_name(model_id)
     for entry in request.app.state.store.list_models():
         if entry.name.same_model(wanted):
@@ -53,9 +58,23 @@ async def get_model(request: Request,
 RENAMED = {"max_tokens": "num_predict", "max_completion_tokens": "num_predict"}
 PASSED = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty")
 # Ours and Ollama's options accepted at top level (the openai client sends `extra_body` there).
-EXTRA_OPTIONS = ("top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "num_ctx", "num_keep",
-                 "num_thread", "num_gpu", "num_batch", "backend", "kv_cache_type", "speculative",
-                 "draft_model", "num_draft")
+EXTRA_OPTIONS = (
+    "top_k",
+    "min_p",
+    "typical_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "num_ctx",
+    "num_keep",
+    "num_thread",
+    "num_gpu",
+    "num_batch",
+    "backend",
+    "kv_cache_type",
+    "speculative",
+    "draft_model",
+    "num_draft",
+)
 
 
 def options_from(f: dict[str, Any]) -> dict[str, Any]:
@@ -126,10 +145,18 @@ def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
         raise OpenAIParamError("messages", "a non-empty list of messages is required")
     out = []
     for m in raw:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+        if not isinstance(m, dict) or m.get("role") not in (
+            "system",
+            "developer",
+            "user",
+            "assistant",
+            "tool",
+        ):
             raise OpenAIParamError("messages", f"invalid message {m!r:.80}")
-        msg: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"],
-                               "content": message_text(m.get("content"))}
+        msg: dict[str, Any] = {
+            "role": "system" if m["role"] == "developer" else m["role"],
+            "content": message_text(m.get("content")),
+        }
         if m.get("tool_calls"):
             calls = []
             for call in m["tool_calls"]:
@@ -152,24 +179,46 @@ def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
 def openai_tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     if not calls:
         return None
-    return [{"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c["function"]["name"],
-                          "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
-            for i, c in enumerate(calls)]
+    return [
+        {
+            "index": i,
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {
+                "name": c["function"]["name"],
+                "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False),
+            },
+        }
+        for i, c in enumerate(calls)
+    ]
 
 
 def openai_logprobs(items: list[dict[str, Any]] | None) -> dict[str, Any] | None:
     if items is None:
         return None
-    return {"content": [{"token": lp["token"], "logprob": lp["logprob"], "bytes": lp.get("bytes"),
-                         "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")}
-                                          for t in lp.get("top_logprobs", [])]} for lp in items]}
+    return {
+        "content": [
+            {
+                "token": lp["token"],
+                "logprob": lp["logprob"],
+                "bytes": lp.get("bytes"),
+                "top_logprobs": [
+                    {"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")}
+                    for t in lp.get("top_logprobs", [])
+                ],
+            }
+            for lp in items
+        ]
+    }
 
 
 def usage_of(chunk: Chunk) -> dict[str, Any]:
     m = chunk.metrics or Metrics()
-    usage: dict[str, Any] = {"prompt_tokens": m.prompt_eval_count, "completion_tokens": m.eval_count,
-                             "total_tokens": m.prompt_eval_count + m.eval_count}
+    usage: dict[str, Any] = {
+        "prompt_tokens": m.prompt_eval_count,
+        "completion_tokens": m.eval_count,
+        "total_tokens": m.prompt_eval_count + m.eval_count,
+    }
     if m.draft_count:
         usage.update(draft_count=m.draft_count, draft_accepted_count=m.draft_accepted_count)
     return usage
@@ -202,19 +251,33 @@ def sse_error(e: LocalrtError) -> dict[str, Any]:
     return error_body(str(e), e.status, True)
 
 
-async def answer(request: Request, chunks: AsyncIterator[Chunk], f: dict[str, Any], completion_id: str,
-                 model: str, objects: tuple[str, str], whole: Callable[[Chunk], dict[str, Any]],
-                 piece: Callable[[Chunk, bool], dict[str, Any] | None]) -> Response:
+async def answer(
+    request: Request,
+    chunks: AsyncIterator[Chunk],
+    f: dict[str, Any],
+    completion_id: str,
+    model: str,
+    objects: tuple[str, str],
+    whole: Callable[[Chunk], dict[str, Any]],
+    piece: Callable[[Chunk, bool], dict[str, Any] | None],
+) -> Response:
     """What chat and text completions share: one JSON body from the final chunk (`whole` makes its
     choice), or SSE events (`piece` makes each chunk's choice, None to skip) and an optional usage event."""
-    base = {"id": completion_id, "created": int(time.time()), "model": model, "system_fingerprint": "fp_localrt"}
+    base = {
+        "id": completion_id,
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": "fp_localrt",
+    }
     if f.get("stream") is not True:
         final: Chunk | None = None
         async for chunk in chunks:
             observe(request, chunk)
             final = chunk
         assert final is not None
-        return JSONResponse({**base, "object": objects[0], "choices": [whole(final)], "usage": usage_of(final)})
+        return JSONResponse(
+            {**base, "object": objects[0], "choices": [whole(final)], "usage": usage_of(final)}
+        )
 
     async def events() -> AsyncIterator[dict[str, Any]]:
         first = True
@@ -232,8 +295,11 @@ async def answer(request: Request, chunks: AsyncIterator[Chunk], f: dict[str, An
 
 
 # ---- routes ------------------------------------------------------------------------------------
-@router.post("/chat/completions", openapi_extra=wire.request_body(wire.ChatCompletionRequest),
-             responses={200: wire.ok(wire.ChatCompletion, SSE), **GENERATION_ERRORS})
+@router.post(
+    "/chat/completions",
+    openapi_extra=wire.request_body(wire.ChatCompletionRequest),
+    responses={200: wire.ok(wire.ChatCompletion, SSE), **GENERATION_ERRORS},
+)
 async def chat_completions(request: Request) -> Response:
     f = await wire.read_json(request, wire.ChatCompletionRequest)
     model = f.get("model")
@@ -248,16 +314,32 @@ async def chat_completions(request: Request) -> Response:
         raise OpenAIParamError("tools", "must be a list")
     stream = f.get("stream") is True
     runtime = runtime_of(request)
-    chunks = runtime.chat(model, messages, options=options, tools=tools or None, format=fmt,
-                          keep_alive=f.get("keep_alive"), logprobs=want_logprobs, top_logprobs=top, stream=stream)
+    chunks = runtime.chat(
+        model,
+        messages,
+        options=options,
+        tools=tools or None,
+        format=fmt,
+        keep_alive=f.get("keep_alive"),
+        logprobs=want_logprobs,
+        top_logprobs=top,
+        stream=stream,
+    )
 
     def whole(final: Chunk) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": final.content,
-                                   "tool_calls": openai_tool_calls(final.tool_calls)}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": final.content,
+            "tool_calls": openai_tool_calls(final.tool_calls),
+        }
         if message["tool_calls"]:
             message["content"] = final.content or None
-        return {"index": 0, "message": message, "finish_reason": finish_reason(final),
-                "logprobs": openai_logprobs(final.logprobs) if want_logprobs else None}
+        return {
+            "index": 0,
+            "message": message,
+            "finish_reason": finish_reason(final),
+            "logprobs": openai_logprobs(final.logprobs) if want_logprobs else None,
+        }
 
     def piece(chunk: Chunk, first: bool) -> dict[str, Any] | None:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -265,18 +347,32 @@ async def chat_completions(request: Request) -> Response:
             delta["content"] = chunk.content
         if chunk.tool_calls:
             delta["tool_calls"] = openai_tool_calls(chunk.tool_calls)
-        choice: dict[str, Any] = {"index": 0, "delta": delta,
-                                  "finish_reason": finish_reason(chunk) if chunk.done else None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "finish_reason": finish_reason(chunk) if chunk.done else None,
+        }
         if want_logprobs and chunk.logprobs:
             choice["logprobs"] = openai_logprobs(chunk.logprobs)
         return choice if delta or chunk.done else None
 
-    return await answer(request, chunks, f, f"chatcmpl-{uuid.uuid4().hex[:24]}", model,
-                        ("chat.completion", "chat.completion.chunk"), whole, piece)
+    return await answer(
+        request,
+        chunks,
+        f,
+        f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        model,
+        ("chat.completion", "chat.completion.chunk"),
+        whole,
+        piece,
+    )
 
 
-@router.post("/completions", openapi_extra=wire.request_body(wire.CompletionRequest),
-             responses={200: wire.ok(wire.Completion, SSE), **GENERATION_ERRORS})
+@router.post(
+    "/completions",
+    openapi_extra=wire.request_body(wire.CompletionRequest),
+    responses={200: wire.ok(wire.Completion, SSE), **GENERATION_ERRORS},
+)
 async def completions(request: Request) -> Response:
     f = await wire.read_json(request, wire.CompletionRequest)
     model = f.get("model")
@@ -291,27 +387,52 @@ async def completions(request: Request) -> Response:
     want_logprobs, top = logprob_flags(f)
     stream = f.get("stream") is True
     # A completion continues the text as given: no chat template (raw), as OpenAI's API means it.
-    chunks = runtime_of(request).generate(model, prompt, raw=True, options=options, format=format_from(f),
-                                          keep_alive=f.get("keep_alive"), logprobs=want_logprobs,
-                                          top_logprobs=top, stream=stream)
+    chunks = runtime_of(request).generate(
+        model,
+        prompt,
+        raw=True,
+        options=options,
+        format=format_from(f),
+        keep_alive=f.get("keep_alive"),
+        logprobs=want_logprobs,
+        top_logprobs=top,
+        stream=stream,
+    )
 
     def logprobs_legacy(items: list[dict[str, Any]] | None) -> dict[str, Any] | None:
         if not want_logprobs or not items:
             return None
-        return {"tokens": [lp["token"] for lp in items], "token_logprobs": [lp["logprob"] for lp in items],
-                "top_logprobs": [{t["token"]: t["logprob"] for t in lp.get("top_logprobs", [])} for lp in items]}
+        return {
+            "tokens": [lp["token"] for lp in items],
+            "token_logprobs": [lp["logprob"] for lp in items],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in lp.get("top_logprobs", [])} for lp in items],
+        }
 
     def choice(chunk: Chunk) -> dict[str, Any]:
-        return {"index": 0, "text": chunk.content, "finish_reason": finish_reason(chunk) if chunk.done else None,
-                "logprobs": logprobs_legacy(chunk.logprobs)}
+        return {
+            "index": 0,
+            "text": chunk.content,
+            "finish_reason": finish_reason(chunk) if chunk.done else None,
+            "logprobs": logprobs_legacy(chunk.logprobs),
+        }
 
-    return await answer(request, chunks, f, f"cmpl-{uuid.uuid4().hex[:24]}", model,
-                        ("text_completion", "text_completion"), choice,
-                        lambda chunk, _first: choice(chunk) if chunk.content or chunk.done else None)
+    return await answer(
+        request,
+        chunks,
+        f,
+        f"cmpl-{uuid.uuid4().hex[:24]}",
+        model,
+        ("text_completion", "text_completion"),
+        choice,
+        lambda chunk, _first: choice(chunk) if chunk.content or chunk.done else None,
+    )
 
 
-@router.post("/embeddings", openapi_extra=wire.request_body(wire.OpenAIEmbeddingsRequest),
-             responses={200: wire.ok(wire.EmbeddingList), **GENERATION_ERRORS})
+@router.post(
+    "/embeddings",
+    openapi_extra=wire.request_body(wire.OpenAIEmbeddingsRequest),
+    responses={200: wire.ok(wire.EmbeddingList), **GENERATION_ERRORS},
+)
 async def embeddings(request: Request) -> dict[str, Any]:
     f = await wire.read_json(request, wire.OpenAIEmbeddingsRequest)
     model = f.get("model")
@@ -335,5 +456,9 @@ async def embeddings(request: Request) -> dict[str, Any]:
         if encoding == "base64":
             embedding = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
         data.append({"object": "embedding", "embedding": embedding, "index": i})
-    return {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": result.prompt_eval_count, "total_tokens": result.prompt_eval_count}}
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": result.prompt_eval_count, "total_tokens": result.prompt_eval_count},
+    }

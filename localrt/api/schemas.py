@@ -50,8 +50,11 @@ def error_text(errors: list[Any]) -> tuple[str, str | None]:
     for err in errors:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         if err.get("type") == "json_invalid" or (err.get("type") == "missing" and not loc):
-            return ("invalid JSON in request body" if err.get("type") == "json_invalid"
-                    else "missing request body"), None
+            return (
+                "invalid JSON in request body"
+                if err.get("type") == "json_invalid"
+                else "missing request body"
+            ), None
         first = first or loc or None
         parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
     return "; ".join(parts[:3]) or "invalid request", first
@@ -86,14 +89,20 @@ async def read_json(request: Request, model: type[BaseModel]) -> dict[str, Any]:
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
     """`openapi_extra` documenting `model` as the route's JSON body."""
     _DOCUMENTED[model.__name__] = model
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
+        }
+    }
 
 
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema plus the request-body components, without the 422 we never send."""
     if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
         _, defs = models_json_schema([(m, "validation") for m in _DOCUMENTED.values()], ref_template=REF)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components.update(defs.get("$defs", {}))
@@ -121,9 +130,16 @@ def option_schema(name: str) -> dict[str, Any]:
             out["maximum"] = hi
         return {"anyOf": [out, {"type": "null"}]} if name == "num_draft" else out
     return {
-        "stop": {"anyOf": [{"type": "string", "maxLength": MAX_STOP_LENGTH},
-                           {"type": "array", "maxItems": MAX_STOP_STRINGS,
-                            "items": {"type": "string", "maxLength": MAX_STOP_LENGTH}}]},
+        "stop": {
+            "anyOf": [
+                {"type": "string", "maxLength": MAX_STOP_LENGTH},
+                {
+                    "type": "array",
+                    "maxItems": MAX_STOP_STRINGS,
+                    "items": {"type": "string", "maxLength": MAX_STOP_LENGTH},
+                },
+            ]
+        },
         "backend": {"type": "string", "enum": [*BACKEND_NAMES, *BACKEND_ALIASES]},
         "kv_cache_type": {"type": "string", "enum": [*KV_CACHE_TYPES, *KV_ALIASES]},
         "speculative": {"type": "string", "enum": list(SPECULATIVE_MODES)},
@@ -134,9 +150,10 @@ def option_schema(name: str) -> dict[str, Any]:
 
 OPTION_KEYS = (*_RANGES, "stop", "backend", "kv_cache_type", "speculative", "draft_model", "flash_attn")
 OPTIONS_SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "description": "Ollama's options plus localrt's; unknown names are a 400. Ignored for compatibility: "
-                   + ", ".join(sorted(IGNORED_OPTIONS)),
+    + ", ".join(sorted(IGNORED_OPTIONS)),
     "properties": {**{k: option_schema(k) for k in OPTION_KEYS}, **{k: {} for k in sorted(IGNORED_OPTIONS)}},
 }
 OptionsField = Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [OPTIONS_SCHEMA, {"type": "null"}]})]
@@ -161,6 +178,7 @@ def _integral(value: Any) -> Any:
 # An integer as JSON Schema means it: 3 and 3.0 both are; true is not.
 Int = Annotated[int, BeforeValidator(_integral)]
 
+
 # localrt.store.names as one regular expression, so generated names are the ones the store accepts:
 # [host[:port]/][namespace/]model[:tag][@sha256:<hex>], no "..", and "hf.co/x" alone is not a model.
 def _bare(pattern: re.Pattern[str]) -> str:
@@ -169,14 +187,24 @@ def _bare(pattern: re.Pattern[str]) -> str:
 
 _HF = r"(?:[hH][fF]|[hH][uU][gG][gG][iI][nN][gG][fF][aA][cC][eE])\.[cC][oO]"  # no inline flags in ECMA regex
 DIGEST_PATTERN = names.DIGEST_RE.pattern
-NAME_PATTERN = (rf"^(?!.*\.\.)(?!{_HF}/[^/]*$)(?:(?:{_bare(names._HOST)}/)?{_bare(names._NAMESPACE)}/)?"
-                rf"{_bare(names._MODEL)}(?::{_bare(names._TAG)})?(?:@{_bare(names.DIGEST_RE)})?$")
-NAME_SCHEMA = {"type": "string", "pattern": NAME_PATTERN, "maxLength": 600,
-               "description": "model name, e.g. smollm2:135m"}
+NAME_PATTERN = (
+    rf"^(?!.*\.\.)(?!{_HF}/[^/]*$)(?:(?:{_bare(names._HOST)}/)?{_bare(names._NAMESPACE)}/)?"
+    rf"{_bare(names._MODEL)}(?::{_bare(names._TAG)})?(?:@{_bare(names.DIGEST_RE)})?$"
+)
+NAME_SCHEMA = {
+    "type": "string",
+    "pattern": NAME_PATTERN,
+    "maxLength": 600,
+    "description": "model name, e.g. smollm2:135m",
+}
 ModelName = Annotated[str, WithJsonSchema(NAME_SCHEMA)]
-KeepAlive = Annotated[str | float | None, Field(description='duration ("5m", "1h", "-1") or seconds; 0 unloads')]
-Format = Annotated[Literal["", "json"] | dict[str, Any] | None,
-                   Field(description='"json" or a JSON schema the output must follow')]
+KeepAlive = Annotated[
+    str | float | None, Field(description='duration ("5m", "1h", "-1") or seconds; 0 unloads')
+]
+Format = Annotated[
+    Literal["", "json"] | dict[str, Any] | None,
+    Field(description='"json" or a JSON schema the output must follow'),
+]
 TopLogprobs = Annotated[Int | None, Field(ge=0, le=20)]
 
 
@@ -219,11 +247,25 @@ class PullRequest(Named):
 class CreateRequest(Named):
     # `from` is a Python keyword; the wire name is kept through the alias
     from_: Annotated[str | None, WithJsonSchema({"anyOf": [NAME_SCHEMA, {"type": "null"}]})] = Field(
-        None, alias="from", description="a stored model to build on")
-    files: Annotated[dict[str, str] | None, WithJsonSchema({"anyOf": [{
-        "type": "object", "minProperties": 1, "maxProperties": 1, "propertyNames": {"pattern": r"\.gguf$"},
-        "additionalProperties": {"type": "string", "pattern": DIGEST_PATTERN}}, {"type": "null"}]})] = Field(
-        None, description="file name -> sha256 digest of an uploaded blob (POST /api/blobs first)")
+        None, alias="from", description="a stored model to build on"
+    )
+    files: Annotated[
+        dict[str, str] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "minProperties": 1,
+                        "maxProperties": 1,
+                        "propertyNames": {"pattern": r"\.gguf$"},
+                        "additionalProperties": {"type": "string", "pattern": DIGEST_PATTERN},
+                    },
+                    {"type": "null"},
+                ]
+            }
+        ),
+    ] = Field(None, description="file name -> sha256 digest of an uploaded blob (POST /api/blobs first)")
     quantize: str | None = None
     template: str | None = None
     system: str | None = None
@@ -383,12 +425,23 @@ class OpenAIError(BaseModel):
     error: OpenAIErrorObject
 
 
-STREAMED = {"description": "one JSON object with `\"stream\": false`, else NDJSON lines",
-            "content": {"application/json": {}, "application/x-ndjson": {"schema": {"type": "string"}}}}
-SSE = {"description": "one JSON object, or server-sent events with `\"stream\": true`",
-       "content": {"application/json": {}, "text/event-stream": {"schema": {
-           "type": "object", "required": ["data"],
-           "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] to end"}}}}}}
+STREAMED = {
+    "description": 'one JSON object with `"stream": false`, else NDJSON lines',
+    "content": {"application/json": {}, "application/x-ndjson": {"schema": {"type": "string"}}},
+}
+SSE = {
+    "description": 'one JSON object, or server-sent events with `"stream": true`',
+    "content": {
+        "application/json": {},
+        "text/event-stream": {
+            "schema": {
+                "type": "object",
+                "required": ["data"],
+                "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] to end"}},
+            }
+        },
+    },
+}
 
 
 def error_responses(openai: bool, *statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -398,10 +451,17 @@ def error_responses(openai: bool, *statuses: int) -> dict[int | str, dict[str, A
     return {code: {"model": model, "description": _REASONS.get(code, "error")} for code in codes}
 
 
-_REASONS = {400: "bad request", 401: "API key required", 403: "Host or Origin not allowed",
-            404: "model not found", 413: "request body too large", 499: "client closed the request",
-            501: "backend not available here", 502: "registry unreachable or failed",
-            503: "server busy (queue full)"}
+_REASONS = {
+    400: "bad request",
+    401: "API key required",
+    403: "Host or Origin not allowed",
+    404: "model not found",
+    413: "request body too large",
+    499: "client closed the request",
+    501: "backend not available here",
+    502: "registry unreachable or failed",
+    503: "server busy (queue full)",
+}
 
 
 # ---- 200 bodies (documentation only; the fields every client relies on, more may follow) ---------

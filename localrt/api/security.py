@@ -25,16 +25,34 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEFAULT_ORIGINS = (
-    "http://localhost", "https://localhost", "http://localhost:*", "https://localhost:*",
-    "http://127.0.0.1", "https://127.0.0.1", "http://127.0.0.1:*", "https://127.0.0.1:*",
-    "http://[::1]", "https://[::1]", "http://[::1]:*", "https://[::1]:*",
-    "http://0.0.0.0", "https://0.0.0.0", "http://0.0.0.0:*", "https://0.0.0.0:*",
-    "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*",
+    "http://localhost",
+    "https://localhost",
+    "http://localhost:*",
+    "https://localhost:*",
+    "http://127.0.0.1",
+    "https://127.0.0.1",
+    "http://127.0.0.1:*",
+    "https://127.0.0.1:*",
+    "http://[::1]",
+    "https://[::1]",
+    "http://[::1]:*",
+    "https://[::1]:*",
+    "http://0.0.0.0",
+    "https://0.0.0.0",
+    "http://0.0.0.0:*",
+    "https://0.0.0.0:*",
+    "app://*",
+    "file://*",
+    "tauri://*",
+    "vscode-webview://*",
+    "vscode-file://*",
 )
-ALLOW_HEADERS = ("authorization, content-type, user-agent, accept, x-requested-with, openai-beta, "
-                 "x-stainless-arch, x-stainless-lang, x-stainless-os, x-stainless-package-version, "
-                 "x-stainless-runtime, x-stainless-runtime-version, x-stainless-async, x-stainless-retry-count, "
-                 "x-stainless-timeout, x-stainless-helper-method, x-stainless-raw-response")
+ALLOW_HEADERS = (
+    "authorization, content-type, user-agent, accept, x-requested-with, openai-beta, "
+    "x-stainless-arch, x-stainless-lang, x-stainless-os, x-stainless-package-version, "
+    "x-stainless-runtime, x-stainless-runtime-version, x-stainless-async, x-stainless-retry-count, "
+    "x-stainless-timeout, x-stainless-helper-method, x-stainless-raw-response"
+)
 OPEN_PATHS = ("/", "/health")  # liveness answers without the API key, as `curl localhost:11434` expects
 DEFAULT_MAX_BODY = 64 << 20
 UNCAPPED_PREFIXES = ("/api/blobs/",)  # blob uploads stream to disk and are verified by digest
@@ -77,8 +95,9 @@ def host_allowed(host_header: str) -> bool:
 
 
 class SecurityMiddleware:
-    def __init__(self, app: ASGIApp, *, bind_host: str, api_key: str | None = None,
-                 max_body: int = DEFAULT_MAX_BODY) -> None:
+    def __init__(
+        self, app: ASGIApp, *, bind_host: str, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY
+    ) -> None:
         self.app = app
         self.check_host = is_loopback_bind(bind_host)
         self.api_key = api_key
@@ -103,22 +122,37 @@ class SecurityMiddleware:
             if not origin_allowed(origin, host, self.origins):
                 await reply(send, 403, f"forbidden: origin {origin!r} is not allowed", openai_style)
                 return
-            cors_headers = [(b"access-control-allow-origin", origin.encode("latin-1")),
-                            (b"vary", b"Origin"), (b"access-control-allow-credentials", b"true")]
+            cors_headers = [
+                (b"access-control-allow-origin", origin.encode("latin-1")),
+                (b"vary", b"Origin"),
+                (b"access-control-allow-credentials", b"true"),
+            ]
         if scope["method"] == "OPTIONS":
-            await send({"type": "http.response.start", "status": 204, "headers": [
-                *cors_headers,
-                (b"access-control-allow-methods", b"GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS"),
-                (b"access-control-allow-headers", ALLOW_HEADERS.encode()),
-                (b"access-control-max-age", b"600")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 204,
+                    "headers": [
+                        *cors_headers,
+                        (b"access-control-allow-methods", b"GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS"),
+                        (b"access-control-allow-headers", ALLOW_HEADERS.encode()),
+                        (b"access-control-max-age", b"600"),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": b""})
             return
         if self.api_key and path not in OPEN_PATHS:
             given = headers.get("authorization", "")
             expected = f"Bearer {self.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
-                await reply(send, 401, "unauthorized: a valid API key is required", openai_style,
-                            extra=[(b"www-authenticate", b"Bearer")])
+                await reply(
+                    send,
+                    401,
+                    "unauthorized: a valid API key is required",
+                    openai_style,
+                    extra=[(b"www-authenticate", b"Bearer")],
+                )
                 return
 
         capped = not path.startswith(UNCAPPED_PREFIXES)
@@ -153,11 +187,21 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, "request body too large")
 
 
-async def reply(send: Send, status: int, message: str, openai_style: bool,
-                extra: list[tuple[bytes, bytes]] | None = None) -> None:
+async def reply(
+    send: Send, status: int, message: str, openai_style: bool, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
     body = json.dumps(error_body(message, status, openai_style)).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(extra or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -165,6 +209,12 @@ def error_body(message: str, status: int, openai_style: bool) -> dict[str, Any]:
     """Ollama: {"error": "..."}; OpenAI: {"error": {"message", "type", "param", "code"}}."""
     if not openai_style:
         return {"error": message}
-    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 413: "invalid_request_error", 503: "server_busy"}.get(status, "api_error")
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        503: "server_busy",
+    }.get(status, "api_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}

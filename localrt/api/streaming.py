@@ -39,8 +39,9 @@ def ndjson_response(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="application/x-ndjson")
 
 
-def sse_response(items: AsyncIterator[dict[str, Any]],
-                 on_error: Callable[[LocalrtError], dict[str, Any]]) -> StreamingResponse:
+def sse_response(
+    items: AsyncIterator[dict[str, Any]], on_error: Callable[[LocalrtError], dict[str, Any]]
+) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         try:
             async for item in items:
@@ -49,5 +50,8 @@ def sse_response(items: AsyncIterator[dict[str, Any]],
             yield f"data: {json.dumps(on_error(e))}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    return StreamingResponse(
+        body(),
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+    )

@@ -52,9 +52,14 @@ class Metrics(Timings):
 
     # our field -> the name on Ollama's wire (the draft counts are ours, sent only when speculating)
     WIRE: ClassVar[dict[str, str]] = {
-        "total_ns": "total_duration", "load_ns": "load_duration", "prompt_eval_count": "prompt_eval_count",
-        "prompt_eval_ns": "prompt_eval_duration", "eval_count": "eval_count", "eval_ns": "eval_duration",
-        "draft_count": "draft_count", "draft_accepted_count": "draft_accepted_count",
+        "total_ns": "total_duration",
+        "load_ns": "load_duration",
+        "prompt_eval_count": "prompt_eval_count",
+        "prompt_eval_ns": "prompt_eval_duration",
+        "eval_count": "eval_count",
+        "eval_ns": "eval_duration",
+        "draft_count": "draft_count",
+        "draft_accepted_count": "draft_accepted_count",
     }
 
     def to_ollama(self) -> dict[str, int]:
@@ -131,11 +136,21 @@ class _Entry:
 
 
 class Runtime:
-    def __init__(self, store: Store | None = None, *, max_loaded: int | None = None,
-                 max_queue: int | None = None, keep_alive: float | None = None) -> None:
+    def __init__(
+        self,
+        store: Store | None = None,
+        *,
+        max_loaded: int | None = None,
+        max_queue: int | None = None,
+        keep_alive: float | None = None,
+    ) -> None:
         self.store = store or Store()
-        self.max_loaded = max_loaded if max_loaded is not None else max(1, config.env_int("LOCALRT_MAX_LOADED_MODELS", 2))
-        self.max_queue = max_queue if max_queue is not None else max(0, config.env_int("LOCALRT_MAX_QUEUE", 512))
+        self.max_loaded = (
+            max_loaded if max_loaded is not None else max(1, config.env_int("LOCALRT_MAX_LOADED_MODELS", 2))
+        )
+        self.max_queue = (
+            max_queue if max_queue is not None else max(0, config.env_int("LOCALRT_MAX_QUEUE", 512))
+        )
         self.default_keep_alive = keep_alive if keep_alive is not None else config.keep_alive_default()
         self._entries: dict[str, _Entry] = {}
         self._pending: dict[str, int] = {}  # waiting for their model, per model
@@ -145,10 +160,19 @@ class Runtime:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- public API ------------------------------------------------------------------------
-    async def chat(self, model: str, messages: Sequence[Mapping[str, Any]], *,
-                   options: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
-                   format: str | dict[str, Any] | None = None, keep_alive: str | float | None = None,
-                   logprobs: bool = False, top_logprobs: int = 0, stream: bool = True) -> AsyncIterator[Chunk]:
+    async def chat(
+        self,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        options: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        format: str | dict[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        stream: bool = True,
+    ) -> AsyncIterator[Chunk]:
         """Answer a conversation. Empty `messages` only loads the model (or unloads with keep_alive 0)."""
         start = time.perf_counter_ns()
         resolved, opts = self._prepare(model, options)
@@ -163,16 +187,30 @@ class Runtime:
         if resolved.system and not any(m.get("role") == "system" for m in msgs):
             msgs.insert(0, {"role": "system", "content": resolved.system})
         async with self._use(resolved, opts, keep) as (entry, load_ns):
-            rendered = await asyncio.to_thread(entry.template.render, msgs, tools=tools, add_generation_prompt=True)
+            rendered = await asyncio.to_thread(
+                entry.template.render, msgs, tools=tools, add_generation_prompt=True
+            )
             tokens = self._tokenize_prompt(entry, rendered)
-            async for chunk in self._run(entry, tokens, opts, format, logprobs, top_logprobs, stream,
-                                         start, load_ns, tools=bool(tools)):
+            async for chunk in self._run(
+                entry, tokens, opts, format, logprobs, top_logprobs, stream, start, load_ns, tools=bool(tools)
+            ):
                 yield chunk
 
-    async def generate(self, model: str, prompt: str = "", *, system: str | None = None, raw: bool = False,
-                       context: Sequence[int] | None = None, options: Mapping[str, Any] | None = None,
-                       format: str | dict[str, Any] | None = None, keep_alive: str | float | None = None,
-                       logprobs: bool = False, top_logprobs: int = 0, stream: bool = True) -> AsyncIterator[Chunk]:
+    async def generate(
+        self,
+        model: str,
+        prompt: str = "",
+        *,
+        system: str | None = None,
+        raw: bool = False,
+        context: Sequence[int] | None = None,
+        options: Mapping[str, Any] | None = None,
+        format: str | dict[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        stream: bool = True,
+    ) -> AsyncIterator[Chunk]:
         """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only."""
         start = time.perf_counter_ns()
         resolved, opts = self._prepare(model, options)
@@ -198,12 +236,29 @@ class Runtime:
                 rendered = await asyncio.to_thread(entry.template.render, msgs, add_generation_prompt=True)
                 tokens = self._tokenize_prompt(entry, rendered, add_bos=not context)
                 tokens = [*(context or []), *tokens]
-            async for chunk in self._run(entry, tokens, opts, format, logprobs, top_logprobs, stream,
-                                         start, load_ns, want_context=not raw):
+            async for chunk in self._run(
+                entry,
+                tokens,
+                opts,
+                format,
+                logprobs,
+                top_logprobs,
+                stream,
+                start,
+                load_ns,
+                want_context=not raw,
+            ):
                 yield chunk
 
-    async def embed(self, model: str, inputs: str | Sequence[str], *, options: Mapping[str, Any] | None = None,
-                    keep_alive: str | float | None = None, truncate: bool = True) -> EmbedResult:
+    async def embed(
+        self,
+        model: str,
+        inputs: str | Sequence[str],
+        *,
+        options: Mapping[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+        truncate: bool = True,
+    ) -> EmbedResult:
         start = time.perf_counter_ns()
         texts = [inputs] if isinstance(inputs, str) else list(inputs)
         if not all(isinstance(t, str) for t in texts):
@@ -216,41 +271,71 @@ class Runtime:
                 raise LocalrtError(f'"{resolved.name.display}" does not support embeddings')
             counts = [len(m.tokenize(t)) for t in texts]
             if not truncate and any(c > m.context_length for c in counts):
-                raise ContextLengthError(f"input length exceeds the context length of {m.context_length} tokens")
+                raise ContextLengthError(
+                    f"input length exceeds the context length of {m.context_length} tokens"
+                )
             vectors = await m.embed(texts)
-        return EmbedResult(resolved.name.display, vectors, sum(min(c, m.context_length) for c in counts),
-                           time.perf_counter_ns() - start, load_ns)
+        return EmbedResult(
+            resolved.name.display,
+            vectors,
+            sum(min(c, m.context_length) for c in counts),
+            time.perf_counter_ns() - start,
+            load_ns,
+        )
 
-    async def tokenize(self, model: str, text: str, *, add_special: bool = True, parse_special: bool = False,
-                       options: Mapping[str, Any] | None = None) -> list[int]:
+    async def tokenize(
+        self,
+        model: str,
+        text: str,
+        *,
+        add_special: bool = True,
+        parse_special: bool = False,
+        options: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         resolved, opts = self._prepare(model, options)
         async with self._use(resolved, opts, self._keep_alive(None), exclusive=False) as (entry, _):
             return entry.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
-    async def detokenize(self, model: str, tokens: Sequence[int], *,
-                         options: Mapping[str, Any] | None = None) -> str:
+    async def detokenize(
+        self, model: str, tokens: Sequence[int], *, options: Mapping[str, Any] | None = None
+    ) -> str:
         resolved, opts = self._prepare(model, options)
         async with self._use(resolved, opts, self._keep_alive(None), exclusive=False) as (entry, _):
-            bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool)
-                   or not 0 <= t < entry.model.n_vocab]
+            bad = [
+                t
+                for t in tokens
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < entry.model.n_vocab
+            ]
             if bad:
                 raise LocalrtError(f"invalid token id {bad[0]!r}")
             return entry.model.detokenize(tokens)
 
-    async def score(self, model: str, tokens: Sequence[int] | str, *, return_logits: bool = False,
-                    options: Mapping[str, Any] | None = None) -> ScoreResult:
+    async def score(
+        self,
+        model: str,
+        tokens: Sequence[int] | str,
+        *,
+        return_logits: bool = False,
+        options: Mapping[str, Any] | None = None,
+    ) -> ScoreResult:
         """Per-position log p(token_i | prefix) for perplexity / KL (a text is tokenized with BOS)."""
         resolved, opts = self._prepare(model, options)
         async with self._use(resolved, opts, self._keep_alive(None)) as (entry, _):
             ids = entry.model.tokenize(tokens, add_special=True) if isinstance(tokens, str) else list(tokens)
             if len(ids) > entry.model.context_length:
                 raise ContextLengthError(
-                    f"{len(ids)} tokens do not fit the context length of {entry.model.context_length}")
+                    f"{len(ids)} tokens do not fit the context length of {entry.model.context_length}"
+                )
             return await entry.model.score(ids, return_logits=return_logits)
 
-    async def render(self, model: str, messages: Sequence[Mapping[str, Any]], *,
-                     tools: Sequence[Mapping[str, Any]] | None = None,
-                     options: Mapping[str, Any] | None = None) -> tuple[str, list[int]]:
+    async def render(
+        self,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> tuple[str, list[int]]:
         """The prompt text and tokens a chat request would use (debugging, `_debug_render_only`)."""
         resolved, opts = self._prepare(model, options)
         async with self._use(resolved, opts, self._keep_alive(None), exclusive=False) as (entry, _):
@@ -262,13 +347,19 @@ class Runtime:
         for e in sorted(self._entries.values(), key=lambda e: -e.last_used):
             on_gpu = bool(getattr(e.model, "on_gpu", False))
             size = int(e.model.memory_bytes)
-            rows.append(LoadedInfo(
-                name=e.key, digest=e.resolved.manifest_digest, size=size, size_vram=size if on_gpu else 0,
-                backend=e.backend, processor=f"100% {'GPU' if on_gpu else 'CPU'}",
-                context_length=e.model.context_length,
-                expires_at=None if e.expires_at is None or e.expires_at == float("inf") else e.expires_at,
-                details={"format": "gguf", "family": e.model.metadata.get("general.architecture", "")},
-            ))
+            rows.append(
+                LoadedInfo(
+                    name=e.key,
+                    digest=e.resolved.manifest_digest,
+                    size=size,
+                    size_vram=size if on_gpu else 0,
+                    backend=e.backend,
+                    processor=f"100% {'GPU' if on_gpu else 'CPU'}",
+                    context_length=e.model.context_length,
+                    expires_at=None if e.expires_at is None or e.expires_at == float("inf") else e.expires_at,
+                    details={"format": "gguf", "family": e.model.metadata.get("general.architecture", "")},
+                )
+            )
         return rows
 
     def queue_depth(self) -> dict[str, int]:
@@ -326,7 +417,9 @@ class Runtime:
             try:
                 return self.store.resolve(opts.draft_model).model_path
             except ModelNotFound:
-                raise ModelNotFound(f"draft model '{opts.draft_model}' not found, try pulling it first") from None
+                raise ModelNotFound(
+                    f"draft model '{opts.draft_model}' not found, try pulling it first"
+                ) from None
         if opts.speculative in ("auto", "draft"):
             return resolved.draft_path
         return None
@@ -334,13 +427,17 @@ class Runtime:
     def _tokenize_prompt(self, entry: _Entry, rendered: RenderedPrompt, add_bos: bool = True) -> list[int]:
         m = entry.model
         return tokenize_rendered(
-            rendered, lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special),
-            m.bos_token_id, add_bos and m.add_bos)
+            rendered,
+            lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special),
+            m.bos_token_id,
+            add_bos and m.add_bos,
+        )
 
     # ---- scheduling ------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def _use(self, resolved: ResolvedModel, opts: Options, keep_alive: float,
-                   exclusive: bool = True) -> AsyncIterator[tuple[_Entry, int]]:
+    async def _use(
+        self, resolved: ResolvedModel, opts: Options, keep_alive: float, exclusive: bool = True
+    ) -> AsyncIterator[tuple[_Entry, int]]:
         """Hold a loaded model for one request: queue, load or reuse, then release with keep-alive."""
         key = resolved.name.display
         waiting = self._pending.get(key, 0)
@@ -377,16 +474,26 @@ class Runtime:
         key = resolved.name.display
         backend = registry.resolve(opts.backend)
         draft = self._draft_path(resolved, opts)
-        load_key = (backend, str(resolved.model_path), opts.num_ctx, opts.num_thread, opts.num_gpu,
-                    opts.kv_cache_type, opts.flash_attn, opts.num_batch, num_parallel())
+        load_key = (
+            backend,
+            str(resolved.model_path),
+            opts.num_ctx,
+            opts.num_thread,
+            opts.num_gpu,
+            opts.kv_cache_type,
+            opts.flash_attn,
+            opts.num_batch,
+            num_parallel(),
+        )
         async with self._cond:
             while True:
                 entry = self._entries.get(key)
                 if key in self._loading:
                     await self._cond.wait()  # someone is loading it right now
                     continue
-                if entry is not None and (entry.load_key != load_key or
-                                          (draft is not None and entry.draft_path != draft)):
+                if entry is not None and (
+                    entry.load_key != load_key or (draft is not None and entry.draft_path != draft)
+                ):
                     # other load-time options: reload once its running requests are done, as Ollama does
                     if entry.refs == 0:
                         await self._unload_locked(entry)
@@ -457,8 +564,15 @@ class Runtime:
         idle = [e for e in self._entries.values() if e.refs == 0]
         return min(idle, key=lambda e: e.last_used) if idle else None
 
-    async def _load(self, key: str, resolved: ResolvedModel, opts: Options, backend_name: str,
-                    load_key: tuple[Any, ...], draft: Path | None) -> _Entry:
+    async def _load(
+        self,
+        key: str,
+        resolved: ResolvedModel,
+        opts: Options,
+        backend_name: str,
+        load_key: tuple[Any, ...],
+        draft: Path | None,
+    ) -> _Entry:
         backend = registry.get(backend_name)
         load_opts = opts.load_options(draft_path=draft)
         model: LoadedModel = await asyncio.to_thread(backend.load, resolved.model_path, load_opts)
@@ -468,8 +582,16 @@ class Runtime:
             await asyncio.to_thread(model.unload)
             raise
         slots = asyncio.Semaphore(max(1, model.capabilities.parallel_slots))
-        return _Entry(key=key, resolved=resolved, backend=backend_name, load_key=load_key, draft_path=draft,
-                      model=model, template=template, slots=slots)
+        return _Entry(
+            key=key,
+            resolved=resolved,
+            backend=backend_name,
+            load_key=load_key,
+            draft_path=draft,
+            model=model,
+            template=template,
+            slots=slots,
+        )
 
     def _make_template(self, resolved: ResolvedModel, model: LoadedModel) -> ChatTemplate:
         source = select_template(resolved.template, model.metadata.get("tokenizer.chat_template"))
@@ -487,35 +609,63 @@ class Runtime:
         await asyncio.to_thread(entry.model.unload)
         self._cond.notify_all()
 
-    async def _load_only(self, resolved: ResolvedModel, opts: Options, keep_alive: float,
-                         start: int) -> AsyncIterator[Chunk]:
+    async def _load_only(
+        self, resolved: ResolvedModel, opts: Options, keep_alive: float, start: int
+    ) -> AsyncIterator[Chunk]:
         name = resolved.name.display
         if keep_alive <= 0:
             await self.unload(name)
-            yield Chunk(model=name, done=True, done_reason="unload", metrics=Metrics(total_ns=time.perf_counter_ns() - start))
+            yield Chunk(
+                model=name,
+                done=True,
+                done_reason="unload",
+                metrics=Metrics(total_ns=time.perf_counter_ns() - start),
+            )
             return
         async with self._use(resolved, opts, keep_alive, exclusive=False) as (_, load_ns):
             pass
-        yield Chunk(model=name, done=True, done_reason="load",
-                    metrics=Metrics(total_ns=time.perf_counter_ns() - start, load_ns=load_ns))
+        yield Chunk(
+            model=name,
+            done=True,
+            done_reason="load",
+            metrics=Metrics(total_ns=time.perf_counter_ns() - start, load_ns=load_ns),
+        )
 
     # ---- one generation --------------------------------------------------------------------
-    async def _run(self, entry: _Entry, tokens: list[int], opts: Options, format: Any, logprobs: bool,
-                   top_logprobs: int, stream: bool, start: int, load_ns: int, *, tools: bool = False,
-                   want_context: bool = False) -> AsyncIterator[Chunk]:
+    async def _run(
+        self,
+        entry: _Entry,
+        tokens: list[int],
+        opts: Options,
+        format: Any,
+        logprobs: bool,
+        top_logprobs: int,
+        stream: bool,
+        start: int,
+        load_ns: int,
+        *,
+        tools: bool = False,
+        want_context: bool = False,
+    ) -> AsyncIterator[Chunk]:
         m = entry.model
         name = entry.key
         if len(tokens) >= m.context_length:
             raise ContextLengthError(
                 f"the prompt is {len(tokens)} tokens, which does not fit the context length of "
-                f"{m.context_length} tokens (raise num_ctx or shorten the input)")
+                f"{m.context_length} tokens (raise num_ctx or shorten the input)"
+            )
         if format is not None and not m.capabilities.grammar:
             raise LocalrtError(f"the {entry.backend} backend does not support format (JSON output)")
         request = GenerateRequest(
-            prompt_tokens=tokens, sampling=opts.sampling(),
-            num_predict=opts.max_new_tokens(len(tokens), m.context_length), stop=list(opts.stop),
-            logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs, format=format,
-            speculative=opts.speculative, num_draft=opts.num_draft,
+            prompt_tokens=tokens,
+            sampling=opts.sampling(),
+            num_predict=opts.max_new_tokens(len(tokens), m.context_length),
+            stop=list(opts.stop),
+            logprobs=logprobs or top_logprobs > 0,
+            top_logprobs=top_logprobs,
+            format=format,
+            speculative=opts.speculative,
+            num_draft=opts.num_draft,
         )
         full: list[str] = []
         held: list[str] = []  # output that may turn into a tool call
@@ -557,20 +707,33 @@ class Runtime:
             final_content = content if calls else "".join(held)
         else:
             final_content = ""
-        metrics = Metrics(**{**dataclasses.asdict(done.timings), "load_ns": load_ns,
-                             "total_ns": time.perf_counter_ns() - start})
+        metrics = Metrics(
+            **{
+                **dataclasses.asdict(done.timings),
+                "load_ns": load_ns,
+                "total_ns": time.perf_counter_ns() - start,
+            }
+        )
         yield Chunk(
-            model=name, content=final_content, done=True, done_reason=done.finish_reason,
-            tool_calls=calls or None, logprobs=(lps or None) if not stream else None, metrics=metrics,
+            model=name,
+            content=final_content,
+            done=True,
+            done_reason=done.finish_reason,
+            tool_calls=calls or None,
+            logprobs=(lps or None) if not stream else None,
+            metrics=metrics,
             context=[*tokens, *answer_ids] if want_context else None,
         )
 
 
 def _ollama_logprob(lp: TokenLogprob) -> dict[str, Any]:
     return {
-        "token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode("utf-8")),
-        "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))}
-                         for t in lp.top],
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": list(lp.token.encode("utf-8")),
+        "top_logprobs": [
+            {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))} for t in lp.top
+        ],
     }
 
 
@@ -579,7 +742,7 @@ def _check_format(format: Any) -> str | dict[str, Any] | None:
         return None
     if format == "json" or isinstance(format, dict):
         return format
-    raise LocalrtError(f"invalid format {format!r}: use \"json\" or a JSON schema object")
+    raise LocalrtError(f'invalid format {format!r}: use "json" or a JSON schema object')
 
 
 def _check_logprobs(top_logprobs: Any) -> None:

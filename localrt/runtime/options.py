@@ -21,14 +21,29 @@ MAX_NUM_CTX = 1 << 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1000
 BACKEND_NAMES = ("auto", "llama.cpp", "mlx", "torch")
-BACKEND_ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "llama-cpp": "llama.cpp", "llama": "llama.cpp"}
+BACKEND_ALIASES = {
+    "llamacpp": "llama.cpp",
+    "llama_cpp": "llama.cpp",
+    "llama-cpp": "llama.cpp",
+    "llama": "llama.cpp",
+}
 KV_ALIASES = {"int8": "q8_0", "q8": "q8_0", "q4": "q4_0", "fp16": "f16", "float16": "f16", "bfloat16": "bf16"}
 
 # Ollama options we accept so existing clients keep working, but which change nothing here.
-IGNORED_OPTIONS = frozenset({
-    "main_gpu", "use_mmap", "use_mlock", "numa", "low_vram", "f16_kv", "vocab_only", "logits_all",
-    "penalize_newline", "tfs_z",
-})
+IGNORED_OPTIONS = frozenset(
+    {
+        "main_gpu",
+        "use_mmap",
+        "use_mlock",
+        "numa",
+        "low_vram",
+        "f16_kv",
+        "vocab_only",
+        "logits_all",
+        "penalize_newline",
+        "tfs_z",
+    }
+)
 
 # name -> (type, minimum, maximum); None = unbounded
 _RANGES: dict[str, tuple[type, float | None, float | None]] = {
@@ -72,7 +87,9 @@ def num_parallel() -> int:
     except ValueError:
         value = -1
     if not 0 <= value <= MAX_NUM_PARALLEL:
-        raise OptionError(f"LOCALRT_NUM_PARALLEL must be an integer from 1 to {MAX_NUM_PARALLEL}, got {raw!r}")
+        raise OptionError(
+            f"LOCALRT_NUM_PARALLEL must be an integer from 1 to {MAX_NUM_PARALLEL}, got {raw!r}"
+        )
     return value
 
 
@@ -150,10 +167,19 @@ class Options:
     # ---- views for the backend ---------------------------------------------------------------
     def sampling(self) -> SamplingParams:
         return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-            typical_p=self.typical_p, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
-            mirostat=self.mirostat, mirostat_tau=self.mirostat_tau, mirostat_eta=self.mirostat_eta,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            typical_p=self.typical_p,
+            repeat_penalty=self.repeat_penalty,
+            repeat_last_n=self.repeat_last_n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            mirostat=self.mirostat,
+            mirostat_tau=self.mirostat_tau,
+            mirostat_eta=self.mirostat_eta,
         )
 
     def load_options(self, model_context_length: int | None = None, draft_path: Any = None) -> LoadOptions:
@@ -161,9 +187,15 @@ class Options:
         if model_context_length:
             num_ctx = min(num_ctx, model_context_length)
         return LoadOptions(
-            num_ctx=num_ctx, num_thread=self.num_thread, num_gpu=self.num_gpu,
-            kv_cache_type=self.kv_cache_type, flash_attn=self.flash_attn, num_batch=self.num_batch, seed=self.seed,
-            draft_model=draft_path, num_parallel=num_parallel(),
+            num_ctx=num_ctx,
+            num_thread=self.num_thread,
+            num_gpu=self.num_gpu,
+            kv_cache_type=self.kv_cache_type,
+            flash_attn=self.flash_attn,
+            num_batch=self.num_batch,
+            seed=self.seed,
+            draft_model=draft_path,
+            num_parallel=num_parallel(),
         )
 
     def max_new_tokens(self, prompt_tokens: int, context_length: int) -> int:
@@ -198,7 +230,9 @@ def validate_option(name: str, value: Any) -> Any:
             if not math.isfinite(value):
                 raise OptionError(f"option {name!r} must be a finite number, got {value!r}")
         if (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise OptionError(f"option {name!r} is out of range: {value!r} (allowed {_fmt(lo)} to {_fmt(hi)})")
+            raise OptionError(
+                f"option {name!r} is out of range: {value!r} (allowed {_fmt(lo)} to {_fmt(hi)})"
+            )
         if name == "num_predict" and value < -2:
             raise OptionError("option 'num_predict' must be -1 (no limit), -2 (fill the context) or >= 0")
         return value
@@ -209,7 +243,9 @@ def validate_option(name: str, value: Any) -> Any:
             raise OptionError(f"option 'stop' must be a string or a list of strings, got {_describe(value)}")
         value = [s for s in value if s]
         if len(value) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in value):
-            raise OptionError(f"option 'stop': at most {MAX_STOP_STRINGS} strings of {MAX_STOP_LENGTH} characters")
+            raise OptionError(
+                f"option 'stop': at most {MAX_STOP_STRINGS} strings of {MAX_STOP_LENGTH} characters"
+            )
         return value
     if name == "backend":
         return _check_backend(value, "option 'backend'")
@@ -219,7 +255,9 @@ def validate_option(name: str, value: Any) -> Any:
         if isinstance(value, bool):  # JSON true/false read as auto/off
             return "auto" if value else "off"
         if not isinstance(value, str) or value.strip().lower() not in SPECULATIVE_MODES:
-            raise OptionError(f"option 'speculative' must be one of {', '.join(SPECULATIVE_MODES)}, got {_describe(value)}")
+            raise OptionError(
+                f"option 'speculative' must be one of {', '.join(SPECULATIVE_MODES)}, got {_describe(value)}"
+            )
         return value.strip().lower()
     if name == "flash_attn":
         if value is None or isinstance(value, bool):
@@ -284,7 +322,8 @@ def _check_kv(value: Any, what: str) -> str:
 
 def _describe(value: Any) -> str:
     kind = {bool: "a boolean", str: "a string", list: "a list", dict: "an object", type(None): "null"}.get(
-        type(value), type(value).__name__)
+        type(value), type(value).__name__
+    )
     return f"{kind} ({value!r})" if not isinstance(value, (list, dict)) else kind
 
 

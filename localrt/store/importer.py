@@ -33,7 +33,9 @@ def check_gguf_file(path: Path, what: str = "model") -> None:
     if not path.exists():
         raise LocalrtError(f"{what} file not found: {path}")
     if path.is_dir():
-        raise LocalrtError(f"{path} is a folder, not a GGUF file (convert safetensors with `localrt convert`)")
+        raise LocalrtError(
+            f"{path} is a folder, not a GGUF file (convert safetensors with `localrt convert`)"
+        )
     try:
         with open(path, "rb") as f:
             magic = f.read(4)

@@ -28,10 +28,37 @@ from localrt.store.store import MEDIA_DRAFT, MEDIA_MODEL, Store
 
 # Ollama's option types (api/types.go); names not listed are typed from their value.
 PARAMETER_TYPES: dict[str, type] = {
-    **dict.fromkeys(("num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "seed",
-                     "num_predict", "top_k", "repeat_last_n", "mirostat"), int),
-    **dict.fromkeys(("temperature", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
-                     "frequency_penalty", "mirostat_tau", "mirostat_eta", "tfs_z"), float),
+    **dict.fromkeys(
+        (
+            "num_ctx",
+            "num_batch",
+            "num_gpu",
+            "main_gpu",
+            "num_thread",
+            "num_keep",
+            "seed",
+            "num_predict",
+            "top_k",
+            "repeat_last_n",
+            "mirostat",
+        ),
+        int,
+    ),
+    **dict.fromkeys(
+        (
+            "temperature",
+            "top_p",
+            "min_p",
+            "typical_p",
+            "repeat_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "mirostat_tau",
+            "mirostat_eta",
+            "tfs_z",
+        ),
+        float,
+    ),
     **dict.fromkeys(("penalize_newline", "numa", "low_vram", "use_mmap", "use_mlock", "vocab_only"), bool),
     "stop": list,
 }
@@ -128,19 +155,21 @@ def _value(lines: list[str], i: int, rest: str, keyword: str) -> tuple[str, int]
         if '"""' in body:
             value, _, tail = body.partition('"""')
             if tail.strip():
-                raise ModelfileError(f"Modelfile line {i + 1}: unexpected text after closing \"\"\": {tail.strip()!r}")
+                raise ModelfileError(
+                    f'Modelfile line {i + 1}: unexpected text after closing """: {tail.strip()!r}'
+                )
             return value, i
         parts = [body] if body else []  # `"""` ending a line opens a block: that newline is not content
         for j in range(i + 1, len(lines)):
             if '"""' in lines[j]:
                 last, _, tail = lines[j].partition('"""')
                 if tail.strip():
-                    raise ModelfileError(f"Modelfile line {j + 1}: unexpected text after closing \"\"\"")
+                    raise ModelfileError(f'Modelfile line {j + 1}: unexpected text after closing """')
                 if last.strip():  # a closing `"""` on a line of its own adds no trailing newline
                     parts.append(last)
                 return "\n".join(parts), j
             parts.append(lines[j])
-        raise ModelfileError(f"Modelfile line {i + 1}: {keyword} opens \"\"\" but it is never closed")
+        raise ModelfileError(f'Modelfile line {i + 1}: {keyword} opens """ but it is never closed')
     if len(stripped) >= 2 and stripped[0] == stripped[-1] == '"':
         return stripped[1:-1].replace('\\"', '"').replace("\\\\", "\\"), i
     if stripped.startswith('"'):
@@ -204,7 +233,9 @@ def parse_modelfile(text: str) -> Modelfile:
 
 
 def _looks_like_path(value: str) -> bool:
-    return value.startswith(("/", "./", "../", "~", ".\\")) or value.lower().endswith(".gguf") or "\\" in value
+    return (
+        value.startswith(("/", "./", "../", "~", ".\\")) or value.lower().endswith(".gguf") or "\\" in value
+    )
 
 
 def _resolve_source(value: str, base_dir: Path, store: Store, where: str) -> Path | ModelName:
@@ -227,7 +258,9 @@ def _resolve_source(value: str, base_dir: Path, store: Store, where: str) -> Pat
 
 def _layer_digest(store: Store, name: ModelName, media: str) -> str | None:
     manifest, _ = store.read_manifest(name)
-    return next((layer["digest"] for layer in manifest.get("layers", []) if layer.get("mediaType") == media), None)
+    return next(
+        (layer["digest"] for layer in manifest.get("layers", []) if layer.get("mediaType") == media), None
+    )
 
 
 def create(
@@ -266,14 +299,23 @@ def create(
     if mf.draft is not None:
         draft = _resolve_source(mf.draft, base, store, where(mf.draft_line))
     with quantized(store, source, quantize) as source:
-        build_model(store, dest, source, template=mf.template, system=mf.system, license_text=mf.license,
-                    parameters=mf.parameters, draft=draft)
+        build_model(
+            store,
+            dest,
+            source,
+            template=mf.template,
+            system=mf.system,
+            license_text=mf.license,
+            parameters=mf.parameters,
+            draft=draft,
+        )
     return dest
 
 
 @contextlib.contextmanager
-def quantized(store: Store, source: Path | str | ModelName,
-              file_type: str | None) -> Iterator[Path | str | ModelName]:
+def quantized(
+    store: Store, source: Path | str | ModelName, file_type: str | None
+) -> Iterator[Path | str | ModelName]:
     """The source itself, or (with a file type) a requantized copy in a temp folder inside the store,
     so the finished GGUF moves into blobs/ without crossing filesystems; the folder goes afterwards."""
     if not file_type:
@@ -290,9 +332,17 @@ def quantized(store: Store, source: Path | str | ModelName,
         yield requantize(Path(source), Path(tmp) / "model.gguf", file_type)
 
 
-def build_model(store: Store, dest: ModelName, source: Path | str | ModelName, *, template: str | None = None,
-                system: str | None = None, license_text: str | None = None,
-                parameters: dict[str, Any] | None = None, draft: Path | str | ModelName | None = None) -> None:
+def build_model(
+    store: Store,
+    dest: ModelName,
+    source: Path | str | ModelName,
+    *,
+    template: str | None = None,
+    system: str | None = None,
+    license_text: str | None = None,
+    parameters: dict[str, Any] | None = None,
+    draft: Path | str | ModelName | None = None,
+) -> None:
     """Write `dest` from a GGUF (path or stored digest) or from a stored model whose layers it inherits;
     the given template/system/license/parameters/draft override the inherited ones."""
     from localrt.store.importer import import_gguf
@@ -316,12 +366,21 @@ def build_model(store: Store, dest: ModelName, source: Path | str | ModelName, *
         draft_source = _layer_digest(store, draft, MEDIA_MODEL)
     elif draft is not None:
         draft_source = draft
-    import_gguf(store, dest, gguf, template=template, system=system, params=params or None,
-                license=license_text, draft=draft_source)
+    import_gguf(
+        store,
+        dest,
+        gguf,
+        template=template,
+        system=system,
+        params=params or None,
+        license=license_text,
+        draft=draft_source,
+    )
 
 
-def create_from_request(name: ModelName, fields: dict[str, Any], *, store: Store,
-                        progress: Callable[[str], None]) -> None:
+def create_from_request(
+    name: ModelName, fields: dict[str, Any], *, store: Store, progress: Callable[[str], None]
+) -> None:
     """`POST /api/create`: `from` (a stored model) or `files` (uploaded GGUF blobs), plus overrides.
 
     Over HTTP a source is never a server-side path: only stored models and uploaded blobs, so a
@@ -331,7 +390,9 @@ def create_from_request(name: ModelName, fields: dict[str, Any], *, store: Store
     if file_type is not None and not isinstance(file_type, str):
         raise LocalrtError("quantize must be a file type such as Q4_K_M")
     if fields.get("modelfile"):
-        raise LocalrtError("the modelfile field is not supported: use from, files, template, system, parameters")
+        raise LocalrtError(
+            "the modelfile field is not supported: use from, files, template, system, parameters"
+        )
     files, base = fields.get("files"), fields.get("from")
     source: str | ModelName
     if files:
@@ -366,5 +427,12 @@ def create_from_request(name: ModelName, fields: dict[str, Any], *, store: Store
         progress(f"quantizing model to {file_type}")
     with quantized(store, source, file_type) as model_source:
         progress("writing manifest")
-        build_model(store, name, model_source, template=texts["template"], system=texts["system"],
-                    license_text=texts["license"], parameters=checked)
+        build_model(
+            store,
+            name,
+            model_source,
+            template=texts["template"],
+            system=texts["system"],
+            license_text=texts["license"],
+            parameters=checked,
+        )

@@ -88,7 +88,7 @@ def parse_name(text: str) -> ModelName:
     if not isinstance(text, str) or not text.strip():
         raise InvalidName("model name is empty")
     full = text.strip()
-    if len(full) > 600 or any(c in full for c in "\\\0 \t\n") :
+    if len(full) > 600 or any(c in full for c in "\\\0 \t\n"):
         raise InvalidName(f"invalid model name {full!r}")
     rest, digest = full, None
     if "@" in rest:

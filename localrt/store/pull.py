@@ -120,18 +120,31 @@ def _pull_source(entry: CatalogEntry, source: Source, store: Store, insecure: bo
         from localrt.store.sources.hf import fetch_hf_gguf
 
         ref = parse_name(source.url)
-        digest = fetch_hf_gguf(ref, store, filename=source.file, revision=source.revision,
-                               sha256=expected, progress=emit)
+        digest = fetch_hf_gguf(
+            ref, store, filename=source.file, revision=source.revision, sha256=expected, progress=emit
+        )
     else:
         from localrt.store.sources.oci import pull_registry
 
         # a registry manifest is content-addressed: only the catalog's model digest is checked here
-        pull_registry(parse_name(source.url), store, dest=entry.name, insecure=insecure,
-                      progress=emit, expect_model_digest=expected)
+        pull_registry(
+            parse_name(source.url),
+            store,
+            dest=entry.name,
+            insecure=insecure,
+            progress=emit,
+            expect_model_digest=expected,
+        )
         return
     emit(Progress("writing manifest"))
-    import_gguf(store, entry.name, digest, template=entry.template, system=entry.system,
-                params=entry.parameters or None)
+    import_gguf(
+        store,
+        entry.name,
+        digest,
+        template=entry.template,
+        system=entry.system,
+        params=entry.parameters or None,
+    )
     emit(Progress("success"))
 
 
@@ -163,5 +176,7 @@ def disk_full(store: Store, needed: int, err: OSError) -> LocalrtError | None:
     if err.errno != errno.ENOSPC:
         return None
     have = free_space(store.blobs)
-    return PullError(f"not enough disk space: need {format_bytes(needed)}, have {format_bytes(have)} "
-                     "(no space left on device; the partial download is kept for resuming)")
+    return PullError(
+        f"not enough disk space: need {format_bytes(needed)}, have {format_bytes(have)} "
+        "(no space left on device; the partial download is kept for resuming)"
+    )

@@ -167,7 +167,9 @@ class Store:
 
     def write_manifest(self, name: ModelName, manifest: dict[str, Any] | bytes) -> str:
         """Write a manifest atomically after checking that every blob it names is stored."""
-        raw = manifest if isinstance(manifest, bytes) else json.dumps(manifest, separators=(",", ":")).encode()
+        raw = (
+            manifest if isinstance(manifest, bytes) else json.dumps(manifest, separators=(",", ":")).encode()
+        )
         parsed = parse_manifest(raw)
         for layer in manifest_layers(parsed):
             if not self.has_blob(layer["digest"]):

@@ -54,7 +54,9 @@ class Server:
         self.httpd = _HTTPServer((host, 0), self.handler)
         self.httpd.daemon_threads = True
         self.httpd.app = self  # type: ignore[attr-defined]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self.thread.start()
 
     @property

@@ -73,8 +73,17 @@ class HubHandler(Handler):
                     if f.lfs:
                         entry["lfs"] = {"sha256": f.claimed_sha256, "size": f.size, "pointerSize": 134}
                 siblings.append(entry)
-            self.send_json(200, {"id": repo_id, "modelId": repo_id, "sha": repo.commit, "private": False,
-                                 "tags": ["gguf"], "siblings": siblings})
+            self.send_json(
+                200,
+                {
+                    "id": repo_id,
+                    "modelId": repo_id,
+                    "sha": repo.commit,
+                    "private": False,
+                    "tags": ["gguf"],
+                    "siblings": siblings,
+                },
+            )
             return
         if len(parts) >= 5 and parts[2] == "resolve":
             repo = app.repos.get(f"{parts[0]}/{parts[1]}")
@@ -83,11 +92,18 @@ class HubHandler(Handler):
                 return
             f = repo.files.get("/".join(parts[4:]))
             if f is None:
-                self.send_json(404, {"error": "Entry not found"},
-                               {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": repo.commit})
+                self.send_json(
+                    404,
+                    {"error": "Entry not found"},
+                    {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": repo.commit},
+                )
                 return
             etag = f.claimed_sha256 if f.lfs else f.git_oid
-            headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{etag}"', "Content-Type": "application/octet-stream"}
+            headers = {
+                "X-Repo-Commit": repo.commit,
+                "ETag": f'"{etag}"',
+                "Content-Type": "application/octet-stream",
+            }
             if f.lfs:
                 headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(f.size)})
             self.send_ranged(f.data, headers, delay=app.delay)

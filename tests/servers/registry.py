@@ -1,9 +1,9 @@
 """An Ollama-compatible OCI registry (the subset `ollama pull` speaks), with switches to inject faults.
 
-    GET  /v2/<ns>/<model>/manifests/<tag|digest>
-    HEAD/GET /v2/<ns>/<model>/blobs/<digest>        Range: bytes=N- -> 206 + Content-Range
-    GET  /token?service=..&scope=..                 when `token` is set, everything under /v2/ answers
-                                                    401 + WWW-Authenticate: Bearer until the token is sent
+GET  /v2/<ns>/<model>/manifests/<tag|digest>
+HEAD/GET /v2/<ns>/<model>/blobs/<digest>        Range: bytes=N- -> 206 + Content-Range
+GET  /token?service=..&scope=..                 when `token` is set, everything under /v2/ answers
+                                                401 + WWW-Authenticate: Bearer until the token is sent
 """
 
 from __future__ import annotations
@@ -59,7 +59,11 @@ class RegistryHandler(Handler):
             app.tokens_issued += 1
             self.send_json(200, {"token": app.token})
             return
-        if app.token and path.startswith("/v2/") and self.headers.get("Authorization") != f"Bearer {app.token}":
+        if (
+            app.token
+            and path.startswith("/v2/")
+            and self.headers.get("Authorization") != f"Bearer {app.token}"
+        ):
             realm = app.realm or f"{app.url}/token"
             challenge = f'Bearer realm="{realm}",service="{app.address}",scope="repository:library/x:pull"'
             self.send_json(401, {"errors": [{"code": "UNAUTHORIZED"}]}, {"WWW-Authenticate": challenge})
@@ -72,7 +76,9 @@ class RegistryHandler(Handler):
             if raw is None:
                 self.send_json(404, {"errors": [{"code": "MANIFEST_UNKNOWN", "message": "manifest unknown"}]})
                 return
-            self.send_bytes(200, raw, {"Content-Type": MANIFEST_MEDIA_TYPE, "Docker-Content-Digest": digest_of(raw)})
+            self.send_bytes(
+                200, raw, {"Content-Type": MANIFEST_MEDIA_TYPE, "Docker-Content-Digest": digest_of(raw)}
+            )
             return
         if m := _BLOB.match(path):
             digest = m["digest"]
@@ -143,12 +149,25 @@ class Registry(Server):
         model_layer = {"mediaType": "application/vnd.ollama.image.model", **self.add_blob(model)}
         layers = [model_layer]
         if template is not None:
-            layers.append({"mediaType": "application/vnd.ollama.image.template", **self.add_blob(template.encode())})
+            layers.append(
+                {"mediaType": "application/vnd.ollama.image.template", **self.add_blob(template.encode())}
+            )
         if params is not None:
-            layers.append({"mediaType": "application/vnd.ollama.image.params",
-                           **self.add_blob(json.dumps(params).encode())})
-        config = json.dumps({"model_format": "gguf", "model_family": "llama", "architecture": "amd64",
-                             "os": "linux", "rootfs": {"type": "layers", "diff_ids": []}}).encode()
+            layers.append(
+                {
+                    "mediaType": "application/vnd.ollama.image.params",
+                    **self.add_blob(json.dumps(params).encode()),
+                }
+            )
+        config = json.dumps(
+            {
+                "model_format": "gguf",
+                "model_family": "llama",
+                "architecture": "amd64",
+                "os": "linux",
+                "rootfs": {"type": "layers", "diff_ids": []},
+            }
+        ).encode()
         manifest = {
             "schemaVersion": 2,
             "mediaType": MANIFEST_MEDIA_TYPE,

@@ -22,12 +22,20 @@ class LocalrtServer:
     def __init__(self, models_dir: Path, log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, "LOCALRT_HOST": f"127.0.0.1:{self.port}", "LOCALRT_MODELS": str(models_dir),
-                    **(env or {})}
+        self.env = {
+            **os.environ,
+            "LOCALRT_HOST": f"127.0.0.1:{self.port}",
+            "LOCALRT_MODELS": str(models_dir),
+            **(env or {}),
+        }
         self.log_path = log_path
         self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "localrt", "serve"], env=self.env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "localrt", "serve"],
+            env=self.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 60.0) -> None:

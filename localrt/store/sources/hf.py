@@ -50,7 +50,9 @@ def pick_gguf(files: list[str], quant: str, repo: str) -> str:
     elif loose:
         raise PullError(f"hf.co/{repo}: quant {quant!r} is ambiguous: {', '.join(loose)}")
     else:
-        raise ModelNotFound(f"hf.co/{repo} has no GGUF file for quant {quant!r}; available: {', '.join(ggufs)}")
+        raise ModelNotFound(
+            f"hf.co/{repo} has no GGUF file for quant {quant!r}; available: {', '.join(ggufs)}"
+        )
     if _SPLIT.search(choice):
         raise PullError(f"hf.co/{repo}: {choice} is split into parts; split GGUF files are not supported yet")
     return choice
@@ -112,7 +114,9 @@ def fetch_hf_gguf(
     expected = as_digest(sha256) if sha256 else None
     emit(Progress("pulling manifest"))
     try:
-        info = HfApi(endpoint=base).model_info(repo, revision=revision, files_metadata=True, timeout=METADATA_TIMEOUT)
+        info = HfApi(endpoint=base).model_info(
+            repo, revision=revision, files_metadata=True, timeout=METADATA_TIMEOUT
+        )
     except Exception as e:  # huggingface_hub and httpx raise many types; each becomes one clear line
         raise _hub_error(e, repo, host) from None
     siblings = {s.rfilename: s for s in info.siblings or []}
@@ -127,7 +131,9 @@ def fetch_hf_gguf(
     size = sibling.lfs.size if sibling.lfs else sibling.size
     hub_digest = f"sha256:{sibling.lfs.sha256}" if sibling.lfs else None
     if expected and hub_digest and expected != hub_digest:
-        raise PullError(f"digest mismatch: hf.co/{repo}/{chosen} has {hub_digest}, the catalog expects {expected}")
+        raise PullError(
+            f"digest mismatch: hf.co/{repo}/{chosen} has {hub_digest}, the catalog expects {expected}"
+        )
     digest = expected or hub_digest
     status = f"pulling {digest.split(':', 1)[1][:12]}" if digest else f"pulling {chosen}"
     if digest and store.has_blob(digest):
@@ -138,10 +144,17 @@ def fetch_hf_gguf(
     scratch = Path(tempfile.mkdtemp(dir=store.root, prefix=".hf-"))
     try:
         try:
-            path = Path(hf_hub_download(
-                repo, chosen, revision=info.sha or revision, endpoint=base, local_dir=scratch,
-                cache_dir=scratch / ".cache", tqdm_class=_bridge(emit, status, digest, size),
-            ))
+            path = Path(
+                hf_hub_download(
+                    repo,
+                    chosen,
+                    revision=info.sha or revision,
+                    endpoint=base,
+                    local_dir=scratch,
+                    cache_dir=scratch / ".cache",
+                    tqdm_class=_bridge(emit, status, digest, size),
+                )
+            )
         except Exception as e:
             raise _hub_error(e, repo, host) from None
         emit(Progress("verifying sha256 digest"))

@@ -52,7 +52,9 @@ class _Retryable(Exception):
 class RegistryClient:
     """One registry host, one scheme; remembers the Bearer token it was given."""
 
-    def __init__(self, host: str, *, insecure: bool = False, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self, host: str, *, insecure: bool = False, sleep: Callable[[float], None] = time.sleep
+    ) -> None:
         self.host = host
         self.insecure = insecure
         self.base = f"{'http' if insecure else 'https'}://{host}"
@@ -89,18 +91,26 @@ class RegistryClient:
             if urlsplit(target).scheme not in ("https", "http") or (
                 urlsplit(target).scheme == "http" and not self.insecure
             ):
-                raise PullError(f"registry {self.host} redirected to {urlsplit(target).scheme}://"
-                                f"{_netloc(target)}, which is not https; refusing")
+                raise PullError(
+                    f"registry {self.host} redirected to {urlsplit(target).scheme}://"
+                    f"{_netloc(target)}, which is not https; refusing"
+                )
             url = target
         raise PullError(f"registry {self.host}: too many redirects")
 
     @contextlib.contextmanager
-    def request(self, method: str, path_or_url: str, headers: dict[str, str] | None = None) -> Iterator[httpx.Response]:
+    def request(
+        self, method: str, path_or_url: str, headers: dict[str, str] | None = None
+    ) -> Iterator[httpx.Response]:
         """A streamed request that answers a Bearer challenge once (token fetched from the same host)."""
         url = path_or_url if "://" in path_or_url else self.base + path_or_url
         headers = headers or {}
         response = self._send(method, url, headers)
-        if response.status_code == 401 and _netloc(str(response.url)) == _netloc(self.base) and self.token is None:
+        if (
+            response.status_code == 401
+            and _netloc(str(response.url)) == _netloc(self.base)
+            and self.token is None
+        ):
             challenge = response.headers.get("www-authenticate", "")
             response.close()
             self.token = self._fetch_token(challenge)
@@ -118,8 +128,10 @@ class RegistryClient:
         realm = params["realm"]
         if _netloc(realm) != _netloc(self.base) or urlsplit(realm).scheme not in ("https", "http"):
             # CVE-2025-51471: a realm on another host would collect whatever we send it
-            raise PullError(f"registry {self.host} asked for a token from another host "
-                            f"({_netloc(realm) or realm}); refusing")
+            raise PullError(
+                f"registry {self.host} asked for a token from another host "
+                f"({_netloc(realm) or realm}); refusing"
+            )
         if urlsplit(realm).scheme == "http" and not self.insecure:
             raise PullError(f"registry {self.host} token endpoint uses http; pass --insecure")
         query = {k: v for k, v in params.items() if k in ("service", "scope")}
@@ -144,27 +156,37 @@ class RegistryClient:
         headers = {"Accept": accept, "Accept-Encoding": "identity"}
         with self.request("GET", f"/v2/{name.namespace}/{name.model}/manifests/{ref}", headers) as r:
             if r.status_code == 404:
-                raise ModelNotFound(f"pull model manifest: file does not exist: "
-                                    f"no {name.namespace}/{name.model}:{ref} on {self.host}")
+                raise ModelNotFound(
+                    f"pull model manifest: file does not exist: "
+                    f"no {name.namespace}/{name.model}:{ref} on {self.host}"
+                )
             if r.status_code == 401:
-                raise PullError(f"pull model manifest: {self.host} refused access to {name.display} (HTTP 401)")
+                raise PullError(
+                    f"pull model manifest: {self.host} refused access to {name.display} (HTTP 401)"
+                )
             if r.status_code != 200:
                 raise PullError(f"pull model manifest: {self.host} answered HTTP {r.status_code}")
             raw = bytearray()
             for block in r.iter_bytes():
                 raw += block
                 if len(raw) > MAX_MANIFEST_BYTES:
-                    raise PullError(f"pull model manifest: {self.host} sent more than {MAX_MANIFEST_BYTES} bytes")
+                    raise PullError(
+                        f"pull model manifest: {self.host} sent more than {MAX_MANIFEST_BYTES} bytes"
+                    )
             advertised = r.headers.get("docker-content-digest", "")
         data = bytes(raw)
         actual = "sha256:" + hashlib.sha256(data).hexdigest()
         wanted = name.digest or (advertised if advertised.startswith("sha256:") else None)
         if wanted and wanted != actual:
-            raise DigestMismatch(f"digest mismatch for manifest {name.display}: expected {wanted}, got {actual}")
+            raise DigestMismatch(
+                f"digest mismatch for manifest {name.display}: expected {wanted}, got {actual}"
+            )
         try:
             manifest = parse_manifest(data)
         except LocalrtError as e:
-            raise PullError(f"registry {self.host} sent an invalid manifest for {name.display}: {e}") from None
+            raise PullError(
+                f"registry {self.host} sent an invalid manifest for {name.display}: {e}"
+            ) from None
         return data, manifest
 
     # ---- blobs ---------------------------------------------------------------------------------
@@ -184,45 +206,70 @@ class RegistryClient:
                 return
             start = offset
             try:
-                self._fetch_range(url, partial, digest, offset, size, store,
-                                  lambda n: emit(Progress(status, digest, size, n)))
+                self._fetch_range(
+                    url,
+                    partial,
+                    digest,
+                    offset,
+                    size,
+                    store,
+                    lambda n: emit(Progress(status, digest, size, n)),
+                )
                 return
             except (_Retryable, httpx.TransportError) as e:
                 got = partial.stat().st_size if partial.exists() else 0
                 failures = 1 if got > start else failures + 1
                 if failures > MAX_RETRIES:
-                    raise PullError(f"downloading {digest[:19]} from {self.host} failed after {MAX_RETRIES} retries "
-                                    f"({e or type(e).__name__}); run pull again to resume") from None
+                    raise PullError(
+                        f"downloading {digest[:19]} from {self.host} failed after {MAX_RETRIES} retries "
+                        f"({e or type(e).__name__}); run pull again to resume"
+                    ) from None
                 self.sleep(min(0.25 * 2 ** (failures - 1), 4.0))
 
-    def _fetch_range(self, url: str, partial: Path, digest: str, offset: int, size: int, store: Store,
-                     on_bytes: Callable[[int], None]) -> None:
+    def _fetch_range(
+        self,
+        url: str,
+        partial: Path,
+        digest: str,
+        offset: int,
+        size: int,
+        store: Store,
+        on_bytes: Callable[[int], None],
+    ) -> None:
         headers = {"Accept-Encoding": "identity"}  # a blob is stored byte for byte; no decompression bombs
         if offset:
             headers["Range"] = f"bytes={offset}-"
         with self.request("GET", url, headers) as r:
             if r.status_code == 416 and offset:
                 partial.unlink(missing_ok=True)
-                raise PullError(f"registry {self.host} has fewer bytes for {digest[:19]} than its manifest says")
+                raise PullError(
+                    f"registry {self.host} has fewer bytes for {digest[:19]} than its manifest says"
+                )
             if r.status_code == 404:
                 raise PullError(f"registry {self.host} has no blob {digest}")
             if r.status_code in (500, 502, 503, 504):
                 raise _Retryable(f"HTTP {r.status_code}")
             if r.status_code == 206:
                 if not r.headers.get("content-range", "").startswith(f"bytes {offset}-"):
-                    raise PullError(f"registry {self.host} answered a different range than asked for {digest[:19]}")
+                    raise PullError(
+                        f"registry {self.host} answered a different range than asked for {digest[:19]}"
+                    )
             elif r.status_code == 200:
                 offset = 0  # the server ignored Range: take the whole body
             else:
                 raise PullError(f"downloading {digest[:19]}: {self.host} answered HTTP {r.status_code}")
             try:
                 with open(partial, "ab" if offset else "wb") as out:
-                    for block in r.iter_bytes():  # as received, so a resume starts exactly where bytes stopped
+                    for (
+                        block
+                    ) in r.iter_bytes():  # as received, so a resume starts exactly where bytes stopped
                         if size and offset + len(block) > size:
                             out.close()
                             partial.unlink(missing_ok=True)
-                            raise DigestMismatch(f"digest mismatch for {digest}: the registry sent more than "
-                                                 f"the {size} bytes its manifest names")
+                            raise DigestMismatch(
+                                f"digest mismatch for {digest}: the registry sent more than "
+                                f"the {size} bytes its manifest names"
+                            )
                         out.write(block)
                         offset += len(block)
                         on_bytes(offset)
@@ -248,7 +295,9 @@ def pull_registry(
         with RegistryClient(name.host, insecure=insecure) as client:
             return _pull(client, name, store, dest, emit, expect_model_digest)
     except httpx.ConnectTimeout:
-        raise PullError(f"cannot reach {name.host}: connection timed out after {CONNECT_TIMEOUT:.0f}s") from None
+        raise PullError(
+            f"cannot reach {name.host}: connection timed out after {CONNECT_TIMEOUT:.0f}s"
+        ) from None
     except httpx.ConnectError as e:
         if not insecure and "WRONG_VERSION_NUMBER" in str(e).upper():
             raise PullError(f"registry {name.host} uses http; pass --insecure") from None
@@ -257,23 +306,34 @@ def pull_registry(
         raise PullError(f"pulling {name.display} from {name.host} failed: {e or type(e).__name__}") from None
 
 
-def _pull(client: RegistryClient, name: ModelName, store: Store, dest: ModelName, emit: ProgressFn,
-          expect_model_digest: str | None) -> str:
+def _pull(
+    client: RegistryClient,
+    name: ModelName,
+    store: Store,
+    dest: ModelName,
+    emit: ProgressFn,
+    expect_model_digest: str | None,
+) -> str:
     emit(Progress("pulling manifest"))
     raw, manifest = client.fetch_manifest(name)
     if expect_model_digest:
         expect_model_digest = as_digest(expect_model_digest)
         models = [layer["digest"] for layer in manifest["layers"] if layer.get("mediaType") == MEDIA_MODEL]
         if models != [expect_model_digest]:
-            raise DigestMismatch(f"digest mismatch: {name.display} on {name.host} has model layer "
-                                 f"{', '.join(models) or 'none'}, the catalog expects {expect_model_digest}")
+            raise DigestMismatch(
+                f"digest mismatch: {name.display} on {name.host} has model layer "
+                f"{', '.join(models) or 'none'}, the catalog expects {expect_model_digest}"
+            )
     layers: dict[str, int] = {}
     for layer in manifest_layers(manifest):
         layers.setdefault(layer["digest"], int(layer.get("size") or 0))
 
     def missing() -> int:
-        return sum(size - (store.partial_path(d).stat().st_size if store.partial_path(d).exists() else 0)
-                   for d, size in layers.items() if not store.has_blob(d))
+        return sum(
+            size - (store.partial_path(d).stat().st_size if store.partial_path(d).exists() else 0)
+            for d, size in layers.items()
+            if not store.has_blob(d)
+        )
 
     check_free_space(store, missing())
     with contextlib.ExitStack() as locks:
@@ -297,4 +357,3 @@ def _pull(client: RegistryClient, name: ModelName, store: Store, dest: ModelName
                 digest = store.write_manifest(dest, raw)
     emit(Progress("success"))
     return digest
-

