@@ -378,6 +378,69 @@ def llama_cpp_src() -> Path:
     return root
 
 
+LLAMA_CPP_TOOLS = ("llama-server", "llama-imatrix", "llama-quantize")
+
+
+def llama_cpp_tools() -> Path:
+    """The `bin/` directory of llama.cpp's own tools (llama-server, llama-imatrix, llama-quantize) built
+    from the llama.cpp sources vendored in the pinned sdist, with CMake and Ninja (no curl, no OpenSSL).
+
+    Built once under the test cache, outside the repository (about 20 minutes on 2 cores); a file lock
+    lets parallel test processes and benchmarks share one build.
+    """
+    from filelock import FileLock
+
+    build = CACHE / "llama.cpp-tools"
+    bin_dir = build / "build" / "bin"
+    if all((bin_dir / tool).is_file() for tool in LLAMA_CPP_TOOLS):
+        return bin_dir
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(CACHE / "llama.cpp-tools.lock")):
+        if all((bin_dir / tool).is_file() for tool in LLAMA_CPP_TOOLS):
+            return bin_dir
+        src = build / "src"
+        if not (src / "CMakeLists.txt").is_file():
+            shutil.rmtree(src, ignore_errors=True)
+            with tarfile.open(llama_cpp_sdist()) as tar:
+                for member in tar.getmembers():
+                    rel = member.name.split("/vendor/llama.cpp/", 1)
+                    if len(rel) == 2 and rel[1] and (member.isfile() or member.isdir()):
+                        member.name = rel[1]
+                        tar.extract(member, src, filter="data")
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        configure = [
+            "cmake",
+            "-S",
+            str(src),
+            "-B",
+            str(build / "build"),
+            *generator,
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_OPENSSL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DGGML_NATIVE=ON",
+        ]
+        for cmd in (
+            configure,
+            [
+                "cmake",
+                "--build",
+                str(build / "build"),
+                "-j",
+                str(os.cpu_count() or 2),
+                "--target",
+                *LLAMA_CPP_TOOLS,
+            ],
+        ):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"building llama.cpp's tools failed ({' '.join(cmd[:3])}):\n{proc.stderr[-2000:]}"
+                )
+    return bin_dir
+
+
 ORACLE_DRIVER = """
 import json, sys
 sys.argv = [sys.argv[1]]

@@ -79,6 +79,7 @@ class Chunk:
 
     model: str
     content: str = ""
+    thinking: str = ""  # a reasoning model's thinking, split out of content (Ollama's message.thinking)
     done: bool = False
     done_reason: str | None = None  # stop | length | cancel | load | unload
     tool_calls: list[dict[str, Any]] | None = None
