@@ -63,6 +63,23 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_push(args: argparse.Namespace) -> int:
+    """`localrt push NAME [--insecure]`: upload a stored model to the registry its name names."""
+    from localrt.progress import PullProgress
+    from localrt.store.push import push
+
+    with PullProgress() as bar:
+        push(args.model, insecure=args.insecure, progress=bar.update)
+    return 0
+
+
+def add_push_parser(sub: Any) -> None:
+    p = sub.add_parser("push", help="upload a model to a registry")
+    p.add_argument("model")
+    p.add_argument("--insecure", action="store_true", help="allow http registries")
+    p.set_defaults(func=cmd_push)
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from localrt.store.store import Store
 
@@ -188,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--insecure", action="store_true", help="allow http registries")
     p.set_defaults(func=cmd_pull)
+
+    add_push_parser(sub)
 
     p = sub.add_parser("run", help="run a model (one-shot with a prompt, else interactive)")
     p.add_argument("model")

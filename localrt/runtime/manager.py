@@ -337,10 +337,14 @@ class Runtime:
         tools: Sequence[Mapping[str, Any]] | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
-        """The prompt text and tokens a chat request would use (debugging, `_debug_render_only`)."""
+        """The prompt text and tokens a chat request would use (debugging, `_debug_render_only`, and
+        Anthropic's count_tokens, which must match the answer's input_tokens)."""
         resolved, opts = self._prepare(model, options)
+        msgs = [dict(m) for m in messages]
+        if resolved.system and not any(m.get("role") == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": resolved.system})
         async with self._use(resolved, opts, self._keep_alive(None), exclusive=False) as (entry, _):
-            rendered = await asyncio.to_thread(entry.template.render, list(messages), tools=tools)
+            rendered = await asyncio.to_thread(entry.template.render, msgs, tools=tools)
             return rendered.text, self._tokenize_prompt(entry, rendered)
 
     def ps(self) -> list[LoadedInfo]:
