@@ -297,8 +297,15 @@ def content_block(block: Block, done: bool) -> dict[str, Any]:
 
 
 def usage(answer: Assembler | None) -> dict[str, int]:
-    m = answer.metrics if answer is not None else None
-    return {"input_tokens": m.prompt_eval_count if m else 0, "output_tokens": m.eval_count if m else 0}
+    """Anthropic counts input without the cache read: input_tokens + cache_read_input_tokens is the prompt."""
+    if answer is None:
+        return {"input_tokens": 0, "output_tokens": 0}
+    return {
+        "input_tokens": answer.input_tokens - answer.cached_tokens,
+        "cache_read_input_tokens": answer.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": answer.output_tokens,
+    }
 
 
 def message(message_id: str, model: str, answer: Assembler | None) -> dict[str, Any]:

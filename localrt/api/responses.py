@@ -167,6 +167,8 @@ class HistoryBuilder:
         kind = item.get("type", "message" if "role" in item else None)
         if kind is None:
             raise ParamError("input", "input item missing required 'type' field")
+        if not isinstance(kind, str):
+            raise ParamError("input", "an input item's type must be a string")
         handler = {
             "message": self._message,
             "function_call": self._call,
@@ -186,7 +188,7 @@ class HistoryBuilder:
         return last
 
     def _message(self, item: dict[str, Any]) -> None:
-        role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
+        role = ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
         if role is None:
             raise ParamError("input", f"invalid message role {item.get('role')!r}")
         text = content_text(item.get("content"))
@@ -393,13 +395,13 @@ def final_status(answer: Assembler) -> str:
 
 
 def usage(answer: Assembler) -> dict[str, Any]:
-    m = answer.metrics
     return {
-        "input_tokens": m.prompt_eval_count,
-        "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": m.eval_count,
+        "input_tokens": answer.input_tokens,
+        "input_tokens_details": {"cached_tokens": answer.cached_tokens},
+        "output_tokens": answer.output_tokens,
+        # thinking is generated like any token; the runtime reports one count for both
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": m.prompt_eval_count + m.eval_count,
+        "total_tokens": answer.input_tokens + answer.output_tokens,
     }
 
 

@@ -343,6 +343,21 @@ class Assembler:
     def metrics(self) -> Metrics:
         return (self.final.metrics if self.final is not None else None) or Metrics()
 
+    @property
+    def input_tokens(self) -> int:
+        """The whole prompt (a reused prefix included), as OpenAI and Anthropic count input."""
+        m = self.metrics
+        return max(m.prompt_tokens, m.prompt_eval_count)
+
+    @property
+    def cached_tokens(self) -> int:
+        """The part of the prompt a previous request had already evaluated (the prefix cache)."""
+        return self.input_tokens - self.metrics.prompt_eval_count
+
+    @property
+    def output_tokens(self) -> int:
+        return self.metrics.eval_count
+
     def history_message(self) -> dict[str, Any]:
         """This answer as the assistant turn of the next request's history."""
         return assistant_message(self.text, self.thinking, self.calls)

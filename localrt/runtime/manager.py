@@ -49,6 +49,9 @@ class Metrics(Timings):
     """Ollama's final-chunk numbers, in nanoseconds: the backend's timings plus the request's total."""
 
     total_ns: int = 0
+    # the whole prompt, a reused (cached) prefix included: prompt_eval_count counts only what was
+    # evaluated; OpenAI's and Anthropic's usage count the whole input
+    prompt_tokens: int = 0
 
     # our field -> the name on Ollama's wire (the draft counts are ours, sent only when speculating)
     WIRE: ClassVar[dict[str, str]] = {
@@ -717,6 +720,7 @@ class Runtime:
                 **dataclasses.asdict(done.timings),
                 "load_ns": load_ns,
                 "total_ns": time.perf_counter_ns() - start,
+                "prompt_tokens": len(tokens),
             }
         )
         yield Chunk(
