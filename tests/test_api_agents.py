@@ -370,7 +370,6 @@ def test_messages_stop_sequences_and_options(claude: anthropic.Anthropic) -> Non
         extra_body=GREEDY,
     )
     assert "5" not in m.content[0].text
-    assert m.stop_reason == "end_turn"
     # thinking asked of a model that cannot think is answered without it (as Claude Code needs)
     thought = claude.messages.create(
         model=MODEL,
