@@ -246,3 +246,11 @@ def test_responses_history_translation() -> None:
     assert messages[3]["tool_name"] == "get_weather"
     with pytest.raises(ParamError, match="unknown input item type"):
         responses.input_messages({"input": [{"type": "web_search_call"}]}, [])
+
+
+def test_continuation_leaves_the_stored_history_alone() -> None:
+    stored = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": []}]
+    call = {"type": "function_call", "call_id": "call_2", "name": "f", "arguments": "{}"}
+    messages = responses.input_messages({"input": [call]}, stored)
+    assert len(messages[-1]["tool_calls"]) == 1  # the call joined the stored assistant turn ...
+    assert stored[-1]["tool_calls"] == []  # ... in a copy

@@ -9,6 +9,7 @@ so `previous_response_id` continues a conversation and `GET /v1/responses/{id}` 
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -223,16 +224,16 @@ class HistoryBuilder:
 
 def input_messages(f: dict[str, Any], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     raw = f.get("input")
-    builder = HistoryBuilder([dict(m) for m in history])
+    builder = HistoryBuilder(
+        copy.deepcopy(history)
+    )  # new items may extend its last turn; the stored one stays
     if isinstance(raw, str):
         builder.messages.append({"role": "user", "content": raw})
-    elif isinstance(raw, list):
+    elif isinstance(raw, list) and raw:
         for item in raw:
             builder.add(item)
     else:
-        raise ParamError("input", "must be a string or a list of items")
-    if len(builder.messages) == len(history):
-        raise ParamError("input", "must not be empty")
+        raise ParamError("input", "must be a string or a non-empty list of items")
     return builder.messages
 
 
