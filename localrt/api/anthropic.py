@@ -30,7 +30,6 @@ from localrt.api.translate import (
     ParamError,
     ToolChoice,
     assistant_message,
-    constrain_tools,
     function_tool,
     new_id,
     no_images,
@@ -258,22 +257,19 @@ def chat_call(f: dict[str, Any], *, counting: bool = False) -> ChatCall:
     if not counting and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise ParamError("max_tokens", "max_tokens is required and must be positive")
     output_config = f.get("output_config") or {}
-    tools, fmt = constrain_tools(
-        tools_from(f.get("tools")),
-        tool_choice_from(f.get("tool_choice")),
-        format_from(output_config),
-        "tool_choice",
-    )
+    choice = f.get("tool_choice") if isinstance(f.get("tool_choice"), dict) else {}
     renamed = {"max_tokens": "num_predict", "stop_sequences": "stop"}
     return ChatCall(
         model=model,
         messages=messages_from(f),
         options=sampling_options(f, renamed, {"temperature": 1.0}),
-        tools=tools,
-        format=fmt,
+        tools=tools_from(f.get("tools")),
+        format=format_from(output_config),
         think=think_from_anthropic(f.get("thinking"), output_config.get("effort")),
         keep_alive=f.get("keep_alive"),
         stream=f.get("stream") is True,
+        tool_choice=tool_choice_from(f.get("tool_choice")),
+        parallel_tool_calls=False if choice.get("disable_parallel_tool_use") is True else None,
         relax_think=True,
     )
 

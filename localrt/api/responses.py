@@ -33,7 +33,6 @@ from localrt.api.translate import (
     ParamError,
     ToolChoice,
     assistant_message,
-    constrain_tools,
     function_tool,
     new_id,
     no_images,
@@ -293,22 +292,18 @@ def chat_call(f: dict[str, Any], history: list[dict[str, Any]]) -> ChatCall:
     instructions = f.get("instructions")
     if instructions:
         messages = [{"role": "system", "content": instructions}, *messages]
-    tools, fmt = constrain_tools(
-        tools_from(f.get("tools")),
-        tool_choice_from(f.get("tool_choice")),
-        format_from(f.get("text")),
-        "tool_choice",
-    )
     reasoning = f.get("reasoning") or {}
     return ChatCall(
         model=model,
         messages=messages,
         options=sampling_options(f, {"max_output_tokens": "num_predict"}, {"temperature": 1.0, "top_p": 1.0}),
-        tools=tools,
-        format=fmt,
+        tools=tools_from(f.get("tools")),
+        format=format_from(f.get("text")),
         think=think_from_effort(reasoning.get("effort"), "reasoning.effort"),
         keep_alive=f.get("keep_alive"),
         stream=f.get("stream") is True,
+        tool_choice=tool_choice_from(f.get("tool_choice")),
+        parallel_tool_calls=f.get("parallel_tool_calls"),
     )
 
 

@@ -145,6 +145,13 @@ def constrain_tools(
     return tools, call_schema(chosen)
 
 
+def openai_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
+    """A tool choice in OpenAI chat's form, the one the runtime takes."""
+    if choice in ("auto", "none", "required"):
+        return choice
+    return {"type": "function", "function": {"name": choice}}
+
+
 def assistant_message(
     text: str = "", thinking: str = "", calls: list[dict[str, Any]] | None = None
 ) -> dict[str, Any]:
@@ -198,22 +205,36 @@ class ChatCall:
     think: Think = None
     keep_alive: Any = None
     stream: bool = False
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool | None = None
     # Anthropic clients (Claude Code) ask every model to think: then a model that cannot is answered
     # without thinking rather than refused, as Ollama does on /v1/messages.
     relax_think: bool = False
 
+    def __post_init__(self) -> None:
+        # checked now, so a bad choice is a 400 before the model loads
+        constrain_tools(self.tools, self.tool_choice, self.format, "tool_choice")
+
     def _start(self, runtime: Runtime, think: Think) -> AsyncIterator[Chunk]:
         kwargs: dict[str, Any] = {}
-        # `think` reaches the runtime once it takes one (the thinking track adds it); until then the
-        # mapped value stops here, and models answer as they would without it.
+        # `think` and `tool_choice` go to the runtime where it takes them (it knows each model
+        # family's thinking and call format); a runtime without them gets no think, and a tool
+        # choice enforced here by a grammar of one call.
         if think is not None and _accepts(runtime, "think"):
             kwargs["think"] = think
+        tools, fmt = self.tools, self.format
+        if _accepts(runtime, "tool_choice"):
+            kwargs["tool_choice"] = openai_tool_choice(self.tool_choice)
+            if self.parallel_tool_calls is not None and _accepts(runtime, "parallel_tool_calls"):
+                kwargs["parallel_tool_calls"] = self.parallel_tool_calls
+        else:
+            tools, fmt = constrain_tools(self.tools, self.tool_choice, self.format, "tool_choice")
         return runtime.chat(
             self.model,
             self.messages,
             options=self.options,
-            tools=self.tools,
-            format=self.format,
+            tools=tools,
+            format=fmt,
             keep_alive=self.keep_alive,
             stream=self.stream,
             **kwargs,
