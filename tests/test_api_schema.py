@@ -123,7 +123,7 @@ def test_openapi_schema(case: Any, server: LocalrtServer) -> None:
     if path == "/api/pull" and response.status_code == 502:
         assert "127.0.0.1" in response.json()["error"]  # the unreachable registry, reported cleanly
         return
-    if response.status_code == 501:  # a backend this build lacks, asked for by name (tui/client.py maps 501)
+    if response.status_code == 501:  # a backend this build lacks, asked for by name (localrt/client.py maps 501)
         assert "is not available" in str(response.json()["error"])
         return
     # Whether a schema-valid body is accepted here depends on more than its shape (the model, uploaded

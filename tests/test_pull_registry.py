@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from localrt.errors import DigestMismatch, LocalrtError, ModelNotFound, PullError
+from localrt.format import format_bytes
 from localrt.store.names import parse_name
-from localrt.store.pull import Progress, format_bytes, pull
+from localrt.store.pull import Progress, pull
 from localrt.store.store import MEDIA_MODEL, Store
 from tests.servers.registry import MANIFEST_MEDIA_TYPE, BlobHost, Registry, digest_of
 

@@ -22,13 +22,13 @@ pytest.importorskip("textual")
 
 from textual.widgets import Checkbox, Input, ListView, OptionList, ProgressBar, Select, TextArea  # noqa: E402
 
+from localrt.client import ModelInfo, ModelRow, RuntimeClient, ServerClient, connect  # noqa: E402
 from localrt.runtime.manager import Chunk, Metrics  # noqa: E402
 from localrt.store.importer import import_gguf  # noqa: E402
 from localrt.store.names import parse_name  # noqa: E402
 from localrt.store.pull import Progress  # noqa: E402
 from localrt.store.store import Store  # noqa: E402
 from localrt.tui.app import ACTIONS, INPUT_KEYS, ChatApp, key_label  # noqa: E402
-from localrt.tui.client import ModelInfo, ModelRow, RuntimeClient, ServerClient, connect  # noqa: E402
 from localrt.tui.screens import (  # noqa: E402
     ConfirmScreen,
     HelpScreen,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from localrt.client import ServerUnreachable, _error_from, server_address
 from localrt.errors import BackendUnavailable, LocalrtError, ModelNotFound, OptionError
 from localrt.runtime.options import Options, validate_option
-from localrt.tui.client import ServerUnreachable, _error_from, server_address
 from localrt.tui.settings import parse_fields, summary
 from localrt.tui.store import (
     SCHEMA_VERSION,

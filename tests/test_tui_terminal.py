@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import inspect
 import os
 import shlex
 import shutil
@@ -49,12 +48,8 @@ def env(tmp_path: Path, smollm2_gguf: Path) -> dict[str, str]:
 
 
 def chat_argv() -> list[str]:
-    """`localrt chat NAME` once the CLI routes to the chat app; until then the same entry point directly."""
-    import localrt.cli
-
-    if "chat_command" in inspect.getsource(localrt.cli):
-        return [sys.executable, "-m", "localrt", "chat", MODEL]
-    return [sys.executable, "-m", "localrt.tui", MODEL]
+    """`localrt chat NAME`, as a user starts it."""
+    return [sys.executable, "-m", "localrt", "chat", MODEL]
 
 
 def test_localrt_chat_in_a_real_terminal(env: dict[str, str], tmp_path: Path) -> None:
@@ -109,7 +104,7 @@ import asyncio, sys
 from pathlib import Path
 from localrt.store.store import Store
 from localrt.tui.app import ChatApp
-from localrt.tui.client import RuntimeClient
+from localrt.client import RuntimeClient
 from localrt.tui.store import Settings
 
 async def wait(pilot, condition):
@@ -190,8 +185,8 @@ def test_killing_the_app_mid_answer_loses_no_earlier_message(env: dict[str, str]
 def test_readme_screenshot(smollm2_gguf: Path, tmp_path: Path) -> None:
     """docs/tui.svg is a real conversation with SmolLM2; set LOCALRT_UPDATE_SCREENSHOT=1 to retake it."""
     if os.environ.get("LOCALRT_UPDATE_SCREENSHOT"):
+        from localrt.client import RuntimeClient
         from localrt.tui.app import ChatApp
-        from localrt.tui.client import RuntimeClient
         from tests.test_tui_app import ask
 
         store = Store(tmp_path / "models")

@@ -25,9 +25,9 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Header, Label, ListView, Markdown, Static
 from textual.worker import Worker
 
-from localrt.cli import human_size
+from localrt.client import ChatClient, ModelRow, connect
 from localrt.errors import LocalrtError
-from localrt.tui.client import ChatClient, ModelRow, connect
+from localrt.format import human_size
 from localrt.tui.screens import (
     ConfirmScreen,
     HelpScreen,

@@ -26,13 +26,13 @@ from textual.widgets import (
 )
 from textual.widgets.option_list import Option
 
-from localrt.cli import human_size  # sizes as `localrt list` prints them
 from localrt.errors import LocalrtError
+from localrt.format import human_size
 from localrt.tui.settings import CHOICE_FIELDS, TEXT_FIELDS, field_text, parse_fields
 from localrt.tui.store import Settings
 
 if TYPE_CHECKING:
-    from localrt.tui.client import ChatClient, ModelInfo
+    from localrt.client import ChatClient, ModelInfo
 
 
 class Dialog(ModalScreen[Any]):

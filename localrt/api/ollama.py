@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from localrt import __version__
 from localrt.api import schemas as wire
 from localrt.api.streaming import first_and_rest, ndjson_response
-from localrt.backends.base import run_in_thread_stream
 from localrt.errors import LocalrtError
+from localrt.runtime.bridge import run_in_thread_stream
 from localrt.runtime.manager import Chunk, Metrics, Runtime
 from localrt.store.names import normalize_digest, parse_name
 from localrt.store.store import ResolvedModel, Store
