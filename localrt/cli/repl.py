@@ -128,7 +128,7 @@ class Session:
     # -- model presence --
     def ensure_model(self, insecure: bool = False) -> None:
         """Pull the model first when the store (the server's, or ours) does not have it."""
-        from localrt.progress import PullProgress
+        from localrt.cli.progress import PullProgress
 
         async def go() -> None:
             if await self.client.has_model(self.model):
