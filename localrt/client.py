@@ -146,10 +146,6 @@ class Client(Protocol):
     async def close(self) -> None: ...
 
 
-# the chat app's older name for the protocol
-ChatClient = Client
-
-
 def _ignore_status(_: str) -> None:
     pass
 

@@ -94,18 +94,9 @@ def add_stop(sub: Subparsers) -> argparse.ArgumentParser:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     from localrt import config
-    from localrt.client import ServerClient, server_answers
+    from localrt.client import server_answers
 
-    if not server_answers():  # a model is only ever loaded by a running server
+    if not server_answers():  # a model stays loaded only in a running server
         raise LocalrtError(f"no server running at {config.server_address()[1]}")
-
-    async def go(client: ServerClient) -> None:
-        try:
-            await client.stop(args.model)
-        finally:
-            await client.close()
-
-    import asyncio
-
-    asyncio.run(go(ServerClient(*config.server_address())))
+    with_client(lambda client: client.stop(args.model))
     return 0
