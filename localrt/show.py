@@ -1,16 +1,15 @@
-"""`localrt show NAME`: what a stored model is, read from its manifest layers and its GGUF header."""
+"""A stored model described from its manifest layers and its GGUF header: Modelfile text and parameter
+lines, shared by `localrt show` (through the client) and `/api/show`."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Any
 
 from localrt.runtime.family_templates import TemplateChoice
 from localrt.runtime.templates import select_template
-from localrt.store.gguf import GGUFInfo, format_parameter_count, read_gguf
-from localrt.store.names import parse_name
-from localrt.store.store import ResolvedModel, Store
+from localrt.store.gguf import GGUFInfo
+from localrt.store.store import ResolvedModel
 
 
 def parameter_lines(params: dict[str, Any]) -> list[tuple[str, str]]:
@@ -71,52 +70,3 @@ def modelfile_text(model: ResolvedModel, info: GGUFInfo) -> str:
     if model.license:
         out.append(f'LICENSE """{model.license}"""')
     return "\n".join(out) + "\n"
-
-
-def show_command(args: argparse.Namespace) -> int:
-    model = Store().resolve(parse_name(args.model))
-    if args.path:
-        print(model.model_path)
-        return 0
-    info = read_gguf(model.model_path)
-    if args.modelfile:
-        print(modelfile_text(model, info), end="")
-        return 0
-    if args.template:
-        print(template_of(model, info))
-        return 0
-    if args.parameters:
-        for key, value in parameter_lines(model.params):
-            print(f"{key:<24}{value}")
-        return 0
-    if args.system:
-        print(model.system or "")
-        return 0
-    if args.license:
-        print(model.license or info.license or "")
-        return 0
-
-    rows = [
-        ("architecture", info.architecture or "unknown"),
-        ("parameters", format_parameter_count(info.parameter_count)),
-        ("context length", str(info.context_length or "unknown")),
-        ("embedding length", str(info.embedding_length or "unknown")),
-        ("quantization", info.file_type or "unknown"),
-        ("template", template_origin(template_choice(model, info))),
-    ]
-    print("  Model")
-    for key, value in rows:
-        print(f"    {key:<20}{value}")
-    if model.params:
-        print("\n  Parameters")
-        for key, value in parameter_lines(model.params):
-            print(f"    {key:<20}{value}")
-    if model.system:
-        print("\n  System")
-        print("    " + model.system.strip().replace("\n", "\n    "))
-    license_text = model.license or info.license
-    if license_text:
-        print("\n  License")
-        print("    " + str(license_text).strip().splitlines()[0])
-    print()
-    return 0
