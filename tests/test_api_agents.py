@@ -84,7 +84,8 @@ def sse(server: LocalrtServer, path: str, body: dict[str, Any]) -> list[tuple[st
 # ---- OpenAI Responses ---------------------------------------------------------------------------
 def test_responses_text(oai: openai.OpenAI) -> None:
     r = oai.responses.create(model=MODEL, input=QUESTION, max_output_tokens=48, extra_body=GREEDY)
-    assert r.id.startswith("resp_") and r.object == "response"
+    assert r.id.startswith("resp_")
+    assert r.object == "response"
     assert "Paris" in r.output_text
     assert [item.type for item in r.output] == ["message"]
     assert r.status == ("incomplete" if r.incomplete_details else "completed")
@@ -125,7 +126,8 @@ def test_responses_stream_events_in_order(oai: openai.OpenAI) -> None:
     ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e for e in events if e.type == "response.output_text.delta"]
-    assert len(deltas) > 2 and set(types[4 : 4 + len(deltas)]) == {"response.output_text.delta"}
+    assert len(deltas) > 2
+    assert set(types[4 : 4 + len(deltas)]) == {"response.output_text.delta"}
     final = events[-1]
     assert final.type == f"response.{final.response.status}"
     assert "".join(d.delta for d in deltas) == final.response.output_text
@@ -140,7 +142,8 @@ def test_responses_stream_helper(oai: openai.OpenAI) -> None:
         text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
         final = stream.get_final_response()
     assert final.status == "completed"
-    assert text and final.output_text == text
+    assert text
+    assert final.output_text == text
 
 
 def test_responses_json_schema(oai: openai.OpenAI) -> None:
@@ -178,7 +181,8 @@ def test_responses_function_tool_round_trip(oai: openai.OpenAI) -> None:
         extra_body=GREEDY,
     )
     assert stateful.previous_response_id == first.id
-    assert stateful.output and stateful.usage.input_tokens > first.usage.input_tokens
+    assert stateful.output
+    assert stateful.usage.input_tokens > first.usage.input_tokens
     # the same conversation sent whole (stateless) is the same prompt
     stateless = oai.responses.create(
         model=MODEL,
@@ -246,7 +250,9 @@ def test_responses_errors(oai: openai.OpenAI) -> None:
 def test_messages_create_and_count_tokens(claude: anthropic.Anthropic) -> None:
     messages = [{"role": "user", "content": QUESTION}]
     m = claude.messages.create(model=MODEL, max_tokens=48, messages=messages, extra_body=GREEDY)
-    assert m.id.startswith("msg_") and m.role == "assistant" and m.model == MODEL
+    assert m.id.startswith("msg_")
+    assert m.role == "assistant"
+    assert m.model == MODEL
     assert [b.type for b in m.content] == ["text"]
     assert "Paris" in m.content[0].text
     assert m.stop_reason in ("end_turn", "max_tokens")
@@ -278,7 +284,8 @@ def test_messages_stream_helper(claude: anthropic.Anthropic) -> None:
     ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
-    assert text and final.content[0].text == text
+    assert text
+    assert final.content[0].text == text
     assert final.stop_reason == "end_turn"
     assert final.usage.output_tokens > 0
 
@@ -318,7 +325,8 @@ def test_messages_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
     )
     assert m.stop_reason == "tool_use"
     [use] = [b for b in m.content if b.type == "tool_use"]
-    assert use.name == "get_weather" and isinstance(use.input["city"], str)
+    assert use.name == "get_weather"
+    assert isinstance(use.input["city"], str)
     assert use.id.startswith("toolu_")
     result = {"type": "tool_result", "tool_use_id": use.id, "content": '{"temperature": "21C"}'}
     follow_messages = [
@@ -405,7 +413,9 @@ def test_messages_errors_have_anthropic_shape(claude: anthropic.Anthropic, serve
         server.url + "/v1/messages", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
     )
     assert r.status_code == 400
-    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/messages", content=b"{not json")
-    assert r.status_code == 400 and r.json()["error"]["message"] == "invalid JSON in request body"
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "invalid JSON in request body"

@@ -91,7 +91,8 @@ def test_push_is_chunked_and_answers_the_bearer_challenge(
     assert registry.seen("GET", "/token")[0].header("Authorization") is None  # the token endpoint gets none
     # the manifest went last, after every blob upload was closed
     puts = [r.path for r in registry.requests if r.method == "PUT"]
-    assert "/manifests/" in puts[-1] and all("digest=" in p for p in puts[:-1])
+    assert "/manifests/" in puts[-1]
+    assert all("digest=" in p for p in puts[:-1])
 
 
 def test_push_skips_blobs_the_registry_has(source: tuple[Store, ModelName], registry: Registry) -> None:
@@ -152,7 +153,8 @@ def test_push_errors_are_clear(source: tuple[Store, ModelName], registry: Regist
 
 def test_push_cli(source: tuple[Store, ModelName], registry: Registry, tmp_path: Path) -> None:
     store, name = source
-    env = {"LOCALRT_MODELS": str(store.root)}
+    # nothing answers at LOCALRT_HOST: the command works on the store in this process
+    env = {"LOCALRT_MODELS": str(store.root), "LOCALRT_HOST": f"127.0.0.1:{free_port()}"}
     ok = subprocess.run(
         [sys.executable, "-m", "localrt", "push", name.display, "--insecure"],
         capture_output=True,
@@ -171,7 +173,8 @@ def test_push_cli(source: tuple[Store, ModelName], registry: Registry, tmp_path:
         timeout=120,
     )
     assert bad.returncode != 0
-    assert bad.stderr.count("\n") == 1 and "not found" in bad.stderr
+    assert bad.stderr.count("\n") == 1
+    assert "not found" in bad.stderr
 
 
 def _env() -> dict[str, str]:
@@ -193,6 +196,21 @@ def test_api_push_streams_progress(
         with pytest.raises(ollama.ResponseError) as err:
             client.push(f"{registry.address}/me/absent:1", insecure=True)
         assert err.value.status_code == 404
+        # `localrt push` with a server at LOCALRT_HOST goes through its /api/push
+        registry.manifests.clear()
+        via_server = subprocess.run(
+            [sys.executable, "-m", "localrt", "push", name.display, "--insecure"],
+            capture_output=True,
+            text=True,
+            env={
+                **_env(),
+                "LOCALRT_HOST": f"127.0.0.1:{server.port}",
+                "LOCALRT_MODELS": str(tmp_path / "unused"),
+            },
+            timeout=120,
+        )
+        assert via_server.returncode == 0, via_server.stderr
+        assert registry.manifests[("me/tiny", "1")] == store.manifest_bytes(name)
         dead = parse_name(f"127.0.0.1:{free_port()}/me/tiny:1")  # nothing listens there
         store.copy(name, dead)
         lines = [json.loads(line) for line in _raw_push(server.url, dead.display)]

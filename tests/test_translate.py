@@ -49,8 +49,10 @@ def test_assembler_blocks_in_order() -> None:
     answer = Assembler()
     events = [ev for chunk in thinking_stream() for ev in answer.feed(chunk)]
     assert [b.kind for b in answer.blocks] == ["thinking", "text", "tool_call"]
-    assert answer.thinking == "Let me think." and answer.text == "Calling now."
-    assert answer.calls[0]["name"] == "get_weather" and answer.calls[0]["arguments"] == {"city": "Paris"}
+    assert answer.thinking == "Let me think."
+    assert answer.text == "Calling now."
+    assert answer.calls[0]["name"] == "get_weather"
+    assert answer.calls[0]["arguments"] == {"city": "Paris"}
     assert answer.ending == "tool_calls"
     assert (answer.input_tokens, answer.cached_tokens, answer.output_tokens) == (10, 6, 9)
     # every block is started, then extended, then stopped, before the next one starts
@@ -173,7 +175,8 @@ def test_tool_choice() -> None:
     assert constrain_tools([WEATHER], "none", None, "p") == (None, None)
     assert constrain_tools([WEATHER], "auto", "json", "p") == ([WEATHER], "json")
     tools, fmt = constrain_tools([WEATHER], "get_weather", None, "p")
-    assert fmt == call_schema([WEATHER]) and fmt["properties"]["name"]["enum"] == ["get_weather"]
+    assert fmt == call_schema([WEATHER])
+    assert fmt["properties"]["name"]["enum"] == ["get_weather"]
     other = function_tool("get_time", None, None, "tools")
     assert "anyOf" in constrain_tools([WEATHER, other], "required", None, "p")[1]
     with pytest.raises(ParamError, match="no tool named"):

@@ -22,7 +22,8 @@ import httpx
 
 from localrt.errors import LocalrtError
 from localrt.store.names import ModelName
-from localrt.store.pull import Progress, ProgressFn, _parse_reference
+from localrt.store.pull import _parse_reference
+from localrt.store.sources.common import Progress, ProgressFn
 from localrt.store.sources.oci import CONNECT_TIMEOUT, MAX_RETRIES, RegistryClient
 from localrt.store.store import MANIFEST_MEDIA_TYPE, Store, manifest_layers, parse_manifest
 
