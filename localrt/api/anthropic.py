@@ -29,6 +29,7 @@ from localrt.api.translate import (
     ChatCall,
     ParamError,
     ToolChoice,
+    accepts,
     assistant_message,
     function_tool,
     new_id,
@@ -384,7 +385,10 @@ async def create_message(request: Request) -> Response:
 async def count_tokens(request: Request) -> dict[str, int]:
     f = await wire.read_json(request, CountTokensRequest)
     call = chat_call(f, counting=True)
-    _, tokens = await runtime_of(request).render(
-        call.model, call.messages, tools=call.tools, options=call.options
+    runtime = runtime_of(request)
+    # the prompt the answer would start from: thinking switched on or off in the template as asked
+    think = {"think": call.think} if call.think is not None and accepts(runtime.render, "think") else {}
+    _, tokens = await runtime.render(
+        call.model, call.messages, tools=call.tools, options=call.options, **think
     )
     return {"input_tokens": len(tokens)}

@@ -186,9 +186,10 @@ def parse_arguments(raw: Any, where: str) -> dict[str, Any]:
     return raw
 
 
-def _accepts(runtime: Any, name: str) -> bool:
+def accepts(method: Any, name: str) -> bool:
+    """Does this runtime method take keyword `name`? (The runtime grows think and tool_choice.)"""
     try:
-        return name in inspect.signature(runtime.chat).parameters
+        return name in inspect.signature(method).parameters
     except (TypeError, ValueError):
         return False
 
@@ -220,12 +221,12 @@ class ChatCall:
         # `think` and `tool_choice` go to the runtime where it takes them (it knows each model
         # family's thinking and call format); a runtime without them gets no think, and a tool
         # choice enforced here by a grammar of one call.
-        if think is not None and _accepts(runtime, "think"):
+        if think is not None and accepts(runtime.chat, "think"):
             kwargs["think"] = think
         tools, fmt = self.tools, self.format
-        if _accepts(runtime, "tool_choice"):
+        if accepts(runtime.chat, "tool_choice"):
             kwargs["tool_choice"] = openai_tool_choice(self.tool_choice)
-            if self.parallel_tool_calls is not None and _accepts(runtime, "parallel_tool_calls"):
+            if self.parallel_tool_calls is not None and accepts(runtime.chat, "parallel_tool_calls"):
                 kwargs["parallel_tool_calls"] = self.parallel_tool_calls
         else:
             tools, fmt = constrain_tools(self.tools, self.tool_choice, self.format, "tool_choice")
