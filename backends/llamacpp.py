@@ -499,7 +499,9 @@ class LlamaCppModel:
                 f"{self.context_length} tokens (raise num_ctx or shorten the input)"
             )
         bad = [
-            t for t in req.prompt_tokens if not 0 <= t < self.n_vocab and not (req.images and t == IMAGE_TOKEN)
+            t
+            for t in req.prompt_tokens
+            if not 0 <= t < self.n_vocab and not (req.images and t == IMAGE_TOKEN)
         ]
         if bad:
             raise LocalrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
@@ -592,9 +594,27 @@ class LlamaCppModel:
             raise LocalrtError("the prompt must end with text after its last image")
         return media
 
-    def _eval_prompt_media(self, m: _Runner, media: MediaPrompt, keep: int) -> int:
-        """Evaluate the prompt's cells from `keep` to the last (exclusive); returns image cells encoded."""
-        return media.evaluate(m.ctx.ctx, 0, keep, len(media.cells) - 1, m.n_batch, m.decode, m.evaluated.extend)
+    @staticmethod
+    def _eval_prompt(m: _Runner, prompt: list[Any], media: MediaPrompt | None, timings: Timings) -> int:
+        """Evaluate only what the KV cache does not hold yet (at least one token, for logits); returns
+        the number of cells kept."""
+        keep = min(m.common_prefix(prompt), len(prompt) - 1)
+        if media is not None:  # issue 19: never cut inside an image
+            keep = media.cut(keep)
+        m.truncate(keep)
+        keep = len(m.evaluated)
+        m.layout = media  # issue 19: the cells kept are the same in the old and the new prompt
+        # The last prompt token always goes alone: a repeated prompt re-evaluates exactly that token, and
+        # large batches take other kernels than one-token decodes, so this keeps repeats bit-identical.
+        if len(prompt) - 1 > keep:
+            if media is not None:  # issue 19: text runs through m.decode, images through libmtmd
+                timings.prompt_image_tokens = media.evaluate(
+                    m.ctx.ctx, 0, keep, len(prompt) - 1, m.n_batch, m.decode, m.evaluated.extend
+                )
+            else:
+                m.decode(prompt[keep:-1])
+        m.decode(prompt[-1:])
+        return keep
 
     async def rerank(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
         """Relevance scores of documents for query (in order) and the tokens evaluated."""
@@ -616,7 +636,11 @@ class LlamaCppModel:
     # ---- end issue 19 ----
 
     def _generate_on(
-        self, slot: _Slot, req: GenerateRequest, emit: Callable[[Event], None], media: MediaPrompt | None = None
+        self,
+        slot: _Slot,
+        req: GenerateRequest,
+        emit: Callable[[Event], None],
+        media: MediaPrompt | None = None,
     ) -> None:
         m = slot.runner
         if m.ctx is None or m.ctx.ctx is None:
@@ -630,20 +654,7 @@ class LlamaCppModel:
 
         # prompt: evaluate only what the KV cache does not hold yet (at least one token, for logits)
         t0 = time.perf_counter_ns()
-        keep = min(m.common_prefix(prompt), len(prompt) - 1)
-        if media is not None:  # issue 19: never cut inside an image
-            keep = media.cut(keep)
-        m.truncate(keep)
-        keep = len(m.evaluated)
-        m.layout = media  # issue 19: the cells kept are the same in the old and the new prompt
-        # The last prompt token always goes alone: a repeated prompt re-evaluates exactly that token, and
-        # large batches take other kernels than one-token decodes, so this keeps repeats bit-identical.
-        if len(prompt) - 1 > keep:
-            if media is not None:  # issue 19
-                timings.prompt_image_tokens = self._eval_prompt_media(m, media, keep)
-            else:
-                m.decode(prompt[keep:-1])
-        m.decode(prompt[-1:])
+        keep = self._eval_prompt(m, prompt, media, timings)
         t1 = time.perf_counter_ns()
         timings.prompt_eval_count = len(prompt) - keep
         timings.prompt_eval_ns = t1 - t0

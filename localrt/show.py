@@ -29,6 +29,24 @@ def parameter_lines(params: dict[str, Any]) -> list[tuple[str, str]]:
     return lines
 
 
+POOLING_RANK = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK: a reranker's classification head
+
+
+def is_reranker(info: GGUFInfo) -> bool:
+    return info.metadata.get(f"{info.architecture}.pooling_type") == POOLING_RANK
+
+
+def media_capabilities(model: ResolvedModel, info: GGUFInfo, capabilities: list[str]) -> list[str]:
+    """Issue 19's part of `capabilities`: `vision` with a projector; a reranker is `rerank`, not
+    `completion`. Takes the list built so far and returns it amended."""
+    caps = list(capabilities)
+    if is_reranker(info):
+        caps = [c for c in caps if c != "completion"] + ["rerank"]
+    if model.projector_path is not None:
+        caps.append("vision")
+    return caps
+
+
 def template_of(model: ResolvedModel, info: GGUFInfo) -> str:
     return model.template if model.template is not None else (info.chat_template or "")
 
@@ -41,6 +59,8 @@ def modelfile_text(model: ResolvedModel, info: GGUFInfo) -> str:
         "",
         f"FROM {model.model_path}",
     ]
+    if model.projector_path is not None:
+        out.append(f"FROM {model.projector_path}")
     template = template_of(model, info)
     if template:
         out.append(f'TEMPLATE """{template}"""')
@@ -85,6 +105,7 @@ def show_command(args: argparse.Namespace) -> int:
     print("  Model")
     for key, value in rows:
         print(f"    {key:<20}{value}")
+    _print_media(model, info)
     if model.params:
         print("\n  Parameters")
         for key, value in parameter_lines(model.params):
@@ -98,3 +119,23 @@ def show_command(args: argparse.Namespace) -> int:
         print("    " + str(license_text).strip().splitlines()[0])
     print()
     return 0
+
+
+def _print_media(model: ResolvedModel, info: GGUFInfo) -> None:
+    """The projector of a vision model and the capabilities, as Ollama's `show` lists them."""
+    if model.projector_path is not None:
+        proj = read_gguf(model.projector_path)
+        print("\n  Projector")
+        rows = [
+            ("architecture", proj.architecture or "unknown"),
+            ("parameters", format_parameter_count(proj.parameter_count)),
+            ("projector type", str(proj.metadata.get("clip.projector_type", "unknown"))),
+            ("embedding length", str(proj.metadata.get("clip.vision.embedding_length", "unknown"))),
+            ("dimensions", str(proj.metadata.get("clip.vision.projection_dim", "unknown"))),
+        ]
+        for key, value in rows:
+            print(f"    {key:<20}{value}")
+    caps = media_capabilities(model, info, ["completion"])
+    print("\n  Capabilities")
+    for cap in caps:
+        print(f"    {cap}")
