@@ -118,6 +118,7 @@ def cmd_create(args: argparse.Namespace) -> int:
         from_path=args.from_path,
         base_dir=base_dir,
         quantize=args.quantize,
+        projector_path=args.mmproj,
     )
     print(f"success: created '{name.display}'")
     return 0
@@ -179,6 +180,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # ---- parser ----------------------------------------------------------------------------------
+def _add_run_parser(sub: Any) -> None:
+    p = sub.add_parser("run", help="run a model (one-shot with a prompt, else interactive)")
+    p.add_argument("model")
+    p.add_argument("prompt", nargs="*")
+    p.add_argument("--backend", default=None, help="llama.cpp, mlx, torch or auto")
+    p.add_argument("--verbose", action="store_true", help="print timings")
+    p.add_argument("--format", default=None, help="'json' for JSON output")
+    p.add_argument("--keepalive", default=None, help="how long the model stays loaded (e.g. 5m)")
+    p.add_argument("--draft", default=None, help="draft model for speculative decoding")
+    p.add_argument("--spec", default=None, help="speculative mode: off, draft, lookup, self, auto")
+    p.add_argument(
+        "--image", action="append", default=None, metavar="FILE", help="attach an image (repeatable)"
+    )
+    p.add_argument("--insecure", action="store_true")
+    p.set_defaults(func=cmd_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="localrt", description="Run large language models locally.")
     parser.add_argument("-v", "--version", action="version", version=f"localrt {__version__}")
@@ -189,17 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--insecure", action="store_true", help="allow http registries")
     p.set_defaults(func=cmd_pull)
 
-    p = sub.add_parser("run", help="run a model (one-shot with a prompt, else interactive)")
-    p.add_argument("model")
-    p.add_argument("prompt", nargs="*")
-    p.add_argument("--backend", default=None, help="llama.cpp, mlx, torch or auto")
-    p.add_argument("--verbose", action="store_true", help="print timings")
-    p.add_argument("--format", default=None, help="'json' for JSON output")
-    p.add_argument("--keepalive", default=None, help="how long the model stays loaded (e.g. 5m)")
-    p.add_argument("--draft", default=None, help="draft model for speculative decoding")
-    p.add_argument("--spec", default=None, help="speculative mode: off, draft, lookup, self, auto")
-    p.add_argument("--insecure", action="store_true")
-    p.set_defaults(func=cmd_run)
+    _add_run_parser(sub)
 
     for alias in ("list", "ls"):
         p = sub.add_parser(alias, help="list models")
@@ -232,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_path", default=None, help="a GGUF file")
     p.add_argument("-f", "--file", default=None, help="a Modelfile")
     p.add_argument("-q", "--quantize", default=None, help="requantize to TYPE (e.g. Q4_K_M)")
+    p.add_argument("--mmproj", default=None, help="a vision model's projector GGUF (mmproj-*.gguf)")
     p.set_defaults(func=cmd_create)
 
     p = sub.add_parser("chat", help="the terminal chat app")

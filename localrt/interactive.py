@@ -181,9 +181,9 @@ class Session:
             raise KeyboardInterrupt
 
     # -- one answer --
-    def ask(self, text: str) -> bool:
-        """Send one user message and stream the answer. False when interrupted."""
-        self.messages.append({"role": "user", "content": text})
+    def ask(self, text: str, images: list[str] | None = None) -> bool:
+        """Send one user message (with base64 images) and stream the answer. False when interrupted."""
+        self.messages.append({"role": "user", "content": text, **({"images": images} if images else {})})
         msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
         parts: list[str] = []
         final: list[Chunk] = []
@@ -349,6 +349,18 @@ def _read_message(first: str) -> str:
         lines.append(line)
 
 
+def _dropped_images(session: Session, line: str) -> tuple[str, list[str]]:
+    """Image files named (or dragged) into the prompt are attached, as Ollama's CLI does."""
+    from localrt.runtime.images import images_in_prompt, read_image_file
+
+    text, paths = images_in_prompt(line)
+    images = []
+    for path in paths:
+        images.append(read_image_file(path))
+        session.err.write(f"Added image '{path}'\n")
+    return text, images
+
+
 def interactive(session: Session) -> int:
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
@@ -373,7 +385,8 @@ def interactive(session: Session) -> int:
                 session.err.write(f"Error: {e}\n")
             continue
         try:
-            session.ask(line)
+            line, images = _dropped_images(session, line)
+            session.ask(line, images)
         except LocalrtError as e:  # the chat goes on after a bad request
             session.err.write(f"Error: {e}\n")
         except KeyboardInterrupt:  # Ctrl-C just before the answer started
@@ -388,18 +401,21 @@ def run_command(args: argparse.Namespace) -> int:
     stdin_text: str | None = None
     if not sys.stdin.isatty():
         stdin_text = sys.stdin.read()
+    from localrt.runtime.images import read_image_file
+
+    images = [read_image_file(path) for path in getattr(args, "image", None) or []]  # before any load
     session = Session(args)
     try:
         session.ensure_model(insecure=bool(getattr(args, "insecure", False)))
-        if not prompt and stdin_text is None:
+        if not prompt and stdin_text is None and not images:
             session.load()
             return interactive(session)
         # as Ollama: piped text first, then the prompt words
         text = " ".join(p for p in (stdin_text.strip() if stdin_text else "", prompt) if p)
-        if not text:
+        if not text and not images:
             session.load()
             return 0
-        completed = session.ask(text)
+        completed = session.ask(text, images)
         return 0 if completed else 130
     except KeyboardInterrupt:
         session.err.write("\n")

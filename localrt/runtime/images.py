@@ -200,3 +200,51 @@ def split_markers(tokenize: Any) -> Any:
         return out
 
     return tok
+
+
+# ---- image files named on the command line or dropped into a prompt (as Ollama's CLI takes them) ----
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
+# a path ending in an image suffix: quoted, or with backslash-escaped spaces (what a terminal drop pastes)
+_PATH = re.compile(
+    r"""(?:'([^']+\.(?:png|jpe?g|webp|gif|bmp))'|"([^"]+\.(?:png|jpe?g|webp|gif|bmp))"|"""
+    r"""((?:~|\.{1,2})?/?(?:[^\s\\'"]|\\ )+\.(?:png|jpe?g|webp|gif|bmp)))(?=\s|$)""",
+    re.IGNORECASE,
+)
+
+
+def read_image_file(path: str) -> str:
+    """An image file's bytes as base64 (the wire form), checked to be a decodable image first."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    try:
+        size = p.stat().st_size
+        if size > MAX_IMAGE_BYTES:
+            raise ImageError(f"image {path} is {size} bytes, more than the limit of {MAX_IMAGE_BYTES} bytes")
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise ImageError(f"image file not found: {path}") from None
+    except IsADirectoryError:
+        raise ImageError(f"{path} is a folder, not an image") from None
+    except OSError as e:
+        raise ImageError(f"cannot read image {path}: {e.strerror or e}") from None
+    decode_image(data, f"image {path}")
+    return base64.b64encode(data).decode("ascii")
+
+
+def images_in_prompt(text: str) -> tuple[str, list[str]]:
+    """Paths of existing image files in a typed or dropped-in prompt -> (prompt without them, the paths)."""
+    import os
+
+    found: list[str] = []
+
+    def take(m: re.Match[str]) -> str:
+        raw = next(g for g in m.groups() if g)
+        path = raw.replace("\\ ", " ")
+        if not os.path.isfile(os.path.expanduser(path)):
+            return m.group(0)  # not a file: leave the words as typed
+        found.append(path)
+        return ""
+
+    rest = _PATH.sub(take, text)
+    return (" ".join(rest.split()) if found else text), found
