@@ -173,13 +173,18 @@ def tiny_vlm() -> tuple[Path, Path]:
     return model, proj
 
 
-def png_bytes(seed: int = 0, size: tuple[int, int] = (40, 32), fmt: str = "PNG") -> bytes:
-    """A noisy RGB image (different seeds give different pictures)."""
+def png_bytes(
+    seed: int = 0, size: tuple[int, int] = (40, 32), fmt: str = "PNG", solid: bool = False
+) -> bytes:
+    """A noisy RGB image (different seeds give different pictures); `solid`: one colour (compresses)."""
     import numpy as np
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    if solid:
+        pixels = np.full((size[1], size[0], 3), seed * 37 % 256, dtype=np.uint8)
+    else:
+        pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels, "RGB").save(out, fmt)
     return out.getvalue()
