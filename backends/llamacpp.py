@@ -352,7 +352,9 @@ class LlamaCppModel:
                 self._close_runners([r for s in self._slots for r in (s.draft, s.runner) if r is not None])
                 raise
         self.capabilities = replace(
-            self.capabilities, vision=self._projector is not None, rerank=is_reranker(self.metadata)
+            self.capabilities,
+            vision=self._projector is not None,
+            rerank=is_reranker(self.lib, m.model.model, self.metadata),
         )
         # ---- end issue 19 ----
         self.memory_bytes = self._estimate_memory()

@@ -18,13 +18,16 @@ from localrt.errors import LocalrtError
 POOLING_RANK = 4  # LLAMA_POOLING_TYPE_RANK
 
 
-def is_reranker(metadata: dict[str, str]) -> bool:
-    """A GGUF whose pooling type is rank (llama.cpp's classification head)."""
+def is_reranker(lib: Any, model_ptr: Any, metadata: dict[str, str]) -> bool:
+    """A reranker GGUF: pooling type rank, or a sequence-classification head with labels (what llama.cpp's
+    converter writes for BertForSequenceClassification / XLMRobertaForSequenceClassification)."""
     arch = metadata.get("general.architecture", "")
     try:
-        return int(float(metadata.get(f"{arch}.pooling_type", "-1"))) == POOLING_RANK
+        if int(float(metadata.get(f"{arch}.pooling_type", "-1"))) == POOLING_RANK:
+            return True
     except ValueError:
-        return False
+        pass
+    return bool(lib.llama_model_cls_label(model_ptr, 0))
 
 
 class Reranker:
@@ -44,8 +47,11 @@ class Reranker:
         params.embeddings = True
         params.pooling_type = lib.LLAMA_POOLING_TYPE_RANK
         params.no_perf = True
+        from llama_cpp._utils import suppress_stdout_stderr
+
         try:
-            self.ctx = _internals.LlamaContext(model=model, params=params, verbose=False)
+            with suppress_stdout_stderr(disable=False):  # llama.cpp notes the pooling override on stderr
+                self.ctx = _internals.LlamaContext(model=model, params=params, verbose=False)
         except ValueError as e:
             raise LocalrtError(f"llama.cpp could not create a rerank context: {e}") from None
         self.batch = _internals.LlamaBatch(n_tokens=self.n_ctx, embd=0, n_seq_max=1, verbose=False)

@@ -33,7 +33,13 @@ POOLING_RANK = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK: a reranker's classifica
 
 
 def is_reranker(info: GGUFInfo) -> bool:
-    return info.metadata.get(f"{info.architecture}.pooling_type") == POOLING_RANK
+    """Pooling type rank, or a classification head with labels (llama.cpp's converter writes these for
+    sequence-classification checkpoints such as bge-reranker)."""
+    arch = info.architecture
+    return (
+        info.metadata.get(f"{arch}.pooling_type") == POOLING_RANK
+        or f"{arch}.classifier.output_labels" in info.metadata
+    )
 
 
 def media_capabilities(model: ResolvedModel, info: GGUFInfo, capabilities: list[str]) -> list[str]:

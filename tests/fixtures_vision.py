@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from tests.fixtures_hf import CACHE, CORPUS, llama_cpp_src
 
@@ -191,8 +190,9 @@ def png_bytes(
 
 
 def tiny_reranker() -> Path:
-    """A tiny random BERT cross-encoder (one label) as a GGUF with rank pooling, built once."""
-    root = CACHE / "tiny-reranker-v1"
+    """A tiny random XLM-RoBERTa cross-encoder with one label (bge-reranker-v2-m3's architecture) as a GGUF
+    with rank pooling, converted by llama.cpp's converter; built once. Its HF folder sits beside it."""
+    root = CACHE / f"tiny-reranker-{RERANKER_VERSION}"
     out = root / "tiny-reranker-f32.gguf"
     if out.is_file():
         return out
@@ -206,42 +206,59 @@ def tiny_reranker() -> Path:
     return out
 
 
+RERANKER_VERSION = "v3"
+
+
 def _write_reranker(hf: Path) -> None:
+    import sentencepiece as spm
     import torch
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
 
     hf.mkdir(parents=True)
-    words = sorted({w.strip(".,;:!?()").lower() for line in CORPUS for w in line.split()} - {""})
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
-    (hf / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    config = BertConfig(
-        vocab_size=len(vocab),
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS),
+        model_prefix=str(hf / "sentencepiece.bpe"),
+        vocab_size=100,  # a unigram model of this little text holds about 110 pieces
+        model_type="unigram",
+        character_coverage=1.0,
+        minloglevel=2,
+        num_threads=1,
+    )
+    (hf / "sentencepiece.bpe.vocab").unlink()
+    n_spm = spm.SentencePieceProcessor(model_file=str(hf / "sentencepiece.bpe.model")).get_piece_size()
+    config = XLMRobertaConfig(
+        vocab_size=n_spm + 1,  # fairseq's layout: <s> <pad> </s> <unk>, then the pieces
         hidden_size=64,
         num_hidden_layers=2,
         num_attention_heads=2,
         intermediate_size=128,
-        max_position_embeddings=128,
+        max_position_embeddings=130,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
         num_labels=1,
+        architectures=["XLMRobertaForSequenceClassification"],
     )
-    config.architectures = ["BertForSequenceClassification"]
     torch.manual_seed(0)
-    model = BertForSequenceClassification(config).eval()
+    model = XLMRobertaForSequenceClassification(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim >= 2:
                 p.normal_(0.0, 0.1)
     model.save_pretrained(hf, safe_serialization=True)
-    tok: dict[str, Any] = {
-        "do_lower_case": True,
-        "tokenizer_class": "BertTokenizer",
-        "cls_token": "[CLS]",
-        "sep_token": "[SEP]",
-        "pad_token": "[PAD]",
-        "unk_token": "[UNK]",
-        "mask_token": "[MASK]",
-        "model_max_length": 128,
-    }
-    (hf / "tokenizer_config.json").write_text(json.dumps(tok))
-    from transformers import BertTokenizerFast
-
-    BertTokenizerFast(vocab_file=str(hf / "vocab.txt"), do_lower_case=True).save_pretrained(hf)
+    special = {"bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>"}
+    (hf / "special_tokens_map.json").write_text(
+        json.dumps({**special, "unk_token": "<unk>", "pad_token": "<pad>", "mask_token": "<mask>"})
+    )
+    (hf / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                **special,
+                "tokenizer_class": "XLMRobertaTokenizer",
+                "model_max_length": 128,
+                # <s> query </s> ... document </s>, as XLM-R's tokenizer.json post-processor says
+                "add_bos_token": True,
+                "add_eos_token": True,
+            }
+        )
+    )
