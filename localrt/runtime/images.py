@@ -206,8 +206,8 @@ def split_markers(tokenize: Any) -> Any:
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
 # a path ending in an image suffix: quoted, or with backslash-escaped spaces (what a terminal drop pastes)
 _PATH = re.compile(
-    r"""(?:'([^']+\.(?:png|jpe?g|webp|gif|bmp))'|"([^"]+\.(?:png|jpe?g|webp|gif|bmp))"|"""
-    r"""((?:~|\.{1,2})?/?(?:[^\s\\'"]|\\ )+\.(?:png|jpe?g|webp|gif|bmp)))(?=\s|$)""",
+    r"""'([^']+\.(?:png|jpe?g|webp|gif|bmp))'|"([^"]+\.(?:png|jpe?g|webp|gif|bmp))"|"""
+    r"""((?:[^\s\\'"]|\\ )+\.(?:png|jpe?g|webp|gif|bmp))(?=[\s?!,;:.]|$)""",
     re.IGNORECASE,
 )
 
