@@ -44,7 +44,9 @@ Cell = int | ImageCell
 
 
 @dataclass
-class _Span:
+class ImageSpan:
+    """One image chunk of a prompt: its cells are `cells[start:start + n_tokens]`."""
+
     start: int  # first cell of the image chunk in MediaPrompt.cells
     n_tokens: int  # KV cells it fills
     n_pos: int  # positions it advances (fewer than n_tokens for M-RoPE models)
@@ -56,7 +58,7 @@ class MediaPrompt:
     """A prompt with images, expanded to KV cells; `close()` frees libmtmd's chunks (keep the layout)."""
 
     cells: list[Cell] = field(default_factory=list)
-    spans: list[_Span] = field(default_factory=list)
+    spans: list[ImageSpan] = field(default_factory=list)
     _lists: list[Any] = field(default_factory=list)
     _projector: Projector | None = None
 
@@ -224,7 +226,7 @@ class Projector:
             elif kind == CHUNK_IMAGE:
                 n_tokens = int(lib.mtmd_input_chunk_get_n_tokens(chunk))
                 n_pos = int(lib.mtmd_input_chunk_get_n_pos(chunk))
-                prompt.spans.append(_Span(len(prompt.cells), n_tokens, n_pos, chunk))
+                prompt.spans.append(ImageSpan(len(prompt.cells), n_tokens, n_pos, chunk))
                 prompt.cells.extend(ImageCell(image.digest, k + j) for j in range(n_tokens))
                 k += n_tokens
             else:
