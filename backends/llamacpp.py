@@ -187,7 +187,8 @@ class _Runner:
             raise LocalrtError(f"llama.cpp could not create a context of {self.n_ctx} tokens: {e}") from None
         self.batch = _internals.LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False)
         self.evaluated: list[Any] = []  # exactly the cells in the KV cache: token ids, mtmd ImageCells
-        self.layout: MediaPrompt | None = None  # mtmd: the prompt with images the cells came from
+        # mtmd: (cell count after an image, positions it did not advance): nonzero for M-RoPE images only
+        self.pos_gaps: list[tuple[int, int]] = []
         self._piece_cache: dict[tuple[int, bool], bytes] = (
             share_model_of._piece_cache if share_model_of else {}
         )
@@ -203,7 +204,7 @@ class _Runner:
 
     # mtmd: positions differ from cell counts after an image of an M-RoPE model
     def position(self, n: int) -> int:
-        return self.layout.position(n) if self.layout is not None else n
+        return n - sum(gap for end, gap in self.pos_gaps if end <= n)
 
     def truncate(self, n: int) -> None:
         if n < len(self.evaluated):
@@ -212,6 +213,7 @@ class _Runner:
                 self.ctx.kv_cache_clear()
                 n = 0
             del self.evaluated[n:]
+            self.pos_gaps = [(end, gap) for end, gap in self.pos_gaps if end <= n]
 
     def decode(
         self,
@@ -605,7 +607,8 @@ class LlamaCppModel:
             keep = media.cut(keep)
         m.truncate(keep)
         keep = len(m.evaluated)
-        m.layout = media  # issue 19: the cells kept are the same in the old and the new prompt
+        if media is not None:  # issue 19: the kept cells (and their gaps) are the same in both prompts
+            m.pos_gaps = media.position_gaps()
         # The last prompt token always goes alone: a repeated prompt re-evaluates exactly that token, and
         # large batches take other kernels than one-token decodes, so this keeps repeats bit-identical.
         if len(prompt) - 1 > keep:

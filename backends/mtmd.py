@@ -77,6 +77,11 @@ class MediaPrompt:
                 return s.start
         return n
 
+    def position_gaps(self) -> list[tuple[int, int]]:
+        """(cell count after an image, positions it did not advance) for M-RoPE images, for a record that
+        outlives this prompt (`position(n)` is n minus the gaps ending at or before n)."""
+        return [(s.start + s.n_tokens, s.n_tokens - s.n_pos) for s in self.spans if s.n_tokens != s.n_pos]
+
     def position(self, n: int) -> int:
         """The position after the first n cells (n past the prompt: generated text follows one per cell)."""
         gap = sum(s.n_tokens - s.n_pos for s in self.spans if s.start + s.n_tokens <= n)
