@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from localrt import __version__
 from localrt.api import schemas as wire
 from localrt.api.streaming import first_and_rest, ndjson_response
-from localrt.backends.base import run_in_thread_stream
 from localrt.errors import LocalrtError
+from localrt.runtime.bridge import run_in_thread_stream
 from localrt.runtime.manager import Chunk, Metrics, Runtime
 from localrt.store.names import normalize_digest, parse_name
 from localrt.store.store import ResolvedModel, Store
@@ -129,7 +129,14 @@ def required_model(f: dict[str, Any], key: str = "model") -> str:
     responses={200: wire.ok(wire.ShowResponse), **MODEL_ERRORS},
 )
 async def show(request: Request) -> dict[str, Any]:
-    from localrt.show import media_capabilities, modelfile_text, parameter_lines, template_of
+    from localrt.show import (
+        model_capabilities,
+        modelfile_text,
+        parameter_lines,
+        template_choice,
+        template_of,
+        template_origin,
+    )
     from localrt.store.gguf import read_gguf
 
     body = await wire.read_json(request, wire.ModelRequest)
@@ -137,11 +144,8 @@ async def show(request: Request) -> dict[str, Any]:
     resolved = store.resolve(parse_name(required_model(body)))
     info = read_gguf(resolved.model_path)
     params = "\n".join(f"{k:<30}{v}" for k, v in parameter_lines(resolved.params))
-    capabilities = ["completion"]
     template = template_of(resolved, info)
-    if "tools" in template:
-        capabilities.append("tools")
-    capabilities = media_capabilities(resolved, info, capabilities)  # issue 19: vision, rerank
+    capabilities = model_capabilities(resolved, info)  # issue 19 adds vision, rerank
     extra: dict[str, Any] = {}
     if resolved.projector_path is not None:
         extra["projector_info"] = read_gguf(resolved.projector_path).summary()
@@ -155,6 +159,7 @@ async def show(request: Request) -> dict[str, Any]:
         "details": model_details(store, resolved),
         "model_info": info.summary(),
         "capabilities": capabilities,
+        "template_origin": template_origin(template_choice(resolved, info)),
         "modified_at": rfc3339(store.manifest_path(resolved.name).stat().st_mtime)
         if store.manifest_path(resolved.name).exists()
         else None,

@@ -246,7 +246,7 @@ def _add_from(mf: Modelfile, value: str, line: int, where: str) -> None:
         mf.from_, mf.from_line = value, line
 
 
-def _looks_like_path(value: str) -> bool:
+def looks_like_path(value: str) -> bool:
     return (
         value.startswith(("/", "./", "../", "~", ".\\")) or value.lower().endswith(".gguf") or "\\" in value
     )
@@ -259,7 +259,7 @@ def _resolve_source(value: str, base_dir: Path, store: Store, where: str) -> Pat
         candidate = base_dir / candidate
     if candidate.exists():
         return candidate
-    if _looks_like_path(value):
+    if looks_like_path(value):
         raise LocalrtError(f"{where}model file not found: {value}")
     try:
         name = parse_name(value)
