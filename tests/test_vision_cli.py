@@ -34,8 +34,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def localrt(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "LOCALRT_HOST": f"127.0.0.1:{free_port()}"}  # no server answers: in-process
+def localrt(*args: str, cwd: Path | None = None, host: str | None = None) -> subprocess.CompletedProcess[str]:
+    # no server answers at a free port: the CLI works in-process
+    env = {**os.environ, "LOCALRT_HOST": host or f"127.0.0.1:{free_port()}"}
     done = subprocess.run(
         [sys.executable, "-m", "localrt", *args],
         input=b"",
@@ -67,6 +68,29 @@ def test_show_lists_the_projector(vision_model: str) -> None:
     assert "vision" in result.stdout.split("Capabilities", 1)[1]
     modelfile = localrt("show", vision_model, "--modelfile").stdout
     assert modelfile.count("\nFROM ") == 2  # the model and its projector
+
+
+def test_create_and_show_through_a_running_server(tmp_path: Path) -> None:
+    """With a `localrt serve` up, the CLI uploads both GGUFs (POST /api/create with two files) and
+    `show` reads the projector from /api/show."""
+    import signal
+
+    from tests.servers.serve import LocalrtServer
+
+    model, proj = tiny_vlm()
+    server = LocalrtServer(tmp_path / "server-models", tmp_path / "serve.log")
+    try:
+        host = server.url.removeprefix("http://")
+        created = localrt("create", "vis-remote", "--from", str(model), "--mmproj", str(proj), host=host)
+        assert created.returncode == 0, created.stderr
+        shown = localrt("show", "vis-remote", host=host)
+    finally:
+        assert server.stop() in (0, -signal.SIGTERM)
+    resolved = Store(tmp_path / "server-models").resolve("vis-remote")
+    assert resolved.projector_path is not None
+    assert resolved.projector_path.read_bytes() == proj.read_bytes()
+    assert "Projector" in shown.stdout
+    assert "vision" in shown.stdout.split("Capabilities", 1)[1]
 
 
 def test_run_with_an_image_answers_as_the_runtime_does(
