@@ -188,15 +188,19 @@ def test_llama_servers_own_rerank_agrees(server: LocalrtServer, reranker: Path, 
             assert proc.poll() is None, (tmp_path / "llama-server.log").read_text(errors="replace")
             assert time.monotonic() < deadline
             time.sleep(0.5)
-        theirs = httpx.post(
+        their_body = httpx.post(
             f"http://127.0.0.1:{port}/v1/rerank", json={"query": QUERY, "documents": DOCS}, timeout=60
-        ).json()["results"]
+        ).json()
+        theirs = their_body["results"]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
-    ours = httpx.post(
+    our_body = httpx.post(
         server.url + "/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": DOCS}, timeout=60
-    ).json()["results"]
+    ).json()
+    ours = our_body["results"]
+    assert our_body["usage"]["prompt_tokens"] == their_body["usage"]["prompt_tokens"]  # the same pairs
     assert [r["index"] for r in ours] == [r["index"] for r in theirs]
-    assert max(abs(a["relevance_score"] - b["relevance_score"]) for a, b in zip(ours, theirs)) < 1e-4
+    # two builds of llama.cpp (the wheel's kernels, the tools' -march=native ones): close, not bit-equal
+    assert max(abs(a["relevance_score"] - b["relevance_score"]) for a, b in zip(ours, theirs)) < 2e-3
