@@ -47,6 +47,8 @@ USES_MODEL = (
     "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/api/rerank",  # the fixture model is no reranker: a valid body gets the 400 saying so
+    "/v1/rerank",
 )
 # /api/pull and /api/push reach a registry: a closed local port, so the transfer starts and fails cleanly
 REGISTRY = ("/api/pull", "/api/push")
