@@ -8,6 +8,7 @@ grammar, so SmolLM2 really emits a call and the whole round trip runs.
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import pytest
 from localrt.store.catalog import load_catalog
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
+from tests.fixtures_vision import png_bytes
 from tests.servers.serve import LocalrtServer
 
 MODEL = "smollm2:135m"
@@ -45,6 +47,7 @@ ANTHROPIC_TOOL = {
     "input_schema": WEATHER_PARAMS,
 }
 QUESTION = "What is the capital of France?"
+PNG = base64.b64encode(png_bytes(0)).decode()  # a real image: SmolLM2 has no vision, which the runtime says
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +231,7 @@ def test_responses_kept_for_retrieval_unless_store_false(oai: openai.OpenAI) -> 
 def test_responses_errors(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         oai.responses.create(model="nosuch", input="Hi")
-    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    image = {"type": "input_image", "image_url": "data:image/png;base64," + PNG}
     with pytest.raises(openai.BadRequestError, match="does not support images"):
         oai.responses.create(model=MODEL, input=[{"role": "user", "content": [image]}])
     with pytest.raises(openai.BadRequestError, match="only function tools"):
@@ -399,7 +402,7 @@ def test_messages_errors_have_anthropic_shape(claude: anthropic.Anthropic, serve
             "message": "model 'nosuch:latest' not found, try pulling it first",
         },
     }
-    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
     with pytest.raises(anthropic.BadRequestError, match="does not support images"):
         claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [image]}])
     with pytest.raises(anthropic.BadRequestError, match="not supported"):

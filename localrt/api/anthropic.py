@@ -32,9 +32,10 @@ from localrt.api.translate import (
     accepts,
     assistant_message,
     function_tool,
+    image_source,
     new_id,
-    no_images,
     parse_arguments,
+    resolve_images,
     sampling_options,
     think_from_anthropic,
     tool_message,
@@ -120,8 +121,19 @@ def block_text(block: Any, where: str) -> str:
             raise ParamError(where, "a text block needs text")
         return text
     if kind == "image":
-        raise no_images(where)
+        raise ParamError(where, "image blocks go in user turns, not here")
     raise ParamError(where, f"content block type {kind!r} is not supported here")
+
+
+def image_url(block: dict[str, Any], where: str) -> str:
+    source = block.get("source") if isinstance(block.get("source"), dict) else {}
+    if source.get("type") == "base64":
+        return image_source(
+            f"data:{source.get('media_type') or 'image/png'};base64,{source.get('data')}", where
+        )
+    if source.get("type") == "url":
+        return image_source(source.get("url"), where)
+    raise ParamError(where, "an image block's source must be base64 or url")
 
 
 def result_text(content: Any, where: str) -> str:
@@ -134,9 +146,11 @@ def result_text(content: Any, where: str) -> str:
 
 def user_turn(content: list[Any], where: str) -> list[dict[str, Any]]:
     """One user turn: its tool results first (each a tool message, in order), then its text."""
-    results, texts = [], []
+    results, texts, images = [], [], []
     for block in content:
-        if isinstance(block, dict) and block.get("type") == "tool_result":
+        if isinstance(block, dict) and block.get("type") == "image":
+            images.append(image_url(block, where))
+        elif isinstance(block, dict) and block.get("type") == "tool_result":
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or not call_id:
                 raise ParamError(where, "a tool_result block needs tool_use_id")
@@ -146,8 +160,11 @@ def user_turn(content: list[Any], where: str) -> list[dict[str, Any]]:
             results.append(tool_message(call_id, None, text))
         else:
             texts.append(block_text(block, where))
-    if texts or not results:
-        results.append({"role": "user", "content": "".join(texts)})
+    if texts or images or not results:
+        message: dict[str, Any] = {"role": "user", "content": "".join(texts)}
+        if images:
+            message["images"] = images
+        results.append(message)
     return results
 
 
@@ -385,6 +402,7 @@ async def create_message(request: Request) -> Response:
 async def count_tokens(request: Request) -> dict[str, int]:
     f = await wire.read_json(request, CountTokensRequest)
     call = chat_call(f, counting=True)
+    await resolve_images(call.messages)
     runtime = runtime_of(request)
     # the prompt the answer would start from: thinking switched on or off in the template as asked
     think = {"think": call.think} if call.think is not None and accepts(runtime.render, "think") else {}

@@ -34,8 +34,8 @@ from localrt.api.translate import (
     ToolChoice,
     assistant_message,
     function_tool,
+    image_source,
     new_id,
-    no_images,
     parse_arguments,
     sampling_options,
     think_from_effort,
@@ -137,10 +137,16 @@ def part_text(part: Any) -> str:
     if kind == "refusal":
         return str(part.get("refusal") or "")
     if kind == "input_image":
-        raise no_images("input")
+        raise ParamError("input", "input_image parts go in user, system or developer messages")
     if kind == "input_file":
         raise ParamError("input", "file inputs are not supported")
     raise ParamError("input", f"unknown content part type {kind!r}")
+
+
+def image_of(part: dict[str, Any]) -> str:
+    if part.get("image_url") is None:
+        raise ParamError("input", "input_image needs image_url (a data URL or URL); file_id is not supported")
+    return image_source(part["image_url"], "input")
 
 
 def content_text(content: Any) -> str:
@@ -191,11 +197,23 @@ class HistoryBuilder:
         role = ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
         if role is None:
             raise ParamError("input", f"invalid message role {item.get('role')!r}")
-        text = content_text(item.get("content"))
+        content = item.get("content")
+        parts = content if isinstance(content, list) else []
+        images = [image_of(p) for p in parts if isinstance(p, dict) and p.get("type") == "input_image"]
+        text = content_text(
+            [p for p in parts if not (isinstance(p, dict) and p.get("type") == "input_image")]
+            if parts
+            else content
+        )
         if role == "assistant":
+            if images:
+                raise ParamError("input", "assistant messages cannot carry images")
             self._assistant()["content"] += text
         else:
-            self.messages.append({"role": role, "content": text})
+            message: dict[str, Any] = {"role": role, "content": text}
+            if images:
+                message["images"] = images
+            self.messages.append(message)
 
     def _call(self, item: dict[str, Any]) -> None:
         call_id, name = item.get("call_id"), item.get("name")

@@ -10,6 +10,7 @@ output are therefore decided here once; the protocols differ only in spelling.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import uuid
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 from localrt.api.openai import EXTRA_OPTIONS, OpenAIParamError
 from localrt.errors import LocalrtError
+from localrt.runtime import images as image_input
 from localrt.runtime.manager import Chunk, Metrics, Runtime
 
 ParamError = OpenAIParamError  # "<param>: <message>", a 400 that names the field
@@ -29,9 +31,23 @@ def new_id() -> str:
     return uuid.uuid4().hex[:24]
 
 
-def no_images(where: str) -> LocalrtError:
-    # The vision track wires images through the runtime; until then an image is refused, never dropped.
-    return ParamError(where, "localrt does not support images on this route yet")
+def image_source(url: Any, where: str) -> str:
+    """An image as the request names it: a base64 data URL, or an http(s) URL (fetched only where
+    LOCALRT_FETCH_IMAGES allows it); `resolve_images` turns it into bytes for the runtime."""
+    if not isinstance(url, str) or not url:
+        raise ParamError(where, "an image needs a data URL or a URL")
+    return url
+
+
+async def resolve_images(messages: list[dict[str, Any]]) -> None:
+    """Each message's image sources -> bytes (the runtime's `images`), in a worker thread (a fetch blocks).
+    A model without vision then answers the runtime's 400 naming it."""
+    for i, message in enumerate(messages):
+        if message.get("images"):
+            message["images"] = [
+                await asyncio.to_thread(image_input.image_url_bytes, url, f"messages[{i}] image")
+                for url in message["images"]
+            ]
 
 
 # ---- request side --------------------------------------------------------------------------------
@@ -244,6 +260,7 @@ class ChatCall:
     async def start(self, runtime: Runtime) -> AsyncIterator[Chunk]:
         """Start the generation and wait for its first chunk, so errors (unknown model, bad option,
         prompt too long) raise here, before any byte of an answer is sent."""
+        await resolve_images(self.messages)
         chunks = self._start(runtime, self.think)
         try:
             first = await anext(aiter(chunks))
