@@ -137,10 +137,7 @@ async def show(request: Request) -> dict[str, Any]:
     resolved = store.resolve(parse_name(required_model(body)))
     info = read_gguf(resolved.model_path)
     params = "\n".join(f"{k:<30}{v}" for k, v in parameter_lines(resolved.params))
-    capabilities = ["completion"]
     template = template_of(resolved, info)
-    if "tools" in template:
-        capabilities.append("tools")
     return {
         "license": resolved.license or info.license or "",
         "modelfile": modelfile_text(resolved, info),
@@ -149,11 +146,23 @@ async def show(request: Request) -> dict[str, Any]:
         "system": resolved.system or "",
         "details": model_details(store, resolved),
         "model_info": info.summary(),
-        "capabilities": capabilities,
+        "capabilities": model_capabilities(resolved, info),
         "modified_at": rfc3339(store.manifest_path(resolved.name).stat().st_mtime)
         if store.manifest_path(resolved.name).exists()
         else None,
     }
+
+
+def model_capabilities(resolved: ResolvedModel, info: Any) -> list[str]:
+    """What the model can do, from the template the runtime will use and the GGUF's metadata."""
+    from localrt.runtime.templates import select_template
+    from localrt.runtime.thinking import capabilities, model_format
+
+    tokens = info.metadata.get("tokenizer.ggml.tokens") or []
+    types = info.metadata.get("tokenizer.ggml.token_type") or []
+    specials = [t for t, kind in zip(tokens, types) if kind in (3, 4)]  # control, user-defined
+    fmt = model_format(select_template(resolved.template, info.chat_template), specials)
+    return capabilities(fmt, info.metadata)
 
 
 @router.delete("/api/delete", openapi_extra=wire.request_body(wire.ModelRequest), responses=MODEL_ERRORS)
@@ -306,6 +315,8 @@ def chunk_to_generate(chunk: Chunk) -> dict[str, Any]:
         "response": chunk.content,
         "done": chunk.done,
     }
+    if chunk.thinking:
+        out["thinking"] = chunk.thinking
     if chunk.logprobs:
         out["logprobs"] = chunk.logprobs
     if chunk.done:
@@ -320,6 +331,8 @@ def chunk_to_generate(chunk: Chunk) -> dict[str, Any]:
 
 def chunk_to_chat(chunk: Chunk) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": chunk.content}
+    if chunk.thinking:
+        message["thinking"] = chunk.thinking
     if chunk.tool_calls:
         message["tool_calls"] = chunk.tool_calls
     out: dict[str, Any] = {
@@ -408,6 +421,7 @@ async def generate(request: Request) -> Response:
         logprobs=bool_field(f, "logprobs", False),
         top_logprobs=f.get("top_logprobs") or 0,
         stream=stream,
+        think=f.get("think"),
     )
     return await generation_response(request, chunks, stream, chunk_to_generate)
 
@@ -442,6 +456,7 @@ async def chat(request: Request) -> Response:
         logprobs=bool_field(f, "logprobs", False),
         top_logprobs=f.get("top_logprobs") or 0,
         stream=stream,
+        think=f.get("think"),
     )
     return await generation_response(request, chunks, stream, chunk_to_chat)
 
