@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from typing import Any
 
+import ollama
+import openai
 import pytest
 
 from localrt.runtime.manager import Chunk, Runtime
@@ -20,6 +23,7 @@ from localrt.runtime.thinking import ThinkError, model_format
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
 from tests.families import FAMILIES, forced
+from tests.servers.serve import LocalrtServer
 
 WEATHER = {
     "type": "function",
@@ -364,3 +368,115 @@ def test_tool_choice_none_renders_no_tools(store: Store) -> None:
     )
     assert calls(chunks) == []
     assert "get_weather" in joined(chunks, "content")
+
+
+# ---- through a real `localrt serve`, with the official clients ----------------------------------
+@pytest.fixture(scope="module")
+def server(store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalrtServer]:
+    srv = LocalrtServer(store.root, tmp_path_factory.mktemp("serve") / "serve.log")
+    yield srv
+    srv.stop()
+    assert "Traceback" not in srv.log_path.read_text(errors="replace")
+
+
+def test_ollama_client_think(server: LocalrtServer) -> None:
+    client = ollama.Client(host=server.url)
+    options = {**GREEDY, "grammar": forced(THINKING_REPLIES["qwen3"], FAMILIES["qwen3"])}
+    whole = client.chat("qwen3:tiny", messages=ASK, think=True, options=options)
+    assert whole.message.thinking == "The user asks about Paris weather."
+    assert whole.message.content == "It is sunny."
+    parts = list(client.chat("qwen3:tiny", messages=ASK, think="high", options=options, stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == whole.message.thinking
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    generated = client.generate(
+        "deepseek-r1:tiny",
+        "Weather?",
+        options={**GREEDY, "grammar": forced(THINKING_REPLIES["deepseek-r1"], FAMILIES["deepseek-r1"])},
+    )
+    assert generated.thinking == "The user asks about Paris weather."
+    assert generated.response == "It is sunny."
+
+
+def test_ollama_client_tool_call_streamed(server: LocalrtServer) -> None:
+    client = ollama.Client(host=server.url)
+    options = {**GREEDY, "grammar": forced(CALL_REPLIES["mistral"], FAMILIES["mistral"])}
+    parts = list(client.chat("mistral:tiny", messages=ASK, tools=[WEATHER], options=options, stream=True))
+    found = [c for p in parts for c in p.message.tool_calls or []]
+    assert [c.function.name for c in found] == ["get_weather"]
+    assert found[0].function.arguments == {"city": "Paris"}
+
+
+def test_show_capabilities_per_family(server: LocalrtServer) -> None:
+    client = ollama.Client(host=server.url)
+    assert client.show("qwen3:tiny").capabilities == ["completion", "tools", "thinking"]
+    assert client.show("deepseek-r1:tiny").capabilities == ["completion", "thinking"]
+    assert client.show("gpt-oss:tiny").capabilities == ["completion", "tools", "thinking"]
+    assert client.show("llama3:tiny").capabilities == ["completion", "tools"]
+
+
+def test_openai_reasoning_content(server: LocalrtServer) -> None:
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    extra = {"grammar": forced(THINKING_REPLIES["gpt-oss"], FAMILIES["gpt-oss"]), "num_thread": 1}
+    r = oai.chat.completions.create(
+        model="gpt-oss:tiny", messages=ASK, reasoning_effort="low", max_tokens=400, extra_body=extra
+    )
+    assert r.choices[0].message.content == "It is sunny."
+    assert r.choices[0].message.model_extra["reasoning_content"] == "The user asks about Paris weather."
+    stream = oai.chat.completions.create(
+        model="gpt-oss:tiny",
+        messages=ASK,
+        reasoning_effort="high",
+        max_tokens=400,
+        extra_body=extra,
+        stream=True,
+    )
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    thinking = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    assert thinking == "The user asks about Paris weather."
+    assert "".join(d.content or "" for d in deltas) == "It is sunny."
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model="llama3:tiny", messages=ASK, reasoning_effort="low", max_tokens=4)
+
+
+def test_openai_tool_choice_required(server: LocalrtServer) -> None:
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    r = oai.chat.completions.create(
+        model="llama3:tiny",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=200,
+        extra_body={"num_thread": 1},
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")  # as the schema allows
+    stream = oai.chat.completions.create(
+        model="qwen3:tiny",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        reasoning_effort="none",
+        max_tokens=200,
+        extra_body={"num_thread": 1},
+        stream=True,
+    )
+    chunks = list(stream)
+    calls_seen = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert len(calls_seen) == 1
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the result goes back and renders through the template
+    follow = oai.chat.completions.create(
+        model="qwen3:tiny",
+        messages=[
+            *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [calls_seen[0].model_dump()]},
+            {"role": "tool", "tool_call_id": calls_seen[0].id, "content": "21C"},
+        ],
+        reasoning_effort="none",
+        max_tokens=4,
+        extra_body={"num_thread": 1},
+    )
+    assert follow.choices[0].finish_reason in ("stop", "length")
