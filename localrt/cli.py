@@ -179,6 +179,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # ---- parser ----------------------------------------------------------------------------------
+def add_think_arguments(p: argparse.ArgumentParser) -> None:
+    """`run --think [low|medium|high]`, `--nothink`, `--hidethinking` (as Ollama's)."""
+    p.add_argument(
+        "--think",
+        nargs="?",
+        const="true",
+        default=None,
+        choices=["true", "false", "low", "medium", "high"],
+        help="think before answering (a level for models that take one)",
+    )
+    p.add_argument("--nothink", action="store_true", help="answer without thinking")
+    p.add_argument("--hidethinking", action="store_true", help="think, but do not print the thinking")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="localrt", description="Run large language models locally.")
     parser.add_argument("-v", "--version", action="version", version=f"localrt {__version__}")
@@ -199,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="draft model for speculative decoding")
     p.add_argument("--spec", default=None, help="speculative mode: off, draft, lookup, self, auto")
     p.add_argument("--insecure", action="store_true")
+    add_think_arguments(p)
     p.set_defaults(func=cmd_run)
 
     for alias in ("list", "ls"):

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -480,3 +483,72 @@ def test_openai_tool_choice_required(server: LocalrtServer) -> None:
         extra_body={"num_thread": 1},
     )
     assert follow.choices[0].finish_reason in ("stop", "length")
+
+
+# ---- `localrt run` -------------------------------------------------------------------------------
+def localrt_run(store: Store, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "LOCALRT_MODELS": str(store.root), "LOCALRT_HOST": "127.0.0.1:9"}
+    return subprocess.run(
+        [sys.executable, "-m", "localrt", "run", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def forced_qwen3(store: Store, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen3 whose Modelfile parameters force the thinking reply (as `PARAMETER grammar ...` would)."""
+    path = FAMILIES["qwen3"].write(tmp_path_factory.mktemp("forced") / "q.gguf")
+    params = {**GREEDY, "grammar": forced(THINKING_REPLIES["qwen3"], FAMILIES["qwen3"])}
+    import_gguf(store, "qwen3-forced:tiny", path, params=params)
+    return "qwen3-forced:tiny"
+
+
+def test_run_prints_thinking_before_the_answer(store: Store, forced_qwen3: str) -> None:
+    result = localrt_run(store, forced_qwen3, "Weather?")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        "Thinking...\nThe user asks about Paris weather.\n...done thinking.\n\nIt is sunny.\n"
+    )
+
+
+def test_run_hidethinking_and_nothink(store: Store, forced_qwen3: str) -> None:
+    hidden = localrt_run(store, forced_qwen3, "Weather?", "--hidethinking")
+    assert hidden.stdout == "It is sunny.\n"
+    off = localrt_run(store, forced_qwen3, "--nothink", "Weather?")
+    assert off.stdout == "It is sunny.\n"  # the thinking the grammar still forces is dropped, not shown
+
+
+def test_run_think_on_a_model_that_cannot_is_one_line(store: Store) -> None:
+    result = localrt_run(store, "llama3:tiny", "--think", "high", "Hi")
+    assert result.returncode != 0
+    assert result.stderr.strip() == 'Error: "llama3:tiny" does not support thinking'
+
+
+def test_interactive_set_think_and_nothink(
+    store: Store, forced_qwen3: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+    import io
+
+    from localrt.interactive import Session
+
+    monkeypatch.setenv("LOCALRT_MODELS", str(store.root))
+    out = io.StringIO()
+    session = Session(argparse.Namespace(model=forced_qwen3), out=out, err=io.StringIO())
+    try:
+        session.command("/set nothink")
+        session.ask("Weather?")
+        session.command("/set think low")
+        session.ask("Weather?")
+    finally:
+        session.close()
+    text = out.getvalue()
+    assert "Set 'nothink' mode." in text
+    assert "Set 'think' mode (low)." in text
+    assert text.count("It is sunny.") == 2
+    assert text.count("Thinking...") == 1  # only after /set think
+    assert session.messages[-1]["thinking"] == "The user asks about Paris weather."
