@@ -70,6 +70,7 @@ class ChatClient(Protocol):
         *,
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
+        think: bool | None = None,
     ) -> AsyncIterator[Chunk]: ...
 
     async def list_models(self) -> list[ModelRow]: ...
@@ -119,9 +120,10 @@ class RuntimeClient:
         *,
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
+        think: bool | None = None,
     ) -> AsyncIterator[Chunk]:
         # the runtime's own generator: closing or cancelling it cancels the generation there
-        return self.runtime.chat(model, messages, options=options or None, format=format)
+        return self.runtime.chat(model, messages, options=options or None, format=format, think=think)
 
     async def list_models(self) -> list[ModelRow]:
         entries = await asyncio.to_thread(self.store.list_models)
@@ -262,12 +264,15 @@ class ServerClient:
         *,
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
+        think: bool | None = None,
     ) -> AsyncIterator[Chunk]:
         body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages], "stream": True}
         if options:
             body["options"] = dict(options)
         if format:
             body["format"] = format
+        if think is not None:
+            body["think"] = think
         async for item in self._ndjson("/api/chat", body):
             message = item.get("message") or {}
             metrics = None
@@ -276,6 +281,7 @@ class ServerClient:
             yield Chunk(
                 model=item.get("model", model),
                 content=message.get("content") or "",
+                thinking=message.get("thinking") or "",
                 done=bool(item.get("done")),
                 done_reason=item.get("done_reason"),
                 tool_calls=message.get("tool_calls"),

@@ -23,6 +23,8 @@ import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from localrt.errors import LocalrtError
+
 TOOL_STYLES = ("hermes", "llama3", "mistral", "granite", "phi4", "harmony", "json")
 # style -> the marker that opens a block of calls anywhere in the reply
 _MARKERS = {
@@ -327,6 +329,8 @@ def _call_schema(tools: Sequence[Mapping[str, Any]], args_key: str) -> dict[str,
                 "required": ["name", args_key],
             }
         )
+    if not alternatives:
+        raise LocalrtError("tool_choice asks for a call, but no tool is a function with a name")
     return {"anyOf": alternatives} if len(alternatives) != 1 else alternatives[0]
 
 
@@ -344,7 +348,8 @@ def required_grammar(
     a thinking model think first; open is "" when the prompt already opened the thinking block.
     """
     if style == "harmony":
-        names = [harmony_name(t.get("function", t).get("name", "")) for t in tools]
+        _call_schema(tools, "arguments")  # the same check: at least one named function
+        names = [harmony_name(str(t.get("function", t).get("name", ""))) for t in tools]
         recipients = " | ".join(_gbnf_string(n) for n in names if n)
         rules = schema_gbnf({"type": "object"}).replace("root ::=", "call-args ::=", 1)
         return (
