@@ -369,7 +369,7 @@ class Runtime:
         resolved, opts = self._prepare(model, options)
         wanted = think if isinstance(think, Think) else thinking.parse_think(think)
         async with self._use(resolved, opts, self._keep_alive(None), exclusive=False) as (entry, _):
-            turn = _Turn.make(entry, model, wanted, [dict(t) for t in tools] if tools else None, False, None)
+            turn = _Turn.make(entry, model, wanted, _tool_choice(None, tools)[0], False, None)
             rendered = await asyncio.to_thread(
                 entry.template.render,
                 turn.prepare_messages([dict(m) for m in messages]),
@@ -862,6 +862,8 @@ def _tool_choice(
     choice: Any, tools: Sequence[Mapping[str, Any]] | None
 ) -> tuple[list[dict[str, Any]] | None, bool]:
     """(the tools the template renders, whether a call is required) for OpenAI's `tool_choice`."""
+    if tools and not all(isinstance(t, Mapping) for t in tools):
+        raise LocalrtError("tools must be a list of objects")
     listed = [dict(t) for t in tools] if tools else None
     if choice is None or choice == "auto":
         return listed, False

@@ -315,6 +315,12 @@ def _gbnf_string(text: str) -> str:
     return json.dumps(text)  # a JSON string literal is a valid GBNF literal for this text
 
 
+def _function_name(tool: Mapping[str, Any]) -> str:
+    fn = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    return name if isinstance(name, str) else ""
+
+
 def _call_schema(tools: Sequence[Mapping[str, Any]], args_key: str) -> dict[str, Any]:
     alternatives = []
     for tool in tools:
@@ -349,7 +355,7 @@ def required_grammar(
     """
     if style == "harmony":
         _call_schema(tools, "arguments")  # the same check: at least one named function
-        names = [harmony_name(str(t.get("function", t).get("name", ""))) for t in tools]
+        names = [harmony_name(_function_name(t)) for t in tools]
         recipients = " | ".join(_gbnf_string(n) for n in names if n)
         rules = schema_gbnf({"type": "object"}).replace("root ::=", "call-args ::=", 1)
         return (
