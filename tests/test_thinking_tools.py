@@ -534,9 +534,10 @@ def test_interactive_set_think_and_nothink(
     import argparse
     import io
 
-    from localrt.interactive import Session
+    from localrt.cli.repl import Session
 
     monkeypatch.setenv("LOCALRT_MODELS", str(store.root))
+    monkeypatch.setenv("LOCALRT_HOST", "127.0.0.1:9")  # no server: the chat runs in this process
     out = io.StringIO()
     session = Session(argparse.Namespace(model=forced_qwen3), out=out, err=io.StringIO())
     try:

@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from localrt import __version__
 from localrt.api import schemas as wire
 from localrt.api.streaming import first_and_rest, ndjson_response
-from localrt.backends.base import run_in_thread_stream
 from localrt.errors import LocalrtError
+from localrt.runtime.bridge import run_in_thread_stream
 from localrt.runtime.manager import Chunk, Metrics, Runtime
 from localrt.store.names import normalize_digest, parse_name
 from localrt.store.store import ResolvedModel, Store
@@ -129,7 +129,7 @@ def required_model(f: dict[str, Any], key: str = "model") -> str:
     responses={200: wire.ok(wire.ShowResponse), **MODEL_ERRORS},
 )
 async def show(request: Request) -> dict[str, Any]:
-    from localrt.show import modelfile_text, parameter_lines, template_of
+    from localrt.show import modelfile_text, parameter_lines, template_choice, template_of, template_origin
     from localrt.store.gguf import read_gguf
 
     body = await wire.read_json(request, wire.ModelRequest)
@@ -147,6 +147,7 @@ async def show(request: Request) -> dict[str, Any]:
         "details": model_details(store, resolved),
         "model_info": info.summary(),
         "capabilities": model_capabilities(resolved, info),
+        "template_origin": template_origin(template_choice(resolved, info)),
         "modified_at": rfc3339(store.manifest_path(resolved.name).stat().st_mtime)
         if store.manifest_path(resolved.name).exists()
         else None,
@@ -155,13 +156,13 @@ async def show(request: Request) -> dict[str, Any]:
 
 def model_capabilities(resolved: ResolvedModel, info: Any) -> list[str]:
     """What the model can do, from the template the runtime will use and the GGUF's metadata."""
-    from localrt.runtime.templates import select_template
     from localrt.runtime.thinking import capabilities, model_format
+    from localrt.show import template_choice
 
     tokens = info.metadata.get("tokenizer.ggml.tokens") or []
     types = info.metadata.get("tokenizer.ggml.token_type") or []
     specials = [t for t, kind in zip(tokens, types) if kind in (3, 4)]  # control, user-defined
-    fmt = model_format(select_template(resolved.template, info.chat_template), specials)
+    fmt = model_format(template_choice(resolved, info).source, specials)
     return capabilities(fmt, info.metadata)
 
 
