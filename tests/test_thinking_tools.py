@@ -21,11 +21,12 @@ import ollama
 import openai
 import pytest
 
+from localrt.errors import LocalrtError
 from localrt.runtime.manager import Chunk, Runtime
 from localrt.runtime.thinking import ThinkError, model_format
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
-from tests.families import FAMILIES, forced
+from tests.families import FAMILIES, FIRST_SPECIAL_ID, forced
 from tests.servers.serve import LocalrtServer
 
 WEATHER = {
@@ -553,3 +554,12 @@ def test_interactive_set_think_and_nothink(
     assert text.count("It is sunny.") == 2
     assert text.count("Thinking...") == 1  # only after /set think
     assert session.messages[-1]["thinking"] == "The user asks about Paris weather."
+
+
+def test_grammar_naming_a_partial_byte_token_is_refused(store: Store) -> None:
+    # llama.cpp aborts the whole process on such a grammar; the runtime refuses it first
+    byte_fc = FIRST_SPECIAL_ID + len(FAMILIES["qwen3"].specials) + 0xFC  # <0xFC>, half a character
+    options = {**GREEDY, "grammar": f'root ::= <[{byte_fc}]> "a"'}
+    with pytest.raises(LocalrtError, match="is not a whole-text token"):
+        run(store, "chat", "qwen3", ASK, options=options, stream=False)
+    assert joined(chat(store, "qwen3", "Still here.", stream=False, think=False), "content") == "Still here."

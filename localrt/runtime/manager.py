@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -698,6 +699,7 @@ class Runtime:
         if opts.grammar:
             if format is not None:
                 raise LocalrtError("format and grammar cannot be used together")
+            _check_token_refs(m, opts.grammar)
             constraint = GBNF(opts.grammar)
         if turn is not None and turn.required:
             if constraint is not None:
@@ -783,6 +785,18 @@ class Runtime:
             metrics=metrics,
             context=[*tokens, *answer_ids] if want_context else None,
         )
+
+
+_TOKEN_REF = re.compile(r"<\[(\d+)\]>")
+
+
+def _check_token_refs(model: LoadedModel, grammar: str) -> None:
+    """A grammar's `<[id]>` token references must name whole-character tokens of this vocabulary:
+    llama.cpp aborts the process on one that names a partial UTF-8 byte (seen with byte tokens)."""
+    for match in _TOKEN_REF.finditer(grammar):
+        token = int(match.group(1))
+        if token >= model.n_vocab or "\ufffd" in model.token_text(token):
+            raise LocalrtError(f"grammar: token {match.group(0)} is not a whole-text token of this model")
 
 
 def _piece_chunk(name: str, piece: Piece, logprobs: list[dict[str, Any]] | None) -> Chunk:
