@@ -149,9 +149,7 @@ def capabilities(fmt: ModelFormat, metadata: Mapping[str, Any]) -> list[str]:
         caps.append("tools")
     if fmt.can_think:
         caps.append("thinking")
-    if any(key.startswith(("clip.vision", "vision.")) for key in metadata):
-        caps.append("vision")
-    return caps
+    return caps  # vision and rerank come from the projector and the file's kind (localrt/show.py)
 
 
 # ---- the prompt side -------------------------------------------------------------------------------
