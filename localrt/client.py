@@ -109,6 +109,7 @@ class Client(Protocol):
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]: ...
 
     async def list_models(self) -> list[ModelRow]: ...
@@ -185,10 +186,11 @@ class RuntimeClient:
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]:
         # the runtime's own generator: closing or cancelling it cancels the generation there
         return self.runtime.chat(
-            model, messages, options=options or None, format=format, keep_alive=keep_alive
+            model, messages, options=options or None, format=format, keep_alive=keep_alive, think=think
         )
 
     async def list_models(self) -> list[ModelRow]:
@@ -426,6 +428,7 @@ class ServerClient:
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]:
         body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages], "stream": True}
         if options:
@@ -434,6 +437,8 @@ class ServerClient:
             body["format"] = format
         if keep_alive is not None:
             body["keep_alive"] = keep_alive
+        if think is not None:
+            body["think"] = think
         async for item in self._ndjson("/api/chat", body):
             message = item.get("message") or {}
             yield Chunk(
