@@ -175,7 +175,11 @@ def _make_qkx2(
     The candidate steps run in order because an accepted candidate moves `min`, which later steps use.
     """
     xmin = x.min(axis=0)
-    mn0 = np.minimum(xmin, F32(0))  # C: if (min > 0) min = 0
+    zero_min = xmin == 0
+    if zero_min.any():  # C keeps the first of equal values: the min's zero has the first zero's sign
+        cols = np.flatnonzero(zero_min)
+        xmin[cols] = x[np.argmax(x[:, cols] == 0, axis=0), cols]
+    mn0 = np.where(xmin > 0, F32(0), xmin)  # C: if (min > 0) min = 0
     mx = x.max(axis=0)
     flat = mx == mn0  # C returns early: L = 0, scale 0, the_min = -min
     sum_w = _seq_sum(w)
@@ -456,6 +460,18 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _iq4_nl(x: np.ndarray) -> np.ndarray:
+    from localrt.converters.quants_weighted import iq4_nl
+
+    return iq4_nl(x)
+
+
+def _iq4_xs(x: np.ndarray) -> np.ndarray:
+    from localrt.converters.quants_weighted import iq4_xs
+
+    return iq4_xs(x)
+
+
 ENCODERS: dict[QT, Callable[[np.ndarray], np.ndarray]] = {
     QT.Q8_0: _q8_0,
     QT.Q4_0: lambda x: _qx_0(x, 4),
@@ -467,6 +483,8 @@ ENCODERS: dict[QT, Callable[[np.ndarray], np.ndarray]] = {
     QT.Q4_K: _q4_k,
     QT.Q5_K: _q5_k,
     QT.Q6_K: _q6_k,
+    QT.IQ4_NL: _iq4_nl,
+    QT.IQ4_XS: _iq4_xs,
 }
 QUANTIZED_TYPES = tuple(ENCODERS)
 
@@ -495,12 +513,16 @@ def row_bytes(qtype: QT, n: int) -> int:
     return n // block * size
 
 
-def quantize(data: np.ndarray, qtype: QT, threads: int = 0) -> np.ndarray:
+def quantize(data: np.ndarray, qtype: QT, threads: int = 0, imatrix: np.ndarray | None = None) -> np.ndarray:
     """Encode float32 data with shape (..., n) as `qtype`.
 
     Returns float32/float16/uint16 (bf16 bits) arrays of the same shape for the float types, and
     uint8 `(..., n // block * block_bytes)` for the block types. Chunks of rows run on `threads`
     threads (0 = all cores); numpy releases the GIL inside its loops.
+
+    `imatrix`: importance weights, `(n,)` for every row or `(n_mat, n)` for a 3-D tensor of shape
+    `(n_mat, rows, n)` (expert e's rows use slice e). The types llama.cpp weights then run their
+    weighted encoders (quants_weighted); the others (Q8_0, the float types) ignore it, as llama.cpp does.
     """
     data = np.asarray(data)
     if qtype == QT.F32:
@@ -516,14 +538,25 @@ def quantize(data: np.ndarray, qtype: QT, threads: int = 0) -> np.ndarray:
     n = data.shape[-1]
     if n % block:
         raise QuantError(f"row length {n} is not a multiple of {block} (block size of {qtype.name})")
-    blocks = np.ascontiguousarray(data, dtype=F32).reshape(-1, block)
-    out = np.empty((len(blocks), size), np.uint8)
-    per_chunk = max(1, CHUNK_ELEMS_BY_TYPE.get(qtype, CHUNK_ELEMS) // block)
-    starts = range(0, len(blocks), per_chunk)
+    rows = np.ascontiguousarray(data, dtype=F32).reshape(-1, n)
+    out = np.empty((len(rows), n // block * size), np.uint8)
+    weighted = _weighted_runner(qtype, rows, n, imatrix) if imatrix is not None else None
+    if weighted is None:
+        blocks = rows.reshape(-1, block)
+        flat = out.reshape(len(blocks), size)
+        per_chunk = max(1, CHUNK_ELEMS_BY_TYPE.get(qtype, CHUNK_ELEMS) // block)
 
-    def run(s: int) -> None:
-        out[s : s + per_chunk] = encoder(blocks[s : s + per_chunk])
+        def run(s: int) -> None:
+            flat[s : s + per_chunk] = encoder(blocks[s : s + per_chunk])
 
+        starts = range(0, len(blocks), per_chunk)
+    else:
+        per_chunk = max(1, CHUNK_ELEMS // n)
+
+        def run(s: int) -> None:
+            out[s : s + per_chunk] = weighted(s, min(s + per_chunk, len(rows)))
+
+        starts = range(0, len(rows), per_chunk)
     workers = threads or os.cpu_count() or 1
     if workers == 1 or len(starts) == 1:
         for s in starts:
@@ -532,3 +565,32 @@ def quantize(data: np.ndarray, qtype: QT, threads: int = 0) -> np.ndarray:
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(run, starts))
     return out.reshape(*data.shape[:-1], n // block * size)
+
+
+def _weighted_runner(
+    qtype: QT, rows: np.ndarray, n: int, imatrix: np.ndarray
+) -> Callable[[int, int], np.ndarray] | None:
+    """An encoder of rows [a, b) with the importance weights, or None for a type that ignores them."""
+    from localrt.converters import quants_weighted as qwt
+
+    enc = qwt.WEIGHTED.get(qtype)
+    if enc is None:
+        return None
+    block, size = GGML_QUANT_SIZES[qtype]
+    qw = np.asarray(imatrix, dtype=F32).reshape(-1, n)
+    if len(rows) % len(qw):
+        raise QuantError(f"{len(qw)} importance-matrix slices do not divide {len(rows)} rows")
+    rows_per_slice = len(rows) // len(qw)
+    row_sigma2 = qtype in qwt.ROW_SIGMA2_TYPES
+
+    def run(a: int, b: int) -> np.ndarray:
+        x = rows[a:b]
+        w = qw[np.arange(a, b) // rows_per_slice]
+        if row_sigma2:  # sum_x2 over the whole row, left to right, divided by n_per_row
+            s = (F32(0) + _seq_sum(np.ascontiguousarray((x * x).T))) / F32(n)
+            sig = np.repeat(s, n // block)
+        else:
+            sig = np.empty(0, F32)
+        return enc(x.reshape(-1, block), w.reshape(-1, block), sig).reshape(b - a, n // block * size)
+
+    return run
