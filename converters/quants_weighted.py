@@ -309,9 +309,17 @@ def _q6_k_w(x: np.ndarray, qw: np.ndarray, _: np.ndarray) -> np.ndarray:
 
 
 # ---- IQ4_NL / IQ4_XS -------------------------------------------------------------------------------
+# hi = how many grid values are <= v, clamped to 1..15; the grid is integer, so floor(v) decides
+_HI_BY_FLOOR = np.clip(np.searchsorted(IQ4_GRID.astype(np.int32), np.arange(-128, 115), side="right"), 1, 15)
+
+
 def best_index(v: np.ndarray) -> np.ndarray:
-    """best_index_int8 on the IQ4 grid: the nearest grid index, a tie going to the upper value."""
-    hi = np.clip(np.searchsorted(_GRID_F, v, side="right"), 1, 15)
+    """best_index_int8 on the IQ4 grid: the nearest grid index, a tie going to the upper value.
+
+    The final choice between the two neighbours is C's float32 test `v - K[lo] < K[hi] - v`.
+    """
+    f = np.floor(np.clip(v, F32(-128), F32(114))).astype(np.int16)
+    hi = _HI_BY_FLOOR[np.clip(f, -128, 114) + 128]  # the clip keeps NaN inputs in range
     lo = hi - 1
     idx = np.where((v - _GRID_F[lo]) < (_GRID_F[hi] - v), lo, hi)
     idx = np.where(v <= _GRID_F[0], 0, idx)
