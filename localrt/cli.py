@@ -118,6 +118,7 @@ def cmd_create(args: argparse.Namespace) -> int:
         from_path=args.from_path,
         base_dir=base_dir,
         quantize=args.quantize,
+        imatrix=getattr(args, "imatrix", None),
     )
     print(f"success: created '{name.display}'")
     return 0
@@ -164,6 +165,34 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from localrt.eval import eval_command
 
     return eval_command(args)
+
+
+def cmd_imatrix(args: argparse.Namespace) -> int:
+    from localrt.imatrix import imatrix_command
+
+    return imatrix_command(args)
+
+
+def add_imatrix_parser(sub: Any) -> None:
+    """`localrt imatrix NAME|FILE.gguf --text FILE [-o FILE] [--ctx N] [--chunks N] [--threads N]`, plus
+    the flags that use its result: `create/convert --imatrix FILE`, `eval --compare ... [--plot FILE]`."""
+    sub.choices["create"].add_argument(
+        "--imatrix", default=None, help="importance matrix weighting --quantize (localrt imatrix)"
+    )
+    sub.choices["convert"].add_argument(
+        "--imatrix", default=None, help="importance matrix weighting the quantized types"
+    )
+    ev = sub.choices["eval"]
+    ev.add_argument("--compare", nargs="+", default=None, metavar="MODEL", help="more models vs --reference")
+    ev.add_argument("--plot", default=None, metavar="FILE.png", help="with --compare: KL against file size")
+    p = sub.add_parser("imatrix", help="compute an importance matrix on a text (llama-imatrix's format)")
+    p.add_argument("model", help="model name or .gguf path")
+    p.add_argument("--text", required=True, help="calibration text (UTF-8)")
+    p.add_argument("-o", "--output", default="imatrix.gguf", help="output file (.dat: the legacy format)")
+    p.add_argument("--ctx", type=int, default=512, help="chunk length in tokens (default 512)")
+    p.add_argument("--chunks", type=int, default=-1, help="at most N chunks (default: all)")
+    p.add_argument("--threads", type=int, default=0)
+    p.set_defaults(func=cmd_imatrix)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -263,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
+
+    add_imatrix_parser(sub)
 
     p = sub.add_parser("bench", help="measure TTFT, decode tokens/s and aggregate throughput")
     p.add_argument("model", help="model name")
