@@ -307,3 +307,150 @@ def test_imatrix_with_float_type_is_refused(tmp_path: Path) -> None:
             src, tmp_path / "o.gguf", "F16", imatrix=sample_imatrix({"blk.0.attn_q.weight": (256, 256)})
         )
     assert not (tmp_path / "o.gguf").exists()
+
+
+# ---- computing an imatrix: localrt imatrix vs llama-imatrix's golden output -----------------------
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def test_imatrix_matches_llama_imatrix_golden(smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-imatrix's sums on SmolLM2 (tests/golden/make_imatrix_golden.py) within 1e-4 per entry."""
+    from localrt.imatrix import compute
+
+    golden = np.load(GOLDEN / "smollm2-imatrix-ctx64.npz")
+    monkeypatch.chdir(GOLDEN)  # the dataset name is recorded as given, as llama-imatrix records -f
+    text = Path("imatrix_calibration.txt").read_text(encoding="utf-8")
+    im = compute(smollm2_gguf, text, "imatrix_calibration.txt", ctx=64, threads=2).imatrix
+    names = sorted(im.entries)
+    assert names == golden["names"].tolist()
+    assert [im.chunk_count, im.chunk_size] == golden["meta"].tolist()
+    assert [int(im.entries[n].counts[0]) for n in names] == golden["counts"].tolist()
+    totals = np.array([im.entries[n].sums.astype(np.float64).sum() for n in names])
+    np.testing.assert_allclose(totals, golden["totals"], rtol=1e-4)
+    full = [k for k in golden.files if k.startswith("full/")]
+    assert len(full) == 21
+    for key in full:
+        want = golden[key]
+        got = im.entries[key[len("full/") :]].sums
+        rel = np.abs(got - want) / np.maximum(np.abs(want), 1e-30)
+        assert rel.max() <= 1e-4, f"{key}: relative difference {rel.max():.3g}"
+
+
+def test_imatrix_shared_inputs_have_equal_sums(smollm2_gguf: Path) -> None:
+    """attn_q/k/v read the same normed hidden state, as do ffn_gate/up: their sums must be equal."""
+    from localrt.imatrix import compute
+
+    text = (GOLDEN / "imatrix_calibration.txt").read_text(encoding="utf-8")
+    im = compute(smollm2_gguf, text, "calib", ctx=64, chunks=2, threads=2).imatrix
+    for layer in (0, 29):
+        q = im.entries[f"blk.{layer}.attn_q.weight"].sums
+        assert np.array_equal(im.entries[f"blk.{layer}.attn_k.weight"].sums, q)
+        assert np.array_equal(im.entries[f"blk.{layer}.attn_v.weight"].sums, q)
+        up = im.entries[f"blk.{layer}.ffn_up.weight"].sums
+        assert np.array_equal(im.entries[f"blk.{layer}.ffn_gate.weight"].sums, up)
+    assert im.entries["blk.0.attn_q.weight"].counts.tolist() == [128]  # 2 chunks of 64 tokens
+    assert im.chunk_count == 2
+
+
+def test_text_too_short_is_refused(smollm2_gguf: Path) -> None:
+    from localrt.errors import LocalrtError
+    from localrt.imatrix import compute
+
+    with pytest.raises(LocalrtError, match="needs at least 1024"):
+        compute(smollm2_gguf, "Too short.", "x", ctx=512)
+
+
+# ---- the CLI: bad input is one line on stderr and nothing written ----------------------------------
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    from localrt.cli import main
+
+    rc = main(argv)
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.fixture
+def k256(tmp_path: Path) -> tuple[Path, Path]:
+    src = tmp_path / "in.gguf"
+    data = write_tiny_gguf(src, **MODELS["k256"])
+    im = sample_imatrix({n: tuple(reversed(a.shape)) for n, a in data.items()})
+    return src, imx.write(im, tmp_path / "imatrix.gguf")
+
+
+def test_cli_create_with_imatrix(k256, models_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from localrt.store.store import Store
+
+    src, im = k256
+    rc, _ = run_cli(
+        ["create", "w:q4", "--from", str(src), "--quantize", "Q4_K_M", "--imatrix", str(im)], capsys
+    )
+    assert rc == 0
+    path = Store(models_dir).resolve("w:q4").model_path
+    fields = GGUFReader(path).fields
+    assert fields[imx.KV_FILE].contents() == str(im)
+    assert fields[imx.KV_N_ENTRIES].contents() == 56  # 8 layers x 7 matrices
+
+
+@pytest.mark.parametrize(
+    "extra, reason",
+    [
+        (["--quantize", "F16"], "F16 is a float type"),
+        ([], "--imatrix needs --quantize"),
+    ],
+    ids=["float-type", "no-quantize"],
+)
+def test_cli_create_imatrix_misuse(k256, models_dir: Path, capsys, extra: list[str], reason: str) -> None:
+    src, im = k256
+    rc, err = run_cli(["create", "w:bad", "--from", str(src), "--imatrix", str(im), *extra], capsys)
+    assert rc == 1
+    assert len(err) == 1
+    assert reason in err[0]
+    assert not list(models_dir.rglob("*w*bad*"))
+
+
+@pytest.mark.parametrize("kind", ["text", "truncated", "model", "other-model"])
+def test_cli_create_refuses_bad_imatrix(k256, tmp_path: Path, models_dir: Path, capsys, kind: str) -> None:
+    src, good = k256
+    bad = tmp_path / f"bad-{kind}.gguf"
+    if kind == "text":
+        bad.write_text("not an imatrix at all\n")
+    elif kind == "truncated":
+        bad.write_bytes(good.read_bytes()[:300])
+    elif kind == "model":
+        bad.write_bytes(src.read_bytes())
+    else:
+        imx.write(sample_imatrix({"blk.0.attn_q.weight": (1024, 1024)}), bad)
+    rc, err = run_cli(
+        ["create", "w:bad", "--from", str(src), "--quantize", "Q4_0", "--imatrix", str(bad)], capsys
+    )
+    assert rc == 1
+    assert len(err) == 1
+    assert err[0].startswith("Error: ")
+    assert "Traceback" not in err[0]
+    assert not list(models_dir.rglob("*w*bad*"))
+    assert not list(models_dir.rglob(".quantize-*"))
+
+
+def test_cli_imatrix_refuses_short_text(smollm2_gguf: Path, tmp_path: Path, capsys) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text("A few words only.")
+    rc, err = run_cli(
+        ["imatrix", str(smollm2_gguf), "--text", str(text), "-o", str(tmp_path / "o.gguf")], capsys
+    )
+    assert rc == 1
+    assert err[-1].startswith("Error: the text tokenizes to")
+    assert not (tmp_path / "o.gguf").exists()
+
+
+def test_cli_imatrix_writes_file_and_perplexity(smollm2_gguf: Path, tmp_path: Path, capsys) -> None:
+    from localrt.cli import main
+
+    out = tmp_path / "im.gguf"
+    text = GOLDEN / "imatrix_calibration.txt"
+    rc = main(
+        ["imatrix", str(smollm2_gguf), "--text", str(text), "-o", str(out), "--ctx", "64", "--chunks", "2"]
+    )
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert captured.out.startswith("Final estimate: PPL = ")
+    assert "tokens/s" in captured.err
+    assert len(imx.read(out).entries) == 210
