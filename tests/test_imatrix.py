@@ -454,3 +454,29 @@ def test_cli_imatrix_writes_file_and_perplexity(smollm2_gguf: Path, tmp_path: Pa
     assert captured.out.startswith("Final estimate: PPL = ")
     assert "tokens/s" in captured.err
     assert len(imx.read(out).entries) == 210
+
+
+def test_api_create_with_an_uploaded_imatrix_blob(k256, models_dir: Path) -> None:
+    """/api/create's `imatrix` field: the digest of an uploaded blob weights the quantization."""
+    from localrt.store.modelfile import create_from_request
+    from localrt.store.names import parse_name
+    from localrt.store.store import Store
+
+    src, im_path = k256
+    store = Store(models_dir)
+    model_digest, _ = store.add_blob_file(src)
+    im_digest, _ = store.add_blob_file(im_path)
+    fields = {"files": {"in.gguf": model_digest}, "quantize": "Q4_K_M", "imatrix": im_digest}
+    create_from_request(parse_name("api:w"), fields, store=store, progress=lambda _: None)
+    ours = GGUFReader(store.resolve("api:w").model_path)
+    theirs = GGUFReader(
+        requantize(src, models_dir / "ref.gguf", "Q4_K_M", imatrix=imx.read(im_path), imatrix_label=im_digest)
+    )
+    assert [bytes(t.data) for t in ours.tensors] == [bytes(t.data) for t in theirs.tensors]
+    assert ours.fields[imx.KV_FILE].contents() == im_digest
+    from localrt.errors import LocalrtError
+
+    with pytest.raises(LocalrtError, match="not found"):
+        create_from_request(
+            parse_name("api:x"), {**fields, "imatrix": "sha256:" + "0" * 64}, store=store, progress=print
+        )
