@@ -480,3 +480,20 @@ def test_api_create_with_an_uploaded_imatrix_blob(k256, models_dir: Path) -> Non
         create_from_request(
             parse_name("api:x"), {**fields, "imatrix": "sha256:" + "0" * 64}, store=store, progress=print
         )
+
+
+def test_convert_with_imatrix_equals_f16_then_weighted_requantize(tmp_path: Path) -> None:
+    """convert --imatrix = convert to the 16-bit intermediate, then requantize --imatrix (each of which
+    is byte-identical to llama.cpp's converter and llama-quantize)."""
+    pytest.importorskip("sentencepiece")
+    from localrt.converters.convert import convert
+    from tests.fixtures_hf import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "m", n_layer=2, n_kv=1)
+    f16 = convert(model, tmp_path / "f16.gguf", "F16").path
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in GGUFReader(f16).tensors}
+    im = sample_imatrix(shapes)
+    for ft in ("Q4_0", "IQ4_XS"):
+        direct = convert(model, tmp_path / f"d-{ft}.gguf", ft, imatrix=im, imatrix_label="im.gguf").path
+        staged = requantize(f16, tmp_path / f"s-{ft}.gguf", ft, imatrix=im, imatrix_label="im.gguf")
+        assert direct.read_bytes() == staged.read_bytes(), ft
