@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from localrt.runtime.family_templates import TemplateChoice
+from localrt.runtime.templates import select_template
 from localrt.store.gguf import GGUFInfo, format_parameter_count, read_gguf
 from localrt.store.names import parse_name
 from localrt.store.store import ResolvedModel, Store
@@ -29,8 +31,27 @@ def parameter_lines(params: dict[str, Any]) -> list[tuple[str, str]]:
     return lines
 
 
+def template_choice(model: ResolvedModel, info: GGUFInfo) -> TemplateChoice:
+    """The template the runtime renders this model's prompts with (see runtime/templates.py)."""
+    tokens = info.metadata.get("tokenizer.ggml.tokens") or ()
+    return select_template(model.template, info.chat_template, info.architecture, tokens)
+
+
 def template_of(model: ResolvedModel, info: GGUFInfo) -> str:
-    return model.template if model.template is not None else (info.chat_template or "")
+    # A Modelfile TEMPLATE is shown as written, Go templates included (kept, not executed).
+    return model.template if model.template is not None else template_choice(model, info).source
+
+
+TEMPLATE_ORIGINS = {
+    "modelfile": "from the Modelfile",
+    "gguf": "from the GGUF file",
+    "chatml fallback": "ChatML (the file has none and its family is unknown)",
+}
+
+
+def template_origin(choice: TemplateChoice) -> str:
+    family = choice.origin.removeprefix("family:")
+    return TEMPLATE_ORIGINS.get(choice.origin, f"{family}, built in (the file has none)")
 
 
 def modelfile_text(model: ResolvedModel, info: GGUFInfo) -> str:
@@ -81,6 +102,7 @@ def show_command(args: argparse.Namespace) -> int:
         ("context length", str(info.context_length or "unknown")),
         ("embedding length", str(info.embedding_length or "unknown")),
         ("quantization", info.file_type or "unknown"),
+        ("template", template_origin(template_choice(model, info))),
     ]
     print("  Model")
     for key, value in rows:

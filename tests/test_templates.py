@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from localrt.runtime.family_templates import CHATML_TEMPLATE
 from localrt.runtime.templates import (
-    CHATML_TEMPLATE,
     MAX_TEMPLATE_CHARS,
     ChatTemplate,
     RenderedPrompt,
@@ -249,9 +249,9 @@ def test_go_templates_are_detected_and_not_run() -> None:
         and is_go_template("{{ if .System }}x{{ end }}")
     )
     assert not is_go_template(CHATML_TEMPLATE)
-    assert select_template(go, "GGUF") == "GGUF"
-    assert select_template("{{ messages[0].content }}", "GGUF") == "{{ messages[0].content }}"
-    assert select_template(None, None) == CHATML_TEMPLATE
+    assert select_template(go, "GGUF").source == "GGUF"
+    assert select_template("{{ messages[0].content }}", "GGUF").source == "{{ messages[0].content }}"
+    assert select_template(None, None).source == CHATML_TEMPLATE
 
 
 @pytest.mark.parametrize(
