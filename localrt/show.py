@@ -1,16 +1,15 @@
-"""`localrt show NAME`: what a stored model is, read from its manifest layers and its GGUF header."""
+"""A stored model described from its manifest layers and its GGUF header: Modelfile text and parameter
+lines, shared by `localrt show` (through the client) and `/api/show`."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Any
 
 from localrt.runtime.family_templates import TemplateChoice
 from localrt.runtime.templates import select_template
-from localrt.store.gguf import GGUFInfo, format_parameter_count, read_gguf
-from localrt.store.names import parse_name
-from localrt.store.store import ResolvedModel, Store
+from localrt.store.gguf import GGUFInfo
+from localrt.store.store import ResolvedModel
 
 
 def parameter_lines(params: dict[str, Any]) -> list[tuple[str, str]]:
@@ -29,6 +28,52 @@ def parameter_lines(params: dict[str, Any]) -> list[tuple[str, str]]:
                 )
             )
     return lines
+
+
+POOLING_RANK = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK: a reranker's classification head
+
+
+def is_reranker(info: GGUFInfo) -> bool:
+    """Pooling type rank, or a classification head with labels (llama.cpp's converter writes these for
+    sequence-classification checkpoints such as bge-reranker)."""
+    arch = info.architecture
+    return (
+        info.metadata.get(f"{arch}.pooling_type") == POOLING_RANK
+        or f"{arch}.classifier.output_labels" in info.metadata
+    )
+
+
+def media_capabilities(model: ResolvedModel, info: GGUFInfo, capabilities: list[str]) -> list[str]:
+    """Issue 19's part of `capabilities`: `vision` with a projector; a reranker is `rerank`, not
+    `completion`. Takes the list built so far and returns it amended."""
+    caps = list(capabilities)
+    if is_reranker(info):
+        caps = [c for c in caps if c != "completion"] + ["rerank"]
+    if model.projector_path is not None:
+        caps.append("vision")
+    return caps
+
+
+def model_capabilities(model: ResolvedModel, info: GGUFInfo) -> list[str]:
+    """`capabilities` of /api/show and `localrt show` (completion, tools, then issue 19's vision/rerank)."""
+    caps = ["completion"]
+    if "tools" in template_of(model, info):
+        caps.append("tools")
+    return media_capabilities(model, info, caps)
+
+
+def projector_rows(meta: Any) -> list[tuple[str, str]]:
+    """`show`'s Projector section from a projector GGUF's key/values (`GGUFInfo.summary()`)."""
+    from localrt.store.gguf import format_parameter_count
+
+    count = meta.get("general.parameter_count")
+    return [
+        ("architecture", str(meta.get("general.architecture", "unknown"))),
+        ("parameters", format_parameter_count(int(count)) if count else "unknown"),
+        ("projector type", str(meta.get("clip.projector_type", "unknown"))),
+        ("embedding length", str(meta.get("clip.vision.embedding_length", "unknown"))),
+        ("dimensions", str(meta.get("clip.vision.projection_dim", "unknown"))),
+    ]
 
 
 def template_choice(model: ResolvedModel, info: GGUFInfo) -> TemplateChoice:
@@ -62,6 +107,8 @@ def modelfile_text(model: ResolvedModel, info: GGUFInfo) -> str:
         "",
         f"FROM {model.model_path}",
     ]
+    if model.projector_path is not None:
+        out.append(f"FROM {model.projector_path}")
     template = template_of(model, info)
     if template:
         out.append(f'TEMPLATE """{template}"""')
@@ -71,52 +118,3 @@ def modelfile_text(model: ResolvedModel, info: GGUFInfo) -> str:
     if model.license:
         out.append(f'LICENSE """{model.license}"""')
     return "\n".join(out) + "\n"
-
-
-def show_command(args: argparse.Namespace) -> int:
-    model = Store().resolve(parse_name(args.model))
-    if args.path:
-        print(model.model_path)
-        return 0
-    info = read_gguf(model.model_path)
-    if args.modelfile:
-        print(modelfile_text(model, info), end="")
-        return 0
-    if args.template:
-        print(template_of(model, info))
-        return 0
-    if args.parameters:
-        for key, value in parameter_lines(model.params):
-            print(f"{key:<24}{value}")
-        return 0
-    if args.system:
-        print(model.system or "")
-        return 0
-    if args.license:
-        print(model.license or info.license or "")
-        return 0
-
-    rows = [
-        ("architecture", info.architecture or "unknown"),
-        ("parameters", format_parameter_count(info.parameter_count)),
-        ("context length", str(info.context_length or "unknown")),
-        ("embedding length", str(info.embedding_length or "unknown")),
-        ("quantization", info.file_type or "unknown"),
-        ("template", template_origin(template_choice(model, info))),
-    ]
-    print("  Model")
-    for key, value in rows:
-        print(f"    {key:<20}{value}")
-    if model.params:
-        print("\n  Parameters")
-        for key, value in parameter_lines(model.params):
-            print(f"    {key:<20}{value}")
-    if model.system:
-        print("\n  System")
-        print("    " + model.system.strip().replace("\n", "\n    "))
-    license_text = model.license or info.license
-    if license_text:
-        print("\n  License")
-        print("    " + str(license_text).strip().splitlines()[0])
-    print()
-    return 0

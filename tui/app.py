@@ -25,9 +25,9 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Header, Label, ListView, Markdown, Static
 from textual.worker import Worker
 
-from localrt.cli import human_size
+from localrt.client import Client, ModelRow, connect
 from localrt.errors import LocalrtError
-from localrt.tui.client import ChatClient, ModelRow, connect
+from localrt.format import human_size
 from localrt.tui.screens import (
     ConfirmScreen,
     HelpScreen,
@@ -130,14 +130,14 @@ class ChatApp(App[int]):
         self,
         model: str | None = None,
         *,
-        client: ChatClient | None = None,
+        client: Client | None = None,
         store: ConversationStore | None = None,
         db_path: Path | str | None = None,
         clock: Callable[[], float] = time.time,
         export_dir: Path | None = None,
     ) -> None:
         super().__init__()
-        self.client: ChatClient = client if client is not None else connect()
+        self.client: Client = client if client is not None else connect()
         self.clock = clock
         self.db = store if store is not None else ConversationStore(db_path, clock=clock)
         self.initial_model = model
@@ -396,6 +396,7 @@ class ChatApp(App[int]):
             await self.refresh_conversations()
             self._update_titles()
         question = Message("user", text)
+        self._announce_images(text)  # issue 19: image paths in the text are attached
         self.db.add_message(conv.id, question)  # committed before the model runs: a kill cannot lose it
         conv.messages.append(question)
         pane = self.messages_pane
@@ -406,6 +407,12 @@ class ChatApp(App[int]):
         self.answer_worker = self.run_worker(
             self._answer(conv, question), name="answer", group="answer", exit_on_error=False
         )
+
+    def _announce_images(self, text: str) -> None:
+        from localrt.runtime.images import images_in_prompt
+
+        for path in images_in_prompt(text)[1]:
+            self.notify(f"Added image '{path}'", title="Image")
 
     async def _answer(self, conv: Conversation, question: Message) -> None:
         model = conv.model or ""
