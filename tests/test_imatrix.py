@@ -497,3 +497,39 @@ def test_convert_with_imatrix_equals_f16_then_weighted_requantize(tmp_path: Path
         direct = convert(model, tmp_path / f"d-{ft}.gguf", ft, imatrix=im, imatrix_label="im.gguf").path
         staged = requantize(f16, tmp_path / f"s-{ft}.gguf", ft, imatrix=im, imatrix_label="im.gguf")
         assert direct.read_bytes() == staged.read_bytes(), ft
+
+
+def test_cli_create_with_imatrix_through_a_running_server(smollm2_gguf: Path, tmp_path: Path) -> None:
+    """With `localrt serve` answering, create uploads the GGUF and the imatrix as blobs and the server
+    quantizes with it (the server records the blob's digest as the imatrix file)."""
+    from tests.servers.serve import LocalrtServer
+    from tests.test_cli_client import localrt
+
+    src = tmp_path / "in.gguf"
+    data = write_tiny_gguf(src, **MODELS["k256"])
+    im = imx.write(
+        sample_imatrix({n: tuple(reversed(a.shape)) for n, a in data.items()}), tmp_path / "im.gguf"
+    )
+    root = tmp_path / "served"
+    served = LocalrtServer(root, tmp_path / "serve.log")
+    try:
+        cli_store = tmp_path / "cli-models"
+        made = localrt(
+            served, cli_store, "create", "w:srv", "--from", str(src), "-q", "Q4_K_M", "--imatrix", str(im)
+        )
+        assert made.returncode == 0, made.stderr
+        path = stored_model_path(root, "w:srv")
+        assert GGUFReader(path).fields[imx.KV_FILE].contents().startswith("sha256:")
+        local = requantize(src, tmp_path / "local.gguf", "Q4_K_M", imatrix=imx.read(im), imatrix_label="x")
+        assert [bytes(t.data) for t in GGUFReader(path).tensors] == [
+            bytes(t.data) for t in GGUFReader(local).tensors
+        ]
+        assert not cli_store.exists()
+    finally:
+        served.stop()
+
+
+def stored_model_path(root: Path, name: str) -> Path:
+    from localrt.store.store import Store
+
+    return Store(root).resolve(name).model_path
