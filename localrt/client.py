@@ -140,6 +140,7 @@ class Client(Protocol):
         quantize: str | None = None,
         status: StatusFn | None = None,
         projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str: ...
 
     async def context_length(self, model: str, options: Mapping[str, Any] | None = None) -> int | None: ...
@@ -320,6 +321,7 @@ class RuntimeClient:
         quantize: str | None = None,
         status: StatusFn | None = None,
         projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str:
         from localrt.store.modelfile import create
 
@@ -332,6 +334,7 @@ class RuntimeClient:
             base_dir=base_dir,
             quantize=quantize,
             projector_path=projector_path,
+            imatrix=imatrix_path,
         )
         return name.display
 
@@ -561,6 +564,7 @@ class ServerClient:
         quantize: str | None = None,
         status: StatusFn | None = None,
         projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str:
         """As `ollama create`: the Modelfile is read here, a local GGUF is uploaded as a blob, and
         the server builds the model from `files` or `from` (it never reads a path of ours). A projector
@@ -600,6 +604,8 @@ class ServerClient:
                 body[key] = getattr(mf, key)
         if quantize:
             body["quantize"] = quantize
+        if imatrix_path is not None:  # uploaded like the GGUF; the server weights --quantize with it
+            body["imatrix"] = await self._upload(Path(imatrix_path), emit)
         async for item in self._ndjson("/api/create", body):
             emit(str(item.get("status", "")))
         return name.display
