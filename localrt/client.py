@@ -109,6 +109,7 @@ class Client(Protocol):
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]: ...
 
     async def list_models(self) -> list[ModelRow]: ...
@@ -141,6 +142,7 @@ class Client(Protocol):
         quantize: str | None = None,
         status: StatusFn | None = None,
         projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str: ...
 
     async def context_length(self, model: str, options: Mapping[str, Any] | None = None) -> int | None: ...
@@ -187,10 +189,11 @@ class RuntimeClient:
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]:
         # the runtime's own generator: closing or cancelling it cancels the generation there
         return self.runtime.chat(
-            model, messages, options=options or None, format=format, keep_alive=keep_alive
+            model, messages, options=options or None, format=format, keep_alive=keep_alive, think=think
         )
 
     async def list_models(self) -> list[ModelRow]:
@@ -328,6 +331,7 @@ class RuntimeClient:
         quantize: str | None = None,
         status: StatusFn | None = None,
         projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str:
         from localrt.store.modelfile import create
 
@@ -340,6 +344,7 @@ class RuntimeClient:
             base_dir=base_dir,
             quantize=quantize,
             projector_path=projector_path,
+            imatrix=imatrix_path,
         )
         return name.display
 
@@ -436,6 +441,7 @@ class ServerClient:
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]:
         body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages], "stream": True}
         if options:
@@ -444,6 +450,8 @@ class ServerClient:
             body["format"] = format
         if keep_alive is not None:
             body["keep_alive"] = keep_alive
+        if think is not None:
+            body["think"] = think
         async for item in self._ndjson("/api/chat", body):
             message = item.get("message") or {}
             yield Chunk(
@@ -572,6 +580,7 @@ class ServerClient:
         quantize: str | None = None,
         status: StatusFn | None = None,
         projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str:
         """As `ollama create`: the Modelfile is read here, a local GGUF is uploaded as a blob, and
         the server builds the model from `files` or `from` (it never reads a path of ours). A projector
@@ -611,6 +620,8 @@ class ServerClient:
                 body[key] = getattr(mf, key)
         if quantize:
             body["quantize"] = quantize
+        if imatrix_path is not None:  # uploaded like the GGUF; the server weights --quantize with it
+            body["imatrix"] = await self._upload(Path(imatrix_path), emit)
         async for item in self._ndjson("/api/create", body):
             emit(str(item.get("status", "")))
         return name.display

@@ -15,10 +15,8 @@ import pytest
 
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
+from tests import families
 from tests.servers.serve import LocalrtServer
-
-# The family GGUFs and the `grammar` option come with the think track (issue 17, part `think`).
-families = pytest.importorskip("tests.families", reason="needs the think track's tests/families.py")
 
 REPLY = "<think>\nThe user asks about Paris weather.\n</think>\n\nIt is sunny."
 THOUGHT, ANSWER = "The user asks about Paris weather.", "It is sunny."
