@@ -41,6 +41,7 @@ class Capabilities:
     kv_cache_types: tuple[str, ...] = ("f16",)
     devices: tuple[str, ...] = ("cpu",)
     parallel_slots: int = 1  # on a loaded model: how many requests it serves at once
+    context_shift: bool = False  # generation may go on past the context end (GenerateRequest.shift)
 
 
 @dataclass
@@ -113,6 +114,10 @@ class GenerateRequest:
     format: str | dict[str, Any] | None = None  # "json" or a JSON schema (needs Capabilities.grammar)
     speculative: str = "off"
     num_draft: int | None = None  # None = the backend's default for the mode
+    shift: bool = (
+        True  # at the context end: drop old tokens and go on (Capabilities.context_shift), else stop
+    )
+    num_keep: int = 4  # tokens a context shift keeps at the start
     cancel: CancelToken = field(default_factory=CancelToken)
 
 
@@ -149,6 +154,7 @@ class Timings:
     eval_ns: int = 0
     draft_count: int = 0
     draft_accepted_count: int = 0
+    cached_count: int = 0  # prompt tokens taken from the KV cache, not evaluated (OpenAI cached_tokens)
 
 
 @dataclass
