@@ -164,13 +164,13 @@ class LlamaCppModel:
             n_par = auto_parallel(
                 per_token * self.context_length, int(available_memory() * AUTO_MEMORY_SHARE)
             )
-        self.n_parallel = min(n_par, self.lib.llama_max_parallel_sequences() // 2)
-        n_seq_max = min(2 * self.n_parallel, self.lib.llama_max_parallel_sequences())
+        self.n_parallel = min(n_par, self.lib.llama_max_parallel_sequences())
+        n_seq_max = self.n_parallel  # idle sequences stay cached in the ids no request is using
         self.threads = opts.num_thread or default_threads()
         step_tokens = max(self.n_parallel * 2, min(opts.num_batch, self.context_length))
         params = context_params(
             opts,
-            n_ctx=self.context_length * self.n_parallel,
+            n_ctx=-(-self.context_length // 256) * 256 * n_seq_max,  # llama.cpp pads each stream to 256
             n_batch=step_tokens,
             n_ubatch=min(step_tokens, EXACT_UBATCH),
             n_seq_max=n_seq_max,
@@ -221,9 +221,13 @@ class LlamaCppModel:
         return bool(self.lib.llama_vocab_is_eog(self.model.vocab, token))
 
     def piece(self, token: int, special: bool = False) -> bytes:
+        if self._closed:
+            raise LocalrtError("the model was unloaded")
         return token_piece(self.lib, self.model.vocab, token, special, self._pieces)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        if self._closed:
+            raise LocalrtError("the model was unloaded")
         if not text:
             return (
                 [self.bos_token_id] if add_special and self.add_bos and self.bos_token_id is not None else []

@@ -3,7 +3,6 @@ the sampler chain and the vocabulary helpers. Nothing here holds request state; 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from collections.abc import Sequence
@@ -92,7 +91,10 @@ def context_params(
     p.n_batch = n_batch
     p.n_ubatch = n_ubatch
     p.n_seq_max = n_seq_max
-    p.kv_unified = True  # one pool of cells: a shared prefix is stored once (seq_cp shares cells)
+    # A stream of cells per sequence, not one pool: the CPU flash-attention kernel walks a sequence's cells
+    # in cell order, and in a shared pool a sequence's later tokens land in holes other sequences left
+    # behind, which changes its rounding (batching would no longer be invisible).
+    p.kv_unified = False
     p.n_threads = threads
     p.n_threads_batch = threads if opts.num_thread else max(threads, os.cpu_count() or 1)
     p.type_k = p.type_v = KV_TYPES[opts.kv_cache_type]
@@ -238,7 +240,3 @@ class Memory:
 
     def clear(self) -> None:
         self.lib.llama_memory_clear(self.mem, True)
-
-
-def c_int_array(values: Sequence[int]) -> Any:
-    return (ctypes.c_int32 * len(values))(*values)

@@ -42,6 +42,9 @@ from .lib import Batch, Memory, _lib, logits_row, make_sampler, sample
 
 DEFAULT_NUM_DRAFT = {"draft": 4, "lookup": 8}
 MAX_VERIFY = 48  # guesses + 1 per sequence and step
+# A prefix shorter than this is evaluated again rather than copied: copying between streams copies the
+# source's whole stream buffer (all n_ctx cells), which costs about as much as evaluating a few dozen tokens.
+COPY_MIN = 32
 
 
 @dataclass
@@ -224,6 +227,8 @@ class BatchedContext:
         self.owner: list[Job | None] = [None] * n_seq_max
         self.last_used = [0.0] * n_seq_max
         self.pieces: dict[tuple[int, bool], bytes] = {}
+        self.plan: list[tuple[int, list[int], int, bool | list[bool], Job]] = []  # this step's rows
+        self.planned = 0
         self.waiting: list[Job] = []
         self.running: list[Job] = []
         self.tasks: list[Task] = []
@@ -295,9 +300,9 @@ class BatchedContext:
         self._admit()
         if not self.running:
             return
-        self.batch.clear()
         self._add_decodes()
         self._add_prefills()
+        self._fill_batch()
         if self.batch.n == 0:
             return
         self._decode()
@@ -329,17 +334,17 @@ class BatchedContext:
         n = min(n, len(prompt_cells) - 1)  # at least one token is evaluated, for its logits
         while n > 0 and isinstance(prompt_cells[n], tuple) and prompt_cells[n][1] != 0:
             n -= 1  # never start inside an external chunk
-        seq = self._free_seq(src)
-        if seq == src:
-            if not self.memory.remove(seq, n, -1):
-                self.memory.remove(seq)
-                n = 0
-            del self.cells[seq][n:]
-        else:
-            self._evict(seq)
-            if n > 0:
-                self.memory.copy(src, seq, 0, n)
-                self.cells[seq] = list(self.cells[src][:n])
+        seq = self._free_seq(src, n)
+        if seq != src and n >= COPY_MIN:
+            # each sequence has a stream of its own: the copy is of the whole stream, then the tail goes
+            self.memory.copy(src, seq, -1, -1)
+            self.cells[seq] = list(self.cells[src])
+        elif seq != src:
+            n = 0
+        if not self.memory.remove(seq, n, -1):
+            self.memory.remove(seq)
+            n = 0
+        del self.cells[seq][n:]
         job.seq = seq
         self.owner[seq] = job
         job.pending = _items_from(job.prompt, n)
@@ -363,14 +368,26 @@ class BatchedContext:
                 best, best_n = seq, n
         return best, best_n
 
-    def _free_seq(self, src: int) -> int:
-        """A seq id for a new request: an empty one, else the prefix source if idle, else the LRU idle one."""
+    def _free_seq(self, src: int, n: int) -> int:
+        """A seq id for a new request whose best cached prefix is n cells of seq `src`.
+
+        An idle source that the prompt extends is taken over (a conversation's next turn); a long prefix is
+        copied to another id, so the source keeps its own tail for its conversation; a short one is taken
+        over when idle. Otherwise the lowest empty id, else the least recently used idle one: low ids keep
+        the running ids together, and llama.cpp cuts micro-batches of consecutive seq ids.
+        """
         idle = [s for s in range(self.n_seq_max) if self.owner[s] is None]
-        empty = [s for s in idle if not self.cells[s]]
+        src_idle = src >= 0 and self.owner[src] is None
+        if src_idle and n >= len(self.cells[src]) - 1:
+            return src
+        others = [s for s in idle if s != src]
+        empty = [s for s in others if not self.cells[s]]
+        if n >= COPY_MIN and others:
+            return empty[0] if empty else min(others, key=lambda s: self.last_used[s])
+        if src_idle and n > 0:
+            return src
         if empty:
             return empty[0]
-        if src >= 0 and self.owner[src] is None:
-            return src
         return min(idle, key=lambda s: self.last_used[s])
 
     def _evict(self, seq: int) -> None:
@@ -408,15 +425,33 @@ class BatchedContext:
         self._propose(decoding)
         for job in decoding:
             tokens = [job.last, *job.drafts]
-            if len(tokens) > self.batch.room:
+            if len(tokens) > self.room:
                 job.drafts, tokens = [], [job.last]
-            if not self.batch.room:
+            if not self.room:
                 break
-            seq = job.seq
-            start = self.batch.add(tokens, len(self.cells[seq]), seq, True)
-            self.cells[seq].extend(tokens)
-            job.rows = list(range(start, start + len(tokens)))
+            self._plan_rows(job, tokens, True)
             job.timings.draft_count += len(job.drafts)
+
+    @property
+    def room(self) -> int:
+        return self.step_tokens - self.planned
+
+    def _plan_rows(self, job: Job, tokens: list[int], output: bool | list[bool]) -> None:
+        seq = job.seq
+        self.plan.append((seq, tokens, len(self.cells[seq]), output, job))
+        self.cells[seq].extend(tokens)
+        self.planned += len(tokens)
+
+    def _fill_batch(self) -> None:
+        """The planned rows into the batch, by seq id: llama.cpp cuts micro-batches of consecutive ids."""
+        self.batch.clear()
+        for seq, tokens, pos0, output, job in sorted(self.plan, key=lambda e: e[0]):
+            start = self.batch.add(tokens, pos0, seq, output)
+            if output is True:
+                job.rows = list(range(start, start + len(tokens)))
+            elif output[-1]:
+                job.rows = [start + len(tokens) - 1]
+        self.plan, self.planned = [], 0
 
     def _propose(self, jobs: list[Job]) -> None:
         wants: list[tuple[int, list[int], int]] = []
@@ -439,26 +474,21 @@ class BatchedContext:
 
     def _add_prefills(self) -> None:
         for job in self.running:
-            if not job.pending or job.rows:
+            if not job.pending or job in (e[4] for e in self.plan):
                 continue
             self._run_external(job)
             take: list[int] = []
             for item in job.pending:
-                if not isinstance(item, int) or len(take) >= self.batch.room:
+                if not isinstance(item, int) or len(take) >= self.room:
                     break
                 take.append(item)
             if not take:
                 continue
-            seq = job.seq
-            last = len(take) == len(job.pending)
             flags = [False] * len(take)
-            flags[-1] = last
-            start = self.batch.add(take, len(self.cells[seq]), seq, flags)
-            self.cells[seq].extend(take)
+            flags[-1] = len(take) == len(job.pending)
             del job.pending[: len(take)]
-            if last:
-                job.rows = [start + len(take) - 1]
-            if not self.batch.room:
+            self._plan_rows(job, take, flags)
+            if not self.room:
                 break
 
     def _run_external(self, job: Job) -> None:
