@@ -286,7 +286,11 @@ def test_parallel_slots_serve_requests_side_by_side(
     asyncio.run(scenario())
 
 
-def test_one_slot_serves_waiting_requests_in_arrival_order(store: Store) -> None:
+def test_one_slot_serves_waiting_requests_in_arrival_order(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOCALRT_NUM_PARALLEL", "1")
+
     async def scenario() -> None:
         rt = Runtime(store)
         try:

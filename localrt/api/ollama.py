@@ -408,6 +408,8 @@ async def generate(request: Request) -> Response:
         logprobs=bool_field(f, "logprobs", False),
         top_logprobs=f.get("top_logprobs") or 0,
         stream=stream,
+        truncate=bool_field(f, "truncate", True),
+        shift=bool_field(f, "shift", True),
     )
     return await generation_response(request, chunks, stream, chunk_to_generate)
 
@@ -442,6 +444,8 @@ async def chat(request: Request) -> Response:
         logprobs=bool_field(f, "logprobs", False),
         top_logprobs=f.get("top_logprobs") or 0,
         stream=stream,
+        truncate=bool_field(f, "truncate", True),
+        shift=bool_field(f, "shift", True),
     )
     return await generation_response(request, chunks, stream, chunk_to_chat)
 

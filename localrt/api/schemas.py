@@ -284,6 +284,8 @@ class _Generation(Named):
     stream: bool | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs = None
+    truncate: bool | None = None  # drop the oldest turns when the prompt exceeds num_ctx (default true)
+    shift: bool | None = None  # shift the context when generation reaches its end (default true)
 
 
 class GenerateRequest(_Generation):
@@ -585,6 +587,7 @@ class Usage(Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None  # cached_tokens: prompt tokens the KV cache held
 
 
 class CompletionMessage(Out):

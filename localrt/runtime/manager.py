@@ -35,6 +35,7 @@ from localrt.errors import LocalrtError, ModelNotFound, OptionError, ServerBusy
 from localrt.runtime.options import Options, num_parallel
 from localrt.runtime.templates import ChatTemplate, RenderedPrompt, select_template, tokenize_rendered
 from localrt.runtime.toolcalls import could_be_tool_call, parse_tool_calls
+from localrt.runtime.truncate import fit_messages, fit_tokens
 from localrt.store.store import ResolvedModel, Store
 
 BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
@@ -173,6 +174,8 @@ class Runtime:
         logprobs: bool = False,
         top_logprobs: int = 0,
         stream: bool = True,
+        truncate: bool = True,
+        shift: bool = True,
     ) -> AsyncIterator[Chunk]:
         """Answer a conversation. Empty `messages` only loads the model (or unloads with keep_alive 0)."""
         start = time.perf_counter_ns()
@@ -192,8 +195,20 @@ class Runtime:
                 entry.template.render, msgs, tools=tools, add_generation_prompt=True
             )
             tokens = self._tokenize_prompt(entry, rendered)
+            if truncate and len(tokens) >= entry.model.context_length:
+                tokens = await self._fit_chat(entry, msgs, tools)
             async for chunk in self._run(
-                entry, tokens, opts, format, logprobs, top_logprobs, stream, start, load_ns, tools=bool(tools)
+                entry,
+                tokens,
+                opts,
+                format,
+                logprobs,
+                top_logprobs,
+                stream,
+                start,
+                load_ns,
+                tools=bool(tools),
+                shift=shift,
             ):
                 yield chunk
 
@@ -211,6 +226,8 @@ class Runtime:
         logprobs: bool = False,
         top_logprobs: int = 0,
         stream: bool = True,
+        truncate: bool = True,
+        shift: bool = True,
     ) -> AsyncIterator[Chunk]:
         """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only."""
         start = time.perf_counter_ns()
@@ -237,6 +254,8 @@ class Runtime:
                 rendered = await asyncio.to_thread(entry.template.render, msgs, add_generation_prompt=True)
                 tokens = self._tokenize_prompt(entry, rendered, add_bos=not context)
                 tokens = [*(context or []), *tokens]
+            if truncate:
+                tokens = fit_tokens(tokens, m.context_length, opts.num_keep)
             async for chunk in self._run(
                 entry,
                 tokens,
@@ -248,6 +267,7 @@ class Runtime:
                 start,
                 load_ns,
                 want_context=not raw,
+                shift=shift,
             ):
                 yield chunk
 
@@ -433,6 +453,20 @@ class Runtime:
             m.bos_token_id,
             add_bos and m.add_bos,
         )
+
+    async def _fit_chat(
+        self, entry: _Entry, msgs: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+    ) -> list[int]:
+        """`truncate`: the conversation without its oldest turns, so that the prompt fits the context."""
+
+        def render(kept: list[dict[str, Any]]) -> list[int]:
+            rendered = entry.template.render(kept, tools=tools, add_generation_prompt=True)
+            return self._tokenize_prompt(entry, rendered)
+
+        kept = await asyncio.to_thread(
+            fit_messages, msgs, lambda k: len(render(k)), entry.model.context_length
+        )
+        return await asyncio.to_thread(render, kept)
 
     # ---- scheduling ------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -647,6 +681,7 @@ class Runtime:
         *,
         tools: bool = False,
         want_context: bool = False,
+        shift: bool = True,
     ) -> AsyncIterator[Chunk]:
         m = entry.model
         name = entry.key
@@ -660,13 +695,17 @@ class Runtime:
         request = GenerateRequest(
             prompt_tokens=tokens,
             sampling=opts.sampling(),
-            num_predict=opts.max_new_tokens(len(tokens), m.context_length),
+            num_predict=opts.max_new_tokens(
+                len(tokens), m.context_length, shift and m.capabilities.context_shift
+            ),
             stop=list(opts.stop),
             logprobs=logprobs or top_logprobs > 0,
             top_logprobs=top_logprobs,
             format=format,
             speculative=opts.speculative,
             num_draft=opts.num_draft,
+            shift=shift,
+            num_keep=opts.num_keep,
         )
         full: list[str] = []
         held: list[str] = []  # output that may turn into a tool call
