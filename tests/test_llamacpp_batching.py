@@ -130,7 +130,7 @@ def test_a_cancelled_sequence_frees_its_cache_at_once(model: LlamaCppModel) -> N
 
 
 def test_a_second_request_evaluates_only_its_own_suffix(model: LlamaCppModel) -> None:
-    system = "You are a helpful assistant who answers in one short sentence about geography and history."
+    system = "You are a helpful assistant who answers in one short sentence about geography and history. " * 3
     first = model.tokenize(
         f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nWhere is Peru?<|im_end|>\n",
         add_special=True,
@@ -142,7 +142,7 @@ def test_a_second_request_evaluates_only_its_own_suffix(model: LlamaCppModel) ->
         parse_special=True,
     )
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
-    assert shared > 20
+    assert shared > 48
     a = asyncio.run(run_one(model, GenerateRequest(first, GREEDY, num_predict=4)))
     b = asyncio.run(run_one(model, GenerateRequest(second, GREEDY, num_predict=4)))
     assert a.done is not None and b.done is not None

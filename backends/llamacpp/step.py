@@ -334,7 +334,7 @@ class BatchedContext:
         n = min(n, len(prompt_cells) - 1)  # at least one token is evaluated, for its logits
         while n > 0 and isinstance(prompt_cells[n], tuple) and prompt_cells[n][1] != 0:
             n -= 1  # never start inside an external chunk
-        seq = self._free_seq(src, n)
+        seq = self._free_seq(src, n, len(prompt_cells))
         if seq != src and n >= COPY_MIN:
             # each sequence has a stream of its own: the copy is of the whole stream, then the tail goes
             self.memory.copy(src, seq, -1, -1)
@@ -368,26 +368,28 @@ class BatchedContext:
                 best, best_n = seq, n
         return best, best_n
 
-    def _free_seq(self, src: int, n: int) -> int:
+    def _free_seq(self, src: int, n: int, prompt_len: int) -> int:
         """A seq id for a new request whose best cached prefix is n cells of seq `src`.
 
-        An idle source that the prompt extends is taken over (a conversation's next turn); a long prefix is
-        copied to another id, so the source keeps its own tail for its conversation; a short one is taken
-        over when idle. Otherwise the lowest empty id, else the least recently used idle one: low ids keep
-        the running ids together, and llama.cpp cuts micro-batches of consecutive seq ids.
+        An idle source the prompt extends (a conversation's next turn) or repeats is taken over; a long
+        prefix is copied to another id, so that the source keeps its tail for its own conversation; a short
+        one is evaluated again on an empty id rather than cut another conversation. Otherwise the lowest empty id,
+        else the least recently used idle one: low ids keep the running ids together (llama.cpp cuts
+        micro-batches of consecutive seq ids).
         """
         idle = [s for s in range(self.n_seq_max) if self.owner[s] is None]
         src_idle = src >= 0 and self.owner[src] is None
-        if src_idle and n >= len(self.cells[src]) - 1:
-            return src
+        held = len(self.cells[src]) if src >= 0 else 0
+        if src_idle and (n >= held - 1 or n >= prompt_len - 1):
+            return src  # the request extends it, or repeats its prompt
         others = [s for s in idle if s != src]
         empty = [s for s in others if not self.cells[s]]
         if n >= COPY_MIN and others:
             return empty[0] if empty else min(others, key=lambda s: self.last_used[s])
-        if src_idle and n > 0:
-            return src
         if empty:
             return empty[0]
+        if src_idle and n > 0:
+            return src  # something is evicted anyway: the source at least gives n cells
         return min(idle, key=lambda s: self.last_used[s])
 
     def _evict(self, seq: int) -> None:
