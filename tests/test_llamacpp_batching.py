@@ -190,3 +190,22 @@ def test_context_shift_goes_past_the_context_end(smollm2_gguf: Path) -> None:
     assert shifted.done.timings.eval_count == 100  # well past the 64-token context
     counting = " " + " ".join(f"{i}," for i in range(12, 37))  # 4 tokens a number: 25 numbers
     assert text == counting  # still counting, right, after the shifts
+
+
+def test_clients_arriving_together_evaluate_a_shared_prompt_once(model: LlamaCppModel) -> None:
+    system = " ".join(f"Law {i}: stay calm and answer with care." for i in range(12))
+    prompts = [
+        model.tokenize(CHAT.replace("You are a helpful assistant.", system).format(q=q), True, True)
+        for q in ("Name a fruit.", "Name a tree.", "Name a bird.")
+    ]
+    shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)
+
+    async def together() -> list[Outcome]:
+        reqs = [GenerateRequest(p, GREEDY, num_predict=3) for p in prompts]
+        return list(await asyncio.gather(*(run_one(model, r) for r in reqs)))
+
+    outs = asyncio.run(together())
+    evaluated = sorted(o.done.timings.prompt_eval_count for o in outs if o.done is not None)
+    # one evaluates the shared part (less whatever an earlier test left cached), the others only their own
+    assert evaluated[:2] == sorted([len(prompts[1]) - shared, len(prompts[2]) - shared])
+    assert evaluated[2] > shared

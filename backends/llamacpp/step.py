@@ -82,6 +82,7 @@ class Job:
     req: GenerateRequest
     emit: Callable[[Event], None]
     prompt: list[PromptItem] = field(default_factory=list)
+    prompt_cells: list[Hashable] = field(default_factory=list)
     seq: int = -1
     pending: list[PromptItem] = field(default_factory=list)  # still to evaluate before sampling
     generating: bool = False  # the prompt is done (pending is then only a context-shift recompute)
@@ -315,21 +316,41 @@ class BatchedContext:
     # ---- admission and prefix reuse ------------------------------------------------------------
     def _admit(self) -> None:
         with self.cond:
+            held: list[Job] = []
             while self.waiting and len(self.running) < self.n_parallel:
                 job = self.waiting.pop(0)
                 if job.cancel.cancelled:
                     job.emit(DoneEvent("cancel", Timings()))
                     job.finished.set()
                     continue
+                if self._prefix_coming(job):
+                    held.append(job)
+                    continue
                 try:
                     self._start(job)
                 except Exception as e:
                     self._fail(job, e)
+            self.waiting[:0] = held
+
+    def _prefix_coming(self, job: Job) -> bool:
+        """True while a running request is still evaluating a long prefix this one shares: waiting a step or
+        two and copying it beats evaluating the same tokens twice (N clients behind one system prompt)."""
+        if not job.prompt_cells:
+            job.prompt_cells = _cells(job.prompt)
+        cached = self._best_prefix(job.prompt_cells)[1]
+        for other in self.running:
+            if other.generating or not other.pending:
+                continue
+            shared = common_prefix(other.prompt_cells, job.prompt_cells)
+            if shared >= COPY_MIN and shared > cached:
+                return True
+        return False
 
     def _start(self, job: Job) -> None:
         req = job.req
         job.t_admit = time.perf_counter_ns()
-        prompt_cells = _cells(job.prompt)
+        prompt_cells = job.prompt_cells or _cells(job.prompt)
+        job.prompt_cells = prompt_cells
         src, n = self._best_prefix(prompt_cells)
         n = min(n, len(prompt_cells) - 1)  # at least one token is evaluated, for its logits
         while n > 0 and isinstance(prompt_cells[n], tuple) and prompt_cells[n][1] != 0:
