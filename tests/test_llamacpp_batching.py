@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 from localrt.backends.base import (  # noqa: E402
+    CancelToken,
     DoneEvent,
     GenerateRequest,
     LoadOptions,
@@ -91,10 +92,6 @@ def mixed_requests(model: LlamaCppModel) -> list[tuple[GenerateRequest, int | No
 
 
 def fresh(req: GenerateRequest) -> GenerateRequest:
-    from dataclasses import replace
-
-    from localrt.backends.base import CancelToken
-
     return replace(req, cancel=CancelToken())
 
 
@@ -209,3 +206,30 @@ def test_clients_arriving_together_evaluate_a_shared_prompt_once(model: LlamaCpp
     # one evaluates the shared part (less whatever an earlier test left cached), the others only their own
     assert evaluated[:2] == sorted([len(prompts[1]) - shared, len(prompts[2]) - shared])
     assert evaluated[2] > shared
+
+
+def test_speculation_in_a_mixed_batch_stays_exact(smollm2_gguf: Path) -> None:
+    """Draft-model and prompt-lookup guesses checked in the same step as plain decodes: every request,
+    greedy or seeded, gives exactly the tokens it gives alone with speculation off."""
+    opts = LoadOptions(
+        num_ctx=512, num_thread=THREADS, num_batch=128, num_parallel=6, draft_model=smollm2_gguf
+    )
+    m = LlamaCppBackend.load(smollm2_gguf, opts)
+    try:
+        reqs = []
+        for i, mode in enumerate(["draft", "draft", "lookup", "off", "draft", "lookup"]):
+            sampling = GREEDY if i < 4 else SamplingParams(temperature=0.8, seed=40 + i)
+            reqs.append(GenerateRequest(ask(m, QUESTIONS[i]), sampling, num_predict=20, speculative=mode))
+        plain = [asyncio.run(run_one(m, replace(fresh(r), speculative="off"))) for r in reqs]
+
+        async def together() -> list[Outcome]:
+            return list(await asyncio.gather(*(run_one(m, fresh(r)) for r in reqs)))
+
+        mixed = asyncio.run(together())
+    finally:
+        m.unload()
+    for i, (a, b) in enumerate(zip(plain, mixed)):
+        assert b.ids == a.ids, f"request {i} changed under speculation"
+    drafted = [o.done.timings for o in mixed if o.done is not None]
+    assert sum(t.draft_count for t in drafted[:2]) > 0
+    assert sum(t.draft_accepted_count for t in drafted[:2]) > 0  # the draft is the model itself
