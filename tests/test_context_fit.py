@@ -83,7 +83,8 @@ def test_generation_shifts_past_the_context_or_stops_there(store: Store) -> None
             _, stopped = await collect(
                 rt.generate("smollm2:135m", count, raw=True, options=opts, shift=False)
             )
-            assert shifted.metrics is not None and stopped.metrics is not None
+            assert shifted.metrics is not None
+            assert stopped.metrics is not None
             assert stopped.done_reason == "length"
             assert (
                 stopped.metrics.prompt_eval_count + stopped.metrics.cached_count + stopped.metrics.eval_count

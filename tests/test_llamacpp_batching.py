@@ -142,7 +142,8 @@ def test_a_second_request_evaluates_only_its_own_suffix(model: LlamaCppModel) ->
     assert shared > 48
     a = asyncio.run(run_one(model, GenerateRequest(first, GREEDY, num_predict=4)))
     b = asyncio.run(run_one(model, GenerateRequest(second, GREEDY, num_predict=4)))
-    assert a.done is not None and b.done is not None
+    assert a.done is not None
+    assert b.done is not None
     assert b.done.timings.prompt_eval_count == len(second) - shared
     assert b.done.timings.cached_count == shared
 
@@ -181,7 +182,8 @@ def test_context_shift_goes_past_the_context_end(smollm2_gguf: Path) -> None:
         text = m.detokenize(shifted.ids)
     finally:
         m.unload()
-    assert stopped.done is not None and shifted.done is not None
+    assert stopped.done is not None
+    assert shifted.done is not None
     assert stopped.done.finish_reason == "length"
     assert stopped.done.timings.eval_count == 64 - len(prompt)
     assert shifted.done.timings.eval_count == 100  # well past the 64-token context

@@ -27,7 +27,6 @@ from localrt.backends.base import (
     log_softmax,
     run_in_thread_stream,
 )
-from localrt.backends.vocab import token_piece
 from localrt.errors import LocalrtError, OptionError
 
 from .lib import (
@@ -41,6 +40,7 @@ from .lib import (
     default_threads,
     gpu_offload_supported,
     load_model,
+    token_piece,
 )
 from .step import BatchedContext, DraftContext, Job
 

@@ -3,6 +3,7 @@ the sampler chain and the vocabulary helpers. Nothing here holds request state; 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Sequence
@@ -240,3 +241,21 @@ class Memory:
 
     def clear(self) -> None:
         self.lib.llama_memory_clear(self.mem, True)
+
+
+def token_piece(
+    lib: Any, vocab: Any, token: int, special: bool, cache: dict[tuple[int, bool], bytes]
+) -> bytes:
+    """A token's bytes (a piece may be part of a UTF-8 character), memoized in `cache`."""
+    key = (token, special)
+    cached = cache.get(key)
+    if cached is not None:
+        return cached
+    buf = ctypes.create_string_buffer(256)  # per call: several threads (slots, engines) read pieces at once
+    n = lib.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = lib.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    out = buf.raw[:n]
+    cache[key] = out
+    return out

@@ -35,10 +35,9 @@ from localrt.backends.base import (
     log_softmax,
 )
 from localrt.backends.lookup import LookupIndex
-from localrt.backends.vocab import token_piece
 from localrt.errors import LocalrtError
 
-from .lib import Batch, Memory, _lib, logits_row, make_sampler, sample
+from .lib import Batch, Memory, _lib, logits_row, make_sampler, sample, token_piece
 
 DEFAULT_NUM_DRAFT = {"draft": 4, "lookup": 8}
 MAX_VERIFY = 48  # guesses + 1 per sequence and step

@@ -8,7 +8,6 @@ Request values are typed JSON and checked strictly (a bool is not an int); Model
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -72,7 +71,7 @@ _RANGES: dict[str, tuple[type, float | None, float | None]] = {
 
 
 def _default_kv_cache_type() -> str:
-    return os.environ.get("LOCALRT_KV_CACHE_TYPE", "").strip().lower() or "f16"
+    return config.default_kv_cache_type()
 
 
 def num_parallel() -> int:
@@ -81,7 +80,7 @@ def num_parallel() -> int:
 
 
 def _default_backend() -> str:
-    return os.environ.get("LOCALRT_BACKEND", "").strip() or "auto"
+    return config.default_backend()
 
 
 @dataclass
