@@ -214,9 +214,9 @@ def questions(n: int, salt: int = 0) -> list[list[dict[str, str]]]:
     ]
 
 
-def shared_prefix(n: int, distinct: bool) -> list[list[dict[str, str]]]:
+def shared_prefix(n: int, distinct: bool, n_rules: int = 60) -> list[list[dict[str, str]]]:
     rules = " ".join(
-        f"Rule {i}: be accurate, kind and brief, and cite the rule you follow." for i in range(60)
+        f"Rule {i}: be accurate, kind and brief, and cite the rule you follow." for i in range(n_rules)
     )
     out = []
     for i in range(n):
@@ -231,10 +231,10 @@ def shared_prefix(n: int, distinct: bool) -> list[list[dict[str, str]]]:
     return out
 
 
-def grounded(n: int) -> list[list[dict[str, str]]]:
+def grounded(n: int, n_words: int = 150) -> list[list[dict[str, str]]]:
     out = []
     for i in range(n):
-        words = [PASSAGE_WORDS[(i * 7 + j * 3) % len(PASSAGE_WORDS)] for j in range(150)]
+        words = [PASSAGE_WORDS[(i * 7 + j * 3) % len(PASSAGE_WORDS)] for j in range(n_words)]
         passage = " ".join(words)
         task = f"Repeat this passage exactly, word for word:\n\n{passage}"
         out.append([{"role": "user", "content": task}])
@@ -254,6 +254,7 @@ class Config:
     server_spec: str
     skip: set[str]
     with_llama_server: bool = True
+    scale: float = 1.0  # of the prefix and passage lengths (smoke runs use a tenth)
 
 
 def servers(cfg: Config) -> list[tuple[str, Any]]:
@@ -288,14 +289,19 @@ def run_prefix(cfg: Config, clients: int) -> dict[str, dict[str, Row]]:
         with start() as url:
             for label, distinct in (("shared", False), ("distinct", True)):
                 wall, samples = asyncio.run(
-                    drive(url, model, shared_prefix(clients, distinct), cfg.max_tokens)
+                    drive(
+                        url,
+                        model,
+                        shared_prefix(clients, distinct, max(1, int(60 * cfg.scale))),
+                        cfg.max_tokens,
+                    )
                 )
                 results.setdefault(name, {})[label] = Row(name, clients, wall, samples)
     return results
 
 
 def run_grounded(cfg: Config, clients: int) -> dict[str, Row]:
-    work = grounded(clients)
+    work = grounded(clients, max(10, int(150 * cfg.scale)))
     spec = ["--spec-type", cfg.server_spec] if cfg.server_spec else []
     results: dict[str, Row] = {}
     if cfg.with_llama_server:
@@ -391,6 +397,7 @@ def main() -> None:
     clients = a.clients
     if a.smoke:
         cfg.threads, cfg.slots, cfg.max_tokens, cfg.concurrency, clients = 1, 2, 4, [1, 2], 2
+        cfg.scale = 0.1
     print(
         f"GGUF {gguf.name}, {cfg.threads} threads, {cfg.slots} slots, ctx {cfg.ctx}, {cfg.max_tokens} new tokens"
     )
