@@ -288,7 +288,14 @@ class BatchedContext:
             pending, self.waiting = self.waiting, []
             tasks, self.tasks = self.tasks, []
         for job in [*self.running, *pending]:
-            self._fail(job, gone)
+            if job.cancel.cancelled:  # model.cancel() before the unload: a clean end, not an error
+                if job in self.running:
+                    self._finish(job, "cancel")
+                else:
+                    job.emit(DoneEvent("cancel", Timings()))
+                    job.finished.set()
+            else:
+                self._fail(job, gone)
         for task in tasks:
             task.error = gone
             task.finished.set()
