@@ -87,6 +87,8 @@ class ModelDetails:
     license: str = ""
     modelfile: str = ""
     template_origin: str = ""  # which template renders prompts: the file's, the Modelfile's, a family's
+    capabilities: list[str] = field(default_factory=list)  # completion, tools, vision, rerank, ...
+    projector: list[tuple[str, str]] = field(default_factory=list)  # a vision model's projector facts
 
 
 Message = Mapping[str, Any]
@@ -136,6 +138,7 @@ class Client(Protocol):
         base_dir: str | None = None,
         quantize: str | None = None,
         status: StatusFn | None = None,
+        projector_path: str | None = None,
     ) -> str: ...
 
     async def context_length(self, model: str, options: Mapping[str, Any] | None = None) -> int | None: ...
@@ -246,8 +249,10 @@ class RuntimeClient:
 
     def _details(self, model: str) -> ModelDetails:
         from localrt.show import (
+            model_capabilities,
             modelfile_text,
             parameter_lines,
+            projector_rows,
             template_choice,
             template_of,
             template_origin,
@@ -269,6 +274,10 @@ class RuntimeClient:
             license=str(resolved.license or info.license or ""),
             modelfile=modelfile_text(resolved, info),
             template_origin=template_origin(template_choice(resolved, info)),
+            capabilities=model_capabilities(resolved, info),
+            projector=projector_rows(read_gguf(resolved.projector_path).summary())
+            if resolved.projector_path is not None
+            else [],
         )
 
     async def has_model(self, model: str) -> bool:
@@ -308,6 +317,7 @@ class RuntimeClient:
         base_dir: str | None = None,
         quantize: str | None = None,
         status: StatusFn | None = None,
+        projector_path: str | None = None,
     ) -> str:
         from localrt.store.modelfile import create
 
@@ -319,6 +329,7 @@ class RuntimeClient:
             store=self.store,
             base_dir=base_dir,
             quantize=quantize,
+            projector_path=projector_path,
         )
         return name.display
 
@@ -512,6 +523,8 @@ class ServerClient:
             license=data.get("license") or "",
             modelfile=data.get("modelfile") or "",
             template_origin=data.get("template_origin") or "",
+            capabilities=list(data.get("capabilities") or []),
+            projector=_projector_rows(data.get("projector_info")),
         )
 
     async def has_model(self, model: str) -> bool:
@@ -542,9 +555,11 @@ class ServerClient:
         base_dir: str | None = None,
         quantize: str | None = None,
         status: StatusFn | None = None,
+        projector_path: str | None = None,
     ) -> str:
         """As `ollama create`: the Modelfile is read here, a local GGUF is uploaded as a blob, and
-        the server builds the model from `files` or `from` (it never reads a path of ours)."""
+        the server builds the model from `files` or `from` (it never reads a path of ours). A projector
+        (`projector_path`, or a second FROM) is uploaded beside the model's GGUF."""
         from localrt.store.modelfile import Modelfile, ModelfileError, parse_modelfile
         from localrt.store.names import parse_name
 
@@ -561,11 +576,18 @@ class ServerClient:
                 "this model in-process"
             )
         body: dict[str, Any] = {"model": name.display, "stream": True}
-        source = _local_file(mf.from_, Path(base_dir) if base_dir else Path.cwd())
+        here = Path(base_dir) if base_dir else Path.cwd()
+        source = _local_file(mf.from_, here)
         if source is not None:
             body["files"] = {source.name: await self._upload(source, emit)}
         else:
             body["from"] = parse_name(mf.from_).display
+        projector = projector_path or mf.projector
+        if projector is not None:
+            proj_file = _local_file(projector, here)
+            if proj_file is None or source is None:
+                raise LocalrtError("over the server's create API a projector goes with a local GGUF file")
+            body["files"][f"mmproj-{proj_file.name}"] = await self._upload(proj_file, emit)
         if mf.parameters:
             body["parameters"] = mf.parameters
         for key in ("template", "system", "license"):
@@ -615,6 +637,14 @@ class ServerClient:
     async def close(self) -> None:
         if self._http is not None:
             await self._http.aclose()
+
+
+def _projector_rows(info: Any) -> list[tuple[str, str]]:
+    if not isinstance(info, dict) or not info:
+        return []
+    from localrt.show import projector_rows
+
+    return projector_rows(info)
 
 
 async def _chunks(f: Any, size: int = 1 << 20) -> AsyncIterator[bytes]:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from localrt.backends.base import (
+    IMAGE_TOKEN,
     Capabilities,
     Event,
     GenerateRequest,
@@ -27,6 +28,8 @@ from localrt.backends.base import (
     log_softmax,
     run_in_thread_stream,
 )
+from localrt.backends.mtmd import MediaPrompt, Projector  # issue 19: images through libmtmd
+from localrt.backends.rerank import Reranker, is_reranker  # issue 19: rank pooling
 from localrt.errors import LocalrtError, OptionError
 
 from .lib import (
@@ -42,7 +45,7 @@ from .lib import (
     load_model,
     token_piece,
 )
-from .step import BatchedContext, DraftContext, Job
+from .step import BatchedContext, DraftContext, ExternalChunk, Job, PromptItem
 
 NAME = "llama.cpp"
 PIP_HINT = "pip install 'localrt[llama]'  (or: pip install llama-cpp-python)"
@@ -137,6 +140,8 @@ class LlamaCppModel:
         self._draft_model: Any = None
         self._embed: tuple[Any, Any, int] | None = None
         self._embed_lock = threading.Lock()
+        self._projector: Projector | None = None
+        self._reranker: Reranker | None = None
         self._closed = False
         self._special: list[str] | None = None
         self._pieces: dict[tuple[int, bool], bytes] = {}
@@ -188,9 +193,24 @@ class LlamaCppModel:
             step_tokens=step_tokens,
             draft=draft,
         )
-        self.capabilities = replace(LlamaCppBackend.capabilities(), parallel_slots=self.n_parallel)
+        if opts.projector is not None:
+            self._projector = Projector(
+                Path(opts.projector),
+                m.model,
+                n_threads=self.threads,
+                use_gpu=self.on_gpu,
+                flash_attn=opts.flash_attn,
+            )
+        self.capabilities = replace(
+            LlamaCppBackend.capabilities(),
+            parallel_slots=self.n_parallel,
+            vision=self._projector is not None,
+            rerank=is_reranker(self.lib, m.model, self.metadata),
+        )
         kv = per_token * self.context_length * self.n_parallel
         self.memory_bytes = int(m.size()) + kv + (int(self._draft_model.size()) if self._draft_model else 0)
+        if self._projector is not None:
+            self.memory_bytes += self._projector.size
         if opts.embedding:
             self._embed_context()
 
@@ -263,11 +283,77 @@ class LlamaCppModel:
         return run_in_thread_stream(lambda emit: self._generate_blocking(request, emit), request.cancel)
 
     def _generate_blocking(self, req: GenerateRequest, emit: Callable[[Event], None]) -> None:
-        job = Job(req, emit, prompt=list(req.prompt_tokens))
-        self._require_engine().submit(job)
-        job.finished.wait()
+        media = self._expand_images(req)  # None without images
+        try:
+            prompt = self._media_items(media) if media is not None else list(req.prompt_tokens)
+            job = Job(req, emit, prompt=prompt)
+            self._require_engine().submit(job)
+            job.finished.wait()
+        finally:
+            if media is not None:
+                media.close()  # after the job: its chunks are evaluated on the step thread
         if job.error is not None:
             raise job.error
+
+    # ---- issue 19: images (backends/mtmd.py) and rerank (backends/rerank.py) ----
+    def _expand_images(self, req: GenerateRequest) -> MediaPrompt | None:
+        if not req.images or self._projector is None:
+            return None
+        media = self._projector.expand(req.prompt_tokens, req.images)
+        problem = ""
+        if len(media.cells) >= self.context_length:
+            problem = (
+                f"the prompt with its images is {len(media.cells)} tokens, which does not fit the context "
+                f"length of {self.context_length} tokens (raise num_ctx or send fewer images)"
+            )
+        elif not isinstance(media.cells[-1], int):
+            problem = "the prompt must end with text after its last image"
+        elif media.position_gaps():
+            problem = "images on M-RoPE vision models are not supported by the batched llama.cpp backend yet"
+        if problem:
+            media.close()
+            raise LocalrtError(problem)
+        return media
+
+    def _media_items(self, media: MediaPrompt) -> list[PromptItem]:
+        """Text tokens as they are, each image chunk as an ExternalChunk the step thread evaluates."""
+        projector = self._projector
+        assert projector is not None
+        n_batch = self.ctx_params.n_batch
+        items: list[PromptItem] = []
+        starts = {span.start: span for span in media.spans}
+        i = 0
+        while i < len(media.cells):
+            span = starts.get(i)
+            if span is None:
+                items.append(media.cells[i])  # type: ignore[arg-type]
+                i += 1
+                continue
+
+            def evaluate(ctx: Any, seq: int, pos: int, chunk: Any = span.chunk) -> int:
+                return projector.eval_image(ctx, chunk, pos, seq, n_batch)
+
+            items.append(ExternalChunk(list(media.cells[i : i + span.n_tokens]), evaluate))
+            i += span.n_tokens
+        return items
+
+    async def rerank(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
+        """Relevance scores of documents for query (in order) and the tokens evaluated."""
+        import asyncio
+
+        if not self.capabilities.rerank:
+            raise LocalrtError("this model is not a reranker (its GGUF has no rank pooling)")
+        return await asyncio.to_thread(self._rerank_blocking, query, list(documents))
+
+    def _rerank_blocking(self, query: str, documents: list[str]) -> tuple[list[float], int]:
+        with self._embed_lock:
+            if self._closed:
+                raise LocalrtError("the model was unloaded")
+            if self._reranker is None:
+                self._reranker = Reranker(
+                    self.lib, self.model, self.metadata, self.context_length, self.threads
+                )
+            return self._reranker.scores(query, documents)
 
     def cancel(self) -> None:
         engine = self.engine
@@ -295,6 +381,8 @@ class LlamaCppModel:
             raise OptionError(
                 "speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)"
             )
+        if req.images and self._projector is None:
+            raise LocalrtError("this model has no projector loaded, so it does not support images")
         if not req.prompt_tokens:
             raise LocalrtError("the prompt is empty")
         if len(req.prompt_tokens) >= self.context_length:
@@ -302,7 +390,11 @@ class LlamaCppModel:
                 f"the prompt is {len(req.prompt_tokens)} tokens, which does not fit the context length of "
                 f"{self.context_length} tokens (raise num_ctx or shorten the input)"
             )
-        bad = [t for t in req.prompt_tokens if not 0 <= t < self.n_vocab]
+        bad = [
+            t
+            for t in req.prompt_tokens
+            if not 0 <= t < self.n_vocab and not (req.images and t == IMAGE_TOKEN)
+        ]
         if bad:
             raise LocalrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
 
@@ -442,6 +534,11 @@ class LlamaCppModel:
                 self._embed[1].close()
                 self._embed[0].close()
                 self._embed = None
+            # the projector and the rerank context sit on the weights, so they go first
+            for extra in (self._projector, self._reranker):
+                if extra is not None:
+                    extra.close()
+            self._projector = self._reranker = None
         for model in (self._draft_model, self.model):
             if model is not None:
                 model.close()

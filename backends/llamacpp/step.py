@@ -48,18 +48,19 @@ COPY_MIN = 32
 
 @dataclass
 class ExternalChunk:
-    """Prompt cells evaluated by someone else into the context (e.g. an image through libmtmd).
+    """Prompt cells evaluated by someone else into the context (an image through libmtmd).
 
     `evaluate(ctx, seq_id, pos)` runs on the step thread with the raw `llama_context*`, decodes the chunk
-    into `seq_id` starting at position `pos` (no logits needed) and returns the next position.
+    into `seq_id` starting at position `pos` (no logits needed) and returns the next position. `cells` are
+    the chunk's keys, one per KV cell (an image's digest and index), so an identical chunk is a prefix hit.
     """
 
-    key: str  # identity for prefix reuse (the media's SHA-256)
-    n_tokens: int  # KV cells it fills
+    cells: list[Hashable]
     evaluate: Callable[[Any, int, int], int]
 
-    def cells(self) -> list[Hashable]:
-        return [(self.key, i) for i in range(self.n_tokens)]
+    @property
+    def n_tokens(self) -> int:
+        return len(self.cells)
 
 
 PromptItem = int | ExternalChunk
@@ -359,8 +360,7 @@ class BatchedContext:
         job.prompt_cells = prompt_cells
         src, n = self._best_prefix(prompt_cells)
         n = min(n, len(prompt_cells) - 1)  # at least one token is evaluated, for its logits
-        while n > 0 and isinstance(prompt_cells[n], tuple) and prompt_cells[n][1] != 0:
-            n -= 1  # never start inside an external chunk
+        n = _cut(job.prompt, n)  # never start inside an external chunk
         seq = self._free_seq(src, n, len(prompt_cells))
         if seq != src and n >= COPY_MIN:
             # each sequence has a stream of its own: the copy is of the whole stream, then the tail goes
@@ -438,6 +438,8 @@ class BatchedContext:
             mode = "draft" if self.draft is not None else "off"
         if req.format is not None or (mode == "draft" and self.draft is None):
             mode = "off"  # a grammar decides token by token: nothing to guess ahead
+        if any(isinstance(item, ExternalChunk) for item in job.prompt):
+            mode = "off"  # the proposers see text only
         job.proposer = mode if mode in DEFAULT_NUM_DRAFT else "off"
         if job.proposer == "lookup":
             job.lookup = LookupIndex()
@@ -529,7 +531,8 @@ class BatchedContext:
             new_pos = chunk.evaluate(self.ctx.ctx, seq, pos)
             if new_pos < pos:
                 raise LocalrtError("an external prompt chunk failed to evaluate")
-            self.cells[seq].extend(chunk.cells())
+            self.cells[seq].extend(chunk.cells)
+            job.timings.prompt_image_tokens += chunk.n_tokens
 
     def _context_full(self, job: Job) -> None:
         """The sequence fills its context: shift (keep num_keep, drop half the rest, recompute) or stop."""
@@ -686,10 +689,21 @@ def _cells(prompt: Sequence[PromptItem]) -> list[Hashable]:
     out: list[Hashable] = []
     for item in prompt:
         if isinstance(item, ExternalChunk):
-            out.extend(item.cells())
+            out.extend(item.cells)
         else:
             out.append(item)
     return out
+
+
+def _cut(prompt: Sequence[PromptItem], n_cells: int) -> int:
+    """The largest cell count <= n_cells that does not end inside an external chunk."""
+    seen = 0
+    for item in prompt:
+        size = item.n_tokens if isinstance(item, ExternalChunk) else 1
+        if seen + size > n_cells:
+            return seen
+        seen += size
+    return n_cells
 
 
 def _items_from(prompt: Sequence[PromptItem], n_cells: int) -> list[PromptItem]:

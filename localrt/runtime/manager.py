@@ -23,8 +23,10 @@ from typing import Any, ClassVar
 from localrt import config
 from localrt.backends import registry
 from localrt.backends.base import (
+    IMAGE_TOKEN,
     DoneEvent,
     GenerateRequest,
+    ImageInput,
     LoadedModel,
     ScoreResult,
     TextEvent,
@@ -32,6 +34,7 @@ from localrt.backends.base import (
     TokenLogprob,
 )
 from localrt.errors import LocalrtError, ModelNotFound, OptionError, ServerBusy
+from localrt.runtime import images as image_input
 from localrt.runtime.options import Options, num_parallel
 from localrt.runtime.templates import ChatTemplate, RenderedPrompt, select_template, tokenize_rendered
 from localrt.runtime.toolcalls import could_be_tool_call, parse_tool_calls
@@ -94,6 +97,15 @@ class Chunk:
 class EmbedResult:
     model: str
     embeddings: list[list[float]]
+    prompt_eval_count: int
+    total_ns: int
+    load_ns: int
+
+
+@dataclass
+class RerankResult:
+    model: str
+    scores: list[float]  # per document, in the order given
     prompt_eval_count: int
     total_ns: int
     load_ns: int
@@ -190,12 +202,11 @@ class Runtime:
         msgs = [dict(m) for m in messages]
         if resolved.system and not any(m.get("role") == "system" for m in msgs):
             msgs.insert(0, {"role": "system", "content": resolved.system})
+        msgs, pictures = image_input.place_images(msgs)  # decoded and checked before any load
+        _check_vision(resolved, pictures)
         async with self._use(resolved, opts, keep) as (entry, load_ns):
-            rendered = await asyncio.to_thread(
-                entry.template.render, msgs, tools=tools, add_generation_prompt=True
-            )
-            tokens = self._tokenize_prompt(entry, rendered)
-            if truncate and len(tokens) >= entry.model.context_length:
+            tokens = await self._render_chat(entry, msgs, tools, pictures)
+            if truncate and not pictures and len(tokens) >= entry.model.context_length:
                 tokens = await self._fit_chat(entry, msgs, tools)
             async for chunk in self._run(
                 entry,
@@ -209,8 +220,33 @@ class Runtime:
                 load_ns,
                 tools=bool(tools),
                 shift=shift,
+                images=pictures,
             ):
                 yield chunk
+
+    async def _render_chat(
+        self,
+        entry: _Entry,
+        msgs: list[dict[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        pictures: list[ImageInput],
+    ) -> list[int]:
+        rendered = await asyncio.to_thread(
+            entry.template.render, msgs, tools=tools, add_generation_prompt=True
+        )
+        tokens = self._tokenize_prompt(entry, rendered, images=bool(pictures))
+        if pictures and tokens.count(IMAGE_TOKEN) != len(pictures):
+            # a vision model's template may read content only as a list of parts (SmolVLM's does)
+            rendered = await asyncio.to_thread(
+                entry.template.render, msgs, tools=tools, add_generation_prompt=True, typed_content=True
+            )
+            tokens = self._tokenize_prompt(entry, rendered, images=True)
+        if pictures and tokens.count(IMAGE_TOKEN) != len(pictures):
+            raise image_input.ImageError(
+                f'the chat template of "{entry.key}" does not render the messages\' text, so the images '
+                "have no place in the prompt"
+            )
+        return tokens
 
     async def generate(
         self,
@@ -226,10 +262,13 @@ class Runtime:
         logprobs: bool = False,
         top_logprobs: int = 0,
         stream: bool = True,
+        images: Sequence[Any] | None = None,
         truncate: bool = True,
         shift: bool = True,
     ) -> AsyncIterator[Chunk]:
-        """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only."""
+        """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only.
+
+        `images`: base64 strings or bytes, placed at `[img]` in the prompt or in front of it."""
         start = time.perf_counter_ns()
         resolved, opts = self._prepare(model, options)
         format = _check_format(format)
@@ -241,20 +280,33 @@ class Runtime:
             return
         if raw and (system or context):
             raise LocalrtError("raw mode does not support template, system, or context")
+        pictures: list[ImageInput] = []
+        if images:
+            (marked,), pictures = image_input.place_images([{"content": prompt, "images": list(images)}])
+            prompt = marked["content"]
+        _check_vision(resolved, pictures)
         async with self._use(resolved, opts, keep) as (entry, load_ns):
             m = entry.model
             if raw:
-                tokens = m.tokenize(prompt, add_special=True, parse_special=True)
+                tokenize = image_input.split_markers(
+                    lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special)
+                )
+                tokens = tokenize(prompt, True, True)
             else:
                 msgs: list[dict[str, Any]] = []
                 sys_text = system if system is not None else resolved.system
                 if sys_text:
                     msgs.append({"role": "system", "content": sys_text})
                 msgs.append({"role": "user", "content": prompt})
-                rendered = await asyncio.to_thread(entry.template.render, msgs, add_generation_prompt=True)
-                tokens = self._tokenize_prompt(entry, rendered, add_bos=not context)
+                if pictures:
+                    tokens = await self._render_chat(entry, msgs, None, pictures)
+                else:
+                    rendered = await asyncio.to_thread(
+                        entry.template.render, msgs, add_generation_prompt=True
+                    )
+                    tokens = self._tokenize_prompt(entry, rendered, add_bos=not context)
                 tokens = [*(context or []), *tokens]
-            if truncate:
+            if truncate and not pictures:
                 tokens = fit_tokens(tokens, m.context_length, opts.num_keep)
             async for chunk in self._run(
                 entry,
@@ -266,8 +318,9 @@ class Runtime:
                 stream,
                 start,
                 load_ns,
-                want_context=not raw,
+                want_context=not raw and not pictures,  # image cells have no token ids to hand back
                 shift=shift,
+                images=pictures,
             ):
                 yield chunk
 
@@ -303,6 +356,30 @@ class Runtime:
             time.perf_counter_ns() - start,
             load_ns,
         )
+
+    async def rerank(
+        self,
+        model: str,
+        query: str,
+        documents: Sequence[str],
+        *,
+        options: Mapping[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+    ) -> RerankResult:
+        """Relevance of each document to the query, from a reranker model (rank pooling)."""
+        start = time.perf_counter_ns()
+        if not isinstance(query, str) or not query:
+            raise LocalrtError("query is required (a string)")
+        if not isinstance(documents, (list, tuple)) or not all(isinstance(d, str) for d in documents):
+            raise LocalrtError("documents must be a list of strings")
+        resolved, opts = self._prepare(model, options)
+        keep = self._keep_alive(keep_alive)
+        async with self._use(resolved, opts, keep) as (entry, load_ns):
+            m = entry.model
+            if not m.capabilities.rerank or not hasattr(m, "rerank"):
+                raise LocalrtError(f'"{resolved.name.display}" does not support reranking')
+            scores, n_tokens = await m.rerank(query, documents) if documents else ([], 0)
+        return RerankResult(resolved.name.display, scores, n_tokens, time.perf_counter_ns() - start, load_ns)
 
     async def tokenize(
         self,
@@ -445,11 +522,17 @@ class Runtime:
             return resolved.draft_path
         return None
 
-    def _tokenize_prompt(self, entry: _Entry, rendered: RenderedPrompt, add_bos: bool = True) -> list[int]:
+    def _tokenize_prompt(
+        self, entry: _Entry, rendered: RenderedPrompt, add_bos: bool = True, images: bool = False
+    ) -> list[int]:
         m = entry.model
+
+        def tokenize(text: str, add: bool, special: bool) -> list[int]:
+            return m.tokenize(text, add_special=add, parse_special=special)
+
         return tokenize_rendered(
             rendered,
-            lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special),
+            image_input.split_markers(tokenize) if images else tokenize,
             m.bos_token_id,
             add_bos and m.add_bos,
         )
@@ -519,6 +602,7 @@ class Runtime:
             opts.flash_attn,
             opts.num_batch,
             num_parallel(),
+            str(resolved.projector_path),
         )
         async with self._cond:
             while True:
@@ -609,7 +693,9 @@ class Runtime:
         draft: Path | None,
     ) -> _Entry:
         backend = registry.get(backend_name)
-        load_opts = opts.load_options(draft_path=draft)
+        load_opts = dataclasses.replace(
+            opts.load_options(draft_path=draft), projector=resolved.projector_path
+        )
         model: LoadedModel = await asyncio.to_thread(backend.load, resolved.model_path, load_opts)
         try:
             template = self._make_template(resolved, model)
@@ -687,9 +773,15 @@ class Runtime:
         tools: bool = False,
         want_context: bool = False,
         shift: bool = True,
+        images: Sequence[ImageInput] = (),
     ) -> AsyncIterator[Chunk]:
         m = entry.model
         name = entry.key
+        if images and not m.capabilities.vision:
+            raise image_input.ImageError(
+                f"the {entry.backend} backend does not support images yet; use the llama.cpp backend "
+                f'for "{name}"'
+            )
         if len(tokens) >= m.context_length:
             raise ContextLengthError(
                 f"the prompt is {len(tokens)} tokens, which does not fit the context length of "
@@ -711,6 +803,7 @@ class Runtime:
             num_draft=opts.num_draft,
             shift=shift,
             num_keep=opts.num_keep,
+            images=list(images),
         )
         full: list[str] = []
         held: list[str] = []  # output that may turn into a tool call
@@ -769,6 +862,11 @@ class Runtime:
             metrics=metrics,
             context=[*tokens, *answer_ids] if want_context else None,
         )
+
+
+def _check_vision(resolved: ResolvedModel, pictures: Sequence[ImageInput]) -> None:
+    if pictures and resolved.projector_path is None:
+        raise image_input.ImageError(f'"{resolved.name.display}" does not support images')
 
 
 def _ollama_logprob(lp: TokenLogprob) -> dict[str, Any]:
