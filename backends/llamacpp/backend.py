@@ -282,11 +282,18 @@ class LlamaCppModel:
         self._check_request(request)
         return run_in_thread_stream(lambda emit: self._generate_blocking(request, emit), request.cancel)
 
-    def _generate_blocking(self, req: GenerateRequest, emit: Callable[[Event], None]) -> None:
+    def prompt_logits(self, req: GenerateRequest) -> np.ndarray:
+        """The logits after the prompt (images included), evaluated as generate evaluates it."""
+        self._check_request(req)
+        return self._generate_blocking(replace(req, num_predict=1), lambda _: None, capture=True)
+
+    def _generate_blocking(
+        self, req: GenerateRequest, emit: Callable[[Event], None], capture: bool = False
+    ) -> Any:
         media = self._expand_images(req)  # None without images
         try:
             prompt = self._media_items(media) if media is not None else list(req.prompt_tokens)
-            job = Job(req, emit, prompt=prompt)
+            job = Job(req, emit, prompt=prompt, capture=capture)
             self._require_engine().submit(job)
             job.finished.wait()
         finally:
@@ -294,6 +301,7 @@ class LlamaCppModel:
                 media.close()  # after the job: its chunks are evaluated on the step thread
         if job.error is not None:
             raise job.error
+        return job.logits
 
     # ---- issue 19: images (backends/mtmd.py) and rerank (backends/rerank.py) ----
     def _expand_images(self, req: GenerateRequest) -> MediaPrompt | None:

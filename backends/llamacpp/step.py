@@ -103,6 +103,8 @@ class Job:
     rows: list[int] = field(default_factory=list)  # batch indices with logits for this job this step
     finished: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    capture: bool = False  # keep a copy of the logits after the prompt in `logits` (tests, inspection)
+    logits: np.ndarray | None = None
 
     @property
     def cancel(self) -> CancelToken:
@@ -569,6 +571,8 @@ class BatchedContext:
         if not job.generating:
             job.generating = True
             job.t_prompt = time.perf_counter_ns()
+            if job.capture:
+                job.logits = logits_row(self.lib, self.ctx.ctx, rows[0], self.n_vocab).copy()
             job.timings.prompt_eval_ns = job.t_prompt - job.t_admit
         accepted, finish = 0, None
         for j, row in enumerate(rows):
