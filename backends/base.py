@@ -106,6 +106,14 @@ class CancelToken:
         return self._event.is_set()
 
 
+@dataclass(frozen=True)
+class GBNF:
+    """A grammar in llama.cpp's GBNF, for output `format` cannot describe (a model family's tool-call
+    syntax when a tool call is required; a test forcing an exact reply)."""
+
+    text: str
+
+
 IMAGE_TOKEN = -1  # stands in prompt_tokens for one image of GenerateRequest.images, in order
 
 
@@ -127,7 +135,7 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
-    format: str | dict[str, Any] | None = None  # "json" or a JSON schema (needs Capabilities.grammar)
+    format: str | dict[str, Any] | GBNF | None = None  # "json", a JSON schema or GBNF (Capabilities.grammar)
     speculative: str = "off"
     num_draft: int | None = None  # None = the backend's default for the mode
     shift: bool = (
@@ -135,6 +143,9 @@ class GenerateRequest:
     )
     num_keep: int = 4  # tokens a context shift keeps at the start
     cancel: CancelToken = field(default_factory=CancelToken)
+    # control tokens whose text the answer keeps (thinking tags, tool-call markers, harmony headers):
+    # the runtime parses them out of the text, as llama-server's preserved tokens
+    preserve_tokens: frozenset[int] = frozenset()
     images: list[ImageInput] = field(default_factory=list)  # needs Capabilities.vision
 
 

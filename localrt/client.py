@@ -109,6 +109,7 @@ class Client(Protocol):
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]: ...
 
     async def list_models(self) -> list[ModelRow]: ...
@@ -139,6 +140,7 @@ class Client(Protocol):
         quantize: str | None = None,
         status: StatusFn | None = None,
         projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str: ...
 
     async def context_length(self, model: str, options: Mapping[str, Any] | None = None) -> int | None: ...
@@ -185,10 +187,11 @@ class RuntimeClient:
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]:
         # the runtime's own generator: closing or cancelling it cancels the generation there
         return self.runtime.chat(
-            model, messages, options=options or None, format=format, keep_alive=keep_alive
+            model, messages, options=options or None, format=format, keep_alive=keep_alive, think=think
         )
 
     async def list_models(self) -> list[ModelRow]:
@@ -318,6 +321,7 @@ class RuntimeClient:
         quantize: str | None = None,
         status: StatusFn | None = None,
         projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str:
         from localrt.store.modelfile import create
 
@@ -330,6 +334,7 @@ class RuntimeClient:
             base_dir=base_dir,
             quantize=quantize,
             projector_path=projector_path,
+            imatrix=imatrix_path,
         )
         return name.display
 
@@ -426,6 +431,7 @@ class ServerClient:
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]:
         body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages], "stream": True}
         if options:
@@ -434,6 +440,8 @@ class ServerClient:
             body["format"] = format
         if keep_alive is not None:
             body["keep_alive"] = keep_alive
+        if think is not None:
+            body["think"] = think
         async for item in self._ndjson("/api/chat", body):
             message = item.get("message") or {}
             yield Chunk(
@@ -556,6 +564,7 @@ class ServerClient:
         quantize: str | None = None,
         status: StatusFn | None = None,
         projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str:
         """As `ollama create`: the Modelfile is read here, a local GGUF is uploaded as a blob, and
         the server builds the model from `files` or `from` (it never reads a path of ours). A projector
@@ -595,6 +604,8 @@ class ServerClient:
                 body[key] = getattr(mf, key)
         if quantize:
             body["quantize"] = quantize
+        if imatrix_path is not None:  # uploaded like the GGUF; the server weights --quantize with it
+            body["imatrix"] = await self._upload(Path(imatrix_path), emit)
         async for item in self._ndjson("/api/create", body):
             emit(str(item.get("status", "")))
         return name.display

@@ -606,7 +606,7 @@ class BatchedContext:
         req = job.req
         lp = self._logprob(row, token, req.top_logprobs) if req.logprobs or req.top_logprobs > 0 else None
         assert job.text is not None
-        event, stopped = job.text.add(token, self.piece(token), lp)
+        event, stopped = job.text.add(token, self.piece(token, token in req.preserve_tokens), lp)
         if event is not None:
             job.emit(event)
         if stopped:

@@ -11,16 +11,24 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
+def drop_oldest(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The messages without the oldest one that may go (never a system message nor the last); None if none."""
+    droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
+    if not droppable:
+        return None
+    return [m for i, m in enumerate(messages) if i != droppable[0]]
+
+
 def fit_messages(
     messages: Sequence[dict[str, Any]], count: Callable[[list[dict[str, Any]]], int], limit: int
 ) -> list[dict[str, Any]]:
     """The messages with the oldest droppable ones removed until `count(messages) < limit` (or none left)."""
     kept = list(messages)
     while count(kept) >= limit:
-        droppable = [i for i, m in enumerate(kept[:-1]) if m.get("role") != "system"]
-        if not droppable:
+        fewer = drop_oldest(kept)
+        if fewer is None:
             break
-        del kept[droppable[0]]
+        kept = fewer
     return kept
 
 
