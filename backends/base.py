@@ -114,6 +114,11 @@ class GenerateRequest:
     speculative: str = "off"
     num_draft: int | None = None  # None = the backend's default for the mode
     cancel: CancelToken = field(default_factory=CancelToken)
+    # A remote model's prompt (backends/remote): the upstream templates and tokenizes it itself, so the
+    # runtime sends the conversation (`messages`, OpenAI tools) or the raw text instead of tokens.
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    prompt_text: str | None = None
 
 
 @dataclass
@@ -155,6 +160,8 @@ class Timings:
 class DoneEvent:
     finish_reason: FinishReason
     timings: Timings
+    # calls an upstream returned already parsed (a remote model); local models leave them in the text
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 Event = TextEvent | DoneEvent

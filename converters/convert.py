@@ -397,7 +397,11 @@ def convert_command(args: Any) -> int:
         with tempfile.TemporaryDirectory(prefix="localrt-convert-") as tmp:
             out = Path(tmp) / "model.gguf"
             result = _run_with_progress(args.source, out, file_type, getattr(args, "threads", 0) or 0)
-            import_gguf(store, args.name, out)
+            source = Path(args.source).expanduser()
+            # recorded so `serve-engine` can hand vLLM/SGLang the original safetensors
+            import_gguf(
+                store, args.name, out, hf_source=str(source.resolve()) if source.is_dir() else args.source
+            )
         print(f"success: created '{args.name}'", file=sys.stderr)
     print(
         f"wrote {result.path if args.output else args.name}: {result.file_type}, {result.n_tensors} tensors, "

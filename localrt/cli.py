@@ -96,9 +96,10 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 
 def cmd_create(args: argparse.Namespace) -> int:
+    from localrt.remote_cli import create_kwargs
     from localrt.store.modelfile import create
 
-    if not args.from_path and not args.file:
+    if not args.from_path and not args.file and not args.remote:
         if os.path.exists("Modelfile"):
             args.file = "Modelfile"
         else:
@@ -118,6 +119,7 @@ def cmd_create(args: argparse.Namespace) -> int:
         from_path=args.from_path,
         base_dir=base_dir,
         quantize=args.quantize,
+        **create_kwargs(args),
     )
     print(f"success: created '{name.display}'")
     return 0
@@ -180,6 +182,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # ---- parser ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from localrt import remote_cli
+
     parser = OneLineErrorParser(prog="localrt", description="Run large language models locally.")
     parser.add_argument("-v", "--version", action="version", version=f"localrt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
@@ -232,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_path", default=None, help="a GGUF file")
     p.add_argument("-f", "--file", default=None, help="a Modelfile")
     p.add_argument("-q", "--quantize", default=None, help="requantize to TYPE (e.g. Q4_K_M)")
+    remote_cli.add_create_args(p)
     p.set_defaults(func=cmd_create)
+    remote_cli.add_serve_engine_parser(sub)
 
     p = sub.add_parser("chat", help="the terminal chat app")
     p.add_argument("model", nargs="?", default=None, help="the model to start with (e.g. smollm2:135m)")
@@ -289,8 +295,13 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from localrt.remote_cli import split_engine_args
+
     parser = build_parser()
+    argv, engine_args = split_engine_args(list(sys.argv[1:] if argv is None else argv))
     args, extra = parser.parse_known_args(argv)
+    if engine_args:
+        args.engine_args = engine_args
     # `run M --verbose Why is...`: argparse gives the prompt words after an option back as extras
     if extra and getattr(args, "command", None) == "run" and not any(w.startswith("-") for w in extra):
         args.prompt = [*args.prompt, *extra]

@@ -32,6 +32,7 @@ from localrt.backends.base import (
     TokenLogprob,
 )
 from localrt.errors import LocalrtError, ModelNotFound, OptionError, ServerBusy
+from localrt.runtime import remote
 from localrt.runtime.options import Options, num_parallel
 from localrt.runtime.templates import ChatTemplate, RenderedPrompt, select_template, tokenize_rendered
 from localrt.runtime.toolcalls import could_be_tool_call, parse_tool_calls
@@ -188,12 +189,25 @@ class Runtime:
         if resolved.system and not any(m.get("role") == "system" for m in msgs):
             msgs.insert(0, {"role": "system", "content": resolved.system})
         async with self._use(resolved, opts, keep) as (entry, load_ns):
-            rendered = await asyncio.to_thread(
-                entry.template.render, msgs, tools=tools, add_generation_prompt=True
-            )
-            tokens = self._tokenize_prompt(entry, rendered)
+            upstream = remote.chat_prompt(msgs, tools) if remote.is_remote(resolved) else None
+            tokens: list[int] = []
+            if upstream is None:
+                rendered = await asyncio.to_thread(
+                    entry.template.render, msgs, tools=tools, add_generation_prompt=True
+                )
+                tokens = self._tokenize_prompt(entry, rendered)
             async for chunk in self._run(
-                entry, tokens, opts, format, logprobs, top_logprobs, stream, start, load_ns, tools=bool(tools)
+                entry,
+                tokens,
+                opts,
+                format,
+                logprobs,
+                top_logprobs,
+                stream,
+                start,
+                load_ns,
+                tools=bool(tools),
+                upstream=upstream,
             ):
                 yield chunk
 
@@ -226,7 +240,10 @@ class Runtime:
             raise LocalrtError("raw mode does not support template, system, or context")
         async with self._use(resolved, opts, keep) as (entry, load_ns):
             m = entry.model
-            if raw:
+            upstream = remote.generate_prompt(resolved, prompt, system, raw, context)
+            if upstream is not None:  # a remote model: the upstream templates and tokenizes
+                tokens = []
+            elif raw:
                 tokens = m.tokenize(prompt, add_special=True, parse_special=True)
             else:
                 msgs: list[dict[str, Any]] = []
@@ -247,7 +264,8 @@ class Runtime:
                 stream,
                 start,
                 load_ns,
-                want_context=not raw,
+                want_context=not raw and upstream is None,
+                upstream=upstream,
             ):
                 yield chunk
 
@@ -270,6 +288,11 @@ class Runtime:
             m = entry.model
             if not m.capabilities.embedding:
                 raise LocalrtError(f'"{resolved.name.display}" does not support embeddings')
+            if remote.is_remote(resolved):  # the upstream tokenizes and counts
+                vectors, count = await m.embed_counted(texts)  # type: ignore[attr-defined]
+                return EmbedResult(
+                    resolved.name.display, vectors, count, time.perf_counter_ns() - start, load_ns
+                )
             counts = [len(m.tokenize(t)) for t in texts]
             if not truncate and any(c > m.context_length for c in counts):
                 raise ContextLengthError(
@@ -295,6 +318,8 @@ class Runtime:
     ) -> list[int]:
         resolved, opts = self._prepare(model, options)
         async with self._use(resolved, opts, self._keep_alive(None), exclusive=False) as (entry, _):
+            if remote.is_remote(resolved):  # an HTTP round trip: off the event loop
+                return await asyncio.to_thread(entry.model.tokenize, text, add_special, parse_special)
             return entry.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     async def detokenize(
@@ -309,6 +334,8 @@ class Runtime:
             ]
             if bad:
                 raise LocalrtError(f"invalid token id {bad[0]!r}")
+            if remote.is_remote(resolved):
+                return await asyncio.to_thread(entry.model.detokenize, tokens)
             return entry.model.detokenize(tokens)
 
     async def score(
@@ -355,10 +382,13 @@ class Runtime:
                     size=size,
                     size_vram=size if on_gpu else 0,
                     backend=e.backend,
-                    processor=f"100% {'GPU' if on_gpu else 'CPU'}",
+                    processor=getattr(e.model, "processor", None) or f"100% {'GPU' if on_gpu else 'CPU'}",
                     context_length=e.model.context_length,
                     expires_at=None if e.expires_at is None or e.expires_at == float("inf") else e.expires_at,
-                    details={"format": "gguf", "family": e.model.metadata.get("general.architecture", "")},
+                    details={
+                        "format": e.resolved.config.get("model_format", "gguf"),
+                        "family": e.model.metadata.get("general.architecture", ""),
+                    },
                 )
             )
         return rows
@@ -401,6 +431,7 @@ class Runtime:
         if options is not None and not isinstance(options, Mapping):
             raise OptionError("options must be an object of name: value pairs")
         opts = Options.merge(resolved.params, options, lenient=(True, False))
+        remote.check_options(resolved, opts)
         return resolved, opts
 
     def _keep_alive(self, value: str | float | None) -> float:
@@ -473,7 +504,7 @@ class Runtime:
 
     async def _acquire(self, resolved: ResolvedModel, opts: Options) -> tuple[_Entry, bool]:
         key = resolved.name.display
-        backend = registry.resolve(opts.backend)
+        backend = remote.BACKEND if remote.is_remote(resolved) else registry.resolve(opts.backend)
         draft = self._draft_path(resolved, opts)
         load_key = (
             backend,
@@ -504,7 +535,7 @@ class Runtime:
                 if entry is not None:
                     self._grab(entry)
                     return entry, False
-                if len(self._entries) + len(self._loading) >= self.max_loaded:
+                if backend != remote.BACKEND and self._local_count() >= self.max_loaded:
                     victim = self._lru_idle()
                     if victim is None:
                         await self._cond.wait()  # every loaded model is busy
@@ -561,8 +592,12 @@ class Runtime:
             if entry.refs == 0 and self._entries.get(entry.key) is entry:
                 await self._unload_locked(entry)
 
+    def _local_count(self) -> int:
+        """Models held in this process's memory; remote ones do not count toward the limit."""
+        return sum(e.backend != remote.BACKEND for e in self._entries.values()) + len(self._loading)
+
     def _lru_idle(self) -> _Entry | None:
-        idle = [e for e in self._entries.values() if e.refs == 0]
+        idle = [e for e in self._entries.values() if e.refs == 0 and e.backend != remote.BACKEND]
         return min(idle, key=lambda e: e.last_used) if idle else None
 
     async def _load(
@@ -647,6 +682,7 @@ class Runtime:
         *,
         tools: bool = False,
         want_context: bool = False,
+        upstream: dict[str, Any] | None = None,
     ) -> AsyncIterator[Chunk]:
         m = entry.model
         name = entry.key
@@ -668,6 +704,8 @@ class Runtime:
             speculative=opts.speculative,
             num_draft=opts.num_draft,
         )
+        if upstream is not None:  # a remote model: the prompt as messages or text (runtime/remote.py)
+            request = dataclasses.replace(request, num_predict=remote.num_predict(opts), **upstream)
         full: list[str] = []
         held: list[str] = []  # output that may turn into a tool call
         answer_ids: list[int] = []
@@ -702,6 +740,8 @@ class Runtime:
             raise LocalrtError("generation ended unexpectedly")
         text = "".join(full)
         content, calls = parse_tool_calls(text) if tools else (text, [])
+        if done.tool_calls:  # parsed upstream already (a remote model)
+            content, calls = text, done.tool_calls
         if not stream:
             final_content = content
         elif holding:  # never released: everything is still here

@@ -91,8 +91,10 @@ def import_gguf(
     params: dict[str, Any] | None = None,
     license: str | None = None,
     draft: Path | str | None = None,
+    hf_source: str | None = None,
 ) -> str:
-    """Store a model made of `gguf` (a path or a stored blob's digest) plus optional text layers.
+    """Store a model made of `gguf` (a path or a stored blob's digest) plus optional text layers;
+    `hf_source` records the HF repo id or directory it was converted from (for `serve-engine`).
 
     Returns the manifest digest. A malformed GGUF raises GGUFError before anything is written.
     """
@@ -103,6 +105,8 @@ def import_gguf(
     # under the gc lock: a concurrent `rm` must not collect these blobs before the manifest names them
     with store.lock("gc"):
         model_digest, model_size, config = _blob(store, gguf, "model")
+        if hf_source:
+            config["hf_source"] = hf_source
         layers = [{"mediaType": MEDIA_MODEL, "digest": model_digest, "size": model_size}]
         if draft is not None:
             draft_digest, draft_size, _ = _blob(store, draft, "draft")

@@ -7,6 +7,8 @@
     SYSTEM "one line"
     LICENSE \"\"\"...\"\"\"
     DRAFT ./draft.gguf | name:tag         (a draft model for speculative decoding)
+    FROM https://host:port/v1             (a remote model; several FROM URLs make a pool)
+    PARAMETER remote_model ID             (the upstream's model id; PARAMETER api_key_env VAR for a key)
 
 Keywords are case-insensitive; every error names its line.
 """
@@ -17,13 +19,14 @@ import contextlib
 import math
 import re
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from localrt.errors import LocalrtError, ModelNotFound
 from localrt.store.names import ModelName, normalize_digest, parse_name
+from localrt.store.remote import REMOTE_PARAMETERS, is_remote_url
 from localrt.store.store import MEDIA_DRAFT, MEDIA_MODEL, Store
 
 # Ollama's option types (api/types.go); names not listed are typed from their value.
@@ -145,6 +148,9 @@ class Modelfile:
     license: str | None = None
     draft: str | None = None
     draft_line: int = 0
+    remotes: list[str] = field(default_factory=list)  # FROM https://host:port/v1 lines: a remote model
+    remote_model: str | None = None  # PARAMETER remote_model: the upstream's model id
+    api_key_env: str | None = None  # PARAMETER api_key_env: the variable that holds the key
 
 
 def _value(lines: list[str], i: int, rest: str, keyword: str) -> tuple[str, int]:
@@ -177,6 +183,9 @@ def _value(lines: list[str], i: int, rest: str, keyword: str) -> tuple[str, int]
     return stripped, i
 
 
+_INSTRUCTIONS = ("FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "LICENSE", "DRAFT")
+
+
 def parse_modelfile(text: str) -> Modelfile:
     """Parse Modelfile text; ModelfileError names the line of the first problem."""
     mf = Modelfile()
@@ -193,43 +202,62 @@ def parse_modelfile(text: str) -> Modelfile:
         where = f"Modelfile line {i + 1}"
         if word in _UNSUPPORTED:
             raise ModelfileError(f"{where}: {word} is not supported yet")
-        if word not in ("FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "LICENSE", "DRAFT"):
+        if word not in _INSTRUCTIONS:
             raise ModelfileError(f"{where}: unknown instruction {keyword!r}")
         if not rest.strip():
             raise ModelfileError(f"{where}: {word} needs a value")
         if word == "PARAMETER":
-            pname, raw = (re.split(r"\s+", rest.strip(), maxsplit=1) + [""])[:2]
-            if not raw.strip():
-                raise ModelfileError(f"{where}: PARAMETER needs a name and a value")
-            value, i_end = _value(lines, i, raw, f"PARAMETER {pname}")
-            try:
-                parsed = parse_parameter(pname, value)
-            except LocalrtError as e:
-                raise ModelfileError(f"{where}: {e}") from None
-            key = pname.lower()
-            if isinstance(parsed, list) and isinstance(mf.parameters.get(key), list):
-                mf.parameters[key].extend(parsed)
-            else:
-                mf.parameters[key] = parsed
-            i = i_end + 1
+            i = _parameter(mf, lines, i, rest, where) + 1
             continue
         value, i_end = _value(lines, i, rest, word)
-        if word == "FROM":
-            if mf.from_ is not None:
-                raise ModelfileError(f"{where}: a second FROM (the first is on line {mf.from_line})")
-            mf.from_, mf.from_line = value, i + 1
-        elif word == "DRAFT":
-            mf.draft, mf.draft_line = value, i + 1
-        elif word == "TEMPLATE":
-            mf.template = value
-        elif word == "SYSTEM":
-            mf.system = value
-        else:
+        if word == "LICENSE":
             licenses.append(value)
+        else:
+            _instruction(mf, word, value, i + 1, where)
         i = i_end + 1
     if licenses:
         mf.license = "\n\n".join(licenses)
     return mf
+
+
+def _parameter(mf: Modelfile, lines: list[str], i: int, rest: str, where: str) -> int:
+    """One PARAMETER line into `mf`; returns the index of its last line."""
+    pname, raw = (re.split(r"\s+", rest.strip(), maxsplit=1) + [""])[:2]
+    if not raw.strip():
+        raise ModelfileError(f"{where}: PARAMETER needs a name and a value")
+    value, i_end = _value(lines, i, raw, f"PARAMETER {pname}")
+    key = pname.lower()
+    if key in REMOTE_PARAMETERS:  # the remote's settings, not sampling: kept as text, never typed
+        setattr(mf, key, value.strip())
+        return i_end
+    try:
+        parsed = parse_parameter(pname, value)
+    except LocalrtError as e:
+        raise ModelfileError(f"{where}: {e}") from None
+    if isinstance(parsed, list) and isinstance(mf.parameters.get(key), list):
+        mf.parameters[key].extend(parsed)
+    else:
+        mf.parameters[key] = parsed
+    return i_end
+
+
+def _instruction(mf: Modelfile, word: str, value: str, line_no: int, where: str) -> None:
+    """FROM / DRAFT / TEMPLATE / SYSTEM into `mf`; several FROM lines are allowed only as a pool of URLs."""
+    if word == "FROM":
+        if is_remote_url(value):
+            if mf.from_ is not None and not mf.remotes:
+                raise ModelfileError(f"{where}: a URL FROM after a local FROM (line {mf.from_line})")
+            mf.remotes.append(value.strip())
+        elif mf.from_ is not None:
+            raise ModelfileError(f"{where}: a second FROM (the first is on line {mf.from_line})")
+        if mf.from_ is None:
+            mf.from_, mf.from_line = value, line_no
+    elif word == "DRAFT":
+        mf.draft, mf.draft_line = value, line_no
+    elif word == "TEMPLATE":
+        mf.template = value
+    else:
+        mf.system = value
 
 
 def _looks_like_path(value: str) -> bool:
@@ -271,6 +299,10 @@ def create(
     store: Store | None = None,
     base_dir: str | Path | None = None,
     quantize: str | None = None,
+    remote: Sequence[str] | None = None,
+    remote_model: str | None = None,
+    api_key_env: str | None = None,
+    insecure: bool = False,
 ) -> ModelName:
     """`localrt create`: a model from a GGUF file or an existing model, plus Modelfile overrides.
 
@@ -281,10 +313,17 @@ def create(
         store: the store (default: LOCALRT_MODELS).
         base_dir: where relative FROM/DRAFT paths start (the Modelfile's folder; default: cwd).
         quantize: requantize an F32/F16/BF16 source to this file type (e.g. Q4_K_M) first.
+        remote: OpenAI-compatible endpoint URLs (they replace the Modelfile's FROM): a remote model.
+        remote_model, api_key_env, insecure: its upstream model id, key variable, plain-http consent.
     """
     store = store or Store()
     dest = parse_name(name) if isinstance(name, str) else name
     mf = parse_modelfile(modelfile_text) if modelfile_text is not None else Modelfile()
+    if remote:
+        mf.remotes, mf.from_ = list(remote), str(remote[0])
+    if mf.remotes:
+        _create_remote(store, dest, mf, quantize, remote_model, api_key_env, insecure)
+        return dest
     if from_path is not None:
         mf.from_, mf.from_line = str(from_path), 0
     if not mf.from_:
@@ -310,6 +349,35 @@ def create(
             draft=draft,
         )
     return dest
+
+
+def _create_remote(
+    store: Store,
+    dest: ModelName,
+    mf: Modelfile,
+    quantize: str | None,
+    remote_model: str | None,
+    api_key_env: str | None,
+    insecure: bool,
+) -> None:
+    from localrt.store.remote import create_remote
+
+    if quantize:
+        raise ModelfileError("--quantize does not apply to a remote model (its weights live upstream)")
+    if mf.draft is not None:
+        raise ModelfileError("DRAFT does not apply to a remote model")
+    create_remote(
+        store,
+        dest,
+        mf.remotes,
+        model=remote_model or mf.remote_model,
+        api_key_env=api_key_env or mf.api_key_env,
+        insecure=insecure,
+        parameters=mf.parameters,
+        system=mf.system,
+        template=mf.template,
+        license_text=mf.license,
+    )
 
 
 @contextlib.contextmanager
@@ -393,6 +461,9 @@ def create_from_request(
         raise LocalrtError(
             "the modelfile field is not supported: use from, files, template, system, parameters"
         )
+    if fields.get("remote") is not None:
+        _remote_from_request(name, fields, store, progress)
+        return
     files, base = fields.get("files"), fields.get("from")
     source: str | ModelName
     if files:
@@ -436,3 +507,33 @@ def create_from_request(
             license_text=texts["license"],
             parameters=checked,
         )
+
+
+def _remote_from_request(
+    name: ModelName, fields: dict[str, Any], store: Store, progress: Callable[[str], None]
+) -> None:
+    """`POST /api/create` with `remote` (a URL or a list), `remote_model`, `api_key_env`, `insecure`."""
+    from localrt.store.remote import create_remote
+
+    urls = fields["remote"]
+    urls = [urls] if isinstance(urls, str) else urls
+    if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+        raise LocalrtError("remote must be a URL or a list of URLs")
+    for key in ("remote_model", "api_key_env", "system", "template"):
+        if fields.get(key) is not None and not isinstance(fields[key], str):
+            raise LocalrtError(f"{key} must be a string")
+    parameters = fields.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise LocalrtError("parameters must be an object")
+    progress("writing manifest")
+    create_remote(
+        store,
+        name,
+        urls,
+        model=fields.get("remote_model"),
+        api_key_env=fields.get("api_key_env"),
+        insecure=fields.get("insecure") is True,
+        parameters={str(k).lower(): check_parameter(str(k).lower(), v) for k, v in parameters.items()},
+        system=fields.get("system"),
+        template=fields.get("template"),
+    )

@@ -77,6 +77,8 @@ class ResolvedModel:
     license: str | None = None
     draft_path: Path | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    # a remote model (localrt/store/remote.py): its endpoints; model_path is then its config blob
+    remote: dict[str, Any] | None = None
 
     @property
     def size(self) -> int:
@@ -250,15 +252,20 @@ class Store:
                 extras["license"] = blob.read_text(encoding="utf-8", errors="replace")
             elif media == MEDIA_PARAMS:
                 extras["params"] = json.loads(blob.read_text(encoding="utf-8"))
-        if "model_path" not in extras:
-            raise LocalrtError(f"model '{name.display}' has no GGUF model layer")
-        if not extras["model_path"].is_file():
-            raise LocalrtError(f"model '{name.display}' is damaged: its model blob is missing; pull it again")
         cfg: dict[str, Any] = {}
         cfg_layer = manifest.get("config") or {}
         if cfg_layer.get("digest") and self.has_blob(cfg_layer["digest"]):
             with contextlib.suppress(ValueError, OSError):
                 cfg = json.loads(self.blob_path(cfg_layer["digest"]).read_text())
+        from localrt.store.remote import remote_section
+
+        remote = remote_section(cfg)
+        if remote is not None:  # no weights: the backend reads the endpoints from the config blob
+            extras.update(model_path=self.blob_path(cfg_layer["digest"]), remote=remote)
+        if "model_path" not in extras:
+            raise LocalrtError(f"model '{name.display}' has no GGUF model layer")
+        if not extras["model_path"].is_file():
+            raise LocalrtError(f"model '{name.display}' is damaged: its model blob is missing; pull it again")
         return ResolvedModel(name=name, manifest=manifest, manifest_digest=digest, config=cfg, **extras)
 
     # ---- copy / remove / gc ----------------------------------------------------------------
