@@ -92,7 +92,7 @@ def check_api_key_env(name: str | None) -> str | None:
         return None
     if not _ENV_NAME.match(name):
         raise RemoteConfigError(
-            f"--api-key-env takes the name of an environment variable (like OPENAI_API_KEY), not {name[:4]!r}..."
+            "--api-key-env takes the name of an environment variable (like OPENAI_API_KEY), not a key"
         )
     return name
 
@@ -117,9 +117,14 @@ def upstream_models(endpoint: str, key: str | None, timeout: float = 10.0) -> li
     try:
         r = httpx.get(endpoint + "/models", headers=headers, timeout=timeout, follow_redirects=False)
     except httpx.HTTPError as e:
-        raise LocalrtError(f"cannot reach {endpoint} to ask for its models: {type(e).__name__}") from None
+        raise LocalrtError(
+            f"cannot reach {endpoint} to ask for its models ({type(e).__name__}); "
+            "name the upstream's model with --remote-model"
+        ) from None
     if r.status_code != 200:
-        raise LocalrtError(f"{endpoint}/models answered HTTP {r.status_code}")
+        raise LocalrtError(
+            f"{endpoint}/models answered HTTP {r.status_code}; name the model with --remote-model"
+        )
     try:
         data = r.json().get("data") or []
         return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
