@@ -76,6 +76,20 @@ class ChatClient(Protocol):
 
     async def show(self, model: str, options: Mapping[str, Any] | None = None) -> ModelInfo: ...
 
+    def _remote_info(self, resolved: Any) -> ModelInfo:
+        loaded = [row for row in self.runtime.ps() if row.name == resolved.name.display]
+        endpoints = resolved.remote.get("endpoints") or []
+        return ModelInfo(
+            name=resolved.name.display,
+            architecture=f"remote: {resolved.remote.get('model', '')}",
+            parameters="",
+            quantization="",
+            context_length=None,
+            size=0,
+            backend=f"remote ({', '.join(endpoints)})",
+            loaded_context=loaded[0].context_length if loaded else None,
+        )
+
     def pull(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]: ...
 
     async def delete(self, model: str) -> None: ...
@@ -133,6 +147,8 @@ class RuntimeClient:
         from localrt.store.gguf import format_parameter_count, read_gguf
 
         resolved = await asyncio.to_thread(self.store.resolve, model)
+        if resolved.remote is not None:  # no GGUF here: the model lives on its endpoints
+            return self._remote_info(resolved)
         info = await asyncio.to_thread(read_gguf, resolved.model_path)
         loaded = [row for row in self.runtime.ps() if row.name == resolved.name.display]
         if loaded:
@@ -153,6 +169,20 @@ class RuntimeClient:
             size=resolved.size,
             backend=backend,
             loaded_context=loaded_ctx,
+        )
+
+    def _remote_info(self, resolved: Any) -> ModelInfo:
+        loaded = [row for row in self.runtime.ps() if row.name == resolved.name.display]
+        endpoints = resolved.remote.get("endpoints") or []
+        return ModelInfo(
+            name=resolved.name.display,
+            architecture=f"remote: {resolved.remote.get('model', '')}",
+            parameters="",
+            quantization="",
+            context_length=None,
+            size=0,
+            backend=f"remote ({', '.join(endpoints)})",
+            loaded_context=loaded[0].context_length if loaded else None,
         )
 
     def pull(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
@@ -180,6 +210,8 @@ class RuntimeClient:
                 return row.context_length
         # not loaded yet: num_ctx as the runtime will ask for it, capped by what the model was trained for
         num_ctx = Options.merge(resolved.params, options, lenient=(True, False)).num_ctx
+        if resolved.remote is not None:  # the upstream's context is known once loaded
+            return None
         trained = (await asyncio.to_thread(read_gguf, resolved.model_path)).context_length
         return min(num_ctx, trained) if trained else num_ctx
 
