@@ -181,7 +181,7 @@ def test_tools_ollama_and_openai(client: ollama.Client, oai: openai.OpenAI) -> N
             {"role": "tool", "content": '{"sky": "clear"}', "tool_name": "get_weather"},
         ],
         tools=[WEATHER_TOOL],
-        options=GREEDY,
+        options={**GREEDY, "num_predict": 4},
     )
     assert follow.done
     o = oai.chat.completions.create(
