@@ -260,7 +260,7 @@ def _instruction(mf: Modelfile, word: str, value: str, line_no: int, where: str)
         mf.system = value
 
 
-def _looks_like_path(value: str) -> bool:
+def looks_like_path(value: str) -> bool:
     return (
         value.startswith(("/", "./", "../", "~", ".\\")) or value.lower().endswith(".gguf") or "\\" in value
     )
@@ -273,7 +273,7 @@ def _resolve_source(value: str, base_dir: Path, store: Store, where: str) -> Pat
         candidate = base_dir / candidate
     if candidate.exists():
         return candidate
-    if _looks_like_path(value):
+    if looks_like_path(value):
         raise LocalrtError(f"{where}model file not found: {value}")
     try:
         name = parse_name(value)
@@ -522,6 +522,11 @@ def _remote_from_request(
     for key in ("remote_model", "api_key_env", "system", "template"):
         if fields.get(key) is not None and not isinstance(fields[key], str):
             raise LocalrtError(f"{key} must be a string")
+    license_text = fields.get("license")
+    if isinstance(license_text, list):  # Ollama accepts license as a list of texts
+        license_text = "\n\n".join(str(v) for v in license_text)
+    if license_text is not None and not isinstance(license_text, str):
+        raise LocalrtError("license must be a string")
     parameters = fields.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise LocalrtError("parameters must be an object")
@@ -536,4 +541,5 @@ def _remote_from_request(
         parameters={str(k).lower(): check_parameter(str(k).lower(), v) for k, v in parameters.items()},
         system=fields.get("system"),
         template=fields.get("template"),
+        license_text=license_text,
     )

@@ -27,10 +27,10 @@ from localrt.store.store import (
     MEDIA_PARAMS,
     MEDIA_SYSTEM,
     MEDIA_TEMPLATE,
+    REMOTE_FORMAT,
     Store,
 )
 
-REMOTE_FORMAT = "remote"
 MAX_ENDPOINTS = 64
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # Modelfile PARAMETER names that configure the remote instead of sampling
@@ -141,16 +141,6 @@ def pick_upstream_model(endpoints: Sequence[str], key: str | None) -> str:
         f"{endpoints[0]} serves {len(ids)} models ({listed}); name one with --remote-model "
         "(or PARAMETER remote_model)"
     )
-
-
-def remote_section(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The remote part of a model's config blob, or None for a local model."""
-    if config.get("model_format") != REMOTE_FORMAT:
-        return None
-    section = config.get("remote")
-    if not isinstance(section, dict) or not isinstance(section.get("endpoints"), list):
-        raise LocalrtError("remote model config names no endpoints")
-    return section
 
 
 def create_remote(

@@ -37,6 +37,7 @@ MEDIA_SYSTEM = MEDIA_PREFIX + "system"
 MEDIA_PARAMS = MEDIA_PREFIX + "params"
 MEDIA_LICENSE = MEDIA_PREFIX + "license"
 MEDIA_DRAFT = MEDIA_PREFIX + "draft"
+REMOTE_FORMAT = "remote"  # config `model_format` of a remote model (localrt/store/remote.py)
 MAX_MANIFEST_BYTES = 4 << 20
 HASH_CHUNK = 1 << 20
 
@@ -257,8 +258,6 @@ class Store:
         if cfg_layer.get("digest") and self.has_blob(cfg_layer["digest"]):
             with contextlib.suppress(ValueError, OSError):
                 cfg = json.loads(self.blob_path(cfg_layer["digest"]).read_text())
-        from localrt.store.remote import remote_section
-
         remote = remote_section(cfg)
         if remote is not None:  # no weights: the backend reads the endpoints from the config blob
             extras.update(model_path=self.blob_path(cfg_layer["digest"]), remote=remote)
@@ -382,6 +381,16 @@ def parse_manifest(raw: bytes) -> dict[str, Any]:
         if not isinstance(size, int) or size < 0:
             raise LocalrtError(f"manifest layer {layer['digest']} has an invalid size")
     return manifest
+
+
+def remote_section(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The remote part of a model's config blob (its endpoints), or None for a local model."""
+    if config.get("model_format") != REMOTE_FORMAT:
+        return None
+    section = config.get("remote")
+    if not isinstance(section, dict) or not isinstance(section.get("endpoints"), list):
+        raise LocalrtError("remote model config names no endpoints")
+    return section
 
 
 def manifest_layers(manifest: dict[str, Any]) -> list[dict[str, Any]]:

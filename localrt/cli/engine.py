@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -258,7 +259,7 @@ def serve_engine_command(args: argparse.Namespace) -> int:
             print(f"stopped {engine.name}", file=sys.stderr, flush=True)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_serve_engine(sub: Any) -> argparse.ArgumentParser:
     """The `serve-engine` subcommand; ENGINE ARGS after `--` arrive as `args.engine_args`."""
     p = sub.add_parser(
         "serve-engine", help="start vLLM or SGLang for a stored model and register it as a remote model"
@@ -278,6 +279,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--wait", type=float, default=900.0, help="seconds to wait for the engine's /health (default 900)"
     )
     p.set_defaults(func=serve_engine_command, engine_args=[])
+    return p
 
 
 def split_engine_args(argv: list[str]) -> tuple[list[str], list[str]]:
