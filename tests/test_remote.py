@@ -276,6 +276,29 @@ def test_ps_list_show_rm(front: LocalrtServer, client: ollama.Client, upstream: 
     assert "far-copy:latest" not in run("list").stdout
 
 
+def test_create_remote_through_a_running_server(front: LocalrtServer, upstream: LocalrtServer) -> None:
+    """`localrt create --remote` with a server up goes through /api/create; the server asks the
+    upstream for its one model, with the key from the server's own environment."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "localrt",
+        "create",
+        "asked",
+        "--remote",
+        upstream.url,
+        "--api-key-env",
+        "FAR_KEY",
+    ]
+    env = {k: v for k, v in front.env.items() if k != "FAR_KEY"}  # the CLI's side has no key
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    resolved = Store(Path(front.env["LOCALRT_MODELS"])).resolve("asked")
+    assert resolved.remote["model"] == UPSTREAM_MODEL
+    assert resolved.remote["endpoints"] == [upstream.url + "/v1"]
+    Store(Path(front.env["LOCALRT_MODELS"])).remove(resolved.name)
+
+
 def test_cancel_stops_the_upstream(front: LocalrtServer, upstream: LocalrtServer) -> None:
     """Our client goes away mid-answer: the upstream's request ends too (its own queue gauge says so)."""
     depth = lambda: metric(upstream.url, "localrt_queue_depth", f'model="{UPSTREAM_MODEL}"')  # noqa: E731
