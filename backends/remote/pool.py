@@ -115,4 +115,9 @@ class Pool:
                 if self._stop.is_set():
                     return
                 if self._due(endpoint, now):
-                    self.check(endpoint)
+                    try:
+                        self.check(endpoint)
+                    except Exception as e:  # e.g. the client closed by unload() mid-probe
+                        if self._stop.is_set():
+                            return
+                        self.mark_failed(endpoint, f"health check failed: {type(e).__name__}")
