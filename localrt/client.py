@@ -89,6 +89,8 @@ class ModelDetails:
     template_origin: str = ""  # which template renders prompts: the file's, the Modelfile's, a family's
     remote_model: str = ""  # a remote model (SPEC 8): the upstream's model id
     endpoints: list[tuple[str, str]] = field(default_factory=list)  # (url, "ok" or why it is down)
+    capabilities: list[str] = field(default_factory=list)  # completion, tools, vision, rerank, ...
+    projector: list[tuple[str, str]] = field(default_factory=list)  # a vision model's projector facts
 
 
 Message = Mapping[str, Any]
@@ -142,6 +144,7 @@ class Client(Protocol):
         remote_model: str | None = None,
         api_key_env: str | None = None,
         insecure: bool = False,
+        projector_path: str | None = None,
     ) -> str: ...
 
     async def context_length(self, model: str, options: Mapping[str, Any] | None = None) -> int | None: ...
@@ -301,8 +304,10 @@ class RuntimeClient:
 
     def _details(self, model: str) -> ModelDetails:
         from localrt.show import (
+            model_capabilities,
             modelfile_text,
             parameter_lines,
+            projector_rows,
             template_choice,
             template_of,
             template_origin,
@@ -326,6 +331,10 @@ class RuntimeClient:
             license=str(resolved.license or info.license or ""),
             modelfile=modelfile_text(resolved, info),
             template_origin=template_origin(template_choice(resolved, info)),
+            capabilities=model_capabilities(resolved, info),
+            projector=projector_rows(read_gguf(resolved.projector_path).summary())
+            if resolved.projector_path is not None
+            else [],
         )
 
     async def has_model(self, model: str) -> bool:
@@ -369,6 +378,7 @@ class RuntimeClient:
         remote_model: str | None = None,
         api_key_env: str | None = None,
         insecure: bool = False,
+        projector_path: str | None = None,
     ) -> str:
         from localrt.store.modelfile import create
 
@@ -384,6 +394,7 @@ class RuntimeClient:
             remote_model=remote_model,
             api_key_env=api_key_env,
             insecure=insecure,
+            projector_path=projector_path,
         )
         return name.display
 
@@ -584,6 +595,8 @@ class ServerClient:
                 (e.get("url", ""), e.get("health", ""))
                 for e in (data.get("remote") or {}).get("endpoints", [])
             ],
+            capabilities=list(data.get("capabilities") or []),
+            projector=_projector_rows(data.get("projector_info")),
         )
 
     async def has_model(self, model: str) -> bool:
@@ -618,9 +631,11 @@ class ServerClient:
         remote_model: str | None = None,
         api_key_env: str | None = None,
         insecure: bool = False,
+        projector_path: str | None = None,
     ) -> str:
         """As `ollama create`: the Modelfile is read here, a local GGUF is uploaded as a blob, and
-        the server builds the model from `files` or `from` (it never reads a path of ours)."""
+        the server builds the model from `files` or `from` (it never reads a path of ours). A projector
+        (`projector_path`, or a second FROM) is uploaded beside the model's GGUF."""
         from localrt.store.modelfile import Modelfile, ModelfileError, parse_modelfile
         from localrt.store.names import parse_name
 
@@ -632,10 +647,7 @@ class ServerClient:
         if mf.remotes:  # a remote model: the server checks the URLs and asks the upstream (SPEC 8)
             if quantize:
                 raise LocalrtError("--quantize does not apply to a remote model (its weights live upstream)")
-            body = _remote_create_body(mf, remote_model, api_key_env, insecure)
-            async for item in self._ndjson("/api/create", {"model": name.display, "stream": True, **body}):
-                emit(str(item.get("status", "")))
-            return name.display
+            return await self._create_remote(name.display, mf, remote_model, api_key_env, insecure, emit)
         if from_path is not None:
             mf.from_ = from_path
         if not mf.from_:
@@ -646,11 +658,18 @@ class ServerClient:
                 "this model in-process"
             )
         body: dict[str, Any] = {"model": name.display, "stream": True}
-        source = _local_file(mf.from_, Path(base_dir) if base_dir else Path.cwd())
+        here = Path(base_dir) if base_dir else Path.cwd()
+        source = _local_file(mf.from_, here)
         if source is not None:
             body["files"] = {source.name: await self._upload(source, emit)}
         else:
             body["from"] = parse_name(mf.from_).display
+        projector = projector_path or mf.projector
+        if projector is not None:
+            proj_file = _local_file(projector, here)
+            if proj_file is None or source is None:
+                raise LocalrtError("over the server's create API a projector goes with a local GGUF file")
+            body["files"][f"mmproj-{proj_file.name}"] = await self._upload(proj_file, emit)
         if mf.parameters:
             body["parameters"] = mf.parameters
         for key in ("template", "system", "license"):
@@ -661,6 +680,20 @@ class ServerClient:
         async for item in self._ndjson("/api/create", body):
             emit(str(item.get("status", "")))
         return name.display
+
+    async def _create_remote(
+        self,
+        name: str,
+        mf: Any,
+        remote_model: str | None,
+        api_key_env: str | None,
+        insecure: bool,
+        emit: StatusFn,
+    ) -> str:
+        body = _remote_create_body(mf, remote_model, api_key_env, insecure)
+        async for item in self._ndjson("/api/create", {"model": name, "stream": True, **body}):
+            emit(str(item.get("status", "")))
+        return name
 
     async def _upload(self, path: Path, emit: StatusFn) -> str:
         """The blob's digest, uploaded first unless the server already has it (HEAD /api/blobs)."""
@@ -700,6 +733,14 @@ class ServerClient:
     async def close(self) -> None:
         if self._http is not None:
             await self._http.aclose()
+
+
+def _projector_rows(info: Any) -> list[tuple[str, str]]:
+    if not isinstance(info, dict) or not info:
+        return []
+    from localrt.show import projector_rows
+
+    return projector_rows(info)
 
 
 async def _chunks(f: Any, size: int = 1 << 20) -> AsyncIterator[bytes]:

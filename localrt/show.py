@@ -31,6 +31,52 @@ def parameter_lines(params: dict[str, Any]) -> list[tuple[str, str]]:
     return lines
 
 
+POOLING_RANK = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK: a reranker's classification head
+
+
+def is_reranker(info: GGUFInfo) -> bool:
+    """Pooling type rank, or a classification head with labels (llama.cpp's converter writes these for
+    sequence-classification checkpoints such as bge-reranker)."""
+    arch = info.architecture
+    return (
+        info.metadata.get(f"{arch}.pooling_type") == POOLING_RANK
+        or f"{arch}.classifier.output_labels" in info.metadata
+    )
+
+
+def media_capabilities(model: ResolvedModel, info: GGUFInfo, capabilities: list[str]) -> list[str]:
+    """Issue 19's part of `capabilities`: `vision` with a projector; a reranker is `rerank`, not
+    `completion`. Takes the list built so far and returns it amended."""
+    caps = list(capabilities)
+    if is_reranker(info):
+        caps = [c for c in caps if c != "completion"] + ["rerank"]
+    if model.projector_path is not None:
+        caps.append("vision")
+    return caps
+
+
+def model_capabilities(model: ResolvedModel, info: GGUFInfo) -> list[str]:
+    """`capabilities` of /api/show and `localrt show` (completion, tools, then issue 19's vision/rerank)."""
+    caps = ["completion"]
+    if "tools" in template_of(model, info):
+        caps.append("tools")
+    return media_capabilities(model, info, caps)
+
+
+def projector_rows(meta: Any) -> list[tuple[str, str]]:
+    """`show`'s Projector section from a projector GGUF's key/values (`GGUFInfo.summary()`)."""
+    from localrt.store.gguf import format_parameter_count
+
+    count = meta.get("general.parameter_count")
+    return [
+        ("architecture", str(meta.get("general.architecture", "unknown"))),
+        ("parameters", format_parameter_count(int(count)) if count else "unknown"),
+        ("projector type", str(meta.get("clip.projector_type", "unknown"))),
+        ("embedding length", str(meta.get("clip.vision.embedding_length", "unknown"))),
+        ("dimensions", str(meta.get("clip.vision.projection_dim", "unknown"))),
+    ]
+
+
 def template_choice(model: ResolvedModel, info: GGUFInfo) -> TemplateChoice:
     """The template the runtime renders this model's prompts with (see runtime/templates.py)."""
     tokens = info.metadata.get("tokenizer.ggml.tokens") or ()
@@ -62,6 +108,8 @@ def modelfile_text(model: ResolvedModel, info: GGUFInfo) -> str:
         "",
         f"FROM {model.model_path}",
     ]
+    if model.projector_path is not None:
+        out.append(f"FROM {model.projector_path}")
     template = template_of(model, info)
     if template:
         out.append(f'TEMPLATE """{template}"""')

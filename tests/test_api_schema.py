@@ -43,6 +43,8 @@ USES_MODEL = (
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/embeddings",
+    "/api/rerank",  # the fixture model is no reranker: a valid body gets the 400 saying so
+    "/v1/rerank",
 )
 STATEFUL = (*USES_MODEL, "/api/create", "/api/blobs/{digest}", "/api/pull")
 

@@ -85,7 +85,7 @@ def test_modelfile_from_urls_is_a_pool(models_dir: Path) -> None:
 def test_modelfile_rejects_mixing_local_and_url_from(tmp_path: Path) -> None:
     with pytest.raises(ModelfileError, match="line 2"):
         parse_modelfile("FROM ./model.gguf\nFROM https://host:8000/v1\n")
-    with pytest.raises(ModelfileError, match="second FROM"):
+    with pytest.raises(ModelfileError, match="local FROM after a URL FROM"):
         parse_modelfile("FROM https://host:8000/v1\nFROM ./model.gguf\n")
 
 

@@ -396,6 +396,7 @@ class ChatApp(App[int]):
             await self.refresh_conversations()
             self._update_titles()
         question = Message("user", text)
+        self._announce_images(text)  # issue 19: image paths in the text are attached
         self.db.add_message(conv.id, question)  # committed before the model runs: a kill cannot lose it
         conv.messages.append(question)
         pane = self.messages_pane
@@ -406,6 +407,12 @@ class ChatApp(App[int]):
         self.answer_worker = self.run_worker(
             self._answer(conv, question), name="answer", group="answer", exit_on_error=False
         )
+
+    def _announce_images(self, text: str) -> None:
+        from localrt.runtime.images import images_in_prompt
+
+        for path in images_in_prompt(text)[1]:
+            self.notify(f"Added image '{path}'", title="Image")
 
     async def _answer(self, conv: Conversation, question: Message) -> None:
         model = conv.model or ""

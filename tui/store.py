@@ -100,11 +100,26 @@ class Conversation:
     updated_at: float = 0.0
     messages: list[Message] = field(default_factory=list)
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """The request's `messages`: the system prompt (if set), then every turn so far."""
-        out = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
-        out += [{"role": m.role, "content": m.content} for m in self.messages if m.content]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The request's `messages`: the system prompt (if set), then every turn so far. Image files a
+        user message names are attached (read again each turn, so the store keeps only the text)."""
+        out: list[dict[str, Any]] = (
+            [{"role": "system", "content": self.settings.system}] if self.settings.system else []
+        )
+        out += [attach_images(m.role, m.content) for m in self.messages if m.content]
         return out
+
+
+def attach_images(role: str, content: str) -> dict[str, Any]:
+    """A chat message; a user's text naming image files (typed, or dropped in) carries them as images."""
+    if role != "user":
+        return {"role": role, "content": content}
+    from localrt.runtime.images import images_in_prompt, read_image_file
+
+    text, paths = images_in_prompt(content)
+    if not paths:
+        return {"role": role, "content": content}
+    return {"role": role, "content": text, "images": [read_image_file(p) for p in paths]}
 
 
 def make_title(text: str) -> str:

@@ -18,6 +18,7 @@ from localrt.api.ollama import observe, runtime_of
 from localrt.api.security import error_body
 from localrt.api.streaming import first_and_rest, sse_response
 from localrt.errors import LocalrtError, ModelNotFound
+from localrt.runtime import images as image_input
 from localrt.runtime.manager import Chunk, Metrics
 from localrt.store.names import parse_name
 
@@ -124,19 +125,52 @@ def format_from(f: dict[str, Any]) -> str | dict[str, Any] | None:
 
 
 def message_text(content: Any) -> str:
-    """Content as a string: OpenAI allows a list of parts; only text parts are supported."""
+    """Content as a string (text parts only, for the routes that take no images)."""
+    text, urls = message_parts(content)
+    if urls:
+        raise OpenAIParamError("messages", "image_url parts are only supported by /v1/chat/completions")
+    return text
+
+
+def message_parts(content: Any) -> tuple[str, list[str]]:
+    """Content as (text, image URLs): OpenAI allows a list of text and image_url parts. Each image's place
+    in the text is Ollama's `[img]`, which the runtime fills in order."""
     if content is None:
-        return ""
+        return "", []
     if isinstance(content, str):
-        return content
+        return content, []
     if isinstance(content, list):
-        texts = []
+        texts, urls = [], []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise OpenAIParamError("messages", "only text content parts are supported")
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                texts.append(str(part.get("text", "")))
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url:
+                    raise OpenAIParamError("messages", "an image_url part needs image_url.url")
+                urls.append(url)
+                texts.append(image_input.PLACEHOLDER)
+            else:
+                raise OpenAIParamError(
+                    "messages", f"unsupported content part type {kind!r} (text, image_url)"
+                )
+        return "".join(texts), urls
     raise OpenAIParamError("messages", "content must be a string or a list of parts")
+
+
+async def fetch_message_images(raw: list[Any], messages: list[dict[str, Any]]) -> None:
+    """Turn each message's image_url parts into image bytes (`images`), fetching in a worker thread."""
+    import asyncio
+
+    for i, (m, msg) in enumerate(zip(raw, messages)):
+        _, urls = message_parts(m.get("content"))
+        if urls:
+            msg["images"] = [
+                await asyncio.to_thread(image_input.image_url_bytes, url, f"messages[{i}] image_url")
+                for url in urls
+            ]
 
 
 def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
@@ -155,7 +189,7 @@ def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
             raise OpenAIParamError("messages", f"invalid message {m!r:.80}")
         msg: dict[str, Any] = {
             "role": "system" if m["role"] == "developer" else m["role"],
-            "content": message_text(m.get("content")),
+            "content": message_parts(m.get("content"))[0],
         }
         if m.get("tool_calls"):
             calls = []
@@ -306,6 +340,7 @@ async def chat_completions(request: Request) -> Response:
     if not isinstance(model, str) or not model:
         raise OpenAIParamError("model", "model is required")
     messages = messages_from(f)
+    await fetch_message_images(f["messages"], messages)  # issue 19: image_url parts
     options = options_from(f)
     fmt = format_from(f)
     want_logprobs, top = logprob_flags(f)
@@ -462,3 +497,15 @@ async def embeddings(request: Request) -> dict[str, Any]:
         "model": model,
         "usage": {"prompt_tokens": result.prompt_eval_count, "total_tokens": result.prompt_eval_count},
     }
+
+
+@router.post(
+    "/rerank",
+    openapi_extra=wire.request_body(wire.RerankRequest),
+    responses={200: wire.ok(wire.RerankResponse), **GENERATION_ERRORS},
+)
+async def rerank(request: Request) -> dict[str, Any]:
+    """Jina / Cohere / llama-server rerank (issue 19): the same handler as /api/rerank."""
+    from localrt.api.ollama import rerank_response
+
+    return await rerank_response(request)

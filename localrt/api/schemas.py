@@ -257,7 +257,7 @@ class CreateRequest(Named):
                     {
                         "type": "object",
                         "minProperties": 1,
-                        "maxProperties": 1,
+                        "maxProperties": 2,  # a vision model: its GGUF and its projector GGUF
                         "propertyNames": {"pattern": r"\.gguf$"},
                         "additionalProperties": {"type": "string", "pattern": DIGEST_PATTERN},
                     },
@@ -295,6 +295,7 @@ class _Generation(Named):
 
 class GenerateRequest(_Generation):
     prompt: str | None = None
+    images: list[str] | None = None
     system: str | None = None
     raw: bool | None = None
     context: list[Int] | None = None
@@ -328,15 +329,34 @@ class DetokenizeRequest(Named):
     tokens: list[Int]
 
 
+class RerankRequest(Named):
+    query: str
+    documents: list[str]
+    top_n: Annotated[Int | None, Field(ge=0)] = None
+    return_documents: bool | None = None
+    options: OptionsField = None
+    keep_alive: KeepAlive = None
+
+
 # ---- OpenAI requests -------------------------------------------------------------------------
 class ContentPart(Wire):
     type: Literal["text"]
     text: str
 
 
+class ImageURL(Wire):
+    url: Annotated[str, Field(description="a base64 data URL; http(s) only with LOCALRT_FETCH_IMAGES=1")]
+    detail: str | None = None
+
+
+class ImagePart(Wire):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class OpenAIMessage(Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -561,6 +581,28 @@ class EmbedResponse(Out):
     model: str
     embeddings: list[list[float]]
     prompt_eval_count: int
+
+
+class RerankDocument(Out):
+    text: str
+
+
+class RerankResult(Out):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankResponse(Out):
+    model: str
+    object: Literal["list"]
+    results: list[RerankResult]
+    usage: RerankUsage
 
 
 class EmbeddingsResponse(Out):

@@ -113,6 +113,10 @@ def show_text(details: ModelDetails) -> str:
         out += [f"    {url:<40}{health}" for url, health in details.endpoints]
     else:
         out = ["  Model", *(f"    {key:<20}{value}" for key, value in rows)]
+        if details.projector:
+            out += ["", "  Projector", *(f"    {key:<20}{value}" for key, value in details.projector)]
+        if details.capabilities:
+            out += ["", "  Capabilities", *(f"    {cap}" for cap in details.capabilities)]
     if details.parameter_lines:
         out += ["", "  Parameters", *(f"    {key:<20}{value}" for key, value in details.parameter_lines)]
     if details.system:
@@ -168,6 +172,7 @@ def add_create(sub: Subparsers) -> argparse.ArgumentParser:
     p.add_argument("-f", "--file", default=None, help="a Modelfile")
     p.add_argument("-q", "--quantize", default=None, help="requantize to TYPE (e.g. Q4_K_M)")
     add_remote_args(p)
+    p.add_argument("--mmproj", default=None, help="a vision model's projector GGUF (mmproj-*.gguf)")
     p.set_defaults(func=cmd_create)
     return p
 
@@ -210,6 +215,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             base_dir=base_dir,
             quantize=args.quantize,
             **remote_kwargs(args),
+            projector_path=args.mmproj,
         )
     )
     print(f"success: created '{name}'")

@@ -152,9 +152,9 @@ class Session:
             raise KeyboardInterrupt
 
     # -- one answer --
-    def ask(self, text: str) -> bool:
-        """Send one user message and stream the answer. False when interrupted."""
-        self.messages.append({"role": "user", "content": text})
+    def ask(self, text: str, images: list[str] | None = None) -> bool:
+        """Send one user message (with base64 images) and stream the answer. False when interrupted."""
+        self.messages.append({"role": "user", "content": text, **({"images": images} if images else {})})
         msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
         parts: list[str] = []
         final: list[Chunk] = []
@@ -317,6 +317,18 @@ def _read_message(first: str) -> str:
         lines.append(line)
 
 
+def _dropped_images(session: Session, line: str) -> tuple[str, list[str]]:
+    """Image files named (or dragged) into the prompt are attached, as Ollama's CLI does."""
+    from localrt.runtime.images import images_in_prompt, read_image_file
+
+    text, paths = images_in_prompt(line)
+    images = []
+    for path in paths:
+        images.append(read_image_file(path))
+        session.err.write(f"Added image '{path}'\n")
+    return text, images
+
+
 def interactive(session: Session) -> int:
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
@@ -341,7 +353,8 @@ def interactive(session: Session) -> int:
                 session.err.write(f"Error: {e}\n")
             continue
         try:
-            session.ask(line)
+            line, images = _dropped_images(session, line)
+            session.ask(line, images)
         except LocalrtError as e:  # the chat goes on after a bad request
             session.err.write(f"Error: {e}\n")
         except KeyboardInterrupt:  # Ctrl-C just before the answer started

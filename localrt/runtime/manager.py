@@ -23,8 +23,10 @@ from typing import Any, ClassVar
 from localrt import config
 from localrt.backends import registry
 from localrt.backends.base import (
+    IMAGE_TOKEN,
     DoneEvent,
     GenerateRequest,
+    ImageInput,
     LoadedModel,
     ScoreResult,
     TextEvent,
@@ -32,6 +34,7 @@ from localrt.backends.base import (
     TokenLogprob,
 )
 from localrt.errors import LocalrtError, ModelNotFound, OptionError, ServerBusy
+from localrt.runtime import images as image_input
 from localrt.runtime import remote
 from localrt.runtime.options import Options, num_parallel
 from localrt.runtime.templates import ChatTemplate, RenderedPrompt, select_template, tokenize_rendered
@@ -94,6 +97,15 @@ class Chunk:
 class EmbedResult:
     model: str
     embeddings: list[list[float]]
+    prompt_eval_count: int
+    total_ns: int
+    load_ns: int
+
+
+@dataclass
+class RerankResult:
+    model: str
+    scores: list[float]  # per document, in the order given
     prompt_eval_count: int
     total_ns: int
     load_ns: int
@@ -188,14 +200,13 @@ class Runtime:
         msgs = [dict(m) for m in messages]
         if resolved.system and not any(m.get("role") == "system" for m in msgs):
             msgs.insert(0, {"role": "system", "content": resolved.system})
+        msgs, pictures = image_input.place_images(msgs)  # decoded and checked before any load
+        _check_vision(resolved, pictures)
         async with self._use(resolved, opts, keep) as (entry, load_ns):
             upstream = remote.chat_prompt(msgs, tools) if remote.is_remote(resolved) else None
             tokens: list[int] = []
             if upstream is None:
-                rendered = await asyncio.to_thread(
-                    entry.template.render, msgs, tools=tools, add_generation_prompt=True
-                )
-                tokens = self._tokenize_prompt(entry, rendered)
+                tokens = await self._render_chat(entry, msgs, tools, pictures)
             async for chunk in self._run(
                 entry,
                 tokens,
@@ -208,8 +219,33 @@ class Runtime:
                 load_ns,
                 tools=bool(tools),
                 upstream=upstream,
+                images=pictures,
             ):
                 yield chunk
+
+    async def _render_chat(
+        self,
+        entry: _Entry,
+        msgs: list[dict[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        pictures: list[ImageInput],
+    ) -> list[int]:
+        rendered = await asyncio.to_thread(
+            entry.template.render, msgs, tools=tools, add_generation_prompt=True
+        )
+        tokens = self._tokenize_prompt(entry, rendered, images=bool(pictures))
+        if pictures and tokens.count(IMAGE_TOKEN) != len(pictures):
+            # a vision model's template may read content only as a list of parts (SmolVLM's does)
+            rendered = await asyncio.to_thread(
+                entry.template.render, msgs, tools=tools, add_generation_prompt=True, typed_content=True
+            )
+            tokens = self._tokenize_prompt(entry, rendered, images=True)
+        if pictures and tokens.count(IMAGE_TOKEN) != len(pictures):
+            raise image_input.ImageError(
+                f'the chat template of "{entry.key}" does not render the messages\' text, so the images '
+                "have no place in the prompt"
+            )
+        return tokens
 
     async def generate(
         self,
@@ -225,8 +261,11 @@ class Runtime:
         logprobs: bool = False,
         top_logprobs: int = 0,
         stream: bool = True,
+        images: Sequence[Any] | None = None,
     ) -> AsyncIterator[Chunk]:
-        """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only."""
+        """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only.
+
+        `images`: base64 strings or bytes, placed at `[img]` in the prompt or in front of it."""
         start = time.perf_counter_ns()
         resolved, opts = self._prepare(model, options)
         format = _check_format(format)
@@ -238,21 +277,34 @@ class Runtime:
             return
         if raw and (system or context):
             raise LocalrtError("raw mode does not support template, system, or context")
+        pictures: list[ImageInput] = []
+        if images:
+            (marked,), pictures = image_input.place_images([{"content": prompt, "images": list(images)}])
+            prompt = marked["content"]
+        _check_vision(resolved, pictures)
         async with self._use(resolved, opts, keep) as (entry, load_ns):
             m = entry.model
             upstream = remote.generate_prompt(resolved, prompt, system, raw, context)
             if upstream is not None:  # a remote model: the upstream templates and tokenizes
                 tokens = []
             elif raw:
-                tokens = m.tokenize(prompt, add_special=True, parse_special=True)
+                tokenize = image_input.split_markers(
+                    lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special)
+                )
+                tokens = tokenize(prompt, True, True)
             else:
                 msgs: list[dict[str, Any]] = []
                 sys_text = system if system is not None else resolved.system
                 if sys_text:
                     msgs.append({"role": "system", "content": sys_text})
                 msgs.append({"role": "user", "content": prompt})
-                rendered = await asyncio.to_thread(entry.template.render, msgs, add_generation_prompt=True)
-                tokens = self._tokenize_prompt(entry, rendered, add_bos=not context)
+                if pictures:
+                    tokens = await self._render_chat(entry, msgs, None, pictures)
+                else:
+                    rendered = await asyncio.to_thread(
+                        entry.template.render, msgs, add_generation_prompt=True
+                    )
+                    tokens = self._tokenize_prompt(entry, rendered, add_bos=not context)
                 tokens = [*(context or []), *tokens]
             async for chunk in self._run(
                 entry,
@@ -264,8 +316,9 @@ class Runtime:
                 stream,
                 start,
                 load_ns,
-                want_context=not raw and upstream is None,
+                want_context=not raw and not pictures and upstream is None,  # image cells have no token ids
                 upstream=upstream,
+                images=pictures,
             ):
                 yield chunk
 
@@ -306,6 +359,30 @@ class Runtime:
             time.perf_counter_ns() - start,
             load_ns,
         )
+
+    async def rerank(
+        self,
+        model: str,
+        query: str,
+        documents: Sequence[str],
+        *,
+        options: Mapping[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+    ) -> RerankResult:
+        """Relevance of each document to the query, from a reranker model (rank pooling)."""
+        start = time.perf_counter_ns()
+        if not isinstance(query, str) or not query:
+            raise LocalrtError("query is required (a string)")
+        if not isinstance(documents, (list, tuple)) or not all(isinstance(d, str) for d in documents):
+            raise LocalrtError("documents must be a list of strings")
+        resolved, opts = self._prepare(model, options)
+        keep = self._keep_alive(keep_alive)
+        async with self._use(resolved, opts, keep) as (entry, load_ns):
+            m = entry.model
+            if not m.capabilities.rerank or not hasattr(m, "rerank"):
+                raise LocalrtError(f'"{resolved.name.display}" does not support reranking')
+            scores, n_tokens = await m.rerank(query, documents) if documents else ([], 0)
+        return RerankResult(resolved.name.display, scores, n_tokens, time.perf_counter_ns() - start, load_ns)
 
     async def tokenize(
         self,
@@ -456,11 +533,17 @@ class Runtime:
             return resolved.draft_path
         return None
 
-    def _tokenize_prompt(self, entry: _Entry, rendered: RenderedPrompt, add_bos: bool = True) -> list[int]:
+    def _tokenize_prompt(
+        self, entry: _Entry, rendered: RenderedPrompt, add_bos: bool = True, images: bool = False
+    ) -> list[int]:
         m = entry.model
+
+        def tokenize(text: str, add: bool, special: bool) -> list[int]:
+            return m.tokenize(text, add_special=add, parse_special=special)
+
         return tokenize_rendered(
             rendered,
-            lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special),
+            image_input.split_markers(tokenize) if images else tokenize,
             m.bos_token_id,
             add_bos and m.add_bos,
         )
@@ -516,6 +599,7 @@ class Runtime:
             opts.flash_attn,
             opts.num_batch,
             num_parallel(),
+            str(resolved.projector_path),
         )
         async with self._cond:
             while True:
@@ -610,7 +694,9 @@ class Runtime:
         draft: Path | None,
     ) -> _Entry:
         backend = registry.get(backend_name)
-        load_opts = opts.load_options(draft_path=draft)
+        load_opts = dataclasses.replace(
+            opts.load_options(draft_path=draft), projector=resolved.projector_path
+        )
         model: LoadedModel = await asyncio.to_thread(backend.load, resolved.model_path, load_opts)
         try:
             template = self._make_template(resolved, model)
@@ -688,9 +774,15 @@ class Runtime:
         tools: bool = False,
         want_context: bool = False,
         upstream: dict[str, Any] | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> AsyncIterator[Chunk]:
         m = entry.model
         name = entry.key
+        if images and not m.capabilities.vision:
+            raise image_input.ImageError(
+                f"the {entry.backend} backend does not support images yet; use the llama.cpp backend "
+                f'for "{name}"'
+            )
         if len(tokens) >= m.context_length:
             raise ContextLengthError(
                 f"the prompt is {len(tokens)} tokens, which does not fit the context length of "
@@ -708,9 +800,9 @@ class Runtime:
             format=format,
             speculative=opts.speculative,
             num_draft=opts.num_draft,
+            images=list(images),
         )
-        if upstream is not None:  # a remote model: the prompt as messages or text (runtime/remote.py)
-            request = dataclasses.replace(request, num_predict=remote.num_predict(opts), **upstream)
+        request = remote.with_upstream(request, opts, upstream)  # a remote model: messages or text
         full: list[str] = []
         held: list[str] = []  # output that may turn into a tool call
         answer_ids: list[int] = []
@@ -770,6 +862,11 @@ class Runtime:
             metrics=metrics,
             context=[*tokens, *answer_ids] if want_context else None,
         )
+
+
+def _check_vision(resolved: ResolvedModel, pictures: Sequence[ImageInput]) -> None:
+    if pictures and resolved.projector_path is None:
+        raise image_input.ImageError(f'"{resolved.name.display}" does not support images')
 
 
 def _ollama_logprob(lp: TokenLogprob) -> dict[str, Any]:

@@ -7,9 +7,11 @@ no OpenAI-compatible server takes are refused with a 400 instead of being droppe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from localrt.backends.base import GenerateRequest
 from localrt.errors import LocalrtError, OptionError
 from localrt.runtime.options import Options
 from localrt.store.store import ResolvedModel
@@ -84,6 +86,12 @@ def generate_prompt(
     return {"messages": [*messages, {"role": "user", "content": prompt}]}
 
 
-def num_predict(opts: Options) -> int:
-    """The upstream bounds an answer by its own context: -1 and -2 both mean no max_tokens."""
-    return opts.num_predict if opts.num_predict >= 0 else -1
+def with_upstream(
+    request: GenerateRequest, opts: Options, upstream: dict[str, Any] | None
+) -> GenerateRequest:
+    """The request for a remote model (`upstream` from chat_prompt/generate_prompt), else unchanged.
+    The upstream bounds an answer by its own context, so -1 and -2 both mean no max_tokens."""
+    if upstream is None:
+        return request
+    num_predict = opts.num_predict if opts.num_predict >= 0 else -1
+    return dataclasses.replace(request, num_predict=num_predict, **upstream)

@@ -2,6 +2,7 @@
 
     # comment
     FROM ./model.gguf | name:tag          (a path is relative to the Modelfile)
+    FROM ./mmproj.gguf                    (a second FROM: a vision model's projector, as in Ollama)
     PARAMETER temperature 0.7             (repeatable; `stop` accumulates a list)
     TEMPLATE \"\"\"...\"\"\"                  (multi-line values in triple quotes)
     SYSTEM "one line"
@@ -27,7 +28,7 @@ from typing import Any
 from localrt.errors import LocalrtError, ModelNotFound
 from localrt.store.names import ModelName, normalize_digest, parse_name
 from localrt.store.remote import REMOTE_PARAMETERS, is_remote_url
-from localrt.store.store import MEDIA_DRAFT, MEDIA_MODEL, Store
+from localrt.store.store import MEDIA_DRAFT, MEDIA_MODEL, MEDIA_PROJECTOR, Store
 
 # Ollama's option types (api/types.go); names not listed are typed from their value.
 PARAMETER_TYPES: dict[str, type] = {
@@ -151,6 +152,8 @@ class Modelfile:
     remotes: list[str] = field(default_factory=list)  # FROM https://host:port/v1 lines: a remote model
     remote_model: str | None = None  # PARAMETER remote_model: the upstream's model id
     api_key_env: str | None = None  # PARAMETER api_key_env: the variable that holds the key
+    projector: str | None = None  # the second FROM: a multimodal projector GGUF
+    projector_line: int = 0
 
 
 def _value(lines: list[str], i: int, rest: str, keyword: str) -> tuple[str, int]:
@@ -244,12 +247,14 @@ def _parameter(mf: Modelfile, lines: list[str], i: int, rest: str, where: str) -
 def _instruction(mf: Modelfile, word: str, value: str, line_no: int, where: str) -> None:
     """FROM / DRAFT / TEMPLATE / SYSTEM into `mf`; several FROM lines are allowed only as a pool of URLs."""
     if word == "FROM":
-        if is_remote_url(value):
-            if mf.from_ is not None and not mf.remotes:
-                raise ModelfileError(f"{where}: a URL FROM after a local FROM (line {mf.from_line})")
-            mf.remotes.append(value.strip())
-        elif mf.from_ is not None:
-            raise ModelfileError(f"{where}: a second FROM (the first is on line {mf.from_line})")
+        if not is_remote_url(value):
+            if mf.remotes:
+                raise ModelfileError(f"{where}: a local FROM after a URL FROM (line {mf.from_line})")
+            _add_from(mf, value, line_no, where)  # the model, or a second one: its projector
+            return
+        if mf.from_ is not None and not mf.remotes:
+            raise ModelfileError(f"{where}: a URL FROM after a local FROM (line {mf.from_line})")
+        mf.remotes.append(value.strip())
         if mf.from_ is None:
             mf.from_, mf.from_line = value, line_no
     elif word == "DRAFT":
@@ -258,6 +263,19 @@ def _instruction(mf: Modelfile, word: str, value: str, line_no: int, where: str)
         mf.template = value
     else:
         mf.system = value
+
+
+def _add_from(mf: Modelfile, value: str, line: int, where: str) -> None:
+    """The first FROM is the model, a second one its projector (Ollama's vision Modelfiles)."""
+    if mf.projector is not None:
+        raise ModelfileError(
+            f"{where}: a third FROM (a model takes one GGUF and one projector, lines "
+            f"{mf.from_line} and {mf.projector_line})"
+        )
+    if mf.from_ is not None:
+        mf.projector, mf.projector_line = value, line
+    else:
+        mf.from_, mf.from_line = value, line
 
 
 def looks_like_path(value: str) -> bool:
@@ -303,6 +321,7 @@ def create(
     remote_model: str | None = None,
     api_key_env: str | None = None,
     insecure: bool = False,
+    projector_path: str | Path | None = None,
 ) -> ModelName:
     """`localrt create`: a model from a GGUF file or an existing model, plus Modelfile overrides.
 
@@ -315,6 +334,7 @@ def create(
         quantize: requantize an F32/F16/BF16 source to this file type (e.g. Q4_K_M) first.
         remote: OpenAI-compatible endpoint URLs (they replace the Modelfile's FROM): a remote model.
         remote_model, api_key_env, insecure: its upstream model id, key variable, plain-http consent.
+        projector_path: a multimodal projector GGUF (mmproj) for a vision model; overrides a second FROM.
     """
     store = store or Store()
     dest = parse_name(name) if isinstance(name, str) else name
@@ -322,6 +342,8 @@ def create(
     if remote:
         mf.remotes, mf.from_ = list(remote), str(remote[0])
     if mf.remotes:
+        if projector_path is not None:
+            raise ModelfileError("--mmproj does not apply to a remote model")
         _create_remote(store, dest, mf, quantize, remote_model, api_key_env, insecure)
         return dest
     if from_path is not None:
@@ -337,6 +359,12 @@ def create(
     draft: Path | ModelName | None = None
     if mf.draft is not None:
         draft = _resolve_source(mf.draft, base, store, where(mf.draft_line))
+    if projector_path is not None:
+        mf.projector, mf.projector_line = str(projector_path), 0
+    projector: Path | ModelName | None = None
+    if mf.projector is not None:
+        projector = _resolve_source(mf.projector, base, store, where(mf.projector_line))
+        source, projector = _model_first(source, projector)
     with quantized(store, source, quantize) as source:
         build_model(
             store,
@@ -347,6 +375,7 @@ def create(
             license_text=mf.license,
             parameters=mf.parameters,
             draft=draft,
+            projector=projector,
         )
     return dest
 
@@ -380,6 +409,19 @@ def _create_remote(
     )
 
 
+def _model_first(
+    source: Path | ModelName, projector: Path | ModelName
+) -> tuple[Path | ModelName, Path | ModelName]:
+    """Two FROM lines in either order, as Ollama takes them: the projector GGUF is the one of arch clip."""
+    from localrt.store.importer import is_projector
+
+    if isinstance(source, Path) and isinstance(projector, Path) and source.is_file() and projector.is_file():
+        with contextlib.suppress(LocalrtError, OSError):
+            if is_projector(source) and not is_projector(projector):
+                return projector, source
+    return source, projector
+
+
 @contextlib.contextmanager
 def quantized(
     store: Store, source: Path | str | ModelName, file_type: str | None
@@ -410,18 +452,21 @@ def build_model(
     license_text: str | None = None,
     parameters: dict[str, Any] | None = None,
     draft: Path | str | ModelName | None = None,
+    projector: Path | str | ModelName | None = None,
 ) -> None:
     """Write `dest` from a GGUF (path or stored digest) or from a stored model whose layers it inherits;
-    the given template/system/license/parameters/draft override the inherited ones."""
+    the given template/system/license/parameters/draft/projector override the inherited ones."""
     from localrt.store.importer import import_gguf
 
     params: dict[str, Any] = {}
     inherited_draft: str | None = None
+    inherited_projector: str | None = None
     if isinstance(source, ModelName):
         # derive: inherit every layer of the stored model, then apply the overrides
         base_model = store.resolve(source)
         gguf: Path | str = _layer_digest(store, source, MEDIA_MODEL) or ""
         inherited_draft = _layer_digest(store, source, MEDIA_DRAFT)
+        inherited_projector = _layer_digest(store, source, MEDIA_PROJECTOR)
         template = template if template is not None else base_model.template
         system = system if system is not None else base_model.system
         license_text = license_text if license_text is not None else base_model.license
@@ -434,6 +479,13 @@ def build_model(
         draft_source = _layer_digest(store, draft, MEDIA_MODEL)
     elif draft is not None:
         draft_source = draft
+    projector_source: Path | str | None = inherited_projector
+    if isinstance(projector, ModelName):
+        projector_source = _layer_digest(store, projector, MEDIA_PROJECTOR)
+        if projector_source is None:
+            raise LocalrtError(f"model '{projector.display}' has no projector to take")
+    elif projector is not None:
+        projector_source = projector
     import_gguf(
         store,
         dest,
@@ -443,6 +495,7 @@ def build_model(
         params=params or None,
         license=license_text,
         draft=draft_source,
+        projector=projector_source,
     )
 
 
@@ -454,28 +507,24 @@ def create_from_request(
     Over HTTP a source is never a server-side path: only stored models and uploaded blobs, so a
     request cannot make the server read arbitrary local files.
     """
-    file_type = fields.get("quantize")
-    if file_type is not None and not isinstance(file_type, str):
-        raise LocalrtError("quantize must be a file type such as Q4_K_M")
-    if fields.get("modelfile"):
-        raise LocalrtError(
-            "the modelfile field is not supported: use from, files, template, system, parameters"
-        )
+    file_type = _check_create_fields(fields)
     if fields.get("remote") is not None:
-        _remote_from_request(name, fields, store, progress)
-        return
+        return _remote_from_request(name, fields, store, progress)
     files, base = fields.get("files"), fields.get("from")
     source: str | ModelName
+    projector: str | None = None
     if files:
         if not isinstance(files, dict):
             raise LocalrtError("files must map file names to sha256 digests")
         ggufs = [digest for fname, digest in files.items() if str(fname).lower().endswith(".gguf")]
-        if len(ggufs) != 1:
-            raise LocalrtError("files must name exactly one .gguf file")
-        source = normalize_digest(str(ggufs[0]))
-        if not store.has_blob(source):
-            raise LocalrtError(f"blob {source} not found: upload it with POST /api/blobs/{source} first")
+        if not 1 <= len(ggufs) <= 2:
+            raise LocalrtError("files must name one .gguf file (two for a vision model and its projector)")
+        blobs = [normalize_digest(str(d)) for d in ggufs]
+        for digest in blobs:
+            if not store.has_blob(digest):
+                raise LocalrtError(f"blob {digest} not found: upload it with POST /api/blobs/{digest} first")
         progress("parsing GGUF")
+        source, projector = _split_projector(store, blobs)
     elif isinstance(base, str) and base:
         source = parse_name(base)
         if not store.exists(source):
@@ -506,7 +555,20 @@ def create_from_request(
             system=texts["system"],
             license_text=texts["license"],
             parameters=checked,
+            projector=projector,
         )
+
+
+def _check_create_fields(fields: dict[str, Any]) -> str | None:
+    """The fields every create request is checked for first; returns the quantize file type."""
+    file_type = fields.get("quantize")
+    if file_type is not None and not isinstance(file_type, str):
+        raise LocalrtError("quantize must be a file type such as Q4_K_M")
+    if fields.get("modelfile"):
+        raise LocalrtError(
+            "the modelfile field is not supported: use from, files, template, system, parameters"
+        )
+    return file_type
 
 
 def _remote_from_request(
@@ -543,3 +605,15 @@ def _remote_from_request(
         template=fields.get("template"),
         license_text=license_text,
     )
+
+
+def _split_projector(store: Store, blobs: list[str]) -> tuple[str, str | None]:
+    """Uploaded GGUF blobs -> (model, projector or None); the projector is the one of arch clip."""
+    from localrt.store.importer import is_projector
+
+    if len(blobs) == 1:
+        return blobs[0], None
+    kinds = [is_projector(store.blob_path(d)) for d in blobs]
+    if kinds.count(True) != 1:
+        raise LocalrtError("of two .gguf files, exactly one must be a multimodal projector (mmproj)")
+    return (blobs[1], blobs[0]) if kinds[0] else (blobs[0], blobs[1])

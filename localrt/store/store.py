@@ -38,6 +38,7 @@ MEDIA_PARAMS = MEDIA_PREFIX + "params"
 MEDIA_LICENSE = MEDIA_PREFIX + "license"
 MEDIA_DRAFT = MEDIA_PREFIX + "draft"
 REMOTE_FORMAT = "remote"  # config `model_format` of a remote model (localrt/store/remote.py)
+MEDIA_PROJECTOR = MEDIA_PREFIX + "projector"  # Ollama's: a vision model's multimodal projector GGUF
 MAX_MANIFEST_BYTES = 4 << 20
 HASH_CHUNK = 1 << 20
 
@@ -80,6 +81,7 @@ class ResolvedModel:
     config: dict[str, Any] = field(default_factory=dict)
     # a remote model (localrt/store/remote.py): its endpoints; model_path is then its config blob
     remote: dict[str, Any] | None = None
+    projector_path: Path | None = None  # the mmproj GGUF of a vision model
 
     @property
     def size(self) -> int:
@@ -245,6 +247,8 @@ class Store:
                 extras.setdefault("model_path", blob)
             elif media == MEDIA_DRAFT:
                 extras["draft_path"] = blob
+            elif media == MEDIA_PROJECTOR:
+                extras.setdefault("projector_path", blob)
             elif media == MEDIA_TEMPLATE:
                 extras["template"] = blob.read_text(encoding="utf-8")
             elif media == MEDIA_SYSTEM:
@@ -265,6 +269,10 @@ class Store:
             raise LocalrtError(f"model '{name.display}' has no GGUF model layer")
         if not extras["model_path"].is_file():
             raise LocalrtError(f"model '{name.display}' is damaged: its model blob is missing; pull it again")
+        if "projector_path" in extras and not extras["projector_path"].is_file():
+            raise LocalrtError(
+                f"model '{name.display}' is damaged: its projector blob is missing; pull it again"
+            )
         return ResolvedModel(name=name, manifest=manifest, manifest_digest=digest, config=cfg, **extras)
 
     # ---- copy / remove / gc ----------------------------------------------------------------
