@@ -105,6 +105,14 @@ class CancelToken:
         return self._event.is_set()
 
 
+@dataclass(frozen=True)
+class GBNF:
+    """A grammar in llama.cpp's GBNF, for output `format` cannot describe (a model family's tool-call
+    syntax when a tool call is required; a test forcing an exact reply)."""
+
+    text: str
+
+
 IMAGE_TOKEN = -1  # stands in prompt_tokens for one image of GenerateRequest.images, in order
 
 
@@ -126,7 +134,7 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
-    format: str | dict[str, Any] | None = None  # "json" or a JSON schema (needs Capabilities.grammar)
+    format: str | dict[str, Any] | GBNF | None = None  # "json", a JSON schema or GBNF (Capabilities.grammar)
     speculative: str = "off"
     num_draft: int | None = None  # None = the backend's default for the mode
     cancel: CancelToken = field(default_factory=CancelToken)
@@ -135,6 +143,9 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     prompt_text: str | None = None
+    # control tokens whose text the answer keeps (thinking tags, tool-call markers, harmony headers):
+    # the runtime parses them out of the text, as llama-server's preserved tokens
+    preserve_tokens: frozenset[int] = frozenset()
     images: list[ImageInput] = field(default_factory=list)  # needs Capabilities.vision
 
 

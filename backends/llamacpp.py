@@ -705,7 +705,7 @@ class LlamaCppModel:
                         finish, done = "stop", True
                         break
                     lp = self._logprob(m, row, token, req.top_logprobs) if want_lp else None
-                    event, stopped = text.add(token, m.piece(token), lp)
+                    event, stopped = text.add(token, m.piece(token, token in req.preserve_tokens), lp)
                     if event is not None:
                         emit(event)
                     if stopped:

@@ -111,6 +111,7 @@ class Client(Protocol):
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]: ...
 
     async def list_models(self) -> list[ModelRow]: ...
@@ -145,6 +146,7 @@ class Client(Protocol):
         api_key_env: str | None = None,
         insecure: bool = False,
         projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str: ...
 
     async def context_length(self, model: str, options: Mapping[str, Any] | None = None) -> int | None: ...
@@ -229,10 +231,11 @@ class RuntimeClient:
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]:
         # the runtime's own generator: closing or cancelling it cancels the generation there
         return self.runtime.chat(
-            model, messages, options=options or None, format=format, keep_alive=keep_alive
+            model, messages, options=options or None, format=format, keep_alive=keep_alive, think=think
         )
 
     async def list_models(self) -> list[ModelRow]:
@@ -379,6 +382,7 @@ class RuntimeClient:
         api_key_env: str | None = None,
         insecure: bool = False,
         projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str:
         from localrt.store.modelfile import create
 
@@ -395,6 +399,7 @@ class RuntimeClient:
             api_key_env=api_key_env,
             insecure=insecure,
             projector_path=projector_path,
+            imatrix=imatrix_path,
         )
         return name.display
 
@@ -493,6 +498,7 @@ class ServerClient:
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]:
         body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages], "stream": True}
         if options:
@@ -501,6 +507,8 @@ class ServerClient:
             body["format"] = format
         if keep_alive is not None:
             body["keep_alive"] = keep_alive
+        if think is not None:
+            body["think"] = think
         async for item in self._ndjson("/api/chat", body):
             message = item.get("message") or {}
             yield Chunk(
@@ -632,6 +640,7 @@ class ServerClient:
         api_key_env: str | None = None,
         insecure: bool = False,
         projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str:
         """As `ollama create`: the Modelfile is read here, a local GGUF is uploaded as a blob, and
         the server builds the model from `files` or `from` (it never reads a path of ours). A projector
@@ -642,12 +651,11 @@ class ServerClient:
         emit = status or _ignore_status
         name = parse_name(model)
         mf = parse_modelfile(modelfile_text) if modelfile_text is not None else Modelfile()
-        if remote:
-            mf.remotes = list(remote)
-        if mf.remotes:  # a remote model: the server checks the URLs and asks the upstream (SPEC 8)
-            if quantize:
-                raise LocalrtError("--quantize does not apply to a remote model (its weights live upstream)")
-            return await self._create_remote(name.display, mf, remote_model, api_key_env, insecure, emit)
+        if remote or mf.remotes:  # a remote model (SPEC 8)
+            mf.remotes = list(remote or mf.remotes)
+            return await self._create_remote(
+                name.display, mf, remote_model, api_key_env, insecure, quantize, emit
+            )
         if from_path is not None:
             mf.from_ = from_path
         if not mf.from_:
@@ -677,6 +685,8 @@ class ServerClient:
                 body[key] = getattr(mf, key)
         if quantize:
             body["quantize"] = quantize
+        if imatrix_path is not None:  # uploaded like the GGUF; the server weights --quantize with it
+            body["imatrix"] = await self._upload(Path(imatrix_path), emit)
         async for item in self._ndjson("/api/create", body):
             emit(str(item.get("status", "")))
         return name.display
@@ -688,8 +698,12 @@ class ServerClient:
         remote_model: str | None,
         api_key_env: str | None,
         insecure: bool,
+        quantize: str | None,
         emit: StatusFn,
     ) -> str:
+        """Through /api/create: the server checks the URLs and asks the upstream for its model."""
+        if quantize:
+            raise LocalrtError("--quantize does not apply to a remote model (its weights live upstream)")
         body = _remote_create_body(mf, remote_model, api_key_env, insecure)
         async for item in self._ndjson("/api/create", {"model": name, "stream": True, **body}):
             emit(str(item.get("status", "")))

@@ -8,7 +8,7 @@ from typing import Any
 
 from localrt.errors import LocalrtError
 from localrt.runtime.family_templates import TemplateChoice
-from localrt.runtime.templates import select_template
+from localrt.runtime.templates import is_go_template, select_template
 from localrt.store.gguf import GGUFInfo
 from localrt.store.store import ResolvedModel
 
@@ -56,11 +56,18 @@ def media_capabilities(model: ResolvedModel, info: GGUFInfo, capabilities: list[
 
 
 def model_capabilities(model: ResolvedModel, info: GGUFInfo) -> list[str]:
-    """`capabilities` of /api/show and `localrt show` (completion, tools, then issue 19's vision/rerank)."""
-    caps = ["completion"]
-    if "tools" in template_of(model, info):
-        caps.append("tools")
-    return media_capabilities(model, info, caps)
+    """`capabilities` of /api/show and `localrt show`: completion (or embedding), tools and thinking
+    from the template the runtime renders with (issue 17), then issue 19's vision/rerank."""
+    from localrt.runtime.thinking import capabilities, model_format
+
+    tokens = info.metadata.get("tokenizer.ggml.tokens") or []
+    types = info.metadata.get("tokenizer.ggml.token_type") or []
+    specials = [t for t, kind in zip(tokens, types) if kind in (3, 4)]  # control, user-defined
+    if model.template is not None and is_go_template(model.template):
+        fmt = model_format(model.template)  # a Go TEMPLATE is kept, not run: read what it shows
+    else:
+        fmt = model_format(template_choice(model, info).source, specials)
+    return media_capabilities(model, info, capabilities(fmt, info.metadata))
 
 
 def projector_rows(meta: Any) -> list[tuple[str, str]]:

@@ -17,6 +17,7 @@ from localrt.backends.base import (
     TokenLogprob,
     TopLogprob,
 )
+from localrt.errors import OptionError
 
 MAX_ERROR_TEXT = 300
 
@@ -58,6 +59,8 @@ def response_format(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     if fmt == "json":
         return {"type": "json_object"}
+    if not isinstance(fmt, dict):  # a GBNF grammar (the grammar option, tool_choice "required")
+        raise OptionError("grammars (and tool_choice 'required') are not available for remote models")
     return {"type": "json_schema", "json_schema": {"name": "response", "schema": fmt}}
 
 

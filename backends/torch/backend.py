@@ -252,7 +252,7 @@ class TorchModel(VocabMethods):
 
         def on_token(s: Any, token: int, logits: Any) -> bool:  # engine thread
             lp = self._logprob(logits, token, req.top_logprobs) if want_lp else None
-            event, stopped = text.add(token, self.vocab.piece(token), lp)
+            event, stopped = text.add(token, self.vocab.piece(token, token in req.preserve_tokens), lp)
             if event is not None:
                 put(event)
             return stopped

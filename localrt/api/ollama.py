@@ -147,7 +147,7 @@ async def show(request: Request) -> dict[str, Any]:
     info = read_gguf(resolved.model_path)
     params = "\n".join(f"{k:<30}{v}" for k, v in parameter_lines(resolved.params))
     template = template_of(resolved, info)
-    capabilities = model_capabilities(resolved, info)  # issue 19 adds vision, rerank
+    capabilities = model_capabilities(resolved, info)
     extra: dict[str, Any] = {}
     if resolved.projector_path is not None:
         extra["projector_info"] = read_gguf(resolved.projector_path).summary()
@@ -345,6 +345,8 @@ def chunk_to_generate(chunk: Chunk) -> dict[str, Any]:
         "response": chunk.content,
         "done": chunk.done,
     }
+    if chunk.thinking:
+        out["thinking"] = chunk.thinking
     if chunk.logprobs:
         out["logprobs"] = chunk.logprobs
     if chunk.done:
@@ -359,6 +361,8 @@ def chunk_to_generate(chunk: Chunk) -> dict[str, Any]:
 
 def chunk_to_chat(chunk: Chunk) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": chunk.content}
+    if chunk.thinking:
+        message["thinking"] = chunk.thinking
     if chunk.tool_calls:
         message["tool_calls"] = chunk.tool_calls
     out: dict[str, Any] = {
@@ -451,6 +455,7 @@ async def generate(request: Request) -> Response:
         logprobs=bool_field(f, "logprobs", False),
         top_logprobs=f.get("top_logprobs") or 0,
         stream=stream,
+        think=f.get("think"),
     )
     return await generation_response(request, chunks, stream, chunk_to_generate)
 
@@ -490,6 +495,7 @@ async def chat(request: Request) -> Response:
         logprobs=bool_field(f, "logprobs", False),
         top_logprobs=f.get("top_logprobs") or 0,
         stream=stream,
+        think=f.get("think"),
     )
     return await generation_response(request, chunks, stream, chunk_to_chat)
 

@@ -20,6 +20,7 @@ from localrt.api.streaming import first_and_rest, sse_response
 from localrt.errors import LocalrtError, ModelNotFound
 from localrt.runtime import images as image_input
 from localrt.runtime.manager import Chunk, Metrics
+from localrt.runtime.thinking import think_from_effort
 from localrt.store.names import parse_name
 
 router = APIRouter(prefix="/v1")
@@ -66,6 +67,7 @@ EXTRA_OPTIONS = (
     "repeat_penalty",
     "repeat_last_n",
     "num_ctx",
+    "grammar",
     "num_keep",
     "num_thread",
     "num_gpu",
@@ -202,6 +204,9 @@ def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
                     raise OpenAIParamError("messages", "tool call arguments must be JSON") from None
                 calls.append({"id": call.get("id"), "function": {"name": fn.get("name"), "arguments": args}})
             msg["tool_calls"] = calls
+        thinking = m.get("reasoning_content") or m.get("reasoning")
+        if thinking and m["role"] == "assistant":
+            msg["thinking"] = thinking
         if m.get("tool_call_id"):
             msg["tool_call_id"] = m["tool_call_id"]
         if m.get("name"):
@@ -211,12 +216,13 @@ def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def openai_tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The runtime's calls as OpenAI's: each whole in one entry (id, name and all its arguments)."""
     if not calls:
         return None
     return [
         {
-            "index": i,
-            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "index": c["function"].get("index", i),
+            "id": c.get("id") or f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
             "function": {
                 "name": c["function"]["name"],
@@ -359,6 +365,9 @@ async def chat_completions(request: Request) -> Response:
         logprobs=want_logprobs,
         top_logprobs=top,
         stream=stream,
+        think=think_from_effort(f.get("reasoning_effort")),
+        tool_choice=f.get("tool_choice"),
+        parallel_tool_calls=f.get("parallel_tool_calls"),
     )
 
     def whole(final: Chunk) -> dict[str, Any]:
@@ -367,6 +376,8 @@ async def chat_completions(request: Request) -> Response:
             "content": final.content,
             "tool_calls": openai_tool_calls(final.tool_calls),
         }
+        if final.thinking:
+            message["reasoning_content"] = final.thinking
         if message["tool_calls"]:
             message["content"] = final.content or None
         return {
@@ -376,17 +387,22 @@ async def chat_completions(request: Request) -> Response:
             "logprobs": openai_logprobs(final.logprobs) if want_logprobs else None,
         }
 
+    called = False  # a streamed call arrives before the final chunk; finish_reason must still say so
+
     def piece(chunk: Chunk, first: bool) -> dict[str, Any] | None:
+        nonlocal called
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if chunk.thinking:
+            delta["reasoning_content"] = chunk.thinking
         if chunk.content:
             delta["content"] = chunk.content
         if chunk.tool_calls:
             delta["tool_calls"] = openai_tool_calls(chunk.tool_calls)
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": delta,
-            "finish_reason": finish_reason(chunk) if chunk.done else None,
-        }
+            called = True
+        reason = None
+        if chunk.done:
+            reason = "tool_calls" if called or chunk.tool_calls else finish_reason(chunk)
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
         if want_logprobs and chunk.logprobs:
             choice["logprobs"] = openai_logprobs(chunk.logprobs)
         return choice if delta or chunk.done else None

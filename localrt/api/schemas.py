@@ -25,6 +25,7 @@ from localrt.runtime.options import (
     BACKEND_NAMES,
     IGNORED_OPTIONS,
     KV_ALIASES,
+    MAX_GRAMMAR_LENGTH,
     MAX_NUM_CTX,
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,
@@ -128,8 +129,8 @@ def option_schema(name: str) -> dict[str, Any]:
             out["minimum"] = lo
         if hi is not None:
             out["maximum"] = hi
-        return {"anyOf": [out, {"type": "null"}]} if name == "num_draft" else out
-    return {
+        return {"anyOf": [out, {"type": "null"}]}  # null: not set
+    spec = {
         "stop": {
             "anyOf": [
                 {"type": "string", "maxLength": MAX_STOP_LENGTH},
@@ -143,12 +144,23 @@ def option_schema(name: str) -> dict[str, Any]:
         "backend": {"type": "string", "enum": [*BACKEND_NAMES, *BACKEND_ALIASES]},
         "kv_cache_type": {"type": "string", "enum": [*KV_CACHE_TYPES, *KV_ALIASES]},
         "speculative": {"type": "string", "enum": list(SPECULATIVE_MODES)},
-        "draft_model": {"type": ["string", "null"]},
-        "flash_attn": {"type": ["boolean", "null"]},
+        "draft_model": {"type": "string"},
+        "flash_attn": {"type": "boolean"},
+        "grammar": {"type": "string", "maxLength": MAX_GRAMMAR_LENGTH, "pattern": "root"},
     }[name]
+    return {"anyOf": [spec, {"type": "null"}]}
 
 
-OPTION_KEYS = (*_RANGES, "stop", "backend", "kv_cache_type", "speculative", "draft_model", "flash_attn")
+OPTION_KEYS = (
+    *_RANGES,
+    "stop",
+    "backend",
+    "kv_cache_type",
+    "speculative",
+    "draft_model",
+    "flash_attn",
+    "grammar",
+)
 OPTIONS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
@@ -206,11 +218,16 @@ Format = Annotated[
     Field(description='"json" or a JSON schema the output must follow'),
 ]
 TopLogprobs = Annotated[Int | None, Field(ge=0, le=20)]
+ThinkValue = Annotated[
+    bool | Literal["low", "medium", "high", "max"] | None,
+    Field(description="think before answering: true/false or a level (a model that cannot think: 400)"),
+]
 
 
 class Message(Wire):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
+    thinking: str | None = None
     images: list[str] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_name: str | None = None
@@ -291,6 +308,7 @@ class _Generation(Named):
     stream: bool | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs = None
+    think: ThinkValue = None
 
 
 class GenerateRequest(_Generation):
@@ -357,6 +375,8 @@ class ImagePart(Wire):
 class OpenAIMessage(Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart | ImagePart] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -404,6 +424,7 @@ class OpenAISampling(Wire):
     min_p: option_field("min_p") = None
     repeat_penalty: option_field("repeat_penalty") = None
     num_ctx: option_field("num_ctx") = None
+    grammar: option_field("grammar") = None
     backend: option_field("backend") = None
     speculative: option_field("speculative") = None
     options: OptionsField = None
@@ -412,10 +433,26 @@ class OpenAISampling(Wire):
     stream_options: StreamOptions | None = None
 
 
+class NamedFunction(Wire):
+    name: str
+
+
+class NamedToolChoice(Wire):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatCompletionRequest(OpenAISampling):
     model: ModelName
     messages: Annotated[list[OpenAIMessage], Field(min_length=1)]
     tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs = None
@@ -562,12 +599,14 @@ class GenerateResponse(Timings):
     model: str
     created_at: str
     response: str
+    thinking: str | None = None
     context: list[int] | None = None
 
 
 class ChatMessageOut(Out):
     role: Literal["assistant"]
     content: str
+    thinking: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -640,6 +679,7 @@ class Usage(Out):
 class CompletionMessage(Out):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 

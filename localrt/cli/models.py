@@ -173,6 +173,7 @@ def add_create(sub: Subparsers) -> argparse.ArgumentParser:
     p.add_argument("-q", "--quantize", default=None, help="requantize to TYPE (e.g. Q4_K_M)")
     add_remote_args(p)
     p.add_argument("--mmproj", default=None, help="a vision model's projector GGUF (mmproj-*.gguf)")
+    p.add_argument("--imatrix", default=None, help="importance matrix weighting --quantize (localrt imatrix)")
     p.set_defaults(func=cmd_create)
     return p
 
@@ -216,6 +217,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             quantize=args.quantize,
             **remote_kwargs(args),
             projector_path=args.mmproj,
+            imatrix_path=args.imatrix,
         )
     )
     print(f"success: created '{name}'")

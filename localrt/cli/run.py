@@ -30,8 +30,23 @@ def add_run(sub: Subparsers) -> argparse.ArgumentParser:
         "--image", action="append", default=None, metavar="FILE", help="attach an image (repeatable)"
     )
     p.add_argument("--insecure", action="store_true")
+    add_think_arguments(p)
     p.set_defaults(func=cmd_run)
     return p
+
+
+def add_think_arguments(p: argparse.ArgumentParser) -> None:
+    """`run --think [low|medium|high]`, `--nothink`, `--hidethinking` (as Ollama's)."""
+    p.add_argument(
+        "--think",
+        nargs="?",
+        const="true",
+        default=None,
+        choices=["true", "false", "low", "medium", "high"],
+        help="think before answering (a level for models that take one)",
+    )
+    p.add_argument("--nothink", action="store_true", help="answer without thinking")
+    p.add_argument("--hidethinking", action="store_true", help="think, but do not print the thinking")
 
 
 def cmd_run(args: argparse.Namespace) -> int:

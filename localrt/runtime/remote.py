@@ -35,6 +35,7 @@ UNSUPPORTED = (
     "draft_model",
     "num_draft",
     "backend",
+    "grammar",
 )
 
 

@@ -322,6 +322,7 @@ def create(
     api_key_env: str | None = None,
     insecure: bool = False,
     projector_path: str | Path | None = None,
+    imatrix: str | Path | None = None,
 ) -> ModelName:
     """`localrt create`: a model from a GGUF file or an existing model, plus Modelfile overrides.
 
@@ -335,6 +336,7 @@ def create(
         remote: OpenAI-compatible endpoint URLs (they replace the Modelfile's FROM): a remote model.
         remote_model, api_key_env, insecure: its upstream model id, key variable, plain-http consent.
         projector_path: a multimodal projector GGUF (mmproj) for a vision model; overrides a second FROM.
+        imatrix: an importance-matrix file that weights that quantization (`localrt imatrix`).
     """
     store = store or Store()
     dest = parse_name(name) if isinstance(name, str) else name
@@ -365,7 +367,7 @@ def create(
     if mf.projector is not None:
         projector = _resolve_source(mf.projector, base, store, where(mf.projector_line))
         source, projector = _model_first(source, projector)
-    with quantized(store, source, quantize) as source:
+    with quantized(store, source, quantize, _load_imatrix(imatrix, quantize)) as source:
         build_model(
             store,
             dest,
@@ -409,6 +411,19 @@ def _create_remote(
     )
 
 
+def _load_imatrix(path: str | Path | None, file_type: str | None, label: str | None = None) -> Any:
+    """(Imatrix, the label llama-quantize would record) for --imatrix, or None; checked up front."""
+    if path is None:
+        return None
+    from localrt.converters import imatrix as imatrix_io
+    from localrt.converters.mixes import parse_file_type
+
+    if not file_type:
+        raise LocalrtError("--imatrix needs --quantize TYPE")
+    imatrix_io.check_quantized(parse_file_type(file_type), imatrix_io.Imatrix())
+    return imatrix_io.read(path), label or str(path)
+
+
 def _model_first(
     source: Path | ModelName, projector: Path | ModelName
 ) -> tuple[Path | ModelName, Path | ModelName]:
@@ -424,10 +439,11 @@ def _model_first(
 
 @contextlib.contextmanager
 def quantized(
-    store: Store, source: Path | str | ModelName, file_type: str | None
+    store: Store, source: Path | str | ModelName, file_type: str | None, imatrix: Any = None
 ) -> Iterator[Path | str | ModelName]:
     """The source itself, or (with a file type) a requantized copy in a temp folder inside the store,
-    so the finished GGUF moves into blobs/ without crossing filesystems; the folder goes afterwards."""
+    so the finished GGUF moves into blobs/ without crossing filesystems; the folder goes afterwards.
+    `imatrix`: (Imatrix, label) from _load_imatrix, weighting the quantization."""
     if not file_type:
         yield source
         return
@@ -439,7 +455,8 @@ def quantized(
         source = store.blob_path(source)
     store.blobs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=store.root, prefix=".quantize-") as tmp:
-        yield requantize(Path(source), Path(tmp) / "model.gguf", file_type)
+        im, label = imatrix if imatrix is not None else (None, "")
+        yield requantize(Path(source), Path(tmp) / "model.gguf", file_type, imatrix=im, imatrix_label=label)
 
 
 def build_model(
@@ -499,6 +516,18 @@ def build_model(
     )
 
 
+def _imatrix_blob(store: Store, digest: Any, file_type: str | None) -> Any:
+    """The `imatrix` field of /api/create: the digest of an uploaded importance-matrix blob."""
+    if digest is None:
+        return None
+    if not isinstance(digest, str) or not digest:
+        raise LocalrtError("imatrix must be the sha256 digest of an uploaded blob")
+    blob = normalize_digest(digest)
+    if not store.has_blob(blob):
+        raise LocalrtError(f"blob {blob} not found: upload it with POST /api/blobs/{blob} first")
+    return _load_imatrix(store.blob_path(blob), file_type, label=blob)
+
+
 def create_from_request(
     name: ModelName, fields: dict[str, Any], *, store: Store, progress: Callable[[str], None]
 ) -> None:
@@ -543,9 +572,10 @@ def create_from_request(
         if value is not None and not isinstance(value, str):
             raise LocalrtError(f"{key} must be a string")
         texts[key] = value
+    weights = _imatrix_blob(store, fields.get("imatrix"), file_type)
     if file_type:
         progress(f"quantizing model to {file_type}")
-    with quantized(store, source, file_type) as model_source:
+    with quantized(store, source, file_type, weights) as model_source:
         progress("writing manifest")
         build_model(
             store,
