@@ -290,6 +290,13 @@ class CreateRequest(Named):
     parameters: dict[str, Any] | None = None
     messages: list[Message] | None = None
     stream: bool | None = None
+    # a remote model (SPEC 8): OpenAI-compatible endpoint URLs instead of weights
+    remote: str | list[str] | None = Field(None, description="endpoint URL(s), e.g. https://host:8000/v1")
+    remote_model: str | None = Field(None, description="the upstream's model id")
+    api_key_env: str | None = Field(
+        None, description="name of the server's environment variable with the key"
+    )
+    insecure: bool | None = Field(None, description="allow plain http to a non-loopback endpoint")
 
 
 class _Generation(Named):
