@@ -53,6 +53,11 @@ SPECS: dict[str, BackendSpec] = {
 }
 
 
+# Not a local engine: chosen by the store for remote models (never by `auto`), so it stays out of SPECS,
+# which lists the backends that load GGUF files (`installed()`, conformance tests, `auto`).
+REMOTE = BackendSpec("remote", "localrt.backends.remote", "RemoteBackend", ("httpx",), "pip install httpx")
+
+
 @dataclass(frozen=True)
 class BackendStatus:
     name: str
@@ -74,7 +79,7 @@ def _module_present(module: str) -> bool:
 
 def status(name: str) -> BackendStatus:
     name = normalize(name)
-    spec = SPECS.get(name)
+    spec = SPECS.get(name) or (REMOTE if name == REMOTE.name else None)
     if spec is None:
         raise OptionError(f"unknown backend {name!r} (use {', '.join(['auto', *SPECS])})")
     if not _module_present(spec.module):
@@ -112,7 +117,7 @@ def get(name: str) -> Any:
     st = status(name)
     if not st.installed:
         raise BackendUnavailable(f"backend {st.name} is not available: {st.reason}")
-    return _backend_class(SPECS[st.name])
+    return _backend_class(SPECS.get(st.name) or REMOTE)
 
 
 def has_cuda() -> bool:

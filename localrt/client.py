@@ -87,6 +87,8 @@ class ModelDetails:
     license: str = ""
     modelfile: str = ""
     template_origin: str = ""  # which template renders prompts: the file's, the Modelfile's, a family's
+    remote_model: str = ""  # a remote model (SPEC 8): the upstream's model id
+    endpoints: list[tuple[str, str]] = field(default_factory=list)  # (url, "ok" or why it is down)
     capabilities: list[str] = field(default_factory=list)  # completion, tools, vision, rerank, ...
     projector: list[tuple[str, str]] = field(default_factory=list)  # a vision model's projector facts
 
@@ -141,6 +143,10 @@ class Client(Protocol):
         base_dir: str | None = None,
         quantize: str | None = None,
         status: StatusFn | None = None,
+        remote: Sequence[str] | None = None,
+        remote_model: str | None = None,
+        api_key_env: str | None = None,
+        insecure: bool = False,
         projector_path: str | None = None,
         imatrix_path: str | None = None,
     ) -> str: ...
@@ -156,6 +162,44 @@ class Client(Protocol):
 
 def _ignore_status(_: str) -> None:
     pass
+
+
+def _remote_create_body(
+    mf: Any, remote_model: str | None, api_key_env: str | None, insecure: bool
+) -> dict[str, Any]:
+    """`/api/create` fields for a remote model (the key's variable is read in the server's environment)."""
+    body: dict[str, Any] = {
+        "remote": mf.remotes,
+        "remote_model": remote_model or mf.remote_model,
+        "api_key_env": api_key_env or mf.api_key_env,
+        "insecure": insecure,
+    }
+    if mf.parameters:
+        body["parameters"] = mf.parameters
+    for key in ("template", "system", "license"):
+        if getattr(mf, key) is not None:
+            body[key] = getattr(mf, key)
+    return body
+
+
+def _remote_details(resolved: Any) -> ModelDetails:
+    """`show` of a remote model: no GGUF; its endpoints probed now."""
+    from localrt.show import parameter_lines, remote_health, remote_modelfile_text
+
+    return ModelDetails(
+        architecture="remote",
+        parameters="",
+        context_length=None,
+        embedding_length=None,
+        quantization="",
+        parameter_lines=parameter_lines(resolved.params),
+        template=resolved.template or "",
+        system=resolved.system or "",
+        license=str(resolved.license or ""),
+        modelfile=remote_modelfile_text(resolved),
+        remote_model=str(resolved.remote.get("model", "")),
+        endpoints=remote_health(resolved),
+    )
 
 
 # ---- in process -------------------------------------------------------------------------------
@@ -227,8 +271,19 @@ class RuntimeClient:
         from localrt.store.gguf import format_parameter_count, read_gguf
 
         resolved = await asyncio.to_thread(self.store.resolve, model)
-        info = await asyncio.to_thread(read_gguf, resolved.model_path)
         loaded = [row for row in self.runtime.ps() if row.name == resolved.name.display]
+        if resolved.remote is not None:  # no GGUF here: the model lives on its endpoints
+            return ModelInfo(
+                name=resolved.name.display,
+                architecture=f"remote: {resolved.remote.get('model', '')}",
+                parameters="",
+                quantization="",
+                context_length=None,
+                size=0,
+                backend=f"remote ({', '.join(resolved.remote.get('endpoints') or [])})",
+                loaded_context=loaded[0].context_length if loaded else None,
+            )
+        info = await asyncio.to_thread(read_gguf, resolved.model_path)
         if loaded:
             backend, loaded_ctx = loaded[0].backend, loaded[0].context_length
         else:
@@ -266,6 +321,8 @@ class RuntimeClient:
         from localrt.store.names import parse_name
 
         resolved = self.store.resolve(parse_name(model))
+        if resolved.remote is not None:
+            return _remote_details(resolved)
         info = read_gguf(resolved.model_path)
         return ModelDetails(
             architecture=info.architecture or "unknown",
@@ -330,6 +387,10 @@ class RuntimeClient:
         base_dir: str | None = None,
         quantize: str | None = None,
         status: StatusFn | None = None,
+        remote: Sequence[str] | None = None,
+        remote_model: str | None = None,
+        api_key_env: str | None = None,
+        insecure: bool = False,
         projector_path: str | None = None,
         imatrix_path: str | None = None,
     ) -> str:
@@ -343,6 +404,10 @@ class RuntimeClient:
             store=self.store,
             base_dir=base_dir,
             quantize=quantize,
+            remote=remote,
+            remote_model=remote_model,
+            api_key_env=api_key_env,
+            insecure=insecure,
             projector_path=projector_path,
             imatrix=imatrix_path,
         )
@@ -358,6 +423,8 @@ class RuntimeClient:
                 return row.context_length
         # not loaded yet: num_ctx as the runtime will ask for it, capped by what the model was trained for
         num_ctx = Options.merge(resolved.params, options, lenient=(True, False)).num_ctx
+        if resolved.remote is not None:  # the upstream's context is known once it is loaded
+            return None
         trained = (await asyncio.to_thread(read_gguf, resolved.model_path)).context_length
         return min(num_ctx, trained) if trained else num_ctx
 
@@ -541,6 +608,11 @@ class ServerClient:
             license=data.get("license") or "",
             modelfile=data.get("modelfile") or "",
             template_origin=data.get("template_origin") or "",
+            remote_model=str((data.get("remote") or {}).get("model") or ""),
+            endpoints=[
+                (e.get("url", ""), e.get("health", ""))
+                for e in (data.get("remote") or {}).get("endpoints", [])
+            ],
             capabilities=list(data.get("capabilities") or []),
             projector=_projector_rows(data.get("projector_info")),
         )
@@ -579,6 +651,10 @@ class ServerClient:
         base_dir: str | None = None,
         quantize: str | None = None,
         status: StatusFn | None = None,
+        remote: Sequence[str] | None = None,
+        remote_model: str | None = None,
+        api_key_env: str | None = None,
+        insecure: bool = False,
         projector_path: str | None = None,
         imatrix_path: str | None = None,
     ) -> str:
@@ -591,6 +667,11 @@ class ServerClient:
         emit = status or _ignore_status
         name = parse_name(model)
         mf = parse_modelfile(modelfile_text) if modelfile_text is not None else Modelfile()
+        if remote or mf.remotes:  # a remote model (SPEC 8)
+            mf.remotes = list(remote or mf.remotes)
+            return await self._create_remote(
+                name.display, mf, remote_model, api_key_env, insecure, quantize, emit
+            )
         if from_path is not None:
             mf.from_ = from_path
         if not mf.from_:
@@ -625,6 +706,24 @@ class ServerClient:
         async for item in self._ndjson("/api/create", body):
             emit(str(item.get("status", "")))
         return name.display
+
+    async def _create_remote(
+        self,
+        name: str,
+        mf: Any,
+        remote_model: str | None,
+        api_key_env: str | None,
+        insecure: bool,
+        quantize: str | None,
+        emit: StatusFn,
+    ) -> str:
+        """Through /api/create: the server checks the URLs and asks the upstream for its model."""
+        if quantize:
+            raise LocalrtError("--quantize does not apply to a remote model (its weights live upstream)")
+        body = _remote_create_body(mf, remote_model, api_key_env, insecure)
+        async for item in self._ndjson("/api/create", {"model": name, "stream": True, **body}):
+            emit(str(item.get("status", "")))
+        return name
 
     async def _upload(self, path: Path, emit: StatusFn) -> str:
         """The blob's digest, uploaded first unless the server already has it (HEAD /api/blobs)."""

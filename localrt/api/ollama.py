@@ -142,6 +142,8 @@ async def show(request: Request) -> dict[str, Any]:
     body = await wire.read_json(request, wire.ModelRequest)
     store = store_of(request)
     resolved = store.resolve(parse_name(required_model(body)))
+    if resolved.remote is not None:
+        return await show_remote(store, resolved)
     info = read_gguf(resolved.model_path)
     params = "\n".join(f"{k:<30}{v}" for k, v in parameter_lines(resolved.params))
     template = template_of(resolved, info)
@@ -163,6 +165,33 @@ async def show(request: Request) -> dict[str, Any]:
         "modified_at": rfc3339(store.manifest_path(resolved.name).stat().st_mtime)
         if store.manifest_path(resolved.name).exists()
         else None,
+    }
+
+
+async def show_remote(store: Store, resolved: ResolvedModel) -> dict[str, Any]:
+    """`/api/show` for a remote model: its endpoints (probed now) and upstream model id."""
+    import asyncio
+
+    from localrt.show import parameter_lines, remote_health, remote_modelfile_text
+
+    health = await asyncio.to_thread(remote_health, resolved)
+    remote = resolved.remote or {}
+    path = store.manifest_path(resolved.name)
+    return {
+        "license": resolved.license or "",
+        "modelfile": remote_modelfile_text(resolved),
+        "parameters": "\n".join(f"{k:<30}{v}" for k, v in parameter_lines(resolved.params)),
+        "template": resolved.template or "",
+        "system": resolved.system or "",
+        "details": model_details(store, resolved),
+        "model_info": {"general.architecture": "remote", "remote.model": remote.get("model", "")},
+        "capabilities": ["completion", "tools"],
+        "remote": {
+            "model": remote.get("model", ""),
+            "api_key_env": remote.get("api_key_env"),
+            "endpoints": [{"url": url, "health": state} for url, state in health],
+        },
+        "modified_at": rfc3339(path.stat().st_mtime) if path.exists() else None,
     }
 
 
@@ -448,6 +477,8 @@ async def generate(request: Request) -> Response:
         top_logprobs=f.get("top_logprobs") or 0,
         stream=stream,
         think=f.get("think"),
+        truncate=bool_field(f, "truncate", True),
+        shift=bool_field(f, "shift", True),
     )
     return await generation_response(request, chunks, stream, chunk_to_generate)
 
@@ -488,6 +519,8 @@ async def chat(request: Request) -> Response:
         top_logprobs=f.get("top_logprobs") or 0,
         stream=stream,
         think=f.get("think"),
+        truncate=bool_field(f, "truncate", True),
+        shift=bool_field(f, "shift", True),
     )
     return await generation_response(request, chunks, stream, chunk_to_chat)
 

@@ -295,6 +295,13 @@ class CreateRequest(Named):
     parameters: dict[str, Any] | None = None
     messages: list[Message] | None = None
     stream: bool | None = None
+    # a remote model (SPEC 8): OpenAI-compatible endpoint URLs instead of weights
+    remote: str | list[str] | None = Field(None, description="endpoint URL(s), e.g. https://host:8000/v1")
+    remote_model: str | None = Field(None, description="the upstream's model id")
+    api_key_env: str | None = Field(
+        None, description="name of the server's environment variable with the key"
+    )
+    insecure: bool | None = Field(None, description="allow plain http to a non-loopback endpoint")
 
 
 class _Generation(Named):
@@ -307,6 +314,8 @@ class _Generation(Named):
     logprobs: bool | None = None
     top_logprobs: TopLogprobs = None
     think: ThinkValue = None
+    truncate: bool | None = None  # drop the oldest turns when the prompt exceeds num_ctx (default true)
+    shift: bool | None = None  # shift the context when generation reaches its end (default true)
 
 
 class GenerateRequest(_Generation):
@@ -672,6 +681,7 @@ class Usage(Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None  # cached_tokens: prompt tokens the KV cache held
 
 
 class CompletionMessage(Out):

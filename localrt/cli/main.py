@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from localrt import __version__, config
-from localrt.cli import chat, models, run, serve, tools
+from localrt.cli import chat, engine, models, run, serve, tools
 from localrt.errors import LocalrtError
 
 # in `localrt --help` order
@@ -38,6 +38,7 @@ COMMANDS: list[Callable[[Any], Any]] = [
     tools.add_eval,
     tools.add_imatrix,
     tools.add_bench,
+    engine.add_serve_engine,
 ]
 
 # an optional library -> the extra that installs it (a command's own `extra` default wins)
@@ -84,7 +85,11 @@ def missing_extra(e: ModuleNotFoundError, args: argparse.Namespace) -> str | Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    # `serve-engine ... -- ENGINE ARGS`: everything after `--` goes to the engine untouched
+    argv, engine_args = engine.split_engine_args(list(sys.argv[1:] if argv is None else argv))
     args, extra = parser.parse_known_args(argv)
+    if engine_args:
+        args.engine_args = engine_args
     # `run M --verbose Why is...`: argparse gives the prompt words after an option back as extras
     if extra and getattr(args, "command", None) == "run" and not any(w.startswith("-") for w in extra):
         args.prompt = [*args.prompt, *extra]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from localrt.cli.common import Subparsers, with_client
 from localrt.errors import LocalrtError
@@ -96,7 +96,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         from localrt.store.names import parse_name
         from localrt.store.store import Store
 
-        print(Store().resolve(parse_name(args.model)).model_path)
+        resolved = Store().resolve(parse_name(args.model))
+        if resolved.remote is not None:
+            raise LocalrtError(f"'{resolved.name.display}' is a remote model: it has no GGUF file")
+        print(resolved.model_path)
         return 0
     details = with_client(lambda client: client.details(args.model))
     if args.modelfile:
@@ -126,11 +129,15 @@ def show_text(details: ModelDetails) -> str:
     ]
     if details.template_origin:
         rows.append(("template", details.template_origin))
-    out = ["  Model", *(f"    {key:<20}{value}" for key, value in rows)]
-    if details.projector:
-        out += ["", "  Projector", *(f"    {key:<20}{value}" for key, value in details.projector)]
-    if details.capabilities:
-        out += ["", "  Capabilities", *(f"    {cap}" for cap in details.capabilities)]
+    if details.endpoints:  # a remote model: what serves it, and whether each endpoint answers now
+        out = ["  Remote", f"    {'upstream model':<20}{details.remote_model}", "", "  Endpoints"]
+        out += [f"    {url:<40}{health}" for url, health in details.endpoints]
+    else:
+        out = ["  Model", *(f"    {key:<20}{value}" for key, value in rows)]
+        if details.projector:
+            out += ["", "  Projector", *(f"    {key:<20}{value}" for key, value in details.projector)]
+        if details.capabilities:
+            out += ["", "  Capabilities", *(f"    {cap}" for cap in details.capabilities)]
     if details.parameter_lines:
         out += ["", "  Parameters", *(f"    {key:<20}{value}" for key, value in details.parameter_lines)]
     if details.system:
@@ -185,10 +192,36 @@ def add_create(sub: Subparsers) -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_path", default=None, help="a GGUF file")
     p.add_argument("-f", "--file", default=None, help="a Modelfile")
     p.add_argument("-q", "--quantize", default=None, help="requantize to TYPE (e.g. Q4_K_M)")
+    add_remote_args(p)
     p.add_argument("--mmproj", default=None, help="a vision model's projector GGUF (mmproj-*.gguf)")
     p.add_argument("--imatrix", default=None, help="importance matrix weighting --quantize (localrt imatrix)")
     p.set_defaults(func=cmd_create)
     return p
+
+
+def add_remote_args(p: argparse.ArgumentParser) -> None:
+    """`create --remote URL [--remote-model ID] [--api-key-env VAR] [--insecure]` (SPEC 8)."""
+    p.add_argument(
+        "--remote",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="an OpenAI-compatible endpoint (https://host:port/v1); repeat for a pool",
+    )
+    p.add_argument("--remote-model", default=None, metavar="ID", help="the upstream's model id")
+    p.add_argument(
+        "--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key"
+    )
+    p.add_argument("--insecure", action="store_true", help="allow plain http to a non-loopback host")
+
+
+def remote_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "remote": args.remote,
+        "remote_model": args.remote_model,
+        "api_key_env": args.api_key_env,
+        "insecure": args.insecure,
+    }
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -203,6 +236,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             from_path=args.from_path,
             base_dir=base_dir,
             quantize=args.quantize,
+            **remote_kwargs(args),
             projector_path=args.mmproj,
             imatrix_path=args.imatrix,
         )
@@ -213,7 +247,7 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 def read_modelfile(args: argparse.Namespace) -> tuple[str | None, str | None]:
     """The Modelfile's text and folder (relative FROM paths start there); ./Modelfile by default."""
-    if not args.from_path and not args.file:
+    if not args.from_path and not args.file and not args.remote:
         if not os.path.exists("Modelfile"):
             raise LocalrtError("create needs --from FILE.gguf or -f Modelfile")
         args.file = "Modelfile"

@@ -54,7 +54,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
             result = convert_with_progress(
                 args.source, Path(tmp) / "model.gguf", file_type, threads, weighting
             )
-            import_gguf(store, args.name, result.path)
+            source = Path(args.source).expanduser()
+            # recorded so `serve-engine` can hand vLLM/SGLang the original safetensors
+            hf_source = str(source.resolve()) if source.is_dir() else args.source
+            import_gguf(store, args.name, result.path, hf_source=hf_source)
         print(f"success: created '{args.name}'", file=sys.stderr)
     print(
         f"wrote {result.path if args.output else args.name}: {result.file_type}, {result.n_tensors} tensors, "

@@ -38,11 +38,12 @@ from localrt.backends.base import (
 )
 from localrt.errors import LocalrtError, ModelNotFound, OptionError, ServerBusy
 from localrt.runtime import images as image_input
-from localrt.runtime import thinking
+from localrt.runtime import remote, thinking
 from localrt.runtime.options import Options, num_parallel
 from localrt.runtime.templates import ChatTemplate, RenderedPrompt, select_template, tokenize_rendered
 from localrt.runtime.thinking import ModelFormat, Piece, ReplyParser, Think
 from localrt.runtime.toolcalls import required_grammar
+from localrt.runtime.truncate import drop_oldest, fit_tokens
 from localrt.store.store import ResolvedModel, Store
 
 BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
@@ -198,6 +199,8 @@ class Runtime:
         think: Any = None,
         tool_choice: Any = None,
         parallel_tool_calls: bool | None = None,
+        truncate: bool = True,
+        shift: bool = True,
     ) -> AsyncIterator[Chunk]:
         """Answer a conversation. Empty `messages` only loads the model (or unloads with keep_alive 0).
 
@@ -221,7 +224,12 @@ class Runtime:
         _check_vision(resolved, pictures)
         async with self._use(resolved, opts, keep) as (entry, load_ns):
             turn = _Turn.make(entry, model, wanted, tools, required, parallel_tool_calls)
-            tokens = await self._render_chat(entry, msgs, turn, pictures)
+            upstream = remote.chat_prompt(msgs, tools) if remote.is_remote(resolved) else None
+            tokens: list[int] = []
+            if upstream is None:  # a remote model's upstream templates, tokenizes and fits it itself
+                tokens = await self._render_chat(entry, msgs, turn, pictures)
+                if truncate and not pictures and len(tokens) >= entry.model.context_length:
+                    tokens = await self._fit_chat(entry, msgs, turn, tokens)
             async for chunk in self._run(
                 entry,
                 tokens,
@@ -233,6 +241,8 @@ class Runtime:
                 start,
                 load_ns,
                 turn=turn,
+                shift=shift,
+                upstream=upstream,
                 images=pictures,
             ):
                 yield chunk
@@ -279,6 +289,8 @@ class Runtime:
         stream: bool = True,
         images: Sequence[Any] | None = None,
         think: Any = None,
+        truncate: bool = True,
+        shift: bool = True,
     ) -> AsyncIterator[Chunk]:
         """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only.
 
@@ -303,7 +315,10 @@ class Runtime:
         async with self._use(resolved, opts, keep) as (entry, load_ns):
             m = entry.model
             turn: _Turn | None = None
-            if raw:  # the text as given: no template, so no thinking switch and no parsing
+            upstream = remote.generate_prompt(resolved, prompt, system, raw, context)
+            if upstream is not None:  # a remote model: the upstream templates and tokenizes
+                tokens = []
+            elif raw:  # the text as given: no template, so no thinking switch and no parsing
                 tokenize = image_input.split_markers(
                     lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special)
                 )
@@ -317,6 +332,8 @@ class Runtime:
                 turn = _Turn.make(entry, model, wanted, None, False, None)
                 tokens = await self._render_chat(entry, msgs, turn, pictures, add_bos=not context)
                 tokens = [*(context or []), *tokens]
+            if truncate and not pictures and upstream is None:
+                tokens = fit_tokens(tokens, m.context_length, opts.num_keep)
             async for chunk in self._run(
                 entry,
                 tokens,
@@ -328,7 +345,9 @@ class Runtime:
                 start,
                 load_ns,
                 turn=turn,
-                want_context=not raw and not pictures,  # image cells have no token ids to hand back
+                want_context=not raw and not pictures and upstream is None,  # image cells have no token ids
+                shift=shift,
+                upstream=upstream,
                 images=pictures,
             ):
                 yield chunk
@@ -352,6 +371,11 @@ class Runtime:
             m = entry.model
             if not m.capabilities.embedding:
                 raise LocalrtError(f'"{resolved.name.display}" does not support embeddings')
+            if remote.is_remote(resolved):  # the upstream tokenizes and counts
+                vectors, count = await m.embed_counted(texts)  # type: ignore[attr-defined]
+                return EmbedResult(
+                    resolved.name.display, vectors, count, time.perf_counter_ns() - start, load_ns
+                )
             counts = [len(m.tokenize(t)) for t in texts]
             if not truncate and any(c > m.context_length for c in counts):
                 raise ContextLengthError(
@@ -401,6 +425,8 @@ class Runtime:
     ) -> list[int]:
         resolved, opts = self._prepare(model, options)
         async with self._use(resolved, opts, self._keep_alive(None), exclusive=False) as (entry, _):
+            if remote.is_remote(resolved):  # an HTTP round trip: off the event loop
+                return await asyncio.to_thread(entry.model.tokenize, text, add_special, parse_special)
             return entry.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     async def detokenize(
@@ -415,6 +441,8 @@ class Runtime:
             ]
             if bad:
                 raise LocalrtError(f"invalid token id {bad[0]!r}")
+            if remote.is_remote(resolved):
+                return await asyncio.to_thread(entry.model.detokenize, tokens)
             return entry.model.detokenize(tokens)
 
     async def score(
@@ -474,10 +502,13 @@ class Runtime:
                     size=size,
                     size_vram=size if on_gpu else 0,
                     backend=e.backend,
-                    processor=f"100% {'GPU' if on_gpu else 'CPU'}",
+                    processor=getattr(e.model, "processor", None) or f"100% {'GPU' if on_gpu else 'CPU'}",
                     context_length=e.model.context_length,
                     expires_at=None if e.expires_at is None or e.expires_at == float("inf") else e.expires_at,
-                    details={"format": "gguf", "family": e.model.metadata.get("general.architecture", "")},
+                    details={
+                        "format": e.resolved.config.get("model_format", "gguf"),
+                        "family": e.model.metadata.get("general.architecture", ""),
+                    },
                 )
             )
         return rows
@@ -520,6 +551,7 @@ class Runtime:
         if options is not None and not isinstance(options, Mapping):
             raise OptionError("options must be an object of name: value pairs")
         opts = Options.merge(resolved.params, options, lenient=(True, False))
+        remote.check_options(resolved, opts)
         return resolved, opts
 
     def _keep_alive(self, value: str | float | None) -> float:
@@ -558,6 +590,18 @@ class Runtime:
             m.bos_token_id,
             add_bos and m.add_bos,
         )
+
+    async def _fit_chat(
+        self, entry: _Entry, msgs: list[dict[str, Any]], turn: _Turn | None, tokens: list[int]
+    ) -> list[int]:
+        """`truncate`: the conversation without its oldest turns, so that the prompt fits the context."""
+        kept: list[dict[str, Any]] | None = msgs
+        while len(tokens) >= entry.model.context_length:
+            kept = drop_oldest(kept or [])
+            if kept is None:
+                break  # only system messages and the last one left: the 400 follows
+            tokens = await self._render_chat(entry, kept, turn, [])
+        return tokens
 
     # ---- scheduling ------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -598,7 +642,7 @@ class Runtime:
 
     async def _acquire(self, resolved: ResolvedModel, opts: Options) -> tuple[_Entry, bool]:
         key = resolved.name.display
-        backend = registry.resolve(opts.backend)
+        backend = remote.BACKEND if remote.is_remote(resolved) else registry.resolve(opts.backend)
         draft = self._draft_path(resolved, opts)
         load_key = (
             backend,
@@ -630,7 +674,7 @@ class Runtime:
                 if entry is not None:
                     self._grab(entry)
                     return entry, False
-                if len(self._entries) + len(self._loading) >= self.max_loaded:
+                if backend != remote.BACKEND and self._local_count() >= self.max_loaded:
                     victim = self._lru_idle()
                     if victim is None:
                         await self._cond.wait()  # every loaded model is busy
@@ -687,8 +731,12 @@ class Runtime:
             if entry.refs == 0 and self._entries.get(entry.key) is entry:
                 await self._unload_locked(entry)
 
+    def _local_count(self) -> int:
+        """Models held in this process's memory; remote ones do not count toward the limit."""
+        return sum(e.backend != remote.BACKEND for e in self._entries.values()) + len(self._loading)
+
     def _lru_idle(self) -> _Entry | None:
-        idle = [e for e in self._entries.values() if e.refs == 0]
+        idle = [e for e in self._entries.values() if e.refs == 0 and e.backend != remote.BACKEND]
         return min(idle, key=lambda e: e.last_used) if idle else None
 
     async def _load(
@@ -825,6 +873,8 @@ class Runtime:
         *,
         turn: _Turn | None = None,
         want_context: bool = False,
+        shift: bool = True,
+        upstream: dict[str, Any] | None = None,
         images: Sequence[ImageInput] = (),
     ) -> AsyncIterator[Chunk]:
         """Generate, and split the reply (thinking, content, tool calls) as it streams: each chunk carries
@@ -838,7 +888,12 @@ class Runtime:
             )
         request = self._request(entry, tokens, opts, format, logprobs, top_logprobs, turn)
         request.images = list(images)
-        parser = turn.parser() if turn is not None else None
+        if shift and m.capabilities.context_shift:  # an explicit num_predict may go past the context end
+            request.num_predict = opts.max_new_tokens(len(tokens), m.context_length, True)
+        request.shift, request.num_keep = shift, opts.num_keep
+        request = remote.with_upstream(request, opts, upstream)  # a remote model: messages or text
+        # a remote upstream has parsed thinking and tool calls already
+        parser = turn.parser() if turn is not None and upstream is None else None
         whole = Piece()  # everything, for a reply that is not streamed
         answer_ids: list[int] = []
         lps: list[dict[str, Any]] = []
@@ -879,7 +934,7 @@ class Runtime:
             thinking=last.thinking,
             done=True,
             done_reason=done.finish_reason,
-            tool_calls=last.tool_calls or None,
+            tool_calls=last.tool_calls or done.tool_calls or None,  # a remote upstream parsed its own
             logprobs=(lps or None) if not stream else None,
             metrics=metrics,
             context=[*tokens, *answer_ids] if want_context else None,

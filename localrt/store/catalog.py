@@ -8,6 +8,7 @@ template = "..."            # optional jinja override of the GGUF's chat templat
 system = "..."              # optional
 draft = "other:tag"         # optional speculative-decoding pairing
 backend = "llama.cpp"       # optional preferred backend
+hf_source = "org/repo"      # optional: the original safetensors repo (what `serve-engine` gives vLLM/SGLang)
 aliases = ["..."]           # optional other names for this entry
 
 [[sources]]                 # tried in order by `pull`
@@ -39,7 +40,17 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 CATALOG_PACKAGE = "localrt.catalog"
-_MODEL_KEYS = {"name", "description", "sha256", "template", "system", "draft", "backend", "aliases"}
+_MODEL_KEYS = {
+    "name",
+    "description",
+    "sha256",
+    "template",
+    "system",
+    "draft",
+    "backend",
+    "aliases",
+    "hf_source",
+}
 _SOURCE_KEYS = {"url", "sha256", "file", "revision"}
 
 
@@ -75,6 +86,7 @@ class CatalogEntry:
     aliases: tuple[ModelName, ...] = ()
     parameters: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     path: str = ""
+    hf_source: str | None = None  # the original HF repo, for engines that serve safetensors (serve-engine)
 
     def matches(self, name: ModelName) -> bool:
         return any(candidate.same_model(name) for candidate in (self.name, *self.aliases))
@@ -191,6 +203,7 @@ def parse_entry(data: dict[str, Any], filename: str) -> CatalogEntry:
         aliases=aliases,
         parameters=dict(parameters),
         path=filename,
+        hf_source=_str(model, "hf_source", where),
     )
 
 

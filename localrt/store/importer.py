@@ -99,10 +99,12 @@ def import_gguf(
     params: dict[str, Any] | None = None,
     license: str | None = None,
     draft: Path | str | None = None,
+    hf_source: str | None = None,
     projector: Path | str | None = None,
 ) -> str:
     """Store a model made of `gguf` (a path or a stored blob's digest) plus optional text layers and a
-    multimodal projector GGUF (`projector`, checked to be one: general.architecture "clip").
+    multimodal projector GGUF (`projector`, checked to be one: general.architecture "clip");
+    `hf_source` records the HF repo id or directory it was converted from (for `serve-engine`).
 
     Returns the manifest digest. A malformed GGUF raises GGUFError before anything is written.
     """
@@ -118,6 +120,8 @@ def import_gguf(
                 "that GGUF is a multimodal projector (mmproj), not a model: give it as the projector "
                 "(--mmproj, or a second FROM line) beside the model's GGUF"
             )
+        if hf_source:
+            config["hf_source"] = hf_source
         layers = [{"mediaType": MEDIA_MODEL, "digest": model_digest, "size": model_size}]
         if projector is not None:
             proj_digest, proj_size, proj_config = _blob(store, projector, "projector")

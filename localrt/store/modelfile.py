@@ -8,6 +8,8 @@
     SYSTEM "one line"
     LICENSE \"\"\"...\"\"\"
     DRAFT ./draft.gguf | name:tag         (a draft model for speculative decoding)
+    FROM https://host:port/v1             (a remote model; several FROM URLs make a pool)
+    PARAMETER remote_model ID             (the upstream's model id; PARAMETER api_key_env VAR for a key)
 
 Keywords are case-insensitive; every error names its line.
 """
@@ -18,13 +20,14 @@ import contextlib
 import math
 import re
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from localrt.errors import LocalrtError, ModelNotFound
 from localrt.store.names import ModelName, normalize_digest, parse_name
+from localrt.store.remote import REMOTE_PARAMETERS, is_remote_url
 from localrt.store.store import MEDIA_DRAFT, MEDIA_MODEL, MEDIA_PROJECTOR, Store
 
 # Ollama's option types (api/types.go); names not listed are typed from their value.
@@ -146,6 +149,9 @@ class Modelfile:
     license: str | None = None
     draft: str | None = None
     draft_line: int = 0
+    remotes: list[str] = field(default_factory=list)  # FROM https://host:port/v1 lines: a remote model
+    remote_model: str | None = None  # PARAMETER remote_model: the upstream's model id
+    api_key_env: str | None = None  # PARAMETER api_key_env: the variable that holds the key
     projector: str | None = None  # the second FROM: a multimodal projector GGUF
     projector_line: int = 0
 
@@ -180,6 +186,9 @@ def _value(lines: list[str], i: int, rest: str, keyword: str) -> tuple[str, int]
     return stripped, i
 
 
+_INSTRUCTIONS = ("FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "LICENSE", "DRAFT")
+
+
 def parse_modelfile(text: str) -> Modelfile:
     """Parse Modelfile text; ModelfileError names the line of the first problem."""
     mf = Modelfile()
@@ -196,41 +205,64 @@ def parse_modelfile(text: str) -> Modelfile:
         where = f"Modelfile line {i + 1}"
         if word in _UNSUPPORTED:
             raise ModelfileError(f"{where}: {word} is not supported yet")
-        if word not in ("FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "LICENSE", "DRAFT"):
+        if word not in _INSTRUCTIONS:
             raise ModelfileError(f"{where}: unknown instruction {keyword!r}")
         if not rest.strip():
             raise ModelfileError(f"{where}: {word} needs a value")
         if word == "PARAMETER":
-            pname, raw = (re.split(r"\s+", rest.strip(), maxsplit=1) + [""])[:2]
-            if not raw.strip():
-                raise ModelfileError(f"{where}: PARAMETER needs a name and a value")
-            value, i_end = _value(lines, i, raw, f"PARAMETER {pname}")
-            try:
-                parsed = parse_parameter(pname, value)
-            except LocalrtError as e:
-                raise ModelfileError(f"{where}: {e}") from None
-            key = pname.lower()
-            if isinstance(parsed, list) and isinstance(mf.parameters.get(key), list):
-                mf.parameters[key].extend(parsed)
-            else:
-                mf.parameters[key] = parsed
-            i = i_end + 1
+            i = _parameter(mf, lines, i, rest, where) + 1
             continue
         value, i_end = _value(lines, i, rest, word)
-        if word == "FROM":
-            _add_from(mf, value, i + 1, where)
-        elif word == "DRAFT":
-            mf.draft, mf.draft_line = value, i + 1
-        elif word == "TEMPLATE":
-            mf.template = value
-        elif word == "SYSTEM":
-            mf.system = value
-        else:
+        if word == "LICENSE":
             licenses.append(value)
+        else:
+            _instruction(mf, word, value, i + 1, where)
         i = i_end + 1
     if licenses:
         mf.license = "\n\n".join(licenses)
     return mf
+
+
+def _parameter(mf: Modelfile, lines: list[str], i: int, rest: str, where: str) -> int:
+    """One PARAMETER line into `mf`; returns the index of its last line."""
+    pname, raw = (re.split(r"\s+", rest.strip(), maxsplit=1) + [""])[:2]
+    if not raw.strip():
+        raise ModelfileError(f"{where}: PARAMETER needs a name and a value")
+    value, i_end = _value(lines, i, raw, f"PARAMETER {pname}")
+    key = pname.lower()
+    if key in REMOTE_PARAMETERS:  # the remote's settings, not sampling: kept as text, never typed
+        setattr(mf, key, value.strip())
+        return i_end
+    try:
+        parsed = parse_parameter(pname, value)
+    except LocalrtError as e:
+        raise ModelfileError(f"{where}: {e}") from None
+    if isinstance(parsed, list) and isinstance(mf.parameters.get(key), list):
+        mf.parameters[key].extend(parsed)
+    else:
+        mf.parameters[key] = parsed
+    return i_end
+
+
+def _instruction(mf: Modelfile, word: str, value: str, line_no: int, where: str) -> None:
+    """FROM / DRAFT / TEMPLATE / SYSTEM into `mf`; several FROM lines are allowed only as a pool of URLs."""
+    if word == "FROM":
+        if not is_remote_url(value):
+            if mf.remotes:
+                raise ModelfileError(f"{where}: a local FROM after a URL FROM (line {mf.from_line})")
+            _add_from(mf, value, line_no, where)  # the model, or a second one: its projector
+            return
+        if mf.from_ is not None and not mf.remotes:
+            raise ModelfileError(f"{where}: a URL FROM after a local FROM (line {mf.from_line})")
+        mf.remotes.append(value.strip())
+        if mf.from_ is None:
+            mf.from_, mf.from_line = value, line_no
+    elif word == "DRAFT":
+        mf.draft, mf.draft_line = value, line_no
+    elif word == "TEMPLATE":
+        mf.template = value
+    else:
+        mf.system = value
 
 
 def _add_from(mf: Modelfile, value: str, line: int, where: str) -> None:
@@ -285,6 +317,10 @@ def create(
     store: Store | None = None,
     base_dir: str | Path | None = None,
     quantize: str | None = None,
+    remote: Sequence[str] | None = None,
+    remote_model: str | None = None,
+    api_key_env: str | None = None,
+    insecure: bool = False,
     projector_path: str | Path | None = None,
     imatrix: str | Path | None = None,
 ) -> ModelName:
@@ -297,12 +333,21 @@ def create(
         store: the store (default: LOCALRT_MODELS).
         base_dir: where relative FROM/DRAFT paths start (the Modelfile's folder; default: cwd).
         quantize: requantize an F32/F16/BF16 source to this file type (e.g. Q4_K_M) first.
+        remote: OpenAI-compatible endpoint URLs (they replace the Modelfile's FROM): a remote model.
+        remote_model, api_key_env, insecure: its upstream model id, key variable, plain-http consent.
         projector_path: a multimodal projector GGUF (mmproj) for a vision model; overrides a second FROM.
         imatrix: an importance-matrix file that weights that quantization (`localrt imatrix`).
     """
     store = store or Store()
     dest = parse_name(name) if isinstance(name, str) else name
     mf = parse_modelfile(modelfile_text) if modelfile_text is not None else Modelfile()
+    if remote:
+        mf.remotes, mf.from_ = list(remote), str(remote[0])
+    if mf.remotes:
+        if projector_path is not None:
+            raise ModelfileError("--mmproj does not apply to a remote model")
+        _create_remote(store, dest, mf, quantize, remote_model, api_key_env, insecure)
+        return dest
     if from_path is not None:
         mf.from_, mf.from_line = str(from_path), 0
     if not mf.from_:
@@ -335,6 +380,35 @@ def create(
             projector=projector,
         )
     return dest
+
+
+def _create_remote(
+    store: Store,
+    dest: ModelName,
+    mf: Modelfile,
+    quantize: str | None,
+    remote_model: str | None,
+    api_key_env: str | None,
+    insecure: bool,
+) -> None:
+    from localrt.store.remote import create_remote
+
+    if quantize:
+        raise ModelfileError("--quantize does not apply to a remote model (its weights live upstream)")
+    if mf.draft is not None:
+        raise ModelfileError("DRAFT does not apply to a remote model")
+    create_remote(
+        store,
+        dest,
+        mf.remotes,
+        model=remote_model or mf.remote_model,
+        api_key_env=api_key_env or mf.api_key_env,
+        insecure=insecure,
+        parameters=mf.parameters,
+        system=mf.system,
+        template=mf.template,
+        license_text=mf.license,
+    )
 
 
 def _load_imatrix(path: str | Path | None, file_type: str | None, label: str | None = None) -> Any:
@@ -462,13 +536,9 @@ def create_from_request(
     Over HTTP a source is never a server-side path: only stored models and uploaded blobs, so a
     request cannot make the server read arbitrary local files.
     """
-    file_type = fields.get("quantize")
-    if file_type is not None and not isinstance(file_type, str):
-        raise LocalrtError("quantize must be a file type such as Q4_K_M")
-    if fields.get("modelfile"):
-        raise LocalrtError(
-            "the modelfile field is not supported: use from, files, template, system, parameters"
-        )
+    file_type = _check_create_fields(fields)
+    if fields.get("remote") is not None:
+        return _remote_from_request(name, fields, store, progress)
     files, base = fields.get("files"), fields.get("from")
     source: str | ModelName
     projector: str | None = None
@@ -517,6 +587,54 @@ def create_from_request(
             parameters=checked,
             projector=projector,
         )
+
+
+def _check_create_fields(fields: dict[str, Any]) -> str | None:
+    """The fields every create request is checked for first; returns the quantize file type."""
+    file_type = fields.get("quantize")
+    if file_type is not None and not isinstance(file_type, str):
+        raise LocalrtError("quantize must be a file type such as Q4_K_M")
+    if fields.get("modelfile"):
+        raise LocalrtError(
+            "the modelfile field is not supported: use from, files, template, system, parameters"
+        )
+    return file_type
+
+
+def _remote_from_request(
+    name: ModelName, fields: dict[str, Any], store: Store, progress: Callable[[str], None]
+) -> None:
+    """`POST /api/create` with `remote` (a URL or a list), `remote_model`, `api_key_env`, `insecure`."""
+    from localrt.store.remote import create_remote
+
+    urls = fields["remote"]
+    urls = [urls] if isinstance(urls, str) else urls
+    if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+        raise LocalrtError("remote must be a URL or a list of URLs")
+    for key in ("remote_model", "api_key_env", "system", "template"):
+        if fields.get(key) is not None and not isinstance(fields[key], str):
+            raise LocalrtError(f"{key} must be a string")
+    license_text = fields.get("license")
+    if isinstance(license_text, list):  # Ollama accepts license as a list of texts
+        license_text = "\n\n".join(str(v) for v in license_text)
+    if license_text is not None and not isinstance(license_text, str):
+        raise LocalrtError("license must be a string")
+    parameters = fields.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise LocalrtError("parameters must be an object")
+    progress("writing manifest")
+    create_remote(
+        store,
+        name,
+        urls,
+        model=fields.get("remote_model"),
+        api_key_env=fields.get("api_key_env"),
+        insecure=fields.get("insecure") is True,
+        parameters={str(k).lower(): check_parameter(str(k).lower(), v) for k, v in parameters.items()},
+        system=fields.get("system"),
+        template=fields.get("template"),
+        license_text=license_text,
+    )
 
 
 def _split_projector(store: Store, blobs: list[str]) -> tuple[str, str | None]:

@@ -37,6 +37,7 @@ MEDIA_SYSTEM = MEDIA_PREFIX + "system"
 MEDIA_PARAMS = MEDIA_PREFIX + "params"
 MEDIA_LICENSE = MEDIA_PREFIX + "license"
 MEDIA_DRAFT = MEDIA_PREFIX + "draft"
+REMOTE_FORMAT = "remote"  # config `model_format` of a remote model (localrt/store/remote.py)
 MEDIA_PROJECTOR = MEDIA_PREFIX + "projector"  # Ollama's: a vision model's multimodal projector GGUF
 MAX_MANIFEST_BYTES = 4 << 20
 HASH_CHUNK = 1 << 20
@@ -78,6 +79,8 @@ class ResolvedModel:
     license: str | None = None
     draft_path: Path | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    # a remote model (localrt/store/remote.py): its endpoints; model_path is then its config blob
+    remote: dict[str, Any] | None = None
     projector_path: Path | None = None  # the mmproj GGUF of a vision model
 
     @property
@@ -257,6 +260,14 @@ class Store:
                 extras["license"] = blob.read_text(encoding="utf-8", errors="replace")
             elif media == MEDIA_PARAMS:
                 extras["params"] = json.loads(blob.read_text(encoding="utf-8"))
+        cfg: dict[str, Any] = {}
+        cfg_layer = manifest.get("config") or {}
+        if cfg_layer.get("digest") and self.has_blob(cfg_layer["digest"]):
+            with contextlib.suppress(ValueError, OSError):
+                cfg = json.loads(self.blob_path(cfg_layer["digest"]).read_text())
+        remote = remote_section(cfg)
+        if remote is not None:  # no weights: the backend reads the endpoints from the config blob
+            extras.update(model_path=self.blob_path(cfg_layer["digest"]), remote=remote)
         if "model_path" not in extras:
             raise LocalrtError(f"model '{name.display}' has no GGUF model layer")
         if not extras["model_path"].is_file():
@@ -265,11 +276,6 @@ class Store:
             raise LocalrtError(
                 f"model '{name.display}' is damaged: its projector blob is missing; pull it again"
             )
-        cfg: dict[str, Any] = {}
-        cfg_layer = manifest.get("config") or {}
-        if cfg_layer.get("digest") and self.has_blob(cfg_layer["digest"]):
-            with contextlib.suppress(ValueError, OSError):
-                cfg = json.loads(self.blob_path(cfg_layer["digest"]).read_text())
         return ResolvedModel(name=name, manifest=manifest, manifest_digest=digest, config=cfg, **extras)
 
     # ---- copy / remove / gc ----------------------------------------------------------------
@@ -386,6 +392,16 @@ def parse_manifest(raw: bytes) -> dict[str, Any]:
         if not isinstance(size, int) or size < 0:
             raise LocalrtError(f"manifest layer {layer['digest']} has an invalid size")
     return manifest
+
+
+def remote_section(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The remote part of a model's config blob (its endpoints), or None for a local model."""
+    if config.get("model_format") != REMOTE_FORMAT:
+        return None
+    section = config.get("remote")
+    if not isinstance(section, dict) or not isinstance(section.get("endpoints"), list):
+        raise LocalrtError("remote model config names no endpoints")
+    return section
 
 
 def manifest_layers(manifest: dict[str, Any]) -> list[dict[str, Any]]:

@@ -19,8 +19,10 @@ def free_port() -> int:
 
 
 class LocalrtServer:
-    def __init__(self, models_dir: Path, log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(
+        self, models_dir: Path, log_path: Path, env: dict[str, str] | None = None, port: int | None = None
+    ) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {
             **os.environ,
@@ -29,7 +31,7 @@ class LocalrtServer:
             **(env or {}),
         }
         self.log_path = log_path
-        self.log = open(log_path, "wb")
+        self.log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "localrt", "serve"],
             env=self.env,

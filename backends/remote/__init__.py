@@ -1,0 +1,6 @@
+"""The remote backend: models served by OpenAI-compatible upstreams (vLLM, SGLang, llama-server, another
+localrt). `RemoteBackend` is what `localrt.backends.registry` loads for a remote model of the store."""
+
+from .backend import RemoteBackend, RemoteError, RemoteModel
+
+__all__ = ["RemoteBackend", "RemoteError", "RemoteModel"]

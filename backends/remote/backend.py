@@ -1,0 +1,444 @@
+"""The remote backend: a model served by OpenAI-compatible upstreams (vLLM, SGLang, llama-server,
+another localrt), behind the same protocol as the local backends.
+
+`RemoteBackend.load(path, opts)` takes the model's config blob (what the store wrote at `create
+--remote`), probes the endpoints and returns a `RemoteModel`. Chat requests go to the upstream's
+/v1/chat/completions as messages (the upstream applies its own template), raw prompts to
+/v1/completions. Answers are always streamed from the upstream, so closing our iterator (our client
+went away) closes the upstream connection and the upstream stops generating.
+
+Retries: a request that fails before its first token is tried on the next endpoint of the pool;
+after the first token it fails (a half answer cannot be resumed elsewhere). The API key comes from
+the environment variable the config names, is sent only in requests to the configured endpoints,
+and redirects are never followed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+
+from localrt.backends.base import (
+    Capabilities,
+    DoneEvent,
+    Event,
+    GenerateRequest,
+    LoadOptions,
+    ScoreResult,
+    TextEvent,
+    Timings,
+)
+from localrt.backends.remote import wire
+from localrt.backends.remote.pool import Endpoint, Pool
+from localrt.errors import LocalrtError, ServerBusy
+
+# httpx logs every request at INFO: with a health check per endpoint every few seconds that would
+# bury the server's own log lines
+logging.getLogger("httpx").setLevel(logging.WARNING)
+
+SLOTS_PER_ENDPOINT = 64  # requests in flight per endpoint before the runtime's queue holds the rest
+CONNECT_TIMEOUT = 10.0
+READ_TIMEOUT = 600.0  # between two chunks: a busy cluster may queue a request for minutes
+PROBE_TIMEOUT = 5.0
+REMOTE_VOCAB = 2**31 - 1  # the upstream's vocabulary is not known here; it checks token ids itself
+
+
+class RemoteError(LocalrtError):
+    """An upstream failed: 502 unless the upstream blamed the request."""
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class EndpointFailure(Exception):
+    """This endpoint could not answer (connection, 5xx, garbage): take it out, try the next one."""
+
+    def __init__(self, reason: str, *, busy: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.busy = busy  # 429: full, not broken; it stays in the pool
+
+
+def _transport_reason(e: httpx.HTTPError) -> str:
+    names = {
+        httpx.ConnectError: "connection refused or unreachable",
+        httpx.ConnectTimeout: "connect timed out",
+        httpx.ReadTimeout: "no data within the read timeout",
+        httpx.RemoteProtocolError: "the connection broke",
+        httpx.ReadError: "the connection broke",
+    }
+    return next((text for kind, text in names.items() if isinstance(e, kind)), type(e).__name__)
+
+
+class RemoteBackend:
+    name: ClassVar[str] = "remote"
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        return True, ""  # httpx is part of the base install
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(chat=True, embedding=True, score=False, grammar=True, devices=("remote",))
+
+    @classmethod
+    def load(cls, path: Path | str, opts: LoadOptions) -> RemoteModel:
+        """`path` is the remote model's config blob (JSON with a `remote` section)."""
+        try:
+            config = json.loads(Path(path).read_text(encoding="utf-8"))
+            section = config["remote"]
+            urls = [str(u) for u in section["endpoints"]]
+            model = str(section["model"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise LocalrtError(f"{path} is not a remote model's config") from None
+        return RemoteModel(urls, model, section.get("api_key_env"), opts)
+
+
+class RemoteModel:
+    backend_name = "remote"
+    memory_bytes = 0
+    bos_token_id = None
+    add_bos = False
+    n_vocab = REMOTE_VOCAB
+
+    def __init__(self, urls: list[str], model: str, api_key_env: str | None, opts: LoadOptions) -> None:
+        if not urls or not all(u.startswith(("http://", "https://")) for u in urls):
+            raise LocalrtError("a remote model's endpoints must be http(s) URLs")
+        self.upstream_model = model
+        self.api_key_env = api_key_env or None
+        self.eos_token_ids: list[int] = []
+        self.metadata = {"general.architecture": "remote", "general.name": model}
+        self.processor = f"remote ({len(urls)} endpoint{'s' if len(urls) != 1 else ''})"
+        self._cancelled = 0  # bumped by cancel(): running streams compare their start value
+        self._clients: dict[int, tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]] = {}  # one per loop
+        self._sync = httpx.Client(timeout=self._timeout(), follow_redirects=False)
+        self.pool = Pool(urls, self._probe)
+        if not self.pool.check_all():
+            self._sync.close()
+            raise RemoteError(f"no endpoint of remote model {model} answers: {self.pool.describe()}")
+        self.context_length = self._upstream_context() or opts.num_ctx
+        slots = opts.num_parallel or SLOTS_PER_ENDPOINT * len(urls)
+        self.capabilities = Capabilities(
+            chat=True, embedding=True, score=False, grammar=True, devices=("remote",), parallel_slots=slots
+        )
+        self._slots = slots
+        self.pool.start()
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    @staticmethod
+    def _timeout() -> httpx.Timeout:
+        return httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT)
+
+    def _headers(self) -> dict[str, str]:
+        """The key, read from its variable for each request (a rotated key needs no reload)."""
+        if not self.api_key_env:
+            return {}
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise RemoteError(
+                f"environment variable {self.api_key_env} (the API key of {self.upstream_model}) is not set"
+            )
+        return {"Authorization": f"Bearer {key}"}
+
+    def _scrub(self, text: str) -> str:
+        """An upstream's words, minus our key should it echo it back."""
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        return text.replace(key, "***") if key else text
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        entry = self._clients.get(id(loop))
+        if entry is None or entry[0] is not loop:
+            limits = httpx.Limits(max_connections=self._slots + 8, max_keepalive_connections=32)
+            client = httpx.AsyncClient(timeout=self._timeout(), follow_redirects=False, limits=limits)
+            entry = self._clients[id(loop)] = (loop, client)
+        return entry[1]
+
+    def _probe(self, endpoint: Endpoint) -> str | None:
+        """A health check: /health at the server root, else the model list."""
+        try:
+            headers = self._headers()
+        except RemoteError as e:
+            return str(e)
+        reason = "no answer"
+        for url in (endpoint.root + "/health", endpoint.url + "/models"):
+            try:
+                r = self._sync.get(url, headers=headers, timeout=PROBE_TIMEOUT)
+            except httpx.HTTPError as e:
+                return _transport_reason(e)
+            if r.status_code == 200:
+                return None
+            reason = f"HTTP {r.status_code}"
+        return reason
+
+    def _upstream_context(self) -> int:
+        """vLLM and SGLang report the served context (`max_model_len`) in their model list."""
+        for endpoint in self.pool.order():
+            with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError, RemoteError):
+                r = self._sync.get(endpoint.url + "/models", headers=self._headers(), timeout=PROBE_TIMEOUT)
+                for item in r.json().get("data") or []:
+                    if item.get("id") == self.upstream_model and isinstance(item.get("max_model_len"), int):
+                        return int(item["max_model_len"])
+                return 0
+        return 0
+
+    def _status_error(self, endpoint: Endpoint, status: int, raw: bytes) -> Exception:
+        """A non-200 answer: the request's fault (our 4xx, no retry), or the endpoint's (retry)."""
+        where = f"{endpoint.url} answered HTTP {status}"
+        message = self._scrub(wire.body_message(raw))
+        if status in (400, 413, 422):
+            return RemoteError(f"{where}: {message}", 400)
+        if status in (401, 403):
+            return RemoteError(f"{where}: the upstream refused the credentials ({message})")
+        if status == 429:
+            return EndpointFailure(f"busy (HTTP 429: {message})", busy=True)
+        if 300 <= status < 400:
+            return EndpointFailure(f"redirected (HTTP {status}); redirects are not followed")
+        return EndpointFailure(f"HTTP {status}: {message}" if message else f"HTTP {status}")
+
+    # ---- generation --------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        if request.num_predict == 0:
+            yield DoneEvent("length", Timings())
+            return
+        chat = request.messages is not None
+        body = (
+            wire.chat_body(self.upstream_model, request)
+            if chat
+            else wire.completion_body(self.upstream_model, request)
+        )
+        path = "/chat/completions" if chat else "/completions"
+        failures: list[str] = []
+        busy = 0
+        for endpoint in self.pool.order():
+            started = False
+            try:
+                events = self._attempt(endpoint, path, body, request)
+                async with contextlib.aclosing(events):  # closing it closes the upstream connection
+                    async for event in events:
+                        started = started or isinstance(event, TextEvent)
+                        yield event
+                self.pool.mark_ok(endpoint)
+                return
+            except EndpointFailure as e:
+                reason = self._scrub(e.reason)
+                busy += e.busy
+                if not e.busy:
+                    self.pool.mark_failed(endpoint, reason)
+                if started:
+                    raise RemoteError(
+                        f"{endpoint.url} failed in the middle of the answer: {reason}"
+                    ) from None
+                failures.append(f"{endpoint.url} ({reason})")
+        if busy and busy == len(failures):
+            raise ServerBusy(f"every endpoint of {self.upstream_model} is busy: {'; '.join(failures)}")
+        raise RemoteError(
+            f"every endpoint of remote model {self.upstream_model} failed: {'; '.join(failures)}"
+        )
+
+    async def _attempt(
+        self, endpoint: Endpoint, path: str, body: dict[str, Any], request: GenerateRequest
+    ) -> AsyncIterator[Event]:
+        answer = wire.Answer(chat=request.messages is not None, top_logprobs=request.top_logprobs)
+        sent = time.perf_counter_ns()
+        first = 0
+        cancelled_at_start = self._cancelled
+        finish: str | None = None
+        try:
+            async with self._client().stream(
+                "POST", endpoint.url + path, json=body, headers=self._headers()
+            ) as resp:
+                if resp.status_code != 200:
+                    raise self._status_error(endpoint, resp.status_code, await resp.aread())
+                async for event in self._events(resp, answer):
+                    if request.cancel.cancelled or self._cancelled != cancelled_at_start:
+                        finish = "cancel"
+                        break
+                    first = first or time.perf_counter_ns()
+                    yield event
+                if finish is None and not (answer.done or answer.finish):
+                    raise EndpointFailure("the answer ended before its end")
+        except httpx.HTTPError as e:
+            raise EndpointFailure(_transport_reason(e)) from None
+        except wire.Garbage as e:
+            raise EndpointFailure(str(e)) from None
+        except wire.UpstreamErrorEvent as e:
+            if 400 <= e.status < 500:
+                raise RemoteError(f"{endpoint.url}: {self._scrub(str(e))}", 400) from None
+            raise EndpointFailure(f"error event: {self._scrub(str(e))}") from None
+        try:
+            calls = answer.tool_calls()
+        except wire.Garbage as e:
+            raise RemoteError(f"{endpoint.url} {e}") from None
+        timings = answer.timings(sent, first, time.perf_counter_ns())
+        yield DoneEvent(finish or answer.finish_reason(), timings, tool_calls=calls)  # type: ignore[arg-type]
+
+    @staticmethod
+    async def _events(resp: httpx.Response, answer: wire.Answer) -> AsyncIterator[TextEvent]:
+        """Server-sent events, or one JSON answer from a server that does not stream."""
+        ctype = resp.headers.get("content-type", "")
+        if "application/json" in ctype:
+            try:
+                whole = json.loads(await resp.aread())
+            except ValueError:
+                raise wire.Garbage("answered JSON that does not parse") from None
+            for event in answer.chunk(whole):
+                yield event
+            answer.done = True
+            return
+        if "text/event-stream" not in ctype:
+            raise wire.Garbage(f"answered {ctype or 'no content type'}, not an event stream")
+        async for line in resp.aiter_lines():
+            for event in answer.line(line):
+                yield event
+            if answer.done:
+                return
+
+    def cancel(self) -> None:
+        self._cancelled += 1
+
+    # ---- embeddings, tokens ------------------------------------------------------------------
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        return (await self.embed_counted(texts))[0]
+
+    async def embed_counted(self, texts: Sequence[str]) -> tuple[list[list[float]], int]:
+        """Vectors and the prompt tokens the upstream counted (`/v1/embeddings`)."""
+        body = {"model": self.upstream_model, "input": list(texts), "encoding_format": "float"}
+        failures = []
+        for endpoint in self.pool.order():
+            try:
+                r = await self._client().post(
+                    endpoint.url + "/embeddings", json=body, headers=self._headers()
+                )
+            except httpx.HTTPError as e:
+                failures.append(f"{endpoint.url} ({_transport_reason(e)})")
+                self.pool.mark_failed(endpoint, _transport_reason(e))
+                continue
+            if r.status_code != 200:
+                failure = self._status_error(endpoint, r.status_code, r.content)
+                if isinstance(failure, RemoteError):
+                    raise failure
+                failures.append(f"{endpoint.url} ({failure})")
+                continue
+            return self._vectors(endpoint, r, len(texts))
+        raise RemoteError(
+            f"every endpoint of remote model {self.upstream_model} failed: {'; '.join(failures)}"
+        )
+
+    @staticmethod
+    def _vectors(endpoint: Endpoint, r: httpx.Response, n: int) -> tuple[list[list[float]], int]:
+        try:
+            obj = r.json()
+            data = sorted(obj["data"], key=lambda d: d.get("index", 0))
+            vectors = [[float(x) for x in d["embedding"]] for d in data]
+            count = int((obj.get("usage") or {}).get("prompt_tokens") or 0)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise RemoteError(f"{endpoint.url} answered embeddings in a shape that is not OpenAI's") from None
+        if len(vectors) != n:
+            raise RemoteError(f"{endpoint.url} answered {len(vectors)} embeddings for {n} inputs")
+        return vectors, count
+
+    def _post_sync(self, attempts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+        """The first of `(url suffix at the server root, body)` the upstream answers; tokenize and
+        detokenize live at different paths on vLLM/llama-server (`/tokenize`) and localrt (`/api/...`)."""
+        headers = self._headers()
+        tried = []
+        for endpoint in self.pool.order():
+            for suffix, body in attempts:
+                try:
+                    r = self._sync.post(endpoint.root + suffix, json=body, headers=headers)
+                except httpx.HTTPError as e:
+                    tried.append(f"{endpoint.root}{suffix} ({_transport_reason(e)})")
+                    break  # this endpoint is unreachable: the next one
+                if r.status_code == 200:
+                    with contextlib.suppress(ValueError):
+                        obj = r.json()
+                        if isinstance(obj, dict):
+                            return obj
+                tried.append(f"{endpoint.root}{suffix} (HTTP {r.status_code})")
+                if r.status_code in (400, 422):
+                    raise RemoteError(
+                        f"{endpoint.root}{suffix}: {self._scrub(wire.body_message(r.content))}", 400
+                    )
+        raise RemoteError(
+            f"the upstream of {self.upstream_model} offers no tokenizer here: {'; '.join(tried)}", 501
+        )
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        m = self.upstream_model
+        obj = self._post_sync(
+            [
+                (
+                    "/tokenize",
+                    {
+                        "model": m,
+                        "prompt": text,
+                        "content": text,
+                        "add_special_tokens": add_special,
+                        "add_special": add_special,
+                        "parse_special": parse_special,
+                    },
+                ),
+                (
+                    "/api/tokenize",
+                    {"model": m, "text": text, "add_special": add_special, "parse_special": parse_special},
+                ),
+            ]
+        )
+        tokens = obj.get("tokens")
+        if not isinstance(tokens, list):
+            raise RemoteError(f"the tokenizer of {m} answered no token list")
+        # llama-server's with_pieces form: [{"id": n, "piece": ...}]
+        return [int(t["id"]) if isinstance(t, dict) else int(t) for t in tokens]
+
+    def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
+        m = self.upstream_model
+        obj = self._post_sync(
+            [
+                ("/detokenize", {"model": m, "tokens": list(ids)}),
+                ("/api/detokenize", {"model": m, "tokens": list(ids)}),
+            ]
+        )
+        for key in ("prompt", "content", "text"):  # vLLM, llama-server, localrt
+            if isinstance(obj.get(key), str):
+                return obj[key]
+        raise RemoteError(f"the detokenizer of {m} answered no text")
+
+    def token_text(self, token_id: int) -> str:
+        return ""
+
+    def special_tokens(self) -> list[str]:
+        return []
+
+    async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
+        raise LocalrtError(
+            f"remote model {self.upstream_model} cannot score tokens: perplexity and KL need a local model"
+        )
+
+    def unload(self) -> None:
+        self.pool.stop()
+        self._sync.close()
+        clients, self._clients = list(self._clients.values()), {}
+        for loop, client in clients:  # each client is closed on the loop it belongs to, if that still runs
+            if not loop.is_closed():
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(_close_soon, client)
+
+
+_closing: set[asyncio.Task[None]] = set()
+
+
+def _close_soon(client: httpx.AsyncClient) -> None:
+    task = asyncio.ensure_future(client.aclose())
+    _closing.add(task)  # a reference until it is done
+    task.add_done_callback(_closing.discard)
