@@ -36,7 +36,7 @@ class Sequence:
     cancel: CancelToken = field(default_factory=CancelToken)
     spec: SpecState | None = None
     block_table: list[int] = field(default_factory=list)
-    block_keys: list[int] = field(default_factory=list)  # chain keys of the leading full blocks
+    block_keys: list[bytes] = field(default_factory=list)  # SHA-256 chain keys of the leading full blocks
     num_computed: int = 0
     num_preemptions: int = 0
     finished: bool = False
