@@ -433,6 +433,14 @@ def _until(expires_at: str | None) -> str:
     return "Stopping..."
 
 
+def _weights_note(details: dict) -> str:
+    """`localrt ps`'s SIZE: the weights' share where the backend reports it (torch: quantized weights)."""
+    from localrt.cli import human_size
+
+    weights = details.get("weight_bytes")
+    return f" (weights {human_size(int(weights))})" if isinstance(weights, int) else ""
+
+
 def ps_command(args: argparse.Namespace) -> int:
     import httpx
 
@@ -463,7 +471,7 @@ def ps_command(args: argparse.Namespace) -> int:
             [
                 m.get("name", ""),
                 str(m.get("digest", "")).removeprefix("sha256:")[:12],
-                human_size(size),
+                human_size(size) + _weights_note(m.get("details") or {}),
                 processor,
                 str(m.get("context_length", "")),
                 _until(m.get("expires_at")),

@@ -54,7 +54,8 @@ def run_workload(engine: Engine, reqs: list[Req]) -> list[Sequence]:
                     engine.add(s)
                 if r.cancel_at == step:
                     s.cancel.cancel()
-            more = engine.step()
+            engine.step()
+            more = engine.has_work
             engine.pool.check()
             step += 1
             if not more and step > max(r.arrival for r in reqs):
@@ -186,10 +187,8 @@ def test_cancel_frees_blocks_at_once(model: Transformer) -> None:
             engine.step()
         assert engine.pool.num_used >= 4
         seq.cancel.cancel()
-        finished = []
-        seq.on_finish = lambda s, reason: finished.append(reason)
-        engine.step()
-    assert finished == ["cancel"]
+        outputs = engine.step()
+    assert [(o.seq, o.finish) for o in outputs] == [(seq, "cancel")]
     assert_pool_empty(engine)
 
 
@@ -337,7 +336,8 @@ def test_paged_memory_waste_and_admission(model: Transformer) -> None:
     with torch.inference_mode():
         for s in seqs:
             engine.add(s)
-        while engine.step():
+        while engine.has_work:
+            engine.step()
             running = engine.scheduler.running
             held = sum(s.num_computed for s in running)
             used = engine.pool.num_used * engine.pool.block_size

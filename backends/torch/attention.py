@@ -60,8 +60,8 @@ class PagedAttention:
                 slots.append(chunk.block_table[pos // bs] * bs + pos % bs)
             by_len.setdefault(chunk.length, []).append((row, chunk))
             row += chunk.length
-        self.positions = torch.tensor(positions, dtype=torch.long, device=device)  # [N]
-        self.slots = torch.tensor(slots, dtype=torch.long, device=device)  # [N]
+        host = torch.tensor([positions, slots], dtype=torch.long)  # built on the host, one upload
+        self.positions, self.slots = upload(host, device)  # [N] each
         self.groups = [self._group(q_len, members, device) for q_len, members in by_len.items()]
 
     def _group(self, q_len: int, members: list[tuple[int, SeqChunk]], device: torch.device | str) -> _Group:
@@ -79,7 +79,11 @@ class PagedAttention:
         query_pos = ctx[:, None] - q_len + torch.arange(q_len)[None, :]  # [B, q_len]
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, q_len, L] causal within context
         return _Group(
-            rows.flatten().to(device), tables.to(device), mask.unsqueeze(1).to(device), q_len, ctx.to(device)
+            upload(rows.flatten(), device),
+            upload(tables, device),
+            upload(mask.unsqueeze(1), device),
+            q_len,
+            upload(ctx, device),
         )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -106,6 +110,15 @@ class PagedAttention:
             q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask, enable_gqa=True
         )  # [B, H, q_len, D]
         return out.transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
+
+
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on the device: pinned and copied `non_blocking` on CUDA (the copy queues behind
+    the work in flight instead of waiting for it), the tensor itself on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def fused_available(device: torch.device) -> bool:

@@ -348,6 +348,10 @@ class Runtime:
         for e in sorted(self._entries.values(), key=lambda e: -e.last_used):
             on_gpu = bool(getattr(e.model, "on_gpu", False))
             size = int(e.model.memory_bytes)
+            details = {"format": "gguf", "family": e.model.metadata.get("general.architecture", "")}
+            weights = getattr(e.model, "weight_bytes", None)  # backends that report their resident weights
+            if callable(weights):
+                details["weight_bytes"] = int(weights())
             rows.append(
                 LoadedInfo(
                     name=e.key,
@@ -358,7 +362,7 @@ class Runtime:
                     processor=f"100% {'GPU' if on_gpu else 'CPU'}",
                     context_length=e.model.context_length,
                     expires_at=None if e.expires_at is None or e.expires_at == float("inf") else e.expires_at,
-                    details={"format": "gguf", "family": e.model.metadata.get("general.architecture", "")},
+                    details=details,
                 )
             )
         return rows
