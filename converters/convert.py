@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -371,60 +370,3 @@ def convert(
         raise ConvertError(f"output directory {out.parent} does not exist")
     writer.write_streaming(w, out, plan, on_tensor)
     return Result(out, file_type, len(plan), total, time.monotonic() - start)
-
-
-# ---- CLI -----------------------------------------------------------------------------------------
-def convert_command(args: Any) -> int:
-    """`localrt convert SRC --quant TYPE (-o FILE.gguf | --name NAME)`."""
-    from localrt.errors import LocalrtError
-
-    if bool(getattr(args, "output", None)) == bool(getattr(args, "name", None)):
-        raise LocalrtError("convert needs exactly one of -o FILE.gguf or --name NAME")
-    try:
-        file_type = mixes.parse_file_type(args.quant)
-    except mixes.MixError as e:
-        raise LocalrtError(str(e)) from None
-    if args.output:
-        out = Path(args.output)
-        result = _run_with_progress(args.source, out, file_type, getattr(args, "threads", 0) or 0)
-    else:
-        import tempfile
-
-        from localrt.store.importer import import_gguf
-        from localrt.store.store import Store
-
-        store = Store()
-        with tempfile.TemporaryDirectory(prefix="localrt-convert-") as tmp:
-            out = Path(tmp) / "model.gguf"
-            result = _run_with_progress(args.source, out, file_type, getattr(args, "threads", 0) or 0)
-            import_gguf(store, args.name, out)
-        print(f"success: created '{args.name}'", file=sys.stderr)
-    print(
-        f"wrote {result.path if args.output else args.name}: {result.file_type}, {result.n_tensors} tensors, "
-        f"{result.nbytes / 1e6:.1f} MB in {result.seconds:.1f} s",
-        file=sys.stderr,
-    )
-    return 0
-
-
-def _run_with_progress(source: str, out: Path, file_type: str, threads: int) -> Result:
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-    console = Console(stderr=True)
-    if not console.is_terminal:
-        return convert(source, out, file_type, threads)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
-        task = bar.add_task(f"converting to {file_type}", total=None)
-
-        def progress(name: str, done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total, description=f"{file_type} {name}")
-
-        return convert(source, out, file_type, threads, progress)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from localrt import config
 from localrt.errors import LocalrtError
 
 
@@ -177,7 +178,7 @@ def resolve_source(src: str) -> tuple[Path, str | None]:
         raise ConvertError("fetching from the Hugging Face Hub needs huggingface_hub") from None
     patterns = ("*.json", "*.safetensors", "tokenizer.model", "*.jinja", "README.md", "LICENSE*")
     # HF_ENDPOINT is read now, not when huggingface_hub was imported (mirrors, tests)
-    endpoint = os.environ.get("HF_ENDPOINT") or None
+    endpoint = config.hf_endpoint()
     try:
         info = HfApi(endpoint=endpoint).model_info(src)
         files = [s.rfilename for s in info.siblings or [] if any(fnmatch(s.rfilename, p) for p in patterns)]

@@ -295,55 +295,71 @@ class _Special:
     def _template(
         self, proc: dict[str, Any], tc: dict[str, Any] | None, bos: Any, cls: Any, eos: Any, sep: Any
     ) -> tuple[Any, Any, Any, Any]:
+        """TemplateProcessing: which special tokens wrap a single sequence (bos/eos) and a pair (sep)."""
         single, pair = proc.get("single") or [], proc.get("pair") or []
         first = last = None
         if len(single) > 1:
-            first = single[0].get("SpecialToken", {}).get("id")
+            first = _special_id(single[0])
             if first:
-                if not tc:
-                    bos = first
-                elif first not in (bos, cls):
-                    if not bos:
-                        tc["bos_token"] = bos = first
-                    if not cls:
-                        tc["cls_token"] = cls = first
-                self.add["bos"] = first in (bos, cls)
-            last = single[-1].get("SpecialToken", {}).get("id")
+                bos, cls = self._template_first(first, tc, bos, cls)
+            last = _special_id(single[-1])
             if last:
-                if not tc:
-                    eos = last
-                elif last != eos:
-                    # a trailing token other than EOS becomes EOS; the old EOS moves to EOT (or EOM)
-                    for extra in ("eot", "eom"):
-                        if extra not in self.types:
-                            self.types = (*self.types, extra)
-                            tc[f"{extra}_token"] = eos
-                            break
-                    tc["eos_token"] = eos = last
-                self.add["eos"] = last == eos
+                eos = self._template_last(last, tc, eos)
         if pair:
-            start = 1 if first and pair[0].get("SpecialToken", {}).get("id") == first else 0
-            stop = -1 if last and pair[-1].get("SpecialToken", {}).get("id") == last else None
-            pair = pair[slice(start, stop)]
-            if (
-                pair
-                and pair[0].get("Sequence", {}).get("id") == "A"
-                and pair[-1].get("Sequence", {}).get("id") == "B"
-            ):
-                middle = pair[1:-1]
-                if middle:
-                    add_sep = False
-                    entry = middle[0].get("SpecialToken", {}).get("id")
-                    if entry and entry in (sep, eos) and not last:
-                        add_sep = True
-                    if len(middle) == 2:
-                        entry = middle[1].get("SpecialToken", {}).get("id")
-                        if entry and entry in (sep, eos):
-                            add_sep = True
-                    self.add["sep"] = add_sep
-                    if add_sep and not sep and tc:
-                        tc["sep_token"] = eos
+            self._template_pair(pair, first, last, tc, sep, eos)
         return bos, cls, eos, sep
+
+    def _template_first(self, first: Any, tc: dict[str, Any] | None, bos: Any, cls: Any) -> tuple[Any, Any]:
+        if not tc:
+            bos = first
+        elif first not in (bos, cls):
+            if not bos:
+                tc["bos_token"] = bos = first
+            if not cls:
+                tc["cls_token"] = cls = first
+        self.add["bos"] = first in (bos, cls)
+        return bos, cls
+
+    def _template_last(self, last: Any, tc: dict[str, Any] | None, eos: Any) -> Any:
+        if not tc:
+            eos = last
+        elif last != eos:
+            # a trailing token other than EOS becomes EOS; the old EOS moves to EOT (or EOM)
+            for extra in ("eot", "eom"):
+                if extra not in self.types:
+                    self.types = (*self.types, extra)
+                    tc[f"{extra}_token"] = eos
+                    break
+            tc["eos_token"] = eos = last
+        self.add["eos"] = last == eos
+        return eos
+
+    def _template_pair(
+        self, pair: list[Any], first: Any, last: Any, tc: dict[str, Any] | None, sep: Any, eos: Any
+    ) -> None:
+        start = 1 if first and _special_id(pair[0]) == first else 0
+        stop = -1 if last and _special_id(pair[-1]) == last else None
+        pair = pair[slice(start, stop)]
+        if not (
+            pair
+            and pair[0].get("Sequence", {}).get("id") == "A"
+            and pair[-1].get("Sequence", {}).get("id") == "B"
+        ):
+            return
+        middle = pair[1:-1]
+        if not middle:
+            return
+        add_sep = False
+        entry = _special_id(middle[0])
+        if entry and entry in (sep, eos) and not last:
+            add_sep = True
+        if len(middle) == 2:
+            entry = _special_id(middle[1])
+            if entry and entry in (sep, eos):
+                add_sep = True
+        self.add["sep"] = add_sep
+        if add_sep and not sep and tc:
+            tc["sep_token"] = eos
 
     def kv(self, out: KVMap) -> None:
         """Append the keys in SpecialVocab.add_to_gguf's order."""
@@ -418,3 +434,8 @@ def vocab_kv(model_dir: Path, hparams: dict[str, Any], kinds: tuple[str, ...], a
         # which SmolLM2 shares; mirrored so the converted files agree
         out["tokenizer.ggml.add_bos_token"] = (False, "bool")
     return out
+
+
+def _special_id(item: dict[str, Any]) -> Any:
+    """The id of a TemplateProcessing `SpecialToken` entry (None for a `Sequence` entry)."""
+    return item.get("SpecialToken", {}).get("id")

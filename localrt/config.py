@@ -1,4 +1,8 @@
-"""Configuration from the environment (SPEC section 2). Read at call time so tests can set variables."""
+"""Configuration from the environment (SPEC section 2). Read at call time so tests can set variables.
+
+The one module that reads environment variables: every other module asks here (tests and benchmarks
+excepted), so `grep environ` finds every knob in one place.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,38 @@ import platformdirs
 from localrt.errors import LocalrtError
 
 DEFAULT_HOST = "127.0.0.1:11434"
+
+
+def setting(name: str, default: str = "") -> str:
+    """The raw text of one variable, stripped, for a module that parses its own (e.g. LOCALRT_NUM_PARALLEL)."""
+    return os.environ.get(name, default).strip()
+
+
+def debug() -> bool:
+    """`LOCALRT_DEBUG=1`: the CLI re-raises errors so the traceback shows."""
+    return setting("LOCALRT_DEBUG") not in ("", "0")
+
+
+def default_backend() -> str:
+    return setting("LOCALRT_BACKEND") or "auto"
+
+
+def default_kv_cache_type() -> str:
+    return setting("LOCALRT_KV_CACHE_TYPE").lower() or "f16"
+
+
+def extra_origins() -> list[str]:
+    """LOCALRT_ORIGINS: CORS origins allowed beside localhost, comma separated."""
+    return [o.strip() for o in setting("LOCALRT_ORIGINS").split(",") if o.strip()]
+
+
+def api_key() -> str | None:
+    return os.environ.get("LOCALRT_API_KEY") or None
+
+
+def hf_endpoint() -> str | None:
+    """HF_ENDPOINT read now: huggingface_hub reads it once at import, which is too early for tests and mirrors."""
+    return os.environ.get("HF_ENDPOINT") or None
 
 
 def models_dir() -> Path:
@@ -94,5 +130,5 @@ def server_address() -> tuple[str, str]:
 
 def auth_headers() -> dict[str, str]:
     """The Authorization header a client sends when LOCALRT_API_KEY is set."""
-    key = os.environ.get("LOCALRT_API_KEY")
+    key = api_key()
     return {"Authorization": f"Bearer {key}"} if key else {}

@@ -1,14 +1,15 @@
-"""`localrt show NAME`: what a stored model is, read from its manifest layers and its GGUF header."""
+"""A stored model described from its manifest layers and its GGUF header: Modelfile text and parameter
+lines, shared by `localrt show` (through the client) and `/api/show`."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Any
 
-from localrt.store.gguf import GGUFInfo, format_parameter_count, read_gguf
-from localrt.store.names import parse_name
-from localrt.store.store import ResolvedModel, Store
+from localrt.runtime.family_templates import TemplateChoice
+from localrt.runtime.templates import select_template
+from localrt.store.gguf import GGUFInfo
+from localrt.store.store import ResolvedModel
 
 
 def parameter_lines(params: dict[str, Any]) -> list[tuple[str, str]]:
@@ -29,8 +30,27 @@ def parameter_lines(params: dict[str, Any]) -> list[tuple[str, str]]:
     return lines
 
 
+def template_choice(model: ResolvedModel, info: GGUFInfo) -> TemplateChoice:
+    """The template the runtime renders this model's prompts with (see runtime/templates.py)."""
+    tokens = info.metadata.get("tokenizer.ggml.tokens") or ()
+    return select_template(model.template, info.chat_template, info.architecture, tokens)
+
+
 def template_of(model: ResolvedModel, info: GGUFInfo) -> str:
-    return model.template if model.template is not None else (info.chat_template or "")
+    # A Modelfile TEMPLATE is shown as written, Go templates included (kept, not executed).
+    return model.template if model.template is not None else template_choice(model, info).source
+
+
+TEMPLATE_ORIGINS = {
+    "modelfile": "from the Modelfile",
+    "gguf": "from the GGUF file",
+    "chatml fallback": "ChatML (the file has none and its family is unknown)",
+}
+
+
+def template_origin(choice: TemplateChoice) -> str:
+    family = choice.origin.removeprefix("family:")
+    return TEMPLATE_ORIGINS.get(choice.origin, f"{family}, built in (the file has none)")
 
 
 def modelfile_text(model: ResolvedModel, info: GGUFInfo) -> str:
@@ -50,51 +70,3 @@ def modelfile_text(model: ResolvedModel, info: GGUFInfo) -> str:
     if model.license:
         out.append(f'LICENSE """{model.license}"""')
     return "\n".join(out) + "\n"
-
-
-def show_command(args: argparse.Namespace) -> int:
-    model = Store().resolve(parse_name(args.model))
-    if args.path:
-        print(model.model_path)
-        return 0
-    info = read_gguf(model.model_path)
-    if args.modelfile:
-        print(modelfile_text(model, info), end="")
-        return 0
-    if args.template:
-        print(template_of(model, info))
-        return 0
-    if args.parameters:
-        for key, value in parameter_lines(model.params):
-            print(f"{key:<24}{value}")
-        return 0
-    if args.system:
-        print(model.system or "")
-        return 0
-    if args.license:
-        print(model.license or info.license or "")
-        return 0
-
-    rows = [
-        ("architecture", info.architecture or "unknown"),
-        ("parameters", format_parameter_count(info.parameter_count)),
-        ("context length", str(info.context_length or "unknown")),
-        ("embedding length", str(info.embedding_length or "unknown")),
-        ("quantization", info.file_type or "unknown"),
-    ]
-    print("  Model")
-    for key, value in rows:
-        print(f"    {key:<20}{value}")
-    if model.params:
-        print("\n  Parameters")
-        for key, value in parameter_lines(model.params):
-            print(f"    {key:<20}{value}")
-    if model.system:
-        print("\n  System")
-        print("    " + model.system.strip().replace("\n", "\n    "))
-    license_text = model.license or info.license
-    if license_text:
-        print("\n  License")
-        print("    " + str(license_text).strip().splitlines()[0])
-    print()
-    return 0

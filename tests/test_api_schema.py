@@ -75,7 +75,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalrtServer]:
     yield srv
     assert srv.stop() in (0, -signal.SIGTERM)
     log = srv.log_path.read_text(errors="replace")
-    assert "Traceback" not in log and "internal error" not in log, log[-4000:]
+    assert "Traceback" not in log, log[-4000:]
+    assert "internal error" not in log, log[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,9 @@ def test_openapi_schema(case: Any, server: LocalrtServer) -> None:
     if path == "/api/pull" and response.status_code == 502:
         assert "127.0.0.1" in response.json()["error"]  # the unreachable registry, reported cleanly
         return
-    if response.status_code == 501:  # a backend this build lacks, asked for by name (tui/client.py maps 501)
+    if (
+        response.status_code == 501
+    ):  # a backend this build lacks, asked for by name (localrt/client.py maps 501)
         assert "is not available" in str(response.json()["error"])
         return
     # Whether a schema-valid body is accepted here depends on more than its shape (the model, uploaded
@@ -144,8 +147,10 @@ def test_every_json_route_documents_its_body(tmp_path: Path) -> None:
             if method in ("post", "delete") and not path.startswith("/api/blobs"):
                 ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
                 body = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
-                assert body["type"] == "object" and body["properties"], (method, path)
+                assert body["type"] == "object", (method, path)
+                assert body["properties"], (method, path)
                 assert "model" in body.get("required", []) or path == "/api/copy", (method, path)
     assert len(operation_ids) == len(set(operation_ids))
     options = doc["components"]["schemas"]["GenerateRequest"]["properties"]["options"]["anyOf"][0]
-    assert options["properties"]["num_ctx"]["minimum"] == 1 and options["additionalProperties"] is False
+    assert options["properties"]["num_ctx"]["minimum"] == 1
+    assert options["additionalProperties"] is False

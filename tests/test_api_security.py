@@ -86,7 +86,8 @@ def test_allowed_origins_get_cors_headers(server: LocalrtServer, origin: str) ->
     pre = httpx.options(
         server.url + "/api/chat", headers={"Origin": origin, "Access-Control-Request-Method": "POST"}
     )
-    assert pre.status_code == 204 and "POST" in pre.headers["access-control-allow-methods"]
+    assert pre.status_code == 204
+    assert "POST" in pre.headers["access-control-allow-methods"]
 
 
 def test_body_cap(server: LocalrtServer) -> None:
@@ -131,7 +132,8 @@ def test_blob_upload_checks_digest(server: LocalrtServer) -> None:
     assert httpx.head(f"{server.url}/api/blobs/{digest}").status_code == 404
     wrong = "sha256:" + hashlib.sha256(b"other").hexdigest()
     r = httpx.post(f"{server.url}/api/blobs/{wrong}", content=data)
-    assert r.status_code == 400 and "digest mismatch" in r.json()["error"]
+    assert r.status_code == 400
+    assert "digest mismatch" in r.json()["error"]
     assert httpx.head(f"{server.url}/api/blobs/{wrong}").status_code == 404
     assert httpx.post(f"{server.url}/api/blobs/{digest}", content=data).status_code == 201
     assert httpx.head(f"{server.url}/api/blobs/{digest}").status_code == 200
@@ -148,7 +150,8 @@ def test_api_key(keyed_server: LocalrtServer) -> None:
     assert httpx.get(url + "/api/tags", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(url + "/api/tags", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     r = httpx.get(url + "/v1/models")
-    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert r.status_code == 401
+    assert r.json()["error"]["type"] == "authentication_error"
 
 
 def test_openai_error_shape(server: LocalrtServer) -> None:
@@ -281,7 +284,8 @@ def test_unknown_model_is_404_naming_it(model_server: LocalrtServer, path: str, 
 # Regressions for what schemathesis found (each was a 500, a missing header or a wrong 200).
 def test_405_names_the_allowed_methods(model_server: LocalrtServer) -> None:
     r = httpx.get(model_server.url + "/api/generate")
-    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.status_code == 405
+    assert r.headers["allow"] == "POST"
 
 
 def test_embed_with_null_input_loads_the_model(model_server: LocalrtServer) -> None:
@@ -292,11 +296,13 @@ def test_embed_with_null_input_loads_the_model(model_server: LocalrtServer) -> N
 
 def test_legacy_embeddings_needs_a_model_even_for_an_empty_prompt(model_server: LocalrtServer) -> None:
     r = call(model_server, "POST", "/api/embeddings", {"prompt": None})
-    assert r.status_code == 400 and "model is required" in r.json()["error"]
+    assert r.status_code == 400
+    assert "model is required" in r.json()["error"]
     r = call(
         model_server, "POST", "/api/embeddings", {"model": TINY, "prompt": "", "options": {"flash_attn": {}}}
     )
-    assert r.status_code == 400 and "flash_attn" in r.json()["error"]
+    assert r.status_code == 400
+    assert "flash_attn" in r.json()["error"]
     assert call(model_server, "POST", "/api/embeddings", {"model": TINY, "prompt": ""}).json() == {
         "embedding": []
     }

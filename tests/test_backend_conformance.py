@@ -94,13 +94,15 @@ def test_load_reports_shape(model: LoadedModel, backend_name: str) -> None:
     assert model.n_vocab == 49152
     assert model.memory_bytes > 50_000_000
     assert "tokenizer.chat_template" in model.metadata
-    assert model.eos_token_ids and "<|im_end|>" in model.special_tokens()
+    assert model.eos_token_ids
+    assert "<|im_end|>" in model.special_tokens()
 
 
 def test_tokenize_round_trip(model: LoadedModel) -> None:
     text = "Hello, world! Ünïcödé — 東京 🚀 and code: def f(x): return x**2"
     ids = model.tokenize(text, add_special=False)
-    assert ids and all(0 <= t < model.n_vocab for t in ids)
+    assert ids
+    assert all(0 <= t < model.n_vocab for t in ids)
     assert model.detokenize(ids) == text
 
 
@@ -181,7 +183,8 @@ def test_logprobs_with_top_alternatives(model: LoadedModel) -> None:
     lps = [lp for e in events for lp in (e.logprobs or [])]
     assert len(lps) == len(ids_of(events)) == 6
     for lp in lps:
-        assert lp.logprob <= 0.0 and len(lp.top) == 5
+        assert lp.logprob <= 0.0
+        assert len(lp.top) == 5
         assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
         assert sum(math.exp(t.logprob) for t in lp.top) <= 1.0 + 1e-6
         assert lp.top[0].token_id == lp.token_id  # greedy picks the most likely token
@@ -195,8 +198,10 @@ def test_score_matches_generation_logprobs(model: LoadedModel) -> None:
     gen_lps = np.array([lp.logprob for e in events for lp in (e.logprobs or [])])
     result = asyncio.run(model.score(ids + generated, return_logits=True))
     assert result.logprobs.shape == (len(ids) + len(generated) - 1,)
-    assert np.all(np.isfinite(result.logprobs)) and np.all(result.logprobs <= 0)
-    assert result.logits is not None and result.logits.shape == (len(result.logprobs), model.n_vocab)
+    assert np.all(np.isfinite(result.logprobs))
+    assert np.all(result.logprobs <= 0)
+    assert result.logits is not None
+    assert result.logits.shape == (len(result.logprobs), model.n_vocab)
     np.testing.assert_allclose(result.logprobs[-len(generated) :], gen_lps, atol=0.02)
 
 
@@ -216,8 +221,10 @@ def test_timings_are_filled(model: LoadedModel) -> None:
     ids = prompt_ids(model, "Name a colour.")
     _, done = run(model, GenerateRequest(ids + [198], GREEDY, num_predict=3))  # a fresh suffix to evaluate
     t = done.timings
-    assert t.prompt_eval_count > 0 and t.prompt_eval_ns > 0
-    assert t.eval_count > 0 and t.eval_ns > 0
+    assert t.prompt_eval_count > 0
+    assert t.prompt_eval_ns > 0
+    assert t.eval_count > 0
+    assert t.eval_ns > 0
 
 
 def test_prefix_reuse_evaluates_only_new_tokens(model: LoadedModel) -> None:

@@ -24,7 +24,8 @@ def test_packaged_catalog_is_valid() -> None:
     catalog = load_catalog()
     assert len(catalog) >= 1
     entry = catalog.find("SmolLM2:135M")  # names compare case-insensitively
-    assert entry is not None and entry.name == parse_name("smollm2:135m")
+    assert entry is not None
+    assert entry.name == parse_name("smollm2:135m")
     assert entry.path == "smollm2.toml"
     assert [s.kind for s in entry.sources] == ["registry", "hf", "pypi"]
     # the catalog and the test fixture describe the same file
@@ -114,7 +115,8 @@ def test_sources_are_tried_in_order_until_one_works(
     assert hashlib.sha256(resolved.model_path.read_bytes()).hexdigest() == sha
     assert resolved.params == {"temperature": 0.3, "stop": ["<|im_end|>"]}
     # the registry's model layer was refused from its manifest alone: no blob was downloaded
-    assert registry.seen("GET", "/manifests/") and not registry.seen(contains="/blobs/")
+    assert registry.seen("GET", "/manifests/")
+    assert not registry.seen(contains="/blobs/")
 
 
 def test_when_every_source_fails_the_error_lists_each(
@@ -133,7 +135,8 @@ def test_when_every_source_fails_the_error_lists_each(
     with pytest.raises(PullError) as info:
         pull("tiny:1", store=Store(models_dir), insecure=True, catalog=load_catalog(tmp_path))
     message = str(info.value)
-    assert "\n" not in message and message.startswith("cannot pull tiny:1: every source failed: ")
+    assert "\n" not in message
+    assert message.startswith("cannot pull tiny:1: every source failed: ")
     reasons = message.split(": every source failed: ", 1)[1].split("; ")
     assert len(reasons) == 3
     assert reasons[0].startswith("127.0.0.1:9/library/tiny:1: cannot reach 127.0.0.1:9")

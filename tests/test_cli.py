@@ -59,13 +59,15 @@ def test_create_list_show_path(store_with_smollm2: Path, smollm2_gguf: Path) -> 
     )
     assert fields["architecture"] == "llama"
     assert fields["quantization"] == "Q4_1"
-    assert fields["parameters"].startswith("13") and fields["parameters"].endswith("M")
+    assert fields["parameters"].startswith("13")
+    assert fields["parameters"].endswith("M")
     assert "context length      8192" in show.stdout
     assert "embedding length    576" in show.stdout
 
     path = Path(localrt("show", "smollm2:135m", "--path").stdout.strip())
     digest = hashlib.sha256(smollm2_gguf.read_bytes()).hexdigest()
-    assert path.name == f"sha256-{digest}" and path.parent == store_with_smollm2 / "blobs"
+    assert path.name == f"sha256-{digest}"
+    assert path.parent == store_with_smollm2 / "blobs"
     template = localrt("show", "smollm2:135m", "--template").stdout
     assert "<|im_start|>" in template
 
@@ -128,3 +130,38 @@ def test_full_disk_is_one_line_and_leaves_nothing(tiny_disk: Path, smollm2_gguf:
     assert_one_line_error(result, "no space left on device")
     leftovers = [p for p in tiny_disk.rglob("*") if p.is_file() and p.parent.name != ".locks"]
     assert leftovers == []
+
+
+# ---- an optional part that is not installed: one line naming the extra -------------------------
+def without(tmp_path: Path, *modules: str) -> dict[str, str]:
+    """The environment of a subprocess that cannot import `modules` (a None entry in sys.modules,
+    set by a sitecustomize), as on a machine where their extra was never installed."""
+    site = tmp_path / "without"
+    site.mkdir(exist_ok=True)
+    lines = "".join(f"sys.modules[{m!r}] = None\n" for m in modules)
+    (site / "sitecustomize.py").write_text("import sys\n" + lines)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
+
+
+@pytest.mark.parametrize(
+    "args,missing,extra",
+    [
+        (["convert", "org/model", "-o", "out.gguf"], "gguf", "convert"),
+        (["chat", "smollm2:135m"], "textual", "tui"),
+    ],
+)
+def test_missing_extra_is_one_line_naming_it(
+    models_dir: Path, tmp_path: Path, args: list[str], missing: str, extra: str
+) -> None:
+    result = localrt(*args, env=without(tmp_path, missing))
+    assert_one_line_error(result, f"pip install 'localrt[{extra}]'")
+    assert "internal error" not in result.stderr
+
+
+def test_requantizing_without_the_convert_extra_names_it(
+    models_dir: Path, tmp_path: Path, smollm2_gguf: Path
+) -> None:
+    result = localrt(
+        "create", "q:1", "--from", str(smollm2_gguf), "-q", "Q4_K_M", env=without(tmp_path, "gguf")
+    )
+    assert_one_line_error(result, "localrt create needs gguf", "pip install 'localrt[convert]'")

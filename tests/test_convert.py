@@ -289,15 +289,15 @@ def test_convert_from_hub_repo_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         remote = convert("org/tiny", tmp_path / "remote.gguf", "Q8_0").path
     diffs = compare_gguf(remote, local)
-    assert len(diffs) == 1 and "general.name" in diffs[0] and "'org/tiny'" in diffs[0], (
-        diffs
-    )  # named after the repo
+    assert len(diffs) == 1, diffs
+    assert "general.name" in diffs[0], diffs
+    assert "'org/tiny'" in diffs[0], diffs  # named after the repo
 
 
 def test_convert_command_writes_file_and_imports(tmp_path: Path, models_dir: Path) -> None:
     import argparse
 
-    from localrt.converters.convert import convert_command
+    from localrt.cli.tools import cmd_convert as convert_command
     from localrt.errors import LocalrtError
     from localrt.store.store import Store
 
@@ -371,5 +371,7 @@ def test_hyperparameters_fill_transformers_defaults() -> None:
         "vocab_size": 300,
     }
     hp = hyperparameters(cfg, find_arch(cfg))
-    assert hp["num_key_value_heads"] == 4 and hp["head_dim"] == 64 and hp["max_position_embeddings"] == 2048
+    assert hp["num_key_value_heads"] == 4
+    assert hp["head_dim"] == 64
+    assert hp["max_position_embeddings"] == 2048
     assert hp["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}

@@ -49,7 +49,8 @@ def digest_of(path: Path) -> str:
 
 def test_parse_modelfile_types_and_multiline_values() -> None:
     mf = parse_modelfile(MODELFILE)
-    assert mf.from_ == "./weights/tiny.gguf" and mf.from_line == 2
+    assert mf.from_ == "./weights/tiny.gguf"
+    assert mf.from_line == 2
     assert mf.parameters == {
         "temperature": 0.4,
         "num_ctx": 128,
@@ -85,7 +86,8 @@ def test_create_with_from_path_only(tiny: Path, store: Store) -> None:
     name = create("plain", from_path=str(tiny), store=store)
     resolved = store.resolve(name)
     assert digest_of(resolved.model_path) == digest_of(tiny)
-    assert resolved.template is None and resolved.params == {}
+    assert resolved.template is None
+    assert resolved.params == {}
 
 
 def test_from_an_existing_model_inherits_and_overrides(tiny: Path, store: Store, tmp_path: Path) -> None:
@@ -99,10 +101,12 @@ def test_from_an_existing_model_inherits_and_overrides(tiny: Path, store: Store,
     )
     a, b = store.resolve(base), store.resolve(derived)
     assert a.model_path == b.model_path  # one blob, shared
-    assert b.template == a.template and b.license == a.license
+    assert b.template == a.template
+    assert b.license == a.license
     assert b.system == "You are verbose."
     assert b.params == {**a.params, "temperature": 1.0}
-    assert b.draft_path is not None and digest_of(b.draft_path) == digest_of(draft)
+    assert b.draft_path is not None
+    assert digest_of(b.draft_path) == digest_of(draft)
     layers, _ = store.read_manifest(derived)
     assert [layer["mediaType"] for layer in layers["layers"]][:2] == [MEDIA_MODEL, MEDIA_DRAFT]
 

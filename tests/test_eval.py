@@ -44,7 +44,8 @@ def test_uniform_model_has_perplexity_vocab_size() -> None:
     model = FakeModel(np.zeros((50, 50)))
     res = asyncio.run(evaluate(model, list(range(1, 50)) * 3, ctx=32))
     assert math.isclose(res.perplexity, 50.0, rel_tol=1e-9)
-    assert res.kl is None and res.top1 is None
+    assert res.kl is None
+    assert res.top1 is None
 
 
 def test_identical_reference_gives_zero_kl_and_full_agreement() -> None:
@@ -108,7 +109,8 @@ def test_eval_command_on_smollm2(
     assert set(out) == {"perplexity", "tokens", "kl", "top1"}
     assert 1.0 < out["perplexity"] < 100.0, out  # English prose for a small instruct model
     assert out["tokens"] > 20
-    assert out["kl"] == pytest.approx(0.0, abs=1e-6) and out["top1"] == 1.0
+    assert out["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert out["top1"] == 1.0
     args.json, args.reference = False, None
     assert eval_command(args) == 0
     assert "perplexity:" in capsys.readouterr().out
@@ -134,11 +136,13 @@ def test_reference_on_another_backend(
     )
     assert eval_command(args) == 0
     across = json.loads(capsys.readouterr().out)
-    assert 1e-7 < across["kl"] < 0.05 and across["top1"] >= 0.85, across
+    assert 1e-7 < across["kl"] < 0.05, across
+    assert across["top1"] >= 0.85, across
     args.reference_backend = None  # the reference on the model's own backend: identical logits
     assert eval_command(args) == 0
     same = json.loads(capsys.readouterr().out)
-    assert same["kl"] == pytest.approx(0.0, abs=1e-7) and same["top1"] == 1.0
+    assert same["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert same["top1"] == 1.0
     assert same["perplexity"] == pytest.approx(across["perplexity"])
 
 

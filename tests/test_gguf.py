@@ -81,10 +81,13 @@ def test_real_model_properties(smollm2_info: GGUFInfo, smollm2_oracle: gguf.GGUF
     assert info.head_count_kv == 3
     assert info.feed_forward_length == 1536
     assert info.vocab_size == 49152
-    assert info.bos_token_id == 1 and info.eos_token_id == 2
+    assert info.bos_token_id == 1
+    assert info.eos_token_id == 2
     assert info.license == "apache-2.0"
-    assert info.name and "135M" in info.name
-    assert info.chat_template and "<|im_start|>" in info.chat_template
+    assert info.name
+    assert "135M" in info.name
+    assert info.chat_template
+    assert "<|im_start|>" in info.chat_template
     assert len(info.tensors) == len(smollm2_oracle.tensors) == 272
     assert info.data_offset == smollm2_oracle.data_offset
     assert info.alignment == 32
@@ -161,9 +164,12 @@ def test_tiny_llama_roundtrip(tmp_path: Path, file_type: str) -> None:
     assert info.context_length == 256
     assert info.embedding_length == 64
     assert info.block_count == 2
-    assert info.head_count == 4 and info.head_count_kv == 2
-    assert info.bos_token_id == 1 and info.eos_token_id == 2
-    assert info.chat_template and "im_start" in info.chat_template
+    assert info.head_count == 4
+    assert info.head_count_kv == 2
+    assert info.bos_token_id == 1
+    assert info.eos_token_id == 2
+    assert info.chat_template
+    assert "im_start" in info.chat_template
     assert len(info.tensors) == 3 + 2 * 9
     assert info == read_gguf_bytes(path.read_bytes())
     oracle = gguf.GGUFReader(path)
@@ -275,7 +281,9 @@ def test_every_value_type_round_trips() -> None:
     assert meta["arr.str"] == ["a", "", "bc"]
     assert list(meta["arr.empty"]) == []
     nested = meta["arr.nested"]
-    assert list(nested[0]) == [1, 2] and nested[1] == ["x"] and list(nested[2][0]) == [7]
+    assert list(nested[0]) == [1, 2]
+    assert nested[1] == ["x"]
+    assert list(nested[2][0]) == [7]
     assert info.metadata_types["arr.nested"] == "ARRAY[ARRAY]"
     assert info.metadata_types["u64"] == "UINT64"
     json.dumps(info.summary())  # arrays come out as lists
@@ -284,7 +292,9 @@ def test_every_value_type_round_trips() -> None:
 def test_summary_is_strict_json() -> None:
     kv = [("nan", FLOAT32, math.nan), ("inf", FLOAT64, math.inf), ("arr", ARRAY, (FLOAT32, [math.nan, 1.0]))]
     summary = read_gguf_bytes(build_gguf(kv)).summary()
-    assert summary["nan"] is None and summary["inf"] is None and summary["arr"] == [None, 1.0]
+    assert summary["nan"] is None
+    assert summary["inf"] is None
+    assert summary["arr"] == [None, 1.0]
     json.dumps(summary, allow_nan=False)
 
 
@@ -297,7 +307,8 @@ def test_zero_tensor_file_needs_no_padding() -> None:
     data = build_gguf([("general.architecture", STRING, "llama")])
     assert len(data) % 32 != 0
     info = read_gguf_bytes(data)
-    assert info.tensors == [] and info.parameter_count == 0
+    assert info.tensors == []
+    assert info.parameter_count == 0
 
 
 def test_custom_alignment_and_gaps_between_tensors() -> None:

@@ -224,9 +224,11 @@ def _save_artifact(data: bytes, reason: str) -> Path:
 def _check_consistent(info: GGUFInfo, size: int) -> None:
     end = 0
     for t in sorted(info.tensors, key=lambda t: t.offset):
-        assert t.offset >= end and t.offset % info.alignment == 0
+        assert t.offset >= end
+        assert t.offset % info.alignment == 0
         assert t.file_offset == info.data_offset + t.offset
-        assert 0 < t.n_bytes and t.file_offset + t.n_bytes <= size
+        assert 0 < t.n_bytes
+        assert t.file_offset + t.n_bytes <= size
         end = t.offset + t.n_bytes
     json.dumps(info.summary(), allow_nan=False)
     _ = (info.file_type, info.parameter_count, info.context_length, info.head_count, info.eos_token_id)

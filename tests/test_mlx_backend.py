@@ -72,9 +72,11 @@ def test_seeded_sampling_is_reproducible_and_speculation_keeps_it_valid(q8_model
     params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=7)
     first, _, _ = run(q8_model, GenerateRequest(ids, params, num_predict=6))
     again, _, _ = run(q8_model, GenerateRequest(ids, params, num_predict=6))
-    assert first == again and len(first) == 6
+    assert first == again
+    assert len(first) == 6
     spec, _, done = run(q8_model, GenerateRequest(ids, params, num_predict=6, speculative="lookup"))
-    assert len(spec) == 6 and all(0 <= t < q8_model.n_vocab for t in spec)  # type: ignore[attr-defined]
+    assert len(spec) == 6
+    assert all(0 <= t < q8_model.n_vocab for t in spec)
     assert done.finish_reason == "length"
 
 
@@ -126,7 +128,9 @@ def test_mlx_that_cannot_load_is_a_clear_message() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     message = out.stdout.strip()
-    assert "backend mlx is not available" in message and "localrt[mlx]" in message and "libmlx" in message
+    assert "backend mlx is not available" in message
+    assert "localrt[mlx]" in message
+    assert "libmlx" in message
     assert "\n" not in message
 
 
@@ -198,9 +202,12 @@ def test_fidelity_against_llamacpp_and_the_exact_reference(
         f"vs torch top-1 {100 * (vs_exact.top1 or 0):.2f}% KL {vs_exact.kl:.2e}"
     )
     assert vs_blas.tokens >= 2000
-    assert vs_blas.top1 is not None and vs_blas.top1 >= 0.98, vs_blas
+    assert vs_blas.top1 is not None, vs_blas
+    assert vs_blas.top1 >= 0.98, vs_blas
     assert abs(vs_blas.perplexity / blas_alone.perplexity - 1) < 0.01, (vs_blas, blas_alone)
-    assert vs_exact.top1 is not None and vs_exact.top1 >= 0.995
+    assert vs_exact.top1 is not None
+    assert vs_exact.top1 >= 0.995
     assert abs(vs_llama.perplexity / exact_alone.perplexity - 1) < 0.001
-    assert vs_llama.top1 is not None and vs_llama.top1 >= 0.94
+    assert vs_llama.top1 is not None
+    assert vs_llama.top1 >= 0.94
     assert abs(vs_llama.perplexity / llama_alone.perplexity - 1) < 0.02

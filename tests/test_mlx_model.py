@@ -38,7 +38,8 @@ def test_repack_dequantizes_exactly_like_ggml(qtype: str) -> None:
     raw = quantize(w, QT[qtype]).reshape(-1).view(np.uint8)
     reference = gguf_dequantize(raw, QT[qtype]).reshape(48, 512)
     qw = repack(raw, qtype, (512, 48))
-    assert qw.shape == (48, 512) and qw.group_size == 32
+    assert qw.shape == (48, 512)
+    assert qw.group_size == 32
     assert qw.bits == {"Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5}.get(qtype, 4)
     np.testing.assert_array_equal(np.array(qw.dequantize()), reference)  # bit for bit
     # and the quantized matmul runs on the packed weights
@@ -150,7 +151,8 @@ def test_chunked_prefill_past_the_growth_step_matches_one_pass(tiny: Transformer
     whole = _feed(tiny, make_caches(2, "f32"), tokens)
     caches = make_caches(2, "f32")
     parts = [_feed(tiny, caches, tokens[s : s + 37]) for s in range(0, len(tokens), 37)]
-    assert caches[0].offset == len(tokens) and caches[0].keys.shape[2] == 2 * STEP  # grew in steps
+    assert caches[0].offset == len(tokens)
+    assert caches[0].keys.shape[2] == 2 * STEP
     np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-4)
 
 
@@ -209,7 +211,8 @@ def test_prefix_reuse_recomputes_only_the_new_turn(tiny: Transformer, kv: str) -
     first = rng.integers(0, 96, 40).tolist()
     runner = Runner(tiny, kv, num_batch=16)
     answer, evaluated = _run(runner, first, 8)
-    assert evaluated == len(first) and len(answer) == 8
+    assert evaluated == len(first)
+    assert len(answer) == 8
     follow_up = rng.integers(0, 96, 9).tolist()
     second = first + answer + follow_up
     again, evaluated = _run(runner, second, 8)

@@ -107,7 +107,8 @@ def test_speculative_sampling_keeps_the_target_distribution(tmp_path: Path, mode
         counts[tokens[1] * MC_VOCAB + tokens[2]] += 1
         assert spec is not None
         drafted, accepted = drafted + spec.drafted, accepted + spec.accepted
-    assert drafted > trials // 2 and 0 < accepted < drafted
+    assert drafted > trials // 2
+    assert 0 < accepted < drafted
     assert_same_distribution(counts, target_pair_distribution(target, prompt, params))
 
 
@@ -122,7 +123,8 @@ def test_verifier_over_numpy_keeps_the_first_token_distribution() -> None:
     for _ in range(trials):
         drafts = [int(rng.choice(vocab, p=draft_q[j])) for j in range(k)]
         tokens, n = verify(sampler, target_logits, drafts, draft_q, [])
-        assert len(tokens) == n + 1 and tokens[:n] == drafts[:n]
+        assert len(tokens) == n + 1
+        assert tokens[:n] == drafts[:n]
         counts[tokens[0]] += 1
     p0 = np.exp(target_logits[0].astype(np.float64))
     assert_same_distribution(counts, p0 / p0.sum())
@@ -159,7 +161,8 @@ def test_greedy_output_identical_with_each_proposer(
             k=5,
         )
         assert fast == plain
-        assert spec is not None and spec.drafted > 0
+        assert spec is not None
+        assert spec.drafted > 0
 
 
 def test_speculation_switches_off_below_break_even(greedy_models: tuple[Transformer, Transformer]) -> None:
@@ -175,7 +178,8 @@ def test_speculation_switches_off_below_break_even(greedy_models: tuple[Transfor
         k=4,
         cost=0.5,
     )
-    assert spec is not None and not spec.enabled
+    assert spec is not None
+    assert not spec.enabled
     assert spec.drafted < 60  # it stopped guessing early, not after 120 tokens
     assert spec.accepted / spec.drafted < break_even_acceptance(4, 0.5)
 

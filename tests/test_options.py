@@ -93,8 +93,11 @@ def test_normalisation() -> None:
             "draft_num_predict": 5,
         }
     )
-    assert o.stop == ["END"] and o.top_k == 20 and isinstance(o.top_k, int)
-    assert o.temperature == 1.0 and isinstance(o.temperature, float)
+    assert o.stop == ["END"]
+    assert o.top_k == 20
+    assert isinstance(o.top_k, int)
+    assert o.temperature == 1.0
+    assert isinstance(o.temperature, float)
     assert (o.backend, o.kv_cache_type, o.speculative, o.num_draft) == ("llama.cpp", "q8_0", "lookup", 5)
 
 
@@ -132,7 +135,8 @@ def test_views_for_the_backend() -> None:
         {"temperature": 0, "seed": 42, "num_ctx": 100_000, "num_thread": 3, "kv_cache_type": "q8_0"}
     )
     s = o.sampling()
-    assert s.greedy and s.seed == 42
+    assert s.greedy
+    assert s.seed == 42
     lo = o.load_options(model_context_length=8192)
     assert (lo.num_ctx, lo.num_thread, lo.kv_cache_type) == (8192, 3, "q8_0")
 

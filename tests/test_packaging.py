@@ -53,4 +53,5 @@ def test_installed_names_do_not_leak() -> None:
 
     assert Path(localrt.backends.__file__).parent == ROOT / "backends"
     assert Path(localrt.catalog.__file__).parent == ROOT / "models"
-    assert localrt.converters and localrt.tui
+    assert localrt.converters
+    assert localrt.tui

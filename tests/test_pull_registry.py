@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from localrt.errors import DigestMismatch, LocalrtError, ModelNotFound, PullError
+from localrt.format import format_bytes
 from localrt.store.names import parse_name
-from localrt.store.pull import Progress, format_bytes, pull
+from localrt.store.pull import Progress, pull
 from localrt.store.store import MEDIA_MODEL, Store
 from tests.servers.registry import MANIFEST_MEDIA_TYPE, BlobHost, Registry, digest_of
 
@@ -97,9 +98,8 @@ def test_real_pull_progress_is_ollamas(real_pull: dict) -> None:
     assert statuses[-3:] == ["verifying sha256 digest", "writing manifest", "success"]
     layer = real_pull["layer"]
     mine = [e for e in events if e.digest == layer["digest"]]
-    assert mine and all(
-        e.status == f"pulling {layer['digest'][7:19]}" and e.total == layer["size"] for e in mine
-    )
+    assert mine
+    assert all(e.status == f"pulling {layer['digest'][7:19]}" and e.total == layer["size"] for e in mine)
     assert [e.completed for e in mine] == sorted(e.completed for e in mine)  # monotonic
     assert mine[-1].completed == layer["size"]
 
@@ -184,14 +184,16 @@ def test_traversal_digest_in_manifest_writes_nothing(
     with pytest.raises(PullError, match="invalid manifest.*invalid digest"):
         pull(f"{registry.address}/library/evil:1", store=store, insecure=True)
     assert files_under(tmp_path) == before
-    assert not (tmp_path / "x").exists() and not (store.root.parent / "x").exists()
+    assert not (tmp_path / "x").exists()
+    assert not (store.root.parent / "x").exists()
     assert not registry.seen(contains="/blobs/")
 
 
 def test_pull_by_digest_verifies_the_manifest(registry: Registry, store: Store) -> None:
     manifest_digest, _ = registry.add_model("library/pinned", "1", os.urandom(10_000))
     name = pull(f"{registry.address}/library/pinned@{manifest_digest}", store=store, insecure=True)
-    assert name.tag == "latest" and store.list_models()[0].manifest_digest == manifest_digest
+    assert name.tag == "latest"
+    assert store.list_models()[0].manifest_digest == manifest_digest
     assert registry.seen("GET", f"/manifests/{manifest_digest}")
 
     # a registry that answers a digest request with other bytes is caught
@@ -211,7 +213,8 @@ def test_registry_token_is_never_sent_to_another_host(registry: Registry, store:
         assert registry.tokens_issued == 1
         assert registry.seen("GET", "/token")[0].header("Authorization") is None
         authed = [r for r in registry.seen(contains="/v2/") if r.header("Authorization")]
-        assert authed and all(r.header("Authorization") == "Bearer s3cret-token" for r in authed)
+        assert authed
+        assert all(r.header("Authorization") == "Bearer s3cret-token" for r in authed)
         assert blob_gets(registry, layer["digest"])[-1].header("Authorization") == "Bearer s3cret-token"
         assert cdn.seen("GET", layer["digest"])  # the redirect was followed ...
         assert all(r.header("Authorization") is None for r in cdn.requests)  # ... without the token

@@ -102,7 +102,8 @@ def test_lookup_speculation_flag(store: Store) -> None:
         "--verbose",
     )
     assert result.returncode == 0, result.stderr
-    assert "draft accepted:" in result.stderr and "eval rate:" in result.stderr.splitlines()[-1]
+    assert "draft accepted:" in result.stderr
+    assert "eval rate:" in result.stderr.splitlines()[-1]
 
 
 @pytest.mark.parametrize(
@@ -126,7 +127,8 @@ def test_errors_are_one_line(store: Store, args: list[str], message: str) -> Non
 
 def test_backend_not_installed_is_one_line(store: Store, without_mlx: None) -> None:
     result = localrt("run", "smollm2:135m", "hi", "--backend", "mlx")
-    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
     assert result.stderr.strip() == (
         "Error: backend mlx is not available: mlx is not installed; pip install 'localrt[mlx]'"
     )
@@ -146,7 +148,8 @@ def test_auto_pull_when_missing(models_dir: Path, smollm2_gguf: Path) -> None:
         name = f"{registry.address}/library/smollm2:135m"
         result = localrt("run", name, "Hello", "--insecure")
     assert result.returncode == 0, result.stderr
-    assert "pulling" in result.stderr and "success" in result.stderr
+    assert "pulling" in result.stderr
+    assert "success" in result.stderr
     assert result.stdout.strip()
     assert Store(models_dir).exists(
         __import__("localrt.store.names", fromlist=["parse_name"]).parse_name(name)
@@ -158,12 +161,16 @@ def test_bench_reports_each_concurrency(store: Store, monkeypatch: pytest.Monkey
     result = localrt("bench", "smollm2:135m", "--concurrency", "1,2", "--num-predict", "8", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["backend"] == "llama.cpp" and [r["concurrency"] for r in report["rounds"]] == [1, 2]
+    assert report["backend"] == "llama.cpp"
+    assert [r["concurrency"] for r in report["rounds"]] == [1, 2]
     for r in report["rounds"]:
         # greedy, 8 tokens each unless an answer ends first
-        assert r["requests"] == r["concurrency"] and 0 < r["tokens"] <= 8 * r["requests"]
-        assert r["aggregate_tps"] > 0 and r["decode_tps_median"] > 0
-        assert 0 < r["ttft_ms_median"] <= r["ttft_ms_max"] and r["acceptance"] is None
+        assert r["requests"] == r["concurrency"]
+        assert 0 < r["tokens"] <= 8 * r["requests"]
+        assert r["aggregate_tps"] > 0
+        assert r["decode_tps_median"] > 0
+        assert 0 < r["ttft_ms_median"] <= r["ttft_ms_max"]
+        assert r["acceptance"] is None
     copy = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog"
     result = localrt(
         "bench",
@@ -179,7 +186,8 @@ def test_bench_reports_each_concurrency(store: Store, monkeypatch: pytest.Monkey
     )
     assert result.returncode == 0, result.stderr
     header, row = result.stdout.splitlines()[1:3]
-    assert header.split()[0] == "concurrency" and row.split()[0] == "1"
+    assert header.split()[0] == "concurrency"
+    assert row.split()[0] == "1"
     assert row.split()[-1].endswith("%")  # lookup drafted, so an acceptance rate is shown
 
 
@@ -194,8 +202,10 @@ def test_bench_reports_each_concurrency(store: Store, monkeypatch: pytest.Monkey
 )
 def test_bench_bad_arguments(store: Store, args: list[str], message: str) -> None:
     result = localrt("bench", "smollm2:135m", *args)
-    assert result.returncode != 0 and message in result.stderr
-    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_ps_and_stop_without_a_server() -> None:

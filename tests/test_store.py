@@ -59,7 +59,8 @@ def test_finalize_partial_rejects_wrong_bytes(tmp_path: Path) -> None:
     store.partial_path(digest).write_bytes(b"tampered")
     with pytest.raises(DigestMismatch, match="must be downloaded again"):
         store.finalize_partial(digest)
-    assert not store.partial_path(digest).exists() and not store.has_blob(digest)
+    assert not store.partial_path(digest).exists()
+    assert not store.has_blob(digest)
     store.partial_path(digest).write_bytes(b"expected")
     assert store.finalize_partial(digest).read_bytes() == b"expected"
 
@@ -89,7 +90,8 @@ def test_list_resolve_copy_remove_with_gc(tmp_path: Path) -> None:
     names = {e.name.display for e in store.list_models()}
     assert names == {"a:1", "b:1"}
     entry = next(e for e in store.list_models() if e.name.display == "a:1")
-    assert len(entry.id) == 12 and entry.size > len(b"shared-weights")
+    assert len(entry.id) == 12
+    assert entry.size > len(b"shared-weights")
 
     resolved = store.resolve("a:1")
     assert resolved.model_path.read_bytes() == b"shared-weights"

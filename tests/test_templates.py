@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from localrt.runtime.family_templates import CHATML_TEMPLATE
 from localrt.runtime.templates import (
-    CHATML_TEMPLATE,
     MAX_TEMPLATE_CHARS,
     ChatTemplate,
     RenderedPrompt,
@@ -158,7 +158,8 @@ def test_tools_and_tool_call_messages() -> None:
         {"role": "tool", "content": "18 C", "tool_name": "get_weather"},
     ]
     out = ChatTemplate(HERMES_TOOLS, special_tokens=CHATML_SPECIALS).render(messages, tools=tools).text
-    assert '"name": "get_weather"' in out and "Weather for a city" in out
+    assert '"name": "get_weather"' in out
+    assert "Weather for a city" in out
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in out
     assert "<|im_start|>tool\n18 C<|im_end|>" in out
 
@@ -243,15 +244,13 @@ def test_smollm2_template_renders_default_system(real_model: object) -> None:
 # ---- template choice and tool calls ----------------------------------------------------------
 def test_go_templates_are_detected_and_not_run() -> None:
     go = "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
-    assert (
-        is_go_template(go)
-        and is_go_template("{{ .Prompt }}")
-        and is_go_template("{{ if .System }}x{{ end }}")
-    )
+    assert is_go_template(go)
+    assert is_go_template("{{ .Prompt }}")
+    assert is_go_template("{{ if .System }}x{{ end }}")
     assert not is_go_template(CHATML_TEMPLATE)
-    assert select_template(go, "GGUF") == "GGUF"
-    assert select_template("{{ messages[0].content }}", "GGUF") == "{{ messages[0].content }}"
-    assert select_template(None, None) == CHATML_TEMPLATE
+    assert select_template(go, "GGUF").source == "GGUF"
+    assert select_template("{{ messages[0].content }}", "GGUF").source == "{{ messages[0].content }}"
+    assert select_template(None, None).source == CHATML_TEMPLATE
 
 
 @pytest.mark.parametrize(
@@ -283,5 +282,7 @@ def test_parse_tool_calls(text: str, content: str, calls: list) -> None:
 
 
 def test_could_be_tool_call() -> None:
-    assert could_be_tool_call("") and could_be_tool_call("  <tool") and could_be_tool_call('{"na')
+    assert could_be_tool_call("")
+    assert could_be_tool_call("  <tool")
+    assert could_be_tool_call('{"na')
     assert not could_be_tool_call("The answer")

@@ -22,13 +22,13 @@ pytest.importorskip("textual")
 
 from textual.widgets import Checkbox, Input, ListView, OptionList, ProgressBar, Select, TextArea  # noqa: E402
 
+from localrt.client import ModelInfo, ModelRow, RuntimeClient, ServerClient, connect  # noqa: E402
 from localrt.runtime.manager import Chunk, Metrics  # noqa: E402
 from localrt.store.importer import import_gguf  # noqa: E402
 from localrt.store.names import parse_name  # noqa: E402
 from localrt.store.pull import Progress  # noqa: E402
 from localrt.store.store import Store  # noqa: E402
 from localrt.tui.app import ACTIONS, INPUT_KEYS, ChatApp, key_label  # noqa: E402
-from localrt.tui.client import ModelInfo, ModelRow, RuntimeClient, ServerClient, connect  # noqa: E402
 from localrt.tui.screens import (  # noqa: E402
     ConfirmScreen,
     HelpScreen,
@@ -40,6 +40,7 @@ from localrt.tui.screens import (  # noqa: E402
 )
 from localrt.tui.store import ConversationStore, Settings  # noqa: E402
 from localrt.tui.widgets import ChatInput, MessageView  # noqa: E402
+from tests.conftest import async_test  # noqa: E402
 
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
 # greedy, short and a plain system prompt: SmolLM2-135M's own default system prompt makes it ramble
@@ -202,109 +203,121 @@ class FakeClient:
 
 # ---- the core: a streamed answer, Esc, switching, reopening --------------------------------------
 @needs_llama
-def test_send_a_message_and_receive_a_streamed_answer(model_root: Path, tmp_path: Path) -> None:
-    async def scenario() -> None:
-        app = make_app(model_root, tmp_path)
-        async with app.run_test(size=(100, 30)) as pilot:
-            await ask(pilot, app, FRANCE, type_it=True)
-            question, answer = app.conversation.messages
-            assert question.content == FRANCE
-            assert "Paris" in answer.content and answer.done_reason == "stop" and answer.model == MODEL
-            stats = app.status.stats
-            assert stats.pieces > 1  # it arrived token by token, not at once
-            assert stats.ttft is not None and stats.ttft > 0 and stats.tokens_per_s and stats.tokens_per_s > 0
-            assert stats.ctx_len == 1024 and stats.ctx_exact and 20 < (stats.ctx_used or 0) < 200
-            line = str(app.status.line())
-            assert "TTFT" in line and "tok/s" in line and f"ctx {stats.ctx_used}/1024" in line
-            views = list(app.query(MessageView))
-            assert [v.role for v in views] == ["user", "assistant"]
-            assert "Paris" in views[-1].markdown.source
-            assert not app.errors()
-            saved = ConversationStore(tmp_path / "chat.db").load(app.conversation.id or 0)
-            assert [m.content for m in saved.messages] == [question.content, answer.content]
-            assert saved.messages[1].stats and saved.messages[1].stats["tokens_per_s"] > 0
-
-    asyncio.run(scenario())
-
-
-@needs_llama
-def test_escape_stops_the_answer_and_keeps_what_was_generated(model_root: Path, tmp_path: Path) -> None:
-    async def scenario() -> None:
-        app = make_app(model_root, tmp_path)
-        async with app.run_test(size=(100, 30)) as pilot:
-            app.conversation.settings = Settings(options={"num_predict": 900})
-            app.chat_input.focus()
-            app.chat_input.insert("Write a very long story about a dragon.")
-            await pilot.press("enter")
-            await until(pilot, lambda: app.status.stats.pieces >= 5, 120, "the answer to start streaming")
-            stopped_at = time.monotonic()
-            await pilot.press("escape")
-            worker = app.answer_worker
-            assert worker is not None
-            await until(pilot, lambda: worker.is_finished, 15, "the stop")
-            assert time.monotonic() - stopped_at < 10
-            answer = app.conversation.messages[-1]
-            assert answer.role == "assistant" and answer.done_reason == "cancel" and len(answer.content) > 10
-            assert app.query(MessageView).last().note == "stopped"
-            saved = ConversationStore(tmp_path / "chat.db").load(app.conversation.id or 0).messages[-1]
-            assert saved.content == answer.content and saved.done_reason == "cancel" and saved.complete
-            assert not app.busy and not app.errors()
-            # the model is free again: the next question is answered, with the stopped turn in its history
-            await ask(pilot, app, FRANCE)
-            assert len(app.conversation.messages) == 4 and app.conversation.messages[-1].content
-
-    asyncio.run(scenario())
+@async_test
+async def test_send_a_message_and_receive_a_streamed_answer(model_root: Path, tmp_path: Path) -> None:
+    app = make_app(model_root, tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ask(pilot, app, FRANCE, type_it=True)
+        question, answer = app.conversation.messages
+        assert question.content == FRANCE
+        assert "Paris" in answer.content
+        assert answer.done_reason == "stop"
+        assert answer.model == MODEL
+        stats = app.status.stats
+        assert stats.pieces > 1  # it arrived token by token, not at once
+        assert stats.ttft is not None
+        assert stats.ttft > 0
+        assert stats.tokens_per_s
+        assert stats.tokens_per_s > 0
+        assert stats.ctx_len == 1024
+        assert stats.ctx_exact
+        assert 20 < (stats.ctx_used or 0) < 200
+        line = str(app.status.line())
+        assert "TTFT" in line
+        assert "tok/s" in line
+        assert f"ctx {stats.ctx_used}/1024" in line
+        views = list(app.query(MessageView))
+        assert [v.role for v in views] == ["user", "assistant"]
+        assert "Paris" in views[-1].markdown.source
+        assert not app.errors()
+        saved = ConversationStore(tmp_path / "chat.db").load(app.conversation.id or 0)
+        assert [m.content for m in saved.messages] == [question.content, answer.content]
+        assert saved.messages[1].stats
+        assert saved.messages[1].stats["tokens_per_s"] > 0
 
 
 @needs_llama
-def test_quitting_mid_answer_keeps_the_partial_answer(model_root: Path, tmp_path: Path) -> None:
-    async def scenario() -> int:
-        app = make_app(model_root, tmp_path)
-        async with app.run_test(size=(100, 30)) as pilot:
-            app.conversation.settings = Settings(options={"num_predict": 900})
-            app.chat_input.focus()
-            app.chat_input.insert("Write a very long story about a dragon.")
-            await pilot.press("enter")
-            await until(pilot, lambda: app.status.stats.pieces >= 5, 120, "the answer to start streaming")
-            await pilot.press("ctrl+q")
-        return app.conversation.id or 0
+@async_test
+async def test_escape_stops_the_answer_and_keeps_what_was_generated(model_root: Path, tmp_path: Path) -> None:
+    app = make_app(model_root, tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        app.conversation.settings = Settings(options={"num_predict": 900})
+        app.chat_input.focus()
+        app.chat_input.insert("Write a very long story about a dragon.")
+        await pilot.press("enter")
+        await until(pilot, lambda: app.status.stats.pieces >= 5, 120, "the answer to start streaming")
+        stopped_at = time.monotonic()
+        await pilot.press("escape")
+        worker = app.answer_worker
+        assert worker is not None
+        await until(pilot, lambda: worker.is_finished, 15, "the stop")
+        assert time.monotonic() - stopped_at < 10
+        answer = app.conversation.messages[-1]
+        assert answer.role == "assistant"
+        assert answer.done_reason == "cancel"
+        assert len(answer.content) > 10
+        assert app.query(MessageView).last().note == "stopped"
+        saved = ConversationStore(tmp_path / "chat.db").load(app.conversation.id or 0).messages[-1]
+        assert saved.content == answer.content
+        assert saved.done_reason == "cancel"
+        assert saved.complete
+        assert not app.busy
+        assert not app.errors()
+        # the model is free again: the next question is answered, with the stopped turn in its history
+        await ask(pilot, app, FRANCE)
+        assert len(app.conversation.messages) == 4
+        assert app.conversation.messages[-1].content
 
-    conv_id = asyncio.run(scenario())
+
+@needs_llama
+@async_test
+async def test_quitting_mid_answer_keeps_the_partial_answer(model_root: Path, tmp_path: Path) -> None:
+    app = make_app(model_root, tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        app.conversation.settings = Settings(options={"num_predict": 900})
+        app.chat_input.focus()
+        app.chat_input.insert("Write a very long story about a dragon.")
+        await pilot.press("enter")
+        await until(pilot, lambda: app.status.stats.pieces >= 5, 120, "the answer to start streaming")
+        await pilot.press("ctrl+q")
+    conv_id = app.conversation.id or 0
     question, answer = ConversationStore(tmp_path / "chat.db").load(conv_id).messages
-    assert question.role == "user" and answer.role == "assistant"
-    assert answer.complete and answer.done_reason == "cancel" and len(answer.content) > 10
+    assert question.role == "user"
+    assert answer.role == "assistant"
+    assert answer.complete
+    assert answer.done_reason == "cancel"
+    assert len(answer.content) > 10
 
 
 @needs_llama
-def test_switching_models(model_root: Path, tmp_path: Path) -> None:
-    async def scenario() -> None:
-        client = RuntimeClient(store=Store(model_root))
-        app = make_app(model_root, tmp_path, client=client)
-        async with app.run_test(size=(100, 30)) as pilot:
-            assert app.conversation.model == MODEL
-            await pilot.press("ctrl+o")
-            assert isinstance(app.screen, ModelPickerScreen)
-            options = app.screen.query_one(OptionList)
-            ids = [options.get_option_at_index(i).id for i in range(options.option_count)]
-            options.highlighted = ids.index(TWIN)
-            await pilot.press("enter")
-            await pilot.pause()
-            assert app.conversation.model == TWIN and app.sub_title.endswith(TWIN)
-            await ask(pilot, app, FRANCE)
-            assert "Paris" in app.conversation.messages[-1].content
-            assert app.conversation.messages[-1].model == TWIN
-            assert TWIN in [row.name for row in client.runtime.ps()]  # the runtime really loaded the twin
-            assert ConversationStore(tmp_path / "chat.db").load(app.conversation.id or 0).model == TWIN
-            # and back, from the sidebar
-            models = app.query_one("#models", ListView)
-            models.focus()
-            models.index = [m.name for m in app.models].index(MODEL)
-            await pilot.press("enter")
-            assert app.conversation.model == MODEL
-            assert ConversationStore(tmp_path / "chat.db").load(app.conversation.id or 0).model == MODEL
-            assert any("now uses smollm2:135m" in m for _, m in app.noted)
-
-    asyncio.run(scenario())
+@async_test
+async def test_switching_models(model_root: Path, tmp_path: Path) -> None:
+    client = RuntimeClient(store=Store(model_root))
+    app = make_app(model_root, tmp_path, client=client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        assert app.conversation.model == MODEL
+        await pilot.press("ctrl+o")
+        assert isinstance(app.screen, ModelPickerScreen)
+        options = app.screen.query_one(OptionList)
+        ids = [options.get_option_at_index(i).id for i in range(options.option_count)]
+        options.highlighted = ids.index(TWIN)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.conversation.model == TWIN
+        assert app.sub_title.endswith(TWIN)
+        await ask(pilot, app, FRANCE)
+        assert "Paris" in app.conversation.messages[-1].content
+        assert app.conversation.messages[-1].model == TWIN
+        assert TWIN in [row.name for row in client.runtime.ps()]  # the runtime really loaded the twin
+        assert ConversationStore(tmp_path / "chat.db").load(app.conversation.id or 0).model == TWIN
+        # and back, from the sidebar
+        models = app.query_one("#models", ListView)
+        models.focus()
+        models.index = [m.name for m in app.models].index(MODEL)
+        await pilot.press("enter")
+        assert app.conversation.model == MODEL
+        assert ConversationStore(tmp_path / "chat.db").load(app.conversation.id or 0).model == MODEL
+        assert any("now uses smollm2:135m" in m for _, m in app.noted)
 
 
 @needs_llama
@@ -331,7 +344,8 @@ def test_saving_and_reopening_a_conversation(model_root: Path, tmp_path: Path) -
     async def second_session(conv_id: int) -> None:
         app = make_app(model_root, tmp_path, model=MODEL)
         async with app.run_test(size=(100, 30)) as pilot:
-            assert app.conversation.id is None and not app.conversation.messages  # a new one to start with
+            assert app.conversation.id is None
+            assert not app.conversation.messages
             sidebar = app.query_one("#conversations", ListView)
             assert len(sidebar.children) == 1
             sidebar.focus()
@@ -339,7 +353,8 @@ def test_saving_and_reopening_a_conversation(model_root: Path, tmp_path: Path) -
             await pilot.press("enter")
             await pilot.pause()
             conv = app.conversation
-            assert conv.id == conv_id and conv.model == TWIN  # model and parameters come back too
+            assert conv.id == conv_id
+            assert conv.model == TWIN
             assert conv.settings.system == "Answer in one short sentence."
             assert conv.settings.options == {"temperature": 0.0, "num_predict": 24}
             assert [m.role for m in conv.messages] == ["user", "assistant"]
@@ -356,7 +371,8 @@ def test_saving_and_reopening_a_conversation(model_root: Path, tmp_path: Path) -
 
 # ---- model management ----------------------------------------------------------------------------
 @needs_llama
-def test_pulling_a_model_shows_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@async_test
+async def test_pulling_a_model_shows_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("gguf")
     from tests.gguf_factory import write_tiny_llama
     from tests.servers.registry import Registry
@@ -368,328 +384,322 @@ def test_pulling_a_model_shows_progress(tmp_path: Path, monkeypatch: pytest.Monk
         registry.delay = 0.01  # per 64 KiB: the pull takes about a second
         name = f"{registry.address}/library/tiny:latest"
 
-        async def scenario() -> None:
-            app = make_app(tmp_path / "models", tmp_path, model=None)
-            async with app.run_test(size=(100, 30)) as pilot:
-                assert app.models == [] and any("No models" in m for _, m in app.noted)
-                await pilot.press("f5")
-                screen = app.screen
-                assert isinstance(screen, PullScreen)
-                screen.query_one("#pull-name", Input).value = name
-                # first without --insecure: a plain-http registry is refused, shown in the dialog
-                screen.query_one("#pull-name", Input).focus()
-                await pilot.press("enter")
-                await until(pilot, lambda: not screen.pulling and bool(app.errors()), 30, "the refusal")
-                assert isinstance(app.screen, PullScreen) and app.is_running
-                await pilot.click("#insecure")
-                assert screen.query_one("#insecure", Checkbox).value
-                await pilot.click("#pull-start")
-                bar = screen.query_one("#pull-bar", ProgressBar)
-                seen: list[tuple[float, float]] = []
-                while isinstance(app.screen, PullScreen):
-                    if bar.total:
-                        seen.append((bar.progress, bar.total))
-                    await pilot.pause(0.02)
-                assert any(0 < done < total for done, total in seen), seen  # visible partial progress
-                assert screen.events_seen > 5
-                await until(
-                    pilot, lambda: app.conversation.model == name, 10, "the pulled model to be chosen"
-                )
-                assert app.is_installed(name)
-                listed = [item.model_name for item in app.query("#models ModelItem")]  # type: ignore[attr-defined]
-                assert name in listed
-                assert Store(tmp_path / "models").exists(parse_name(name))
-
-        asyncio.run(scenario())
+        app = make_app(tmp_path / "models", tmp_path, model=None)
+        async with app.run_test(size=(100, 30)) as pilot:
+            assert app.models == []
+            assert any("No models" in m for _, m in app.noted)
+            await pilot.press("f5")
+            screen = app.screen
+            assert isinstance(screen, PullScreen)
+            screen.query_one("#pull-name", Input).value = name
+            # first without --insecure: a plain-http registry is refused, shown in the dialog
+            screen.query_one("#pull-name", Input).focus()
+            await pilot.press("enter")
+            await until(pilot, lambda: not screen.pulling and bool(app.errors()), 30, "the refusal")
+            assert isinstance(app.screen, PullScreen)
+            assert app.is_running
+            await pilot.click("#insecure")
+            assert screen.query_one("#insecure", Checkbox).value
+            await pilot.click("#pull-start")
+            bar = screen.query_one("#pull-bar", ProgressBar)
+            seen: list[tuple[float, float]] = []
+            while isinstance(app.screen, PullScreen):
+                if bar.total:
+                    seen.append((bar.progress, bar.total))
+                await pilot.pause(0.02)
+            assert any(0 < done < total for done, total in seen), seen  # visible partial progress
+            assert screen.events_seen > 5
+            await until(pilot, lambda: app.conversation.model == name, 10, "the pulled model to be chosen")
+            assert app.is_installed(name)
+            listed = [item.model_name for item in app.query("#models ModelItem")]  # type: ignore[attr-defined]
+            assert name in listed
+            assert Store(tmp_path / "models").exists(parse_name(name))
 
 
 @needs_llama
-def test_model_info_and_delete(model_root: Path, tmp_path: Path) -> None:
+@async_test
+async def test_model_info_and_delete(model_root: Path, tmp_path: Path) -> None:
     spare = "spare:latest"
     Store(model_root).copy(parse_name(MODEL), parse_name(spare))
 
-    async def scenario() -> None:
-        app = make_app(model_root, tmp_path)
-        async with app.run_test(size=(100, 30)) as pilot:
-            await pilot.press("f3")
-            await until(pilot, lambda: isinstance(app.screen, ModelInfoScreen), 20, "the info dialog")
-            info = app.screen.info  # type: ignore[attr-defined]
-            assert (info.name, info.architecture, info.quantization, info.context_length) == (
-                MODEL,
-                "llama",
-                "Q4_1",
-                8192,
-            )
-            assert info.backend == "llama.cpp (not loaded)" and info.size > 90_000_000
-            await pilot.press("escape")
-            models = app.query_one("#models", ListView)
-            models.focus()
-            models.index = [m.name for m in app.models].index(spare)
-            await pilot.press("f9")
-            assert isinstance(app.screen, ConfirmScreen)
-            await pilot.press("y")
-            await until(pilot, lambda: not app.is_installed(spare), 10, "the delete")
-            assert not Store(model_root).exists(parse_name(spare))
-            assert Store(model_root).exists(parse_name(MODEL))  # the shared blob stays for the others
-
-    asyncio.run(scenario())
+    app = make_app(model_root, tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("f3")
+        await until(pilot, lambda: isinstance(app.screen, ModelInfoScreen), 20, "the info dialog")
+        info = app.screen.info  # type: ignore[attr-defined]
+        assert (info.name, info.architecture, info.quantization, info.context_length) == (
+            MODEL,
+            "llama",
+            "Q4_1",
+            8192,
+        )
+        assert info.backend == "llama.cpp (not loaded)"
+        assert info.size > 90_000_000
+        await pilot.press("escape")
+        models = app.query_one("#models", ListView)
+        models.focus()
+        models.index = [m.name for m in app.models].index(spare)
+        await pilot.press("f9")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        await until(pilot, lambda: not app.is_installed(spare), 10, "the delete")
+        assert not Store(model_root).exists(parse_name(spare))
+        assert Store(model_root).exists(parse_name(MODEL))  # the shared blob stays for the others
 
 
 # ---- errors: notifications, and the app lives on ---------------------------------------------------
 @needs_llama
-def test_error_model_missing(model_root: Path, tmp_path: Path) -> None:
-    async def scenario() -> None:
-        app = make_app(model_root, tmp_path, model="nosuchmodel")
-        async with app.run_test(size=(100, 30)) as pilot:
-            assert any("model 'nosuchmodel:latest' not found" in m for m in app.errors())
-            await ask(pilot, app, "Hello?")
-            assert any("not found" in m and "Error" in m for m in app.errors())
-            assert app.is_running and not app.busy
-            assert app.chat_input.text == "Hello?"  # the message is given back, not lost
-            assert app.conversation.messages == []
-            assert ConversationStore(tmp_path / "chat.db").conversations() == []  # no empty entry left
-
-    asyncio.run(scenario())
-
-
-@needs_llama
-def test_error_backend_not_installed(model_root: Path, tmp_path: Path, without_mlx: None) -> None:
-    async def scenario() -> None:
-        app = make_app(model_root, tmp_path)
-        async with app.run_test(size=(100, 30)) as pilot:
-            await pilot.press("f4")
-            app.screen.query_one("#backend", Select).value = "mlx"
-            await pilot.press("ctrl+s")
-            await pilot.pause()
-            assert app.conversation.settings.options == {"backend": "mlx"}
-            await ask(pilot, app, FRANCE)
-            assert any("backend mlx is not available" in m for m in app.errors()), app.errors()
-            assert app.is_running and app.chat_input.text == FRANCE
-            # the app recovers: back to the default backend, the same question is answered
-            await pilot.press("f4")
-            app.screen.query_one("#backend", Select).value = Select.NULL
-            await pilot.press("ctrl+s")
-            app.chat_input.clear()
-            await ask(pilot, app, FRANCE)
-            assert "Paris" in app.conversation.messages[-1].content
-
-    asyncio.run(scenario())
-
-
-def test_error_server_unreachable(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        dead = ServerClient(f"http://127.0.0.1:{free_port()}", connect_timeout=2)
-        app = make_app(None, tmp_path, client=dead)
-        async with app.run_test(size=(100, 30)) as pilot:
-            assert any("cannot reach the localrt server" in m for m in app.errors())  # listing models
-            await ask(pilot, app, "Hello?")
-            assert sum("cannot reach the localrt server" in m for m in app.errors()) == 2
-            await pilot.press("f5")
-            app.screen.query_one("#pull-name", Input).value = MODEL
-            await pilot.click("#pull-start")
-            await until(
-                pilot, lambda: sum("cannot reach" in m for m in app.errors()) == 3, 20, "the pull error"
-            )
-            assert app.is_running and app.chat_input.text == "Hello?"
-
-    asyncio.run(scenario())
+@async_test
+async def test_error_model_missing(model_root: Path, tmp_path: Path) -> None:
+    app = make_app(model_root, tmp_path, model="nosuchmodel")
+    async with app.run_test(size=(100, 30)) as pilot:
+        assert any("model 'nosuchmodel:latest' not found" in m for m in app.errors())
+        await ask(pilot, app, "Hello?")
+        assert any("not found" in m and "Error" in m for m in app.errors())
+        assert app.is_running
+        assert not app.busy
+        assert app.chat_input.text == "Hello?"  # the message is given back, not lost
+        assert app.conversation.messages == []
+        assert ConversationStore(tmp_path / "chat.db").conversations() == []  # no empty entry left
 
 
 @needs_llama
-def test_error_template(model_root: Path, tmp_path: Path) -> None:
-    async def scenario() -> None:
-        app = make_app(model_root, tmp_path, model=BROKEN)
-        async with app.run_test(size=(100, 30)) as pilot:
-            await ask(pilot, app, FRANCE)
-            assert any("chat template is invalid" in m for m in app.errors()), app.errors()
-            assert app.is_running and not app.busy
-            app.chat_input.clear()
-            app.switch_model(MODEL)  # another model still works
-            await ask(pilot, app, FRANCE)
-            assert "Paris" in app.conversation.messages[-1].content
+@async_test
+async def test_error_backend_not_installed(model_root: Path, tmp_path: Path, without_mlx: None) -> None:
+    app = make_app(model_root, tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("f4")
+        app.screen.query_one("#backend", Select).value = "mlx"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert app.conversation.settings.options == {"backend": "mlx"}
+        await ask(pilot, app, FRANCE)
+        assert any("backend mlx is not available" in m for m in app.errors()), app.errors()
+        assert app.is_running
+        assert app.chat_input.text == FRANCE
+        # the app recovers: back to the default backend, the same question is answered
+        await pilot.press("f4")
+        app.screen.query_one("#backend", Select).value = Select.NULL
+        await pilot.press("ctrl+s")
+        app.chat_input.clear()
+        await ask(pilot, app, FRANCE)
+        assert "Paris" in app.conversation.messages[-1].content
 
-    asyncio.run(scenario())
+
+@async_test
+async def test_error_server_unreachable(tmp_path: Path) -> None:
+    dead = ServerClient(f"http://127.0.0.1:{free_port()}", connect_timeout=2)
+    app = make_app(None, tmp_path, client=dead)
+    async with app.run_test(size=(100, 30)) as pilot:
+        assert any("cannot reach the localrt server" in m for m in app.errors())  # listing models
+        await ask(pilot, app, "Hello?")
+        assert sum("cannot reach the localrt server" in m for m in app.errors()) == 2
+        await pilot.press("f5")
+        app.screen.query_one("#pull-name", Input).value = MODEL
+        await pilot.click("#pull-start")
+        await until(pilot, lambda: sum("cannot reach" in m for m in app.errors()) == 3, 20, "the pull error")
+        assert app.is_running
+        assert app.chat_input.text == "Hello?"
+
+
+@needs_llama
+@async_test
+async def test_error_template(model_root: Path, tmp_path: Path) -> None:
+    app = make_app(model_root, tmp_path, model=BROKEN)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ask(pilot, app, FRANCE)
+        assert any("chat template is invalid" in m for m in app.errors()), app.errors()
+        assert app.is_running
+        assert not app.busy
+        app.chat_input.clear()
+        app.switch_model(MODEL)  # another model still works
+        await ask(pilot, app, FRANCE)
+        assert "Paris" in app.conversation.messages[-1].content
 
 
 # ---- live numbers, settings, palette, help -------------------------------------------------------
 @needs_llama
-def test_warning_before_the_context_overflows(model_root: Path, tmp_path: Path) -> None:
-    async def scenario() -> None:
-        app = make_app(model_root, tmp_path)
-        async with app.run_test(size=(100, 30)) as pilot:
-            # a 40-token context: the prompt (~27 tokens) and a short answer nearly fill it
-            app.conversation.settings = Settings(options={"num_ctx": 40, "num_predict": 8})
-            await ask(pilot, app, FRANCE)
-            stats = app.status.stats
-            assert stats.ctx_len == 40 and stats.ctx_used is not None and 32 <= stats.ctx_used <= 40, stats
-            assert stats.near_overflow
-            assert app.status.has_class("-warning")
-            assert str(app.status.line()).startswith(f"⚠ ctx {stats.ctx_used}/40")
-            assert any("Context almost full" in m for s, m in app.noted if s == "warning")
-
-    asyncio.run(scenario())
+@async_test
+async def test_warning_before_the_context_overflows(model_root: Path, tmp_path: Path) -> None:
+    app = make_app(model_root, tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        # a 40-token context: the prompt (~27 tokens) and a short answer nearly fill it
+        app.conversation.settings = Settings(options={"num_ctx": 40, "num_predict": 8})
+        await ask(pilot, app, FRANCE)
+        stats = app.status.stats
+        assert stats.ctx_len == 40, stats
+        assert stats.ctx_used is not None, stats
+        assert 32 <= stats.ctx_used <= 40, stats
+        assert stats.near_overflow
+        assert app.status.has_class("-warning")
+        assert str(app.status.line()).startswith(f"⚠ ctx {stats.ctx_used}/40")
+        assert any("Context almost full" in m for s, m in app.noted if s == "warning")
 
 
 @needs_llama
-def test_speculative_acceptance_in_the_status_bar(model_root: Path, tmp_path: Path) -> None:
-    async def scenario() -> None:
-        app = make_app(model_root, tmp_path)
-        async with app.run_test(size=(100, 30)) as pilot:
-            app.conversation.settings = Settings(options={"speculative": "lookup"})  # prompt-lookup drafts
-            await ask(pilot, app, "Repeat exactly: the cat sat on the mat, the cat sat on the mat.")
-            stats = app.status.stats
-            assert stats.draft_count > 0 and 0 <= stats.draft_accepted <= stats.draft_count, stats
-            assert f"({stats.draft_accepted}/{stats.draft_count})" in str(app.status.line())
-            saved = ConversationStore(tmp_path / "chat.db").load(app.conversation.id or 0).messages[-1]
-            assert saved.stats and saved.stats["draft_count"] == stats.draft_count
-
-    asyncio.run(scenario())
-
-
-def test_settings_are_validated_like_the_api(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        app = make_app(None, tmp_path)
-        async with app.run_test(size=(80, 24)) as pilot:
-            await pilot.press("f4")
-            screen = app.screen
-            assert isinstance(screen, SettingsScreen)
-            screen.query_one("#temperature", Input).value = "hot"
-            screen.query_one("#top_p", Input).value = "1.5"
-            await pilot.press("ctrl+s")
-            assert app.screen is screen  # stays open on an error
-            assert any("option 'temperature' must be a number" in m for m in app.errors())
-            assert any("option 'top_p' is out of range" in m for m in app.errors())
-            assert screen.query_one("#temperature", Input).has_class("-invalid")
-            screen.query_one("#temperature", Input).value = "0.2"
-            screen.query_one("#top_p", Input).value = "0.5"
-            screen.query_one("#speculative", Select).value = "lookup"
-            screen.query_one("#json").value = True  # type: ignore[attr-defined]
-            await pilot.press("ctrl+s")
-            await pilot.pause()
-            assert app.screen is not screen
-            settings = app.conversation.settings
-            assert settings.options == {"temperature": 0.2, "top_p": 0.5, "speculative": "lookup"}
-            assert settings.json_output
-            await ask(pilot, app, "Hi")  # and the request carries them
-            request = app.client.requests[-1]  # type: ignore[attr-defined]
-            assert request["options"] == settings.options and request["format"] == "json"
-
-    asyncio.run(scenario())
+@async_test
+async def test_speculative_acceptance_in_the_status_bar(model_root: Path, tmp_path: Path) -> None:
+    app = make_app(model_root, tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        app.conversation.settings = Settings(options={"speculative": "lookup"})  # prompt-lookup drafts
+        await ask(pilot, app, "Repeat exactly: the cat sat on the mat, the cat sat on the mat.")
+        stats = app.status.stats
+        assert stats.draft_count > 0, stats
+        assert 0 <= stats.draft_accepted <= stats.draft_count, stats
+        assert f"({stats.draft_accepted}/{stats.draft_count})" in str(app.status.line())
+        saved = ConversationStore(tmp_path / "chat.db").load(app.conversation.id or 0).messages[-1]
+        assert saved.stats
+        assert saved.stats["draft_count"] == stats.draft_count
 
 
-def test_multiline_input_and_the_status_bar_numbers(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        app = make_app(None, tmp_path)
-        async with app.run_test(size=(80, 24)) as pilot:
-            app.chat_input.focus()
-            await pilot.press("l", "i", "n", "e", "1", "ctrl+j", "l", "i", "n", "e", "2")
-            assert app.chat_input.text == "line1\nline2"
-            before = app.answer_worker
-            await pilot.press("enter")
-            await until(pilot, lambda: app.answer_worker is not before and app.answer_worker.is_finished, 10)
-            assert app.conversation.messages[0].content == "line1\nline2"
-            assert app.conversation.messages[1].content == "Hello there."
-            stats = app.status.stats
-            assert (
-                stats.tokens_per_s == pytest.approx(42.0) and stats.ctx_used == 40 and stats.ctx_len == 1024
-            )
-            assert "42.0 tok/s" in str(app.status.line()) and "ctx 40/1024 4%" in str(app.status.line())
-            # speculative numbers appear when the engine reports drafts
-            stats.draft_count, stats.draft_accepted = 50, 35
-            assert "spec 70% (35/50)" in str(app.status.line())
-
-    asyncio.run(scenario())
-
-
-def test_every_action_is_in_the_palette_and_the_help(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        app = make_app(None, tmp_path)
-        async with app.run_test(size=(80, 24)) as pilot:
-            titles = [c.title for c in app.get_system_commands(app.screen)]
-            for action in ACTIONS:
-                assert any(t.startswith(action.title) for t in titles), action.title
-                assert callable(getattr(app, f"action_{action.action}"))
-            assert f"Use model {TWIN}" in titles
-            bound = {b.action for b in app.BINDINGS}  # type: ignore[union-attr]
-            assert bound | {"quit"} == {a.action for a in ACTIONS}
-            # the palette runs them
-            await pilot.press("ctrl+p")
-            await pilot.pause()
-            await pilot.press(*"Pull model")
-            await pilot.pause(0.5)
-            await pilot.press("enter")
-            await until(pilot, lambda: isinstance(app.screen, PullScreen), 10, "the pull dialog")
-            await pilot.press("escape")
-            # the help screen lists every shortcut
-            await pilot.press("f1")
-            assert isinstance(app.screen, HelpScreen)
-            keys = [key for key, _ in app.screen.rows]
-            assert keys == [k for k, _ in INPUT_KEYS] + [key_label(a.key) for a in ACTIONS]
-            assert "Esc" in keys and "Ctrl+N" in keys and "F5" in keys
-            await pilot.press("escape")
-            assert not isinstance(app.screen, HelpScreen)
-
-    asyncio.run(scenario())
+@async_test
+async def test_settings_are_validated_like_the_api(tmp_path: Path) -> None:
+    app = make_app(None, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("f4")
+        screen = app.screen
+        assert isinstance(screen, SettingsScreen)
+        screen.query_one("#temperature", Input).value = "hot"
+        screen.query_one("#top_p", Input).value = "1.5"
+        await pilot.press("ctrl+s")
+        assert app.screen is screen  # stays open on an error
+        assert any("option 'temperature' must be a number" in m for m in app.errors())
+        assert any("option 'top_p' is out of range" in m for m in app.errors())
+        assert screen.query_one("#temperature", Input).has_class("-invalid")
+        screen.query_one("#temperature", Input).value = "0.2"
+        screen.query_one("#top_p", Input).value = "0.5"
+        screen.query_one("#speculative", Select).value = "lookup"
+        screen.query_one("#json").value = True  # type: ignore[attr-defined]
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert app.screen is not screen
+        settings = app.conversation.settings
+        assert settings.options == {"temperature": 0.2, "top_p": 0.5, "speculative": "lookup"}
+        assert settings.json_output
+        await ask(pilot, app, "Hi")  # and the request carries them
+        request = app.client.requests[-1]  # type: ignore[attr-defined]
+        assert request["options"] == settings.options
+        assert request["format"] == "json"
 
 
-def test_rename_export_and_delete_a_conversation(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        app = make_app(None, tmp_path)
-        async with app.run_test(size=(80, 24)) as pilot:
-            await ask(pilot, app, "Hi")
-            conv_id = app.conversation.id
-            await pilot.press("f2")
-            assert isinstance(app.screen, PromptScreen)
-            app.screen.query_one(Input).value = "Greetings"
-            await pilot.press("enter")
-            await pilot.pause()
-            assert ConversationStore(tmp_path / "chat.db").load(conv_id or 0).title == "Greetings"
-            assert "Greetings" in app.sub_title
-            await pilot.press("f7")
-            assert isinstance(app.screen, PromptScreen), app.noted
-            assert app.screen.query_one(Input).value == str(tmp_path / "greetings.md")
-            await pilot.press("enter")
-            await pilot.pause()
-            text = (tmp_path / "greetings.md").read_text()
-            assert text.startswith("# Greetings") and "## You\n\nHi" in text and "Hello there." in text
-            await pilot.press("f8")
-            assert isinstance(app.screen, ConfirmScreen)
-            await pilot.press("y")
-            await pilot.pause()
-            assert ConversationStore(tmp_path / "chat.db").conversations() == []
-            assert app.conversation.id is None and not list(app.query(MessageView))
-            await pilot.press("ctrl+n")  # new conversation keeps the model
-            assert app.conversation.model == MODEL
-
-    asyncio.run(scenario())
+@async_test
+async def test_multiline_input_and_the_status_bar_numbers(tmp_path: Path) -> None:
+    app = make_app(None, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        app.chat_input.focus()
+        await pilot.press("l", "i", "n", "e", "1", "ctrl+j", "l", "i", "n", "e", "2")
+        assert app.chat_input.text == "line1\nline2"
+        before = app.answer_worker
+        await pilot.press("enter")
+        await until(pilot, lambda: app.answer_worker is not before and app.answer_worker.is_finished, 10)
+        assert app.conversation.messages[0].content == "line1\nline2"
+        assert app.conversation.messages[1].content == "Hello there."
+        stats = app.status.stats
+        assert stats.tokens_per_s == pytest.approx(42.0)
+        assert stats.ctx_used == 40
+        assert stats.ctx_len == 1024
+        assert "42.0 tok/s" in str(app.status.line())
+        assert "ctx 40/1024 4%" in str(app.status.line())
+        # speculative numbers appear when the engine reports drafts
+        stats.draft_count, stats.draft_accepted = 50, 35
+        assert "spec 70% (35/50)" in str(app.status.line())
 
 
-def test_no_color_and_80x24(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@async_test
+async def test_every_action_is_in_the_palette_and_the_help(tmp_path: Path) -> None:
+    app = make_app(None, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        for action in ACTIONS:
+            assert any(t.startswith(action.title) for t in titles), action.title
+            assert callable(getattr(app, f"action_{action.action}"))
+        assert f"Use model {TWIN}" in titles
+        bound = {b.action for b in app.BINDINGS}  # type: ignore[union-attr]
+        assert bound | {"quit"} == {a.action for a in ACTIONS}
+        # the palette runs them
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"Pull model")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, PullScreen), 10, "the pull dialog")
+        await pilot.press("escape")
+        # the help screen lists every shortcut
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        keys = [key for key, _ in app.screen.rows]
+        assert keys == [k for k, _ in INPUT_KEYS] + [key_label(a.key) for a in ACTIONS]
+        assert "Esc" in keys
+        assert "Ctrl+N" in keys
+        assert "F5" in keys
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+@async_test
+async def test_rename_export_and_delete_a_conversation(tmp_path: Path) -> None:
+    app = make_app(None, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ask(pilot, app, "Hi")
+        conv_id = app.conversation.id
+        await pilot.press("f2")
+        assert isinstance(app.screen, PromptScreen)
+        app.screen.query_one(Input).value = "Greetings"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert ConversationStore(tmp_path / "chat.db").load(conv_id or 0).title == "Greetings"
+        assert "Greetings" in app.sub_title
+        await pilot.press("f7")
+        assert isinstance(app.screen, PromptScreen), app.noted
+        assert app.screen.query_one(Input).value == str(tmp_path / "greetings.md")
+        await pilot.press("enter")
+        await pilot.pause()
+        text = (tmp_path / "greetings.md").read_text()
+        assert text.startswith("# Greetings")
+        assert "## You\n\nHi" in text
+        assert "Hello there." in text
+        await pilot.press("f8")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        await pilot.pause()
+        assert ConversationStore(tmp_path / "chat.db").conversations() == []
+        assert app.conversation.id is None
+        assert not list(app.query(MessageView))
+        await pilot.press("ctrl+n")  # new conversation keeps the model
+        assert app.conversation.model == MODEL
+
+
+@async_test
+async def test_no_color_and_80x24(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import re
 
     monkeypatch.setenv("NO_COLOR", "1")
 
-    async def scenario() -> None:
-        app = make_app(None, tmp_path)
-        assert app.no_color
-        async with app.run_test(size=(80, 24)) as pilot:
-            await ask(pilot, app, "Hi")
-            for selector in ("#sidebar", "#messages", "ChatInput", "StatusBar", "Footer"):
-                region = app.query_one(selector).region
-                assert region.width > 0 and region.height > 0 and region.right <= 80 and region.bottom <= 24
-            assert app.query_one(ChatInput).region.height >= 3
-            svg = app.export_screenshot()
-        # every colour drawn is a grey (the window-button dots and default ink belong to the SVG frame)
-        colours = set(re.findall(r"#([0-9a-f]{6})\b", svg.lower())) - {"ff5f57", "febc2e", "28c840", "c5c8c6"}
-        coloured = [c for c in colours if not c[0:2] == c[2:4] == c[4:6]]
-        assert colours and not coloured, coloured
-
-    asyncio.run(scenario())
+    app = make_app(None, tmp_path)
+    assert app.no_color
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ask(pilot, app, "Hi")
+        for selector in ("#sidebar", "#messages", "ChatInput", "StatusBar", "Footer"):
+            region = app.query_one(selector).region
+            assert region.width > 0
+            assert region.height > 0
+            assert region.right <= 80
+            assert region.bottom <= 24
+        assert app.query_one(ChatInput).region.height >= 3
+        svg = app.export_screenshot()
+    # every colour drawn is a grey (the window-button dots and default ink belong to the SVG frame)
+    colours = set(re.findall(r"#([0-9a-f]{6})\b", svg.lower())) - {"ff5f57", "febc2e", "28c840", "c5c8c6"}
+    coloured = [c for c in colours if not c[0:2] == c[2:4] == c[4:6]]
+    assert colours, svg[:2000]
+    assert not coloured, coloured
 
 
 # ---- a running `localrt serve` ----------------------------------------------------------------
 @needs_llama
-def test_through_a_running_server(model_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@async_test
+async def test_through_a_running_server(
+    model_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("fastapi")
     from tests.servers.serve import LocalrtServer
 
@@ -699,25 +709,26 @@ def test_through_a_running_server(model_root: Path, tmp_path: Path, monkeypatch:
         client = connect()
         assert isinstance(client, ServerClient)  # auto-detected
 
-        async def scenario() -> None:
-            app = make_app(model_root, tmp_path, client=client)
-            async with app.run_test(size=(100, 30)) as pilot:
-                assert app.is_installed(MODEL) and app.is_installed(TWIN)
-                await ask(pilot, app, FRANCE)
-                assert "Paris" in app.conversation.messages[-1].content, app.errors()
-                stats = app.status.stats
-                assert stats.ctx_len == 1024 and stats.ctx_used and not stats.ctx_exact  # an estimate: "~"
-                assert "~" in str(app.status.line())
-                await pilot.press("f3")
-                await until(pilot, lambda: isinstance(app.screen, ModelInfoScreen), 20, "the info dialog")
-                assert app.screen.info.backend == "llama.cpp"  # type: ignore[attr-defined]
-                await pilot.press("escape")
-                server.stop()  # the server goes away under the app
-                app.chat_input.clear()
-                await ask(pilot, app, "Are you there?")
-                assert any("cannot reach the localrt server" in m for m in app.errors()), app.errors()
-                assert app.is_running and app.chat_input.text == "Are you there?"
-
-        asyncio.run(scenario())
+        app = make_app(model_root, tmp_path, client=client)
+        async with app.run_test(size=(100, 30)) as pilot:
+            assert app.is_installed(MODEL)
+            assert app.is_installed(TWIN)
+            await ask(pilot, app, FRANCE)
+            assert "Paris" in app.conversation.messages[-1].content, app.errors()
+            stats = app.status.stats
+            assert stats.ctx_len == 1024
+            assert stats.ctx_used
+            assert not stats.ctx_exact
+            assert "~" in str(app.status.line())
+            await pilot.press("f3")
+            await until(pilot, lambda: isinstance(app.screen, ModelInfoScreen), 20, "the info dialog")
+            assert app.screen.info.backend == "llama.cpp"  # type: ignore[attr-defined]
+            await pilot.press("escape")
+            server.stop()  # the server goes away under the app
+            app.chat_input.clear()
+            await ask(pilot, app, "Are you there?")
+            assert any("cannot reach the localrt server" in m for m in app.errors()), app.errors()
+            assert app.is_running
+            assert app.chat_input.text == "Are you there?"
     finally:
         server.stop()

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from localrt.client import ServerUnreachable, _error_from, server_address
 from localrt.errors import BackendUnavailable, LocalrtError, ModelNotFound, OptionError
 from localrt.runtime.options import Options, validate_option
-from localrt.tui.client import ServerUnreachable, _error_from, server_address
 from localrt.tui.settings import parse_fields, summary
 from localrt.tui.store import (
     SCHEMA_VERSION,
@@ -53,7 +53,8 @@ def test_schema_is_versioned_and_reopening_keeps_data(tmp_path: Path) -> None:
     first.close()
     again = ConversationStore(path)  # migrations do not run twice
     loaded = again.load(conv.id)
-    assert loaded.model == "smollm2:135m" and loaded.settings.system == "Be brief."
+    assert loaded.model == "smollm2:135m"
+    assert loaded.settings.system == "Be brief."
     assert loaded.settings.options == {"temperature": 0.0}
     assert [m.content for m in loaded.messages] == ["Hello there"]
     again.close()
@@ -78,8 +79,11 @@ def test_messages_round_trip_with_stats_and_partial_answers(db: ConversationStor
     db.update_message(reply)
     [q, a] = db.load(conv.id).messages
     assert (q.role, a.role) == ("user", "assistant")
-    assert a.content == "partial and more" and a.complete and a.done_reason == "cancel"
-    assert a.stats == {"ttft_s": 0.25, "tokens_per_s": 40.0} and a.model == "m:latest"
+    assert a.content == "partial and more"
+    assert a.complete
+    assert a.done_reason == "cancel"
+    assert a.stats == {"ttft_s": 0.25, "tokens_per_s": 40.0}
+    assert a.model == "m:latest"
 
 
 def test_rename_model_settings_delete_and_order(db: ConversationStore) -> None:
@@ -119,7 +123,8 @@ def test_default_path_honours_localrt_data(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("LOCALRT_DATA", str(tmp_path / "data"))
     assert default_path() == tmp_path / "data" / "chat.db"
     monkeypatch.delenv("LOCALRT_DATA")
-    assert default_path().name == "chat.db" and "localrt" in str(default_path())
+    assert default_path().name == "chat.db"
+    assert "localrt" in str(default_path())
 
 
 def test_markdown_export() -> None:
@@ -139,15 +144,18 @@ def test_markdown_export() -> None:
     )
     text = to_markdown(conv)
     assert text.startswith("# Capitals\n")
-    assert "- model: `smollm2:135m`" in text and "- temperature: `0.0`" in text
+    assert "- model: `smollm2:135m`" in text
+    assert "- temperature: `0.0`" in text
     assert "## System\n\nBe brief." in text
-    assert "## You\n\nCapital of France?" in text and "## smollm2:135m\n\nParis." in text
+    assert "## You\n\nCapital of France?" in text
+    assert "## smollm2:135m\n\nParis." in text
     assert "## smollm2:135m (stopped)\n\nMad" in text
 
 
 def test_titles_and_slugs() -> None:
     assert make_title("  What   is\nthe capital? ") == "What is the capital?"
-    assert len(make_title("x" * 200)) == 48 and make_title("x" * 200).endswith("…")
+    assert len(make_title("x" * 200)) == 48
+    assert make_title("x" * 200).endswith("…")
     assert slug("What is the capital of France?") == "what-is-the-capital-of-france"
     assert slug("???") == "conversation"
 
@@ -197,7 +205,8 @@ def test_settings_fields_parse_like_set_parameter() -> None:
 )
 def test_bad_settings_fail_with_the_api_message(field: str, text: str) -> None:
     options, errors = parse_fields({field: text})
-    assert field in errors and not options
+    assert field in errors
+    assert not options
     # the very message the API returns for the same value in `options`
     from localrt.runtime.options import parse_option_value
 

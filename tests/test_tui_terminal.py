@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import inspect
 import os
 import shlex
 import shutil
@@ -49,12 +48,8 @@ def env(tmp_path: Path, smollm2_gguf: Path) -> dict[str, str]:
 
 
 def chat_argv() -> list[str]:
-    """`localrt chat NAME` once the CLI routes to the chat app; until then the same entry point directly."""
-    import localrt.cli
-
-    if "chat_command" in inspect.getsource(localrt.cli):
-        return [sys.executable, "-m", "localrt", "chat", MODEL]
-    return [sys.executable, "-m", "localrt.tui", MODEL]
+    """`localrt chat NAME`, as a user starts it."""
+    return [sys.executable, "-m", "localrt", "chat", MODEL]
 
 
 def test_localrt_chat_in_a_real_terminal(env: dict[str, str], tmp_path: Path) -> None:
@@ -95,7 +90,9 @@ def test_localrt_chat_in_a_real_terminal(env: dict[str, str], tmp_path: Path) ->
         run("send-keys", "-t", "chat", "-l", FRANCE)
         run("send-keys", "-t", "chat", "Enter")
         shown = wait_for("Paris", 120)
-        assert "smollm2:135m" in shown and "TTFT" in shown and "tok/s" in shown
+        assert "smollm2:135m" in shown
+        assert "TTFT" in shown
+        assert "tok/s" in shown
         run("send-keys", "-t", "chat", "C-q")
         wait_for("EXITED-0", 30)  # quits cleanly, exit status 0
     finally:
@@ -109,7 +106,7 @@ import asyncio, sys
 from pathlib import Path
 from localrt.store.store import Store
 from localrt.tui.app import ChatApp
-from localrt.tui.client import RuntimeClient
+from localrt.client import RuntimeClient
 from localrt.tui.store import Settings
 
 async def wait(pilot, condition):
@@ -157,7 +154,8 @@ def test_killing_the_app_mid_answer_loses_no_earlier_message(env: dict[str, str]
             lines.append(line)
             if line.startswith("STREAMING"):
                 break
-        assert lines and lines[-1].startswith("STREAMING"), "".join(lines)
+        assert lines, "no line came back"
+        assert lines[-1].startswith("STREAMING"), "".join(lines)
         time.sleep(0.8)  # past one periodic save of the streaming answer
     finally:
         proc.send_signal(signal.SIGKILL)  # no cleanup of any kind runs
@@ -167,9 +165,13 @@ def test_killing_the_app_mid_answer_loses_no_earlier_message(env: dict[str, str]
     [conv] = store.conversations()
     first_q, first_a, second_q, partial = store.load(conv.id or 0).messages
     assert (first_q.content, first_q.role) == (FRANCE, "user")
-    assert "Paris" in first_a.content and first_a.complete and first_a.done_reason == "stop"
+    assert "Paris" in first_a.content
+    assert first_a.complete
+    assert first_a.done_reason == "stop"
     assert second_q.content == "Write a very long story about a dragon."
-    assert partial.role == "assistant" and not partial.complete and len(partial.content) > 10
+    assert partial.role == "assistant"
+    assert not partial.complete
+    assert len(partial.content) > 10
     store.close()
 
     # reopened, the cut answer is shown as interrupted and the conversation can go on
@@ -182,7 +184,8 @@ def test_killing_the_app_mid_answer_loses_no_earlier_message(env: dict[str, str]
             await app.open_conversation(conv.id or 0)
             await pilot.pause()
             views = list(app.query(MessageView))
-            assert len(views) == 4 and views[-1].note == "interrupted"
+            assert len(views) == 4
+            assert views[-1].note == "interrupted"
 
     asyncio.run(reopen())
 
@@ -190,8 +193,8 @@ def test_killing_the_app_mid_answer_loses_no_earlier_message(env: dict[str, str]
 def test_readme_screenshot(smollm2_gguf: Path, tmp_path: Path) -> None:
     """docs/tui.svg is a real conversation with SmolLM2; set LOCALRT_UPDATE_SCREENSHOT=1 to retake it."""
     if os.environ.get("LOCALRT_UPDATE_SCREENSHOT"):
+        from localrt.client import RuntimeClient
         from localrt.tui.app import ChatApp
-        from localrt.tui.client import RuntimeClient
         from tests.test_tui_app import ask
 
         store = Store(tmp_path / "models")
@@ -208,4 +211,6 @@ def test_readme_screenshot(smollm2_gguf: Path, tmp_path: Path) -> None:
 
         asyncio.run(take())
     text = SCREENSHOT.read_text(encoding="utf-8")
-    assert text.lstrip().startswith("<svg") and "Paris" in text and "smollm2:135m" in text
+    assert text.lstrip().startswith("<svg")
+    assert "Paris" in text
+    assert "smollm2:135m" in text

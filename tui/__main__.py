@@ -1,5 +1,5 @@
 """`python -m localrt.tui [NAME]`: the chat app without going through the `localrt` CLI."""
 
-from localrt.chat_command import main
+from localrt.tui.launch import main
 
 raise SystemExit(main())

@@ -25,9 +25,9 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Header, Label, ListView, Markdown, Static
 from textual.worker import Worker
 
-from localrt.cli import human_size
+from localrt.client import Client, ModelRow, connect
 from localrt.errors import LocalrtError
-from localrt.tui.client import ChatClient, ModelRow, connect
+from localrt.format import human_size
 from localrt.tui.screens import (
     ConfirmScreen,
     HelpScreen,
@@ -130,14 +130,14 @@ class ChatApp(App[int]):
         self,
         model: str | None = None,
         *,
-        client: ChatClient | None = None,
+        client: Client | None = None,
         store: ConversationStore | None = None,
         db_path: Path | str | None = None,
         clock: Callable[[], float] = time.time,
         export_dir: Path | None = None,
     ) -> None:
         super().__init__()
-        self.client: ChatClient = client if client is not None else connect()
+        self.client: Client = client if client is not None else connect()
         self.clock = clock
         self.db = store if store is not None else ConversationStore(db_path, clock=clock)
         self.initial_model = model

@@ -26,13 +26,13 @@ from textual.widgets import (
 )
 from textual.widgets.option_list import Option
 
-from localrt.cli import human_size  # sizes as `localrt list` prints them
 from localrt.errors import LocalrtError
+from localrt.format import human_size
 from localrt.tui.settings import CHOICE_FIELDS, TEXT_FIELDS, field_text, parse_fields
 from localrt.tui.store import Settings
 
 if TYPE_CHECKING:
-    from localrt.tui.client import ChatClient, ModelInfo
+    from localrt.client import Client, ModelInfo
 
 
 class Dialog(ModalScreen[Any]):
@@ -213,7 +213,7 @@ class SettingsScreen(Dialog):
 class PullScreen(Dialog):
     """Pull a model by name with a progress bar: the same `pull` as the CLI, through the client."""
 
-    def __init__(self, client: ChatClient, name: str = "") -> None:
+    def __init__(self, client: Client, name: str = "") -> None:
         super().__init__()
         self.client, self.initial = client, name
         self.pulling = False

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from localrt.backends.base import SPECULATIVE_MODES
 from localrt.errors import OptionError
+from localrt.runtime.bridge import SPECULATIVE_MODES
 from localrt.runtime.options import BACKEND_NAMES, Options, parse_option_value, validate_option
 
 # (option, label, placeholder) for the free-text fields, in dialog order

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -38,7 +38,7 @@ from .kv_cache import BlockPool, KVCache, OutOfBlocks, blocks_needed
 
 if TYPE_CHECKING:
     from .model import Transformer
-    from .scheduler import Sequence as Seq
+    from .sampling import RequestSampler
 
 
 @dataclass
@@ -72,6 +72,15 @@ class SpecState:
             self.k, self.cost_per_draft
         ):
             self.enabled = False  # speculation costs this request more than it saves
+
+
+class Seq(Protocol):
+    """What the proposers and the verifier read of a scheduled sequence (the scheduler's `Sequence`);
+    a protocol, so this module never imports the scheduler that imports it."""
+
+    tokens: list[int]
+    spec: SpecState | None
+    sampler: RequestSampler
 
 
 # ---- proposers -----------------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -80,7 +79,7 @@ def create_app(
     app.add_middleware(
         SecurityMiddleware,
         bind_host=bind_host,
-        api_key=api_key if api_key is not None else os.environ.get("LOCALRT_API_KEY") or None,
+        api_key=api_key if api_key is not None else config.api_key(),
         max_body=max_body or config.env_int("LOCALRT_MAX_BODY", DEFAULT_MAX_BODY),
     )
     return app

@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from localrt import __version__
 from localrt.api import schemas as wire
 from localrt.api.streaming import first_and_rest, ndjson_response
-from localrt.backends.base import run_in_thread_stream
 from localrt.errors import LocalrtError
+from localrt.runtime.bridge import run_in_thread_stream
 from localrt.runtime.manager import Chunk, Metrics, Runtime
 from localrt.store.names import normalize_digest, parse_name
 from localrt.store.store import ResolvedModel, Store
@@ -129,7 +129,7 @@ def required_model(f: dict[str, Any], key: str = "model") -> str:
     responses={200: wire.ok(wire.ShowResponse), **MODEL_ERRORS},
 )
 async def show(request: Request) -> dict[str, Any]:
-    from localrt.show import modelfile_text, parameter_lines, template_of
+    from localrt.show import modelfile_text, parameter_lines, template_choice, template_of, template_origin
     from localrt.store.gguf import read_gguf
 
     body = await wire.read_json(request, wire.ModelRequest)
@@ -150,6 +150,7 @@ async def show(request: Request) -> dict[str, Any]:
         "details": model_details(store, resolved),
         "model_info": info.summary(),
         "capabilities": capabilities,
+        "template_origin": template_origin(template_choice(resolved, info)),
         "modified_at": rfc3339(store.manifest_path(resolved.name).stat().st_mtime)
         if store.manifest_path(resolved.name).exists()
         else None,

@@ -17,8 +17,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
 from pydantic.json_schema import models_json_schema
 
-from localrt.backends.base import KV_CACHE_TYPES, SPECULATIVE_MODES
 from localrt.errors import LocalrtError
+from localrt.runtime.bridge import KV_CACHE_TYPES, SPECULATIVE_MODES
 from localrt.runtime.options import (
     _RANGES,
     BACKEND_ALIASES,
@@ -503,6 +503,7 @@ class ShowResponse(Out):
     details: ModelDetails
     model_info: dict[str, Any]
     capabilities: list[str]
+    template_origin: str = ""  # ours: the Modelfile's, the file's, or a built-in family template
 
 
 class RunningModel(Out):

@@ -11,12 +11,13 @@ import fnmatch
 import hmac
 import ipaddress
 import json
-import os
 import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from starlette.exceptions import HTTPException
+
+from localrt import config
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -59,8 +60,7 @@ UNCAPPED_PREFIXES = ("/api/blobs/",)  # blob uploads stream to disk and are veri
 
 
 def allowed_origins() -> list[str]:
-    extra = [o.strip() for o in os.environ.get("LOCALRT_ORIGINS", "").split(",") if o.strip()]
-    return [*DEFAULT_ORIGINS, *extra]
+    return [*DEFAULT_ORIGINS, *config.extra_origins()]
 
 
 def origin_allowed(origin: str, host_header: str, patterns: list[str]) -> bool:

@@ -599,7 +599,12 @@ class Runtime:
         )
 
     def _make_template(self, resolved: ResolvedModel, model: LoadedModel) -> ChatTemplate:
-        source = select_template(resolved.template, model.metadata.get("tokenizer.chat_template"))
+        source = select_template(
+            resolved.template,
+            model.metadata.get("tokenizer.chat_template"),
+            model.metadata.get("general.architecture"),
+            model.special_tokens(),
+        ).source
         bos = model.token_text(model.bos_token_id) if model.bos_token_id is not None else ""
         eos = model.token_text(model.eos_token_ids[0]) if model.eos_token_ids else ""
         return ChatTemplate(source, bos_token=bos, eos_token=eos, special_tokens=model.special_tokens())

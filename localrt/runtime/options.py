@@ -8,11 +8,11 @@ Request values are typed JSON and checked strictly (a bool is not an int); Model
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from localrt import config
 from localrt.backends.base import KV_CACHE_TYPES, SPECULATIVE_MODES, LoadOptions, SamplingParams
 from localrt.errors import OptionError
 
@@ -71,7 +71,7 @@ _RANGES: dict[str, tuple[type, float | None, float | None]] = {
 
 
 def _default_kv_cache_type() -> str:
-    return os.environ.get("LOCALRT_KV_CACHE_TYPE", "").strip().lower() or "f16"
+    return config.default_kv_cache_type()
 
 
 MAX_NUM_PARALLEL = 256
@@ -79,7 +79,7 @@ MAX_NUM_PARALLEL = 256
 
 def num_parallel() -> int:
     """LOCALRT_NUM_PARALLEL: sequences a loaded model serves at once; 0 or unset lets the backend decide."""
-    raw = os.environ.get("LOCALRT_NUM_PARALLEL", "").strip()
+    raw = config.setting("LOCALRT_NUM_PARALLEL")
     if not raw:
         return 0
     try:
@@ -94,7 +94,7 @@ def num_parallel() -> int:
 
 
 def _default_backend() -> str:
-    return os.environ.get("LOCALRT_BACKEND", "").strip() or "auto"
+    return config.default_backend()
 
 
 @dataclass

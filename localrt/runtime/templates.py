@@ -17,7 +17,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -28,18 +28,13 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from localrt.errors import LocalrtError
+from localrt.runtime.family_templates import TemplateChoice, family_choice
 
 MAX_TEMPLATE_CHARS = 512 * 1024
 MAX_OUTPUT_CHARS = 4 * 1024 * 1024
 MAX_RANGE = 100_000
 MAX_FILTER_INT = 100_000
 RENDER_TIMEOUT_S = 2.0
-
-# ChatML: the fallback for a GGUF without a chat template (and llama.cpp's own default)
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 _GO_TEMPLATE = re.compile(
     r"\{\{-?\s*(\.[A-Za-z]|\$|range\s|if\s|else\s*-?\}\}|end\s*-?\}\}|template\s|with\s|define\s|block\s)"
@@ -58,13 +53,19 @@ def is_go_template(text: str) -> bool:
     return bool(_GO_TEMPLATE.search(text))
 
 
-def select_template(modelfile_template: str | None, gguf_template: str | None) -> str:
-    """A jinja Modelfile/catalog TEMPLATE wins, then the GGUF's own, then ChatML."""
+def select_template(
+    modelfile_template: str | None,
+    gguf_template: str | None,
+    architecture: str | None = None,
+    tokens: Collection[str] = (),
+) -> TemplateChoice:
+    """A jinja Modelfile/catalog TEMPLATE wins, then the GGUF's own, then the family's (from the
+    architecture and the vocabulary's turn markers), then ChatML."""
     if modelfile_template and modelfile_template.strip() and not is_go_template(modelfile_template):
-        return modelfile_template
+        return TemplateChoice(modelfile_template, "modelfile")
     if gguf_template and gguf_template.strip():
-        return gguf_template
-    return CHATML_TEMPLATE
+        return TemplateChoice(gguf_template, "gguf")
+    return family_choice(architecture, tokens)
 
 
 # ---- the sandbox ---------------------------------------------------------------------------------

@@ -565,6 +565,32 @@ def _short(value: Any) -> str:
 
 def _parse(buf: bytes, file_size: int, max_metadata_bytes: int) -> GGUFInfo:
     r = _Reader(buf, file_size, max_metadata_bytes)
+    version, n_tensors, n_kv = _read_header(r, file_size)
+    metadata, types = _read_metadata(r, n_kv)
+    alignment = _check_metadata(metadata, types)
+    tensors = _read_tensor_infos(r, n_tensors, alignment, file_size)
+
+    header_end = r.pos
+    data_offset = -(-header_end // alignment) * alignment
+    for tensor in tensors:
+        if data_offset + tensor.offset + tensor.n_bytes > file_size:
+            raise GGUFError(f"GGUF tensor '{tensor.name}' data runs past the end of the file")
+        tensor.file_offset = data_offset + tensor.offset
+    _check_overlaps(tensors)
+    return GGUFInfo(
+        version=version,
+        metadata=metadata,
+        tensors=tensors,
+        data_offset=data_offset,
+        alignment=alignment,
+        file_size=file_size,
+        metadata_types=types,
+    )
+
+
+def _read_header(r: _Reader, file_size: int) -> tuple[int, int, int]:
+    """Magic, version and the two counts, each claim checked against the bytes left: (version,
+    tensor count, metadata key count)."""
     if file_size < 4:
         raise GGUFError(f"not a GGUF file: only {file_size} bytes")
     magic = r.take(4, "magic")
@@ -588,7 +614,11 @@ def _parse(buf: bytes, file_size: int, max_metadata_bytes: int) -> GGUFInfo:
             f"GGUF header claims {n_kv} metadata keys and {n_tensors} tensors, "
             f"more than the {r.left()} bytes left can hold"
         )
+    return version, n_tensors, n_kv
 
+
+def _read_metadata(r: _Reader, n_kv: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """The key/value section: (values, type labels such as "UINT32" or "ARRAY[STRING]")."""
     metadata: dict[str, Any] = {}
     types: dict[str, str] = {}
     for index in range(n_kv):
@@ -606,8 +636,11 @@ def _parse(buf: bytes, file_size: int, max_metadata_bytes: int) -> GGUFInfo:
             (element_type,) = _U32.unpack_from(r.buf, value_start)
             type_label = f"ARRAY[{_VALUE_TYPES[element_type][0]}]"
         types[key] = type_label
-    alignment = _check_metadata(metadata, types)
+    return metadata, types
 
+
+def _read_tensor_infos(r: _Reader, n_tensors: int, alignment: int, file_size: int) -> list[TensorInfo]:
+    """The tensor-info section; every tensor's bytes are bounded by the file before it is listed."""
     r.check_claim(n_tensors, _MIN_TENSOR_INFO_BYTES, "header tensor count")
     tensors: list[TensorInfo] = []
     names: set[str] = set()
@@ -633,23 +666,7 @@ def _parse(buf: bytes, file_size: int, max_metadata_bytes: int) -> GGUFInfo:
         if offset + n_bytes > file_size - r.pos:
             raise GGUFError(f"GGUF tensor '{name}' data runs past the end of the file")
         tensors.append(TensorInfo(name, shape, GGML_TYPES[type_id][0], type_id, offset, n_bytes))
-
-    header_end = r.pos
-    data_offset = -(-header_end // alignment) * alignment
-    for tensor in tensors:
-        if data_offset + tensor.offset + tensor.n_bytes > file_size:
-            raise GGUFError(f"GGUF tensor '{tensor.name}' data runs past the end of the file")
-        tensor.file_offset = data_offset + tensor.offset
-    _check_overlaps(tensors)
-    return GGUFInfo(
-        version=version,
-        metadata=metadata,
-        tensors=tensors,
-        data_offset=data_offset,
-        alignment=alignment,
-        file_size=file_size,
-        metadata_types=types,
-    )
+    return tensors
 
 
 def _tensor_bytes(name: str, shape: Sequence[int], type_id: int) -> int:

@@ -232,7 +232,7 @@ def parse_modelfile(text: str) -> Modelfile:
     return mf
 
 
-def _looks_like_path(value: str) -> bool:
+def looks_like_path(value: str) -> bool:
     return (
         value.startswith(("/", "./", "../", "~", ".\\")) or value.lower().endswith(".gguf") or "\\" in value
     )
@@ -245,7 +245,7 @@ def _resolve_source(value: str, base_dir: Path, store: Store, where: str) -> Pat
         candidate = base_dir / candidate
     if candidate.exists():
         return candidate
-    if _looks_like_path(value):
+    if looks_like_path(value):
         raise LocalrtError(f"{where}model file not found: {value}")
     try:
         name = parse_name(value)

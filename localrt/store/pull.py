@@ -7,30 +7,17 @@ the Hub, anything else to an Ollama-compatible registry. Progress events are Oll
 
 from __future__ import annotations
 
-import errno
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from localrt.errors import InvalidName, LocalrtError, PullError
-from localrt.store.names import ModelName, normalize_digest, parse_name
-from localrt.store.store import Store, free_space
+from localrt.store.names import ModelName, parse_name
+from localrt.store.sources.common import Progress, ProgressFn
+from localrt.store.store import Store
+
+__all__ = ["Progress", "ProgressFn", "pull"]
 
 if TYPE_CHECKING:
     from localrt.store.catalog import Catalog, CatalogEntry, Source
-
-
-@dataclass
-class Progress:
-    """One pull progress event, shaped like Ollama's `/api/pull` stream."""
-
-    status: str
-    digest: str | None = None
-    total: int | None = None
-    completed: int | None = None
-
-
-ProgressFn = Callable[[Progress], None]
 
 
 def _ignore(_: Progress) -> None:
@@ -146,37 +133,3 @@ def _pull_source(entry: CatalogEntry, source: Source, store: Store, insecure: bo
         params=entry.parameters or None,
     )
     emit(Progress("success"))
-
-
-# ---- helpers shared by the sources ------------------------------------------------------------
-def as_digest(value: str) -> str:
-    """A sha256 as catalogs write it (bare hex or `sha256:<hex>`) -> `sha256:<hex>` (InvalidName if malformed)."""
-    return normalize_digest(value if value.startswith("sha256") else f"sha256:{value}")
-
-
-def format_bytes(n: int) -> str:
-    """Decimal units, as Ollama prints sizes: 98362432 -> "98.4 MB"."""
-    value, unit = float(n), "B"
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):  # noqa: B007 - the unit reached is the answer
-        if value < 1000 or unit == "PB":
-            break
-        value /= 1000
-    return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-
-
-def check_free_space(store: Store, needed: int) -> None:
-    """Fail before writing when the blobs folder's filesystem cannot hold `needed` more bytes."""
-    have = free_space(store.blobs)
-    if needed > have:
-        raise PullError(f"not enough disk space: need {format_bytes(needed)}, have {format_bytes(have)}")
-
-
-def disk_full(store: Store, needed: int, err: OSError) -> LocalrtError | None:
-    """ENOSPC while writing -> the same clear error as the up-front check; None for other errors."""
-    if err.errno != errno.ENOSPC:
-        return None
-    have = free_space(store.blobs)
-    return PullError(
-        f"not enough disk space: need {format_bytes(needed)}, have {format_bytes(have)} "
-        "(no space left on device; the partial download is kept for resuming)"
-    )

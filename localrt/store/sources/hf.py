@@ -14,9 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from localrt import config
 from localrt.errors import LocalrtError, ModelNotFound, PullError
 from localrt.store.names import ModelName
-from localrt.store.pull import Progress, ProgressFn, as_digest, check_free_space
+from localrt.store.sources.common import Progress, ProgressFn, as_digest, check_free_space
 from localrt.store.store import Store, sha256_file
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -26,8 +27,7 @@ _SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 
 
 def endpoint() -> str:
-    """HF_ENDPOINT read now: huggingface_hub reads it once at import, which is too early for us."""
-    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+    return (config.hf_endpoint() or DEFAULT_ENDPOINT).rstrip("/")
 
 
 def pick_gguf(files: list[str], quant: str, repo: str) -> str:

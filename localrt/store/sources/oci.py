@@ -23,7 +23,7 @@ import httpx
 from localrt import __version__
 from localrt.errors import DigestMismatch, LocalrtError, ModelNotFound, PullError
 from localrt.store.names import ModelName
-from localrt.store.pull import Progress, ProgressFn, as_digest, check_free_space, disk_full
+from localrt.store.sources.common import Progress, ProgressFn, as_digest, check_free_space, disk_full
 from localrt.store.store import (
     MANIFEST_MEDIA_TYPE,
     MAX_MANIFEST_BYTES,

@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 from localrt.errors import InvalidName, PullError
-from localrt.store.pull import Progress, ProgressFn, as_digest, check_free_space, disk_full
+from localrt.store.sources.common import Progress, ProgressFn, as_digest, check_free_space, disk_full
 from localrt.store.store import HASH_CHUNK, Store
 
 PIP_TIMEOUT = 900.0  # seconds; a multi-GB wheel on a slow mirror still fits

@@ -1,4 +1,4 @@
-"""`localrt chat [NAME]`: start the Textual chat app (the `tui` extra) against a server or in-process."""
+"""Start the chat app: `localrt chat [NAME]` and `python -m localrt.tui [NAME]` both land here."""
 
 from __future__ import annotations
 
@@ -9,12 +9,8 @@ from collections.abc import Sequence
 from localrt.errors import LocalrtError
 
 
-def chat_command(args: argparse.Namespace) -> int:
-    """Run the chat app. `args.model` (or the first word of `args.rest`) names the model to start with."""
-    model = getattr(args, "model", None)
-    rest = getattr(args, "rest", None)
-    if model is None and rest:  # the placeholder parser collects everything into `rest`
-        model = rest[0]
+def launch(model: str | None) -> int:
+    """Run the chat app on this terminal, starting with `model`; LocalrtError when it cannot start."""
     try:
         from localrt.tui.app import ChatApp
     except ImportError as e:
@@ -28,17 +24,13 @@ def chat_command(args: argparse.Namespace) -> int:
     return int(code or app.return_code or 0)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="localrt chat", description="The terminal chat app.")
-    parser.add_argument("model", nargs="?", default=None, help="the model to start with (e.g. smollm2:135m)")
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m localrt.tui [NAME]`: the same as `localrt chat [NAME]`, errors as one line."""
-    args = build_parser().parse_args(argv)
+    parser = argparse.ArgumentParser(prog="localrt chat", description="The terminal chat app.")
+    parser.add_argument("model", nargs="?", default=None, help="the model to start with (e.g. smollm2:135m)")
+    args = parser.parse_args(argv)
     try:
-        return chat_command(args)
+        return launch(args.model)
     except LocalrtError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1

@@ -1,7 +1,7 @@
-"""`localrt run` (one-shot and the interactive chat), `localrt ps` and `localrt stop`.
+"""The `localrt run` session: one-shot answers and the interactive chat (`/set`, `/show`, `\"\"\"`).
 
-`run` drives an in-process Runtime on one event loop for the whole session; `ps` and `stop` talk to a
-running `localrt serve` at LOCALRT_HOST.
+A session holds one client (a running `localrt serve`, else the in-process runtime) and one event
+loop for its whole life, so an interactive chat loads the model once either way.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import contextlib
 import json
 import signal
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TextIO, TypeVar
 
 from localrt import config
-from localrt.errors import LocalrtError, ModelNotFound
-from localrt.runtime.manager import Chunk, Metrics, Runtime
+from localrt.client import Client, ModelDetails, connect
+from localrt.errors import LocalrtError
+from localrt.format import go_duration
+from localrt.runtime.manager import Chunk, Metrics
 from localrt.runtime.options import Options, parse_option_value
 
 T = TypeVar("T")
@@ -38,29 +39,6 @@ HELP = """Available Commands:
 
 Use \"\"\" to begin a multi-line message.
 """
-
-
-# ---- formatting ------------------------------------------------------------------------------
-def go_duration(ns: int) -> str:
-    """Go's time.Duration.String(), which Ollama's timing lines use (1.234s, 56.7ms, 890µs)."""
-    if ns < 1000:
-        return f"{ns}ns"
-    if ns < 1_000_000:
-        return _trim(f"{ns / 1e3:.3f}") + "µs"
-    if ns < 1_000_000_000:
-        return _trim(f"{ns / 1e6:.6f}") + "ms"
-    seconds = ns / 1e9
-    if seconds < 60:
-        return _trim(f"{seconds:.9f}") + "s"
-    minutes, rest = divmod(seconds, 60)
-    if minutes < 60:
-        return f"{int(minutes)}m" + _trim(f"{rest:.9f}") + "s"
-    hours, minutes = divmod(int(minutes), 60)
-    return f"{hours}h{minutes}m" + _trim(f"{rest:.9f}") + "s"
-
-
-def _trim(number: str) -> str:
-    return number.rstrip("0").rstrip(".") if "." in number else number
 
 
 def timing_lines(m: Metrics) -> list[str]:
@@ -115,12 +93,12 @@ class Session:
         Options.merge(self.options)  # fail early on a bad --backend / --spec
         self.system: str | None = None
         self.messages: list[dict[str, Any]] = []
-        self.runtime = Runtime()
         self.loop = asyncio.new_event_loop()
+        self.client: Client = connect()
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.loop.run_until_complete(self.runtime.close())
+            self.loop.run_until_complete(self.client.close())
         self.loop.close()
 
     def run(self, coro_fn: Callable[[], Awaitable[T]]) -> tuple[T | None, bool]:
@@ -149,31 +127,24 @@ class Session:
 
     # -- model presence --
     def ensure_model(self, insecure: bool = False) -> None:
-        from localrt.store.store import Store
+        """Pull the model first when the store (the server's, or ours) does not have it."""
+        from localrt.cli.progress import PullProgress
 
-        store = self.runtime.store
-        try:
-            store.resolve(self.model)
-            return
-        except ModelNotFound:
-            pass
-        from localrt.progress import PullProgress
-        from localrt.store.pull import pull
+        async def go() -> None:
+            if await self.client.has_model(self.model):
+                return
+            # stdout is the answer's: progress (bars or plain lines) goes to stderr
+            with contextlib.redirect_stdout(self.err), PullProgress() as bar:
+                async for event in self.client.pull(self.model, insecure=insecure):
+                    bar.update(event)
 
-        # stdout is the answer's: progress (bars or plain lines) goes to stderr
-        with contextlib.redirect_stdout(self.err), PullProgress() as bar:
-            pull(
-                self.model,
-                store=store if isinstance(store, Store) else None,
-                insecure=insecure,
-                progress=bar.update,
-            )
+        _, interrupted = self.run(go)
+        if interrupted:
+            raise KeyboardInterrupt
 
     def load(self) -> None:
         async def go() -> None:
-            async for _ in self.runtime.chat(
-                self.model, [], options=self.options, keep_alive=self.keep_alive
-            ):
+            async for _ in self.client.chat(self.model, [], options=self.options, keep_alive=self.keep_alive):
                 pass
 
         _, interrupted = self.run(go)
@@ -189,7 +160,7 @@ class Session:
         final: list[Chunk] = []
 
         async def go() -> None:
-            async for chunk in self.runtime.chat(
+            async for chunk in self.client.chat(
                 self.model, msgs, options=self.options, format=self.format, keep_alive=self.keep_alive
             ):
                 if chunk.content:
@@ -278,61 +249,58 @@ class Session:
 
     def _show(self, words: list[str]) -> None:
         what = words[1].lower() if len(words) > 1 else ""
-        resolved = self.runtime.store.resolve(self.model)
-        if what == "info":
-            self.out.write(self.info_text(resolved))
-        elif what == "parameters":
-            params = {**resolved.params, **self.options}
-            if not params:
-                self.out.write("No parameters were specified for this model.\n")
-            for key, value in params.items():
-                for v in value if isinstance(value, list) else [value]:
-                    self.out.write(f"{key:<24}{json.dumps(v) if isinstance(v, str) else v}\n")
-        elif what == "system":
-            self.out.write(
-                (self.system or resolved.system or "No system message was specified for this model.") + "\n"
-            )
-        elif what == "template":
-            self.out.write((resolved.template or self._gguf_template(resolved) or "No template.") + "\n")
-        else:
+        if what not in ("info", "parameters", "system", "template"):
             self.out.write("Usage: /show info | /show parameters | /show system | /show template\n")
+            return
+        details, _ = self.run(lambda: self.client.details(self.model))
+        if details is None:  # interrupted
+            return
+        if what == "info":
+            self.out.write(self.info_text(details))
+        elif what == "parameters":
+            lines = self.parameter_lines(details)
+            if not lines:
+                self.out.write("No parameters were specified for this model.\n")
+            self.out.write("".join(f"{key:<24}{value}\n" for key, value in lines))
+        elif what == "system":
+            text = self.system or details.system or "No system message was specified for this model."
+            self.out.write(text + "\n")
+        else:
+            self.out.write((details.template or "No template.") + "\n")
 
-    @staticmethod
-    def _gguf_template(resolved: Any) -> str | None:
-        try:
-            from localrt.store.gguf import read_gguf
+    def parameter_lines(self, details: ModelDetails) -> list[tuple[str, str]]:
+        """The model's parameters with this session's `/set parameter` values in their place."""
+        from localrt.show import parameter_lines
 
-            return read_gguf(resolved.model_path).chat_template
-        except Exception:
-            return None
+        ours = parameter_lines(self.options)
+        return [line for line in details.parameter_lines if line[0] not in self.options] + ours
 
-    def info_text(self, resolved: Any) -> str:
-        rows: list[tuple[str, str]] = []
-        try:
-            from localrt.store.gguf import format_parameter_count, read_gguf
-
-            info = read_gguf(resolved.model_path)
+    def info_text(self, details: ModelDetails) -> str:
+        rows = [
+            ("architecture", details.architecture),
+            ("parameters", details.parameters),
+            ("context length", str(details.context_length or "unknown")),
+            ("embedding length", str(details.embedding_length or "unknown")),
+            ("quantization", details.quantization),
+        ]
+        loaded, _ = self.run(self.client.ps)
+        here = [row for row in loaded or [] if row.name == self._display_name()]
+        if here:
             rows += [
-                ("architecture", info.architecture or "unknown"),
-                ("parameters", format_parameter_count(info.parameter_count)),
-                ("context length", str(info.context_length or "unknown")),
-                ("embedding length", str(info.embedding_length or "unknown")),
-                ("quantization", info.quantization_label),
-            ]
-        except Exception as e:  # the reader is optional here; show what we have
-            rows.append(("model", f"{resolved.model_path.name} ({e})"))
-        loaded = [p for p in self.runtime.ps() if p.name == resolved.name.display]
-        if loaded:
-            rows += [
-                ("backend", loaded[0].backend),
-                ("loaded context", str(loaded[0].context_length)),
-                ("processor", loaded[0].processor),
+                ("backend", here[0].backend),
+                ("loaded context", str(here[0].context_length)),
+                ("processor", here[0].processor),
             ]
         text = "  Model\n" + "".join(f"    {k:<20}{v}\n" for k, v in rows)
-        params = {**resolved.params, **self.options}
+        params = self.parameter_lines(details)
         if params:
-            text += "\n  Parameters\n" + "".join(f"    {k:<20}{v}\n" for k, v in params.items())
+            text += "\n  Parameters\n" + "".join(f"    {k:<20}{v}\n" for k, v in params)
         return text + "\n"
+
+    def _display_name(self) -> str:
+        from localrt.store.names import parse_name
+
+        return parse_name(self.model).display
 
 
 def _read_message(first: str) -> str:
@@ -380,133 +348,3 @@ def interactive(session: Session) -> int:
             if session.messages and session.messages[-1]["role"] == "user":
                 session.messages.pop()
         session.out.write("\n")
-
-
-def run_command(args: argparse.Namespace) -> int:
-    prompt_arg = getattr(args, "prompt", None)
-    prompt = " ".join(prompt_arg) if isinstance(prompt_arg, list) else (prompt_arg or "")
-    stdin_text: str | None = None
-    if not sys.stdin.isatty():
-        stdin_text = sys.stdin.read()
-    session = Session(args)
-    try:
-        session.ensure_model(insecure=bool(getattr(args, "insecure", False)))
-        if not prompt and stdin_text is None:
-            session.load()
-            return interactive(session)
-        # as Ollama: piped text first, then the prompt words
-        text = " ".join(p for p in (stdin_text.strip() if stdin_text else "", prompt) if p)
-        if not text:
-            session.load()
-            return 0
-        completed = session.ask(text)
-        return 0 if completed else 130
-    except KeyboardInterrupt:
-        session.err.write("\n")
-        return 130
-    finally:
-        session.close()
-
-
-# ---- ps / stop: clients of a running server ----------------------------------------------------
-PS_HEADER = ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
-
-
-def _until(expires_at: str | None) -> str:
-    if not expires_at:
-        return "Forever"
-    try:
-        from datetime import datetime
-
-        when = datetime.fromisoformat(expires_at.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return expires_at
-    left = when - time.time()
-    if left > 10 * 365 * 86400:
-        return "Forever"
-    if left <= 1:
-        return "Stopping..."
-    for unit, span in (("hour", 3600), ("minute", 60), ("second", 1)):
-        if left >= span:
-            n = int(left // span)
-            return f"{n} {unit}{'s' if n != 1 else ''} from now"
-    return "Stopping..."
-
-
-def _weights_note(details: dict) -> str:
-    """`localrt ps`'s SIZE: the weights' share where the backend reports it (torch: quantized weights)."""
-    from localrt.cli import human_size
-
-    weights = details.get("weight_bytes")
-    return f" (weights {human_size(int(weights))})" if isinstance(weights, int) else ""
-
-
-def ps_command(args: argparse.Namespace) -> int:
-    import httpx
-
-    from localrt.cli import human_size, print_table
-
-    url, _ = config.server_address()
-    rows = [PS_HEADER]
-    try:
-        response = httpx.get(f"{url}/api/ps", headers=config.auth_headers(), timeout=10)
-    except httpx.HTTPError:
-        print_table(rows)  # nothing is running, so nothing is loaded
-        return 0
-    if response.status_code != 200:
-        raise LocalrtError(_error_text(response))
-    for m in response.json().get("models", []):
-        size, vram = int(m.get("size", 0)), int(m.get("size_vram", 0))
-        processor = m.get("processor") or (
-            "100% GPU"
-            if vram >= size > 0
-            else "100% CPU"
-            if vram == 0
-            else f"{100 - vram * 100 // size}%/{vram * 100 // size}% CPU/GPU"
-        )
-        backend = m.get("backend")
-        if backend:
-            processor = f"{processor} ({backend})"
-        rows.append(
-            [
-                m.get("name", ""),
-                str(m.get("digest", "")).removeprefix("sha256:")[:12],
-                human_size(size) + _weights_note(m.get("details") or {}),
-                processor,
-                str(m.get("context_length", "")),
-                _until(m.get("expires_at")),
-            ]
-        )
-    print_table(rows)
-    return 0
-
-
-def stop_command(args: argparse.Namespace) -> int:
-    import httpx
-
-    url, shown = config.server_address()
-    try:
-        response = httpx.post(
-            f"{url}/api/generate",
-            json={"model": args.model, "keep_alive": 0},
-            headers=config.auth_headers(),
-            timeout=60,
-        )
-    except httpx.HTTPError:
-        raise LocalrtError(f"no server running at {shown}") from None
-    if response.status_code != 200:
-        raise LocalrtError(_error_text(response))
-    return 0
-
-
-def _error_text(response: Any) -> str:
-    try:
-        body = response.json()
-        error = body.get("error")
-        if isinstance(error, dict):
-            error = error.get("message")
-        if error:
-            return str(error)
-    except ValueError:
-        pass
-    return f"server answered {response.status_code}"

@@ -6,9 +6,16 @@ import argparse
 import logging
 
 from localrt import config
+from localrt.cli.common import Subparsers
 
 
-def serve_command(args: argparse.Namespace) -> int:
+def add_serve(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="start the HTTP server on LOCALRT_HOST")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from localrt.api.app import create_app

@@ -1,0 +1,30 @@
+"""What the command modules share: the handler type and running one client call to completion."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from localrt.client import Client
+
+T = TypeVar("T")
+Handler = Callable[[argparse.Namespace], int]
+Subparsers = Any  # argparse._SubParsersAction, private in typeshed
+
+
+def with_client(work: Callable[[Client], Awaitable[T]]) -> T:
+    """Run `work(client)` on a fresh event loop: the server at LOCALRT_HOST when one answers, else
+    the store and runtime in this process; the client is closed afterwards either way."""
+    from localrt.client import connect
+
+    async def go() -> T:
+        client = connect()
+        try:
+            return await work(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())

@@ -1,0 +1,198 @@
+"""The store commands: `pull`, `list`/`ls`, `show`, `rm`, `cp`, `create`, each through the client.
+
+With a `localrt serve` at LOCALRT_HOST they are requests to it (so its runtime unloads a removed model,
+and a model it pulls is in its store); without one they work on the store in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from localrt.cli.common import Subparsers, with_client
+from localrt.errors import LocalrtError
+from localrt.format import human_ago, human_size, print_table
+
+if TYPE_CHECKING:  # the client module (and the runtime behind it) loads on first use
+    from localrt.client import Client, ModelDetails
+
+
+# ---- pull ---------------------------------------------------------------------------------------
+def add_pull(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("pull", help="download a model")
+    p.add_argument("model")
+    p.add_argument("--insecure", action="store_true", help="allow http registries")
+    p.set_defaults(func=cmd_pull)
+    return p
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from localrt.cli.progress import PullProgress
+
+    async def go(client: Client) -> None:
+        with PullProgress() as bar:
+            async for event in client.pull(args.model, insecure=args.insecure):
+                bar.update(event)
+
+    with_client(go)
+    return 0
+
+
+# ---- list ---------------------------------------------------------------------------------------
+def add_list(sub: Subparsers) -> list[argparse.ArgumentParser]:
+    parsers = []
+    for alias in ("list", "ls"):
+        p = sub.add_parser(alias, help="list models")
+        p.set_defaults(func=cmd_list)
+        parsers.append(p)
+    return parsers
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = [["NAME", "ID", "SIZE", "MODIFIED"]]
+    for m in with_client(lambda client: client.list_models()):
+        rows.append([m.name, m.digest[:12], human_size(m.size), human_ago(m.modified)])
+    print_table(rows)
+    return 0
+
+
+# ---- show ---------------------------------------------------------------------------------------
+SHOW_FLAGS = ("modelfile", "parameters", "template", "system", "license", "path")
+
+
+def add_show(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("show", help="show information for a model")
+    p.add_argument("model")
+    for flag in SHOW_FLAGS:
+        p.add_argument(f"--{flag}", action="store_true")
+    p.set_defaults(func=cmd_show)
+    return p
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    if args.path:  # a path on this machine: the local store's, never the server's
+        from localrt.store.names import parse_name
+        from localrt.store.store import Store
+
+        print(Store().resolve(parse_name(args.model)).model_path)
+        return 0
+    details = with_client(lambda client: client.details(args.model))
+    if args.modelfile:
+        print(details.modelfile, end="")
+    elif args.template:
+        print(details.template)
+    elif args.parameters:
+        for key, value in details.parameter_lines:
+            print(f"{key:<24}{value}")
+    elif args.system:
+        print(details.system)
+    elif args.license:
+        print(details.license)
+    else:
+        print(show_text(details), end="")
+    return 0
+
+
+def show_text(details: ModelDetails) -> str:
+    """`localrt show NAME` without flags: Ollama's indented sections."""
+    rows = [
+        ("architecture", details.architecture),
+        ("parameters", details.parameters),
+        ("context length", str(details.context_length or "unknown")),
+        ("embedding length", str(details.embedding_length or "unknown")),
+        ("quantization", details.quantization),
+    ]
+    if details.template_origin:
+        rows.append(("template", details.template_origin))
+    out = ["  Model", *(f"    {key:<20}{value}" for key, value in rows)]
+    if details.parameter_lines:
+        out += ["", "  Parameters", *(f"    {key:<20}{value}" for key, value in details.parameter_lines)]
+    if details.system:
+        out += ["", "  System", "    " + details.system.strip().replace("\n", "\n    ")]
+    if details.license.strip():
+        out += ["", "  License", "    " + details.license.strip().splitlines()[0]]
+    return "\n".join(out) + "\n\n"
+
+
+# ---- rm, cp -------------------------------------------------------------------------------------
+def add_rm(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("rm", help="remove models")
+    p.add_argument("models", nargs="+")
+    p.set_defaults(func=cmd_rm)
+    return p
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from localrt.store.names import parse_name
+
+    async def go(client: Client) -> None:
+        for text in args.models:
+            name = parse_name(text)
+            await client.delete(name.display)
+            print(f"deleted '{name.display}'")
+
+    with_client(go)
+    return 0
+
+
+def add_cp(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("cp", help="copy a model")
+    p.add_argument("source")
+    p.add_argument("destination")
+    p.set_defaults(func=cmd_cp)
+    return p
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    from localrt.store.names import parse_name
+
+    src, dst = parse_name(args.source), parse_name(args.destination)
+    with_client(lambda client: client.copy(src.display, dst.display))
+    print(f"copied '{src.display}' to '{dst.display}'")
+    return 0
+
+
+# ---- create -------------------------------------------------------------------------------------
+def add_create(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("create", help="create a model from a GGUF file or a Modelfile")
+    p.add_argument("model")
+    p.add_argument("--from", dest="from_path", default=None, help="a GGUF file")
+    p.add_argument("-f", "--file", default=None, help="a Modelfile")
+    p.add_argument("-q", "--quantize", default=None, help="requantize to TYPE (e.g. Q4_K_M)")
+    p.set_defaults(func=cmd_create)
+    return p
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    from localrt.store.names import parse_name
+
+    parse_name(args.model)  # a bad name fails before any file is read
+    modelfile, base_dir = read_modelfile(args)
+    name = with_client(
+        lambda client: client.create(
+            args.model,
+            modelfile_text=modelfile,
+            from_path=args.from_path,
+            base_dir=base_dir,
+            quantize=args.quantize,
+        )
+    )
+    print(f"success: created '{name}'")
+    return 0
+
+
+def read_modelfile(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The Modelfile's text and folder (relative FROM paths start there); ./Modelfile by default."""
+    if not args.from_path and not args.file:
+        if not os.path.exists("Modelfile"):
+            raise LocalrtError("create needs --from FILE.gguf or -f Modelfile")
+        args.file = "Modelfile"
+    if not args.file:
+        return None, None
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise LocalrtError(f"cannot read Modelfile {args.file}: {e.strerror}") from None
+    return text, os.path.dirname(os.path.abspath(args.file))

@@ -1,0 +1,102 @@
+"""The runtime commands: `run` (one-shot or the chat in repl.py), `ps` and `stop`, through the client.
+
+With a `localrt serve` at LOCALRT_HOST, `run` answers through it (so `ps` lists what it loaded and the
+next `run` finds the model warm); without one, `run` loads the model in this process, `ps` lists
+nothing and `stop` says that no server is running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from localrt.cli.common import Subparsers, with_client
+from localrt.errors import LocalrtError
+from localrt.format import human_size, human_until, print_table
+
+
+# ---- run ----------------------------------------------------------------------------------------
+def add_run(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("run", help="run a model (one-shot with a prompt, else interactive)")
+    p.add_argument("model")
+    p.add_argument("prompt", nargs="*")
+    p.add_argument("--backend", default=None, help="llama.cpp, mlx, torch or auto")
+    p.add_argument("--verbose", action="store_true", help="print timings")
+    p.add_argument("--format", default=None, help="'json' for JSON output")
+    p.add_argument("--keepalive", default=None, help="how long the model stays loaded (e.g. 5m)")
+    p.add_argument("--draft", default=None, help="draft model for speculative decoding")
+    p.add_argument("--spec", default=None, help="speculative mode: off, draft, lookup, self, auto")
+    p.add_argument("--insecure", action="store_true")
+    p.set_defaults(func=cmd_run)
+    return p
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from localrt.cli.repl import Session, interactive
+
+    prompt_arg = getattr(args, "prompt", None)
+    prompt = " ".join(prompt_arg) if isinstance(prompt_arg, list) else (prompt_arg or "")
+    stdin_text = None if sys.stdin.isatty() else sys.stdin.read()
+    session = Session(args)
+    try:
+        session.ensure_model(insecure=bool(getattr(args, "insecure", False)))
+        if not prompt and stdin_text is None:
+            session.load()
+            return interactive(session)
+        # as Ollama: piped text first, then the prompt words
+        text = " ".join(p for p in (stdin_text.strip() if stdin_text else "", prompt) if p)
+        if not text:
+            session.load()
+            return 0
+        return 0 if session.ask(text) else 130
+    except KeyboardInterrupt:
+        session.err.write("\n")
+        return 130
+    finally:
+        session.close()
+
+
+# ---- ps -----------------------------------------------------------------------------------------
+PS_HEADER = ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+
+
+def add_ps(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("ps", help="list loaded models")
+    p.set_defaults(func=cmd_ps)
+    return p
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    rows = [PS_HEADER]
+    for m in with_client(lambda client: client.ps()):  # in-process: nothing is loaded yet
+        processor = f"{m.processor} ({m.backend})" if m.backend else m.processor
+        rows.append(
+            [
+                m.name,
+                m.digest[:12],
+                human_size(m.size) + (f" (weights {human_size(m.weight_bytes)})" if m.weight_bytes else ""),
+                processor,
+                str(m.context_length or ""),
+                human_until(m.expires_at),
+            ]
+        )
+    print_table(rows)
+    return 0
+
+
+# ---- stop ---------------------------------------------------------------------------------------
+def add_stop(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("stop", help="unload a running model")
+    p.add_argument("model")
+    p.set_defaults(func=cmd_stop)
+    return p
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from localrt import config
+    from localrt.client import server_answers
+
+    if not server_answers():  # a model stays loaded only in a running server
+        raise LocalrtError(f"no server running at {config.server_address()[1]}")
+    with_client(lambda client: client.stop(args.model))
+    return 0

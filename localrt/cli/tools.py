@@ -1,0 +1,129 @@
+"""The tool commands: `convert` (the `convert` extra), `eval` and `bench`. They work in this process:
+they measure or write files here, not on a server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from localrt.cli.common import Subparsers
+from localrt.errors import LocalrtError
+
+if TYPE_CHECKING:
+    from localrt.converters.convert import Result
+
+QUANT_HELP = "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K_S/M/L Q4_K_S/M Q5_K_S/M Q6_K"
+
+
+def add_convert(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("convert", help="convert HF safetensors to GGUF")
+    p.add_argument("source", help="HF model directory or repo id (org/name)")
+    p.add_argument("-q", "--quant", default="Q4_K_M", help=QUANT_HELP)
+    p.add_argument("-o", "--output", default=None, help="write FILE.gguf")
+    p.add_argument("--name", default=None, help="import into the store as NAME")
+    p.add_argument("--threads", type=int, default=0)
+    p.set_defaults(func=cmd_convert, extra="convert")
+    return p
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """`localrt convert SRC --quant TYPE (-o FILE.gguf | --name NAME)`: the converter writes a file;
+    with --name the store imports it (the converters never import the store)."""
+    from localrt.converters import mixes
+
+    if bool(getattr(args, "output", None)) == bool(getattr(args, "name", None)):
+        raise LocalrtError("convert needs exactly one of -o FILE.gguf or --name NAME")
+    try:
+        file_type = mixes.parse_file_type(args.quant)
+    except mixes.MixError as e:
+        raise LocalrtError(str(e)) from None
+    threads = getattr(args, "threads", 0) or 0
+    if args.output:
+        result = convert_with_progress(args.source, Path(args.output), file_type, threads)
+    else:
+        from localrt.store.importer import import_gguf
+        from localrt.store.store import Store
+
+        store = Store()
+        with tempfile.TemporaryDirectory(prefix="localrt-convert-") as tmp:
+            result = convert_with_progress(args.source, Path(tmp) / "model.gguf", file_type, threads)
+            import_gguf(store, args.name, result.path)
+        print(f"success: created '{args.name}'", file=sys.stderr)
+    print(
+        f"wrote {result.path if args.output else args.name}: {result.file_type}, {result.n_tensors} tensors, "
+        f"{result.nbytes / 1e6:.1f} MB in {result.seconds:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def convert_with_progress(source: str, out: Path, file_type: str, threads: int) -> Result:
+    """The conversion, with a transient rich bar on a terminal."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from localrt.converters.convert import convert
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        return convert(source, out, file_type, threads)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(f"converting to {file_type}", total=None)
+
+        def progress(name: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total, description=f"{file_type} {name}")
+
+        return convert(source, out, file_type, threads, progress)
+
+
+def add_eval(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("eval", help="perplexity and KL divergence")
+    p.add_argument("model", help="model name or .gguf path")
+    p.add_argument("--text", required=True)
+    p.add_argument("--reference", default=None)
+    p.add_argument("--backend", default=None)
+    p.add_argument("--reference-backend", default=None, help="backend for --reference (default: --backend)")
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
+    return p
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from localrt.eval import eval_command
+
+    return eval_command(args)
+
+
+def add_bench(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="measure TTFT, decode tokens/s and aggregate throughput")
+    p.add_argument("model", help="model name")
+    p.add_argument("--backend", default=None)
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated request counts (default 1,4,16)")
+    p.add_argument(
+        "--spec",
+        default=None,
+        choices=["off", "auto", "draft", "lookup", "self"],
+        help="speculative decoding mode",
+    )
+    p.add_argument("--num-predict", type=int, default=128, help="tokens per request (default 128)")
+    p.add_argument("--prompt", default=None, help="one prompt for every request (default: varied questions)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from localrt.bench import bench_command
+
+    return bench_command(args)
