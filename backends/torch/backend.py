@@ -197,12 +197,13 @@ class TorchModel(VocabMethods):
     def _build(self, tensors: Any, dtype: Any) -> Any:
         from .model import Transformer
 
-        if self.numerics == "default" and self.device.type == "cpu":
-            from .quantized import QuantizedModules
+        from . import quantized
 
-            return Transformer.from_gguf(
-                tensors, dtype, self.device, modules=QuantizedModules(tensors, dtype)
-            )
+        if self.device.type == "cpu" and (
+            self.numerics == "quantized" or (self.numerics == "default" and quantized.keeps_fidelity(tensors))
+        ):
+            modules = quantized.QuantizedModules(tensors, dtype)
+            return Transformer.from_gguf(tensors, dtype, self.device, modules=modules)
         return Transformer.from_gguf(tensors, dtype, self.device)
 
     def _load_draft(self, path: Path, dtype: Any) -> Any:

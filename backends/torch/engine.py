@@ -92,7 +92,7 @@ class Engine:
         self.config = config
         self.device = torch.device(device)
         cfg = model.cfg
-        dtype = model.token_embd.weight.dtype
+        dtype = model.dtype
         per_block = KVCache.bytes_per_block(
             cfg.block_count,
             cfg.attention_head_count_kv,
@@ -158,7 +158,7 @@ class Engine:
         dc = draft.cfg
         if dc.vocab_size != self.model.cfg.vocab_size:
             raise LocalrtError("the draft model does not share the model's vocabulary")
-        dtype = draft.token_embd.weight.dtype
+        dtype = draft.dtype
         cache = KVCache(
             dc.block_count,
             num_blocks,

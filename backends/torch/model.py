@@ -162,6 +162,11 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.embedding_length, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, freq_factors)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the norms stay dense when linears and the embedding are swapped)."""
+        return self.output_norm.weight.dtype
+
     def hidden(
         self,
         tokens: torch.Tensor,

@@ -69,6 +69,10 @@ class Int4Linear(nn.Module):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = q.shape
+        pad = -self.out_features % 16  # the packing wants rows in multiples of 16: zero rows, sliced off
+        if pad:
+            q = torch.cat([q, torch.full((pad, q.shape[1]), 8, dtype=q.dtype)])
+            scale, zero = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, zero))
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         # [K/32, N, 2]: the kernel's layout of (scale, zero) per group and output row
         sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
@@ -81,7 +85,7 @@ class Int4Linear(nn.Module):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             split_bf16(flat), self.packed, GROUP, self.scales_and_zeros
         )
-        y = y[:m].float() + y[m:].float()  # [M, N]
+        y = y[:m, : self.out_features].float() + y[m:, : self.out_features].float()  # [M, N]
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
