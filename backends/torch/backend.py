@@ -195,9 +195,8 @@ class TorchModel(VocabMethods):
         return self.engine.weight_bytes()
 
     def _build(self, tensors: Any, dtype: Any) -> Any:
-        from .model import Transformer
-
         from . import quantized
+        from .model import Transformer
 
         if self.device.type == "cpu" and (
             self.numerics == "quantized" or (self.numerics == "default" and quantized.keeps_fidelity(tensors))
