@@ -33,7 +33,6 @@ class _Group:
     mask: torch.Tensor  # [B, 1, q_len, n_blocks * block_size] True where a query may look
     q_len: int
     lens: torch.Tensor  # [B] context length of each sequence
-    used: list[int]  # blocks each sequence's context fills
 
 
 class PagedAttention:
@@ -85,7 +84,6 @@ class PagedAttention:
             upload(mask.unsqueeze(1), device),
             q_len,
             upload(ctx, device),
-            [-(-c.context_len // bs) for _, c in members],
         )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -106,30 +104,18 @@ class PagedAttention:
             scales = (c.k_scale[layer], c.v_scale[layer]) if c.quantized else (None, None)
             return paged_decode(q, c.k[layer], c.v[layer], group.tables, group.lens, *scales)
         b, n_head, head_dim = group.tables.shape[0], q.shape[1], q.shape[2]
-        if b > 1 and q.device.type == "cpu":
-            return self._attend_each(layer, q, group)
         keys, values = self.cache.gather(layer, group.tables)  # [B, L, Hkv, D]
+        dtype = q.dtype
+        if q.device.type == "cpu":
+            # in float64, rounded back: how the CPU's SDPA blocks its sums (a context padded to the
+            # batch's longest, a prompt split in other chunks) no longer shows in the fp32 result,
+            # which the quantized path's bf16 kernel outputs would amplify into other tokens
+            q, keys, values = q.double(), keys.double(), values.double()
         q = q.view(b, group.q_len, n_head, head_dim).transpose(1, 2)  # [B, H, q_len, D]
         out = F.scaled_dot_product_attention(
             q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask, enable_gqa=True
         )  # [B, H, q_len, D]
-        return out.transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
-
-    def _attend_each(self, layer: int, q: torch.Tensor, group: _Group) -> torch.Tensor:
-        """One sequence at a time over its own blocks: the CPU's SDPA sums differently over a padded,
-        batched context, which would make a sequence's output depend on its batch (with bf16 kernel
-        outputs downstream, enough to flip near-tie tokens)."""
-        n = group.q_len
-        out = []
-        for i, used in enumerate(group.used):
-            keys, values = self.cache.gather(layer, group.tables[i : i + 1, :used])  # [1, L, Hkv, D]
-            qi = q[i * n : (i + 1) * n].view(1, n, q.shape[1], q.shape[2]).transpose(1, 2)  # [1, H, n, D]
-            mask = group.mask[i : i + 1, :, :, : used * self.cache.block_size]
-            o = F.scaled_dot_product_attention(
-                qi, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True
-            )
-            out.append(o.transpose(1, 2).reshape(n, q.shape[1], q.shape[2]))
-        return torch.cat(out)
+        return out.to(dtype).transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
 
 
 def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -68,7 +68,7 @@ class StepOutput:
     """What one step did to one sequence."""
 
     seq: Sequence
-    tokens: list[int] = field(default_factory=list)  # appended to seq.tokens this step
+    tokens: list[int] = field(default_factory=list)  # appended to seq.tokens this step (an end token is not)
     logprob: list[float | None] = field(default_factory=list)  # per token, when the request asked
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob), best first
     finish: str | None = None  # "stop", "length", "cancel" or "error" (seq.error) once it ended
@@ -318,12 +318,13 @@ class Engine:
         reason = None
         for j, token in enumerate(drawn.tokens):
             seq.tokens.append(token)
+            if token in self.eos:  # ends the sequence; not part of its output
+                reason = "stop"
+                break
             out.tokens.append(token)
             out.logprob.append(drawn.logprob[j])
             out.top.append(drawn.top[j])
-            if token in self.eos:
-                reason = "stop"
-            elif len(seq.tokens) >= seq.max_len:
+            if len(seq.tokens) >= seq.max_len:
                 reason = "length"
             if reason is not None:
                 break

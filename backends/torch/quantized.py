@@ -166,15 +166,6 @@ class RowsOf(nn.Module):
         return self.head.weight_bf16[ids].to(self.dtype)
 
 
-def keeps_fidelity(tensors: GGUFTensors) -> bool:
-    """Whether the quantized path is close enough to the exact model to be the CPU default: every
-    linear weight is a 4-bit affine type (exact nibbles). Per-row int8 requantization of Q8_0 / Q5_0 /
-    Q6_K weights was measured at 96.4% top-1 agreement and +0.5% perplexity (SmolLM2's Q6_K file),
-    under the 98% / 0.5% bar, so files with such linears default to the exact fp32 path."""
-    linear = [t for t in tensors.info.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
-    return bool(linear) and all(t.ggml_type in INT4_TYPES and int(t.shape[0]) % GROUP == 0 for t in linear)
-
-
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] fp32 -> (int8 [N, K], scale [N]): symmetric, round to nearest, amax / 127 per row."""
     scale = w.abs().amax(-1).clamp(min=1e-30) / 127.0
