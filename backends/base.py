@@ -41,6 +41,8 @@ class Capabilities:
     kv_cache_types: tuple[str, ...] = ("f16",)
     devices: tuple[str, ...] = ("cpu",)
     parallel_slots: int = 1  # on a loaded model: how many requests it serves at once
+    vision: bool = False  # on a loaded model: a projector is loaded, so GenerateRequest.images work
+    rerank: bool = False  # on a loaded model: a reranker (rank pooling), so rerank() works
 
 
 @dataclass
@@ -57,6 +59,7 @@ class LoadOptions:
     draft_model: Path | None = None  # a GGUF with the same vocabulary, for speculative "draft"
     embedding: bool = False  # also prepare for embed() at load (else created lazily)
     num_parallel: int = 0  # sequences decoded at once (LOCALRT_NUM_PARALLEL); 0 = the backend's default
+    projector: Path | None = None  # a multimodal projector GGUF (mmproj) for images
 
 
 @dataclass
@@ -102,18 +105,43 @@ class CancelToken:
         return self._event.is_set()
 
 
+@dataclass(frozen=True)
+class GBNF:
+    """A grammar in llama.cpp's GBNF, for output `format` cannot describe (a model family's tool-call
+    syntax when a tool call is required; a test forcing an exact reply)."""
+
+    text: str
+
+
+IMAGE_TOKEN = -1  # stands in prompt_tokens for one image of GenerateRequest.images, in order
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """A decoded image (the runtime checked format and limits): RGB pixels, row-major, 3 bytes each."""
+
+    rgb: bytes
+    width: int
+    height: int
+    digest: str  # sha256 hex of the original file bytes: the image's identity for prefix reuse
+
+
 @dataclass
 class GenerateRequest:
-    prompt_tokens: list[int]
+    prompt_tokens: list[int]  # IMAGE_TOKEN marks where each of `images` goes
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_predict: int = -1  # -1: until the context is full
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
-    format: str | dict[str, Any] | None = None  # "json" or a JSON schema (needs Capabilities.grammar)
+    format: str | dict[str, Any] | GBNF | None = None  # "json", a JSON schema or GBNF (Capabilities.grammar)
     speculative: str = "off"
     num_draft: int | None = None  # None = the backend's default for the mode
     cancel: CancelToken = field(default_factory=CancelToken)
+    # control tokens whose text the answer keeps (thinking tags, tool-call markers, harmony headers):
+    # the runtime parses them out of the text, as llama-server's preserved tokens
+    preserve_tokens: frozenset[int] = frozenset()
+    images: list[ImageInput] = field(default_factory=list)  # needs Capabilities.vision
 
 
 @dataclass
@@ -149,6 +177,7 @@ class Timings:
     eval_ns: int = 0
     draft_count: int = 0
     draft_accepted_count: int = 0
+    prompt_image_tokens: int = 0  # of prompt_eval_count: cells an image encoder produced (0 on a reuse)
 
 
 @dataclass

@@ -14,16 +14,19 @@ from typing import Any
 
 import numpy as np
 
+from localrt.backends.base import GBNF
 from localrt.errors import LocalrtError
 
 # llama_token_data: {int32 id; float logit; float p}
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
-def grammar_for(fmt: str | dict[str, Any]) -> str:
-    """GBNF for Ollama's `format`: "json" (any JSON value) or a JSON schema object."""
+def grammar_for(fmt: str | dict[str, Any] | GBNF) -> str:
+    """GBNF for Ollama's `format`: "json" (any JSON value) or a JSON schema object; GBNF as it is."""
     from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
+    if isinstance(fmt, GBNF):
+        return fmt.text
     if fmt == "json":
         return JSON_GBNF
     if isinstance(fmt, dict):
@@ -34,7 +37,7 @@ def grammar_for(fmt: str | dict[str, Any]) -> str:
     raise LocalrtError(f'invalid format {fmt!r}: use "json" or a JSON schema object')
 
 
-def grammar_sampler(lib: Any, vocab: Any, fmt: str | dict[str, Any]) -> Any:
+def grammar_sampler(lib: Any, vocab: Any, fmt: str | dict[str, Any] | GBNF) -> Any:
     """A llama.cpp grammar sampler for `fmt` on `vocab` (the caller frees it, or hands it to a chain)."""
     sampler = lib.llama_sampler_init_grammar(vocab, grammar_for(fmt).encode("utf-8"), b"root")
     if not sampler:
@@ -45,7 +48,7 @@ def grammar_sampler(lib: Any, vocab: Any, fmt: str | dict[str, Any]) -> Any:
 class Grammar:
     """One request's constraint over logits [V] (numpy); not thread-safe, like the request it serves."""
 
-    def __init__(self, lib: Any, vocab: Any, n_vocab: int, fmt: str | dict[str, Any]) -> None:
+    def __init__(self, lib: Any, vocab: Any, n_vocab: int, fmt: str | dict[str, Any] | GBNF) -> None:
         self.lib = lib
         self.sampler = grammar_sampler(lib, vocab, fmt)
         self._data = np.zeros(n_vocab, dtype=_TOKEN_DATA)

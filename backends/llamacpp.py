@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from localrt.backends.base import (
+    IMAGE_TOKEN,
     CancelToken,
     Capabilities,
     DoneEvent,
@@ -39,6 +40,8 @@ from localrt.backends.base import (
 )
 from localrt.backends.grammar import grammar_sampler
 from localrt.backends.lookup import LookupIndex
+from localrt.backends.mtmd import MediaPrompt, Projector  # issue 19: images through libmtmd
+from localrt.backends.rerank import Reranker, is_reranker  # issue 19: rank pooling
 from localrt.backends.vocab import token_piece
 from localrt.errors import LocalrtError, OptionError
 
@@ -183,7 +186,9 @@ class _Runner:
                 self.model.close()
             raise LocalrtError(f"llama.cpp could not create a context of {self.n_ctx} tokens: {e}") from None
         self.batch = _internals.LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False)
-        self.evaluated: list[int] = []  # exactly the tokens in the KV cache, positions 0..n-1
+        self.evaluated: list[Any] = []  # exactly the cells in the KV cache: token ids, mtmd ImageCells
+        # mtmd: (cell count after an image, positions it did not advance): nonzero for M-RoPE images only
+        self.pos_gaps: list[tuple[int, int]] = []
         self._piece_cache: dict[tuple[int, bool], bytes] = (
             share_model_of._piece_cache if share_model_of else {}
         )
@@ -197,13 +202,18 @@ class _Runner:
             n += 1
         return n
 
+    # mtmd: positions differ from cell counts after an image of an M-RoPE model
+    def position(self, n: int) -> int:
+        return n - sum(gap for end, gap in self.pos_gaps if end <= n)
+
     def truncate(self, n: int) -> None:
         if n < len(self.evaluated):
-            if not self.ctx.kv_cache_seq_rm(0, n, -1):
+            if not self.ctx.kv_cache_seq_rm(0, self.position(n), -1):
                 # a model whose memory cannot drop a tail (recurrent): start over
                 self.ctx.kv_cache_clear()
                 n = 0
             del self.evaluated[n:]
+            self.pos_gaps = [(end, gap) for end, gap in self.pos_gaps if end <= n]
 
     def decode(
         self,
@@ -212,9 +222,9 @@ class _Runner:
         on_chunk: Callable[[int, int], None] | None = None,
     ) -> None:
         """Append tokens to the sequence. Logits: the last position, or every position of the batch."""
-        n_past = len(self.evaluated)
-        if n_past + len(tokens) > self.n_ctx:
+        if len(self.evaluated) + len(tokens) > self.n_ctx:
             raise LocalrtError(f"context length of {self.n_ctx} tokens exceeded")
+        n_past = self.position(len(self.evaluated))
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start : start + self.n_batch]
             self.batch.set_batch(batch=chunk, n_past=n_past + start, logits_all=all_logits)
@@ -328,6 +338,27 @@ class LlamaCppModel:
                 raise
         if opts.embedding:
             self._ensure_embed_ctx()
+        # ---- issue 19: projector (images) and rank pooling (rerank) ----
+        self._projector: Projector | None = None
+        self._reranker: Reranker | None = None
+        if opts.projector is not None:
+            try:
+                self._projector = Projector(
+                    Path(opts.projector),
+                    m.model.model,
+                    n_threads=m.threads,
+                    use_gpu=m.on_gpu,
+                    flash_attn=opts.flash_attn,
+                )
+            except BaseException:
+                self._close_runners([r for s in self._slots for r in (s.draft, s.runner) if r is not None])
+                raise
+        self.capabilities = replace(
+            self.capabilities,
+            vision=self._projector is not None,
+            rerank=is_reranker(self.lib, m.model.model, self.metadata),
+        )
+        # ---- end issue 19 ----
         self.memory_bytes = self._estimate_memory()
         self.on_gpu = m.on_gpu
         self.load_ns = time.perf_counter_ns() - t0
@@ -402,6 +433,8 @@ class LlamaCppModel:
         bytes_per = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 1.0625, "q4_0": 0.5625}[self.opts.kv_cache_type]
         kv = int(2 * n_layer * self.context_length * n_head_kv * head_dim * bytes_per) * len(self._slots)
         total = int(self._main.model.size()) + kv
+        if getattr(self, "_projector", None) is not None:
+            total += self._projector.size  # issue 19
         draft = self._slots[0].draft
         if draft is not None:
             total += int(draft.model.size())
@@ -460,6 +493,8 @@ class LlamaCppModel:
             raise OptionError(
                 "speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)"
             )
+        if req.images and self._projector is None:  # issue 19
+            raise LocalrtError("this model has no projector loaded, so it does not support images")
         if not req.prompt_tokens:
             raise LocalrtError("the prompt is empty")
         if len(req.prompt_tokens) >= self.context_length:
@@ -467,7 +502,11 @@ class LlamaCppModel:
                 f"the prompt is {len(req.prompt_tokens)} tokens, which does not fit the context length of "
                 f"{self.context_length} tokens (raise num_ctx or shorten the input)"
             )
-        bad = [t for t in req.prompt_tokens if not 0 <= t < self.n_vocab]
+        bad = [
+            t
+            for t in req.prompt_tokens
+            if not 0 <= t < self.n_vocab and not (req.images and t == IMAGE_TOKEN)
+        ]
         if bad:
             raise LocalrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
 
@@ -527,24 +566,92 @@ class LlamaCppModel:
 
     def _generate_blocking(self, req: GenerateRequest, emit: Callable[[Event], None]) -> None:
         self._active.add(req.cancel)
+        media = None
         try:
-            slot = self._take_slot(req.prompt_tokens, req.cancel)
+            media = self._expand_images(req)  # issue 19: None without images
+            slot = self._take_slot(media.cells if media else req.prompt_tokens, req.cancel)
             if slot is None:
                 emit(DoneEvent("cancel", Timings()))
                 return
             try:
-                self._generate_on(slot, req, emit)
+                self._generate_on(slot, req, emit, media)
             finally:
                 self._give_back(slot)
         finally:
             self._active.discard(req.cancel)
+            if media is not None:
+                media.close()
 
-    def _generate_on(self, slot: _Slot, req: GenerateRequest, emit: Callable[[Event], None]) -> None:
+    # ---- issue 19: images (backends/mtmd.py) and rerank (backends/rerank.py) ----
+    def _expand_images(self, req: GenerateRequest) -> MediaPrompt | None:
+        if not req.images or self._projector is None:
+            return None
+        media = self._projector.expand(req.prompt_tokens, req.images)
+        if len(media.cells) >= self.context_length:
+            media.close()
+            raise LocalrtError(
+                f"the prompt with its images is {len(media.cells)} tokens, which does not fit the context "
+                f"length of {self.context_length} tokens (raise num_ctx or send fewer images)"
+            )
+        if not isinstance(media.cells[-1], int):
+            media.close()
+            raise LocalrtError("the prompt must end with text after its last image")
+        return media
+
+    @staticmethod
+    def _eval_prompt(m: _Runner, prompt: list[Any], media: MediaPrompt | None, timings: Timings) -> int:
+        """Evaluate only what the KV cache does not hold yet (at least one token, for logits); returns
+        the number of cells kept."""
+        keep = min(m.common_prefix(prompt), len(prompt) - 1)
+        if media is not None:  # issue 19: never cut inside an image
+            keep = media.cut(keep)
+        m.truncate(keep)
+        keep = len(m.evaluated)
+        if media is not None:  # issue 19: the kept cells (and their gaps) are the same in both prompts
+            m.pos_gaps = media.position_gaps()
+        # The last prompt token always goes alone: a repeated prompt re-evaluates exactly that token, and
+        # large batches take other kernels than one-token decodes, so this keeps repeats bit-identical.
+        if len(prompt) - 1 > keep:
+            if media is not None:  # issue 19: text runs through m.decode, images through libmtmd
+                timings.prompt_image_tokens = media.evaluate(
+                    m.ctx.ctx, 0, keep, len(prompt) - 1, m.n_batch, m.decode, m.evaluated.extend
+                )
+            else:
+                m.decode(prompt[keep:-1])
+        m.decode(prompt[-1:])
+        return keep
+
+    async def rerank(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
+        """Relevance scores of documents for query (in order) and the tokens evaluated."""
+        import asyncio
+
+        if not self.capabilities.rerank:
+            raise LocalrtError("this model is not a reranker (its GGUF has no rank pooling)")
+        return await asyncio.to_thread(self._rerank_blocking, query, list(documents))
+
+    def _rerank_blocking(self, query: str, documents: list[str]) -> tuple[list[float], int]:
+        with self._embed_lock:
+            if self._closed:
+                raise LocalrtError("the model was unloaded")
+            if self._reranker is None:
+                m = self._main
+                self._reranker = Reranker(self.lib, m.model, self.metadata, m.n_ctx, m.threads)
+            return self._reranker.scores(query, documents)
+
+    # ---- end issue 19 ----
+
+    def _generate_on(
+        self,
+        slot: _Slot,
+        req: GenerateRequest,
+        emit: Callable[[Event], None],
+        media: MediaPrompt | None = None,
+    ) -> None:
         m = slot.runner
         if m.ctx is None or m.ctx.ctx is None:
             raise LocalrtError("the model was unloaded")
         timings = Timings()
-        prompt = list(req.prompt_tokens)
+        prompt: list[Any] = media.cells if media is not None else list(req.prompt_tokens)  # issue 19
         n_ctx = m.n_ctx
         if req.cancel.cancelled:
             emit(DoneEvent("cancel", timings))
@@ -552,14 +659,7 @@ class LlamaCppModel:
 
         # prompt: evaluate only what the KV cache does not hold yet (at least one token, for logits)
         t0 = time.perf_counter_ns()
-        keep = min(m.common_prefix(prompt), len(prompt) - 1)
-        m.truncate(keep)
-        keep = len(m.evaluated)
-        # The last prompt token always goes alone: a repeated prompt re-evaluates exactly that token, and
-        # large batches take other kernels than one-token decodes, so this keeps repeats bit-identical.
-        if len(prompt) - 1 > keep:
-            m.decode(prompt[keep:-1])
-        m.decode(prompt[-1:])
+        keep = self._eval_prompt(m, prompt, media, timings)
         t1 = time.perf_counter_ns()
         timings.prompt_eval_count = len(prompt) - keep
         timings.prompt_eval_ns = t1 - t0
@@ -569,6 +669,8 @@ class LlamaCppModel:
         mode = req.speculative
         if mode == "auto":
             mode = "draft" if slot.draft is not None else "off"
+        if media is not None:  # issue 19: the proposers see text only; a prompt with images goes unspeculated
+            mode = "off"
         proposer: LookupProposer | DraftProposer | None = None
         if mode == "lookup":
             proposer = LookupProposer()
@@ -579,7 +681,9 @@ class LlamaCppModel:
         k_max = min(req.num_draft or DEFAULT_NUM_DRAFT.get(mode, 0), MAX_VERIFY_BATCH - 1)
         k = k_max  # adapted below: a CPU pays for every drafted position, so draft less after misses
 
-        sampler = self._make_sampler(req.sampling, req.format, prompt)
+        sampler = self._make_sampler(
+            req.sampling, req.format, media.text_tokens if media is not None else prompt
+        )
         text = TextAssembler(req.stop)
         want_lp = req.logprobs or req.top_logprobs > 0
         history = list(prompt)  # prompt + every sampled token
@@ -601,7 +705,7 @@ class LlamaCppModel:
                         finish, done = "stop", True
                         break
                     lp = self._logprob(m, row, token, req.top_logprobs) if want_lp else None
-                    event, stopped = text.add(token, m.piece(token), lp)
+                    event, stopped = text.add(token, m.piece(token, token in req.preserve_tokens), lp)
                     if event is not None:
                         emit(event)
                     if stopped:
@@ -753,4 +857,9 @@ class LlamaCppModel:
                 if obj is not None:
                     obj.close()
             self._embed_ctx = self._embed_batch = None
+        # issue 19: the projector and the rerank context sit on the weights, so they go first
+        for extra in (self._projector, self._reranker):
+            if extra is not None:
+                extra.close()
+        self._projector = self._reranker = None
         self._close_runners([r for s in self._slots for r in (s.draft, s.runner) if r is not None])

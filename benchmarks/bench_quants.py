@@ -4,6 +4,10 @@
     python benchmarks/bench_quants.py --types Q4_K Q6_K --mb 64
     python benchmarks/bench_quants.py --model HF_DIR       # also: localrt convert vs llama.cpp (Q4_K_M)
     python benchmarks/bench_quants.py --quality HF_DIR --text FILE   # README table: every file type
+    python benchmarks/bench_quants.py --imatrix-speed GGUF --calib FILE [--chunks N]
+        # localrt imatrix vs llama-imatrix: wall time, same model, text, context and threads
+    python benchmarks/bench_quants.py --imatrix-table HF_DIR --calib FILE --text FILE
+        # README table: Q4_0 / Q4_K_M / IQ4_XS with and without an imatrix, via `localrt eval --compare`
 
 The C side is `ggml_quantize_chunk` from the installed llama-cpp-python (the function llama-quantize
 calls per chunk, no importance matrix), one thread; llama-quantize spreads chunks over all cores, so
@@ -162,6 +166,82 @@ def quality_table(model: Path, text: Path, ctx: int, types: list[str]) -> None:
         ref.unload()
 
 
+def bench_imatrix(model: Path, calib: Path, ctx: int, chunks: int, threads: int) -> None:
+    """Wall time of `localrt imatrix` and `llama-imatrix` (built by tests/fixtures_hf.py) on the same input;
+    both files are compared entry by entry."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fixtures_hf import llama_cpp_tools
+
+    from localrt.converters import imatrix as imx
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, theirs = Path(tmp) / "ours.gguf", Path(tmp) / "theirs.gguf"
+        common = ["--ctx", str(ctx), "--chunks", str(chunks), "--threads", str(threads)]
+        t = time.perf_counter()
+        subprocess.run(
+            [str(llama_cpp_tools() / "llama-imatrix"), "-m", str(model), "-f", str(calib), "-o", str(theirs),
+             "-c", str(ctx), "--chunks", str(chunks), "-t", str(threads)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        t_theirs = time.perf_counter() - t
+        t = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "localrt", "imatrix", str(model), "--text", str(calib), "-o", str(ours), *common],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        t_ours = time.perf_counter() - t
+        a, b = imx.read(ours), imx.read(theirs)
+        worst = max(
+            float((np.abs(a.entries[n].sums - e.sums) / np.maximum(np.abs(e.sums), 1e-30)).max())
+            for n, e in b.entries.items()
+        )
+        same = ours.read_bytes() == theirs.read_bytes()
+    print(
+        f"imatrix of {model.name}, {chunks} chunks of {ctx}, {threads} threads: llama-imatrix {t_theirs:.1f} s, "
+        f"localrt imatrix {t_ours:.1f} s ({t_ours / t_theirs:.2f}x); worst relative difference {worst:.2g}; "
+        f"files identical: {same}"
+    )
+
+
+IMATRIX_TYPES = ("Q4_0", "Q4_K_M", "IQ4_XS")
+
+
+def imatrix_table(model: Path, calib: Path, text: Path, ctx: int, out_dir: Path | None) -> None:
+    """The README table: a BF16 conversion, its imatrix on `calib`, plain and weighted quantizations of it,
+    all scored by `localrt eval --compare` on `text` (disjoint from `calib`) against the BF16 file."""
+    from localrt.converters import imatrix as imx
+    from localrt.converters.convert import convert
+    from localrt.converters.requantize import requantize
+    from localrt.imatrix import compute
+
+    work = out_dir or Path(tempfile.mkdtemp(prefix="imatrix-table-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ref = work / "BF16.gguf"
+    if not ref.is_file():
+        convert(model, ref, "BF16")
+    im_path = work / "imatrix.gguf"
+    if not im_path.is_file():
+        t = time.perf_counter()
+        res = compute(ref, calib.read_text(encoding="utf-8"), calib.name, ctx=ctx)
+        imx.write(res.imatrix, im_path)
+        print(
+            f"imatrix: {res.chunks} chunks of {ctx} in {time.perf_counter() - t:.0f} s, calibration PPL {res.perplexity:.3f}"
+        )
+    im = imx.read(im_path)
+    names = []
+    for ft in IMATRIX_TYPES:
+        for weighted in (False, True):
+            dst = work / f"{ft}{'-imatrix' if weighted else ''}.gguf"
+            if not dst.is_file():
+                requantize(ref, dst, ft, imatrix=im if weighted else None, imatrix_label="imatrix.gguf")
+            names.append(str(dst))
+    subprocess.run(
+        [sys.executable, "-m", "localrt", "eval", names[0], "--reference", str(ref), "--text", str(text),
+         "--ctx", str(ctx), "--backend", "llama.cpp", "--compare", *names[1:], "--plot", str(work / "kl.png")],
+        check=True,
+    )  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", nargs="*", default=DEFAULT_TYPES)
@@ -172,7 +252,19 @@ def main() -> None:
     ap.add_argument("--quality", type=Path, help="an HF model directory: print the README quality table")
     ap.add_argument("--text", type=Path, help="English text for --quality")
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--imatrix-speed", type=Path, help="a GGUF: time localrt imatrix against llama-imatrix")
+    ap.add_argument("--imatrix-table", type=Path, help="an HF model directory: the imatrix quality table")
+    ap.add_argument("--calib", type=Path, help="calibration text for --imatrix-speed / --imatrix-table")
+    ap.add_argument("--chunks", type=int, default=-1)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--work", type=Path, default=None, help="keep --imatrix-table's files here")
     args = ap.parse_args()
+    if args.imatrix_speed:
+        bench_imatrix(args.imatrix_speed, args.calib, args.ctx, args.chunks, args.threads)
+        return
+    if args.imatrix_table:
+        imatrix_table(args.imatrix_table, args.calib, args.text, args.ctx, args.work)
+        return
     if args.quality:
         quality_table(args.quality, args.text, args.ctx, args.types if args.types != DEFAULT_TYPES else [])
         return

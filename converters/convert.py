@@ -23,6 +23,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from localrt.converters import imatrix as imatrix_io
 from localrt.converters import mixes, quants, writer
 from localrt.converters.arch import Arch, find_arch
 from localrt.converters.hf import (
@@ -263,11 +264,21 @@ def auto_intermediate(tensors: list[Tensor]) -> QT:
     return QT.F16
 
 
-def encode(values: np.ndarray, qtype: QT, threads: int) -> np.ndarray:
+def encode(values: np.ndarray, qtype: QT, threads: int, imatrix: np.ndarray | None = None) -> np.ndarray:
     values = np.asarray(values)
     if qtype == QT.F32:
         return values.astype(np.float32, copy=False)
-    return quants.quantize(values.astype(np.float32, copy=False), qtype, threads=threads)
+    return quants.quantize(values.astype(np.float32, copy=False), qtype, threads=threads, imatrix=imatrix)
+
+
+def _imatrix_weights(
+    imatrix: imatrix_io.Imatrix | None, specs: list[mixes.TensorSpec], label: str
+) -> dict[str, np.ndarray]:
+    """The importance weights of the tensors llama-quantize would quantize (checked against the model)."""
+    if imatrix is None:
+        return {}
+    quantizable = {s.name: s.shape for s in specs if mixes.allows_quantization(s)}
+    return imatrix_io.weights_for_model(imatrix, quantizable, label or "the imatrix")
 
 
 def as_intermediate(values: np.ndarray, itype: QT) -> np.ndarray:
@@ -296,10 +307,16 @@ def convert(
     quant: str = "Q4_K_M",
     threads: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
+    imatrix: imatrix_io.Imatrix | None = None,
+    imatrix_label: str = "",
 ) -> Result:
-    """Convert an HF model directory (or repo id) to a GGUF of file type `quant` at `out`."""
+    """Convert an HF model directory (or repo id) to a GGUF of file type `quant` at `out`.
+
+    `imatrix` weights the quantization as `llama-quantize --imatrix imatrix_label` does.
+    """
     start = time.monotonic()
     file_type = mixes.parse_file_type(quant)
+    imatrix_io.check_quantized(file_type, imatrix)
     model_dir, repo_id = resolve_source(str(src))
     config = read_config(model_dir)
     arch = find_arch(config)
@@ -338,23 +355,27 @@ def convert(
             hp["num_attention_heads"],
             hp.get("num_key_value_heads") or hp["num_attention_heads"],
         )
-        types = mixes.plan(specs, file_type, shape)
+        types = mixes.plan(specs, file_type, shape, has_imatrix=imatrix is not None)
+        weights = _imatrix_weights(imatrix, specs, imatrix_label)
         for name in mixes.tensor_order(types):
             t = by_name[name]
             # tensors llama-quantize leaves alone keep the intermediate file's type (F32 for 1-D)
             stage = QT.F32 if stored_as_float32(t.name, t.ndim) else itype
             quantizable = mixes.allows_quantization(mixes.TensorSpec(name, tuple(reversed(t.shape))))
             qtype = types[name] if quantizable else stage
+            qw = weights.get(name)
             plan.append(
                 (
                     name,
                     t.shape,
                     qtype,
-                    lambda t=t, q=qtype, s=stage: encode(as_intermediate(t.load(), s), q, threads),
+                    lambda t=t, q=qtype, s=stage, qw=qw: encode(as_intermediate(t.load(), s), q, threads, qw),
                 )
             )
         writer.move_to_end(w, "general.quantization_version")
         writer.set_at_end(w, "general.file_type", int(mixes.FILE_TYPES[file_type][0]), "u32")
+        if imatrix is not None:
+            imatrix_io.add_quantize_kv(w, imatrix, imatrix_label)
 
     total = sum(writer.nbytes(q, s) for _, s, q, _ in plan)
     done = 0

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
+from localrt.converters import imatrix as imatrix_io
 from localrt.converters import mixes, quants, writer
 from localrt.converters.hf import ConvertError
 
@@ -44,9 +45,22 @@ def _first_int(value: Any) -> int:
     return int(value[0] if isinstance(value, list) else value)
 
 
-def requantize(src: Path, dst: Path, file_type: str, threads: int = 0) -> Path:
-    """Write `dst` = `src` (an F32/F16/BF16 GGUF) quantized to `file_type` by llama.cpp's rules."""
+def requantize(
+    src: Path,
+    dst: Path,
+    file_type: str,
+    threads: int = 0,
+    imatrix: imatrix_io.Imatrix | None = None,
+    imatrix_label: str = "",
+) -> Path:
+    """Write `dst` = `src` (an F32/F16/BF16 GGUF) quantized to `file_type` by llama.cpp's rules.
+
+    With `imatrix`, the encoders llama.cpp weights use its entries (`llama-quantize --imatrix FILE`);
+    `imatrix_label` is the file name recorded in quantize.imatrix.file, as llama-quantize records the
+    path it was given.
+    """
     file_type = mixes.parse_file_type(file_type)
+    imatrix_io.check_quantized(file_type, imatrix)
     reader = GGUFReader(src)
     fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     arch_field = fields.get("general.architecture")
@@ -72,7 +86,11 @@ def requantize(src: Path, dst: Path, file_type: str, threads: int = 0) -> Path:
 
     by_name = {t.name: t for t in reader.tensors}
     specs = [mixes.TensorSpec(t.name, tuple(int(d) for d in t.shape)) for t in reader.tensors]
-    plan = mixes.plan(specs, file_type, shape)
+    plan = mixes.plan(specs, file_type, shape, has_imatrix=imatrix is not None)
+    weights = {}
+    if imatrix is not None:
+        quantizable = {s.name: s.shape for s in specs if mixes.allows_quantization(s)}
+        weights = imatrix_io.weights_for_model(imatrix, quantizable, imatrix_label or "the imatrix")
 
     w = writer.new_writer(arch)
     for key, field in fields.items():
@@ -82,6 +100,8 @@ def requantize(src: Path, dst: Path, file_type: str, threads: int = 0) -> Path:
         w.add_key_value(key, value, vtype, sub)
     w.add_uint32("general.quantization_version", 2)
     w.add_uint32("general.file_type", int(mixes.FILE_TYPES[file_type][0]))
+    if imatrix is not None:
+        imatrix_io.add_quantize_kv(w, imatrix, imatrix_label)
 
     items = []
     for name in mixes.tensor_order(by_name):
@@ -94,12 +114,15 @@ def requantize(src: Path, dst: Path, file_type: str, threads: int = 0) -> Path:
                 f"{src}: tensor {name} is already {t.tensor_type.name}; requantizing needs an "
                 "F32, F16 or BF16 GGUF"
             )
-        items.append((name, tuple(reversed(ne)), target, lambda t=t, q=target: _encode(t, q, threads)))
+        qw = weights.get(name)
+        items.append(
+            (name, tuple(reversed(ne)), target, lambda t=t, q=target, qw=qw: _encode(t, q, threads, qw))
+        )
     writer.write_streaming(w, Path(dst), items)
     return Path(dst)
 
 
-def _encode(t: Any, qtype: QT, threads: int) -> np.ndarray:
+def _encode(t: Any, qtype: QT, threads: int, qw: np.ndarray | None = None) -> np.ndarray:
     if qtype == t.tensor_type:
         return np.asarray(t.data)  # llama-quantize copies tensors whose type does not change
     data = np.asarray(t.data)
@@ -108,4 +131,6 @@ def _encode(t: Any, qtype: QT, threads: int) -> np.ndarray:
     else:
         values = data.astype(np.float32)
     ne0 = int(t.shape[0])
-    return quants.quantize(values.reshape(-1, ne0), qtype, threads=threads) if qtype != QT.F32 else values
+    if qtype == QT.F32:
+        return values
+    return quants.quantize(values.reshape(-1, ne0), qtype, threads=threads, imatrix=qw)

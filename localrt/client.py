@@ -88,6 +88,8 @@ class ModelDetails:
     license: str = ""
     modelfile: str = ""
     template_origin: str = ""  # which template renders prompts: the file's, the Modelfile's, a family's
+    capabilities: list[str] = field(default_factory=list)  # completion, tools, vision, rerank, ...
+    projector: list[tuple[str, str]] = field(default_factory=list)  # a vision model's projector facts
 
 
 Message = Mapping[str, Any]
@@ -108,6 +110,7 @@ class Client(Protocol):
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]: ...
 
     async def list_models(self) -> list[ModelRow]: ...
@@ -137,6 +140,8 @@ class Client(Protocol):
         base_dir: str | None = None,
         quantize: str | None = None,
         status: StatusFn | None = None,
+        projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str: ...
 
     async def context_length(self, model: str, options: Mapping[str, Any] | None = None) -> int | None: ...
@@ -183,10 +188,11 @@ class RuntimeClient:
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]:
         # the runtime's own generator: closing or cancelling it cancels the generation there
         return self.runtime.chat(
-            model, messages, options=options or None, format=format, keep_alive=keep_alive
+            model, messages, options=options or None, format=format, keep_alive=keep_alive, think=think
         )
 
     async def list_models(self) -> list[ModelRow]:
@@ -248,8 +254,10 @@ class RuntimeClient:
 
     def _details(self, model: str) -> ModelDetails:
         from localrt.show import (
+            model_capabilities,
             modelfile_text,
             parameter_lines,
+            projector_rows,
             template_choice,
             template_of,
             template_origin,
@@ -271,6 +279,10 @@ class RuntimeClient:
             license=str(resolved.license or info.license or ""),
             modelfile=modelfile_text(resolved, info),
             template_origin=template_origin(template_choice(resolved, info)),
+            capabilities=model_capabilities(resolved, info),
+            projector=projector_rows(read_gguf(resolved.projector_path).summary())
+            if resolved.projector_path is not None
+            else [],
         )
 
     async def has_model(self, model: str) -> bool:
@@ -310,6 +322,8 @@ class RuntimeClient:
         base_dir: str | None = None,
         quantize: str | None = None,
         status: StatusFn | None = None,
+        projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str:
         from localrt.store.modelfile import create
 
@@ -321,6 +335,8 @@ class RuntimeClient:
             store=self.store,
             base_dir=base_dir,
             quantize=quantize,
+            projector_path=projector_path,
+            imatrix=imatrix_path,
         )
         return name.display
 
@@ -417,6 +433,7 @@ class ServerClient:
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         keep_alive: str | float | None = None,
+        think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]:
         body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages], "stream": True}
         if options:
@@ -425,6 +442,8 @@ class ServerClient:
             body["format"] = format
         if keep_alive is not None:
             body["keep_alive"] = keep_alive
+        if think is not None:
+            body["think"] = think
         async for item in self._ndjson("/api/chat", body):
             message = item.get("message") or {}
             yield Chunk(
@@ -515,6 +534,8 @@ class ServerClient:
             license=data.get("license") or "",
             modelfile=data.get("modelfile") or "",
             template_origin=data.get("template_origin") or "",
+            capabilities=list(data.get("capabilities") or []),
+            projector=_projector_rows(data.get("projector_info")),
         )
 
     async def has_model(self, model: str) -> bool:
@@ -545,9 +566,12 @@ class ServerClient:
         base_dir: str | None = None,
         quantize: str | None = None,
         status: StatusFn | None = None,
+        projector_path: str | None = None,
+        imatrix_path: str | None = None,
     ) -> str:
         """As `ollama create`: the Modelfile is read here, a local GGUF is uploaded as a blob, and
-        the server builds the model from `files` or `from` (it never reads a path of ours)."""
+        the server builds the model from `files` or `from` (it never reads a path of ours). A projector
+        (`projector_path`, or a second FROM) is uploaded beside the model's GGUF."""
         from localrt.store.modelfile import Modelfile, ModelfileError, parse_modelfile
         from localrt.store.names import parse_name
 
@@ -564,11 +588,18 @@ class ServerClient:
                 "this model in-process"
             )
         body: dict[str, Any] = {"model": name.display, "stream": True}
-        source = _local_file(mf.from_, Path(base_dir) if base_dir else Path.cwd())
+        here = Path(base_dir) if base_dir else Path.cwd()
+        source = _local_file(mf.from_, here)
         if source is not None:
             body["files"] = {source.name: await self._upload(source, emit)}
         else:
             body["from"] = parse_name(mf.from_).display
+        projector = projector_path or mf.projector
+        if projector is not None:
+            proj_file = _local_file(projector, here)
+            if proj_file is None or source is None:
+                raise LocalrtError("over the server's create API a projector goes with a local GGUF file")
+            body["files"][f"mmproj-{proj_file.name}"] = await self._upload(proj_file, emit)
         if mf.parameters:
             body["parameters"] = mf.parameters
         for key in ("template", "system", "license"):
@@ -576,6 +607,8 @@ class ServerClient:
                 body[key] = getattr(mf, key)
         if quantize:
             body["quantize"] = quantize
+        if imatrix_path is not None:  # uploaded like the GGUF; the server weights --quantize with it
+            body["imatrix"] = await self._upload(Path(imatrix_path), emit)
         async for item in self._ndjson("/api/create", body):
             emit(str(item.get("status", "")))
         return name.display
@@ -618,6 +651,14 @@ class ServerClient:
     async def close(self) -> None:
         if self._http is not None:
             await self._http.aclose()
+
+
+def _projector_rows(info: Any) -> list[tuple[str, str]]:
+    if not isinstance(info, dict) or not info:
+        return []
+    from localrt.show import projector_rows
+
+    return projector_rows(info)
 
 
 async def _chunks(f: Any, size: int = 1 << 20) -> AsyncIterator[bytes]:

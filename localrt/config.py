@@ -132,3 +132,9 @@ def auth_headers() -> dict[str, str]:
     """The Authorization header a client sends when LOCALRT_API_KEY is set."""
     key = api_key()
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def fetch_images() -> bool:
+    """`LOCALRT_FETCH_IMAGES=1`: OpenAI `image_url` parts may name http(s) URLs (off by default: a request
+    must not make the server reach out to the network)."""
+    return os.environ.get("LOCALRT_FETCH_IMAGES", "").strip().lower() in ("1", "true", "yes", "on")

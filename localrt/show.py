@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from localrt.runtime.family_templates import TemplateChoice
-from localrt.runtime.templates import select_template
+from localrt.runtime.templates import is_go_template, select_template
 from localrt.store.gguf import GGUFInfo
 from localrt.store.store import ResolvedModel
 
@@ -28,6 +28,59 @@ def parameter_lines(params: dict[str, Any]) -> list[tuple[str, str]]:
                 )
             )
     return lines
+
+
+POOLING_RANK = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK: a reranker's classification head
+
+
+def is_reranker(info: GGUFInfo) -> bool:
+    """Pooling type rank, or a classification head with labels (llama.cpp's converter writes these for
+    sequence-classification checkpoints such as bge-reranker)."""
+    arch = info.architecture
+    return (
+        info.metadata.get(f"{arch}.pooling_type") == POOLING_RANK
+        or f"{arch}.classifier.output_labels" in info.metadata
+    )
+
+
+def media_capabilities(model: ResolvedModel, info: GGUFInfo, capabilities: list[str]) -> list[str]:
+    """Issue 19's part of `capabilities`: `vision` with a projector; a reranker is `rerank`, not
+    `completion`. Takes the list built so far and returns it amended."""
+    caps = list(capabilities)
+    if is_reranker(info):
+        caps = [c for c in caps if c != "completion"] + ["rerank"]
+    if model.projector_path is not None:
+        caps.append("vision")
+    return caps
+
+
+def model_capabilities(model: ResolvedModel, info: GGUFInfo) -> list[str]:
+    """`capabilities` of /api/show and `localrt show`: completion (or embedding), tools and thinking
+    from the template the runtime renders with (issue 17), then issue 19's vision/rerank."""
+    from localrt.runtime.thinking import capabilities, model_format
+
+    tokens = info.metadata.get("tokenizer.ggml.tokens") or []
+    types = info.metadata.get("tokenizer.ggml.token_type") or []
+    specials = [t for t, kind in zip(tokens, types) if kind in (3, 4)]  # control, user-defined
+    if model.template is not None and is_go_template(model.template):
+        fmt = model_format(model.template)  # a Go TEMPLATE is kept, not run: read what it shows
+    else:
+        fmt = model_format(template_choice(model, info).source, specials)
+    return media_capabilities(model, info, capabilities(fmt, info.metadata))
+
+
+def projector_rows(meta: Any) -> list[tuple[str, str]]:
+    """`show`'s Projector section from a projector GGUF's key/values (`GGUFInfo.summary()`)."""
+    from localrt.store.gguf import format_parameter_count
+
+    count = meta.get("general.parameter_count")
+    return [
+        ("architecture", str(meta.get("general.architecture", "unknown"))),
+        ("parameters", format_parameter_count(int(count)) if count else "unknown"),
+        ("projector type", str(meta.get("clip.projector_type", "unknown"))),
+        ("embedding length", str(meta.get("clip.vision.embedding_length", "unknown"))),
+        ("dimensions", str(meta.get("clip.vision.projection_dim", "unknown"))),
+    ]
 
 
 def template_choice(model: ResolvedModel, info: GGUFInfo) -> TemplateChoice:
@@ -61,6 +114,8 @@ def modelfile_text(model: ResolvedModel, info: GGUFInfo) -> str:
         "",
         f"FROM {model.model_path}",
     ]
+    if model.projector_path is not None:
+        out.append(f"FROM {model.projector_path}")
     template = template_of(model, info)
     if template:
         out.append(f'TEMPLATE """{template}"""')

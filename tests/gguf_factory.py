@@ -50,10 +50,18 @@ _WORDS = (
 ).split()
 
 
-def tiny_spm_vocab(n_vocab: int | None = None) -> tuple[list[str], list[float], list[int]]:
-    """A SentencePiece-style vocab: <unk> <s> </s>, ChatML markers, 256 byte tokens, letters, words."""
+def tiny_spm_vocab(
+    n_vocab: int | None = None, extra_specials: Sequence[tuple[str, int]] = ()
+) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocab: <unk> <s> </s>, ChatML markers, 256 byte tokens, letters, words.
+
+    `extra_specials`: (text, token type) pairs added after the ChatML markers, e.g. a family's
+    `<think>` (user-defined, as Qwen3's) or harmony's `<|channel|>` (control, as gpt-oss's)."""
     tokens = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
     types = [TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_CONTROL]
+    for text, kind in extra_specials:
+        tokens.append(text)
+        types.append(kind)
     tokens += [f"<0x{byte:02X}>" for byte in range(256)]
     types += [TOKEN_BYTE] * 256
     pieces = ["\u2581"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
@@ -90,11 +98,12 @@ def write_tiny_llama(
     chat_template: str | None = CHATML_TEMPLATE,
     file_type: str = "F32",
     seed: int = 0,
+    extra_specials: Sequence[tuple[str, int]] = (),
 ) -> Path:
     """Write a random-weight Llama GGUF that llama.cpp loads and runs; returns its path."""
     path = Path(path)
     ftype_id, weight_type = FILE_TYPES[file_type]
-    tokens, scores, token_types = tiny_spm_vocab(n_vocab)
+    tokens, scores, token_types = tiny_spm_vocab(n_vocab, extra_specials)
     n_vocab = len(tokens)
     head_dim = n_embd // n_head
     rng = np.random.default_rng(seed)

@@ -365,3 +365,105 @@ def test_openai_logprobs_and_errors(oai: openai.OpenAI) -> None:
         oai.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature="hot"
         )
+
+
+# ---- thinking on a model that cannot think; capabilities; null options (issue 17) ---------------
+def test_think_true_on_smollm2_is_a_400_naming_the_model(client: ollama.Client) -> None:
+    for call in (
+        lambda: client.chat(MODEL, messages=[{"role": "user", "content": "Hi"}], think=True, options=GREEDY),
+        lambda: client.generate(MODEL, "Hi", think="high", options=GREEDY),
+    ):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert e.value.status_code == 400
+        assert e.value.error == f'"{MODEL}" does not support thinking'
+
+
+@pytest.mark.parametrize("think", [False, None])
+def test_think_false_and_absent_work_on_smollm2(client: ollama.Client, think: bool | None) -> None:
+    r = client.chat(MODEL, messages=[{"role": "user", "content": "Hi"}], think=think, options=GREEDY)
+    assert r.message.content
+    assert not r.message.thinking
+
+
+def test_show_capabilities_of_smollm2(client: ollama.Client) -> None:
+    # SmolLM2's template renders no tools, so only completion
+    assert client.show(MODEL).capabilities == ["completion"]
+
+
+def test_bad_think_value_is_a_400(server: LocalrtServer) -> None:
+    r = httpx.post(
+        server.url + "/api/chat", json={"model": MODEL, "messages": [], "think": "very"}, timeout=30
+    )
+    assert r.status_code == 400
+    assert "think" in r.json()["error"]
+
+
+def test_null_options_mean_not_set(server: LocalrtServer) -> None:
+    options = {"mirostat": None, "num_ctx": None, "temperature": None, "stop": None, "num_predict": 4}
+    r = httpx.post(
+        server.url + "/api/generate",
+        json={"model": MODEL, "prompt": "Hi", "stream": False, "options": options, "system": None},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["done"] is True
+
+
+def test_openai_reasoning_effort(oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=messages, reasoning_effort="low", max_tokens=4)
+    assert "does not support thinking" in str(e.value)
+    r = oai.chat.completions.create(model=MODEL, messages=messages, reasoning_effort="none", max_tokens=4)
+    assert r.choices[0].message.content
+
+
+def test_openai_num_ctx_in_extra_body(oai: openai.OpenAI, client: ollama.Client) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    r = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, extra_body={"num_ctx": 1536}
+    )
+    assert r.choices[0].message.content is not None
+    [loaded] = [m for m in client.ps().models if m.model == MODEL]
+    assert loaded.context_length == 1536
+    client.chat(MODEL, messages=[{"role": "user", "content": "Hi"}], options=GREEDY)  # back to the others'
+
+
+# ---- LangChain's Ollama integration ------------------------------------------------------------
+def test_langchain_chat_ollama_invoke_and_stream(server: LocalrtServer) -> None:
+    from langchain_ollama import ChatOllama
+
+    llm = ChatOllama(model=MODEL, base_url=server.url, temperature=0, num_predict=16, num_ctx=2048)
+    answer = llm.invoke("What is the capital of France?")
+    assert "Paris" in answer.content
+    pieces = [chunk.content for chunk in llm.stream("What is the capital of France?")]
+    assert len(pieces) > 1
+    assert "".join(pieces) == answer.content
+
+
+def test_langchain_chat_ollama_tools(server: LocalrtServer) -> None:
+    from langchain_core.tools import tool
+    from langchain_ollama import ChatOllama
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather for a city."""
+        return "21C"
+
+    # the schema makes SmolLM2 answer with a call, which the server parses into tool_calls
+    llm = ChatOllama(
+        model=MODEL, base_url=server.url, temperature=0, num_predict=64, num_ctx=2048, format=CALL_SCHEMA
+    ).bind_tools([get_weather])
+    message = llm.invoke("What is the weather in Paris?")
+    assert [c["name"] for c in message.tool_calls] == ["get_weather"]
+    assert isinstance(message.tool_calls[0]["args"]["city"], str)
+
+
+def test_langchain_ollama_embeddings(server: LocalrtServer) -> None:
+    from langchain_ollama import OllamaEmbeddings
+
+    # sends "options": {"mirostat": null, ...}: null means not set
+    vector = OllamaEmbeddings(model=MODEL, base_url=server.url).embed_query("Hello world")
+    assert len(vector) == 576
+    assert any(v != 0 for v in vector)

@@ -61,7 +61,9 @@ def test_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         ("top_k", 1.5, "'top_k' must be an integer"),
         ("top_k", False, "'top_k' must be an integer, got a boolean"),
         ("num_ctx", "2048", "'num_ctx' must be an integer, got a string"),
-        ("seed", None, "'seed' must be an integer, got null"),
+        ("temprature", None, "unknown option 'temprature'"),
+        ("grammar", 5, "'grammar' must be a GBNF grammar"),
+        ("grammar", 'start ::= "a"', "must define the rule 'root'"),
         ("top_p", 1.5, "'top_p' is out of range"),
         ("temperature", -1, "'temperature' is out of range"),
         ("temperature", float("nan"), "finite"),
@@ -79,6 +81,16 @@ def test_environment_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_values_name_the_option(name: str, value: object, message: str) -> None:
     with pytest.raises(OptionError, match=message.replace("(", r"\(")):
         Options.merge({name: value})
+
+
+def test_null_means_not_set() -> None:
+    # what LangChain's OllamaEmbeddings sends for every option it has no value for
+    sent = {"mirostat": None, "num_ctx": None, "stop": None, "temperature": None, "tfs_z": None}
+    o = Options.merge({"temperature": 0.3, "num_ctx": 1024}, sent)
+    assert o.temperature == 0.3
+    assert o.num_ctx == 1024
+    assert o.mirostat == Options().mirostat
+    assert o.stop == []
 
 
 def test_normalisation() -> None:

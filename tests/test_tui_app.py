@@ -150,10 +150,14 @@ class FakeClient:
     where = "in-process"
 
     def __init__(
-        self, models: Sequence[str] = (MODEL, TWIN), answer: Sequence[str] = ("Hello", " there", ".")
+        self,
+        models: Sequence[str] = (MODEL, TWIN),
+        answer: Sequence[str] = ("Hello", " there", "."),
+        thinking: Sequence[str] = (),
     ):
         self.models = list(models)
         self.answer = list(answer)
+        self.thinking = list(thinking)
         self.requests: list[dict[str, Any]] = []
 
     async def chat(
@@ -163,10 +167,14 @@ class FakeClient:
         *,
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
+        think: bool | None = None,
     ) -> AsyncIterator[Chunk]:
         self.requests.append(
-            {"model": model, "messages": list(messages), "options": options, "format": format}
+            {"model": model, "messages": list(messages), "options": options, "format": format, "think": think}
         )
+        for piece in self.thinking if think is not False else ():
+            await asyncio.sleep(0)
+            yield Chunk(model=model, thinking=piece)
         for piece in self.answer:
             await asyncio.sleep(0)
             yield Chunk(model=model, content=piece)
@@ -732,3 +740,58 @@ async def test_through_a_running_server(
             assert app.chat_input.text == "Are you there?"
     finally:
         server.stop()
+
+
+# ---- thinking ------------------------------------------------------------------------------------
+def test_thinking_shows_in_a_collapsible_block_and_is_saved(tmp_path: Path) -> None:
+    client = FakeClient(thinking=("The user", " greets me", "."))
+
+    async def first() -> int:
+        app = make_app(None, tmp_path, client=client)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await ask(pilot, app, "Hi")
+            reply = app.conversation.messages[-1]
+            assert reply.thinking == "The user greets me."
+            assert reply.content == "Hello there."
+            view = app.query(MessageView).last()
+            assert view.thinking_block.display
+            assert view.thinking_block.collapsed  # folded once the answer began
+            assert "greets" not in view.markdown.source  # thinking stays out of the answer
+            return app.conversation.id or 0
+
+    async def second(conv_id: int) -> None:
+        app = make_app(None, tmp_path, client=client)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await app.open_conversation(conv_id)
+            await pilot.pause()
+            assert app.conversation.messages[-1].thinking == "The user greets me."
+            view = app.query(MessageView).last()
+            assert view.thinking_block.display
+            assert view.thinking == "The user greets me."
+            user_view = app.query(MessageView).first()
+            assert not user_view.thinking_block.display
+
+    asyncio.run(second(asyncio.run(first())))
+
+
+def test_think_toggle_is_per_conversation_and_saved(tmp_path: Path) -> None:
+    client = FakeClient(thinking=("Hmm",))
+
+    async def scenario() -> None:
+        app = make_app(None, tmp_path, client=client)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await ask(pilot, app, "Hi")
+            assert client.requests[-1]["think"] is None  # the model's default
+            await pilot.press("ctrl+t")
+            assert app.conversation.settings.think is True
+            await ask(pilot, app, "Again")
+            assert client.requests[-1]["think"] is True
+            await pilot.press("ctrl+t")
+            await ask(pilot, app, "Once more")
+            assert client.requests[-1]["think"] is False
+            assert app.conversation.messages[-1].thinking == ""
+            saved = ConversationStore(tmp_path / "chat.db").load(app.conversation.id or 0)
+            assert saved.settings.think is False
+            assert any("Thinking: off" in m for _, m in app.noted)
+
+    asyncio.run(scenario())

@@ -245,3 +245,31 @@ def test_the_stylesheet_ships_with_the_package() -> None:
     config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert "*.tcss" in config.get("package-data", {}).get("localrt.tui", [])
     assert (root / "tui" / "app.tcss").is_file()
+
+
+def test_a_version_1_database_gains_the_thinking_column(tmp_path: Path) -> None:
+    import sqlite3
+
+    from localrt.tui.store import MIGRATIONS
+
+    path = tmp_path / "old.db"
+    raw = sqlite3.connect(path)
+    for statement in MIGRATIONS[1]:
+        raw.execute(statement)
+    raw.execute(
+        "INSERT INTO conversations(title, model, settings, created_at, updated_at) VALUES ('t', 'm', '{}', 1, 1)"
+    )
+    raw.execute(
+        "INSERT INTO messages(conversation_id, role, content, created_at) VALUES (1, 'assistant', 'Hi', 1)"
+    )
+    raw.execute("PRAGMA user_version = 1")
+    raw.commit()
+    raw.close()
+    db = ConversationStore(path)
+    assert db.schema_version == SCHEMA_VERSION
+    [old] = db.load(1).messages
+    assert old.content == "Hi"
+    assert old.thinking == ""
+    reply = Message("assistant", "Answer", thinking="Thought first.")
+    db.add_message(1, reply)
+    assert db.load(1).messages[-1].thinking == "Thought first."

@@ -64,6 +64,12 @@ ACTIONS: list[Action] = [
         "System prompt, temperature, top_p, top_k, context length, backend, speculative, JSON output",
         "Settings",
     ),
+    Action(
+        "ctrl+t",
+        "toggle_think",
+        "Toggle thinking",
+        "Thinking for this conversation: the model's default, on, off (for models that think)",
+    ),
     Action("escape", "stop", "Stop answer", "Stop the current answer and keep what was generated", "Stop"),
     Action("f2", "rename", "Rename conversation", "Give this conversation a new title"),
     Action("f7", "export", "Export conversation", "Write this conversation to a Markdown file"),
@@ -334,7 +340,7 @@ class ChatApp(App[int]):
             else "error"
         )
         author = (m.model or "assistant") if m.role == "assistant" else None
-        return MessageView(m.role, m.content, author=author, note=note)
+        return MessageView(m.role, m.content, author=author, note=note, thinking=m.thinking)
 
     def _restore_stats(self) -> None:
         """A reopened conversation shows the numbers of its last answer."""
@@ -396,6 +402,7 @@ class ChatApp(App[int]):
             await self.refresh_conversations()
             self._update_titles()
         question = Message("user", text)
+        self._announce_images(text)  # issue 19: image paths in the text are attached
         self.db.add_message(conv.id, question)  # committed before the model runs: a kill cannot lose it
         conv.messages.append(question)
         pane = self.messages_pane
@@ -407,10 +414,14 @@ class ChatApp(App[int]):
             self._answer(conv, question), name="answer", group="answer", exit_on_error=False
         )
 
+    def _announce_images(self, text: str) -> None:
+        from localrt.runtime.images import images_in_prompt
+
+        for path in images_in_prompt(text)[1]:
+            self.notify(f"Added image '{path}'", title="Image")
+
     async def _answer(self, conv: Conversation, question: Message) -> None:
         model = conv.model or ""
-        options = dict(conv.settings.options) or None
-        fmt = "json" if conv.settings.json_output else None
         stats, bar = self.status.stats, self.status
         stats.state, stats.ttft, stats.pieces, stats.first_token_at = "loading", None, 0, None
         stats.draft_count = stats.draft_accepted = 0
@@ -420,33 +431,9 @@ class ChatApp(App[int]):
         self.messages_pane.scroll_end(animate=False)
         stream = Markdown.get_stream(view.markdown)
         reply = Message("assistant", "", model=model, complete=False)
-        started = time.monotonic()
-        final = None
-        error: str | None = None
-        stopped = False
-        last_save = 0.0
+        final, error, stopped = None, None, False
         try:
-            chunks = self.client.chat(model, conv.chat_messages(), options=options, format=fmt)
-            async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-                async for chunk in chunks:
-                    if chunk.content:
-                        now = time.monotonic()
-                        if stats.first_token_at is None:
-                            stats.first_token_at, stats.ttft, stats.state = now, now - started, "answering"
-                            view.set_note("")
-                        stats.pieces += 1
-                        reply.content += chunk.content
-                        await stream.write(chunk.content)
-                        self._follow()
-                        if reply.id is None and conv.id is not None:
-                            self.db.add_message(conv.id, reply)
-                            last_save = now
-                        elif now - last_save >= SAVE_EVERY:
-                            self.db.update_message(reply)
-                            last_save = now
-                        bar.refresh_stats()
-                    if chunk.done:
-                        final = chunk
+            final = await self._stream_reply(conv, view, stream, reply)
         except asyncio.CancelledError:
             stopped = True  # Esc (or quitting): keep what was generated
         except LocalrtError as e:
@@ -454,6 +441,56 @@ class ChatApp(App[int]):
         except Exception as e:  # a bug must not take the app down: say what happened
             error = f"internal error: {type(e).__name__}: {e}"
         # save first: when the app is closing, the UI below may already be gone
+        self._save_reply(conv, question, reply, final, stopped)
+        self.busy = False
+        with contextlib.suppress(Exception):  # when quitting, the widget may be gone already
+            await asyncio.wait_for(stream.stop(), 2)
+        if self.is_running:  # else the app is closing around us; the answer is saved already
+            await self._finish_answer(conv, question, view, reply, error, stopped)
+
+    async def _stream_reply(self, conv: Conversation, view: MessageView, stream: Any, reply: Message) -> Any:
+        """Stream one answer into `view` (thinking into its block, then the text), saving as it goes;
+        returns the final chunk."""
+        stats, bar = self.status.stats, self.status
+        options = dict(conv.settings.options) or None
+        fmt = "json" if conv.settings.json_output else None
+        started, last_save, final = time.monotonic(), 0.0, None
+        chunks = self.client.chat(
+            conv.model or "", conv.chat_messages(), options=options, format=fmt, think=conv.settings.think
+        )
+        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+            async for chunk in chunks:
+                if chunk.done:
+                    final = chunk
+                if not chunk.content and not chunk.thinking:
+                    continue
+                now = time.monotonic()
+                if stats.first_token_at is None:
+                    stats.first_token_at, stats.ttft, stats.state = now, now - started, "answering"
+                    view.set_note("")
+                stats.pieces += 1
+                if chunk.thinking:
+                    reply.thinking += chunk.thinking
+                    view.add_thinking(chunk.thinking)
+                if chunk.content:
+                    if not reply.content:
+                        view.end_thinking()
+                    reply.content += chunk.content
+                    await stream.write(chunk.content)
+                self._follow()
+                if reply.id is None and conv.id is not None:
+                    self.db.add_message(conv.id, reply)
+                    last_save = now
+                elif now - last_save >= SAVE_EVERY:
+                    self.db.update_message(reply)
+                    last_save = now
+                bar.refresh_stats()
+        return final
+
+    def _save_reply(
+        self, conv: Conversation, question: Message, reply: Message, final: Any, stopped: bool
+    ) -> None:
+        stats = self.status.stats
         m = final.metrics if final is not None else None
         reply.complete = True
         reply.done_reason = "cancel" if stopped else (final.done_reason if final else "error")
@@ -475,22 +512,17 @@ class ChatApp(App[int]):
             else:
                 self.db.update_message(reply)
             conv.messages.append(reply)
-        else:
-            # nothing came back: take the question out of the history and give it back to the input
-            if reply.id is not None:
-                self.db.delete_message(reply.id)
-            if question.id is not None:
-                self.db.delete_message(question.id)
-            with contextlib.suppress(ValueError):
-                conv.messages.remove(question)
-            if not conv.messages and conv.id is not None:  # created by this send: leave no empty entry
-                self.db.delete(conv.id)
-                conv.id = None
-        self.busy = False
-        with contextlib.suppress(Exception):  # when quitting, the widget may be gone already
-            await asyncio.wait_for(stream.stop(), 2)
-        if self.is_running:  # else the app is closing around us; the answer is saved already
-            await self._finish_answer(conv, question, view, reply, error, stopped)
+            return
+        # nothing came back: take the question out of the history and give it back to the input
+        if reply.id is not None:
+            self.db.delete_message(reply.id)
+        if question.id is not None:
+            self.db.delete_message(question.id)
+        with contextlib.suppress(ValueError):
+            conv.messages.remove(question)
+        if not conv.messages and conv.id is not None:  # created by this send: leave no empty entry
+            self.db.delete(conv.id)
+            conv.id = None
 
     def _follow(self) -> None:
         """Keep the newest text in view, unless the user scrolled up to read."""
@@ -622,6 +654,16 @@ class ChatApp(App[int]):
             self.notify("Settings saved for this conversation.", title="Settings")
 
         self.push_screen(SettingsScreen(conv.settings, conv.model), saved)
+
+    def action_toggle_think(self) -> None:
+        """The model's default -> on -> off -> the default; saved with the conversation."""
+        conv = self.conversation
+        following = {None: True, True: False, False: None}[conv.settings.think]
+        conv.settings.think = following
+        if conv.id is not None:
+            self.db.set_settings(conv.id, conv.settings)
+        state = {None: "the model's default", True: "on", False: "off"}[following]
+        self.notify(f"Thinking: {state} for this conversation.", title="Thinking")
 
     def action_rename(self) -> None:
         conv = self.conversation

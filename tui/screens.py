@@ -198,7 +198,12 @@ class SettingsScreen(Dialog):
             return
         system = self.query_one("#system", TextArea).text.strip()
         self.dismiss(
-            Settings(system=system, options=options, json_output=self.query_one("#json", Switch).value)
+            Settings(
+                system=system,
+                options=options,
+                json_output=self.query_one("#json", Switch).value,
+                think=self.settings.think,  # toggled with its own key, kept as it is here
+            )
         )
 
     @on(Button.Pressed, "#save")

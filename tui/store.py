@@ -21,7 +21,7 @@ from typing import Any
 from localrt import config
 from localrt.errors import LocalrtError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MIGRATIONS: dict[int, list[str]] = {
     1: [
         """CREATE TABLE conversations (
@@ -43,6 +43,8 @@ MIGRATIONS: dict[int, list[str]] = {
             stats TEXT)""",
         "CREATE INDEX messages_by_conversation ON messages(conversation_id, id)",
     ],
+    # a reasoning model's thinking, kept beside the answer it led to
+    2: ["ALTER TABLE messages ADD COLUMN thinking TEXT NOT NULL DEFAULT ''"],
 }
 TITLE_LENGTH = 48
 
@@ -54,16 +56,19 @@ def default_path() -> Path:
 
 @dataclass
 class Settings:
-    """Per-conversation settings: the system prompt, request options (validated) and JSON output."""
+    """Per-conversation settings: the system prompt, request options (validated), JSON output and
+    thinking (None: the model's default; True / False: on / off)."""
 
     system: str = ""
     options: dict[str, Any] = field(default_factory=dict)
     json_output: bool = False
+    think: bool | None = None
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"system": self.system, "options": self.options, "json": self.json_output}, sort_keys=True
-        )
+        raw: dict[str, Any] = {"system": self.system, "options": self.options, "json": self.json_output}
+        if self.think is not None:
+            raw["think"] = self.think
+        return json.dumps(raw, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | None) -> Settings:
@@ -75,6 +80,7 @@ class Settings:
             system=str(raw.get("system") or ""),
             options=dict(raw.get("options") or {}),
             json_output=bool(raw.get("json")),
+            think=raw.get("think") if isinstance(raw.get("think"), bool) else None,
         )
 
 
@@ -88,6 +94,7 @@ class Message:
     done_reason: str | None = None  # stop | length | cancel | error
     stats: dict[str, Any] | None = None  # ttft_s, tokens_per_s, eval_count, ...
     id: int | None = None
+    thinking: str = ""  # what a reasoning model thought before this answer
 
 
 @dataclass
@@ -100,11 +107,32 @@ class Conversation:
     updated_at: float = 0.0
     messages: list[Message] = field(default_factory=list)
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """The request's `messages`: the system prompt (if set), then every turn so far."""
-        out = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
-        out += [{"role": m.role, "content": m.content} for m in self.messages if m.content]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The request's `messages`: the system prompt (if set), then every turn so far (with the thinking
+        that led to an answer). Image files a user message names are attached (read again each turn, so
+        the store keeps only the text)."""
+        out: list[dict[str, Any]] = (
+            [{"role": "system", "content": self.settings.system}] if self.settings.system else []
+        )
+        for m in self.messages:
+            if m.content:
+                turn = attach_images(m.role, m.content)
+                if m.thinking:
+                    turn["thinking"] = m.thinking
+                out.append(turn)
         return out
+
+
+def attach_images(role: str, content: str) -> dict[str, Any]:
+    """A chat message; a user's text naming image files (typed, or dropped in) carries them as images."""
+    if role != "user":
+        return {"role": role, "content": content}
+    from localrt.runtime.images import images_in_prompt, read_image_file
+
+    text, paths = images_in_prompt(content)
+    if not paths:
+        return {"role": role, "content": content}
+    return {"role": role, "content": text, "images": [read_image_file(p) for p in paths]}
 
 
 def make_title(text: str) -> str:
@@ -214,7 +242,7 @@ class ConversationStore:
         with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO messages(conversation_id, role, content, model, created_at, complete, done_reason, "
-                "stats) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "stats, thinking) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     conversation_id,
                     message.role,
@@ -224,6 +252,7 @@ class ConversationStore:
                     int(message.complete),
                     message.done_reason,
                     _dump(message.stats),
+                    message.thinking,
                 ),
             )
             db.execute(
@@ -236,12 +265,14 @@ class ConversationStore:
         assert message.id is not None
         with self._tx() as db:
             db.execute(
-                "UPDATE messages SET content = ?, complete = ?, done_reason = ?, stats = ? WHERE id = ?",
+                "UPDATE messages SET content = ?, complete = ?, done_reason = ?, stats = ?, thinking = ? "
+                "WHERE id = ?",
                 (
                     message.content,
                     int(message.complete),
                     message.done_reason,
                     _dump(message.stats),
+                    message.thinking,
                     message.id,
                 ),
             )
@@ -274,6 +305,7 @@ class ConversationStore:
             row["done_reason"],
             stats,
             row["id"],
+            row["thinking"] or "",
         )
 
 
@@ -291,6 +323,8 @@ def to_markdown(conv: Conversation) -> str:
         out.append(f"- {key}: `{value}`")
     if conv.settings.json_output:
         out.append("- format: `json`")
+    if conv.settings.think is not None:
+        out.append(f"- think: `{'on' if conv.settings.think else 'off'}`")
     if len(out) > 2:
         out.append("")
     if conv.settings.system:
@@ -298,7 +332,10 @@ def to_markdown(conv: Conversation) -> str:
     for m in conv.messages:
         who = {"user": "You", "assistant": m.model or "Assistant"}.get(m.role, m.role.title())
         note = "" if m.complete and m.done_reason != "cancel" else " (stopped)"
-        out += [f"## {who}{note}", "", m.content.rstrip(), ""]
+        out += [f"## {who}{note}", ""]
+        if m.thinking:
+            out += ["<details><summary>Thinking</summary>", "", m.thinking.rstrip(), "", "</details>", ""]
+        out += [m.content.rstrip(), ""]
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -11,7 +11,7 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.events import Key
 from textual.message import Message
-from textual.widgets import Label, ListItem, Markdown, Static, TextArea
+from textual.widgets import Collapsible, Label, ListItem, Markdown, Static, TextArea
 
 CONTEXT_WARNING = 0.8  # warn when this share of the context is used: the next turns may not fit
 
@@ -51,18 +51,53 @@ class ChatInput(TextArea):
 
 
 class MessageView(Vertical):
-    """One turn: a one-line header (who, and a note such as "stopped") over Markdown content."""
+    """One turn: a one-line header (who, and a note such as "stopped"), the model's thinking in a
+    collapsible block (shown only when there is some), then the Markdown content."""
 
-    def __init__(self, role: str, content: str = "", *, author: str | None = None, note: str = "") -> None:
+    def __init__(
+        self,
+        role: str,
+        content: str = "",
+        *,
+        author: str | None = None,
+        note: str = "",
+        thinking: str = "",
+    ) -> None:
         super().__init__(classes=f"message -{role}")
         self.role = role
         self.author = author or ("You" if role == "user" else role.title())
         self.note = note
         self.initial = content
+        self.thinking = thinking
 
     def compose(self) -> ComposeResult:
         yield Label(self._title(), classes="message-title", markup=False)
+        block = Collapsible(
+            Static(self.thinking, classes="thinking-text", markup=False),
+            title="Thinking",
+            collapsed=True,
+            classes="thinking",
+        )
+        block.display = bool(self.thinking)
+        yield block
         yield Markdown(self.initial, classes="message-body")
+
+    @property
+    def thinking_block(self) -> Collapsible:
+        return self.query_one(".thinking", Collapsible)
+
+    def add_thinking(self, text: str) -> None:
+        """Live while it streams: the block opens and grows; `end_thinking` folds it when the answer starts."""
+        self.thinking += text
+        block = self.thinking_block
+        if not block.display:
+            block.display = True
+            block.collapsed = False
+        self.query_one(".thinking-text", Static).update(self.thinking)
+
+    def end_thinking(self) -> None:
+        if self.thinking:
+            self.thinking_block.collapsed = True
 
     def _title(self) -> str:
         return f"{self.author} · {self.note}" if self.note else self.author

@@ -260,7 +260,7 @@ class MLXModel(VocabMethods):
 
         def on_token(token: int, logits: np.ndarray) -> bool:
             lp = self._logprob(logits, token, req.top_logprobs) if want_lp else None
-            event, stopped = text.add(token, self.vocab.piece(token), lp)
+            event, stopped = text.add(token, self.vocab.piece(token, token in req.preserve_tokens), lp)
             if event is not None:
                 emit(event)
             return stopped

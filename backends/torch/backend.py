@@ -277,7 +277,7 @@ class TorchModel(VocabMethods):
         queue: asyncio.Queue[Any] = asyncio.Queue()
         with self._lock:
             self._queues[seq.seq_id] = (asyncio.get_running_loop(), queue)
-        stream = _Stream(self, seq, TextAssembler(req.stop))
+        stream = _Stream(self, seq, TextAssembler(req.stop), req.preserve_tokens)
         self._active.add(req.cancel)
         try:
             self.engine.submit(seq)
@@ -364,8 +364,9 @@ class TorchModel(VocabMethods):
 class _Stream:
     """One request's engine outputs -> protocol events, on the event loop (text, stop strings, timings)."""
 
-    def __init__(self, model: TorchModel, seq: Any, text: TextAssembler) -> None:
+    def __init__(self, model: TorchModel, seq: Any, text: TextAssembler, preserve: frozenset[int]) -> None:
         self.model, self.seq, self.text = model, seq, text
+        self.preserve = preserve  # special tokens whose text stays in the output (thinking markers)
         self.start_ns = time.perf_counter_ns()
         self.generated = 0
         self.done = False
@@ -376,7 +377,9 @@ class _Stream:
             self.generated += 1
             lp = out.logprob[j]
             logprob = None if lp is None else self.model._logprob(token, lp, out.top[j])
-            event, stopped = self.text.add(token, self.model.vocab.piece(token), logprob)
+            event, stopped = self.text.add(
+                token, self.model.vocab.piece(token, token in self.preserve), logprob
+            )
             if event is not None:
                 events.append(event)
             if stopped:  # a stop string: the rest of the step's tokens are not the answer

@@ -149,6 +149,28 @@ def dequant_f32(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float32)
 
 
+IQ4_GRID = torch.tensor(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32
+)
+
+
+def dequant_iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    """d f16, qs[16]: element j = d * grid[low nibble of qs[j]], element j+16 = the high nibble's."""
+    return _f16(b[:, :2]) * IQ4_GRID[_nibbles(b[:, 2:]).long()]
+
+
+def dequant_iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """d f16, scales_h u16, scales_l[4], qs[128]: 8 sub-blocks of 32 with 6-bit scales (ls - 32)."""
+    d = _f16(b[:, :2])
+    sh = (b[:, 2].long() | (b[:, 3].long() << 8)).unsqueeze(1)  # [nb, 1]
+    ib = torch.arange(8)
+    lo = (b[:, 4 + ib // 2].long() >> (4 * (ib % 2))) & 0xF
+    ls = lo | (((sh >> (2 * ib)) & 3) << 4)  # [nb, 8]
+    dl = d * (ls - 32).float()
+    q = IQ4_GRID[_nibbles(b[:, 8:].reshape(-1, 16)).long()].reshape(-1, 8, 32)
+    return (dl.unsqueeze(-1) * q).reshape(-1, 256)
+
+
 DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "F32": dequant_f32,
     "F16": dequant_f16,
@@ -163,6 +185,8 @@ DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q4_K": dequant_q4_k,
     "Q5_K": dequant_q5_k,
     "Q6_K": dequant_q6_k,
+    "IQ4_NL": dequant_iq4_nl,
+    "IQ4_XS": dequant_iq4_xs,
 }
 ROWS_PER_CHUNK = 1 << 14  # blocks dequantized at once: bounds the int16/float temporaries
 

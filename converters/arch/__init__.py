@@ -75,8 +75,18 @@ def registry() -> dict[str, Arch]:
     return out
 
 
+VISION_HINT = (
+    "localrt convert writes text models only, not the vision tower and projector: convert it with "
+    "llama.cpp's convert_hf_to_gguf.py (once for the model, once with --mmproj for the projector), then "
+    "`localrt create NAME --from MODEL.gguf --mmproj mmproj-MODEL.gguf`"
+)
+
+
 def find_arch(config: dict[str, Any]) -> Arch:
     names = config.get("architectures") or []
+    if isinstance(config.get("vision_config"), dict):
+        shown = ", ".join(names) or "a vision-language model"
+        raise ConvertError(f"{shown} is a vision-language model; {VISION_HINT}")
     table = registry()
     for name in names:
         if name in table:

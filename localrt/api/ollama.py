@@ -129,7 +129,14 @@ def required_model(f: dict[str, Any], key: str = "model") -> str:
     responses={200: wire.ok(wire.ShowResponse), **MODEL_ERRORS},
 )
 async def show(request: Request) -> dict[str, Any]:
-    from localrt.show import modelfile_text, parameter_lines, template_choice, template_of, template_origin
+    from localrt.show import (
+        model_capabilities,
+        modelfile_text,
+        parameter_lines,
+        template_choice,
+        template_of,
+        template_origin,
+    )
     from localrt.store.gguf import read_gguf
 
     body = await wire.read_json(request, wire.ModelRequest)
@@ -137,11 +144,13 @@ async def show(request: Request) -> dict[str, Any]:
     resolved = store.resolve(parse_name(required_model(body)))
     info = read_gguf(resolved.model_path)
     params = "\n".join(f"{k:<30}{v}" for k, v in parameter_lines(resolved.params))
-    capabilities = ["completion"]
     template = template_of(resolved, info)
-    if "tools" in template:
-        capabilities.append("tools")
+    capabilities = model_capabilities(resolved, info)
+    extra: dict[str, Any] = {}
+    if resolved.projector_path is not None:
+        extra["projector_info"] = read_gguf(resolved.projector_path).summary()
     return {
+        **extra,
         "license": resolved.license or info.license or "",
         "modelfile": modelfile_text(resolved, info),
         "parameters": params,
@@ -307,6 +316,8 @@ def chunk_to_generate(chunk: Chunk) -> dict[str, Any]:
         "response": chunk.content,
         "done": chunk.done,
     }
+    if chunk.thinking:
+        out["thinking"] = chunk.thinking
     if chunk.logprobs:
         out["logprobs"] = chunk.logprobs
     if chunk.done:
@@ -321,6 +332,8 @@ def chunk_to_generate(chunk: Chunk) -> dict[str, Any]:
 
 def chunk_to_chat(chunk: Chunk) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": chunk.content}
+    if chunk.thinking:
+        message["thinking"] = chunk.thinking
     if chunk.tool_calls:
         message["tool_calls"] = chunk.tool_calls
     out: dict[str, Any] = {
@@ -397,9 +410,13 @@ async def generate(request: Request) -> Response:
     if not isinstance(prompt, str):
         raise LocalrtError("prompt must be a string")
     stream = bool_field(f, "stream", True)
+    images = f.get("images")
+    if images is not None and (not isinstance(images, list) or not all(isinstance(i, str) for i in images)):
+        raise LocalrtError("images must be a list of base64 strings")
     chunks = runtime.generate(
         required_model(f),
         prompt,
+        images=images or None,
         system=optional_str(f, "system"),
         raw=bool_field(f, "raw", False),
         context=context,
@@ -409,6 +426,7 @@ async def generate(request: Request) -> Response:
         logprobs=bool_field(f, "logprobs", False),
         top_logprobs=f.get("top_logprobs") or 0,
         stream=stream,
+        think=f.get("think"),
     )
     return await generation_response(request, chunks, stream, chunk_to_generate)
 
@@ -429,6 +447,11 @@ async def chat(request: Request) -> Response:
             raise LocalrtError(f"invalid message role {m.get('role')!r}")
         if m.get("content") is not None and not isinstance(m.get("content"), str):
             raise LocalrtError("message content must be a string")
+        images = m.get("images")
+        if images is not None and (
+            not isinstance(images, list) or not all(isinstance(i, str) for i in images)
+        ):
+            raise LocalrtError("message images must be a list of base64 strings")
     tools = f.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise LocalrtError("tools must be a list")
@@ -443,6 +466,7 @@ async def chat(request: Request) -> Response:
         logprobs=bool_field(f, "logprobs", False),
         top_logprobs=f.get("top_logprobs") or 0,
         stream=stream,
+        think=f.get("think"),
     )
     return await generation_response(request, chunks, stream, chunk_to_chat)
 
@@ -484,6 +508,52 @@ async def embeddings_legacy(request: Request) -> dict[str, Any]:
         required_model(f), prompt, options=f.get("options"), keep_alive=f.get("keep_alive")
     )
     return {"embedding": result.embeddings[0] if prompt else []}
+
+
+async def rerank_response(request: Request) -> dict[str, Any]:
+    """`POST /api/rerank` and `/v1/rerank` (llama-server's, Jina's and Cohere's shape): results sorted by
+    relevance_score, cut to top_n, each with its document's index (and text with return_documents)."""
+    f = await wire.read_json(request, wire.RerankRequest)
+    documents = f.get("documents")
+    if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
+        raise LocalrtError("documents must be a list of strings")
+    top_n = f.get("top_n")
+    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 0):
+        raise LocalrtError("top_n must be a non-negative integer")
+    result = await runtime_of(request).rerank(
+        required_model(f),
+        f.get("query"),
+        documents,
+        options=f.get("options"),
+        keep_alive=f.get("keep_alive"),
+    )
+    order = sorted(range(len(documents)), key=lambda i: -result.scores[i])
+    with_text = bool_field(f, "return_documents", False)
+    results = [
+        {
+            "index": i,
+            "relevance_score": result.scores[i],
+            **({"document": {"text": documents[i]}} if with_text else {}),
+        }
+        for i in order[: top_n if top_n is not None else len(order)]
+    ]
+    return {
+        "model": result.model,
+        "object": "list",
+        "results": results,
+        "usage": {"prompt_tokens": result.prompt_eval_count, "total_tokens": result.prompt_eval_count},
+        "total_duration": result.total_ns,
+        "load_duration": result.load_ns,
+    }
+
+
+@router.post(
+    "/api/rerank",
+    openapi_extra=wire.request_body(wire.RerankRequest),
+    responses={200: wire.ok(wire.RerankResponse), **GENERATION_ERRORS},
+)
+async def rerank(request: Request) -> dict[str, Any]:
+    return await rerank_response(request)
 
 
 @router.post(

@@ -18,7 +18,9 @@ from localrt.api.ollama import observe, runtime_of
 from localrt.api.security import error_body
 from localrt.api.streaming import first_and_rest, sse_response
 from localrt.errors import LocalrtError, ModelNotFound
+from localrt.runtime import images as image_input
 from localrt.runtime.manager import Chunk, Metrics
+from localrt.runtime.thinking import think_from_effort
 from localrt.store.names import parse_name
 
 router = APIRouter(prefix="/v1")
@@ -65,6 +67,7 @@ EXTRA_OPTIONS = (
     "repeat_penalty",
     "repeat_last_n",
     "num_ctx",
+    "grammar",
     "num_keep",
     "num_thread",
     "num_gpu",
@@ -124,19 +127,52 @@ def format_from(f: dict[str, Any]) -> str | dict[str, Any] | None:
 
 
 def message_text(content: Any) -> str:
-    """Content as a string: OpenAI allows a list of parts; only text parts are supported."""
+    """Content as a string (text parts only, for the routes that take no images)."""
+    text, urls = message_parts(content)
+    if urls:
+        raise OpenAIParamError("messages", "image_url parts are only supported by /v1/chat/completions")
+    return text
+
+
+def message_parts(content: Any) -> tuple[str, list[str]]:
+    """Content as (text, image URLs): OpenAI allows a list of text and image_url parts. Each image's place
+    in the text is Ollama's `[img]`, which the runtime fills in order."""
     if content is None:
-        return ""
+        return "", []
     if isinstance(content, str):
-        return content
+        return content, []
     if isinstance(content, list):
-        texts = []
+        texts, urls = [], []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise OpenAIParamError("messages", "only text content parts are supported")
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                texts.append(str(part.get("text", "")))
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url:
+                    raise OpenAIParamError("messages", "an image_url part needs image_url.url")
+                urls.append(url)
+                texts.append(image_input.PLACEHOLDER)
+            else:
+                raise OpenAIParamError(
+                    "messages", f"unsupported content part type {kind!r} (text, image_url)"
+                )
+        return "".join(texts), urls
     raise OpenAIParamError("messages", "content must be a string or a list of parts")
+
+
+async def fetch_message_images(raw: list[Any], messages: list[dict[str, Any]]) -> None:
+    """Turn each message's image_url parts into image bytes (`images`), fetching in a worker thread."""
+    import asyncio
+
+    for i, (m, msg) in enumerate(zip(raw, messages)):
+        _, urls = message_parts(m.get("content"))
+        if urls:
+            msg["images"] = [
+                await asyncio.to_thread(image_input.image_url_bytes, url, f"messages[{i}] image_url")
+                for url in urls
+            ]
 
 
 def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
@@ -155,7 +191,7 @@ def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
             raise OpenAIParamError("messages", f"invalid message {m!r:.80}")
         msg: dict[str, Any] = {
             "role": "system" if m["role"] == "developer" else m["role"],
-            "content": message_text(m.get("content")),
+            "content": message_parts(m.get("content"))[0],
         }
         if m.get("tool_calls"):
             calls = []
@@ -168,6 +204,9 @@ def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
                     raise OpenAIParamError("messages", "tool call arguments must be JSON") from None
                 calls.append({"id": call.get("id"), "function": {"name": fn.get("name"), "arguments": args}})
             msg["tool_calls"] = calls
+        thinking = m.get("reasoning_content") or m.get("reasoning")
+        if thinking and m["role"] == "assistant":
+            msg["thinking"] = thinking
         if m.get("tool_call_id"):
             msg["tool_call_id"] = m["tool_call_id"]
         if m.get("name"):
@@ -177,12 +216,13 @@ def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def openai_tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The runtime's calls as OpenAI's: each whole in one entry (id, name and all its arguments)."""
     if not calls:
         return None
     return [
         {
-            "index": i,
-            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "index": c["function"].get("index", i),
+            "id": c.get("id") or f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
             "function": {
                 "name": c["function"]["name"],
@@ -306,6 +346,7 @@ async def chat_completions(request: Request) -> Response:
     if not isinstance(model, str) or not model:
         raise OpenAIParamError("model", "model is required")
     messages = messages_from(f)
+    await fetch_message_images(f["messages"], messages)  # issue 19: image_url parts
     options = options_from(f)
     fmt = format_from(f)
     want_logprobs, top = logprob_flags(f)
@@ -324,6 +365,9 @@ async def chat_completions(request: Request) -> Response:
         logprobs=want_logprobs,
         top_logprobs=top,
         stream=stream,
+        think=think_from_effort(f.get("reasoning_effort")),
+        tool_choice=f.get("tool_choice"),
+        parallel_tool_calls=f.get("parallel_tool_calls"),
     )
 
     def whole(final: Chunk) -> dict[str, Any]:
@@ -332,6 +376,8 @@ async def chat_completions(request: Request) -> Response:
             "content": final.content,
             "tool_calls": openai_tool_calls(final.tool_calls),
         }
+        if final.thinking:
+            message["reasoning_content"] = final.thinking
         if message["tool_calls"]:
             message["content"] = final.content or None
         return {
@@ -341,17 +387,22 @@ async def chat_completions(request: Request) -> Response:
             "logprobs": openai_logprobs(final.logprobs) if want_logprobs else None,
         }
 
+    called = False  # a streamed call arrives before the final chunk; finish_reason must still say so
+
     def piece(chunk: Chunk, first: bool) -> dict[str, Any] | None:
+        nonlocal called
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if chunk.thinking:
+            delta["reasoning_content"] = chunk.thinking
         if chunk.content:
             delta["content"] = chunk.content
         if chunk.tool_calls:
             delta["tool_calls"] = openai_tool_calls(chunk.tool_calls)
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": delta,
-            "finish_reason": finish_reason(chunk) if chunk.done else None,
-        }
+            called = True
+        reason = None
+        if chunk.done:
+            reason = "tool_calls" if called or chunk.tool_calls else finish_reason(chunk)
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
         if want_logprobs and chunk.logprobs:
             choice["logprobs"] = openai_logprobs(chunk.logprobs)
         return choice if delta or chunk.done else None
@@ -462,3 +513,15 @@ async def embeddings(request: Request) -> dict[str, Any]:
         "model": model,
         "usage": {"prompt_tokens": result.prompt_eval_count, "total_tokens": result.prompt_eval_count},
     }
+
+
+@router.post(
+    "/rerank",
+    openapi_extra=wire.request_body(wire.RerankRequest),
+    responses={200: wire.ok(wire.RerankResponse), **GENERATION_ERRORS},
+)
+async def rerank(request: Request) -> dict[str, Any]:
+    """Jina / Cohere / llama-server rerank (issue 19): the same handler as /api/rerank."""
+    from localrt.api.ollama import rerank_response
+
+    return await rerank_response(request)

@@ -25,6 +25,7 @@ from localrt.runtime.options import (
     BACKEND_NAMES,
     IGNORED_OPTIONS,
     KV_ALIASES,
+    MAX_GRAMMAR_LENGTH,
     MAX_NUM_CTX,
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,
@@ -128,8 +129,8 @@ def option_schema(name: str) -> dict[str, Any]:
             out["minimum"] = lo
         if hi is not None:
             out["maximum"] = hi
-        return {"anyOf": [out, {"type": "null"}]} if name == "num_draft" else out
-    return {
+        return {"anyOf": [out, {"type": "null"}]}  # null: not set
+    spec = {
         "stop": {
             "anyOf": [
                 {"type": "string", "maxLength": MAX_STOP_LENGTH},
@@ -143,12 +144,23 @@ def option_schema(name: str) -> dict[str, Any]:
         "backend": {"type": "string", "enum": [*BACKEND_NAMES, *BACKEND_ALIASES]},
         "kv_cache_type": {"type": "string", "enum": [*KV_CACHE_TYPES, *KV_ALIASES]},
         "speculative": {"type": "string", "enum": list(SPECULATIVE_MODES)},
-        "draft_model": {"type": ["string", "null"]},
-        "flash_attn": {"type": ["boolean", "null"]},
+        "draft_model": {"type": "string"},
+        "flash_attn": {"type": "boolean"},
+        "grammar": {"type": "string", "maxLength": MAX_GRAMMAR_LENGTH, "pattern": "root"},
     }[name]
+    return {"anyOf": [spec, {"type": "null"}]}
 
 
-OPTION_KEYS = (*_RANGES, "stop", "backend", "kv_cache_type", "speculative", "draft_model", "flash_attn")
+OPTION_KEYS = (
+    *_RANGES,
+    "stop",
+    "backend",
+    "kv_cache_type",
+    "speculative",
+    "draft_model",
+    "flash_attn",
+    "grammar",
+)
 OPTIONS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
@@ -206,11 +218,16 @@ Format = Annotated[
     Field(description='"json" or a JSON schema the output must follow'),
 ]
 TopLogprobs = Annotated[Int | None, Field(ge=0, le=20)]
+ThinkValue = Annotated[
+    bool | Literal["low", "medium", "high", "max"] | None,
+    Field(description="think before answering: true/false or a level (a model that cannot think: 400)"),
+]
 
 
 class Message(Wire):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
+    thinking: str | None = None
     images: list[str] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_name: str | None = None
@@ -257,7 +274,7 @@ class CreateRequest(Named):
                     {
                         "type": "object",
                         "minProperties": 1,
-                        "maxProperties": 1,
+                        "maxProperties": 2,  # a vision model: its GGUF and its projector GGUF
                         "propertyNames": {"pattern": r"\.gguf$"},
                         "additionalProperties": {"type": "string", "pattern": DIGEST_PATTERN},
                     },
@@ -284,10 +301,12 @@ class _Generation(Named):
     stream: bool | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs = None
+    think: ThinkValue = None
 
 
 class GenerateRequest(_Generation):
     prompt: str | None = None
+    images: list[str] | None = None
     system: str | None = None
     raw: bool | None = None
     context: list[Int] | None = None
@@ -321,15 +340,36 @@ class DetokenizeRequest(Named):
     tokens: list[Int]
 
 
+class RerankRequest(Named):
+    query: str
+    documents: list[str]
+    top_n: Annotated[Int | None, Field(ge=0)] = None
+    return_documents: bool | None = None
+    options: OptionsField = None
+    keep_alive: KeepAlive = None
+
+
 # ---- OpenAI requests -------------------------------------------------------------------------
 class ContentPart(Wire):
     type: Literal["text"]
     text: str
 
 
+class ImageURL(Wire):
+    url: Annotated[str, Field(description="a base64 data URL; http(s) only with LOCALRT_FETCH_IMAGES=1")]
+    detail: str | None = None
+
+
+class ImagePart(Wire):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class OpenAIMessage(Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart | ImagePart] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -377,6 +417,7 @@ class OpenAISampling(Wire):
     min_p: option_field("min_p") = None
     repeat_penalty: option_field("repeat_penalty") = None
     num_ctx: option_field("num_ctx") = None
+    grammar: option_field("grammar") = None
     backend: option_field("backend") = None
     speculative: option_field("speculative") = None
     options: OptionsField = None
@@ -385,10 +426,26 @@ class OpenAISampling(Wire):
     stream_options: StreamOptions | None = None
 
 
+class NamedFunction(Wire):
+    name: str
+
+
+class NamedToolChoice(Wire):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatCompletionRequest(OpenAISampling):
     model: ModelName
     messages: Annotated[list[OpenAIMessage], Field(min_length=1)]
     tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs = None
@@ -535,12 +592,14 @@ class GenerateResponse(Timings):
     model: str
     created_at: str
     response: str
+    thinking: str | None = None
     context: list[int] | None = None
 
 
 class ChatMessageOut(Out):
     role: Literal["assistant"]
     content: str
+    thinking: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -554,6 +613,28 @@ class EmbedResponse(Out):
     model: str
     embeddings: list[list[float]]
     prompt_eval_count: int
+
+
+class RerankDocument(Out):
+    text: str
+
+
+class RerankResult(Out):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankResponse(Out):
+    model: str
+    object: Literal["list"]
+    results: list[RerankResult]
+    usage: RerankUsage
 
 
 class EmbeddingsResponse(Out):
@@ -591,6 +672,7 @@ class Usage(Out):
 class CompletionMessage(Out):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 

@@ -35,6 +35,7 @@ COMMANDS: list[Callable[[Any], Any]] = [
     serve.add_serve,
     tools.add_convert,
     tools.add_eval,
+    tools.add_imatrix,
     tools.add_bench,
 ]
 

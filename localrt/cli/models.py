@@ -106,6 +106,10 @@ def show_text(details: ModelDetails) -> str:
     if details.template_origin:
         rows.append(("template", details.template_origin))
     out = ["  Model", *(f"    {key:<20}{value}" for key, value in rows)]
+    if details.projector:
+        out += ["", "  Projector", *(f"    {key:<20}{value}" for key, value in details.projector)]
+    if details.capabilities:
+        out += ["", "  Capabilities", *(f"    {cap}" for cap in details.capabilities)]
     if details.parameter_lines:
         out += ["", "  Parameters", *(f"    {key:<20}{value}" for key, value in details.parameter_lines)]
     if details.system:
@@ -160,6 +164,8 @@ def add_create(sub: Subparsers) -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_path", default=None, help="a GGUF file")
     p.add_argument("-f", "--file", default=None, help="a Modelfile")
     p.add_argument("-q", "--quantize", default=None, help="requantize to TYPE (e.g. Q4_K_M)")
+    p.add_argument("--mmproj", default=None, help="a vision model's projector GGUF (mmproj-*.gguf)")
+    p.add_argument("--imatrix", default=None, help="importance matrix weighting --quantize (localrt imatrix)")
     p.set_defaults(func=cmd_create)
     return p
 
@@ -176,6 +182,8 @@ def cmd_create(args: argparse.Namespace) -> int:
             from_path=args.from_path,
             base_dir=base_dir,
             quantize=args.quantize,
+            projector_path=args.mmproj,
+            imatrix_path=args.imatrix,
         )
     )
     print(f"success: created '{name}'")

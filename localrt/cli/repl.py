@@ -29,6 +29,7 @@ HELP = """Available Commands:
   /set system TEXT     Set the system message
   /set verbose|quiet   Show or hide timings after each answer
   /set format json     Answer in JSON (/set noformat to stop)
+  /set think [LEVEL]   Think before answering (low, medium, high); /set nothink to stop
   /show info           Show details for this model
   /show parameters     Show the parameters in effect
   /show system         Show the system message
@@ -91,6 +92,8 @@ class Session:
         if getattr(args, "spec", None):
             self.options["speculative"] = args.spec
         Options.merge(self.options)  # fail early on a bad --backend / --spec
+        self.think = think_setting(args)
+        self.hide_thinking = bool(getattr(args, "hidethinking", False))
         self.system: str | None = None
         self.messages: list[dict[str, Any]] = []
         self.loop = asyncio.new_event_loop()
@@ -152,18 +155,30 @@ class Session:
             raise KeyboardInterrupt
 
     # -- one answer --
-    def ask(self, text: str) -> bool:
-        """Send one user message and stream the answer. False when interrupted."""
-        self.messages.append({"role": "user", "content": text})
+    def ask(self, text: str, images: list[str] | None = None) -> bool:
+        """Send one user message (with base64 images) and stream the answer, its thinking first (dimmed).
+        False when interrupted."""
+        self.messages.append({"role": "user", "content": text, **({"images": images} if images else {})})
         msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
         parts: list[str] = []
+        thoughts: list[str] = []
         final: list[Chunk] = []
+        shown = ThinkingPrinter(self.out, hidden=self.hide_thinking)
 
         async def go() -> None:
             async for chunk in self.client.chat(
-                self.model, msgs, options=self.options, format=self.format, keep_alive=self.keep_alive
+                self.model,
+                msgs,
+                options=self.options,
+                format=self.format,
+                keep_alive=self.keep_alive,
+                think=self.think,
             ):
+                if chunk.thinking:
+                    thoughts.append(chunk.thinking)
+                    shown.thinking(chunk.thinking)
                 if chunk.content:
+                    shown.done()
                     parts.append(chunk.content)
                     self.out.write(chunk.content)
                     self.out.flush()
@@ -171,12 +186,13 @@ class Session:
                     final.append(chunk)
 
         _, interrupted = self.run(go)
+        shown.done()
         answer = "".join(parts)
         if answer and not answer.endswith("\n"):
             self.out.write("\n")
         self.out.flush()
         if answer:
-            self.messages.append({"role": "assistant", "content": answer})
+            self.messages.append({"role": "assistant", "content": answer, "thinking": "".join(thoughts)})
         else:
             self.messages.pop()  # nothing came back: forget the question too
         if final and final[0].tool_calls:
@@ -241,11 +257,23 @@ class Session:
         elif what == "noformat":
             self.format = None
             self.out.write("Disabled format.\n")
+        elif what in ("think", "nothink"):
+            self._set_think(what, words[2].lower() if len(words) > 2 else "")
         else:
             self.out.write(
                 "Usage: /set parameter K V | /set system TEXT | /set verbose | /set quiet | "
-                "/set format json | /set noformat\n"
+                "/set format json | /set noformat | /set think [LEVEL] | /set nothink\n"
             )
+
+    def _set_think(self, what: str, level: str) -> None:
+        if what == "nothink":
+            self.think = False
+            self.out.write("Set 'nothink' mode.\n")
+        elif level in ("", "low", "medium", "high"):
+            self.think = level or True
+            self.out.write(f"Set 'think' mode{f' ({level})' if level else ''}.\n")
+        else:
+            self.err.write(f"Error: invalid think level {level!r} (use low, medium or high)\n")
 
     def _show(self, words: list[str]) -> None:
         what = words[1].lower() if len(words) > 1 else ""
@@ -303,6 +331,40 @@ class Session:
         return parse_name(self.model).display
 
 
+def think_setting(args: argparse.Namespace) -> bool | str | None:
+    """`--think [LEVEL]` / `--nothink` as the runtime's `think` (None: the model's default)."""
+    if getattr(args, "nothink", False):
+        return False
+    value = getattr(args, "think", None)
+    if value is None or value == "true":
+        return None if value is None else True
+    return False if value == "false" else value
+
+
+class ThinkingPrinter:
+    """Ollama's way: "Thinking..." and the thinking, dimmed on a terminal, then "...done thinking."."""
+
+    def __init__(self, out: TextIO, hidden: bool) -> None:
+        self.out, self.hidden = out, hidden
+        self.dim = out.isatty() if hasattr(out, "isatty") else False
+        self.state = "before"  # before | thinking | done
+
+    def thinking(self, text: str) -> None:
+        if self.hidden or self.state == "done":
+            return
+        if self.state == "before":
+            self.out.write(("\x1b[2m" if self.dim else "") + "Thinking...\n")
+            self.state = "thinking"
+        self.out.write(text)
+        self.out.flush()
+
+    def done(self) -> None:
+        if self.state == "thinking":
+            self.out.write("\n...done thinking.\n\n" + ("\x1b[0m" if self.dim else ""))
+            self.out.flush()
+        self.state = "done"
+
+
 def _read_message(first: str) -> str:
     """`\"\"\"` starts a multi-line message that ends at a line ending in `\"\"\"`."""
     body = first[3:]
@@ -315,6 +377,18 @@ def _read_message(first: str) -> str:
             lines.append(line[:-3])
             return "\n".join(lines).strip("\n")
         lines.append(line)
+
+
+def _dropped_images(session: Session, line: str) -> tuple[str, list[str]]:
+    """Image files named (or dragged) into the prompt are attached, as Ollama's CLI does."""
+    from localrt.runtime.images import images_in_prompt, read_image_file
+
+    text, paths = images_in_prompt(line)
+    images = []
+    for path in paths:
+        images.append(read_image_file(path))
+        session.err.write(f"Added image '{path}'\n")
+    return text, images
 
 
 def interactive(session: Session) -> int:
@@ -341,7 +415,8 @@ def interactive(session: Session) -> int:
                 session.err.write(f"Error: {e}\n")
             continue
         try:
-            session.ask(line)
+            line, images = _dropped_images(session, line)
+            session.ask(line, images)
         except LocalrtError as e:  # the chat goes on after a bad request
             session.err.write(f"Error: {e}\n")
         except KeyboardInterrupt:  # Ctrl-C just before the answer started

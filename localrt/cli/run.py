@@ -26,29 +26,49 @@ def add_run(sub: Subparsers) -> argparse.ArgumentParser:
     p.add_argument("--keepalive", default=None, help="how long the model stays loaded (e.g. 5m)")
     p.add_argument("--draft", default=None, help="draft model for speculative decoding")
     p.add_argument("--spec", default=None, help="speculative mode: off, draft, lookup, self, auto")
+    p.add_argument(
+        "--image", action="append", default=None, metavar="FILE", help="attach an image (repeatable)"
+    )
     p.add_argument("--insecure", action="store_true")
+    add_think_arguments(p)
     p.set_defaults(func=cmd_run)
     return p
 
 
+def add_think_arguments(p: argparse.ArgumentParser) -> None:
+    """`run --think [low|medium|high]`, `--nothink`, `--hidethinking` (as Ollama's)."""
+    p.add_argument(
+        "--think",
+        nargs="?",
+        const="true",
+        default=None,
+        choices=["true", "false", "low", "medium", "high"],
+        help="think before answering (a level for models that take one)",
+    )
+    p.add_argument("--nothink", action="store_true", help="answer without thinking")
+    p.add_argument("--hidethinking", action="store_true", help="think, but do not print the thinking")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from localrt.cli.repl import Session, interactive
+    from localrt.runtime.images import read_image_file
 
     prompt_arg = getattr(args, "prompt", None)
     prompt = " ".join(prompt_arg) if isinstance(prompt_arg, list) else (prompt_arg or "")
     stdin_text = None if sys.stdin.isatty() else sys.stdin.read()
+    images = [read_image_file(path) for path in getattr(args, "image", None) or []]  # before any load
     session = Session(args)
     try:
         session.ensure_model(insecure=bool(getattr(args, "insecure", False)))
-        if not prompt and stdin_text is None:
+        if not prompt and stdin_text is None and not images:
             session.load()
             return interactive(session)
         # as Ollama: piped text first, then the prompt words
         text = " ".join(p for p in (stdin_text.strip() if stdin_text else "", prompt) if p)
-        if not text:
+        if not text and not images:
             session.load()
             return 0
-        return 0 if session.ask(text) else 130
+        return 0 if session.ask(text, images) else 130
     except KeyboardInterrupt:
         session.err.write("\n")
         return 130

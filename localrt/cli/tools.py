@@ -7,7 +7,7 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from localrt.cli.common import Subparsers
 from localrt.errors import LocalrtError
@@ -15,7 +15,7 @@ from localrt.errors import LocalrtError
 if TYPE_CHECKING:
     from localrt.converters.convert import Result
 
-QUANT_HELP = "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K_S/M/L Q4_K_S/M Q5_K_S/M Q6_K"
+QUANT_HELP = "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K_S/M/L Q4_K_S/M Q5_K_S/M Q6_K IQ4_NL IQ4_XS"
 
 
 def add_convert(sub: Subparsers) -> argparse.ArgumentParser:
@@ -25,6 +25,7 @@ def add_convert(sub: Subparsers) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, help="write FILE.gguf")
     p.add_argument("--name", default=None, help="import into the store as NAME")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--imatrix", default=None, help="importance matrix weighting the quantized types")
     p.set_defaults(func=cmd_convert, extra="convert")
     return p
 
@@ -41,15 +42,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
     except mixes.MixError as e:
         raise LocalrtError(str(e)) from None
     threads = getattr(args, "threads", 0) or 0
+    weighting = imatrix_arg(args, file_type)
     if args.output:
-        result = convert_with_progress(args.source, Path(args.output), file_type, threads)
+        result = convert_with_progress(args.source, Path(args.output), file_type, threads, weighting)
     else:
         from localrt.store.importer import import_gguf
         from localrt.store.store import Store
 
         store = Store()
         with tempfile.TemporaryDirectory(prefix="localrt-convert-") as tmp:
-            result = convert_with_progress(args.source, Path(tmp) / "model.gguf", file_type, threads)
+            result = convert_with_progress(
+                args.source, Path(tmp) / "model.gguf", file_type, threads, weighting
+            )
             import_gguf(store, args.name, result.path)
         print(f"success: created '{args.name}'", file=sys.stderr)
     print(
@@ -60,16 +64,31 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def convert_with_progress(source: str, out: Path, file_type: str, threads: int) -> Result:
-    """The conversion, with a transient rich bar on a terminal."""
+def imatrix_arg(args: argparse.Namespace, file_type: str) -> tuple[Any, str]:
+    """`--imatrix FILE`: the matrix (read and checked before any work) and the label recorded in the file."""
+    path = getattr(args, "imatrix", None)
+    if not path:
+        return None, ""
+    from localrt.converters import imatrix as imatrix_io
+
+    im = imatrix_io.read(path)
+    imatrix_io.check_quantized(file_type, im)
+    return im, str(path)
+
+
+def convert_with_progress(
+    source: str, out: Path, file_type: str, threads: int, weighting: tuple[Any, str] = (None, "")
+) -> Result:
+    """The conversion, with a transient rich bar on a terminal; `weighting`: (Imatrix, label) or (None, "")."""
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from localrt.converters.convert import convert
 
+    im, label = weighting
     console = Console(stderr=True)
     if not console.is_terminal:
-        return convert(source, out, file_type, threads)
+        return convert(source, out, file_type, threads, imatrix=im, imatrix_label=label)
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -83,7 +102,7 @@ def convert_with_progress(source: str, out: Path, file_type: str, threads: int) 
         def progress(name: str, done: int, total: int) -> None:
             bar.update(task, completed=done, total=total, description=f"{file_type} {name}")
 
-        return convert(source, out, file_type, threads, progress)
+        return convert(source, out, file_type, threads, progress, imatrix=im, imatrix_label=label)
 
 
 def add_eval(sub: Subparsers) -> argparse.ArgumentParser:
@@ -95,6 +114,10 @@ def add_eval(sub: Subparsers) -> argparse.ArgumentParser:
     p.add_argument("--reference-backend", default=None, help="backend for --reference (default: --backend)")
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--compare", nargs="+", default=None, metavar="MODEL", help="more models scored against --reference"
+    )
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="with --compare: KL against file size")
     p.set_defaults(func=cmd_eval)
     return p
 
@@ -103,6 +126,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from localrt.eval import eval_command
 
     return eval_command(args)
+
+
+def add_imatrix(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("imatrix", help="compute an importance matrix on a text (llama-imatrix's format)")
+    p.add_argument("model", help="model name or .gguf path")
+    p.add_argument("--text", required=True, help="calibration text (UTF-8)")
+    p.add_argument("-o", "--output", default="imatrix.gguf", help="output file (.dat: the legacy format)")
+    p.add_argument("--ctx", type=int, default=512, help="chunk length in tokens (default 512)")
+    p.add_argument("--chunks", type=int, default=-1, help="at most N chunks (default: all)")
+    p.add_argument("--threads", type=int, default=0)
+    p.set_defaults(func=cmd_imatrix, extra="llama")
+    return p
+
+
+def cmd_imatrix(args: argparse.Namespace) -> int:
+    from localrt.imatrix import imatrix_command
+
+    return imatrix_command(args)
 
 
 def add_bench(sub: Subparsers) -> argparse.ArgumentParser:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import re
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,8 +25,11 @@ from typing import Any, ClassVar
 from localrt import config
 from localrt.backends import registry
 from localrt.backends.base import (
+    GBNF,
+    IMAGE_TOKEN,
     DoneEvent,
     GenerateRequest,
+    ImageInput,
     LoadedModel,
     ScoreResult,
     TextEvent,
@@ -32,9 +37,12 @@ from localrt.backends.base import (
     TokenLogprob,
 )
 from localrt.errors import LocalrtError, ModelNotFound, OptionError, ServerBusy
+from localrt.runtime import images as image_input
+from localrt.runtime import thinking
 from localrt.runtime.options import Options, num_parallel
 from localrt.runtime.templates import ChatTemplate, RenderedPrompt, select_template, tokenize_rendered
-from localrt.runtime.toolcalls import could_be_tool_call, parse_tool_calls
+from localrt.runtime.thinking import ModelFormat, Piece, ReplyParser, Think
+from localrt.runtime.toolcalls import required_grammar
 from localrt.store.store import ResolvedModel, Store
 
 BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
@@ -99,6 +107,15 @@ class EmbedResult:
 
 
 @dataclass
+class RerankResult:
+    model: str
+    scores: list[float]  # per document, in the order given
+    prompt_eval_count: int
+    total_ns: int
+    load_ns: int
+
+
+@dataclass
 class LoadedInfo:
     """A row of `ps` / `GET /api/ps`."""
 
@@ -127,6 +144,8 @@ class _Entry:
     draft_path: Path | None
     model: LoadedModel
     template: ChatTemplate
+    format: ModelFormat = field(default_factory=ModelFormat)  # how it thinks and calls tools
+    preserve_tokens: frozenset[int] = frozenset()  # special tokens the reply parser must see
     slots: asyncio.Semaphore = field(default_factory=asyncio.Semaphore)  # sized by the backend; FIFO, so fair
     refs: int = 0  # requests holding or waiting for this entry
     last_used: float = field(default_factory=time.monotonic)
@@ -173,12 +192,20 @@ class Runtime:
         logprobs: bool = False,
         top_logprobs: int = 0,
         stream: bool = True,
+        think: Any = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
     ) -> AsyncIterator[Chunk]:
-        """Answer a conversation. Empty `messages` only loads the model (or unloads with keep_alive 0)."""
+        """Answer a conversation. Empty `messages` only loads the model (or unloads with keep_alive 0).
+
+        `think`: Ollama's value (None, bool, "low"|"medium"|"high") or a Think; `tool_choice`: OpenAI's
+        (None/"auto", "none", "required", {"type": "function", "function": {"name": ...}})."""
         start = time.perf_counter_ns()
         resolved, opts = self._prepare(model, options)
         format = _check_format(format)
         _check_logprobs(top_logprobs)
+        wanted = think if isinstance(think, Think) else thinking.parse_think(think)
+        tools, required = _tool_choice(tool_choice, tools)
         keep = self._keep_alive(keep_alive)
         if not messages:
             async for chunk in self._load_only(resolved, opts, keep, start):
@@ -187,15 +214,51 @@ class Runtime:
         msgs = [dict(m) for m in messages]
         if resolved.system and not any(m.get("role") == "system" for m in msgs):
             msgs.insert(0, {"role": "system", "content": resolved.system})
+        msgs, pictures = image_input.place_images(msgs)  # decoded and checked before any load
+        _check_vision(resolved, pictures)
         async with self._use(resolved, opts, keep) as (entry, load_ns):
-            rendered = await asyncio.to_thread(
-                entry.template.render, msgs, tools=tools, add_generation_prompt=True
-            )
-            tokens = self._tokenize_prompt(entry, rendered)
+            turn = _Turn.make(entry, model, wanted, tools, required, parallel_tool_calls)
+            tokens = await self._render_chat(entry, msgs, turn, pictures)
             async for chunk in self._run(
-                entry, tokens, opts, format, logprobs, top_logprobs, stream, start, load_ns, tools=bool(tools)
+                entry,
+                tokens,
+                opts,
+                format,
+                logprobs,
+                top_logprobs,
+                stream,
+                start,
+                load_ns,
+                turn=turn,
+                images=pictures,
             ):
                 yield chunk
+
+    async def _render_chat(
+        self,
+        entry: _Entry,
+        msgs: list[dict[str, Any]],
+        turn: _Turn,
+        pictures: list[ImageInput],
+        add_bos: bool = True,
+    ) -> list[int]:
+        """The prompt through the template, with the turn's tools and thinking switch, as tokens."""
+        msgs = turn.prepare_messages(msgs)
+        render = functools.partial(
+            entry.template.render, msgs, tools=turn.tools, add_generation_prompt=True, extra=turn.variables()
+        )
+        rendered = turn.close_prompt(await asyncio.to_thread(render))
+        tokens = self._tokenize_prompt(entry, rendered, add_bos=add_bos, images=bool(pictures))
+        if pictures and tokens.count(IMAGE_TOKEN) != len(pictures):
+            # a vision model's template may read content only as a list of parts (SmolVLM's does)
+            rendered = turn.close_prompt(await asyncio.to_thread(render, typed_content=True))
+            tokens = self._tokenize_prompt(entry, rendered, add_bos=add_bos, images=True)
+        if pictures and tokens.count(IMAGE_TOKEN) != len(pictures):
+            raise image_input.ImageError(
+                f'the chat template of "{entry.key}" does not render the messages\' text, so the images '
+                "have no place in the prompt"
+            )
+        return tokens
 
     async def generate(
         self,
@@ -211,12 +274,17 @@ class Runtime:
         logprobs: bool = False,
         top_logprobs: int = 0,
         stream: bool = True,
+        images: Sequence[Any] | None = None,
+        think: Any = None,
     ) -> AsyncIterator[Chunk]:
-        """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only."""
+        """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only.
+
+        `images`: base64 strings or bytes, placed at `[img]` in the prompt or in front of it."""
         start = time.perf_counter_ns()
         resolved, opts = self._prepare(model, options)
         format = _check_format(format)
         _check_logprobs(top_logprobs)
+        wanted = think if isinstance(think, Think) else thinking.parse_think(think)
         keep = self._keep_alive(keep_alive)
         if not prompt and not context:
             async for chunk in self._load_only(resolved, opts, keep, start):
@@ -224,18 +292,27 @@ class Runtime:
             return
         if raw and (system or context):
             raise LocalrtError("raw mode does not support template, system, or context")
+        pictures: list[ImageInput] = []
+        if images:
+            (marked,), pictures = image_input.place_images([{"content": prompt, "images": list(images)}])
+            prompt = marked["content"]
+        _check_vision(resolved, pictures)
         async with self._use(resolved, opts, keep) as (entry, load_ns):
             m = entry.model
-            if raw:
-                tokens = m.tokenize(prompt, add_special=True, parse_special=True)
+            turn: _Turn | None = None
+            if raw:  # the text as given: no template, so no thinking switch and no parsing
+                tokenize = image_input.split_markers(
+                    lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special)
+                )
+                tokens = tokenize(prompt, True, True)
             else:
                 msgs: list[dict[str, Any]] = []
                 sys_text = system if system is not None else resolved.system
                 if sys_text:
                     msgs.append({"role": "system", "content": sys_text})
                 msgs.append({"role": "user", "content": prompt})
-                rendered = await asyncio.to_thread(entry.template.render, msgs, add_generation_prompt=True)
-                tokens = self._tokenize_prompt(entry, rendered, add_bos=not context)
+                turn = _Turn.make(entry, model, wanted, None, False, None)
+                tokens = await self._render_chat(entry, msgs, turn, pictures, add_bos=not context)
                 tokens = [*(context or []), *tokens]
             async for chunk in self._run(
                 entry,
@@ -247,7 +324,9 @@ class Runtime:
                 stream,
                 start,
                 load_ns,
-                want_context=not raw,
+                turn=turn,
+                want_context=not raw and not pictures,  # image cells have no token ids to hand back
+                images=pictures,
             ):
                 yield chunk
 
@@ -283,6 +362,30 @@ class Runtime:
             time.perf_counter_ns() - start,
             load_ns,
         )
+
+    async def rerank(
+        self,
+        model: str,
+        query: str,
+        documents: Sequence[str],
+        *,
+        options: Mapping[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+    ) -> RerankResult:
+        """Relevance of each document to the query, from a reranker model (rank pooling)."""
+        start = time.perf_counter_ns()
+        if not isinstance(query, str) or not query:
+            raise LocalrtError("query is required (a string)")
+        if not isinstance(documents, (list, tuple)) or not all(isinstance(d, str) for d in documents):
+            raise LocalrtError("documents must be a list of strings")
+        resolved, opts = self._prepare(model, options)
+        keep = self._keep_alive(keep_alive)
+        async with self._use(resolved, opts, keep) as (entry, load_ns):
+            m = entry.model
+            if not m.capabilities.rerank or not hasattr(m, "rerank"):
+                raise LocalrtError(f'"{resolved.name.display}" does not support reranking')
+            scores, n_tokens = await m.rerank(query, documents) if documents else ([], 0)
+        return RerankResult(resolved.name.display, scores, n_tokens, time.perf_counter_ns() - start, load_ns)
 
     async def tokenize(
         self,
@@ -336,11 +439,20 @@ class Runtime:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         options: Mapping[str, Any] | None = None,
+        think: Any = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and tokens a chat request would use (debugging, `_debug_render_only`)."""
         resolved, opts = self._prepare(model, options)
+        wanted = think if isinstance(think, Think) else thinking.parse_think(think)
         async with self._use(resolved, opts, self._keep_alive(None), exclusive=False) as (entry, _):
-            rendered = await asyncio.to_thread(entry.template.render, list(messages), tools=tools)
+            turn = _Turn.make(entry, model, wanted, _tool_choice(None, tools)[0], False, None)
+            rendered = await asyncio.to_thread(
+                entry.template.render,
+                turn.prepare_messages([dict(m) for m in messages]),
+                tools=turn.tools,
+                extra=turn.variables(),
+            )
+            rendered = turn.close_prompt(rendered)
             return rendered.text, self._tokenize_prompt(entry, rendered)
 
     def ps(self) -> list[LoadedInfo]:
@@ -429,11 +541,17 @@ class Runtime:
             return resolved.draft_path
         return None
 
-    def _tokenize_prompt(self, entry: _Entry, rendered: RenderedPrompt, add_bos: bool = True) -> list[int]:
+    def _tokenize_prompt(
+        self, entry: _Entry, rendered: RenderedPrompt, add_bos: bool = True, images: bool = False
+    ) -> list[int]:
         m = entry.model
+
+        def tokenize(text: str, add: bool, special: bool) -> list[int]:
+            return m.tokenize(text, add_special=add, parse_special=special)
+
         return tokenize_rendered(
             rendered,
-            lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special),
+            image_input.split_markers(tokenize) if images else tokenize,
             m.bos_token_id,
             add_bos and m.add_bos,
         )
@@ -489,6 +607,7 @@ class Runtime:
             opts.flash_attn,
             opts.num_batch,
             num_parallel(),
+            str(resolved.projector_path),
         )
         async with self._cond:
             while True:
@@ -579,10 +698,14 @@ class Runtime:
         draft: Path | None,
     ) -> _Entry:
         backend = registry.get(backend_name)
-        load_opts = opts.load_options(draft_path=draft)
+        load_opts = dataclasses.replace(
+            opts.load_options(draft_path=draft), projector=resolved.projector_path
+        )
         model: LoadedModel = await asyncio.to_thread(backend.load, resolved.model_path, load_opts)
         try:
             template = self._make_template(resolved, model)
+            fmt = thinking.model_format(template.source, model.special_tokens())
+            preserve = _preserved_tokens(model, fmt.markers)
         except BaseException:
             await asyncio.to_thread(model.unload)
             raise
@@ -595,6 +718,8 @@ class Runtime:
             draft_path=draft,
             model=model,
             template=template,
+            format=fmt,
+            preserve_tokens=preserve,
             slots=slots,
         )
 
@@ -642,6 +767,47 @@ class Runtime:
         )
 
     # ---- one generation --------------------------------------------------------------------
+    def _request(
+        self,
+        entry: _Entry,
+        tokens: list[int],
+        opts: Options,
+        format: Any,
+        logprobs: bool,
+        top_logprobs: int,
+        turn: _Turn | None,
+    ) -> GenerateRequest:
+        m = entry.model
+        if len(tokens) >= m.context_length:
+            raise ContextLengthError(
+                f"the prompt is {len(tokens)} tokens, which does not fit the context length of "
+                f"{m.context_length} tokens (raise num_ctx or shorten the input)"
+            )
+        constraint: Any = format
+        if opts.grammar:
+            if format is not None:
+                raise LocalrtError("format and grammar cannot be used together")
+            _check_token_refs(m, opts.grammar)
+            constraint = GBNF(opts.grammar)
+        if turn is not None and turn.required:
+            if constraint is not None:
+                raise LocalrtError("tool_choice 'required' cannot be combined with format or grammar")
+            constraint = GBNF(turn.grammar())
+        if constraint is not None and not m.capabilities.grammar:
+            raise LocalrtError(f"the {entry.backend} backend does not support format (JSON output)")
+        return GenerateRequest(
+            prompt_tokens=tokens,
+            sampling=opts.sampling(),
+            num_predict=opts.max_new_tokens(len(tokens), m.context_length),
+            stop=list(opts.stop),
+            logprobs=logprobs or top_logprobs > 0,
+            top_logprobs=top_logprobs,
+            format=constraint,
+            speculative=opts.speculative,
+            num_draft=opts.num_draft,
+            preserve_tokens=entry.preserve_tokens if turn is not None else frozenset(),
+        )
+
     async def _run(
         self,
         entry: _Entry,
@@ -654,34 +820,25 @@ class Runtime:
         start: int,
         load_ns: int,
         *,
-        tools: bool = False,
+        turn: _Turn | None = None,
         want_context: bool = False,
+        images: Sequence[ImageInput] = (),
     ) -> AsyncIterator[Chunk]:
+        """Generate, and split the reply (thinking, content, tool calls) as it streams: each chunk carries
+        only what the parser has decided; held text (a tag or call still arriving) waits for the next."""
         m = entry.model
         name = entry.key
-        if len(tokens) >= m.context_length:
-            raise ContextLengthError(
-                f"the prompt is {len(tokens)} tokens, which does not fit the context length of "
-                f"{m.context_length} tokens (raise num_ctx or shorten the input)"
+        if images and not m.capabilities.vision:
+            raise image_input.ImageError(
+                f"the {entry.backend} backend does not support images yet; use the llama.cpp backend "
+                f'for "{name}"'
             )
-        if format is not None and not m.capabilities.grammar:
-            raise LocalrtError(f"the {entry.backend} backend does not support format (JSON output)")
-        request = GenerateRequest(
-            prompt_tokens=tokens,
-            sampling=opts.sampling(),
-            num_predict=opts.max_new_tokens(len(tokens), m.context_length),
-            stop=list(opts.stop),
-            logprobs=logprobs or top_logprobs > 0,
-            top_logprobs=top_logprobs,
-            format=format,
-            speculative=opts.speculative,
-            num_draft=opts.num_draft,
-        )
-        full: list[str] = []
-        held: list[str] = []  # output that may turn into a tool call
+        request = self._request(entry, tokens, opts, format, logprobs, top_logprobs, turn)
+        request.images = list(images)
+        parser = turn.parser() if turn is not None else None
+        whole = Piece()  # everything, for a reply that is not streamed
         answer_ids: list[int] = []
         lps: list[dict[str, Any]] = []
-        holding = tools
         done: DoneEvent | None = None
         events = m.generate(request)
         async with contextlib.aclosing(events):  # type: ignore[type-var]
@@ -690,33 +847,21 @@ class Runtime:
                     done = event
                     break
                 assert isinstance(event, TextEvent)
-                full.append(event.text)
                 answer_ids.extend(event.token_ids)
                 piece_lps = [_ollama_logprob(lp) for lp in event.logprobs] if event.logprobs else None
                 if piece_lps:
                     lps.extend(piece_lps)
+                piece = parser.feed(event.text) if parser is not None else Piece(content=event.text)
                 if not stream:
-                    continue
-                if holding:
-                    held.append(event.text)
-                    if could_be_tool_call("".join(held)):
-                        continue
-                    holding, text = False, "".join(held)
-                    held = []
-                    yield Chunk(model=name, content=text, logprobs=piece_lps)
-                    continue
-                if event.text or piece_lps:
-                    yield Chunk(model=name, content=event.text, logprobs=piece_lps)
+                    whole.add(piece)
+                elif piece or piece_lps:
+                    yield _piece_chunk(name, piece, piece_lps)
         if done is None:  # the backend ended without a final event: treat as cancelled
             raise LocalrtError("generation ended unexpectedly")
-        text = "".join(full)
-        content, calls = parse_tool_calls(text) if tools else (text, [])
+        last = parser.finish() if parser is not None else Piece()
         if not stream:
-            final_content = content
-        elif holding:  # never released: everything is still here
-            final_content = content if calls else "".join(held)
-        else:
-            final_content = ""
+            whole.add(last)
+            last = whole
         metrics = Metrics(
             **{
                 **dataclasses.asdict(done.timings),
@@ -726,14 +871,167 @@ class Runtime:
         )
         yield Chunk(
             model=name,
-            content=final_content,
+            content=last.content,
+            thinking=last.thinking,
             done=True,
             done_reason=done.finish_reason,
-            tool_calls=calls or None,
+            tool_calls=last.tool_calls or None,
             logprobs=(lps or None) if not stream else None,
             metrics=metrics,
             context=[*tokens, *answer_ids] if want_context else None,
         )
+
+
+_TOKEN_REF = re.compile(r"<\[(\d+)\]>")
+
+
+def _check_token_refs(model: LoadedModel, grammar: str) -> None:
+    """A grammar's `<[id]>` token references must name whole-character tokens of this vocabulary:
+    llama.cpp aborts the process on one that names a partial UTF-8 byte (seen with byte tokens)."""
+    for match in _TOKEN_REF.finditer(grammar):
+        token = int(match.group(1))
+        if token >= model.n_vocab or "\ufffd" in model.token_text(token):
+            raise LocalrtError(f"grammar: token {match.group(0)} is not a whole-text token of this model")
+
+
+def _piece_chunk(name: str, piece: Piece, logprobs: list[dict[str, Any]] | None) -> Chunk:
+    return Chunk(
+        model=name,
+        content=piece.content,
+        thinking=piece.thinking,
+        tool_calls=piece.tool_calls or None,
+        logprobs=logprobs,
+    )
+
+
+@dataclass
+class _Turn:
+    """One request's reply settings on one model: its format, the think setting in force, the tools the
+    template renders and whether a call is required."""
+
+    fmt: ModelFormat
+    think: Think
+    tools: list[dict[str, Any]] | None
+    required: bool
+    parallel: bool
+    prompt_text: str = ""
+
+    @classmethod
+    def make(
+        cls,
+        entry: _Entry,
+        model: str,
+        think: Think,
+        tools: list[dict[str, Any]] | None,
+        required: bool,
+        parallel: bool | None,
+    ) -> _Turn:
+        fmt = entry.format
+        return cls(fmt, thinking.check_think(fmt, think, model), tools, required, parallel is not False)
+
+    def prepare_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        msgs = thinking.history_messages(self.fmt, messages)
+        if self.fmt.tool_style == "mistral":
+            _mistral_ids(msgs)
+        return msgs
+
+    def variables(self) -> dict[str, Any]:
+        return thinking.template_variables(self.fmt, self.think)
+
+    def close_prompt(self, rendered: RenderedPrompt) -> RenderedPrompt:
+        """Think off on a prompt that opened thinking anyway: close the block, so the reply is the answer."""
+        if self.think.enabled is False:
+            tail = thinking.close_thinking(self.fmt, rendered.text)
+            if tail:
+                rendered = RenderedPrompt([*rendered.segments, (tail, True)])
+        self.prompt_text = rendered.text
+        return rendered
+
+    def parser(self) -> ReplyParser:
+        return ReplyParser(
+            self.fmt,
+            think=self.think,
+            prompt_text=self.prompt_text,
+            tools=self.tools,
+            parallel_tool_calls=self.parallel,
+        )
+
+    def grammar(self) -> str:
+        from localrt.backends.grammar import grammar_for
+
+        think_tags = None
+        if self.fmt.thinking == "tags" and self.think.enabled:
+            opened = thinking.prompt_opens_thinking(self.fmt, self.prompt_text)
+            think_tags = ("" if opened else self.fmt.open_tag, self.fmt.close_tag)
+        return required_grammar(
+            self.fmt.tool_style,
+            self.tools or [],
+            parallel=self.parallel,
+            schema_gbnf=grammar_for,
+            thinking=think_tags,
+        )
+
+
+def _tool_choice(
+    choice: Any, tools: Sequence[Mapping[str, Any]] | None
+) -> tuple[list[dict[str, Any]] | None, bool]:
+    """(the tools the template renders, whether a call is required) for OpenAI's `tool_choice`."""
+    if tools and not all(isinstance(t, Mapping) for t in tools):
+        raise LocalrtError("tools must be a list of objects")
+    listed = [dict(t) for t in tools] if tools else None
+    if choice is None or choice == "auto":
+        return listed, False
+    if choice == "none":
+        return None, False
+    if choice == "required":
+        if not listed:
+            raise LocalrtError("tool_choice 'required' needs tools")
+        return listed, True
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        fn = choice.get("function") if isinstance(choice.get("function"), Mapping) else choice
+        wanted = fn.get("name")
+        chosen = [t for t in listed or [] if thinking.tool_name(t) == wanted]
+        if not chosen:
+            raise LocalrtError(f"tool_choice names the function {wanted!r}, which is not in tools")
+        return chosen, True
+    raise LocalrtError('tool_choice must be "none", "auto", "required" or {"type": "function", ...}')
+
+
+def _mistral_ids(messages: list[dict[str, Any]]) -> None:
+    """Mistral's templates refuse tool-call ids that are not 9 alphanumerics: map each id to one that is,
+    the same way in the assistant's calls and in the tool results that answer them."""
+    import hashlib
+
+    def short(call_id: Any) -> Any:
+        if not isinstance(call_id, str) or (len(call_id) == 9 and call_id.isalnum()):
+            return call_id
+        return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+    for msg in messages:
+        if isinstance(msg.get("tool_calls"), list):
+            msg["tool_calls"] = [
+                {**c, "id": short(c.get("id"))} if isinstance(c, Mapping) and c.get("id") else c
+                for c in msg["tool_calls"]
+            ]
+        if msg.get("tool_call_id"):
+            msg["tool_call_id"] = short(msg["tool_call_id"])
+
+
+def _preserved_tokens(model: LoadedModel, markers: Sequence[str]) -> frozenset[int]:
+    """The special tokens spelling the format's markers (a marker that is plain text needs nothing)."""
+    specials = set(model.special_tokens())
+    ids = set()
+    for marker in markers:
+        if marker in specials:
+            tokens = model.tokenize(marker, add_special=False, parse_special=True)
+            if len(tokens) == 1:
+                ids.add(tokens[0])
+    return frozenset(ids)
+
+
+def _check_vision(resolved: ResolvedModel, pictures: Sequence[ImageInput]) -> None:
+    if pictures and resolved.projector_path is None:
+        raise image_input.ImageError(f'"{resolved.name.display}" does not support images')
 
 
 def _ollama_logprob(lp: TokenLogprob) -> dict[str, Any]:

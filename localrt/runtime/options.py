@@ -8,7 +8,7 @@ Request values are typed JSON and checked strictly (a bool is not an int); Model
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -20,6 +20,7 @@ DEFAULT_NUM_CTX = 4096
 MAX_NUM_CTX = 1 << 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1000
+MAX_GRAMMAR_LENGTH = 64 * 1024
 BACKEND_NAMES = ("auto", "llama.cpp", "mlx", "torch")
 BACKEND_ALIASES = {
     "llamacpp": "llama.cpp",
@@ -128,6 +129,8 @@ class Options:
     speculative: str = "auto"  # auto = use a draft model when one is configured, else off
     draft_model: str | None = None
     num_draft: int | None = None  # None = the backend's default for the mode
+    # constrained output in llama.cpp's GBNF (as llama-server's `grammar`); excludes `format`
+    grammar: str | None = None
 
     @classmethod
     def merge(cls, *layers: Mapping[str, Any] | None, lenient: tuple[bool, ...] = ()) -> Options:
@@ -149,6 +152,8 @@ class Options:
             for name, value in layer.items():
                 if is_lenient and name not in _FIELDS:
                     continue  # a model made for another runtime may carry parameters we do not know
+                if value is None and (name in _FIELDS or name in IGNORED_OPTIONS):
+                    continue  # null means "not set", as in Ollama (LangChain sends every option so)
                 opts.set(name, value, from_text=is_lenient)
         return opts
 
@@ -211,65 +216,97 @@ _FIELDS = {f.name for f in fields(Options)}
 OPTION_NAMES = frozenset(_FIELDS)
 
 
+def _check_number(name: str, value: Any) -> int | float:
+    kind, lo, hi = _RANGES[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        expected = "an integer" if kind is int else "a number"
+        raise OptionError(f"option {name!r} must be {expected}, got {_describe(value)}")
+    if kind is int:
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise OptionError(f"option {name!r} must be an integer, got {value!r}")
+            value = int(value)
+    else:
+        value = float(value)
+        if not math.isfinite(value):
+            raise OptionError(f"option {name!r} must be a finite number, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise OptionError(f"option {name!r} is out of range: {value!r} (allowed {_fmt(lo)} to {_fmt(hi)})")
+    if name == "num_predict" and value < -2:
+        raise OptionError("option 'num_predict' must be -1 (no limit), -2 (fill the context) or >= 0")
+    return value
+
+
+def _check_stop(value: Any) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise OptionError(f"option 'stop' must be a string or a list of strings, got {_describe(value)}")
+    value = [s for s in value if s]
+    if len(value) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in value):
+        raise OptionError(
+            f"option 'stop': at most {MAX_STOP_STRINGS} strings of {MAX_STOP_LENGTH} characters"
+        )
+    return value
+
+
+def _check_speculative(value: Any) -> str:
+    if isinstance(value, bool):  # JSON true/false read as auto/off
+        return "auto" if value else "off"
+    if not isinstance(value, str) or value.strip().lower() not in SPECULATIVE_MODES:
+        raise OptionError(
+            f"option 'speculative' must be one of {', '.join(SPECULATIVE_MODES)}, got {_describe(value)}"
+        )
+    return value.strip().lower()
+
+
+def _check_flash_attn(value: Any) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise OptionError(f"option 'flash_attn' must be true or false, got {_describe(value)}")
+
+
+def _check_draft_model(value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise OptionError(f"option 'draft_model' must be a model name, got {_describe(value)}")
+    return value
+
+
+def _check_grammar(value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise OptionError(f"option 'grammar' must be a GBNF grammar (a string), got {_describe(value)}")
+    if len(value) > MAX_GRAMMAR_LENGTH:
+        raise OptionError(f"option 'grammar' is longer than {MAX_GRAMMAR_LENGTH} characters")
+    if "root" not in value:
+        raise OptionError("option 'grammar' must define the rule 'root'")
+    return value
+
+
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "stop": _check_stop,
+    "backend": lambda v: _check_backend(v, "option 'backend'"),
+    "kv_cache_type": lambda v: _check_kv(v, "option 'kv_cache_type'"),
+    "speculative": _check_speculative,
+    "flash_attn": _check_flash_attn,
+    "draft_model": _check_draft_model,
+    "grammar": _check_grammar,
+}
+
+
 def validate_option(name: str, value: Any) -> Any:
     """Check one typed value; returns it normalised (e.g. stop as a list, int-valued floats)."""
     if name in _RANGES:
-        kind, lo, hi = _RANGES[name]
         if name == "num_draft" and value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            expected = "an integer" if kind is int else "a number"
-            raise OptionError(f"option {name!r} must be {expected}, got {_describe(value)}")
-        if kind is int:
-            if isinstance(value, float):
-                if not value.is_integer():
-                    raise OptionError(f"option {name!r} must be an integer, got {value!r}")
-                value = int(value)
-        else:
-            value = float(value)
-            if not math.isfinite(value):
-                raise OptionError(f"option {name!r} must be a finite number, got {value!r}")
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise OptionError(
-                f"option {name!r} is out of range: {value!r} (allowed {_fmt(lo)} to {_fmt(hi)})"
-            )
-        if name == "num_predict" and value < -2:
-            raise OptionError("option 'num_predict' must be -1 (no limit), -2 (fill the context) or >= 0")
-        return value
-    if name == "stop":
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-            raise OptionError(f"option 'stop' must be a string or a list of strings, got {_describe(value)}")
-        value = [s for s in value if s]
-        if len(value) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in value):
-            raise OptionError(
-                f"option 'stop': at most {MAX_STOP_STRINGS} strings of {MAX_STOP_LENGTH} characters"
-            )
-        return value
-    if name == "backend":
-        return _check_backend(value, "option 'backend'")
-    if name == "kv_cache_type":
-        return _check_kv(value, "option 'kv_cache_type'")
-    if name == "speculative":
-        if isinstance(value, bool):  # JSON true/false read as auto/off
-            return "auto" if value else "off"
-        if not isinstance(value, str) or value.strip().lower() not in SPECULATIVE_MODES:
-            raise OptionError(
-                f"option 'speculative' must be one of {', '.join(SPECULATIVE_MODES)}, got {_describe(value)}"
-            )
-        return value.strip().lower()
-    if name == "flash_attn":
-        if value is None or isinstance(value, bool):
-            return value
-        raise OptionError(f"option 'flash_attn' must be true or false, got {_describe(value)}")
-    if name == "draft_model":
-        if value is None or value == "":
-            return None
-        if not isinstance(value, str):
-            raise OptionError(f"option 'draft_model' must be a model name, got {_describe(value)}")
-        return value
-    raise OptionError(f"unknown option {name!r}")
+        return _check_number(name, value)
+    check = _CHECKS.get(name)
+    if check is None:
+        raise OptionError(f"unknown option {name!r}")
+    return check(value)
 
 
 def parse_option_value(name: str, text: str) -> Any:

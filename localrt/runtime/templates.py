@@ -389,7 +389,7 @@ class _Protector:
         return out
 
 
-def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def _normalize_messages(messages: Sequence[Mapping[str, Any]], typed: bool = False) -> list[dict[str, Any]]:
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
@@ -405,6 +405,8 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
             msg["content"] = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
         elif not isinstance(content, str):
             raise TemplateError(f"message {i}: content must be a string")
+        if typed:  # for templates that only read content as a list of parts (vision models' templates)
+            msg["content"] = [{"type": "text", "text": msg["content"]}]
         out.append(msg)
     return out
 
@@ -433,12 +435,13 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         extra: Mapping[str, Any] | None = None,
+        typed_content: bool = False,
     ) -> RenderedPrompt:
         protector = _Protector(self.special_tokens)
         variables: dict[str, Any] = dict(extra or {})
         variables = protector.protect(variables)
         variables.update(
-            messages=protector.protect(_normalize_messages(messages)),
+            messages=protector.protect(_normalize_messages(messages, typed_content)),
             tools=protector.protect(list(tools)) if tools else None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,

@@ -1,16 +1,76 @@
-"""Best-effort parsing of tool calls out of model text (Hermes/Qwen `<tool_call>` blocks, bare JSON).
+"""Tool calls out of model text, for every common family, parsed incrementally while the reply streams.
 
-Calls come back in Ollama's shape: `{"function": {"name": str, "arguments": dict}}`.
+Styles (what the model emits; the reference notes on agent APIs, section 3):
+  * hermes:  `<tool_call>{"name": f, "arguments": {...}}</tool_call>`, repeatable (Hermes, Qwen2.5/3)
+  * llama3:  `{"name": f, "parameters": {...}}`, optionally after `<|python_tag|>`, several joined by `;`
+  * mistral: `[TOOL_CALLS][{"name": f, "arguments": {...}}]` (v3) or `[TOOL_CALLS]f{...}` /
+             `[TOOL_CALLS]f[ARGS]{...}` (v11+)
+  * granite: `<|tool_call|>[{"name": f, "arguments": {...}}]`
+  * phi4:    `functools[{"name": f, "arguments": {...}}]`
+  * harmony: a `commentary` message to `functions.f` (parsed by the harmony splitter in thinking.py)
+  * json:    the fallback: a reply that is a bare JSON call (or list of calls), or `<tool_call>` blocks
+
+Calls come back in Ollama's shape, `{"id": ..., "function": {"index": i, "name": str, "arguments": dict}}`.
+A call that does not parse is given back as plain content, never an error.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-OPENERS = ("<tool_call>", "{", "[", "```")
+from localrt.errors import LocalrtError
+
+TOOL_STYLES = ("hermes", "llama3", "mistral", "granite", "phi4", "harmony", "json")
+# style -> the marker that opens a block of calls anywhere in the reply
+_MARKERS = {
+    "hermes": "<tool_call>",
+    "mistral": "[TOOL_CALLS]",
+    "granite": "<|tool_call|>",
+    "phi4": "functools",
+}
+_CLOSERS = {"hermes": "</tool_call>"}
+OPENERS = ("<tool_call>", "{", "[", "```", "<|python_tag|>")
+
+
+def detect_tool_style(template: str, special_tokens: set[str] | None = None) -> str:
+    """The family's call syntax, from what its chat template (or vocabulary) shows."""
+    specials = special_tokens or set()
+    if all(m in template for m in ("<|start|>", "<|end|>", "<|channel|>")):
+        return "harmony"
+    if "[TOOL_CALLS]" in template or "[TOOL_CALLS]" in specials:
+        return "mistral"
+    if "<|tool_call|>" in template:
+        return "granite"
+    if "functools" in template:
+        return "phi4"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3"
+    return "json"
+
+
+def style_markers(style: str) -> tuple[str, ...]:
+    """Texts of this style the reply parser must see (kept even when they are special tokens)."""
+    return {
+        "hermes": ("<tool_call>", "</tool_call>"),
+        "mistral": ("[TOOL_CALLS]", "[ARGS]"),
+        "granite": ("<|tool_call|>",),
+        "llama3": ("<|python_tag|>",),
+        "json": ("<tool_call>", "</tool_call>"),
+    }.get(style, ())
+
+
+def new_call_id(style: str = "json") -> str:
+    """Ollama's `call_` + 8 characters; Mistral templates insist on 9 alphanumerics."""
+    if style == "mistral":
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return "call_" + "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
 def _as_call(obj: Any) -> dict[str, Any] | None:
@@ -32,6 +92,14 @@ def _as_call(obj: Any) -> dict[str, Any] | None:
     return {"function": {"name": name, "arguments": args}}
 
 
+def _calls_of(obj: Any) -> list[dict[str, Any]] | None:
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [_as_call(item) for item in items]
+    if not calls or any(c is None for c in calls):
+        return None
+    return calls  # type: ignore[return-value]
+
+
 def _parse_json_calls(text: str) -> list[dict[str, Any]] | None:
     text = text.strip()
     if text.startswith("```"):
@@ -40,33 +108,280 @@ def _parse_json_calls(text: str) -> list[dict[str, Any]] | None:
         obj = json.loads(text)
     except ValueError:
         return None
-    items = obj if isinstance(obj, list) else [obj]
-    calls = [_as_call(item) for item in items]
-    if not calls or any(c is None for c in calls):
+    return _calls_of(obj)
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _decode_prefix(text: str) -> tuple[Any, int] | None:
+    """The first complete JSON value at the start of `text` (after whitespace) and where it ends."""
+    start = len(text) - len(text.lstrip())
+    try:
+        return _DECODER.raw_decode(text, start)
+    except ValueError:
         return None
-    return calls  # type: ignore[return-value]
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Split model output into (remaining content, tool calls). No calls found: (text, [])."""
-    calls: list[dict[str, Any]] = []
-    if "<tool_call>" in text:
-        for match in _BLOCK.finditer(text):
-            parsed = _parse_json_calls(match.group(1))
-            if parsed:
-                calls.extend(parsed)
-        if calls:
-            return _BLOCK.sub("", text).strip(), calls
+_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*(?:\[ARGS\])?\s*(?=\{)")
+
+
+def _parse_after_marker(style: str, text: str) -> tuple[list[dict[str, Any]], int] | None:
+    """Calls right after a block marker: a JSON call or list (all styles), or Mistral's `name{args}`."""
+    decoded = _decode_prefix(text)
+    if decoded is not None:
+        calls = _calls_of(decoded[0])
+        return (calls, decoded[1]) if calls else None
+    if style == "mistral":
+        m = _MISTRAL_NAMED.match(text)
+        if m:
+            args = _decode_prefix(text[m.end() :])
+            if args is not None and isinstance(args[0], dict):
+                return [{"function": {"name": m.group(1), "arguments": args[0]}}], m.end() + args[1]
+    return None
+
+
+def _partial(text: str, marker: str) -> int:
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+class ToolCallParser:
+    """Content in, (content safe to show now, complete calls) out; a call split over many chunks waits
+    in the buffer until it is whole. `finish()` gives back whatever is left: calls, or plain text."""
+
+    def __init__(self, style: str, tool_names: Sequence[str] = ()) -> None:
+        self.style = style if style in TOOL_STYLES else "json"
+        self.names = list(tool_names)
+        self.leading = self.style in ("llama3", "json")  # a call only as the whole reply's start
+        self.state = "start" if self.leading else "content"
+        self.buffer = ""
+        self.marker = _MARKERS.get(self.style, "<tool_call>")
+
+    # -- streaming --
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        self.buffer += text
+        out, calls = "", []
+        while self.buffer:
+            step = getattr(self, f"_step_{self.state}")()
+            if step is None:
+                break
+            released, found = step
+            out += released
+            calls.extend(found)
+        return out, calls
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        out, calls = self.feed("")
+        if self.state == "block":
+            parsed = self._close_block(self.buffer, final=True)
+            if parsed is None:  # malformed: the block comes back as text
+                out, self.buffer = out + self.marker + self.buffer, ""
+                return out, calls
+            more, more_calls = self.finish()  # the buffer now holds what followed the block
+            return out + parsed[0] + more, calls + parsed[1] + more_calls
+        rest, self.buffer = self.buffer, ""
+        if self.state in ("start", "leading") and rest.strip():
+            found = _parse_json_calls(rest.strip().removeprefix("<|python_tag|>"))
+            if found:
+                return out, calls + found
+        return out + rest, calls
+
+    # -- states; each returns (released text, calls) or None to wait for more text --
+    def _step_start(self) -> tuple[str, list[dict[str, Any]]] | None:
+        head = self.buffer.lstrip()
+        if not head:
+            return None
+        if head.startswith("<tool_call>") and self.style == "json":
+            self.state = "content"  # Hermes-style blocks in a template we could not place
+            self.marker = "<tool_call>"
+            return "", []
+        if any(head.startswith(o) for o in OPENERS):
+            self.state = "leading"
+            return "", []
+        if any(o.startswith(head) for o in OPENERS):
+            return None  # may still become an opener
+        # the fallback still finds Hermes-style blocks later in the text; Llama's JSON only leads
+        self.state = "content" if self.style == "json" else "text"
+        return "", []
+
+    def _step_leading(self) -> tuple[str, list[dict[str, Any]]] | None:
+        """A reply that starts like JSON: calls one after another (`;` between), else plain text."""
+        body = self.buffer.lstrip().removeprefix("<|python_tag|>").lstrip().removeprefix(";")
+        if body.lstrip().startswith("```"):
+            return None  # fenced: decided at the end
+        decoded = _decode_prefix(body)
+        if decoded is None:
+            return None
+        calls = _calls_of(decoded[0])
+        if not calls:
+            self.state = "text"
+            return "", []
+        self.buffer = body[decoded[1] :].lstrip()
+        return "", calls
+
+    def _step_text(self) -> tuple[str, list[dict[str, Any]]]:
+        out, self.buffer = self.buffer, ""
+        return out, []
+
+    def _step_content(self) -> tuple[str, list[dict[str, Any]]] | None:
+        at = self.buffer.find(self.marker)
+        if at >= 0:
+            before = self.buffer[:at]
+            self.buffer, self.state = self.buffer[at + len(self.marker) :], "block"
+            return before, []
+        hold = _partial(self.buffer, self.marker)
+        cut = len(self.buffer) - hold
+        if cut == 0:
+            return None
+        out, self.buffer = self.buffer[:cut], self.buffer[cut:]
+        return out, []
+
+    def _step_block(self) -> tuple[str, list[dict[str, Any]]] | None:
+        parsed = self._close_block(self.buffer, final=False)
+        if parsed is None:
+            return None
+        return parsed
+
+    def _close_block(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]] | None:
+        """A block after the marker, once decided: its calls (the buffer moves on), or its text given back
+        as content when it is malformed; None while it may still grow into a call."""
+        closer = _CLOSERS.get(self.style) or ("</tool_call>" if self.marker == "<tool_call>" else None)
+        if closer is not None:
+            at = text.find(closer)
+            if at < 0 and not final:
+                return None
+            body = text[:at] if at >= 0 else text
+            rest = text[at + len(closer) :] if at >= 0 else ""
+            calls = _parse_json_calls(body)
+            self.state, self.buffer = "content", rest.lstrip() if calls else rest
+            if calls:
+                return "", calls
+            return self.marker + body + (closer if at >= 0 else ""), []
+        parsed = _parse_after_marker(self.style, text)
+        if parsed is None:
+            return None
+        calls, end = parsed
+        self.state, self.buffer = "content", text[end:].lstrip()
+        return "", calls
+
+
+def parse_tool_calls(text: str, style: str = "json") -> tuple[str, list[dict[str, Any]]]:
+    """Split a whole reply into (remaining content, tool calls). No calls found: (text, [])."""
+    parser = ToolCallParser(style)
+    content, calls = parser.feed(text)
+    tail, more = parser.finish()
+    calls = calls + more
+    if not calls:
         return text, []
-    parsed = _parse_json_calls(text)
-    if parsed:
-        return "", parsed
-    return text, []
+    return (content + tail).strip(), calls
 
 
 def could_be_tool_call(prefix: str) -> bool:
-    """While streaming: might the output (so far) turn into a tool call? Then hold it back."""
+    """While streaming: might the output (so far) turn into a bare-JSON or `<tool_call>` reply?"""
     head = prefix.lstrip()
     if not head:
         return True
     return any(head.startswith(o) or o.startswith(head) for o in OPENERS)
+
+
+# ---- harmony (gpt-oss) ----------------------------------------------------------------------------
+def harmony_name(name: str) -> str:
+    """A tool name as harmony's TypeScript-like namespace writes it (space, `-`, `.` -> `_`)."""
+    return re.sub(r"[^A-Za-z0-9_]", "", re.sub(r"[ \-.]", "_", name))
+
+
+def parse_harmony_call(recipient: str, args: str, tool_names: Sequence[str]) -> dict[str, Any] | None:
+    name = recipient.strip().removeprefix("functions.")
+    if not name:
+        return None
+    for original in tool_names:
+        if harmony_name(original) == name:
+            name = original
+            break
+    try:
+        arguments = json.loads(args) if args.strip() else {}
+    except ValueError:
+        return None
+    if not isinstance(arguments, dict):
+        return None
+    return {"function": {"name": name, "arguments": arguments}}
+
+
+# ---- tool_choice: required -----------------------------------------------------------------------
+def _gbnf_string(text: str) -> str:
+    return json.dumps(text)  # a JSON string literal is a valid GBNF literal for this text
+
+
+def _function_name(tool: Mapping[str, Any]) -> str:
+    fn = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    return name if isinstance(name, str) else ""
+
+
+def _call_schema(tools: Sequence[Mapping[str, Any]], args_key: str) -> dict[str, Any]:
+    alternatives = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            continue
+        params = fn.get("parameters") if isinstance(fn.get("parameters"), Mapping) else {"type": "object"}
+        alternatives.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, args_key: dict(params)},
+                "required": ["name", args_key],
+            }
+        )
+    if not alternatives:
+        raise LocalrtError("tool_choice asks for a call, but no tool is a function with a name")
+    return {"anyOf": alternatives} if len(alternatives) != 1 else alternatives[0]
+
+
+def required_grammar(
+    style: str,
+    tools: Sequence[Mapping[str, Any]],
+    *,
+    parallel: bool = True,
+    schema_gbnf: Any,
+    thinking: tuple[str, str] | None = None,
+) -> str:
+    """GBNF that makes the reply a tool call in the family's own syntax (`tool_choice: required`).
+
+    `schema_gbnf` turns a JSON schema into GBNF (the backend's converter); `thinking` (open, close) lets
+    a thinking model think first; open is "" when the prompt already opened the thinking block.
+    """
+    if style == "harmony":
+        _call_schema(tools, "arguments")  # the same check: at least one named function
+        names = [harmony_name(_function_name(t)) for t in tools]
+        recipients = " | ".join(_gbnf_string(n) for n in names if n)
+        rules = schema_gbnf({"type": "object"}).replace("root ::=", "call-args ::=", 1)
+        return (
+            'root ::= ("<|channel|>analysis<|message|>" [^<]* "<|end|><|start|>assistant")? '
+            '"<|channel|>commentary to=functions." call-name " <|constrain|>json<|message|>" call-args\n'
+            f"call-name ::= {recipients}\n{rules}"
+        )
+    args_key = "parameters" if style == "llama3" else "arguments"
+    rules = schema_gbnf(_call_schema(tools, args_key)).replace("root ::=", "call ::=", 1)
+    many = parallel and style != "llama3"
+    if style in ("mistral", "granite", "phi4"):
+        opener = {"mistral": "[TOOL_CALLS]", "granite": "<|tool_call|>", "phi4": "functools"}[style]
+        body = (
+            f'{_gbnf_string(opener)} "[" call ("," space call)* "]"'
+            if many
+            else (f'{_gbnf_string(opener)} "[" call "]"')
+        )
+    elif style == "llama3":
+        body = "call"
+    else:  # hermes and the fallback
+        block = '"<tool_call>\\n" call "\\n</tool_call>"'
+        body = f'{block} ("\\n" {block})*' if many else block
+    prefix = ""
+    if thinking is not None:
+        open_tag, close_tag = thinking
+        think_body = f"think-text {_gbnf_string(close_tag)} [ \\n]*"
+        prefix = f"({_gbnf_string(open_tag)} {think_body})? " if open_tag else f"{think_body} "
+        rules += '\nthink-text ::= ([^<] | "<" [^/])*'
+    return f"root ::= {prefix}{body}\n{rules}"

@@ -22,10 +22,18 @@ from localrt.store.store import (
     MEDIA_LICENSE,
     MEDIA_MODEL,
     MEDIA_PARAMS,
+    MEDIA_PROJECTOR,
     MEDIA_SYSTEM,
     MEDIA_TEMPLATE,
     Store,
 )
+
+PROJECTOR_ARCH = "clip"  # general.architecture of llama.cpp's multimodal projector GGUFs
+
+
+def is_projector(path: Path) -> bool:
+    """A GGUF that is a multimodal projector (what Ollama checks to pick the projector layer type)."""
+    return read_gguf(path).architecture == PROJECTOR_ARCH
 
 
 def check_gguf_file(path: Path, what: str = "model") -> None:
@@ -91,8 +99,10 @@ def import_gguf(
     params: dict[str, Any] | None = None,
     license: str | None = None,
     draft: Path | str | None = None,
+    projector: Path | str | None = None,
 ) -> str:
-    """Store a model made of `gguf` (a path or a stored blob's digest) plus optional text layers.
+    """Store a model made of `gguf` (a path or a stored blob's digest) plus optional text layers and a
+    multimodal projector GGUF (`projector`, checked to be one: general.architecture "clip").
 
     Returns the manifest digest. A malformed GGUF raises GGUFError before anything is written.
     """
@@ -103,7 +113,20 @@ def import_gguf(
     # under the gc lock: a concurrent `rm` must not collect these blobs before the manifest names them
     with store.lock("gc"):
         model_digest, model_size, config = _blob(store, gguf, "model")
+        if config.get("model_family") == PROJECTOR_ARCH:
+            raise LocalrtError(
+                "that GGUF is a multimodal projector (mmproj), not a model: give it as the projector "
+                "(--mmproj, or a second FROM line) beside the model's GGUF"
+            )
         layers = [{"mediaType": MEDIA_MODEL, "digest": model_digest, "size": model_size}]
+        if projector is not None:
+            proj_digest, proj_size, proj_config = _blob(store, projector, "projector")
+            if proj_config.get("model_family") != PROJECTOR_ARCH:
+                raise LocalrtError(
+                    f"the projector GGUF is a {proj_config.get('model_family')!r} model, not a multimodal "
+                    "projector (mmproj-*.gguf, general.architecture clip)"
+                )
+            layers.append({"mediaType": MEDIA_PROJECTOR, "digest": proj_digest, "size": proj_size})
         if draft is not None:
             draft_digest, draft_size, _ = _blob(store, draft, "draft")
             layers.append({"mediaType": MEDIA_DRAFT, "digest": draft_digest, "size": draft_size})

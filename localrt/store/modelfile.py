@@ -2,6 +2,7 @@
 
     # comment
     FROM ./model.gguf | name:tag          (a path is relative to the Modelfile)
+    FROM ./mmproj.gguf                    (a second FROM: a vision model's projector, as in Ollama)
     PARAMETER temperature 0.7             (repeatable; `stop` accumulates a list)
     TEMPLATE \"\"\"...\"\"\"                  (multi-line values in triple quotes)
     SYSTEM "one line"
@@ -24,7 +25,7 @@ from typing import Any
 
 from localrt.errors import LocalrtError, ModelNotFound
 from localrt.store.names import ModelName, normalize_digest, parse_name
-from localrt.store.store import MEDIA_DRAFT, MEDIA_MODEL, Store
+from localrt.store.store import MEDIA_DRAFT, MEDIA_MODEL, MEDIA_PROJECTOR, Store
 
 # Ollama's option types (api/types.go); names not listed are typed from their value.
 PARAMETER_TYPES: dict[str, type] = {
@@ -145,6 +146,8 @@ class Modelfile:
     license: str | None = None
     draft: str | None = None
     draft_line: int = 0
+    projector: str | None = None  # the second FROM: a multimodal projector GGUF
+    projector_line: int = 0
 
 
 def _value(lines: list[str], i: int, rest: str, keyword: str) -> tuple[str, int]:
@@ -215,9 +218,7 @@ def parse_modelfile(text: str) -> Modelfile:
             continue
         value, i_end = _value(lines, i, rest, word)
         if word == "FROM":
-            if mf.from_ is not None:
-                raise ModelfileError(f"{where}: a second FROM (the first is on line {mf.from_line})")
-            mf.from_, mf.from_line = value, i + 1
+            _add_from(mf, value, i + 1, where)
         elif word == "DRAFT":
             mf.draft, mf.draft_line = value, i + 1
         elif word == "TEMPLATE":
@@ -230,6 +231,19 @@ def parse_modelfile(text: str) -> Modelfile:
     if licenses:
         mf.license = "\n\n".join(licenses)
     return mf
+
+
+def _add_from(mf: Modelfile, value: str, line: int, where: str) -> None:
+    """The first FROM is the model, a second one its projector (Ollama's vision Modelfiles)."""
+    if mf.projector is not None:
+        raise ModelfileError(
+            f"{where}: a third FROM (a model takes one GGUF and one projector, lines "
+            f"{mf.from_line} and {mf.projector_line})"
+        )
+    if mf.from_ is not None:
+        mf.projector, mf.projector_line = value, line
+    else:
+        mf.from_, mf.from_line = value, line
 
 
 def looks_like_path(value: str) -> bool:
@@ -271,6 +285,8 @@ def create(
     store: Store | None = None,
     base_dir: str | Path | None = None,
     quantize: str | None = None,
+    projector_path: str | Path | None = None,
+    imatrix: str | Path | None = None,
 ) -> ModelName:
     """`localrt create`: a model from a GGUF file or an existing model, plus Modelfile overrides.
 
@@ -281,6 +297,8 @@ def create(
         store: the store (default: LOCALRT_MODELS).
         base_dir: where relative FROM/DRAFT paths start (the Modelfile's folder; default: cwd).
         quantize: requantize an F32/F16/BF16 source to this file type (e.g. Q4_K_M) first.
+        projector_path: a multimodal projector GGUF (mmproj) for a vision model; overrides a second FROM.
+        imatrix: an importance-matrix file that weights that quantization (`localrt imatrix`).
     """
     store = store or Store()
     dest = parse_name(name) if isinstance(name, str) else name
@@ -298,7 +316,13 @@ def create(
     draft: Path | ModelName | None = None
     if mf.draft is not None:
         draft = _resolve_source(mf.draft, base, store, where(mf.draft_line))
-    with quantized(store, source, quantize) as source:
+    if projector_path is not None:
+        mf.projector, mf.projector_line = str(projector_path), 0
+    projector: Path | ModelName | None = None
+    if mf.projector is not None:
+        projector = _resolve_source(mf.projector, base, store, where(mf.projector_line))
+        source, projector = _model_first(source, projector)
+    with quantized(store, source, quantize, _load_imatrix(imatrix, quantize)) as source:
         build_model(
             store,
             dest,
@@ -308,16 +332,44 @@ def create(
             license_text=mf.license,
             parameters=mf.parameters,
             draft=draft,
+            projector=projector,
         )
     return dest
 
 
+def _load_imatrix(path: str | Path | None, file_type: str | None, label: str | None = None) -> Any:
+    """(Imatrix, the label llama-quantize would record) for --imatrix, or None; checked up front."""
+    if path is None:
+        return None
+    from localrt.converters import imatrix as imatrix_io
+    from localrt.converters.mixes import parse_file_type
+
+    if not file_type:
+        raise LocalrtError("--imatrix needs --quantize TYPE")
+    imatrix_io.check_quantized(parse_file_type(file_type), imatrix_io.Imatrix())
+    return imatrix_io.read(path), label or str(path)
+
+
+def _model_first(
+    source: Path | ModelName, projector: Path | ModelName
+) -> tuple[Path | ModelName, Path | ModelName]:
+    """Two FROM lines in either order, as Ollama takes them: the projector GGUF is the one of arch clip."""
+    from localrt.store.importer import is_projector
+
+    if isinstance(source, Path) and isinstance(projector, Path) and source.is_file() and projector.is_file():
+        with contextlib.suppress(LocalrtError, OSError):
+            if is_projector(source) and not is_projector(projector):
+                return projector, source
+    return source, projector
+
+
 @contextlib.contextmanager
 def quantized(
-    store: Store, source: Path | str | ModelName, file_type: str | None
+    store: Store, source: Path | str | ModelName, file_type: str | None, imatrix: Any = None
 ) -> Iterator[Path | str | ModelName]:
     """The source itself, or (with a file type) a requantized copy in a temp folder inside the store,
-    so the finished GGUF moves into blobs/ without crossing filesystems; the folder goes afterwards."""
+    so the finished GGUF moves into blobs/ without crossing filesystems; the folder goes afterwards.
+    `imatrix`: (Imatrix, label) from _load_imatrix, weighting the quantization."""
     if not file_type:
         yield source
         return
@@ -329,7 +381,8 @@ def quantized(
         source = store.blob_path(source)
     store.blobs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=store.root, prefix=".quantize-") as tmp:
-        yield requantize(Path(source), Path(tmp) / "model.gguf", file_type)
+        im, label = imatrix if imatrix is not None else (None, "")
+        yield requantize(Path(source), Path(tmp) / "model.gguf", file_type, imatrix=im, imatrix_label=label)
 
 
 def build_model(
@@ -342,18 +395,21 @@ def build_model(
     license_text: str | None = None,
     parameters: dict[str, Any] | None = None,
     draft: Path | str | ModelName | None = None,
+    projector: Path | str | ModelName | None = None,
 ) -> None:
     """Write `dest` from a GGUF (path or stored digest) or from a stored model whose layers it inherits;
-    the given template/system/license/parameters/draft override the inherited ones."""
+    the given template/system/license/parameters/draft/projector override the inherited ones."""
     from localrt.store.importer import import_gguf
 
     params: dict[str, Any] = {}
     inherited_draft: str | None = None
+    inherited_projector: str | None = None
     if isinstance(source, ModelName):
         # derive: inherit every layer of the stored model, then apply the overrides
         base_model = store.resolve(source)
         gguf: Path | str = _layer_digest(store, source, MEDIA_MODEL) or ""
         inherited_draft = _layer_digest(store, source, MEDIA_DRAFT)
+        inherited_projector = _layer_digest(store, source, MEDIA_PROJECTOR)
         template = template if template is not None else base_model.template
         system = system if system is not None else base_model.system
         license_text = license_text if license_text is not None else base_model.license
@@ -366,6 +422,13 @@ def build_model(
         draft_source = _layer_digest(store, draft, MEDIA_MODEL)
     elif draft is not None:
         draft_source = draft
+    projector_source: Path | str | None = inherited_projector
+    if isinstance(projector, ModelName):
+        projector_source = _layer_digest(store, projector, MEDIA_PROJECTOR)
+        if projector_source is None:
+            raise LocalrtError(f"model '{projector.display}' has no projector to take")
+    elif projector is not None:
+        projector_source = projector
     import_gguf(
         store,
         dest,
@@ -375,7 +438,20 @@ def build_model(
         params=params or None,
         license=license_text,
         draft=draft_source,
+        projector=projector_source,
     )
+
+
+def _imatrix_blob(store: Store, digest: Any, file_type: str | None) -> Any:
+    """The `imatrix` field of /api/create: the digest of an uploaded importance-matrix blob."""
+    if digest is None:
+        return None
+    if not isinstance(digest, str) or not digest:
+        raise LocalrtError("imatrix must be the sha256 digest of an uploaded blob")
+    blob = normalize_digest(digest)
+    if not store.has_blob(blob):
+        raise LocalrtError(f"blob {blob} not found: upload it with POST /api/blobs/{blob} first")
+    return _load_imatrix(store.blob_path(blob), file_type, label=blob)
 
 
 def create_from_request(
@@ -395,16 +471,19 @@ def create_from_request(
         )
     files, base = fields.get("files"), fields.get("from")
     source: str | ModelName
+    projector: str | None = None
     if files:
         if not isinstance(files, dict):
             raise LocalrtError("files must map file names to sha256 digests")
         ggufs = [digest for fname, digest in files.items() if str(fname).lower().endswith(".gguf")]
-        if len(ggufs) != 1:
-            raise LocalrtError("files must name exactly one .gguf file")
-        source = normalize_digest(str(ggufs[0]))
-        if not store.has_blob(source):
-            raise LocalrtError(f"blob {source} not found: upload it with POST /api/blobs/{source} first")
+        if not 1 <= len(ggufs) <= 2:
+            raise LocalrtError("files must name one .gguf file (two for a vision model and its projector)")
+        blobs = [normalize_digest(str(d)) for d in ggufs]
+        for digest in blobs:
+            if not store.has_blob(digest):
+                raise LocalrtError(f"blob {digest} not found: upload it with POST /api/blobs/{digest} first")
         progress("parsing GGUF")
+        source, projector = _split_projector(store, blobs)
     elif isinstance(base, str) and base:
         source = parse_name(base)
         if not store.exists(source):
@@ -423,9 +502,10 @@ def create_from_request(
         if value is not None and not isinstance(value, str):
             raise LocalrtError(f"{key} must be a string")
         texts[key] = value
+    weights = _imatrix_blob(store, fields.get("imatrix"), file_type)
     if file_type:
         progress(f"quantizing model to {file_type}")
-    with quantized(store, source, file_type) as model_source:
+    with quantized(store, source, file_type, weights) as model_source:
         progress("writing manifest")
         build_model(
             store,
@@ -435,4 +515,17 @@ def create_from_request(
             system=texts["system"],
             license_text=texts["license"],
             parameters=checked,
+            projector=projector,
         )
+
+
+def _split_projector(store: Store, blobs: list[str]) -> tuple[str, str | None]:
+    """Uploaded GGUF blobs -> (model, projector or None); the projector is the one of arch clip."""
+    from localrt.store.importer import is_projector
+
+    if len(blobs) == 1:
+        return blobs[0], None
+    kinds = [is_projector(store.blob_path(d)) for d in blobs]
+    if kinds.count(True) != 1:
+        raise LocalrtError("of two .gguf files, exactly one must be a multimodal projector (mmproj)")
+    return (blobs[1], blobs[0]) if kinds[0] else (blobs[0], blobs[1])

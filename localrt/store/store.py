@@ -37,6 +37,7 @@ MEDIA_SYSTEM = MEDIA_PREFIX + "system"
 MEDIA_PARAMS = MEDIA_PREFIX + "params"
 MEDIA_LICENSE = MEDIA_PREFIX + "license"
 MEDIA_DRAFT = MEDIA_PREFIX + "draft"
+MEDIA_PROJECTOR = MEDIA_PREFIX + "projector"  # Ollama's: a vision model's multimodal projector GGUF
 MAX_MANIFEST_BYTES = 4 << 20
 HASH_CHUNK = 1 << 20
 
@@ -77,6 +78,7 @@ class ResolvedModel:
     license: str | None = None
     draft_path: Path | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    projector_path: Path | None = None  # the mmproj GGUF of a vision model
 
     @property
     def size(self) -> int:
@@ -242,6 +244,8 @@ class Store:
                 extras.setdefault("model_path", blob)
             elif media == MEDIA_DRAFT:
                 extras["draft_path"] = blob
+            elif media == MEDIA_PROJECTOR:
+                extras.setdefault("projector_path", blob)
             elif media == MEDIA_TEMPLATE:
                 extras["template"] = blob.read_text(encoding="utf-8")
             elif media == MEDIA_SYSTEM:
@@ -254,6 +258,10 @@ class Store:
             raise LocalrtError(f"model '{name.display}' has no GGUF model layer")
         if not extras["model_path"].is_file():
             raise LocalrtError(f"model '{name.display}' is damaged: its model blob is missing; pull it again")
+        if "projector_path" in extras and not extras["projector_path"].is_file():
+            raise LocalrtError(
+                f"model '{name.display}' is damaged: its projector blob is missing; pull it again"
+            )
         cfg: dict[str, Any] = {}
         cfg_layer = manifest.get("config") or {}
         if cfg_layer.get("digest") and self.has_blob(cfg_layer["digest"]):

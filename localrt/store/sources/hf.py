@@ -58,6 +58,33 @@ def pick_gguf(files: list[str], quant: str, repo: str) -> str:
     return choice
 
 
+PROJECTOR_PREFERENCE = ("f16", "bf16", "q8_0", "f32")  # a projector is small: keep it precise
+
+
+def pick_mmproj(files: list[str], chosen: str) -> str | None:
+    """The repo's multimodal projector (`mmproj*.gguf`) for the chosen GGUF: beside it in the same folder,
+    of the same quant when there is one, else the most precise; None for a text-only repo."""
+    folder = chosen.rpartition("/")[0]
+    projs = sorted(
+        f for f in files if f.lower().endswith(".gguf") and "mmproj" in f.rpartition("/")[2].lower()
+    )
+    near = [f for f in projs if f.rpartition("/")[0] == folder] or projs
+    if not near:
+        return None
+    quant = re.search(r"(?i)[-._](i?q\d\w*|bf16|f16|f32)\.gguf$", chosen)
+
+    def rank(f: str) -> tuple[int, str]:
+        low = f.lower()
+        if quant and low.endswith(quant.group(1).lower() + ".gguf"):
+            return (0, f)
+        for i, q in enumerate(PROJECTOR_PREFERENCE):
+            if re.search(rf"(?<![a-z0-9]){q}(?![a-z0-9_])", low):
+                return (1 + i, f)
+        return (len(PROJECTOR_PREFERENCE) + 1, f)
+
+    return min(near, key=rank)
+
+
 def _bridge(emit: ProgressFn, status: str, digest: str | None, total: int | None) -> type:
     """A tqdm class for hf_hub_download that turns its byte counts into our Progress events."""
     from tqdm.auto import tqdm
@@ -174,7 +201,22 @@ def pull_hf(ref: ModelName, store: Store, *, dest: ModelName, progress: Progress
 
     emit = progress or (lambda _: None)
     digest = fetch_hf_gguf(ref, store, progress=emit)
+    projector = _fetch_projector(ref, store, emit)
     emit(Progress("writing manifest"))
-    manifest_digest = import_gguf(store, dest, digest)
+    manifest_digest = import_gguf(store, dest, digest, projector=projector)
     emit(Progress("success"))
     return manifest_digest
+
+
+def _fetch_projector(ref: ModelName, store: Store, emit: ProgressFn) -> str | None:
+    """A vision repo's projector beside the chosen GGUF (its digest once stored), None for text-only repos."""
+    from huggingface_hub import HfApi
+
+    repo, base = f"{ref.namespace}/{ref.model}", endpoint()
+    try:
+        info = HfApi(endpoint=base).model_info(repo, timeout=METADATA_TIMEOUT)
+    except Exception as e:
+        raise _hub_error(e, repo, base.split("://", 1)[-1]) from None
+    files = [s.rfilename for s in info.siblings or []]
+    proj = pick_mmproj(files, pick_gguf(files, ref.tag, repo))
+    return fetch_hf_gguf(ref, store, filename=proj, progress=emit) if proj else None

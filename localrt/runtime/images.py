@@ -1,0 +1,250 @@
+"""Images in requests: base64 and data URLs (and, with LOCALRT_FETCH_IMAGES=1, http(s) URLs) decoded with
+Pillow into RGB pixels, under format, byte and pixel-count limits, before any of it reaches a backend.
+
+Placement follows Ollama: each image of a message goes where the message's content says `[img]`, the rest
+in front of the content. The runtime marks the spot with a per-process marker that no user text can
+forge, and the tokenizer turns each marker into `IMAGE_TOKEN`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import re
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from localrt import config
+from localrt.backends.base import IMAGE_TOKEN, ImageInput
+from localrt.errors import LocalrtError
+
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+MAX_IMAGE_BYTES = 20 << 20  # one encoded image
+MAX_PIXELS = 4096 * 4096  # one decoded image (libmtmd resizes to the projector's size anyway)
+MAX_IMAGES = 16  # per request
+FETCH_TIMEOUT_S = 10.0
+PLACEHOLDER = "[img]"  # Ollama's: where in a message's text its next image goes
+# Private-use code points around a random id: a user cannot type the marker, so cannot place an image
+MARKER = f"\U000f0000{secrets.token_hex(8)}\U000f0001"
+
+
+class ImageError(LocalrtError):
+    status = 400
+
+
+def _pil() -> Any:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise LocalrtError("images need Pillow: pip install Pillow") from None
+    return Image
+
+
+def decode_image(data: bytes, what: str = "image") -> ImageInput:
+    """Encoded image bytes -> RGB pixels; a clear ImageError for anything that is not a whole image."""
+    if not data:
+        raise ImageError(f"{what} is empty")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ImageError(f"{what} is {len(data)} bytes, more than the limit of {MAX_IMAGE_BYTES} bytes")
+    image_mod = _pil()
+    try:
+        im = image_mod.open(io.BytesIO(data))
+    except Exception:  # UnidentifiedImageError and friends: not an image at all
+        raise ImageError(f"{what} is not an image (supported formats: {', '.join(FORMATS)})") from None
+    if im.format not in FORMATS:
+        raise ImageError(f"{what} is a {im.format} image; supported formats: {', '.join(FORMATS)}")
+    width, height = im.size
+    if width < 1 or height < 1 or width * height > MAX_PIXELS:
+        raise ImageError(
+            f"{what} is {width}x{height} pixels, more than the limit of {MAX_PIXELS} pixels"
+            if width * height > MAX_PIXELS
+            else f"{what} has no pixels"
+        )
+    try:
+        im.load()  # pixels are decoded here: a truncated or corrupt file fails now
+        rgb = _to_rgb(im, image_mod)
+    except Exception as e:
+        raise ImageError(f"{what} is corrupt or truncated ({im.format}: {e})") from None
+    return ImageInput(rgb.tobytes(), width, height, hashlib.sha256(data).hexdigest())
+
+
+def _to_rgb(im: Any, image_mod: Any) -> Any:
+    """Transparent pixels become white (as a viewer shows them), not the black of a plain convert."""
+    if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+        rgba = im.convert("RGBA")
+        background = image_mod.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return image_mod.alpha_composite(background, rgba).convert("RGB")
+    return im.convert("RGB")
+
+
+_DATA_URL = re.compile(r"^data:([\w.+/-]*)((?:;[\w-]+=[\w.-]+)*)(;base64)?,", re.IGNORECASE)
+
+
+def decode_base64(text: str, what: str = "image") -> bytes:
+    """Ollama's `images` entries: base64 (a data URL's prefix is tolerated)."""
+    if not isinstance(text, str):
+        raise ImageError(f"{what} must be a base64 string")
+    m = _DATA_URL.match(text)
+    if m:
+        text = text[m.end() :]
+    if len(text) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise ImageError(f"{what} is more than the limit of {MAX_IMAGE_BYTES} bytes")
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError(f"{what} is not valid base64") from None
+
+
+def image_url_bytes(url: str, what: str = "image_url") -> bytes:
+    """An OpenAI image_url: a data URL, or (LOCALRT_FETCH_IMAGES=1) an http(s) URL fetched with limits."""
+    if not isinstance(url, str) or not url:
+        raise ImageError(f"{what} must be a URL string")
+    m = _DATA_URL.match(url)
+    if m:
+        if not m.group(3):
+            raise ImageError(f"{what}: only base64 data URLs are supported")
+        return decode_base64(url, what)
+    scheme = url.split(":", 1)[0].lower()
+    if scheme not in ("http", "https"):
+        raise ImageError(f"{what}: unsupported URL scheme {scheme!r} (use a base64 data URL)")
+    if not config.fetch_images():
+        raise ImageError(
+            f"{what}: this server does not fetch image URLs (set LOCALRT_FETCH_IMAGES=1 to allow it); "
+            "send the image as a base64 data URL"
+        )
+    return _fetch(url, what)
+
+
+def _fetch(url: str, what: str) -> bytes:
+    import httpx
+
+    try:
+        with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=True) as r:
+            if r.status_code != 200:
+                raise ImageError(f"{what}: fetching {url} answered HTTP {r.status_code}")
+            declared = r.headers.get("content-length")
+            if declared and declared.isdigit() and int(declared) > MAX_IMAGE_BYTES:
+                raise ImageError(
+                    f"{what}: {url} is {declared} bytes, more than the limit of {MAX_IMAGE_BYTES}"
+                )
+            out = bytearray()
+            for block in r.iter_bytes():
+                out += block
+                if len(out) > MAX_IMAGE_BYTES:
+                    raise ImageError(f"{what}: {url} is more than the limit of {MAX_IMAGE_BYTES} bytes")
+            return bytes(out)
+    except httpx.TimeoutException:
+        raise ImageError(f"{what}: fetching {url} took longer than {FETCH_TIMEOUT_S:g} s") from None
+    except httpx.HTTPError as e:
+        raise ImageError(f"{what}: cannot fetch {url}: {e}") from None
+
+
+def as_bytes(item: Any, what: str) -> bytes:
+    """One entry of an `images` list: base64 text (the wire) or raw bytes (in-process callers)."""
+    if isinstance(item, (bytes, bytearray)):
+        return bytes(item)
+    return decode_base64(item, what)
+
+
+def place_images(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageInput]]:
+    """Decode every message's `images` and put a marker where each goes; returns (messages, images)."""
+    out: list[dict[str, Any]] = []
+    images: list[ImageInput] = []
+    for i, message in enumerate(messages):
+        raw = message.get("images")
+        if not raw:
+            out.append({k: v for k, v in message.items() if k != "images"})
+            continue
+        if not isinstance(raw, list):
+            raise ImageError(f"message {i}: images must be a list of base64 strings")
+        decoded = [
+            decode_image(as_bytes(item, f"image {len(images) + j}"), f"image {len(images) + j}")
+            for j, item in enumerate(raw)
+        ]
+        images.extend(decoded)
+        content = message.get("content") or ""
+        if not isinstance(content, str):
+            raise ImageError(f"message {i}: content must be a string")
+        out.append(
+            {**{k: v for k, v in message.items() if k != "images"}, "content": mark(content, len(decoded))}
+        )
+        if len(images) > MAX_IMAGES:
+            raise ImageError(f"a request may carry at most {MAX_IMAGES} images")
+    return out, images
+
+
+def mark(content: str, n: int) -> str:
+    """The content with n image markers: at its `[img]` placeholders in order, the rest in front."""
+    head = ""
+    for _ in range(n):
+        if PLACEHOLDER in content:
+            content = content.replace(PLACEHOLDER, MARKER, 1)
+        else:
+            head += MARKER
+    return head + content
+
+
+def split_markers(tokenize: Any) -> Any:
+    """Wrap tokenize(text, add_special, parse_special) so each marker in the text becomes IMAGE_TOKEN."""
+
+    def tok(text: str, add_special: bool, parse_special: bool) -> list[int]:
+        out: list[int] = []
+        for i, part in enumerate(text.split(MARKER)):
+            if i:
+                out.append(IMAGE_TOKEN)
+            if part:
+                out.extend(tokenize(part, add_special and i == 0, parse_special))
+        return out
+
+    return tok
+
+
+# ---- image files named on the command line or dropped into a prompt (as Ollama's CLI takes them) ----
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
+# a path ending in an image suffix: quoted, or with backslash-escaped spaces (what a terminal drop pastes)
+_PATH = re.compile(
+    r"""'([^']+\.(?:png|jpe?g|webp|gif|bmp))'|"([^"]+\.(?:png|jpe?g|webp|gif|bmp))"|"""
+    r"""((?:[^\s\\'"]|\\ )+\.(?:png|jpe?g|webp|gif|bmp))(?=[\s?!,;:.]|$)""",
+    re.IGNORECASE,
+)
+
+
+def read_image_file(path: str) -> str:
+    """An image file's bytes as base64 (the wire form), checked to be a decodable image first."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    try:
+        size = p.stat().st_size
+        if size > MAX_IMAGE_BYTES:
+            raise ImageError(f"image {path} is {size} bytes, more than the limit of {MAX_IMAGE_BYTES} bytes")
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise ImageError(f"image file not found: {path}") from None
+    except IsADirectoryError:
+        raise ImageError(f"{path} is a folder, not an image") from None
+    except OSError as e:
+        raise ImageError(f"cannot read image {path}: {e.strerror or e}") from None
+    decode_image(data, f"image {path}")
+    return base64.b64encode(data).decode("ascii")
+
+
+def images_in_prompt(text: str) -> tuple[str, list[str]]:
+    """Paths of existing image files in a typed or dropped-in prompt -> (prompt without them, the paths)."""
+    import os
+
+    found: list[str] = []
+
+    def take(m: re.Match[str]) -> str:
+        raw = next(g for g in m.groups() if g)
+        path = raw.replace("\\ ", " ")
+        if not os.path.isfile(os.path.expanduser(path)):
+            return m.group(0)  # not a file: leave the words as typed
+        found.append(path)
+        return ""
+
+    rest = _PATH.sub(take, text)
+    return (" ".join(rest.split()) if found else text), found

@@ -1,0 +1,244 @@
+"""Tiny stand-ins for each model family's chat template and special tokens, for the thinking and tool-call
+tests. Each template is written from the family's documented prompt format (the reference notes on
+agent APIs, sections 2 and 3): the same markers, roles, tool rendering and generation prompt, trimmed
+to what the tests exercise. The GGUFs are random-weight tiny Llamas; a grammar forces the reply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.gguf_factory import TOKEN_CONTROL, TOKEN_USER_DEFINED, write_tiny_llama
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    template: str
+    specials: tuple[tuple[str, int], ...]
+
+    def write(self, path: Path) -> Path:
+        return write_tiny_llama(
+            path, chat_template=self.template, extra_specials=self.specials, context_length=4096
+        )
+
+
+# Qwen3 (hybrid): ChatML; tools listed in the system turn inside <tools>; calls as <tool_call> JSON;
+# tool results as <tool_response> in a user turn; `enable_thinking=false` closes an empty think block.
+QWEN3 = Family(
+    "qwen3",
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if message.reasoning_content and loop.last %}<think>\n{{ message.reasoning_content }}\n</think>\n\n"
+    "{% endif %}{{ message.content }}"
+    "{% for tool_call in message.tool_calls or [] %}\n<tool_call>\n"
+    '{"name": "{{ tool_call.function.name }}", "arguments": {{ tool_call.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}"
+    "\n</tool_response><|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}",
+    (
+        ("<think>", TOKEN_USER_DEFINED),
+        ("</think>", TOKEN_USER_DEFINED),
+        ("<tool_call>", TOKEN_USER_DEFINED),
+        ("</tool_call>", TOKEN_USER_DEFINED),
+    ),
+)
+
+# DeepSeek-R1: the generation prompt already opens <think>; the model writes its reasoning, </think>,
+# then the answer. Earlier answers are kept without their thinking.
+DEEPSEEK_R1 = Family(
+    "deepseek-r1",
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message.role == 'system' %}{{ message.content }}"
+    "{% elif message.role == 'user' %}<｜User｜>{{ message.content }}"
+    "{% elif message.role == 'assistant' %}<｜Assistant｜>"
+    "{% set content = message.content %}{% if '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1] %}{% endif %}{{ content }}<｜end▁of▁sentence｜>"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}",
+    (
+        ("<｜User｜>", TOKEN_CONTROL),
+        ("<｜Assistant｜>", TOKEN_CONTROL),
+        ("<｜end▁of▁sentence｜>", TOKEN_CONTROL),
+        ("<think>", TOKEN_USER_DEFINED),
+        ("</think>", TOKEN_USER_DEFINED),
+    ),
+)
+
+# gpt-oss (harmony): a system message with the reasoning effort and the valid channels, a developer
+# message with the tools as a TypeScript namespace, tool calls on `commentary` to `functions.NAME`,
+# tool results from `functions.NAME to=assistant`; the generation prompt is `<|start|>assistant`.
+HARMONY = Family(
+    "gpt-oss",
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Knowledge cutoff: 2024-06\n\n"
+    "Reasoning: {{ reasoning_effort if reasoning_effort is defined else 'medium' }}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+    "{% if tools %}\nCalls to these tools must go to the commentary channel: 'functions'.{% endif %}"
+    "<|end|>"
+    "{% if tools or messages[0].role == 'system' %}<|start|>developer<|message|>"
+    "{% if messages[0].role == 'system' %}# Instructions\n\n{{ messages[0].content }}\n\n{% endif %}"
+    "{% if tools %}# Tools\n\n## functions\n\nnamespace functions {\n"
+    "{% for tool in tools %}\n// {{ tool.function.description }}\n"
+    "type {{ tool.function.name }} = (_: {{ tool.function.parameters | tojson }}) => any;\n"
+    "{% endfor %}\n} // namespace functions{% endif %}<|end|>{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' %}<|start|>user<|message|>{{ message.content }}<|end|>"
+    "{% elif message.role == 'assistant' %}"
+    "{% if message.tool_calls %}{% for tc in message.tool_calls %}"
+    "<|start|>assistant<|channel|>commentary to=functions.{{ tc.function.name }} <|constrain|>json"
+    "<|message|>{{ tc.function.arguments | tojson }}<|call|>{% endfor %}"
+    "{% else %}<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>{% endif %}"
+    "{% elif message.role == 'tool' %}<|start|>functions.{{ message.tool_name or 'tool' }} to=assistant"
+    "<|channel|>commentary<|message|>{{ message.content | tojson }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}",
+    tuple(
+        (t, TOKEN_CONTROL)
+        for t in (
+            "<|start|>",
+            "<|end|>",
+            "<|message|>",
+            "<|channel|>",
+            "<|constrain|>",
+            "<|return|>",
+            "<|call|>",
+        )
+    ),
+)
+
+# Llama 3.1/3.2: header tokens; tools offered in the (last) user turn with the JSON instruction; the
+# model answers `{"name": ..., "parameters": ...}`; results come back in the `ipython` role.
+LLAMA3 = Family(
+    "llama3",
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message.role == 'user' and loop.last and tools %}"
+    "<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, please respond with a "
+    "JSON for a function call with its proper arguments that best answers the given prompt.\n\n"
+    'Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
+    "value}. Do not use variables.\n\n{% for t in tools %}{{ t | tojson }}\n\n{% endfor %}"
+    "{{ message.content }}<|eot_id|>"
+    "{% elif message.role == 'assistant' and message.tool_calls %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{% for tc in message.tool_calls %}"
+    '{"name": "{{ tc.function.name }}", "parameters": {{ tc.function.arguments | tojson }}}'
+    "{% endfor %}<|eot_id|>"
+    "{% elif message.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n"
+    "{{ message.content }}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n{{ message.content }}<|eot_id|>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
+    (
+        ("<|start_header_id|>", TOKEN_CONTROL),
+        ("<|end_header_id|>", TOKEN_CONTROL),
+        ("<|eot_id|>", TOKEN_CONTROL),
+        ("<|python_tag|>", TOKEN_CONTROL),
+    ),
+)
+
+# Mistral (v3 tokenizer, e.g. 7B v0.3 / Nemo): [AVAILABLE_TOOLS] before the last user turn, calls as
+# [TOOL_CALLS] + a JSON list, results as [TOOL_RESULTS] with the 9-character call id.
+MISTRAL = Family(
+    "mistral",
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message.role == 'user' %}"
+    "{% if tools and loop.last %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "[INST]{{ message.content }}[/INST]"
+    "{% elif message.role == 'assistant' and message.tool_calls %}[TOOL_CALLS]["
+    "{% for tc in message.tool_calls %}"
+    "{% if tc.id is not defined or tc.id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}, '
+    '"id": "{{ tc.id }}"}{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}'
+    "{% elif message.role == 'assistant' %}{{ message.content }}{{ eos_token }}"
+    "{% elif message.role == 'tool' %}"
+    "{% if message.tool_call_id is not defined or message.tool_call_id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    '[TOOL_RESULTS]{"content": {{ message.content | tojson }}, "call_id": "{{ message.tool_call_id }}"}'
+    "[/TOOL_RESULTS]{% endif %}{% endfor %}",
+    tuple(
+        (t, TOKEN_CONTROL)
+        for t in (
+            "[INST]",
+            "[/INST]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[TOOL_CALLS]",
+            "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]",
+        )
+    ),
+)
+
+# Granite 3.x: roles between <|start_of_role|> and <|end_of_role|>, tools in an `available_tools`
+# turn, calls as <|tool_call|> + a JSON list, results in the `tool_response` role.
+GRANITE = Family(
+    "granite",
+    "{% if tools %}<|start_of_role|>available_tools<|end_of_role|>"
+    "{% for t in tools %}{{ t | tojson(indent=4) }}{% if not loop.last %}\n\n{% endif %}{% endfor %}"
+    "<|end_of_text|>\n{% endif %}{% for message in messages %}"
+    "{% if message.role == 'assistant' and message.tool_calls %}"
+    "<|start_of_role|>assistant<|end_of_role|><|tool_call|>{{ message.tool_calls | map(attribute='function')"
+    " | list | tojson }}<|end_of_text|>\n"
+    "{% elif message.role == 'tool' %}<|start_of_role|>tool_response<|end_of_role|>{{ message.content }}"
+    "<|end_of_text|>\n{% else %}<|start_of_role|>{{ message.role }}<|end_of_role|>{{ message.content }}"
+    "<|end_of_text|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_of_role|>assistant<|end_of_role|>{% endif %}",
+    (
+        ("<|start_of_role|>", TOKEN_CONTROL),
+        ("<|end_of_role|>", TOKEN_CONTROL),
+        ("<|end_of_text|>", TOKEN_CONTROL),
+        ("<|tool_call|>", TOKEN_CONTROL),
+    ),
+)
+
+# Phi-4-mini: tools inside <|tool|>…<|/tool|> in the system turn; calls as `functools[...]`.
+PHI4 = Family(
+    "phi4",
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and tools %}<|system|>{{ message.content }}<|tool|>{{ tools | tojson }}"
+    "<|/tool|><|end|>{% elif message.role == 'assistant' and message.tool_calls %}<|assistant|>functools"
+    "{{ message.tool_calls | map(attribute='function') | list | tojson }}<|end|>"
+    "{% else %}<|{{ message.role }}|>{{ message.content }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    tuple(
+        (t, TOKEN_CONTROL)
+        for t in ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|/tool|>", "<|end|>")
+    ),
+)
+
+FAMILIES = {f.name: f for f in (QWEN3, DEEPSEEK_R1, HARMONY, LLAMA3, MISTRAL, GRANITE, PHI4)}
+
+
+FIRST_SPECIAL_ID = 5  # tiny_spm_vocab puts the extra specials right after <unk> <s> </s> and ChatML's two
+
+
+def gbnf_literal(text: str, specials: tuple[tuple[str, int], ...] = ()) -> str:
+    """A GBNF sequence that spells `text` exactly, each special token as that very token (`<[id]>`)."""
+    import json
+    import re
+
+    ids = {t: FIRST_SPECIAL_ID + i for i, (t, _) in enumerate(specials)}
+    if not ids:
+        return json.dumps(text)
+    names = sorted(ids, key=len, reverse=True)
+    parts = re.split("(" + "|".join(re.escape(n) for n in names) + ")", text)
+    return " ".join(f"<[{ids[p]}]>" if p in ids else json.dumps(p) for p in parts if p)
+
+
+def forced(text: str, family: Family | None = None) -> str:
+    """A grammar whose only sentence is `text` (llama.cpp then samples exactly it, token by token)."""
+    return "root ::= " + gbnf_literal(text, family.specials if family else ())
