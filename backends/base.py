@@ -41,6 +41,7 @@ class Capabilities:
     kv_cache_types: tuple[str, ...] = ("f16",)
     devices: tuple[str, ...] = ("cpu",)
     parallel_slots: int = 1  # on a loaded model: how many requests it serves at once
+    context_shift: bool = False  # generation may go on past the context end (GenerateRequest.shift)
     vision: bool = False  # on a loaded model: a projector is loaded, so GenerateRequest.images work
     rerank: bool = False  # on a loaded model: a reranker (rank pooling), so rerank() works
 
@@ -137,6 +138,10 @@ class GenerateRequest:
     format: str | dict[str, Any] | GBNF | None = None  # "json", a JSON schema or GBNF (Capabilities.grammar)
     speculative: str = "off"
     num_draft: int | None = None  # None = the backend's default for the mode
+    shift: bool = (
+        True  # at the context end: drop old tokens and go on (Capabilities.context_shift), else stop
+    )
+    num_keep: int = 4  # tokens a context shift keeps at the start
     cancel: CancelToken = field(default_factory=CancelToken)
     # control tokens whose text the answer keeps (thinking tags, tool-call markers, harmony headers):
     # the runtime parses them out of the text, as llama-server's preserved tokens
@@ -177,6 +182,7 @@ class Timings:
     eval_ns: int = 0
     draft_count: int = 0
     draft_accepted_count: int = 0
+    cached_count: int = 0  # prompt tokens taken from the KV cache, not evaluated (OpenAI cached_tokens)
     prompt_image_tokens: int = 0  # of prompt_eval_count: cells an image encoder produced (0 on a reuse)
 
 

@@ -7,30 +7,13 @@ protocol's token methods on top of it.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
+from localrt.backends.llamacpp.lib import token_piece
 from localrt.errors import LocalrtError
 
-
-def token_piece(
-    lib: Any, vocab: Any, token: int, special: bool, cache: dict[tuple[int, bool], bytes]
-) -> bytes:
-    """A token's bytes (a piece may be part of a UTF-8 character), memoized in `cache`."""
-    key = (token, special)
-    cached = cache.get(key)
-    if cached is not None:
-        return cached
-    buf = ctypes.create_string_buffer(256)  # per call: several threads (slots, engines) read pieces at once
-    n = lib.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
-    if n < 0:
-        buf = ctypes.create_string_buffer(-n)
-        n = lib.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
-    out = buf.raw[:n]
-    cache[key] = out
-    return out
+__all__ = ["Vocab", "VocabMethods", "token_piece"]
 
 
 class Vocab:
@@ -39,7 +22,7 @@ class Vocab:
     def __init__(self, path: Path) -> None:
         from llama_cpp import _internals
 
-        from localrt.backends.llamacpp import _lib
+        from localrt.backends.llamacpp.lib import _lib
 
         lib = _lib()
         params = lib.llama_model_default_params()

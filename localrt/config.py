@@ -138,3 +138,30 @@ def fetch_images() -> bool:
     """`LOCALRT_FETCH_IMAGES=1`: OpenAI `image_url` parts may name http(s) URLs (off by default: a request
     must not make the server reach out to the network)."""
     return os.environ.get("LOCALRT_FETCH_IMAGES", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+MAX_NUM_PARALLEL = 256
+
+
+def num_parallel() -> int:
+    """LOCALRT_NUM_PARALLEL: `auto` (the default, 0 here: the backend fits the memory budget) or 1..256."""
+    raw = setting("LOCALRT_NUM_PARALLEL").lower()
+    if raw in ("", "auto", "0"):
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 1 <= value <= MAX_NUM_PARALLEL:
+        raise LocalrtError(
+            f"LOCALRT_NUM_PARALLEL must be auto or an integer from 1 to {MAX_NUM_PARALLEL}, got {raw!r}"
+        )
+    return value
+
+
+def context_length(default: int = 4096) -> int:
+    """LOCALRT_CONTEXT_LENGTH: num_ctx when neither the request nor the Modelfile sets it."""
+    value = env_int("LOCALRT_CONTEXT_LENGTH", default)
+    if value < 1:
+        raise LocalrtError(f"LOCALRT_CONTEXT_LENGTH must be a positive integer, got {value}")
+    return value

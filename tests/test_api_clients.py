@@ -210,7 +210,7 @@ def test_pull_with_progress(client: ollama.Client, tmp_path: Path) -> None:
     client.delete(name)
 
 
-def test_errors_and_server_stays_up(client: ollama.Client) -> None:
+def test_errors_and_server_stays_up(client: ollama.Client, server: LocalrtServer) -> None:
     with pytest.raises(ollama.ResponseError) as err:
         client.chat("nosuch:model", messages=[{"role": "user", "content": "hi"}])
     assert err.value.status_code == 404
@@ -220,9 +220,15 @@ def test_errors_and_server_stays_up(client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError) as err:
         client.generate(MODEL, "hi", options={"no_such_option": 1})
     assert err.value.status_code == 400
-    with pytest.raises(ollama.ResponseError) as err:
-        client.generate(MODEL, "word " * 3000, options={"num_ctx": 512})
-    assert err.value.status_code == 400 and "context" in str(err.value)
+    too_long = {"model": MODEL, "prompt": "word " * 3000, "options": {"num_ctx": 512, "num_predict": 2}}
+    r = httpx.post(
+        server.url + "/api/generate", json={**too_long, "truncate": False, "stream": False}, timeout=120
+    )
+    assert r.status_code == 400
+    assert "does not fit the context length of 512 tokens" in r.json()["error"]
+    # truncate (the default): the prompt keeps its start and its newest tokens, and is answered
+    r = httpx.post(server.url + "/api/generate", json={**too_long, "stream": False}, timeout=120)
+    assert r.status_code == 200 and r.json()["done"] is True
     assert client.generate(MODEL, "Hi", options={**GREEDY, "num_predict": 2}).done
 
 
@@ -303,6 +309,9 @@ def test_openai_chat(oai: openai.OpenAI) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r.choices[0].message.content
     assert chunks[-1].usage and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    # the same prompt again: all of it but the last token comes from the KV cache
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
 
 
 def test_openai_completions_and_embeddings(oai: openai.OpenAI) -> None:

@@ -55,7 +55,10 @@ def test_capabilities() -> None:
     caps = LlamaCppBackend.capabilities()
     assert caps.speculative == frozenset({"draft", "lookup"})
     assert {"f16", "q8_0", "q4_0"} <= set(caps.kv_cache_types)
-    assert "cpu" in caps.devices and caps.grammar and caps.embedding and caps.parallel_slots == 1
+    assert "cpu" in caps.devices
+    assert caps.grammar
+    assert caps.embedding
+    assert caps.parallel_slots == 1
     assert LlamaCppBackend.availability() == (True, "")
 
 
@@ -100,7 +103,8 @@ def test_json_schema_format(model: LlamaCppModel) -> None:
         ),
     )
     obj = json.loads(text)
-    assert set(obj) == {"city", "population"} and isinstance(obj["population"], int)
+    assert set(obj) == {"city", "population"}
+    assert isinstance(obj["population"], int)
     assert done.finish_reason == "stop"
 
 
@@ -152,7 +156,8 @@ def test_mirostat_and_penalties_run(model: LlamaCppModel) -> None:
         ),
     ):
         _, ids, done = generate(model, GenerateRequest(ask(model, "Say something."), params, num_predict=8))
-        assert ids and done.finish_reason in ("length", "stop")
+        assert ids
+        assert done.finish_reason in ("length", "stop")
 
 
 def test_cpu_build_reports_cpu(model: LlamaCppModel, smollm2_gguf: Path) -> None:

@@ -231,7 +231,9 @@ def test_lru_unload_beyond_max_loaded(store: Store, smollm2_gguf: Path) -> None:
     asyncio.run(scenario())
 
 
-def test_queue_limit_answers_busy(store: Store) -> None:
+def test_queue_limit_answers_busy(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCALRT_NUM_PARALLEL", "1")  # one running, one waiting, the next one refused
+
     async def scenario() -> None:
         rt = Runtime(store, max_queue=1)
         try:
@@ -286,7 +288,11 @@ def test_parallel_slots_serve_requests_side_by_side(
     asyncio.run(scenario())
 
 
-def test_one_slot_serves_waiting_requests_in_arrival_order(store: Store) -> None:
+def test_one_slot_serves_waiting_requests_in_arrival_order(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOCALRT_NUM_PARALLEL", "1")
+
     async def scenario() -> None:
         rt = Runtime(store)
         try:

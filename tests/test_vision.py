@@ -56,16 +56,7 @@ def b64(data: bytes) -> str:
 # ---- the backend: an image changes the logits ---------------------------------------------------
 def first_logits(model: Any, tokens: list[int], images: list[Any]) -> np.ndarray:
     """The logits after the prompt, evaluated the way generate evaluates it (prefix reuse included)."""
-    from localrt.backends.base import Timings
-
-    media = model._expand_images(GenerateRequest(prompt_tokens=tokens, images=images))
-    runner = model._main
-    try:
-        model._eval_prompt(runner, media.cells if media else tokens, media, Timings())
-        return runner.logits_row(-1).copy()
-    finally:
-        if media is not None:
-            media.close()
+    return model.prompt_logits(GenerateRequest(prompt_tokens=tokens, images=images))
 
 
 def test_an_image_changes_the_logits(vlm: tuple[Path, Path]) -> None:
@@ -83,7 +74,9 @@ def test_an_image_changes_the_logits(vlm: tuple[Path, Path]) -> None:
         none = first_logits(m, text, [])
     finally:
         m.unload()
-    assert np.array_equal(a, a_again)  # the same image: the same numbers (and a check that they're stable)
+    # the same image: the same numbers up to float rounding (the repeat evaluates only the last token,
+    # reusing the image's cells, and this model's F16 kernels round a 1-row batch differently)
+    assert np.allclose(a, a_again, rtol=0, atol=1e-4)
     assert not np.array_equal(a, b)  # another picture: other logits
     assert not np.array_equal(a, none)  # no picture: other logits
 

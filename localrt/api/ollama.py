@@ -427,6 +427,8 @@ async def generate(request: Request) -> Response:
         top_logprobs=f.get("top_logprobs") or 0,
         stream=stream,
         think=f.get("think"),
+        truncate=bool_field(f, "truncate", True),
+        shift=bool_field(f, "shift", True),
     )
     return await generation_response(request, chunks, stream, chunk_to_generate)
 
@@ -467,6 +469,8 @@ async def chat(request: Request) -> Response:
         top_logprobs=f.get("top_logprobs") or 0,
         stream=stream,
         think=f.get("think"),
+        truncate=bool_field(f, "truncate", True),
+        shift=bool_field(f, "shift", True),
     )
     return await generation_response(request, chunks, stream, chunk_to_chat)
 

@@ -254,10 +254,12 @@ def openai_logprobs(items: list[dict[str, Any]] | None) -> dict[str, Any] | None
 
 def usage_of(chunk: Chunk) -> dict[str, Any]:
     m = chunk.metrics or Metrics()
+    prompt = m.prompt_eval_count + m.cached_count  # OpenAI counts the cached prompt tokens in prompt_tokens
     usage: dict[str, Any] = {
-        "prompt_tokens": m.prompt_eval_count,
+        "prompt_tokens": prompt,
         "completion_tokens": m.eval_count,
-        "total_tokens": m.prompt_eval_count + m.eval_count,
+        "total_tokens": prompt + m.eval_count,
+        "prompt_tokens_details": {"cached_tokens": m.cached_count},
     }
     if m.draft_count:
         usage.update(draft_count=m.draft_count, draft_accepted_count=m.draft_accepted_count)

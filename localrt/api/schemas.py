@@ -302,6 +302,8 @@ class _Generation(Named):
     logprobs: bool | None = None
     top_logprobs: TopLogprobs = None
     think: ThinkValue = None
+    truncate: bool | None = None  # drop the oldest turns when the prompt exceeds num_ctx (default true)
+    shift: bool | None = None  # shift the context when generation reaches its end (default true)
 
 
 class GenerateRequest(_Generation):
@@ -667,6 +669,7 @@ class Usage(Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None  # cached_tokens: prompt tokens the KV cache held
 
 
 class CompletionMessage(Out):

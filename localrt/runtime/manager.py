@@ -43,6 +43,7 @@ from localrt.runtime.options import Options, num_parallel
 from localrt.runtime.templates import ChatTemplate, RenderedPrompt, select_template, tokenize_rendered
 from localrt.runtime.thinking import ModelFormat, Piece, ReplyParser, Think
 from localrt.runtime.toolcalls import required_grammar
+from localrt.runtime.truncate import drop_oldest, fit_tokens
 from localrt.store.store import ResolvedModel, Store
 
 BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
@@ -195,6 +196,8 @@ class Runtime:
         think: Any = None,
         tool_choice: Any = None,
         parallel_tool_calls: bool | None = None,
+        truncate: bool = True,
+        shift: bool = True,
     ) -> AsyncIterator[Chunk]:
         """Answer a conversation. Empty `messages` only loads the model (or unloads with keep_alive 0).
 
@@ -219,6 +222,8 @@ class Runtime:
         async with self._use(resolved, opts, keep) as (entry, load_ns):
             turn = _Turn.make(entry, model, wanted, tools, required, parallel_tool_calls)
             tokens = await self._render_chat(entry, msgs, turn, pictures)
+            if truncate and not pictures and len(tokens) >= entry.model.context_length:
+                tokens = await self._fit_chat(entry, msgs, turn, tokens)
             async for chunk in self._run(
                 entry,
                 tokens,
@@ -230,6 +235,7 @@ class Runtime:
                 start,
                 load_ns,
                 turn=turn,
+                shift=shift,
                 images=pictures,
             ):
                 yield chunk
@@ -276,6 +282,8 @@ class Runtime:
         stream: bool = True,
         images: Sequence[Any] | None = None,
         think: Any = None,
+        truncate: bool = True,
+        shift: bool = True,
     ) -> AsyncIterator[Chunk]:
         """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only.
 
@@ -314,6 +322,8 @@ class Runtime:
                 turn = _Turn.make(entry, model, wanted, None, False, None)
                 tokens = await self._render_chat(entry, msgs, turn, pictures, add_bos=not context)
                 tokens = [*(context or []), *tokens]
+            if truncate and not pictures:
+                tokens = fit_tokens(tokens, m.context_length, opts.num_keep)
             async for chunk in self._run(
                 entry,
                 tokens,
@@ -326,6 +336,7 @@ class Runtime:
                 load_ns,
                 turn=turn,
                 want_context=not raw and not pictures,  # image cells have no token ids to hand back
+                shift=shift,
                 images=pictures,
             ):
                 yield chunk
@@ -555,6 +566,18 @@ class Runtime:
             m.bos_token_id,
             add_bos and m.add_bos,
         )
+
+    async def _fit_chat(
+        self, entry: _Entry, msgs: list[dict[str, Any]], turn: _Turn | None, tokens: list[int]
+    ) -> list[int]:
+        """`truncate`: the conversation without its oldest turns, so that the prompt fits the context."""
+        kept: list[dict[str, Any]] | None = msgs
+        while len(tokens) >= entry.model.context_length:
+            kept = drop_oldest(kept or [])
+            if kept is None:
+                break  # only system messages and the last one left: the 400 follows
+            tokens = await self._render_chat(entry, kept, turn, [])
+        return tokens
 
     # ---- scheduling ------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -822,6 +845,7 @@ class Runtime:
         *,
         turn: _Turn | None = None,
         want_context: bool = False,
+        shift: bool = True,
         images: Sequence[ImageInput] = (),
     ) -> AsyncIterator[Chunk]:
         """Generate, and split the reply (thinking, content, tool calls) as it streams: each chunk carries
@@ -835,6 +859,9 @@ class Runtime:
             )
         request = self._request(entry, tokens, opts, format, logprobs, top_logprobs, turn)
         request.images = list(images)
+        if shift and m.capabilities.context_shift:  # an explicit num_predict may go past the context end
+            request.num_predict = opts.max_new_tokens(len(tokens), m.context_length, True)
+        request.shift, request.num_keep = shift, opts.num_keep
         parser = turn.parser() if turn is not None else None
         whole = Piece()  # everything, for a reply that is not streamed
         answer_ids: list[int] = []

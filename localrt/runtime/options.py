@@ -75,23 +75,9 @@ def _default_kv_cache_type() -> str:
     return config.default_kv_cache_type()
 
 
-MAX_NUM_PARALLEL = 256
-
-
 def num_parallel() -> int:
-    """LOCALRT_NUM_PARALLEL: sequences a loaded model serves at once; 0 or unset lets the backend decide."""
-    raw = config.setting("LOCALRT_NUM_PARALLEL")
-    if not raw:
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_NUM_PARALLEL:
-        raise OptionError(
-            f"LOCALRT_NUM_PARALLEL must be an integer from 1 to {MAX_NUM_PARALLEL}, got {raw!r}"
-        )
-    return value
+    """LOCALRT_NUM_PARALLEL: sequences a loaded model serves at once; 0 (auto) lets the backend decide."""
+    return config.num_parallel()
 
 
 def _default_backend() -> str:
@@ -117,7 +103,7 @@ class Options:
     stop: list[str] = field(default_factory=list)
     num_predict: int = -1
     # load time
-    num_ctx: int = DEFAULT_NUM_CTX
+    num_ctx: int = field(default_factory=lambda: config.context_length(DEFAULT_NUM_CTX))
     num_keep: int = 4
     num_thread: int = 0
     num_gpu: int = -1
@@ -203,10 +189,14 @@ class Options:
             num_parallel=num_parallel(),
         )
 
-    def max_new_tokens(self, prompt_tokens: int, context_length: int) -> int:
-        """num_predict bounded by the room left in the context; -1 and -2 both mean 'until full'."""
+    def max_new_tokens(self, prompt_tokens: int, context_length: int, shift: bool = False) -> int:
+        """num_predict bounded by the room left in the context; -1 and -2 both mean 'until full'.
+
+        With `shift` (a backend that shifts the context) an explicit num_predict may go past the end."""
         room = max(0, context_length - prompt_tokens)
-        return room if self.num_predict < 0 else min(self.num_predict, room)
+        if self.num_predict < 0:
+            return room
+        return self.num_predict if shift else min(self.num_predict, room)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

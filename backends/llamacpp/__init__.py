@@ -1,0 +1,26 @@
+"""llama.cpp backend: one batched context serving every request (continuous batching, prefix reuse,
+speculation inside the batch) on llama-cpp-python's low-level API.
+
+`lib.py` loads the library and wraps its ctypes calls, `step.py` is the batched context and its step loop,
+`backend.py` the adapter implementing backends/base.py.
+"""
+
+from localrt.backends.lookup import LookupIndex as LookupProposer
+
+from .backend import NAME, PIP_HINT, LlamaCppBackend, LlamaCppModel
+from .lib import KV_TYPES, _lib, default_threads, gpu_offload_supported
+from .step import BatchedContext, ExternalChunk
+
+__all__ = [
+    "KV_TYPES",
+    "NAME",
+    "PIP_HINT",
+    "BatchedContext",
+    "ExternalChunk",
+    "LlamaCppBackend",
+    "LlamaCppModel",
+    "LookupProposer",
+    "_lib",
+    "default_threads",
+    "gpu_offload_supported",
+]

@@ -1,0 +1,552 @@
+"""The llama.cpp backend adapter: the protocol of backends/base.py over one batched context (step.py).
+
+Generation requests become jobs of the step loop; scoring runs as exclusive work between its steps;
+embeddings have a small context of their own. Tokenizing reads only the weights' vocabulary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from localrt.backends.base import (
+    IMAGE_TOKEN,
+    Capabilities,
+    Event,
+    GenerateRequest,
+    LoadOptions,
+    ScoreResult,
+    log_softmax,
+    run_in_thread_stream,
+)
+from localrt.backends.mtmd import MediaPrompt, Projector  # issue 19: images through libmtmd
+from localrt.backends.rerank import Reranker, is_reranker  # issue 19: rank pooling
+from localrt.errors import LocalrtError, OptionError
+
+from .lib import (
+    KV_BYTES,
+    KV_TYPES,
+    Batch,
+    _lib,
+    check_kv_options,
+    context_params,
+    create_context,
+    default_threads,
+    gpu_offload_supported,
+    load_model,
+    token_piece,
+)
+from .step import BatchedContext, DraftContext, ExternalChunk, Job, PromptItem
+
+NAME = "llama.cpp"
+PIP_HINT = "pip install 'localrt[llama]'  (or: pip install llama-cpp-python)"
+AUTO_MIN_PARALLEL = 4  # LOCALRT_NUM_PARALLEL=auto: at least this many sequences where they fit
+AUTO_MAX_PARALLEL = 8
+AUTO_MEMORY_SHARE = 0.25  # of the available memory, for the KV cache of the auto sequences
+# Rows per llama.cpp micro-batch. Under 64 query rows the CPU flash-attention kernel computes every row on
+# its own (a sequence's logits do not depend on what else is in the batch); from 64 on it switches to a
+# tiled kernel whose rounding depends on where the cells sit. Batching stays invisible below this.
+EXACT_UBATCH = 48
+
+
+class LlamaCppBackend:
+    name: ClassVar[str] = NAME
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        if importlib.util.find_spec("llama_cpp") is None:
+            return False, f"llama-cpp-python is not installed; {PIP_HINT}"
+        return True, ""
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        devices: tuple[str, ...] = ("cpu",)
+        if gpu_offload_supported():
+            devices = ("cpu", "metal") if sys.platform == "darwin" else ("cpu", "gpu")
+        return Capabilities(
+            chat=True,
+            embedding=True,
+            score=True,
+            grammar=True,
+            speculative=frozenset({"draft", "lookup"}),
+            kv_cache_types=tuple(KV_TYPES),
+            devices=devices,
+            parallel_slots=1,
+            context_shift=True,
+        )
+
+    @classmethod
+    def load(cls, path: Path | str, opts: LoadOptions) -> LlamaCppModel:
+        return LlamaCppModel(Path(path), opts)
+
+
+def kv_bytes_per_token(metadata: dict[str, str], kv_type: str) -> int:
+    arch = metadata.get("general.architecture", "llama")
+
+    def num(key: str, default: int) -> int:
+        try:
+            return int(float(metadata.get(f"{arch}.{key}", default)))
+        except ValueError:
+            return default
+
+    n_layer, n_embd = num("block_count", 0), num("embedding_length", 0)
+    n_head = max(1, num("attention.head_count", 1))
+    n_head_kv = num("attention.head_count_kv", n_head)
+    head_dim = num("attention.key_length", n_embd // n_head)
+    return int(2 * n_layer * n_head_kv * head_dim * KV_BYTES[kv_type])
+
+
+def available_memory() -> int:
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # macOS has no SC_AVPHYS_PAGES
+        try:
+            import psutil
+
+            return int(psutil.virtual_memory().available)
+        except ImportError:
+            return 0
+
+
+def auto_parallel(per_sequence: int, budget: int) -> int:
+    """LOCALRT_NUM_PARALLEL=auto: as many sequences as the budget holds, AUTO_MIN..AUTO_MAX, else what fits."""
+    if per_sequence <= 0 or budget <= 0:
+        return AUTO_MIN_PARALLEL
+    fit = budget // per_sequence
+    if fit < AUTO_MIN_PARALLEL:
+        return max(1, fit)
+    return min(AUTO_MAX_PARALLEL, fit)
+
+
+class LlamaCppModel:
+    backend_name = NAME
+
+    def __init__(self, path: Path, opts: LoadOptions) -> None:
+        t0 = time.perf_counter_ns()
+        check_kv_options(opts)
+        self.path, self.opts = path, opts
+        self.lib = _lib()
+        self.model, self.on_gpu = load_model(path, opts)
+        self.engine: BatchedContext | None = None
+        self._draft_model: Any = None
+        self._embed: tuple[Any, Any, int] | None = None
+        self._embed_lock = threading.Lock()
+        self._projector: Projector | None = None
+        self._reranker: Reranker | None = None
+        self._closed = False
+        self._special: list[str] | None = None
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+        try:
+            self._setup(opts)
+        except BaseException:
+            self._close_all()
+            raise
+        self.load_ns = time.perf_counter_ns() - t0
+
+    def _setup(self, opts: LoadOptions) -> None:
+        m = self.model
+        self.vocab = m.vocab
+        self.n_vocab = m.n_vocab()
+        self.metadata: dict[str, str] = m.metadata()
+        bos = m.token_bos()
+        self.bos_token_id: int | None = bos if bos >= 0 else None
+        self.eos_token_ids = [t for t in {m.token_eos(), m.token_eot()} if t >= 0 and self._is_eog(t)]
+        self.add_bos = bool(m.add_bos_token()) and self.bos_token_id is not None
+        n_train = m.n_ctx_train()
+        self.context_length = max(16, min(opts.num_ctx, n_train) if n_train > 0 else opts.num_ctx)
+        per_token = kv_bytes_per_token(self.metadata, opts.kv_cache_type)
+        n_par = opts.num_parallel
+        if n_par <= 0:
+            n_par = auto_parallel(
+                per_token * self.context_length, int(available_memory() * AUTO_MEMORY_SHARE)
+            )
+        self.n_parallel = min(n_par, self.lib.llama_max_parallel_sequences())
+        n_seq_max = self.n_parallel  # idle sequences stay cached in the ids no request is using
+        self.threads = opts.num_thread or default_threads()
+        step_tokens = max(self.n_parallel * 2, min(opts.num_batch, self.context_length))
+        params = context_params(
+            opts,
+            n_ctx=-(-self.context_length // 256) * 256 * n_seq_max,  # llama.cpp pads each stream to 256
+            n_batch=step_tokens,
+            n_ubatch=min(step_tokens, EXACT_UBATCH),
+            n_seq_max=n_seq_max,
+            threads=self.threads,
+        )
+        self.ctx_params = params
+        ctx = create_context(m, params)
+        draft = self._load_draft(Path(opts.draft_model), params) if opts.draft_model is not None else None
+        self.engine = BatchedContext(
+            m,
+            ctx,
+            n_parallel=self.n_parallel,
+            n_seq_max=n_seq_max,
+            n_ctx_seq=self.context_length,
+            step_tokens=step_tokens,
+            draft=draft,
+        )
+        if opts.projector is not None:
+            self._projector = Projector(
+                Path(opts.projector),
+                m.model,
+                n_threads=self.threads,
+                use_gpu=self.on_gpu,
+                flash_attn=opts.flash_attn,
+            )
+        self.capabilities = replace(
+            LlamaCppBackend.capabilities(),
+            parallel_slots=self.n_parallel,
+            vision=self._projector is not None,
+            rerank=is_reranker(self.lib, m.model, self.metadata),
+        )
+        kv = per_token * self.context_length * self.n_parallel
+        self.memory_bytes = int(m.size()) + kv + (int(self._draft_model.size()) if self._draft_model else 0)
+        if self._projector is not None:
+            self.memory_bytes += self._projector.size
+        if opts.embedding:
+            self._embed_context()
+
+    def _load_draft(self, path: Path, params: Any) -> DraftContext:
+        """The draft model's weights and one context with the target's seq ids (same vocabulary required)."""
+        model, _ = load_model(path, self.opts)
+        self._draft_model = model
+        lib = self.lib
+        step = max(1, self.n_vocab // 97)
+        same = model.n_vocab() == self.n_vocab and all(
+            token_piece(lib, model.vocab, t, True, {}) == self.piece(t, True)
+            for t in range(0, self.n_vocab, step)
+        )
+        if not same:
+            raise LocalrtError(f"draft model {path.name} does not share the model's vocabulary")
+        dparams = context_params(
+            self.opts,
+            n_ctx=params.n_ctx,
+            n_batch=params.n_batch,
+            n_ubatch=params.n_batch,
+            n_seq_max=params.n_seq_max,
+            threads=self.threads,
+        )
+        return DraftContext(model, create_context(model, dparams), params.n_seq_max, params.n_batch)
+
+    # -- tokens --
+    def _is_eog(self, token: int) -> bool:
+        return bool(self.lib.llama_vocab_is_eog(self.model.vocab, token))
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        if self._closed:
+            raise LocalrtError("the model was unloaded")
+        return token_piece(self.lib, self.model.vocab, token, special, self._pieces)
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        if self._closed:
+            raise LocalrtError("the model was unloaded")
+        if not text:
+            return (
+                [self.bos_token_id] if add_special and self.add_bos and self.bos_token_id is not None else []
+            )
+        return self.model.tokenize(text.encode("utf-8"), add_special, parse_special)
+
+    def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
+        return b"".join(self.piece(int(t), special) for t in ids).decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        return self.piece(token_id, True).decode("utf-8", errors="replace")
+
+    def special_tokens(self) -> list[str]:
+        """Texts that tokenizing with parse_special=True turns into control / user-defined tokens."""
+        if self._special is None:
+            lib = self.lib
+            mask = (
+                lib.LLAMA_TOKEN_ATTR_CONTROL
+                | lib.LLAMA_TOKEN_ATTR_USER_DEFINED
+                | lib.LLAMA_TOKEN_ATTR_UNKNOWN
+            )
+            texts = {
+                self.token_text(t)
+                for t in range(self.n_vocab)
+                if lib.llama_vocab_get_attr(self.vocab, t) & mask
+            }
+            self._special = sorted(t for t in texts if t)
+        return self._special
+
+    # -- generation --
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        self._check_request(request)
+        return run_in_thread_stream(lambda emit: self._generate_blocking(request, emit), request.cancel)
+
+    def prompt_logits(self, req: GenerateRequest) -> np.ndarray:
+        """The logits after the prompt (images included), evaluated as generate evaluates it."""
+        self._check_request(req)
+        return self._generate_blocking(replace(req, num_predict=1), lambda _: None, capture=True)
+
+    def _generate_blocking(
+        self, req: GenerateRequest, emit: Callable[[Event], None], capture: bool = False
+    ) -> Any:
+        media = self._expand_images(req)  # None without images
+        try:
+            prompt = self._media_items(media) if media is not None else list(req.prompt_tokens)
+            job = Job(req, emit, prompt=prompt, capture=capture)
+            self._require_engine().submit(job)
+            job.finished.wait()
+        finally:
+            if media is not None:
+                media.close()  # after the job: its chunks are evaluated on the step thread
+        if job.error is not None:
+            raise job.error
+        return job.logits
+
+    # ---- issue 19: images (backends/mtmd.py) and rerank (backends/rerank.py) ----
+    def _expand_images(self, req: GenerateRequest) -> MediaPrompt | None:
+        if not req.images or self._projector is None:
+            return None
+        media = self._projector.expand(req.prompt_tokens, req.images)
+        problem = ""
+        if len(media.cells) >= self.context_length:
+            problem = (
+                f"the prompt with its images is {len(media.cells)} tokens, which does not fit the context "
+                f"length of {self.context_length} tokens (raise num_ctx or send fewer images)"
+            )
+        elif not isinstance(media.cells[-1], int):
+            problem = "the prompt must end with text after its last image"
+        elif media.position_gaps():
+            problem = "images on M-RoPE vision models are not supported by the batched llama.cpp backend yet"
+        if problem:
+            media.close()
+            raise LocalrtError(problem)
+        return media
+
+    def _media_items(self, media: MediaPrompt) -> list[PromptItem]:
+        """Text tokens as they are, each image chunk as an ExternalChunk the step thread evaluates."""
+        projector = self._projector
+        assert projector is not None
+        n_batch = self.ctx_params.n_batch
+        items: list[PromptItem] = []
+        starts = {span.start: span for span in media.spans}
+        i = 0
+        while i < len(media.cells):
+            span = starts.get(i)
+            if span is None:
+                items.append(media.cells[i])  # type: ignore[arg-type]
+                i += 1
+                continue
+
+            def evaluate(ctx: Any, seq: int, pos: int, chunk: Any = span.chunk) -> int:
+                return projector.eval_image(ctx, chunk, pos, seq, n_batch)
+
+            items.append(ExternalChunk(list(media.cells[i : i + span.n_tokens]), evaluate))
+            i += span.n_tokens
+        return items
+
+    async def rerank(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
+        """Relevance scores of documents for query (in order) and the tokens evaluated."""
+        import asyncio
+
+        if not self.capabilities.rerank:
+            raise LocalrtError("this model is not a reranker (its GGUF has no rank pooling)")
+        return await asyncio.to_thread(self._rerank_blocking, query, list(documents))
+
+    def _rerank_blocking(self, query: str, documents: list[str]) -> tuple[list[float], int]:
+        with self._embed_lock:
+            if self._closed:
+                raise LocalrtError("the model was unloaded")
+            if self._reranker is None:
+                self._reranker = Reranker(
+                    self.lib, self.model, self.metadata, self.context_length, self.threads
+                )
+            return self._reranker.scores(query, documents)
+
+    def cancel(self) -> None:
+        engine = self.engine
+        if engine is None:
+            return
+        with engine.cond:
+            jobs = [*engine.running, *engine.waiting]
+        for job in jobs:
+            job.cancel.cancel()
+
+    def _require_engine(self) -> BatchedContext:
+        if self._closed or self.engine is None:
+            raise LocalrtError("the model was unloaded")
+        return self.engine
+
+    def _check_request(self, req: GenerateRequest) -> None:
+        self._require_engine()
+        mode = req.speculative
+        if mode not in ("off", "auto") and mode not in self.capabilities.speculative:
+            raise OptionError(
+                f"speculative mode {mode!r} is not supported by the llama.cpp backend "
+                f"(supported: off, auto, {', '.join(sorted(self.capabilities.speculative))})"
+            )
+        if mode == "draft" and self._draft_model is None:
+            raise OptionError(
+                "speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)"
+            )
+        if req.images and self._projector is None:
+            raise LocalrtError("this model has no projector loaded, so it does not support images")
+        if not req.prompt_tokens:
+            raise LocalrtError("the prompt is empty")
+        if len(req.prompt_tokens) >= self.context_length:
+            raise LocalrtError(
+                f"the prompt is {len(req.prompt_tokens)} tokens, which does not fit the context length of "
+                f"{self.context_length} tokens (raise num_ctx or shorten the input)"
+            )
+        bad = [
+            t
+            for t in req.prompt_tokens
+            if not 0 <= t < self.n_vocab and not (req.images and t == IMAGE_TOKEN)
+        ]
+        if bad:
+            raise LocalrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
+
+    # -- scoring --
+    async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
+        import asyncio
+
+        return await asyncio.to_thread(self._score_blocking, list(tokens), return_logits)
+
+    def _score_blocking(self, tokens: list[int], return_logits: bool) -> ScoreResult:
+        n = len(tokens)
+        if n > self.context_length:
+            raise LocalrtError(f"{n} tokens do not fit the context length of {self.context_length}")
+        if any(not 0 <= t < self.n_vocab for t in tokens):
+            raise LocalrtError("a token id is outside the vocabulary")
+        logprobs = np.zeros(max(0, n - 1), dtype=np.float64)
+        logits_out = np.zeros((max(0, n - 1), self.n_vocab), dtype=np.float32) if return_logits else None
+        if n < 2:
+            return ScoreResult(logprobs, logits_out)
+        engine = self._require_engine()
+
+        def run(ctx: Any, seq: int) -> None:
+            batch = Batch(engine.step_tokens)
+            try:
+                for start in range(0, n, batch.capacity):
+                    chunk = tokens[start : start + batch.capacity]
+                    batch.clear()
+                    batch.add(chunk, start, seq, True)
+                    engine.decode_exclusive(batch)
+                    self._take_scores(ctx, tokens, start, len(chunk), logprobs, logits_out)
+            finally:
+                batch.close()
+
+        engine.run_task(run)
+        return ScoreResult(logprobs, logits_out)
+
+    def _take_scores(
+        self,
+        ctx: Any,
+        tokens: list[int],
+        start: int,
+        count: int,
+        logprobs: np.ndarray,
+        logits_out: np.ndarray | None,
+    ) -> None:
+        n = len(tokens)
+        block = np.ctypeslib.as_array(self.lib.llama_get_logits(ctx), shape=(count, self.n_vocab))
+        for s in range(0, count, 64):  # bounded temporaries
+            first = start + s
+            last = min(first + min(64, count - s), n - 1)
+            if last <= first:
+                break
+            rows = block[s : s + last - first]
+            lp = log_softmax(rows)
+            logprobs[first:last] = lp[np.arange(last - first), tokens[first + 1 : last + 1]]
+            if logits_out is not None:
+                logits_out[first:last] = rows
+
+    # -- embeddings --
+    def _embed_context(self) -> tuple[Any, Any, int]:
+        if self._embed is not None:
+            return self._embed
+        from llama_cpp import _internals
+        from llama_cpp._utils import suppress_stdout_stderr
+
+        lib = self.lib
+        params = lib.llama_context_default_params()
+        n = min(self.context_length, 8192)
+        params.n_ctx = params.n_batch = params.n_ubatch = n
+        params.n_threads = self.ctx_params.n_threads
+        params.n_threads_batch = self.ctx_params.n_threads_batch
+        params.embeddings = True
+        arch = self.metadata.get("general.architecture", "")
+        # chat models declare no pooling; mean pooling is what Ollama uses for them
+        params.pooling_type = (
+            lib.LLAMA_POOLING_TYPE_UNSPECIFIED
+            if f"{arch}.pooling_type" in self.metadata
+            else lib.LLAMA_POOLING_TYPE_MEAN
+        )
+        params.no_perf = True
+        with suppress_stdout_stderr(disable=False):  # llama.cpp notes the pooling override on stderr
+            ctx = _internals.LlamaContext(model=self.model, params=params, verbose=False)
+        batch = _internals.LlamaBatch(n_tokens=n, embd=0, n_seq_max=1, verbose=False)
+        self._embed = (ctx, batch, n)
+        return self._embed
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        import asyncio
+
+        return await asyncio.to_thread(self._embed_blocking, list(texts))
+
+    def _embed_blocking(self, texts: list[str]) -> list[list[float]]:
+        with self._embed_lock:
+            if self._closed:
+                raise LocalrtError("the model was unloaded")
+            ctx, batch, n_max = self._embed_context()
+            n_embd = self.model.n_embd()
+            return [self._embed_one(ctx, batch, n_max, n_embd, text) for text in texts]
+
+    def _embed_one(self, ctx: Any, batch: Any, n_max: int, n_embd: int, text: str) -> list[float]:
+        tokens = self.tokenize(text, add_special=True)[:n_max]
+        if not tokens:
+            tokens = [self.eos_token_ids[0] if self.eos_token_ids else 0]
+        batch.reset()
+        batch.add_sequence(tokens, 0, True)
+        ctx.kv_cache_clear()
+        try:
+            ctx.decode(batch)
+        except RuntimeError as e:
+            raise LocalrtError(f"llama.cpp embedding failed: {e}") from None
+        ptr = self.lib.llama_get_embeddings_seq(ctx.ctx, 0)
+        if not ptr:
+            ptr = self.lib.llama_get_embeddings_ith(ctx.ctx, -1)
+        vec = np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64)
+        norm = float(np.linalg.norm(vec))
+        return (vec / norm if norm > 0 else vec).tolist()
+
+    # -- lifetime --
+    def unload(self) -> None:
+        if self._closed:
+            return
+        self.cancel()
+        self._closed = True
+        self._close_all()
+
+    def _close_all(self) -> None:
+        self._closed = True
+        if self.engine is not None:
+            self.engine.close()  # running requests end at their next step
+            draft = self.engine.draft
+            self.engine.batch.close()
+            self.engine.ctx.close()
+            if draft is not None:
+                draft.close()
+        with self._embed_lock:
+            if self._embed is not None:
+                self._embed[1].close()
+                self._embed[0].close()
+                self._embed = None
+            # the projector and the rerank context sit on the weights, so they go first
+            for extra in (self._projector, self._reranker):
+                if extra is not None:
+                    extra.close()
+            self._projector = self._reranker = None
+        for model in (self._draft_model, self.model):
+            if model is not None:
+                model.close()

@@ -1,0 +1,261 @@
+"""llama.cpp through llama-cpp-python's ctypes layer: loading, context parameters, a multi-sequence batch,
+the sampler chain and the vocabulary helpers. Nothing here holds request state; `step.py` does."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from localrt.backends.base import LoadOptions, SamplingParams
+from localrt.backends.grammar import grammar_sampler
+from localrt.errors import LocalrtError, OptionError
+
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
+QUANTIZED_KV = {"q4_0", "q8_0"}
+KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1.0625, "q4_0": 0.5625}
+
+_init_lock = threading.Lock()
+_initialized = False
+
+
+def _lib() -> Any:
+    """Import llama_cpp once, quietly (only errors reach stderr), and initialise the ggml backend."""
+    global _initialized
+    import llama_cpp
+
+    with _init_lock:
+        if not _initialized:
+            from llama_cpp import _logger
+
+            _logger.set_verbose(False)
+            llama_cpp.llama_backend_init()
+            _initialized = True
+    return llama_cpp
+
+
+def default_threads() -> int:
+    """Decode is memory-bound: past a few cores, hyper-threads only add contention."""
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        available = os.cpu_count() or 1
+    return available if available <= 4 else max(4, available // 2)
+
+
+def gpu_offload_supported() -> bool:
+    try:
+        return bool(_lib().llama_supports_gpu_offload())
+    except Exception:
+        return False
+
+
+def check_kv_options(opts: LoadOptions) -> None:
+    if opts.kv_cache_type not in KV_TYPES:
+        raise OptionError(
+            f"kv_cache_type {opts.kv_cache_type!r} is not supported by the llama.cpp backend "
+            f"(supported: {', '.join(KV_TYPES)})"
+        )
+    if opts.flash_attn is False and opts.kv_cache_type in QUANTIZED_KV:
+        raise OptionError(f"kv_cache_type {opts.kv_cache_type} needs flash attention")
+
+
+def load_model(path: Path, opts: LoadOptions) -> tuple[Any, bool]:
+    """The weights (an `_internals.LlamaModel`) and whether layers went to a GPU."""
+    from llama_cpp import _internals
+
+    lib = _lib()
+    params = lib.llama_model_default_params()
+    use_gpu = gpu_offload_supported()
+    n_gpu = opts.num_gpu if use_gpu else 0
+    params.n_gpu_layers = 0x7FFFFFFF if n_gpu < 0 else n_gpu
+    if not path.is_file():
+        raise LocalrtError(f"model file not found: {path}")
+    try:
+        model = _internals.LlamaModel(path_model=str(path), params=params, verbose=False)
+    except ValueError as e:
+        raise LocalrtError(f"llama.cpp could not load the model: {e}") from None
+    return model, use_gpu and n_gpu != 0
+
+
+def context_params(
+    opts: LoadOptions, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int, threads: int
+) -> Any:
+    lib = _lib()
+    p = lib.llama_context_default_params()
+    p.n_ctx = n_ctx
+    p.n_batch = n_batch
+    p.n_ubatch = n_ubatch
+    p.n_seq_max = n_seq_max
+    # A stream of cells per sequence, not one pool: the CPU flash-attention kernel walks a sequence's cells
+    # in cell order, and in a shared pool a sequence's later tokens land in holes other sequences left
+    # behind, which changes its rounding (batching would no longer be invisible).
+    p.kv_unified = False
+    p.n_threads = threads
+    p.n_threads_batch = threads if opts.num_thread else max(threads, os.cpu_count() or 1)
+    p.type_k = p.type_v = KV_TYPES[opts.kv_cache_type]
+    # Auto turns flash attention on wherever the device supports it (CPU included). Besides speed, a
+    # position's logits then depend only on its own sequence's cells, not on the other rows of the batch.
+    p.flash_attn_type = {
+        None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+        True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    }[opts.flash_attn]
+    p.no_perf = True
+    return p
+
+
+def create_context(model: Any, params: Any) -> Any:
+    from llama_cpp import _internals
+
+    try:
+        return _internals.LlamaContext(model=model, params=params, verbose=False)
+    except ValueError as e:
+        raise LocalrtError(f"llama.cpp could not create a context of {params.n_ctx} tokens: {e}") from None
+
+
+class Batch:
+    """A `llama_batch` of up to `capacity` entries, each one token of one sequence at one position."""
+
+    def __init__(self, capacity: int) -> None:
+        self.lib = _lib()
+        self.capacity = capacity
+        self.raw = self.lib.llama_batch_init(capacity, 0, 1)
+        self.tokens = np.ctypeslib.as_array(self.raw.token, shape=(capacity,))
+        self.pos = np.ctypeslib.as_array(self.raw.pos, shape=(capacity,))
+        self.n_seq_id = np.ctypeslib.as_array(self.raw.n_seq_id, shape=(capacity,))
+        self.logits = np.ctypeslib.as_array(self.raw.logits, shape=(capacity,))
+        self.n_seq_id[:] = 1
+        self._seq_rows = [self.raw.seq_id[i] for i in range(capacity)]
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+    @property
+    def room(self) -> int:
+        return self.capacity - self.n
+
+    def add(self, tokens: Sequence[int], pos0: int, seq_id: int, output: bool | Sequence[bool]) -> int:
+        """Append tokens at positions pos0.. of seq_id; returns the batch index of the first one."""
+        start, count = self.n, len(tokens)
+        end = start + count
+        if end > self.capacity:
+            raise LocalrtError("llama.cpp batch overflow")
+        self.tokens[start:end] = tokens
+        self.pos[start:end] = np.arange(pos0, pos0 + count, dtype=np.int32)
+        self.logits[start:end] = output if not isinstance(output, bool) else int(output)
+        for i in range(start, end):
+            self._seq_rows[i][0] = seq_id
+        self.n = end
+        return start
+
+    def decode(self, ctx: Any) -> int:
+        self.raw.n_tokens = self.n
+        return int(self.lib.llama_decode(ctx, self.raw))
+
+    def close(self) -> None:
+        if self.raw is not None:
+            self.lib.llama_batch_free(self.raw)
+            self.raw = None
+
+
+def logits_row(lib: Any, ctx: Any, row: int, n_vocab: int) -> np.ndarray:
+    ptr = lib.llama_get_logits_ith(ctx, row)
+    if not ptr:
+        raise LocalrtError(f"llama.cpp has no logits for batch row {row}")
+    return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+
+
+def make_sampler(
+    model: Any, n_ctx: int, sp: SamplingParams, fmt: str | dict[str, Any] | None, prompt: Sequence[int]
+) -> Any:
+    """llama.cpp's sampler chain for one request: penalties, grammar, then greedy / mirostat / top-k.. dist."""
+    from llama_cpp import _internals
+
+    lib = _lib()
+    n_vocab = model.n_vocab()
+    chain = _internals.LlamaSampler()
+    last_n = sp.penalty_window(n_ctx)
+    if last_n > 0:
+        chain.add_penalties(n_vocab, last_n, sp.repeat_penalty, sp.frequency_penalty, sp.presence_penalty)
+        # llama-server counts the prompt in the penalty window too; the grammar (added after) must not
+        for token in prompt[-last_n:]:
+            chain.accept(token)
+    if fmt is not None:
+        try:
+            sampler = grammar_sampler(lib, model.vocab, fmt)
+        except LocalrtError:
+            chain.close()
+            raise
+        lib.llama_sampler_chain_add(chain.sampler, sampler)
+    seed = lib.LLAMA_DEFAULT_SEED if sp.seed < 0 else sp.seed & 0xFFFFFFFF
+    if sp.greedy:
+        chain.add_greedy()
+    elif sp.mirostat in (1, 2):
+        chain.add_temp(sp.temperature)
+        if sp.mirostat == 1:
+            chain.add_mirostat(n_vocab, seed, sp.mirostat_tau, sp.mirostat_eta, 100)
+        else:
+            chain.add_mirostat_v2(seed, sp.mirostat_tau, sp.mirostat_eta)
+    else:
+        _add_truncations(chain, sp)
+        chain.add_temp(sp.temperature)
+        chain.add_dist(seed)
+    return chain
+
+
+def _add_truncations(chain: Any, sp: SamplingParams) -> None:
+    if sp.top_k > 0:
+        chain.add_top_k(sp.top_k)
+    if sp.typical_p < 1.0:
+        chain.add_typical(sp.typical_p, 1)
+    if sp.top_p < 1.0:
+        chain.add_top_p(sp.top_p, 1)
+    if sp.min_p > 0.0:
+        chain.add_min_p(sp.min_p, 1)
+
+
+def sample(chain: Any, ctx: Any, row: int) -> int:
+    """Draw from batch row `row` (the chain accepts the token, advancing its grammar and penalties)."""
+    return int(_lib().llama_sampler_sample(chain.sampler, ctx, row))
+
+
+class Memory:
+    """The context's KV memory, by sequence id (`llama_memory_*`)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.lib = _lib()
+        self.mem = self.lib.llama_get_memory(ctx)
+
+    def remove(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        return bool(self.lib.llama_memory_seq_rm(self.mem, seq_id, p0, p1))
+
+    def copy(self, src: int, dst: int, p0: int, p1: int) -> None:
+        self.lib.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def clear(self) -> None:
+        self.lib.llama_memory_clear(self.mem, True)
+
+
+def token_piece(
+    lib: Any, vocab: Any, token: int, special: bool, cache: dict[tuple[int, bool], bytes]
+) -> bytes:
+    """A token's bytes (a piece may be part of a UTF-8 character), memoized in `cache`."""
+    key = (token, special)
+    cached = cache.get(key)
+    if cached is not None:
+        return cached
+    buf = ctypes.create_string_buffer(256)  # per call: several threads (slots, engines) read pieces at once
+    n = lib.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = lib.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    out = buf.raw[:n]
+    cache[key] = out
+    return out

@@ -1,0 +1,722 @@
+"""The one batched llama.cpp context and its step loop.
+
+One thread owns the context. Each step it builds one `llama_batch` holding every running sequence's next
+token(s) — the last sampled token plus any speculative guesses, each sequence on its own seq id and
+positions — and fills the rest of a per-step token budget with prompt chunks (chunked prefill), then runs
+one `llama_decode` and samples every sequence from its own rows with its own sampler chain. Requests join
+and leave at every step. Sequence ids outnumber the running sequences: finished sequences stay in the KV
+cache (least recently used first out), and a new request starts from the longest prefix any sequence
+holds (`llama_memory_seq_cp` shares the cells, nothing is copied).
+
+A prompt is a list of items: token ids, or `ExternalChunk`s that something else evaluates into the context
+for a seq id (image embeddings through libmtmd); the loop calls a chunk's `evaluate` when the sequence's
+prefill reaches it and records the chunk's cells under its key, so an identical chunk is a prefix hit too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from localrt.backends.base import (
+    CancelToken,
+    DoneEvent,
+    Event,
+    GenerateRequest,
+    TextAssembler,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+    log_softmax,
+)
+from localrt.backends.lookup import LookupIndex
+from localrt.errors import LocalrtError
+
+from .lib import Batch, Memory, _lib, logits_row, make_sampler, sample, token_piece
+
+DEFAULT_NUM_DRAFT = {"draft": 4, "lookup": 8}
+MAX_VERIFY = 48  # guesses + 1 per sequence and step
+# A prefix shorter than this is evaluated again rather than copied: copying between streams copies the
+# source's whole stream buffer (all n_ctx cells), which costs about as much as evaluating a few dozen tokens.
+COPY_MIN = 32
+
+
+@dataclass
+class ExternalChunk:
+    """Prompt cells evaluated by someone else into the context (an image through libmtmd).
+
+    `evaluate(ctx, seq_id, pos)` runs on the step thread with the raw `llama_context*`, decodes the chunk
+    into `seq_id` starting at position `pos` (no logits needed) and returns the next position. `cells` are
+    the chunk's keys, one per KV cell (an image's digest and index), so an identical chunk is a prefix hit.
+    """
+
+    cells: list[Hashable]
+    evaluate: Callable[[Any, int, int], int]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.cells)
+
+
+PromptItem = int | ExternalChunk
+
+
+def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class Job:
+    """One generation request as the step loop sees it."""
+
+    req: GenerateRequest
+    emit: Callable[[Event], None]
+    prompt: list[PromptItem] = field(default_factory=list)
+    prompt_cells: list[Hashable] = field(default_factory=list)
+    seq: int = -1
+    pending: list[PromptItem] = field(default_factory=list)  # still to evaluate before sampling
+    generating: bool = False  # the prompt is done (pending is then only a context-shift recompute)
+    history: list[int] = field(default_factory=list)  # prompt tokens + sampled tokens
+    last: int = -1  # the sampled token not yet in the KV cache
+    sampler: Any = None
+    text: TextAssembler | None = None
+    timings: Timings = field(default_factory=Timings)
+    t_admit: int = 0
+    t_prompt: int = 0
+    n_gen: int = 0
+    max_new: int = 0
+    proposer: str = "off"  # off | lookup | draft
+    lookup: LookupIndex | None = None
+    k: int = 0
+    k_max: int = 0
+    drafts: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # batch indices with logits for this job this step
+    finished: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    capture: bool = False  # keep a copy of the logits after the prompt in `logits` (tests, inspection)
+    logits: np.ndarray | None = None
+
+    @property
+    def cancel(self) -> CancelToken:
+        return self.req.cancel
+
+
+@dataclass
+class Task:
+    """Exclusive work on the context between steps (scoring): `run(ctx, seq_id)` on a free sequence."""
+
+    run: Callable[[Any, int], Any]
+    result: Any = None
+    error: BaseException | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+class DraftContext:
+    """The draft model's context: the same seq ids as the target, greedy guesses for many sequences at once."""
+
+    def __init__(self, model: Any, ctx: Any, n_seq_max: int, n_batch: int) -> None:
+        self.lib = _lib()
+        self.model, self.ctx = model, ctx
+        self.n_vocab = model.n_vocab()
+        self.memory = Memory(ctx.ctx)
+        self.batch = Batch(n_batch)
+        self.cells: list[list[int]] = [[] for _ in range(n_seq_max)]
+
+    def propose(self, wants: list[tuple[int, list[int], int]]) -> list[list[int]]:
+        """wants: (seq id, history, k) -> up to k greedy guesses per entry (one draft decode per round)."""
+        remaining: list[list[int]] = []
+        for seq, history, _ in wants:
+            keep = min(common_prefix(self.cells[seq], history), len(history) - 1)
+            if not self.memory.remove(seq, keep, -1):
+                self.memory.remove(seq)
+                keep = 0
+            del self.cells[seq][keep:]
+            remaining.append(history[keep:])
+        out: list[list[int]] = [[] for _ in wants]
+        live = self._catch_up(wants, remaining, out)
+        while live:
+            self.batch.clear()
+            rows = {}
+            for i in live:
+                seq = wants[i][0]
+                rows[i] = self.batch.add([out[i][-1]], len(self.cells[seq]), seq, True)
+                self.cells[seq].append(out[i][-1])
+            if not self._decode():
+                break
+            live = [i for i in live if self._take(i, rows[i], wants, out)]
+        return out
+
+    def _catch_up(
+        self, wants: list[tuple[int, list[int], int]], remaining: list[list[int]], out: list[list[int]]
+    ) -> list[int]:
+        live: list[int] = []
+        while any(remaining):
+            self.batch.clear()
+            rows = {}
+            for i, tokens in enumerate(remaining):
+                take = tokens[: self.batch.room]
+                if not take:
+                    continue
+                seq = wants[i][0]
+                last = len(take) == len(tokens)
+                flags = [False] * len(take)
+                flags[-1] = last
+                idx = self.batch.add(take, len(self.cells[seq]), seq, flags)
+                self.cells[seq].extend(take)
+                remaining[i] = tokens[len(take) :]
+                if last:
+                    rows[i] = idx + len(take) - 1
+            if not self._decode():
+                return []
+            live += [i for i, row in rows.items() if self._take(i, row, wants, out)]
+        return live
+
+    def _take(self, i: int, row: int, wants: list[tuple[int, list[int], int]], out: list[list[int]]) -> bool:
+        """Append the argmax of `row` to entry i's guesses; True while it wants more."""
+        token = int(np.argmax(logits_row(self.lib, self.ctx.ctx, row, self.n_vocab)))
+        if self.lib.llama_vocab_is_eog(self.model.vocab, token):
+            return False
+        out[i].append(token)
+        return len(out[i]) < wants[i][2]
+
+    def _decode(self) -> bool:
+        if self.batch.decode(self.ctx.ctx) != 0:  # full or failed: start the draft cache over
+            self.memory.clear()
+            self.cells = [[] for _ in self.cells]
+            return False
+        return True
+
+    def close(self) -> None:
+        self.batch.close()
+        self.ctx.close()
+
+
+class BatchedContext:
+    """The loaded model's one context, driven by one thread; `submit` jobs, `run_task` exclusive work."""
+
+    def __init__(
+        self,
+        model: Any,
+        ctx: Any,
+        *,
+        n_parallel: int,
+        n_seq_max: int,
+        n_ctx_seq: int,
+        step_tokens: int,
+        draft: DraftContext | None = None,
+    ) -> None:
+        self.lib = _lib()
+        self.model, self.ctx = model, ctx
+        self.vocab = model.vocab
+        self.n_vocab = model.n_vocab()
+        self.n_parallel = n_parallel
+        self.n_seq_max = n_seq_max
+        self.n_ctx_seq = n_ctx_seq
+        self.step_tokens = step_tokens
+        self.draft = draft
+        self.memory = Memory(ctx.ctx)
+        self.batch = Batch(step_tokens)
+        self.cells: list[list[Hashable]] = [[] for _ in range(n_seq_max)]  # exactly what each seq holds
+        self.owner: list[Job | None] = [None] * n_seq_max
+        self.last_used = [0.0] * n_seq_max
+        self.pieces: dict[tuple[int, bool], bytes] = {}
+        self.plan: list[tuple[int, list[int], int, bool | list[bool], Job]] = []  # this step's rows
+        self.planned = 0
+        self.waiting: list[Job] = []
+        self.running: list[Job] = []
+        self.tasks: list[Task] = []
+        self.cond = threading.Condition()
+        self.closed = False
+        self.steps = 0  # decodes run (for tests and benchmarks)
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="localrt-llamacpp-step")
+        self.thread.start()
+
+    # ---- requests from other threads -----------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            if self.closed:
+                raise LocalrtError("the model was unloaded")
+            self.waiting.append(job)
+            self.cond.notify_all()
+
+    def run_task(self, fn: Callable[[Any, int], Any]) -> Any:
+        task = Task(fn)
+        with self.cond:
+            if self.closed:
+                raise LocalrtError("the model was unloaded")
+            self.tasks.append(task)
+            self.cond.notify_all()
+        task.finished.wait()
+        if task.error is not None:
+            raise task.error
+        return task.result
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.thread.join()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not (self.closed or self.waiting or self.running or self.tasks):
+                    self.cond.wait()
+                if self.closed:
+                    break
+                tasks, self.tasks = self.tasks, []
+            for task in tasks:
+                self._run_task(task)
+            try:
+                self.step()
+            except Exception as e:  # a failed decode: every running request gets the error
+                for job in list(self.running):
+                    self._fail(job, e)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        gone = LocalrtError("the model was unloaded")
+        with self.cond:
+            pending, self.waiting = self.waiting, []
+            tasks, self.tasks = self.tasks, []
+        for job in [*self.running, *pending]:
+            if job.cancel.cancelled:  # model.cancel() before the unload: a clean end, not an error
+                if job in self.running:
+                    self._finish(job, "cancel")
+                else:
+                    job.emit(DoneEvent("cancel", Timings()))
+                    job.finished.set()
+            else:
+                self._fail(job, gone)
+        for task in tasks:
+            task.error = gone
+            task.finished.set()
+
+    def step(self) -> None:
+        """One iteration: drop cancelled requests, admit new ones, decode one batch, sample."""
+        for job in [j for j in self.running if j.cancel.cancelled]:
+            self._finish(job, "cancel")
+        self._admit()
+        if not self.running:
+            return
+        self._add_decodes()
+        self._add_prefills()
+        self._fill_batch()
+        if self.batch.n == 0:
+            return
+        self._decode()
+        for job in list(self.running):
+            if job.rows:
+                rows, drafts = job.rows, job.drafts
+                job.rows, job.drafts = [], []
+                self._consume(job, rows, drafts)
+
+    # ---- admission and prefix reuse ------------------------------------------------------------
+    def _admit(self) -> None:
+        with self.cond:
+            held: list[Job] = []
+            while self.waiting and len(self.running) < self.n_parallel:
+                job = self.waiting.pop(0)
+                if job.cancel.cancelled:
+                    job.emit(DoneEvent("cancel", Timings()))
+                    job.finished.set()
+                    continue
+                if self._prefix_coming(job):
+                    held.append(job)
+                    continue
+                try:
+                    self._start(job)
+                except Exception as e:
+                    self._fail(job, e)
+            self.waiting[:0] = held
+
+    def _prefix_coming(self, job: Job) -> bool:
+        """True while a running request is still evaluating a long prefix this one shares: waiting a step or
+        two and copying it beats evaluating the same tokens twice (N clients behind one system prompt)."""
+        if not job.prompt_cells:
+            job.prompt_cells = _cells(job.prompt)
+        cached = self._best_prefix(job.prompt_cells)[1]
+        for other in self.running:
+            if other.generating or not other.pending:
+                continue
+            shared = common_prefix(other.prompt_cells, job.prompt_cells)
+            if shared >= COPY_MIN and shared > cached:
+                return True
+        return False
+
+    def _start(self, job: Job) -> None:
+        req = job.req
+        job.t_admit = time.perf_counter_ns()
+        prompt_cells = job.prompt_cells or _cells(job.prompt)
+        job.prompt_cells = prompt_cells
+        src, n = self._best_prefix(prompt_cells)
+        n = min(n, len(prompt_cells) - 1)  # at least one token is evaluated, for its logits
+        n = _cut(job.prompt, n)  # never start inside an external chunk
+        seq = self._free_seq(src, n, len(prompt_cells))
+        if seq != src and n >= COPY_MIN:
+            # each sequence has a stream of its own: the copy is of the whole stream, then the tail goes
+            self.memory.copy(src, seq, -1, -1)
+            self.cells[seq] = list(self.cells[src])
+        elif seq != src:
+            n = 0
+        if not self.memory.remove(seq, n, -1):
+            self.memory.remove(seq)
+            n = 0
+        del self.cells[seq][n:]
+        job.seq = seq
+        self.owner[seq] = job
+        job.pending = _items_from(job.prompt, n)
+        job.timings.prompt_eval_count = len(prompt_cells) - n
+        job.history = [t for t in job.prompt if isinstance(t, int)]
+        job.sampler = make_sampler(self.model, self.n_ctx_seq, req.sampling, req.format, job.history)
+        job.text = TextAssembler(req.stop)
+        room = self.n_ctx_seq - len(prompt_cells)
+        job.max_new = room if req.num_predict < 0 else req.num_predict
+        if not req.shift:
+            job.max_new = min(job.max_new, room)
+        self._set_proposer(job)
+        self.running.append(job)
+        job.timings.cached_count = n
+
+    def _best_prefix(self, cells: list[Hashable]) -> tuple[int, int]:
+        best, best_n = -1, 0
+        for seq in range(self.n_seq_max):
+            n = common_prefix(self.cells[seq], cells)
+            if n > best_n:
+                best, best_n = seq, n
+        return best, best_n
+
+    def _free_seq(self, src: int, n: int, prompt_len: int) -> int:
+        """A seq id for a new request whose best cached prefix is n cells of seq `src`.
+
+        An idle source the prompt extends (a conversation's next turn) or repeats is taken over; a long
+        prefix is copied to another id, so that the source keeps its tail for its own conversation; a short
+        one is evaluated again on an empty id rather than cut another conversation. Otherwise the lowest empty id,
+        else the least recently used idle one: low ids keep the running ids together (llama.cpp cuts
+        micro-batches of consecutive seq ids).
+        """
+        idle = [s for s in range(self.n_seq_max) if self.owner[s] is None]
+        src_idle = src >= 0 and self.owner[src] is None
+        held = len(self.cells[src]) if src >= 0 else 0
+        if src_idle and (n >= held - 1 or n >= prompt_len - 1):
+            return src  # the request extends it, or repeats its prompt
+        others = [s for s in idle if s != src]
+        empty = [s for s in others if not self.cells[s]]
+        if n >= COPY_MIN and others:
+            return empty[0] if empty else min(others, key=lambda s: self.last_used[s])
+        if empty:
+            return empty[0]
+        if src_idle and n > 0:
+            return src  # something is evicted anyway: the source at least gives n cells
+        return min(idle, key=lambda s: self.last_used[s])
+
+    def _evict(self, seq: int) -> None:
+        self.memory.remove(seq)
+        self.cells[seq] = []
+
+    def _evict_idle(self) -> bool:
+        """Free the least recently used idle sequence's cells; False when none holds any."""
+        idle = [s for s in range(self.n_seq_max) if self.owner[s] is None and self.cells[s]]
+        if not idle:
+            return False
+        self._evict(min(idle, key=lambda s: self.last_used[s]))
+        return True
+
+    def _set_proposer(self, job: Job) -> None:
+        req = job.req
+        mode = req.speculative
+        if mode == "auto":
+            mode = "draft" if self.draft is not None else "off"
+        if req.format is not None or (mode == "draft" and self.draft is None):
+            mode = "off"  # a grammar decides token by token: nothing to guess ahead
+        if any(isinstance(item, ExternalChunk) for item in job.prompt):
+            mode = "off"  # the proposers see text only
+        job.proposer = mode if mode in DEFAULT_NUM_DRAFT else "off"
+        if job.proposer == "lookup":
+            job.lookup = LookupIndex()
+        job.k_max = min(req.num_draft or DEFAULT_NUM_DRAFT.get(job.proposer, 0), MAX_VERIFY - 1)
+        job.k = job.k_max  # adapted after each check: a CPU pays for every guessed position
+
+    # ---- building the batch --------------------------------------------------------------------
+    def _add_decodes(self) -> None:
+        decoding = [j for j in self.running if j.generating and not j.pending]
+        for job in decoding:
+            if len(self.cells[job.seq]) + 1 > self.n_ctx_seq:
+                self._context_full(job)
+        decoding = [j for j in decoding if j in self.running and not j.pending]
+        self._propose(decoding)
+        for job in decoding:
+            tokens = [job.last, *job.drafts]
+            if len(tokens) > self.room:
+                job.drafts, tokens = [], [job.last]
+            if not self.room:
+                break
+            self._plan_rows(job, tokens, True)
+            job.timings.draft_count += len(job.drafts)
+
+    @property
+    def room(self) -> int:
+        return self.step_tokens - self.planned
+
+    def _plan_rows(self, job: Job, tokens: list[int], output: bool | list[bool]) -> None:
+        seq = job.seq
+        self.plan.append((seq, tokens, len(self.cells[seq]), output, job))
+        self.cells[seq].extend(tokens)
+        self.planned += len(tokens)
+
+    def _fill_batch(self) -> None:
+        """The planned rows into the batch, by seq id: llama.cpp cuts micro-batches of consecutive ids."""
+        self.batch.clear()
+        for seq, tokens, pos0, output, job in sorted(self.plan, key=lambda e: e[0]):
+            start = self.batch.add(tokens, pos0, seq, output)
+            if output is True:
+                job.rows = list(range(start, start + len(tokens)))
+            elif output[-1]:
+                job.rows = [start + len(tokens) - 1]
+        self.plan, self.planned = [], 0
+
+    def _propose(self, jobs: list[Job]) -> None:
+        wants: list[tuple[int, list[int], int]] = []
+        drafting: list[Job] = []
+        for job in jobs:
+            if job.proposer == "off" or job.k <= 0:
+                continue
+            budget = min(job.k, job.max_new - job.n_gen - 1, self.n_ctx_seq - len(self.cells[job.seq]) - 2)
+            if budget <= 0:
+                continue
+            history = [*job.history]
+            if job.proposer == "lookup" and job.lookup is not None:
+                job.drafts = job.lookup.propose(history, budget)
+            else:
+                wants.append((job.seq, history, budget))
+                drafting.append(job)
+        if wants and self.draft is not None:
+            for job, guesses in zip(drafting, self.draft.propose(wants)):
+                job.drafts = guesses
+
+    def _add_prefills(self) -> None:
+        for job in self.running:
+            if not job.pending or job in (e[4] for e in self.plan):
+                continue
+            self._run_external(job)
+            take: list[int] = []
+            for item in job.pending:
+                if not isinstance(item, int) or len(take) >= self.room:
+                    break
+                take.append(item)
+            if not take:
+                continue
+            flags = [False] * len(take)
+            flags[-1] = len(take) == len(job.pending)
+            del job.pending[: len(take)]
+            self._plan_rows(job, take, flags)
+            if not self.room:
+                break
+
+    def _run_external(self, job: Job) -> None:
+        """Evaluate external chunks at the head of the job's pending prompt (their own decodes, now)."""
+        while job.pending and isinstance(job.pending[0], ExternalChunk):
+            chunk = job.pending.pop(0)
+            seq = job.seq
+            pos = len(self.cells[seq])
+            new_pos = chunk.evaluate(self.ctx.ctx, seq, pos)
+            if new_pos < pos:
+                raise LocalrtError("an external prompt chunk failed to evaluate")
+            self.cells[seq].extend(chunk.cells)
+            job.timings.prompt_image_tokens += chunk.n_tokens
+
+    def _context_full(self, job: Job) -> None:
+        """The sequence fills its context: shift (keep num_keep, drop half the rest, recompute) or stop."""
+        cells = self.cells[job.seq]
+        n_keep = max(0, min(job.req.num_keep, self.n_ctx_seq // 2))
+        n_discard = (len(cells) - n_keep) // 2
+        kept = cells[n_keep + n_discard :]
+        if not job.req.shift or n_discard <= 0 or not all(isinstance(c, int) for c in kept):
+            self._finish(job, "length")
+            return
+        # A recompute rather than a K-shift: the cells may be shared with other sequences (seq_cp), and
+        # moving shared cells' positions would move them for every sequence holding them.
+        self.memory.remove(job.seq, n_keep, -1)
+        del cells[n_keep:]
+        job.pending = [*kept, job.last]  # type: ignore[list-item]
+
+    def _decode(self) -> None:
+        while True:
+            ret = self.batch.decode(self.ctx.ctx)
+            if ret == 0:
+                self.steps += 1
+                return
+            if ret == 1 and self._evict_idle():
+                continue  # the cache was full: room made by dropping an idle sequence, try again
+            raise LocalrtError(
+                "the KV cache is full"
+                if ret == 1
+                else f"llama.cpp decode failed (llama_decode returned {ret})"
+            )
+
+    # ---- after the decode ----------------------------------------------------------------------
+    def _consume(self, job: Job, rows: list[int], drafts: list[int]) -> None:
+        """Sample the job's rows in order: keep guesses while the target agrees, roll back the rest."""
+        if not job.generating:
+            job.generating = True
+            job.t_prompt = time.perf_counter_ns()
+            if job.capture:
+                job.logits = logits_row(self.lib, self.ctx.ctx, rows[0], self.n_vocab).copy()
+            job.timings.prompt_eval_ns = job.t_prompt - job.t_admit
+        accepted, finish = 0, None
+        for j, row in enumerate(rows):
+            token, finish = self._take_token(job, row)
+            if finish is not None:
+                break
+            if j < len(drafts) and token == drafts[j]:
+                accepted += 1
+                continue
+            break
+        if drafts:
+            job.timings.draft_accepted_count += accepted
+            rejected = len(drafts) - accepted
+            if rejected:
+                cells = self.cells[job.seq]
+                self.memory.remove(job.seq, len(cells) - rejected, -1)
+                del cells[len(cells) - rejected :]
+            job.k = min(job.k_max, 2 * job.k) if accepted == len(drafts) else max(1, accepted + 1)
+        if finish is not None:
+            self._finish(job, finish)
+
+    def _take_token(self, job: Job, row: int) -> tuple[int, str | None]:
+        if job.cancel.cancelled:
+            return -1, "cancel"
+        token = sample(job.sampler, self.ctx.ctx, row)
+        job.n_gen += 1
+        job.history.append(token)
+        job.last = token
+        if self.lib.llama_vocab_is_eog(self.vocab, token):
+            return token, "stop"
+        req = job.req
+        lp = self._logprob(row, token, req.top_logprobs) if req.logprobs or req.top_logprobs > 0 else None
+        assert job.text is not None
+        event, stopped = job.text.add(token, self.piece(token, token in req.preserve_tokens), lp)
+        if event is not None:
+            job.emit(event)
+        if stopped:
+            return token, "stop"
+        if job.n_gen >= job.max_new:
+            return token, "length"
+        return token, None
+
+    def _logprob(self, row: int, token: int, top_n: int) -> TokenLogprob:
+        lp = log_softmax(logits_row(self.lib, self.ctx.ctx, row, self.n_vocab))
+        top: list[TopLogprob] = []
+        if top_n > 0:
+            ids = np.argpartition(-lp, top_n - 1)[:top_n]
+            ids = ids[np.argsort(-lp[ids])]
+            top = [TopLogprob(int(i), self.text_of([int(i)]), float(lp[i])) for i in ids]
+        return TokenLogprob(token, self.text_of([token]), float(lp[token]), top)
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        return token_piece(self.lib, self.vocab, token, special, self.pieces)
+
+    def text_of(self, ids: Sequence[int]) -> str:
+        return b"".join(self.piece(int(t)) for t in ids).decode("utf-8", errors="replace")
+
+    def _finish(self, job: Job, reason: str) -> None:
+        if job.text is not None:
+            tail = job.text.finish()
+            if tail is not None and (tail.text or tail.token_ids):
+                job.emit(tail)
+        now = time.perf_counter_ns()
+        if not job.generating:
+            job.timings.prompt_eval_ns = now - job.t_admit
+        job.timings.eval_count = job.n_gen
+        job.timings.eval_ns = now - job.t_prompt if job.t_prompt else 0
+        job.emit(DoneEvent(reason, job.timings))  # type: ignore[arg-type]
+        self._release(job, keep=reason != "cancel")
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        job.error = error
+        self._release(job, keep=False)
+
+    def _release(self, job: Job, keep: bool) -> None:
+        """The job leaves; its sequence stays cached for prefix reuse, or (cancelled) is freed at once."""
+        if job in self.running:
+            self.running.remove(job)
+        seq = job.seq
+        if seq >= 0 and self.owner[seq] is job:
+            self.owner[seq] = None
+            self.last_used[seq] = time.monotonic()
+            if not keep:
+                self._evict(seq)
+        if job.sampler is not None:
+            job.sampler.close()
+            job.sampler = None
+        job.finished.set()
+
+    # ---- exclusive tasks -----------------------------------------------------------------------
+    def _run_task(self, task: Task) -> None:
+        idle = [s for s in range(self.n_seq_max) if self.owner[s] is None]
+        try:
+            if not idle:
+                raise LocalrtError("no free sequence for this request")
+            seq = min(idle, key=lambda s: (bool(self.cells[s]), self.last_used[s]))
+            self._evict(seq)
+            try:
+                task.result = task.run(self.ctx.ctx, seq)
+            finally:
+                self._evict(seq)
+        except Exception as e:
+            task.error = e
+        task.finished.set()
+
+    def decode_exclusive(self, batch: Batch) -> None:
+        """For tasks: decode `batch`, dropping idle sequences when the cache is full."""
+        while True:
+            ret = batch.decode(self.ctx.ctx)
+            if ret == 0:
+                return
+            if ret == 1 and self._evict_idle():
+                continue
+            raise LocalrtError(f"llama.cpp decode failed (llama_decode returned {ret})")
+
+
+def _cells(prompt: Sequence[PromptItem]) -> list[Hashable]:
+    out: list[Hashable] = []
+    for item in prompt:
+        if isinstance(item, ExternalChunk):
+            out.extend(item.cells)
+        else:
+            out.append(item)
+    return out
+
+
+def _cut(prompt: Sequence[PromptItem], n_cells: int) -> int:
+    """The largest cell count <= n_cells that does not end inside an external chunk."""
+    seen = 0
+    for item in prompt:
+        size = item.n_tokens if isinstance(item, ExternalChunk) else 1
+        if seen + size > n_cells:
+            return seen
+        seen += size
+    return n_cells
+
+
+def _items_from(prompt: Sequence[PromptItem], n_cells: int) -> list[PromptItem]:
+    """The prompt items after its first n_cells cells (n_cells never falls inside an external chunk)."""
+    out: list[PromptItem] = []
+    seen = 0
+    for item in prompt:
+        size = item.n_tokens if isinstance(item, ExternalChunk) else 1
+        if seen >= n_cells:
+            out.append(item)
+        seen += size
+    return out

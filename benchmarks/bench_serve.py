@@ -1,0 +1,413 @@
+"""localrt serve against llama.cpp's own llama-server: the same GGUF, threads and slots, the same load.
+
+Both servers run on 127.0.0.1 and are driven by the official `openai` client with streaming chat
+completions (greedy, `stream_options.include_usage`). For each concurrency the script prints the aggregate
+completion tokens/s, the median and p95 time to first token, and localrt / llama-server ratios (tok/s:
+higher is better for localrt; TTFT: lower). Three workloads:
+
+- `load`: N clients, each with its own short question, at every `--concurrency`;
+- `prefix`: 16 clients behind one ~1,000-token system prompt, against the same prompt made distinct per
+  client by its first line (nothing to share: prefix reuse in effect off), TTFT compared;
+- `grounded`: 16 clients each asking to repeat a different ~200-token passage from their prompt; localrt
+  with prompt-lookup speculation inside the batch vs llama-server with `--spec-type` (`--server-spec`),
+  and localrt's greedy outputs checked identical with speculation off.
+
+`--backend torch` adds the torch engine as a third column (another `localrt serve`).
+llama-server comes from `tests/fixtures_hf.py::llama_cpp_tools()` (built once, cached outside the repo).
+
+    python benchmarks/bench_serve.py --threads 2 --slots 16 --concurrency 1,4,16,32 --max-tokens 64
+    python benchmarks/bench_serve.py --smoke   # tiny settings, to check that everything runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHED_GGUF = (
+    Path(os.environ.get("LOCALRT_TEST_CACHE", Path.home() / ".cache" / "localrt-tests"))
+    / "SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+MODEL = "bench-serve:latest"
+TOPICS = [
+    "the sea", "mountains", "a library", "the moon", "a market", "trains", "winter", "a garden",
+    "bees", "a lighthouse", "bread", "rivers", "clocks", "a violin", "the desert", "owls",
+]  # fmt: skip
+PASSAGE_WORDS = (
+    "keeper lamp harbour tide rope sail gull storm lantern anchor cliff wave shore mast deck net "
+    "island beacon compass chart fog bell pier hull oar reef dawn dusk salt spray current"
+).split()
+
+
+@dataclass
+class Sample:
+    ttft: float  # seconds to the first content token
+    tokens: int
+    text: str
+
+
+@dataclass
+class Row:
+    name: str
+    concurrency: int
+    wall: float
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return sum(s.tokens for s in self.samples) / self.wall if self.wall > 0 else 0.0
+
+    def ttft(self, q: float) -> float:
+        values = sorted(s.ttft for s in self.samples)
+        return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+# ---- servers --------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}: {url}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"server did not come up: {url}")
+
+
+@contextmanager
+def llama_server(
+    gguf: Path, threads: int, slots: int, ctx: int, spec: list[str] | None = None
+) -> Iterator[str]:
+    sys.path.insert(0, str(ROOT))
+    from tests.fixtures_hf import llama_cpp_tools
+
+    port = free_port()
+    cmd = [
+        str(llama_cpp_tools() / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+        "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(ctx * slots), "--kv-unified",
+        "--no-webui", "--jinja", *(spec or []),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@contextmanager
+def localrt_server(gguf: Path, threads: int, slots: int, ctx: int, backend: str) -> Iterator[str]:
+    root = Path(tempfile.mkdtemp(prefix="localrt-bench-serve-"))
+    env = {
+        **os.environ,
+        "LOCALRT_MODELS": str(root / "models"),
+        "LOCALRT_NUM_PARALLEL": str(slots),
+        "LOCALRT_BACKEND": backend,
+        "LOCALRT_KEEP_ALIVE": "-1",
+    }
+    sys.path.insert(0, str(ROOT))
+    os.environ["LOCALRT_MODELS"] = env["LOCALRT_MODELS"]
+    from localrt.store.importer import import_gguf
+    from localrt.store.store import Store
+
+    params = {"num_thread": threads, "num_ctx": ctx, "temperature": 0}
+    import_gguf(Store(root / "models"), MODEL, gguf, params=params)
+    port = free_port()
+    env["LOCALRT_HOST"] = f"127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localrt", "serve"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- the load -------------------------------------------------------------------------------------
+async def one_request(
+    client: Any, model: str, messages: list[dict[str, str]], max_tokens: int, extra: dict
+) -> Sample:
+    start = time.perf_counter()
+    first: float | None = None
+    text, tokens = "", 0
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if first is None:
+                first = time.perf_counter() - start
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return Sample(first if first is not None else time.perf_counter() - start, tokens, text)
+
+
+async def drive(
+    url: str,
+    model: str,
+    conversations: list[list[dict[str, str]]],
+    max_tokens: int,
+    extra: dict | None = None,
+) -> tuple[float, list[Sample]]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=3600)
+    await one_request(client, model, [{"role": "user", "content": "Hi"}], 2, extra or {})  # load, warm up
+    start = time.perf_counter()
+    samples = await asyncio.gather(
+        *(one_request(client, model, c, max_tokens, extra or {}) for c in conversations)
+    )
+    wall = time.perf_counter() - start
+    await client.close()
+    return wall, list(samples)
+
+
+def questions(n: int, salt: int = 0) -> list[list[dict[str, str]]]:
+    return [
+        [
+            {
+                "role": "user",
+                "content": f"Write a long, detailed story about {TOPICS[(i + salt) % len(TOPICS)]} (#{i}).",
+            }
+        ]
+        for i in range(n)
+    ]
+
+
+def shared_prefix(n: int, distinct: bool, n_rules: int = 60) -> list[list[dict[str, str]]]:
+    rules = " ".join(
+        f"Rule {i}: be accurate, kind and brief, and cite the rule you follow." for i in range(n_rules)
+    )
+    out = []
+    for i in range(n):
+        head = f"Client {i}. " if distinct else ""  # a different first line: nothing in common to reuse
+        system = f"{head}You are a careful assistant. {rules}"
+        out.append(
+            [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Tell me about {TOPICS[i % 16]}."},
+            ]
+        )
+    return out
+
+
+def grounded(n: int, n_words: int = 150) -> list[list[dict[str, str]]]:
+    out = []
+    for i in range(n):
+        words = [PASSAGE_WORDS[(i * 7 + j * 3) % len(PASSAGE_WORDS)] for j in range(n_words)]
+        passage = " ".join(words)
+        task = f"Repeat this passage exactly, word for word:\n\n{passage}"
+        out.append([{"role": "user", "content": task}])
+    return out
+
+
+# ---- the runs -------------------------------------------------------------------------------------
+@dataclass
+class Config:
+    gguf: Path
+    threads: int
+    slots: int
+    ctx: int
+    max_tokens: int
+    concurrency: list[int]
+    backends: list[str]
+    server_spec: str
+    skip: set[str]
+    with_llama_server: bool = True
+    scale: float = 1.0  # of the prefix and passage lengths (smoke runs use a tenth)
+
+
+def servers(cfg: Config) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    if cfg.with_llama_server:
+        out.append(("llama-server", lambda: llama_server(cfg.gguf, cfg.threads, cfg.slots, cfg.ctx)))
+    for backend in cfg.backends:
+        out.append(
+            (
+                f"localrt/{backend}",
+                lambda b=backend: localrt_server(cfg.gguf, cfg.threads, cfg.slots, cfg.ctx, b),
+            )
+        )
+    return out
+
+
+def run_load(cfg: Config) -> dict[str, list[Row]]:
+    results: dict[str, list[Row]] = {}
+    for name, start in servers(cfg):
+        model = MODEL if name.startswith("localrt") else "default"
+        with start() as url:
+            for c in cfg.concurrency:
+                wall, samples = asyncio.run(drive(url, model, questions(c), cfg.max_tokens))
+                results.setdefault(name, []).append(Row(name, c, wall, samples))
+    return results
+
+
+def run_prefix(cfg: Config, clients: int) -> dict[str, dict[str, Row]]:
+    results: dict[str, dict[str, Row]] = {}
+    for name, start in servers(cfg):
+        model = MODEL if name.startswith("localrt") else "default"
+        with start() as url:
+            for label, distinct in (("shared", False), ("distinct", True)):
+                wall, samples = asyncio.run(
+                    drive(
+                        url,
+                        model,
+                        shared_prefix(clients, distinct, max(1, int(60 * cfg.scale))),
+                        cfg.max_tokens,
+                    )
+                )
+                results.setdefault(name, {})[label] = Row(name, clients, wall, samples)
+    return results
+
+
+def run_grounded(cfg: Config, clients: int) -> dict[str, Row]:
+    work = grounded(clients, max(10, int(150 * cfg.scale)))
+    spec = ["--spec-type", cfg.server_spec] if cfg.server_spec else []
+    results: dict[str, Row] = {}
+    if cfg.with_llama_server:
+        with llama_server(cfg.gguf, cfg.threads, cfg.slots, cfg.ctx, spec) as url:
+            wall, samples = asyncio.run(drive(url, "default", work, cfg.max_tokens))
+            results[f"llama-server {cfg.server_spec or 'no spec'}"] = Row(
+                "llama-server", clients, wall, samples
+            )
+    with localrt_server(cfg.gguf, cfg.threads, cfg.slots, cfg.ctx, "llama.cpp") as url:
+        for label, mode in (("localrt lookup", "lookup"), ("localrt off", "off")):
+            wall, samples = asyncio.run(drive(url, MODEL, work, cfg.max_tokens, {"speculative": mode}))
+            results[label] = Row(label, clients, wall, samples)
+    same = [
+        a.text == b.text for a, b in zip(results["localrt lookup"].samples, results["localrt off"].samples)
+    ]
+    print(f"grounded: localrt greedy output identical with lookup on and off: {sum(same)}/{len(same)}")
+    return results
+
+
+# ---- printing -------------------------------------------------------------------------------------
+def print_load(results: dict[str, list[Row]]) -> None:
+    names = list(results)
+    print("\nload: aggregate tok/s | TTFT median / p95 (ms)")
+    print(
+        f"{'clients':>8} "
+        + " ".join(f"{n:>34}" for n in names)
+        + "   ratios vs llama-server (tok/s, TTFT med)"
+    )
+    base = results.get("llama-server", [])
+    for i, row0 in enumerate(results[names[0]]):
+        cells = []
+        for n in names:
+            r = results[n][i]
+            cells.append(f"{r.tok_s:9.1f} | {r.ttft(0.5) * 1000:7.0f} / {r.ttft(0.95) * 1000:7.0f}")
+        ratios = []
+        if base:
+            b = base[i]
+            for n in names:
+                if n != "llama-server":
+                    r = results[n][i]
+                    ratios.append(f"{n}: {r.tok_s / b.tok_s:.2f}x, {r.ttft(0.5) / b.ttft(0.5):.2f}x")
+        print(f"{row0.concurrency:>8} " + " ".join(f"{c:>34}" for c in cells) + "   " + "; ".join(ratios))
+
+
+def print_prefix(results: dict[str, dict[str, Row]]) -> None:
+    print("\nshared prefix (one ~1,000-token system prompt) vs distinct prefixes: TTFT median (ms), tok/s")
+    for name, rows in results.items():
+        s, d = rows["shared"], rows["distinct"]
+        print(
+            f"{name:>20}: shared {s.ttft(0.5) * 1000:7.0f} ms {s.tok_s:7.1f} tok/s | distinct "
+            f"{d.ttft(0.5) * 1000:7.0f} ms {d.tok_s:7.1f} tok/s | TTFT {d.ttft(0.5) / s.ttft(0.5):.2f}x lower shared"
+        )
+
+
+def print_grounded(results: dict[str, Row]) -> None:
+    print("\ngrounded (repeat a ~200-token passage): aggregate tok/s")
+    base = next((r for k, r in results.items() if k.startswith("llama-server")), None)
+    for name, row in results.items():
+        ratio = f" ({row.tok_s / base.tok_s:.2f}x llama-server)" if base and base.tok_s else ""
+        print(f"{name:>28}: {row.tok_s:7.1f} tok/s{ratio}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", default=str(CACHED_GGUF))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--ctx", type=int, default=2048, help="context per sequence")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrency", default="1,4,16,32")
+    p.add_argument("--clients", type=int, default=16, help="clients of the prefix and grounded runs")
+    p.add_argument("--backend", action="append", default=[], help="extra localrt backend column (torch)")
+    p.add_argument("--server-spec", default="ngram-simple", help="llama-server --spec-type for grounded")
+    p.add_argument("--skip", default="", help="comma list of load,prefix,grounded to skip")
+    p.add_argument("--no-llama-server", action="store_true", help="localrt columns only")
+    p.add_argument("--smoke", action="store_true", help="tiny settings: check that every part runs")
+    a = p.parse_args()
+    gguf = Path(a.gguf)
+    if not gguf.is_file():
+        raise SystemExit(f"no GGUF at {gguf}: pass --gguf PATH (running the test suite once caches SmolLM2)")
+    cfg = Config(
+        gguf=gguf,
+        threads=a.threads,
+        slots=a.slots,
+        ctx=a.ctx,
+        max_tokens=a.max_tokens,
+        concurrency=[int(c) for c in a.concurrency.split(",") if c],
+        backends=["llama.cpp", *a.backend],
+        server_spec=a.server_spec,
+        skip={s for s in a.skip.split(",") if s},
+        with_llama_server=not a.no_llama_server,
+    )
+    clients = a.clients
+    if a.smoke:
+        cfg.threads, cfg.slots, cfg.max_tokens, cfg.concurrency, clients = 1, 2, 4, [1, 2], 2
+        cfg.scale = 0.1
+    print(
+        f"GGUF {gguf.name}, {cfg.threads} threads, {cfg.slots} slots, ctx {cfg.ctx}, {cfg.max_tokens} new tokens"
+    )
+    if "load" not in cfg.skip:
+        print_load(run_load(cfg))
+    if "prefix" not in cfg.skip:
+        print_prefix(run_prefix(cfg, clients))
+    if "grounded" not in cfg.skip:
+        print_grounded(run_grounded(cfg, clients))
+
+
+if __name__ == "__main__":
+    main()

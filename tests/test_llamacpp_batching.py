@@ -1,0 +1,237 @@
+"""The llama.cpp backend's one batched context: batching is invisible (concurrent requests give exactly the
+tokens each gives alone), prefix reuse across requests, cancellation frees KV at once, context shift."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from localrt.backends.base import (  # noqa: E402
+    CancelToken,
+    DoneEvent,
+    GenerateRequest,
+    LoadOptions,
+    SamplingParams,
+    TextEvent,
+)
+from localrt.backends.llamacpp import LlamaCppBackend, LlamaCppModel  # noqa: E402
+
+THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
+CHAT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+GREEDY = SamplingParams(temperature=0.0)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Write a haiku about autumn leaves falling in the quiet forest.",
+    "Why is the sky blue?",
+    "Describe a cat as JSON with name and age.",
+    "List the planets of the solar system in order from the sun.",
+    "What is 12 times 7?",
+    "Tell me a short story about a brave little mouse who lived in a big old house.",
+]
+
+
+@dataclass
+class Outcome:
+    ids: list[int]
+    done: DoneEvent | None
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_gguf: Path) -> Iterator[LlamaCppModel]:
+    opts = LoadOptions(num_ctx=512, num_thread=THREADS, num_batch=128, num_parallel=16)
+    loaded = LlamaCppBackend.load(smollm2_gguf, opts)
+    yield loaded
+    loaded.unload()
+
+
+def ask(model: LlamaCppModel, question: str) -> list[int]:
+    return model.tokenize(CHAT.format(q=question), add_special=True, parse_special=True)
+
+
+async def run_one(model: LlamaCppModel, req: GenerateRequest, cancel_after: int | None = None) -> Outcome:
+    ids: list[int] = []
+    done = None
+    events = model.generate(req)
+    async for event in events:
+        if isinstance(event, TextEvent):
+            ids += event.token_ids
+            if cancel_after is not None and len(ids) >= cancel_after:
+                await events.aclose()  # a client hanging up
+                break
+        else:
+            done = event
+    return Outcome(ids, done)
+
+
+def mixed_requests(model: LlamaCppModel) -> list[tuple[GenerateRequest, int | None]]:
+    """16 requests: greedy and seeded, lengths, stop strings, a grammar, lookup speculation, cancellations."""
+    out: list[tuple[GenerateRequest, int | None]] = []
+    for i in range(16):
+        q = QUESTIONS[i % len(QUESTIONS)]
+        sampling = GREEDY if i % 2 == 0 else SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=i)
+        req = GenerateRequest(ask(model, q), sampling, num_predict=8 + 3 * i)
+        if i % 5 == 1:
+            req.stop = ["\n", "."]
+        if i == 4:
+            req.format = "json"
+        if i in (2, 6, 9):
+            req.speculative = "lookup"
+        out.append((req, 5 if i in (3, 11) else None))
+    return out
+
+
+def fresh(req: GenerateRequest) -> GenerateRequest:
+    return replace(req, cancel=CancelToken())
+
+
+def test_batching_is_invisible(model: LlamaCppModel) -> None:
+    requests = mixed_requests(model)
+    alone = [asyncio.run(run_one(model, fresh(r), cut)) for r, cut in requests]
+
+    async def together() -> list[Outcome]:
+        return list(await asyncio.gather(*(run_one(model, fresh(r), cut) for r, cut in requests)))
+
+    side_by_side = asyncio.run(together())
+    for i, (a, b) in enumerate(zip(alone, side_by_side)):
+        assert b.ids == a.ids, f"request {i} changed when batched"
+    finished = [o.done for o in side_by_side if o.done is not None]
+    assert len(finished) == 14  # two hung up
+    assert sum(d.timings.draft_count for d in finished) > 0  # lookup guessed inside the batch
+
+
+def test_a_cancelled_sequence_frees_its_cache_at_once(model: LlamaCppModel) -> None:
+    engine = model.engine
+    assert engine is not None
+    req = GenerateRequest(ask(model, "Tell me a long story about dragons."), GREEDY, num_predict=200)
+    out = asyncio.run(run_one(model, req, cancel_after=3))
+    assert len(out.ids) >= 3
+    assert all(job.seq < 0 or job is not engine.owner[job.seq] for job in engine.running)
+    seqs = [
+        s for s in range(engine.n_seq_max) if engine.cells[s][: len(req.prompt_tokens)] == req.prompt_tokens
+    ]
+    assert seqs == []  # the cancelled sequence kept nothing
+    for s in range(engine.n_seq_max):
+        held = engine.lib.llama_memory_seq_pos_max(engine.memory.mem, s) + 1
+        assert held == len(engine.cells[s])  # the record matches llama.cpp's memory
+
+
+def test_a_second_request_evaluates_only_its_own_suffix(model: LlamaCppModel) -> None:
+    system = "You are a helpful assistant who answers in one short sentence about geography and history. " * 3
+    first = model.tokenize(
+        f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nWhere is Peru?<|im_end|>\n",
+        add_special=True,
+        parse_special=True,
+    )
+    second = model.tokenize(
+        f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nWho built Rome?<|im_end|>\n",
+        add_special=True,
+        parse_special=True,
+    )
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared > 48
+    a = asyncio.run(run_one(model, GenerateRequest(first, GREEDY, num_predict=4)))
+    b = asyncio.run(run_one(model, GenerateRequest(second, GREEDY, num_predict=4)))
+    assert a.done is not None
+    assert b.done is not None
+    assert b.done.timings.prompt_eval_count == len(second) - shared
+    assert b.done.timings.cached_count == shared
+
+
+def test_a_request_copies_the_prefix_of_a_running_one(model: LlamaCppModel) -> None:
+    system = " ".join(f"Rule {i}: answer politely and briefly." for i in range(8))
+    prompts = [
+        model.tokenize(CHAT.replace("You are a helpful assistant.", system).format(q=q), True, True)
+        for q in ("Tell me a long story about a dragon.", "What is 2 + 2?")
+    ]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    assert shared > 64
+
+    async def scenario() -> tuple[Outcome, Outcome]:
+        story = model.generate(GenerateRequest(prompts[0], GREEDY, num_predict=60))
+        await story.__anext__()  # the story is decoding, holding the shared prefix
+        short = await run_one(model, GenerateRequest(prompts[1], GREEDY, num_predict=4))
+        rest = [e async for e in story]
+        assert isinstance(rest[-1], DoneEvent)
+        return short, Outcome([], rest[-1])
+
+    short, _ = asyncio.run(scenario())
+    assert short.done is not None
+    assert short.done.timings.prompt_eval_count == len(prompts[1]) - shared
+    alone = asyncio.run(run_one(model, GenerateRequest(prompts[1], GREEDY, num_predict=4)))
+    assert short.ids == alone.ids
+
+
+def test_context_shift_goes_past_the_context_end(smollm2_gguf: Path) -> None:
+    opts = LoadOptions(num_ctx=64, num_thread=THREADS, num_batch=64, num_parallel=2)
+    m = LlamaCppBackend.load(smollm2_gguf, opts)
+    try:
+        prompt = m.tokenize("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,", add_special=True)
+        shifted = asyncio.run(run_one(m, GenerateRequest(prompt, GREEDY, num_predict=100, shift=True)))
+        stopped = asyncio.run(run_one(m, GenerateRequest(prompt, GREEDY, num_predict=100, shift=False)))
+        text = m.detokenize(shifted.ids)
+    finally:
+        m.unload()
+    assert stopped.done is not None
+    assert shifted.done is not None
+    assert stopped.done.finish_reason == "length"
+    assert stopped.done.timings.eval_count == 64 - len(prompt)
+    assert shifted.done.timings.eval_count == 100  # well past the 64-token context
+    counting = " " + " ".join(f"{i}," for i in range(12, 37))  # 4 tokens a number: 25 numbers
+    assert text == counting  # still counting, right, after the shifts
+
+
+def test_clients_arriving_together_evaluate_a_shared_prompt_once(model: LlamaCppModel) -> None:
+    system = " ".join(f"Law {i}: stay calm and answer with care." for i in range(12))
+    prompts = [
+        model.tokenize(CHAT.replace("You are a helpful assistant.", system).format(q=q), True, True)
+        for q in ("Name a fruit.", "Name a tree.", "Name a bird.")
+    ]
+    shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)
+
+    async def together() -> list[Outcome]:
+        reqs = [GenerateRequest(p, GREEDY, num_predict=3) for p in prompts]
+        return list(await asyncio.gather(*(run_one(model, r) for r in reqs)))
+
+    outs = asyncio.run(together())
+    evaluated = sorted(o.done.timings.prompt_eval_count for o in outs if o.done is not None)
+    # one evaluates the shared part (less whatever an earlier test left cached), the others only their own
+    assert evaluated[:2] == sorted([len(prompts[1]) - shared, len(prompts[2]) - shared])
+    assert evaluated[2] > shared
+
+
+def test_speculation_in_a_mixed_batch_stays_exact(smollm2_gguf: Path) -> None:
+    """Draft-model and prompt-lookup guesses checked in the same step as plain decodes: every request,
+    greedy or seeded, gives exactly the tokens it gives alone with speculation off."""
+    opts = LoadOptions(
+        num_ctx=512, num_thread=THREADS, num_batch=128, num_parallel=6, draft_model=smollm2_gguf
+    )
+    m = LlamaCppBackend.load(smollm2_gguf, opts)
+    try:
+        reqs = []
+        for i, mode in enumerate(["draft", "draft", "lookup", "off", "draft", "lookup"]):
+            sampling = GREEDY if i < 4 else SamplingParams(temperature=0.8, seed=40 + i)
+            reqs.append(GenerateRequest(ask(m, QUESTIONS[i]), sampling, num_predict=20, speculative=mode))
+        plain = [asyncio.run(run_one(m, replace(fresh(r), speculative="off"))) for r in reqs]
+
+        async def together() -> list[Outcome]:
+            return list(await asyncio.gather(*(run_one(m, fresh(r)) for r in reqs)))
+
+        mixed = asyncio.run(together())
+    finally:
+        m.unload()
+    for i, (a, b) in enumerate(zip(plain, mixed)):
+        assert b.ids == a.ids, f"request {i} changed under speculation"
+    drafted = [o.done.timings for o in mixed if o.done is not None]
+    assert sum(t.draft_count for t in drafted[:2]) > 0
+    assert sum(t.draft_accepted_count for t in drafted[:2]) > 0  # the draft is the model itself
