@@ -1,13 +1,16 @@
 """Torch engine throughput, side by side with llama-cpp-python and HF transformers on the same GGUF.
 
     python benchmarks/bench_torch.py [--model PATH] [--device cpu|cuda] [--threads N] [--new 64]
+                                     [--numerics default|quantized|exact]
 
 Prints, for concurrency 1 / 4 / 16: aggregate generated tokens per second of the torch engine
 (plain, and with each speculative proposer on an input-grounded copy task and on open chat), of
 llama-cpp-python (one slot: requests run one after another) and of transformers `generate`
 (one padded batch). On CUDA it first checks the GPU path against the CPU path (greedy tokens) and
 prints memory-bandwidth utilisation at batch 1 and 64 when --peak-gbps is given.
-Not a test: numbers depend on the machine; run it alone.
+It also prints the resident weight bytes beside the GGUF's tensor bytes (quantized weights stay
+within 1.5x; `--numerics exact` dequantizes to fp32). Not a test: numbers depend on the machine;
+run it alone.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import torch
 
 from localrt.backends.base import GenerateRequest, LoadOptions, SamplingParams
 from localrt.backends.torch import TorchBackend
-from localrt.backends.torch.model import param_bytes
+from localrt.backends.torch.gguf_load import GGUFTensors
+from localrt.backends.torch.model import weight_bytes
 
 DEFAULT_MODEL = Path.home() / ".cache" / "localrt-tests" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
@@ -169,6 +173,7 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of: llama,hf,spec")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per cell, best reported")
     ap.add_argument("--peak-gbps", type=float, default=0.0, help="memory bandwidth for utilisation (GPU)")
+    ap.add_argument("--numerics", default="default", help="default | quantized | exact (TorchModel numerics)")
     args = ap.parse_args()
     global REPEAT
     REPEAT = max(1, args.repeat)
@@ -181,12 +186,17 @@ def main() -> None:
 
     from localrt.backends.torch.backend import TorchModel
 
-    model = TorchModel(
-        args.model, LoadOptions(num_ctx=2048, num_thread=threads, num_batch=512), device=args.device
-    )
+    opts = LoadOptions(num_ctx=2048, num_thread=threads, num_batch=512, num_parallel=max(levels))
+    model = TorchModel(args.model, opts, device=args.device, numerics=args.numerics)
     assert isinstance(model, TorchModel) and TorchBackend.name == "torch"
     print(
         f"model {args.model.name}, device {args.device}, threads {threads}, {args.new} new tokens per request"
+    )
+    tensor_bytes = sum(t.n_bytes for t in GGUFTensors(args.model).info.tensors)
+    print(
+        f"weights resident {model.weight_bytes() / 1e6:.1f} MB ({model.weight_bytes() / tensor_bytes:.2f}x the "
+        f"GGUF's {tensor_bytes / 1e6:.1f} MB of tensors), KV pool {model.engine.cache.nbytes / 1e6:.1f} MB "
+        f"({max(levels)} sequences x 2048 tokens), numerics {args.numerics}"
     )
     header = f"{'concurrency':>11} | {'torch':>8} | {'lookup':>16} | {'self':>16} | {'llama.cpp':>9} | {'hf generate':>11}"
     for task in ("chat", "copy"):
@@ -216,8 +226,8 @@ def main() -> None:
             if args.peak_gbps and n in (1, 64):
                 steps_per_s = plain / n
                 print(
-                    f"{'':>11}   weights read {param_bytes(model.model) * steps_per_s / 1e9:.1f} GB/s "
-                    f"= {param_bytes(model.model) * steps_per_s / 1e9 / args.peak_gbps:.0%} of peak"
+                    f"{'':>11}   weights read {weight_bytes(model.model) * steps_per_s / 1e9:.1f} GB/s "
+                    f"= {weight_bytes(model.model) * steps_per_s / 1e9 / args.peak_gbps:.0%} of peak"
                 )
     engine = model.engine
     print(f"\nCUDA graphs: {engine.graph_replays} of {engine.steps} engine steps replayed a captured graph")

@@ -56,6 +56,7 @@ class LoadedRow:
     backend: str
     context_length: int
     expires_at: float | None  # epoch seconds; None = kept until stopped
+    weight_bytes: int = 0  # the weights' share of size, where the backend reports it (torch); 0: unknown
 
 
 @dataclass
@@ -257,6 +258,7 @@ class RuntimeClient:
                 backend=row.backend,
                 context_length=row.context_length,
                 expires_at=row.expires_at,
+                weight_bytes=int(row.details.get("weight_bytes", 0)),
             )
             for row in self.runtime.ps()
         ]
@@ -553,6 +555,7 @@ class ServerClient:
                     backend=m.get("backend") or "",
                     context_length=int(m.get("context_length") or 0),
                     expires_at=_epoch(m.get("expires_at")),
+                    weight_bytes=int((m.get("details") or {}).get("weight_bytes") or 0),
                 )
             )
         return rows

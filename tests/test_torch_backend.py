@@ -68,7 +68,24 @@ def test_tokens_are_llama_cpp_tokens(model: TorchModel, smollm2_gguf: Path) -> N
     )
 
 
+@pytest.fixture(scope="module")
+def quantized(smollm2_gguf: Path) -> Iterator[TorchModel]:
+    loaded = TorchModel(
+        smollm2_gguf, LoadOptions(num_ctx=2048, num_thread=2, num_batch=512), numerics="quantized"
+    )
+    yield loaded
+    loaded.unload()
+
+
 def test_concurrent_streams_match_solo_runs(model: TorchModel) -> None:
+    concurrent_streams_match_solo_runs(model)
+
+
+def test_quantized_concurrent_streams_match_solo_runs(quantized: TorchModel) -> None:
+    concurrent_streams_match_solo_runs(quantized)
+
+
+def concurrent_streams_match_solo_runs(model: TorchModel) -> None:
     questions = [
         "What is the capital of France?",
         "Name three fruits.",
@@ -183,27 +200,62 @@ def test_llama_cpp_numerics_option(tmp_path: Path) -> None:
     finally:
         llm.close()
     errors = {}
-    for numerics in ("default", "llama.cpp"):
+    for numerics in ("exact", "llama.cpp"):
         m = TorchModel(path, LoadOptions(num_ctx=128, num_thread=1), numerics=numerics)
         try:
             got = asyncio.run(m.score(tokens, return_logits=True)).logits
         finally:
             m.unload()
         errors[numerics] = float(np.abs(got - ref).mean())
-    assert errors["llama.cpp"] < 0.8 * errors["default"], errors
+    assert errors["llama.cpp"] < 0.8 * errors["exact"], errors
     with pytest.raises(OptionError):
         TorchModel(path, LoadOptions(num_ctx=128), numerics="fast")
 
 
+def test_weights_stay_quantized_in_memory(quantized: TorchModel, smollm2_gguf: Path) -> None:
+    """`numerics="quantized"` keeps SmolLM2 Q4_1's weights packed: at most 1.5x the file's tensor bytes
+    (fp32 would be 5.6x), and the reported memory is those weights plus the KV pool."""
+    from localrt.backends.torch.gguf_load import GGUFTensors
+
+    tensor_bytes = sum(t.n_bytes for t in GGUFTensors(smollm2_gguf).info.tensors)
+    assert quantized.weight_bytes() <= 1.5 * tensor_bytes
+    assert quantized.memory_bytes == quantized.weight_bytes() + quantized.engine.cache.nbytes
+
+
+def test_logprobs_come_with_the_batch(model: TorchModel) -> None:
+    """Logprobs from the batched sampler: the chosen token's is the best of its alternatives (greedy)."""
+
+    async def run() -> list:
+        got = []
+        request = GenerateRequest(
+            chat(model, "Name a colour."), GREEDY, num_predict=6, logprobs=True, top_logprobs=3
+        )
+        async for event in model.generate(request):
+            if not isinstance(event, DoneEvent):
+                got.extend(event.logprobs or [])
+        return got
+
+    logprobs = asyncio.run(run())
+    assert len(logprobs) == 6
+    assert all(len(lp.top) == 3 for lp in logprobs)
+    assert all(abs(lp.logprob - lp.top[0].logprob) < 1e-9 for lp in logprobs)
+    assert all(lp.top[0].token_id == lp.token_id for lp in logprobs)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("file_type", ["Q4_1", "Q4_K_M", "Q6_K"])
+@pytest.mark.parametrize(
+    ("file_type", "numerics"),
+    [("Q4_1", "exact"), ("Q4_K_M", "exact"), ("Q6_K", "exact"), ("Q4_1", "quantized")],
+)
 def test_fidelity_through_score_against_llama_cpp_blas(
-    file_type: str, smollm2_file: Callable[[str], Path]
+    file_type: str, numerics: str, smollm2_file: Callable[[str], Path]
 ) -> None:
-    """Issue 6's bar, measured as `localrt eval` measures (4,096 tokens of English, windows of 512,
+    """Issue 20's bar, measured as `localrt eval` measures (4,096 tokens of English, windows of 512,
     second halves scored: 2,040 tokens): top-1 agreement with llama.cpp at least 98%, perplexity
-    within 1%. The reference is llama.cpp built with OpenBLAS, whose batched matmuls compute the
+    within 0.5%, for the exact fp32 path, and for the quantized one on the all-4-bit file (SmolLM2's
+    Q4_K_M and Q6_K conversions are mostly Q5_0 / Q8_0, their rows of 576 being no multiple of 256:
+    per-row int8 there, measured at 96.4% top-1 on Q6_K, below the bar; see README). The reference is llama.cpp built with OpenBLAS, whose batched matmuls compute the
     file's exact function; the default CPU build rounds every activation row to 8 bits first, which
     it does not reproduce itself (its batch-1 and batch-512 logits agree on only ~97% of top-1
     tokens, `tests/test_torch_model.py::test_smollm2_fidelity_2k_tokens`)."""
@@ -211,7 +263,7 @@ def test_fidelity_through_score_against_llama_cpp_blas(
     from tests.fixtures_hf import LlamaCppBuildReference, llama_cpp_blas
 
     path = smollm2_file(file_type)
-    model = TorchModel(path, LoadOptions(num_ctx=512, num_thread=2))
+    model = TorchModel(path, LoadOptions(num_ctx=512, num_thread=2), numerics=numerics)
     try:
         tokens = model.tokenize(english_text(), add_special=False)[:4096]
         reference = LlamaCppBuildReference(llama_cpp_blas(), path, model, threads=2, repack=False)
@@ -220,9 +272,9 @@ def test_fidelity_through_score_against_llama_cpp_blas(
     finally:
         model.unload()
     print(
-        f"\n{file_type}: top-1 {100 * (got.top1 or 0):.2f}%, KL {got.kl:.6f}, perplexity {got.perplexity:.4f} vs "
+        f"\n{file_type} ({numerics}): top-1 {100 * (got.top1 or 0):.2f}%, KL {got.kl:.6f}, perplexity {got.perplexity:.4f} vs "
         f"llama.cpp (OpenBLAS) {reference_alone.perplexity:.4f} over {got.tokens} tokens"
     )
     assert got.tokens >= 2000
     assert got.top1 is not None and got.top1 >= 0.98, got
-    assert abs(got.perplexity / reference_alone.perplexity - 1) < 0.01, (got, reference_alone)
+    assert abs(got.perplexity / reference_alone.perplexity - 1) < 0.005, (got, reference_alone)

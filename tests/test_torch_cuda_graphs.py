@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.torch import engine as engine_module  # noqa: E402
+from localrt.backends.torch import runner as runner_module  # noqa: E402
 from localrt.backends.torch.attention import PagedAttention, SeqChunk  # noqa: E402
 from localrt.backends.torch.cuda_graphs import DecodeGraphs  # noqa: E402
 from localrt.backends.torch.engine import Engine, EngineConfig  # noqa: E402
@@ -132,16 +133,16 @@ def test_batched_sampling_matches_each_request_alone(monkeypatch: pytest.MonkeyP
     model = random_transformer(LlamaConfig("llama", 96, 256, 64, 128, 2, 4, 2, 16), seed=5)
     alone = run_each(model, REQUESTS, together=False)
     calls = []
-    batch = engine_module.sample_batch
+    batch = runner_module.sample_batch
 
-    def counted(*args: object) -> list[int]:
+    def counted(*args: object) -> object:
         calls.append(len(args[0]))  # type: ignore[arg-type]
         return batch(*args)  # type: ignore[arg-type]
 
     def per_sequence(*_: object) -> int:
         raise AssertionError("plain decodes are sampled in the batch")
 
-    monkeypatch.setattr(engine_module, "sample_batch", counted)
+    monkeypatch.setattr(runner_module, "sample_batch", counted)
     monkeypatch.setattr(RequestSampler, "sample", per_sequence)
     assert run_each(model, REQUESTS, together=True) == alone
     assert max(calls) == 3  # max_seqs sequences shared a step's sampling

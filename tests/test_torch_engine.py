@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from localrt.backends.base import CancelToken, SamplingParams  # noqa: E402
+from localrt.backends.torch import prefix_cache  # noqa: E402
 from localrt.backends.torch.attention import PagedAttention, SeqChunk  # noqa: E402
 from localrt.backends.torch.engine import Engine, EngineConfig  # noqa: E402
 from localrt.backends.torch.kv_cache import BlockPool, KVCache, OutOfBlocks  # noqa: E402
@@ -53,7 +54,8 @@ def run_workload(engine: Engine, reqs: list[Req]) -> list[Sequence]:
                     engine.add(s)
                 if r.cancel_at == step:
                     s.cancel.cancel()
-            more = engine.step()
+            engine.step()
+            more = engine.has_work
             engine.pool.check()
             step += 1
             if not more and step > max(r.arrival for r in reqs):
@@ -185,10 +187,8 @@ def test_cancel_frees_blocks_at_once(model: Transformer) -> None:
             engine.step()
         assert engine.pool.num_used >= 4
         seq.cancel.cancel()
-        finished = []
-        seq.on_finish = lambda s, reason: finished.append(reason)
-        engine.step()
-    assert finished == ["cancel"]
+        outputs = engine.step()
+    assert [(o.seq, o.finish) for o in outputs] == [(seq, "cancel")]
     assert_pool_empty(engine)
 
 
@@ -260,6 +260,55 @@ def test_prefix_cache_evicts_least_recently_used(model: Transformer) -> None:
     assert_pool_empty(engine)
 
 
+# Two 16-token blocks (one KV block each) whose keys under the old scheme, `hash((parent, tuple(tokens)))`,
+# are equal for every parent: their tuple hashes collide. Found offline by tests/tuple_hash_collision.c
+# (CPython's tuple hash is not salted, so anyone can search for such prompts); the first 11 tokens agree.
+COLLIDING_BLOCKS = (
+    [504, 3431, 282, 253, 1790, 288, 260, 4637, 30, 378, 3138, 2756, 11436, 9649, 4376, 1],
+    [504, 3431, 282, 253, 1790, 288, 260, 4637, 30, 378, 3138, 5249, 21726, 17234, 26401, 0],
+)
+
+
+def old_chain_key(parent: object, tokens: list[int]) -> int:
+    return hash((parent, tuple(tokens)))
+
+
+@pytest.fixture(scope="module")
+def wide_model() -> Transformer:
+    """A vocabulary wide enough for the colliding token ids."""
+    return random_transformer(LlamaConfig("llama", 32768, 256, 64, 128, 2, 4, 2, 16), seed=5)
+
+
+def test_old_prefix_keys_of_the_crafted_blocks_collide() -> None:
+    a, b = COLLIDING_BLOCKS
+    assert a != b
+    assert old_chain_key(0, a) == old_chain_key(0, b)  # the old key of a prompt's first block
+    assert prefix_cache.chain_key(prefix_cache.ROOT_KEY, a) != prefix_cache.chain_key(
+        prefix_cache.ROOT_KEY, b
+    )
+
+
+@pytest.mark.parametrize("keys", ["sha256", "old-hash"])
+def test_prefix_cache_keeps_colliding_blocks_apart(
+    wide_model: Transformer, keys: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second prompt reuses only the 11 tokens it really shares with the first, and gives the tokens
+    it gives alone. With the old 64-bit keys put back ("old-hash"), the stored-token comparison alone
+    still keeps the blocks apart."""
+    if keys == "old-hash":
+        monkeypatch.setattr(prefix_cache, "chain_key", old_chain_key)
+    a, b = COLLIDING_BLOCKS
+    tail = [7, 8, 9]
+    engine = make_engine(wide_model)
+    run_workload(engine, [Req([*a, *tail], 4, GREEDY)])
+    assert engine.prefix.match([*a, *tail], 18)[1] == 18  # the first prompt is cached
+    assert engine.prefix.match([*b, *tail], 18)[1] == 11
+    (second,) = run_workload(engine, [Req([*b, *tail], 4, GREEDY)])
+    assert second.prefill_fed == 19 - 11
+    assert generated(second) == solo(wide_model, Req([*b, *tail], 4, GREEDY))
+    assert_pool_empty(engine)
+
+
 # ---- paged memory ------------------------------------------------------------------------------------
 def test_paged_memory_waste_and_admission(model: Transformer) -> None:
     """Random lengths: KV in use stays within one block per sequence of the tokens held, and a budget of
@@ -287,7 +336,8 @@ def test_paged_memory_waste_and_admission(model: Transformer) -> None:
     with torch.inference_mode():
         for s in seqs:
             engine.add(s)
-        while engine.step():
+        while engine.has_work:
+            engine.step()
             running = engine.scheduler.running
             held = sum(s.num_computed for s in running)
             used = engine.pool.num_used * engine.pool.block_size

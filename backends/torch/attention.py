@@ -60,8 +60,8 @@ class PagedAttention:
                 slots.append(chunk.block_table[pos // bs] * bs + pos % bs)
             by_len.setdefault(chunk.length, []).append((row, chunk))
             row += chunk.length
-        self.positions = torch.tensor(positions, dtype=torch.long, device=device)  # [N]
-        self.slots = torch.tensor(slots, dtype=torch.long, device=device)  # [N]
+        host = torch.tensor([positions, slots], dtype=torch.long)  # built on the host, one upload
+        self.positions, self.slots = upload(host, device)  # [N] each
         self.groups = [self._group(q_len, members, device) for q_len, members in by_len.items()]
 
     def _group(self, q_len: int, members: list[tuple[int, SeqChunk]], device: torch.device | str) -> _Group:
@@ -79,7 +79,11 @@ class PagedAttention:
         query_pos = ctx[:, None] - q_len + torch.arange(q_len)[None, :]  # [B, q_len]
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, q_len, L] causal within context
         return _Group(
-            rows.flatten().to(device), tables.to(device), mask.unsqueeze(1).to(device), q_len, ctx.to(device)
+            upload(rows.flatten(), device),
+            upload(tables, device),
+            upload(mask.unsqueeze(1), device),
+            q_len,
+            upload(ctx, device),
         )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -101,11 +105,26 @@ class PagedAttention:
             return paged_decode(q, c.k[layer], c.v[layer], group.tables, group.lens, *scales)
         b, n_head, head_dim = group.tables.shape[0], q.shape[1], q.shape[2]
         keys, values = self.cache.gather(layer, group.tables)  # [B, L, Hkv, D]
+        dtype = q.dtype
+        if q.device.type == "cpu":
+            # in float64, rounded back: how the CPU's SDPA blocks its sums (a context padded to the
+            # batch's longest, a prompt split in other chunks) no longer shows in the fp32 result,
+            # which the quantized path's bf16 kernel outputs would amplify into other tokens
+            q, keys, values = q.double(), keys.double(), values.double()
         q = q.view(b, group.q_len, n_head, head_dim).transpose(1, 2)  # [B, H, q_len, D]
         out = F.scaled_dot_product_attention(
             q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask, enable_gqa=True
         )  # [B, H, q_len, D]
-        return out.transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
+        return out.to(dtype).transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
+
+
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on the device: pinned and copied `non_blocking` on CUDA (the copy queues behind
+    the work in flight instead of waiting for it), the tensor itself on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def fused_available(device: torch.device) -> bool:

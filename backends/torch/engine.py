@@ -1,10 +1,12 @@
 """The engine: one model, one paged KV cache, a scheduler, and a loop that runs steps.
 
-A step = schedule -> (guess) -> one batched forward over every scheduled chunk -> sample (every plain
-decode in one batch, one host sync) or verify per sequence -> commit. On CUDA, a step made only of
-single-token decodes replays a captured CUDA graph instead (`cuda_graphs.DecodeGraphs`). `step()` is
-synchronous (tests drive it directly); `start()` runs it in a background thread that also executes
-jobs (`call`, for score/embed) between steps.
+A step = schedule -> (guess) -> the runner's one batched forward over every scheduled chunk -> sample
+(every plain decode in one batch, one host sync) or verify per sequence -> commit, and it returns its
+outputs: the tokens each sequence gained, their logprobs when asked, and the sequences that ended.
+Nothing is called back from inside a step. On CUDA, a step made only of single-token decodes replays
+a captured CUDA graph instead (`cuda_graphs.DecodeGraphs`). `step()` is synchronous (tests drive it
+directly); `start(sink)` runs it in a background thread that hands each step's outputs to `sink`
+and executes jobs (`call`, for score/embed) between steps.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from localrt.backends.base import CancelToken, SamplingParams
 from localrt.backends.grammar import Grammar
 from localrt.errors import LocalrtError
 
-from .attention import PagedAttention, SeqChunk, fused_available
+from .attention import fused_available
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import BLOCK_SIZE, BlockPool, KVCache, num_blocks_for
-from .model import DenseCausal, Transformer
+from .model import DenseCausal, Transformer, weight_bytes
 from .prefix_cache import PrefixCache
-from .sampling import RequestSampler, sample_batch
+from .runner import ModelRunner, StepBatch, logprobs_of
+from .sampling import RequestSampler, Sampled
 from .scheduler import Scheduled, Scheduler, Sequence
 from .speculative import (
     DEFAULT_NUM_DRAFT,
@@ -50,7 +53,7 @@ class EngineConfig:
     context_length: int = 4096  # longest sequence (prompt + output)
     kv_cache_type: str = "f16"
     kv_budget_bytes: int | None = None  # None: room for `kv_budget_seqs` full-length sequences
-    kv_budget_seqs: int = 4
+    kv_budget_seqs: int | None = None  # None: max_seqs (context_length x parallel sequences, as llama.cpp)
     max_seqs: int = 16  # sequences decoding together
     max_batch_tokens: int = 512  # tokens per step (prefill chunk + decodes + guesses)
     prefix_caching: bool = True
@@ -61,9 +64,19 @@ class EngineConfig:
 
 
 @dataclass
+class StepOutput:
+    """What one step did to one sequence."""
+
+    seq: Sequence
+    tokens: list[int] = field(default_factory=list)  # appended to seq.tokens this step (an end token is not)
+    logprob: list[float | None] = field(default_factory=list)  # per token, when the request asked
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob), best first
+    finish: str | None = None  # "stop", "length", "cancel" or "error" (seq.error) once it ended
+
+
+@dataclass
 class _Work:
     plan: list[Scheduled]
-    rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # plan index -> logits rows [a, b)
     q: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
 
@@ -79,7 +92,7 @@ class Engine:
         self.config = config
         self.device = torch.device(device)
         cfg = model.cfg
-        dtype = model.token_embd.weight.dtype
+        dtype = model.dtype
         per_block = KVCache.bytes_per_block(
             cfg.block_count,
             cfg.attention_head_count_kv,
@@ -89,7 +102,8 @@ class Engine:
         )
         budget = config.kv_budget_bytes
         if budget is None:
-            budget = per_block * -(-config.context_length // config.block_size) * config.kv_budget_seqs
+            seqs = config.kv_budget_seqs or config.max_seqs
+            budget = per_block * -(-config.context_length // config.block_size) * seqs
         num_blocks = num_blocks_for(budget, per_block)
         self.pool = BlockPool(num_blocks, config.block_size)
         use_graphs = config.cuda_graphs and _graphs_available(self.device)
@@ -117,7 +131,7 @@ class Engine:
             max_batch_tokens=config.max_batch_tokens,
             max_seqs=config.max_seqs,
         )
-        self.scheduler.on_release = self._release_spec
+        self.runner = ModelRunner(model, self.cache, self.device, self.graphs)
         verify_cost = VERIFY_COST_PER_DRAFT.get(self.device.type, 0.1)
         layers = config.self_spec_layers or max(1, cfg.block_count - cfg.block_count // 5)
         self.proposers: dict[str, Any] = {
@@ -136,6 +150,7 @@ class Engine:
         self._inbox: deque[Sequence] = deque()
         self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._thread: threading.Thread | None = None
+        self._sink: Callable[[list[StepOutput]], None] | None = None
         self._stopping = False
         self.steps = 0
 
@@ -143,7 +158,7 @@ class Engine:
         dc = draft.cfg
         if dc.vocab_size != self.model.cfg.vocab_size:
             raise LocalrtError("the draft model does not share the model's vocabulary")
-        dtype = draft.token_embd.weight.dtype
+        dtype = draft.dtype
         cache = KVCache(
             dc.block_count,
             num_blocks,
@@ -169,6 +184,7 @@ class Engine:
         num_draft: int | None = None,
         cancel: CancelToken | None = None,
         grammar: Grammar | None = None,
+        top_logprobs: int = -1,
     ) -> Sequence:
         tokens = list(prompt)
         ctx = self.config.context_length
@@ -188,6 +204,7 @@ class Engine:
             max_len,
             RequestSampler(sampling, self.device, ctx, grammar),
             cancel or CancelToken(),
+            top_logprobs=top_logprobs,
         )
         if speculative not in ("off", "auto"):
             if speculative not in self.proposers:
@@ -214,64 +231,53 @@ class Engine:
             self._cv.notify()
 
     # ---- one step ---------------------------------------------------------------------------
-    def step(self) -> bool:
-        """Run one iteration; returns whether work remains."""
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[StepOutput]:
+        """Run one iteration; returns what it did to each sequence (`has_work` says whether more is left)."""
         sched = self.scheduler
         for seq in [*sched.running, *sched.waiting]:
             if seq.cancel.cancelled:
                 sched.finish(seq, "cancel")  # frees its blocks at once
         plan = sched.schedule(self._draft_len)
-        if not plan:
-            return sched.has_work
-        work = _Work(plan)
-        self._propose(work)
-        feed: list[int] = []
-        chunks: list[SeqChunk] = []
-        rows: list[int] = []
-        for i, item in enumerate(plan):
-            seq = item.seq
-            start = seq.num_computed
-            tokens = seq.tokens[start : start + item.num_tokens] + item.drafts
-            chunks.append(SeqChunk(len(tokens), start + len(tokens), seq.block_table))
-            if start + item.num_tokens == len(seq.tokens):  # caught up: logits for the last token (+ guesses)
-                first = len(feed) + item.num_tokens - 1
-                work.rows[i] = (len(rows), len(rows) + 1 + len(item.drafts))
-                rows.extend(range(first, len(feed) + len(tokens)))
-            feed.extend(tokens)
-        if self.graphs is not None and len(feed) == len(rows) == len(plan) and self.graphs.fits(len(plan)):
-            logits = self.graphs.run(feed, chunks)  # every item is one decode token, logits row i for item i
-        else:
-            ctx = PagedAttention(self.cache, chunks, self.device)
-            tokens_t = torch.tensor(feed, dtype=torch.long, device=self.device)
-            logits = self.model(tokens_t, ctx, rows=torch.tensor(rows, dtype=torch.long, device=self.device))
-        self.steps += 1
-        sampled = self._sample(work, logits)
-        for i, item in enumerate(plan):
-            span = work.rows.get(i)
-            self._advance(
-                item, None if span is None else logits[span[0] : span[1]], work.q.get(i), sampled.get(i)
-            )
-        return sched.has_work
+        self._release_spec()
+        outputs: dict[int, StepOutput] = {}
+        if plan:
+            work = _Work(plan)
+            self._propose(work)
+            batch = self.runner.forward(plan)
+            self.steps += 1
+            members = [
+                i
+                for i, item in enumerate(plan)
+                if i in batch.rows and not item.drafts and item.seq.sampler.grammar is None
+            ]
+            sampled = self.runner.sample(plan, batch, members)
+            for i, item in enumerate(plan):
+                out = self._advance(item, batch, i, work.q.get(i), sampled.get(i))
+                if out is not None:
+                    outputs[id(item.seq)] = out
+        return self._collect(outputs)
 
-    def _sample(self, work: _Work, logits: torch.Tensor) -> dict[int, int]:
-        """Plan index -> token for every plain decode (no guesses, no grammar), with one host sync in all."""
-        members = [
-            i
-            for i, item in enumerate(work.plan)
-            if i in work.rows and not item.drafts and item.seq.sampler.grammar is None
-        ]
-        if not members:
-            return {}
-        seqs = [work.plan[i].seq for i in members]
-        tokens = sample_batch(
-            [s.sampler for s in seqs], [logits[work.rows[i][0]] for i in members], [s.tokens for s in seqs]
-        )
-        return dict(zip(members, tokens))
+    def _collect(self, outputs: dict[int, StepOutput]) -> list[StepOutput]:
+        """The step's outputs plus every sequence that ended (cancelled, failed, finished) on the way."""
+        for seq, reason in self.scheduler.finished:
+            outputs.setdefault(id(seq), StepOutput(seq)).finish = reason
+        self.scheduler.finished.clear()
+        self._release_spec()
+        return list(outputs.values())
 
     @property
     def graph_replays(self) -> int:
         """Steps that replayed a captured CUDA graph (0 off CUDA or with `cuda_graphs=False`)."""
         return 0 if self.graphs is None else self.graphs.replays
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of the model's weights and the draft model's."""
+        total = weight_bytes(self.model)
+        return total + (weight_bytes(self.draft_model) if self.draft_model is not None else 0)
 
     def _draft_len(self, seq: Sequence) -> int:
         if seq.spec is None or not seq.spec.enabled:
@@ -293,36 +299,32 @@ class Engine:
                 work.q[i] = None if proposal.q is None else proposal.q[:n]
 
     def _advance(
-        self, item: Scheduled, logits: torch.Tensor | None, q: torch.Tensor | None, token: int | None = None
-    ) -> None:
+        self, item: Scheduled, batch: StepBatch, i: int, q: torch.Tensor | None, drawn: Sampled | None
+    ) -> StepOutput | None:
         seq, sched = item.seq, self.scheduler
         seq.num_computed += item.num_tokens
         if seq.first_token_ns == 0:
             seq.prefill_fed += item.num_tokens
-        if logits is None:  # a prefill chunk that has not reached the end of the prompt
+        span = batch.rows.get(i)
+        if span is None:  # a prefill chunk that has not reached the end of the prompt
             sched.commit(seq)
-            return
-        if item.drafts:
-            new_tokens, accepted = verify(seq.sampler, logits, item.drafts, q, seq.tokens)
-            seq.num_computed += accepted
-            assert seq.spec is not None
-            seq.spec.record(len(item.drafts), accepted)
-            seq.timings.draft_count += len(item.drafts)
-            seq.timings.draft_accepted_count += accepted
-        elif token is not None:  # sampled with the rest of the batch
-            new_tokens = [token]
-        else:
-            new_tokens = [seq.sampler.sample(logits[0], seq.tokens)]
+            return None
+        logits = batch.logits[span[0] : span[1]]
+        if drawn is None:
+            drawn = self._draw_alone(item, logits, q)
         if seq.first_token_ns == 0:
             seq.first_token_ns = time.perf_counter_ns()
+        out = StepOutput(seq)
         reason = None
-        for j, token in enumerate(new_tokens):
+        for j, token in enumerate(drawn.tokens):
             seq.tokens.append(token)
-            if token in self.eos:
+            if token in self.eos:  # ends the sequence; not part of its output
                 reason = "stop"
-            elif seq.on_token is not None and seq.on_token(seq, token, logits[j]):
-                reason = "stop"
-            elif len(seq.tokens) >= seq.max_len:
+                break
+            out.tokens.append(token)
+            out.logprob.append(drawn.logprob[j])
+            out.top.append(drawn.top[j])
+            if len(seq.tokens) >= seq.max_len:
                 reason = "length"
             if reason is not None:
                 break
@@ -332,17 +334,39 @@ class Engine:
             sched.finish(seq, reason)
         else:
             sched.commit(seq)
+        return out
 
-    def _release_spec(self, seq: Sequence) -> None:
-        if seq.spec is not None and seq.spec.mode in self.proposers:
-            self.proposers[seq.spec.mode].release(seq)
+    def _draw_alone(self, item: Scheduled, logits: torch.Tensor, q: torch.Tensor | None) -> Sampled:
+        """Tokens for a row outside the batched sampler: guesses to verify, or a grammar's constraint."""
+        seq = item.seq
+        if item.drafts:
+            tokens, accepted = verify(seq.sampler, logits, item.drafts, q, seq.tokens)
+            seq.num_computed += accepted
+            assert seq.spec is not None
+            seq.spec.record(len(item.drafts), accepted)
+            seq.timings.draft_count += len(item.drafts)
+            seq.timings.draft_accepted_count += accepted
+        else:
+            tokens = [seq.sampler.sample(logits[0], seq.tokens)]
+        if seq.top_logprobs >= 0:
+            return logprobs_of(logits, tokens, seq.top_logprobs)
+        return Sampled(tokens, [None] * len(tokens), [[] for _ in tokens])
 
-    def run(self, seqs: Iterable[Sequence] = ()) -> None:
-        """Synchronous: queue seqs and step until nothing is left."""
+    def _release_spec(self) -> None:
+        """Speculative proposers free the state of sequences that gave their blocks back."""
+        for seq in self.scheduler.released:
+            if seq.spec is not None and seq.spec.mode in self.proposers:
+                self.proposers[seq.spec.mode].release(seq)
+        self.scheduler.released.clear()
+
+    def run(self, seqs: Iterable[Sequence] = ()) -> list[StepOutput]:
+        """Synchronous: queue seqs and step until nothing is left; returns every step's outputs."""
         for seq in seqs:
             self.add(seq)
-        while self.step():
-            pass
+        outputs: list[StepOutput] = []
+        while self.has_work:
+            outputs.extend(self.step())
+        return outputs
 
     # ---- whole-sequence passes (score, embed) -------------------------------------------------
     @torch.inference_mode()
@@ -352,7 +376,9 @@ class Engine:
         return self.model.hidden(t, self.dense_attention(len(tokens), self.device))
 
     # ---- threaded mode ----------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, sink: Callable[[list[StepOutput]], None] | None = None) -> None:
+        """Step in a background thread; `sink` receives each step's outputs there (keep it quick)."""
+        self._sink = sink
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
         self._thread.start()
 
@@ -376,6 +402,11 @@ class Engine:
             seq.error = LocalrtError("the model was unloaded")
             self.scheduler.finish(seq, "error")
         self._inbox.clear()
+        self._deliver(self._collect({}))
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        if outputs and self._sink is not None:
+            self._sink(outputs)
 
     def _loop(self) -> None:
         with torch.inference_mode():
@@ -399,11 +430,13 @@ class Engine:
                     except BaseException as e:
                         future.set_exception(e)
                 try:
-                    self.step()
+                    outputs = self.step()
                 except Exception as e:  # a failed step fails the sequences in flight, the engine goes on
                     for seq in [*self.scheduler.running]:
                         seq.error = e
                         self.scheduler.finish(seq, "error")
+                    outputs = self._collect({})
+                self._deliver(outputs)
 
 
 def _graphs_available(device: torch.device) -> bool:

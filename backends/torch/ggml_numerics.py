@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gguf_load import GGUFTensors
+from .model import gguf_parts
 
 # weight type -> activation format of its dot product (ggml-cpu.c type_traits_cpu[].vec_dot_type)
 VEC_DOT_TYPE: dict[str, str] = {
@@ -100,11 +101,13 @@ class ActivationRounding:
 
 
 def _block_mins(tensors: GGUFTensors, name: str) -> torch.Tensor:
-    """Q4_1/Q5_1 weight -> its fp16 block minimums [rows, K/32] as fp32."""
+    """Q4_1/Q5_1 weight -> its fp16 block minimums [rows, K/32] as fp32 (zeros for types without)."""
     t = tensors.by_name[name]
+    rows = int(t.shape[1]) if len(t.shape) > 1 else 1
+    if t.ggml_type not in ("Q4_1", "Q5_1"):
+        return torch.zeros(rows, int(t.shape[0]) // 32)
     raw = tensors.raw(name)
     block_bytes = {"Q4_1": 20, "Q5_1": 24}[t.ggml_type]
-    rows = int(t.shape[1]) if len(t.shape) > 1 else 1
     blocks = raw.view(rows, -1, block_bytes)
     return blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
 
@@ -113,20 +116,23 @@ def emulate(model: nn.Module, tensors: GGUFTensors) -> list[torch.utils.hooks.Re
     """Round every linear's input as llama.cpp's CPU backend does for that weight's GGUF type.
 
     Returns the hook handles (`.remove()` them to go back to the default numerics). The tied head
-    (no `output.weight`) uses token_embd's type, as llama.cpp does.
+    (no `output.weight`) uses token_embd's type, as llama.cpp does. A fused linear (attn_qkv) rounds
+    once for all its parts, which llama.cpp does too when their types share a vec_dot_type.
     """
     handles = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        gguf_name = f"{name}.weight"
-        if gguf_name not in tensors and name == "output":
-            gguf_name = "token_embd.weight"
-        ggml_type = tensors.by_name[gguf_name].ggml_type
-        vec_type = VEC_DOT_TYPE.get(ggml_type)
-        if vec_type is None:
+        parts = gguf_parts(name, tensors)
+        vec_types = {VEC_DOT_TYPE.get(tensors.by_name[p].ggml_type) for p in parts}
+        if vec_types == {"Q8_0", "Q8_1"}:
+            vec_types = {"Q8_1"}  # the same activation rounding; Q8_0 parts add no min term
+        if len(vec_types) != 1 or None in vec_types:
             continue
-        mins = _block_mins(tensors, gguf_name).to(module.weight.device) if vec_type == "Q8_1" else None
+        (vec_type,) = vec_types
+        mins = None
+        if vec_type == "Q8_1":
+            mins = torch.cat([_block_mins(tensors, p) for p in parts]).to(module.weight.device)
         hook = ActivationRounding(vec_type, mins)
         handles.append(module.register_forward_pre_hook(hook.pre))
         handles.append(module.register_forward_hook(hook.post))

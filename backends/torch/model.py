@@ -1,6 +1,8 @@
 """A Llama-family transformer read straight from GGUF (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3).
 
-Module names are GGUF's tensor names (`blk.3.attn_q.weight`), so loading needs no renaming.
+Module names are GGUF's tensor names (`blk.3.attn_output.weight`), so loading needs no renaming, except
+the two fused projections (gpt-fast's `wqkv`): `attn_qkv` is GGUF's attn_q, attn_k and attn_v stacked
+by rows, `ffn_gate_up` is ffn_gate over ffn_up (`FUSED`), one matmul each instead of three and two.
 Attention goes through an `AttentionContext` handed to `forward`: `DenseCausal` below for one
 sequence without a cache (the reference path), `attention.PagedAttention` for the engine.
 
@@ -11,6 +13,7 @@ are adjacent (x[2i], x[2i+1]) -- the "normal" rope mode; Qwen models keep HF's h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -19,7 +22,13 @@ from torch import nn
 
 from localrt.backends.llama_config import LlamaConfig
 
-__all__ = ["LlamaConfig", "Transformer", "DenseCausal", "random_transformer", "param_bytes"]
+__all__ = ["LlamaConfig", "Transformer", "DenseCausal", "random_transformer", "weight_bytes", "gguf_parts"]
+
+# fused module -> the GGUF tensors it stacks by rows, in order
+FUSED = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
+
+# (module path, GGUF weight names it is made of) -> a module to use instead of the dense one, or None
+ModuleFactory = Callable[[str, list[str]], "nn.Module | None"]
 
 
 class AttentionContext(Protocol):
@@ -104,23 +113,22 @@ class Block(nn.Module):
         self.head_dim = cfg.attention_key_length
         dim, hidden, eps = cfg.embedding_length, cfg.feed_forward_length, cfg.attention_layer_norm_rms_epsilon
         self.attn_norm = RMSNorm(dim, eps)
-        self.attn_q = nn.Linear(dim, self.n_head * self.head_dim, bias=qkv_bias)
-        self.attn_k = nn.Linear(dim, self.n_kv * self.head_dim, bias=qkv_bias)
-        self.attn_v = nn.Linear(dim, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.qkv_sizes = [self.n_head * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
+        self.attn_qkv = nn.Linear(dim, sum(self.qkv_sizes), bias=qkv_bias)
         self.attn_output = nn.Linear(self.n_head * self.head_dim, dim, bias=False)
         # Qwen3 normalises each head's q and k before RoPE
         self.attn_q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.attn_k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.ffn_norm = RMSNorm(dim, eps)
-        self.ffn_gate = nn.Linear(dim, hidden, bias=False)
-        self.ffn_up = nn.Linear(dim, hidden, bias=False)
+        self.ffn_gate_up = nn.Linear(dim, 2 * hidden, bias=False)
         self.ffn_down = nn.Linear(hidden, dim, bias=False)
 
     def attention(self, x: torch.Tensor, rotary: Rotary, ctx: AttentionContext) -> torch.Tensor:
         n = x.shape[0]
-        q = self.attn_q(x).view(n, self.n_head, self.head_dim)  # [N, H, D]
-        k = self.attn_k(x).view(n, self.n_kv, self.head_dim)  # [N, Hkv, D]
-        v = self.attn_v(x).view(n, self.n_kv, self.head_dim)
+        q, k, v = self.attn_qkv(x).split(self.qkv_sizes, -1)
+        q = q.view(n, self.n_head, self.head_dim)  # [N, H, D]
+        k = k.view(n, self.n_kv, self.head_dim)  # [N, Hkv, D]
+        v = v.view(n, self.n_kv, self.head_dim)
         if self.attn_q_norm is not None and self.attn_k_norm is not None:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         qk = rotary(torch.cat([q, k], 1), ctx.positions)  # one rotation for q and k: [N, H + Hkv, D]
@@ -129,7 +137,8 @@ class Block(nn.Module):
         return self.attn_output(out.reshape(n, self.n_head * self.head_dim))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ffn_down(F.silu(self.ffn_gate(x)) * self.ffn_up(x))  # SwiGLU
+        gate, up = self.ffn_gate_up(x).chunk(2, -1)  # [N, hidden] each
+        return self.ffn_down(F.silu(gate) * up)  # SwiGLU
 
     def forward(self, x: torch.Tensor, rotary: Rotary, ctx: AttentionContext) -> torch.Tensor:
         x = x + self.attention(self.attn_norm(x), rotary, ctx)
@@ -152,6 +161,11 @@ class Transformer(nn.Module):
         self.output_norm = RMSNorm(cfg.embedding_length, cfg.attention_layer_norm_rms_epsilon)
         self.output = nn.Linear(cfg.embedding_length, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, freq_factors)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the norms stay dense when linears and the embedding are swapped)."""
+        return self.output_norm.weight.dtype
 
     def hidden(
         self,
@@ -185,8 +199,18 @@ class Transformer(nn.Module):
         return self.output(self.hidden(tokens, ctx, num_layers=num_layers, rows=rows)).float()
 
     @classmethod
-    def from_gguf(cls, tensors: Any, dtype: torch.dtype, device: torch.device | str) -> Transformer:
-        """Build from a `gguf_load.GGUFTensors`, dequantizing tensor by tensor into `dtype` on `device`."""
+    def from_gguf(
+        cls,
+        tensors: Any,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        modules: ModuleFactory | None = None,
+    ) -> Transformer:
+        """Build from a `gguf_load.GGUFTensors`, dequantizing tensor by tensor into `dtype` on `device`.
+
+        `modules` (speed from outside, e.g. `quantized.QuantizedModules`) may supply each linear and the
+        embedding itself, from the GGUF tensors named; those are never dequantized here.
+        """
         md = tensors.metadata
         vocab = md.get("tokenizer.ggml.tokens")
         embd = tensors.by_name["token_embd.weight"]
@@ -196,26 +220,57 @@ class Transformer(nn.Module):
             model = cls(
                 cfg, qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors
             )
+        swapped = _swap_modules(model, tensors, modules) if modules is not None else set()
         state: dict[str, torch.Tensor] = {}
-        for name in model.state_dict():  # GGUF names, one tensor in memory at a time
-            if name == "output.weight" and name not in tensors:
-                continue  # tied embeddings (SmolLM2): the head reuses token_embd below
-            state[name] = tensors.get(name).to(device=device, dtype=dtype)
+        for name in model.state_dict():  # one tensor in memory at a time (a fused one: its parts)
+            module = name.rsplit(".", 1)[0]
+            if _under(name, swapped) or (name == "output.weight" and name not in tensors):
+                continue  # supplied from outside, or tied embeddings (SmolLM2): token_embd below
+            parts = gguf_parts(module, tensors, name.rsplit(".", 1)[1])
+            state[name] = torch.cat([tensors.get(p) for p in parts]).to(device=device, dtype=dtype)
         model.load_state_dict(state, strict=False, assign=True)
-        if "output.weight" not in tensors:
+        if "output.weight" not in tensors and "output" not in swapped:
             model.output.weight = model.token_embd.weight
         model.rotary = Rotary(cfg, freq_factors).to(device)  # buffers computed for real, off the meta device
         model.requires_grad_(False)
         return model.eval()
 
 
-def param_bytes(model: nn.Module) -> int:
+def gguf_parts(module: str, tensors: Any, leaf: str = "weight") -> list[str]:
+    """The GGUF tensors a module's `leaf` is made of: `blk.0.attn_qkv` -> attn_q, attn_k, attn_v."""
+    prefix, _, last = module.rpartition(".")
+    if last in FUSED:
+        return [f"{prefix}.{part}.{leaf}" for part in FUSED[last]]
+    if module == "output" and "output.weight" not in tensors:
+        return [f"token_embd.{leaf}"]  # the tied head
+    return [f"{module}.{leaf}"]
+
+
+def _under(name: str, modules: set[str]) -> bool:
+    return any(name.startswith(m + ".") for m in modules)
+
+
+def _swap_modules(model: Transformer, tensors: Any, modules: ModuleFactory) -> set[str]:
+    swapped = set()
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            new = modules(name, gguf_parts(name, tensors))
+            if new is not None:
+                model.set_submodule(name, new)
+                swapped.add(name)
+    return swapped
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Resident bytes of a model's weights: parameters and persistent buffers (packed quantized
+    weights, their scales), each storage counted once (a tied head shares the embedding's)."""
     seen: set[int] = set()
     total = 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
+    for t in model.state_dict(keep_vars=True).values():
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
 
 

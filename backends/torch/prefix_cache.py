@@ -1,7 +1,10 @@
 """Prefix caching: blocks of computed KV found again by the tokens they hold.
 
-A full block's key is a chain hash H(parent key, its tokens), so one lookup per block walks a prompt
-from the start and a key names the whole prefix up to that block. Full blocks are shared read-only
+A full block's key is a chain hash SHA-256(parent key, its tokens), so one lookup per block walks a
+prompt from the start and a key names the whole prefix up to that block. The hash is cryptographic
+and a hit still compares the block's stored tokens and parent: a 64-bit `hash()` can be collided
+offline (CPython's tuple hash is not salted), and a collision would hand one request another
+request's KV (vLLM's CVE-2025-25183). Full blocks are shared read-only
 through the pool's reference counts. The partly filled last block of a finished sequence is kept
 too, under (parent key, its tokens): a later prompt that continues the same conversation copies it
 (copy-on-write) and recomputes nothing it already had, token for token. Unreferenced cached blocks
@@ -10,32 +13,34 @@ sit in the pool's LRU list and are forgotten here when the pool evicts them.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .kv_cache import BlockPool
 
-ROOT_KEY = 0
+ROOT_KEY = bytes(32)  # the parent of a prompt's first block
 
 
-def chain_key(parent: int, tokens: Sequence[int]) -> int:
-    # Python's hash of a tuple of ints is not salted per process, so keys are stable
-    return hash((parent, tuple(tokens)))
+def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """SHA-256 over the 32-byte parent key and the token ids as little-endian int64 (unambiguous)."""
+    return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
 
 
 @dataclass
 class PrefixMatch:
     blocks: list[int] = field(default_factory=list)  # full blocks to share, in order
-    keys: list[int] = field(default_factory=list)  # their chain keys
+    keys: list[bytes] = field(default_factory=list)  # their chain keys
     partial_block: int | None = None  # a cached block whose first `partial_tokens` tokens match
     partial_tokens: int = 0
 
 
 @dataclass
 class _Entry:
-    parent: int
+    parent: bytes
     tokens: tuple[int, ...]
-    key: int | None  # chain key for full blocks, None for partial ones
+    key: bytes | None  # chain key for full blocks, None for partial ones
 
 
 class PrefixCache:
@@ -43,8 +48,8 @@ class PrefixCache:
         self.pool = pool
         self.block_size = pool.block_size
         self.enabled = enabled
-        self._full: dict[int, int] = {}  # chain key -> block
-        self._children: dict[int, dict[tuple[int, ...], int]] = {}  # parent key -> tokens -> block
+        self._full: dict[bytes, int] = {}  # chain key -> block
+        self._children: dict[bytes, dict[tuple[int, ...], int]] = {}  # parent key -> tokens -> block
         self._entries: dict[int, _Entry] = {}  # block -> what it is cached as
         pool.on_evict = self._forget
         self.queried_tokens = 0
@@ -57,9 +62,10 @@ class PrefixCache:
             return found, 0
         bs, parent, pos = self.block_size, ROOT_KEY, 0
         while pos + bs <= max_tokens:
-            key = chain_key(parent, tokens[pos : pos + bs])
+            block_tokens = tuple(tokens[pos : pos + bs])
+            key = chain_key(parent, block_tokens)
             block = self._full.get(key)
-            if block is None:
+            if block is None or not self._holds(block, parent, block_tokens):
                 break
             found.blocks.append(block)
             found.keys.append(key)
@@ -82,7 +88,12 @@ class PrefixCache:
         self.hit_tokens += covered
         return found, covered
 
-    def insert_full(self, block: int, parent: int, tokens: Sequence[int]) -> int:
+    def _holds(self, block: int, parent: bytes, tokens: tuple[int, ...]) -> bool:
+        """The block was cached for exactly these tokens after exactly this parent."""
+        entry = self._entries.get(block)
+        return entry is not None and entry.parent == parent and entry.tokens == tokens
+
+    def insert_full(self, block: int, parent: bytes, tokens: Sequence[int]) -> bytes:
         """Register a block filled with computed KV; returns its chain key."""
         key = chain_key(parent, tokens)
         if not self.enabled or key in self._full or block in self._entries:
@@ -94,7 +105,7 @@ class PrefixCache:
         self.pool.cached[block] = True
         return key
 
-    def insert_partial(self, block: int, parent: int, tokens: Sequence[int]) -> None:
+    def insert_partial(self, block: int, parent: bytes, tokens: Sequence[int]) -> None:
         """Keep the partly filled last block of a sequence that is leaving."""
         entry = _Entry(parent, tuple(tokens), None)
         siblings = self._children.setdefault(parent, {})

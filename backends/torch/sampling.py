@@ -2,14 +2,18 @@
 
 The chain follows llama.cpp's order (penalties, top-k, top-p, min-p, temperature, draw) so both
 backends read the parameters the same way. Each request owns a `torch.Generator`: its draws depend
-only on its own seed and history, never on which other requests share the step. `sample_batch`
-picks one token per row on the device and reads them all back with a single host sync.
+only on its own seed and history, never on which other requests share the step. `sample_batch` runs
+the chain once over a step's stacked rows, the knobs as [B, 1] tensors (one sort for every row that
+truncates), then draws each sampled row with its own generator over the whole vocabulary, exactly as
+`RequestSampler` would alone; logprobs for the rows that asked come from the same pass, and
+everything is read back with one host sync.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -60,7 +64,7 @@ class RequestSampler:
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))
         if p.top_p < 1.0:
-            sorted_x, order = torch.sort(x, descending=True)
+            sorted_x, order = torch.sort(x, descending=True, stable=True)
             sorted_p = torch.softmax(sorted_x, -1)
             # keep the smallest head whose mass reaches top_p (the token that crosses it stays)
             drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= p.top_p
@@ -102,24 +106,112 @@ class RequestSampler:
         return self._draw(self.probs(logits, history))
 
 
-def sample_batch(
-    samplers: Sequence[RequestSampler], logits: Sequence[torch.Tensor], histories: Sequence[Sequence[int]]
-) -> list[int]:
-    """One token per request from its logits row [V], with one device->host copy for the whole batch.
+@dataclass
+class Sampled:
+    """One step's draws, on the host: a token per row, and for rows that asked, logprobs."""
 
-    Greedy rows share one argmax over the stacked rows (penalties applied per row first); sampled rows
-    draw with their own generators, so a seeded request gives the same tokens in any batch. Requests
-    with a grammar need the host per token: use `RequestSampler.sample` for those.
+    tokens: list[int]
+    logprob: list[float | None]  # log-softmax of the raw logits at the chosen token
+    top: list[list[tuple[int, float]]]  # the top_logprobs most likely (token, logprob), best first
+
+
+def _penalized(
+    samplers: Sequence[RequestSampler], x: torch.Tensor, histories: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """x [B, V] with each row's repeat / frequency / presence penalties over its recent window."""
+    windows = [
+        list(h[-s.penalty_window :]) if s.penalty_window and h else [] for s, h in zip(samplers, histories)
+    ]
+    width = max(len(w) for w in windows)
+    if width == 0:
+        return x
+    b, v = x.shape
+    # padded with the index v, a column past the vocabulary that is dropped after counting
+    idx = torch.full((b, width), v, dtype=torch.long)
+    for i, w in enumerate(windows):
+        idx[i, : len(w)] = torch.as_tensor(w, dtype=torch.long)
+    idx = idx.to(x.device, non_blocking=True)
+    counts = torch.zeros(b, v + 1, dtype=x.dtype, device=x.device).scatter_add_(
+        1, idx, torch.ones_like(idx, dtype=x.dtype)
+    )
+    counts = counts[:, :v]  # [B, V]
+    knobs = torch.tensor(
+        [[s.params.repeat_penalty, s.params.frequency_penalty, s.params.presence_penalty] for s in samplers],
+        dtype=x.dtype,
+    ).to(x.device, non_blocking=True)  # [B, 3]
+    rep, freq, pres = knobs[:, 0:1], knobs[:, 1:2], knobs[:, 2:3]
+    out = torch.where(x > 0, x / rep, x * rep) - counts * freq - pres
+    return torch.where(counts > 0, out, x)
+
+
+def _batch_probs(samplers: Sequence[RequestSampler], x: torch.Tensor) -> torch.Tensor:
+    """Penalized rows [S, V] of sampled requests -> the distributions they draw from (RequestSampler.probs)."""
+    s, v = x.shape
+    knobs = torch.tensor(
+        [
+            [p.top_k if 0 < p.top_k < v else v, p.top_p, p.min_p, p.temperature]
+            for p in (r.params for r in samplers)
+        ],
+        dtype=torch.float64,
+    ).to(x.device, non_blocking=True)
+    top_k, top_p = knobs[:, 0:1].long(), knobs[:, 1:2].float()
+    min_p, temperature = knobs[:, 2:3].float(), knobs[:, 3:4].float()
+    if any(0 < r.params.top_k < v or r.params.top_p < 1.0 for r in samplers):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [S, V]
+        kth = sorted_x.gather(1, top_k - 1)  # [S, 1]: ties with the k-th value stay, as alone
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        sorted_p = torch.softmax(sorted_x, -1)
+        drop = ((torch.cumsum(sorted_p, -1) - sorted_p) >= top_p) & (top_p < 1.0)
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)  # back to token order
+    if any(r.params.min_p > 0.0 for r in samplers):
+        probs = torch.softmax(x, -1)
+        cut = (probs < min_p * probs.amax(-1, keepdim=True)) & (min_p > 0.0)
+        x = x.masked_fill(cut, float("-inf"))
+    return torch.softmax(x / temperature, -1)
+
+
+def sample_batch(
+    samplers: Sequence[RequestSampler],
+    logits: torch.Tensor,
+    histories: Sequence[Sequence[int]],
+    top_logprobs: Sequence[int] | None = None,
+) -> Sampled:
+    """One token per row of logits [B, V], with one device->host copy for the whole batch.
+
+    Greedy rows take the argmax of their penalized row; sampled rows go through the chain together
+    and draw with their own generators (noise over the whole vocabulary, in token order, as alone),
+    so a seeded request gives the same tokens in any batch. `top_logprobs[i]` >= 0 asks for row i's
+    logprob (and that many alternatives). Requests with a grammar need the host per token: use
+    `RequestSampler.sample` for those.
     """
     assert all(s.grammar is None for s in samplers)
-    picks: list[torch.Tensor | None] = [
-        None if s.greedy else s.pick(row, history) for s, row, history in zip(samplers, logits, histories)
-    ]
-    greedy = [i for i, s in enumerate(samplers) if s.greedy]
-    if greedy:
-        best = torch.stack([samplers[i].penalized(logits[i].float(), histories[i]) for i in greedy]).argmax(
-            -1
-        )  # [G]
-        for j, i in enumerate(greedy):
-            picks[i] = best[j]
-    return torch.stack(picks).tolist()  # type: ignore[arg-type]  # every slot is filled by now
+    x = _penalized(samplers, logits.float(), histories)
+    picks = x.argmax(-1)  # [B]: right for greedy rows
+    sampled = [i for i, s in enumerate(samplers) if not s.greedy]
+    if sampled:
+        rows = torch.tensor(sampled, device=x.device)
+        probs = _batch_probs([samplers[i] for i in sampled], x[rows])
+        noise = torch.stack(
+            [torch.empty_like(probs[0]).exponential_(generator=samplers[i].generator) for i in sampled]
+        )  # each request's own generator, the draws it would make alone
+        picks[rows] = (probs / noise).argmax(-1)
+    asked = [i for i, n in enumerate(top_logprobs or ()) if n >= 0]
+    if not asked:
+        return Sampled(picks.tolist(), [None] * len(samplers), [[] for _ in samplers])
+    rows = torch.tensor(asked, device=x.device)
+    lp = torch.log_softmax(logits[rows].double(), -1)  # [A, V]
+    chosen = lp.gather(1, picks[rows, None]).squeeze(1)
+    n_top = max(top_logprobs[i] for i in asked)  # type: ignore[index]
+    values, ids = torch.topk(lp, n_top) if n_top > 0 else (lp[:, :0], lp[:, :0].long())
+    host = torch.cat([picks.double(), chosen, values.flatten(), ids.double().flatten()]).tolist()
+    b, a = len(samplers), len(asked)
+    logprob: list[float | None] = [None] * b
+    top: list[list[tuple[int, float]]] = [[] for _ in range(b)]
+    for j, i in enumerate(asked):
+        logprob[i] = host[b + j]
+        n = top_logprobs[i]  # type: ignore[index]
+        vals = host[b + a + j * n_top : b + a + j * n_top + n]
+        toks = host[b + a + a * n_top + j * n_top : b + a + a * n_top + j * n_top + n]
+        top[i] = [(int(t), v) for t, v in zip(toks, vals)]
+    return Sampled([int(t) for t in host[:b]], logprob, top)

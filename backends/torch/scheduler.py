@@ -16,8 +16,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from localrt.backends.base import CancelToken, Timings
 
 from .kv_cache import BlockPool, KVCache, blocks_needed
@@ -36,7 +34,7 @@ class Sequence:
     cancel: CancelToken = field(default_factory=CancelToken)
     spec: SpecState | None = None
     block_table: list[int] = field(default_factory=list)
-    block_keys: list[int] = field(default_factory=list)  # chain keys of the leading full blocks
+    block_keys: list[bytes] = field(default_factory=list)  # SHA-256 chain keys of the leading full blocks
     num_computed: int = 0
     num_preemptions: int = 0
     finished: bool = False
@@ -46,8 +44,7 @@ class Sequence:
     arrival_ns: int = field(default_factory=time.perf_counter_ns)
     first_token_ns: int = 0
     prefill_fed: int = 0  # tokens fed before the first sampled token
-    on_token: Callable[[Sequence, int, torch.Tensor], bool] | None = None  # (seq, token, its logits) -> stop?
-    on_finish: Callable[[Sequence, str], None] | None = None
+    top_logprobs: int = -1  # -1: no logprobs; n >= 0: the chosen token's and n alternatives per token
 
     @property
     def num_generated(self) -> int:
@@ -84,7 +81,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.on_release: Callable[[Sequence], None] | None = None  # speculative proposers free their state
+        # what happened besides the plan, for the engine to collect after each step (no callbacks)
+        self.finished: list[tuple[Sequence, str]] = []  # (sequence, reason) in the order they ended
+        self.released: list[Sequence] = []  # gave their blocks back: proposers free their state too
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -196,8 +195,7 @@ class Scheduler:
             self.prefix.insert_partial(seq.block_table[full], parent, tail)
         self.pool.release_all(seq.block_table)
         seq.block_table, seq.block_keys = [], []
-        if self.on_release is not None:
-            self.on_release(seq)
+        self.released.append(seq)
 
     def preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -216,8 +214,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.on_finish is not None:
-            seq.on_finish(seq, reason)
+        self.finished.append((seq, reason))
 
     def fail(self, seq: Sequence, message: str) -> None:
         from localrt.errors import LocalrtError

@@ -94,7 +94,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
             [
                 m.name,
                 m.digest[:12],
-                human_size(m.size),
+                human_size(m.size) + (f" (weights {human_size(m.weight_bytes)})" if m.weight_bytes else ""),
                 processor,
                 str(m.context_length or ""),
                 human_until(m.expires_at),

@@ -495,6 +495,13 @@ class Runtime:
         for e in sorted(self._entries.values(), key=lambda e: -e.last_used):
             on_gpu = bool(getattr(e.model, "on_gpu", False))
             size = int(e.model.memory_bytes)
+            details = {
+                "format": e.resolved.config.get("model_format", "gguf"),
+                "family": e.model.metadata.get("general.architecture", ""),
+            }
+            weights = getattr(e.model, "weight_bytes", None)  # backends that report their resident weights
+            if callable(weights):
+                details["weight_bytes"] = int(weights())
             rows.append(
                 LoadedInfo(
                     name=e.key,
@@ -505,10 +512,7 @@ class Runtime:
                     processor=getattr(e.model, "processor", None) or f"100% {'GPU' if on_gpu else 'CPU'}",
                     context_length=e.model.context_length,
                     expires_at=None if e.expires_at is None or e.expires_at == float("inf") else e.expires_at,
-                    details={
-                        "format": e.resolved.config.get("model_format", "gguf"),
-                        "family": e.model.metadata.get("general.architecture", ""),
-                    },
+                    details=details,
                 )
             )
         return rows

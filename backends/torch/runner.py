@@ -1,0 +1,93 @@
+"""The model runner: a step's tensors, from its plan to the sampled token ids.
+
+The engine decides (schedule, propose, verify, commit); the runner holds every tensor of a step. It
+lays out all the inputs at once (token ids, logits rows, and the attention's positions, slots and
+block tables; pinned and copied `non_blocking` on CUDA), runs one forward (or replays a CUDA graph),
+and samples every plain decode with one batched sampler, logprobs included, with one host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import PagedAttention, SeqChunk, upload
+from .cuda_graphs import DecodeGraphs
+from .kv_cache import KVCache
+from .model import Transformer
+from .sampling import Sampled, sample_batch
+from .scheduler import Scheduled
+
+
+@dataclass
+class StepBatch:
+    """A step's forward: logits rows and where each plan item's rows are."""
+
+    logits: torch.Tensor  # [R, vocab]
+    rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # plan index -> logits rows [a, b)
+
+
+class ModelRunner:
+    def __init__(
+        self, model: Transformer, cache: KVCache, device: torch.device, graphs: DecodeGraphs | None
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.graphs = graphs
+
+    def forward(self, plan: Sequence[Scheduled]) -> StepBatch:
+        """One batched forward over every scheduled chunk (its tokens, then its guesses)."""
+        feed: list[int] = []
+        chunks: list[SeqChunk] = []
+        rows: list[int] = []
+        spans: dict[int, tuple[int, int]] = {}
+        for i, item in enumerate(plan):
+            seq = item.seq
+            start = seq.num_computed
+            tokens = seq.tokens[start : start + item.num_tokens] + item.drafts
+            chunks.append(SeqChunk(len(tokens), start + len(tokens), seq.block_table))
+            if start + item.num_tokens == len(seq.tokens):  # caught up: logits for the last token (+ guesses)
+                first = len(feed) + item.num_tokens - 1
+                spans[i] = (len(rows), len(rows) + 1 + len(item.drafts))
+                rows.extend(range(first, len(feed) + len(tokens)))
+            feed.extend(tokens)
+        graphs = self.graphs
+        if graphs is not None and len(feed) == len(rows) == len(plan) and graphs.fits(len(plan)):
+            return StepBatch(graphs.run(feed, chunks), spans)  # every item one decode token, row i for item i
+        ctx = PagedAttention(self.cache, chunks, self.device)
+        host = torch.tensor([*feed, *rows], dtype=torch.long)  # one upload for the ids and the rows
+        ids = upload(host, self.device)
+        logits = self.model(ids[: len(feed)], ctx, rows=ids[len(feed) :])
+        return StepBatch(logits, spans)
+
+    def sample(
+        self, plan: Sequence[Scheduled], batch: StepBatch, members: Sequence[int]
+    ) -> dict[int, Sampled]:
+        """Plan index -> its draw, for the plain decodes `members`, in one batched pass."""
+        if not members:
+            return {}
+        seqs = [plan[i].seq for i in members]
+        index = torch.tensor([batch.rows[i][0] for i in members], device=batch.logits.device)
+        drawn = sample_batch(
+            [s.sampler for s in seqs],
+            batch.logits.index_select(0, index),
+            [s.tokens for s in seqs],
+            [s.top_logprobs for s in seqs],
+        )
+        return {
+            i: Sampled([drawn.tokens[j]], [drawn.logprob[j]], [drawn.top[j]]) for j, i in enumerate(members)
+        }
+
+
+def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], top_n: int) -> Sampled:
+    """Logprobs of tokens chosen outside the batched sampler (guesses kept, grammar rows): row j for token j."""
+    lp = torch.log_softmax(logits[: len(tokens)].double(), -1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in tokens]
+    if top_n > 0:
+        values, ids = torch.topk(lp, top_n)
+        top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return Sampled(list(tokens), chosen, top)
