@@ -129,6 +129,8 @@ class Client(Protocol):
 
     def pull(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]: ...
 
+    def push(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]: ...
+
     async def delete(self, model: str) -> None: ...
 
     async def copy(self, source: str, destination: str) -> None: ...
@@ -356,6 +358,14 @@ class RuntimeClient:
             pull(model, store=self.store, insecure=insecure, progress=emit)
 
         return run_in_thread_stream(work, wait=False, name="localrt-client-pull")
+
+    def push(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
+        from localrt.store.push import push
+
+        def work(emit: Any) -> None:
+            push(model, store=self.store, insecure=insecure, progress=emit)
+
+        return run_in_thread_stream(work, wait=False, name="localrt-client-push")
 
     async def delete(self, model: str) -> None:
         from localrt.store.names import parse_name
@@ -619,6 +629,12 @@ class ServerClient:
 
     async def pull(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
         async for item in self._ndjson("/api/pull", {"model": model, "insecure": insecure, "stream": True}):
+            yield Progress(
+                item.get("status", ""), item.get("digest"), item.get("total"), item.get("completed")
+            )
+
+    async def push(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
+        async for item in self._ndjson("/api/push", {"model": model, "insecure": insecure, "stream": True}):
             yield Progress(
                 item.get("status", ""), item.get("digest"), item.get("total"), item.get("completed")
             )

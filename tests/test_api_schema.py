@@ -25,6 +25,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from localrt.api.app import create_app
 from localrt.store.importer import import_gguf
+from localrt.store.names import parse_name
 from localrt.store.store import Store
 from tests.gguf_factory import write_tiny_llama
 from tests.servers.serve import LocalrtServer, free_port
@@ -43,10 +44,15 @@ USES_MODEL = (
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/api/rerank",  # the fixture model is no reranker: a valid body gets the 400 saying so
     "/v1/rerank",
 )
-STATEFUL = (*USES_MODEL, "/api/create", "/api/blobs/{digest}", "/api/pull")
+# /api/pull and /api/push reach a registry: a closed local port, so the transfer starts and fails cleanly
+REGISTRY = ("/api/pull", "/api/push")
+STATEFUL = (*USES_MODEL, "/api/create", "/api/blobs/{digest}", *REGISTRY, "/v1/responses/{response_id}")
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +80,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalrtServer]:
         env={"LOCALRT_KEEP_ALIVE": "10m", "LOCALRT_MAX_BODY": str(1 << 20), **offline},
     )
     srv.dead_registry = dead.removeprefix("http://")  # type: ignore[attr-defined]
+    # the fixture model also under a name on that registry, so a push really starts (and fails cleanly)
+    Store(root / "models").copy(parse_name(MODEL), parse_name(f"{srv.dead_registry}/library/tiny:latest"))
     yield srv
     assert srv.stop() in (0, -signal.SIGTERM)
     log = srv.log_path.read_text(errors="replace")
@@ -110,6 +118,8 @@ def steer(case: Any, server: LocalrtServer) -> None:
     if path == "/api/pull":
         # a valid name on the closed local registry: the pull really starts and fails cleanly
         body["model"] = f"{server.dead_registry}/library/fuzz:latest"  # type: ignore[attr-defined]
+    if path == "/api/push":
+        body["model"] = f"{server.dead_registry}/library/tiny:latest"  # type: ignore[attr-defined]
     if path in USES_MODEL:
         body["model"] = MODEL
     options = body.get("options")
@@ -123,7 +133,7 @@ def test_openapi_schema(case: Any, server: LocalrtServer) -> None:
     steer(case, server)
     response = case.call(timeout=120)
     path = case.operation.path
-    if path == "/api/pull" and response.status_code == 502:
+    if path in REGISTRY and response.status_code == 502:
         assert "127.0.0.1" in response.json()["error"]  # the unreachable registry, reported cleanly
         return
     if (

@@ -154,6 +154,30 @@ def test_api_key(keyed_server: LocalrtServer) -> None:
     assert r.json()["error"]["type"] == "authentication_error"
 
 
+def test_x_api_key_like_bearer(keyed_server: LocalrtServer) -> None:
+    """Anthropic's SDK sends `x-api-key`; it opens every route as `Authorization: Bearer` does."""
+    import anthropic
+
+    url = keyed_server.url
+    assert httpx.get(url + "/api/tags", headers={"x-api-key": KEY}).status_code == 200
+    assert httpx.get(url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+    assert httpx.get(url + "/api/tags", headers={"x-api-key": "wrong"}).status_code == 401
+    r = httpx.post(url + "/v1/messages", json={})
+    assert r.status_code == 401
+    assert r.json() == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "unauthorized: a valid API key is required"},
+    }
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.count_tokens(
+            model="nosuch", messages=[{"role": "user", "content": "hi"}]
+        )
+    with pytest.raises(anthropic.NotFoundError):  # the key is accepted: the model lookup is reached
+        anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0).messages.count_tokens(
+            model="nosuch", messages=[{"role": "user", "content": "hi"}]
+        )
+
+
 def test_openai_error_shape(server: LocalrtServer) -> None:
     r = httpx.get(server.url + "/v1/models/nosuch")
     assert r.status_code == 404

@@ -1,4 +1,4 @@
-"""The FastAPI application: security gate, error shapes, and the Ollama and OpenAI routers."""
+"""The FastAPI application: security gate, error shapes, and the Ollama, OpenAI and Anthropic routers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from localrt import __version__, config
 from localrt.api.metrics import Metrics as ServerMetrics
 from localrt.api.metrics import RequestCounter
 from localrt.api.schemas import error_text, openapi_schema
-from localrt.api.security import DEFAULT_MAX_BODY, SecurityMiddleware, error_body
+from localrt.api.security import DEFAULT_MAX_BODY, SecurityMiddleware, error_body, error_style
 from localrt.errors import LocalrtError
 from localrt.store.store import Store
 
@@ -22,11 +22,11 @@ log = logging.getLogger("localrt.api")
 
 
 def is_openai_path(request: Request) -> bool:
-    return request.url.path.startswith("/v1/")
+    return error_style(request.url.path) == "openai"
 
 
 def error_response(request: Request, status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(message, status, is_openai_path(request)), status_code=status)
+    return JSONResponse(error_body(message, status, error_style(request.url.path)), status_code=status)
 
 
 def create_app(
@@ -39,7 +39,9 @@ def create_app(
 ) -> FastAPI:
     """Build the app; `runtime` is the shared localrt.runtime manager (made lazily when None)."""
     app = FastAPI(
-        title="localrt", version=__version__, description="Ollama- and OpenAI-compatible local LLM API"
+        title="localrt",
+        version=__version__,
+        description="Ollama-, OpenAI- and Anthropic-compatible local LLM API",
     )
     app.state.store = store or Store()
     app.state.runtime = runtime
@@ -70,10 +72,13 @@ def create_app(
         log.exception("internal error on %s", request.url.path)
         return error_response(request, 500, f"internal error: {type(exc).__name__}")
 
-    from localrt.api import ollama, openai
+    from localrt.api import anthropic, ollama, openai, responses
 
+    app.state.responses = responses.ResponseStore()
     app.include_router(ollama.router)
     app.include_router(openai.router)
+    app.include_router(responses.router)
+    app.include_router(anthropic.router)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     app.add_middleware(RequestCounter, metrics=app.state.metrics)
     app.add_middleware(

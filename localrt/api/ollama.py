@@ -255,6 +255,27 @@ async def pull(request: Request) -> Response:
 
 
 @router.post(
+    "/api/push",
+    openapi_extra=wire.request_body(wire.PushRequest),
+    responses={200: STREAMED, **wire.error_responses(False, 404, 502)},
+)
+async def push(request: Request) -> Response:
+    from localrt.store.push import push as do_push
+
+    body = await wire.read_json(request, wire.PushRequest)
+    name = parse_name(required_model(body))
+    store, insecure = store_of(request), body.get("insecure") is True
+    store.read_manifest(name)  # an unknown model is a 404 before the stream starts
+
+    def work(emit: Callable[[dict[str, Any]], None]) -> None:
+        do_push(name, store=store, insecure=insecure, progress=lambda e: emit(progress_dict(e)))
+
+    return await respond(
+        run_in_thread_stream(work, wait=False, name="localrt-push"), body.get("stream", True) is not False
+    )
+
+
+@router.post(
     "/api/create",
     openapi_extra=wire.request_body(wire.CreateRequest),
     responses={200: STREAMED, **MODEL_ERRORS},

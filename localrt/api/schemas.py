@@ -261,6 +261,11 @@ class PullRequest(Named):
     stream: bool | None = None
 
 
+class PushRequest(Named):
+    insecure: bool | None = None
+    stream: bool | None = None
+
+
 class CreateRequest(Named):
     # `from` is a Python keyword; the wire name is kept through the alias
     from_: Annotated[str | None, WithJsonSchema({"anyOf": [NAME_SCHEMA, {"type": "null"}]})] = Field(

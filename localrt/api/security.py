@@ -52,7 +52,8 @@ ALLOW_HEADERS = (
     "authorization, content-type, user-agent, accept, x-requested-with, openai-beta, "
     "x-stainless-arch, x-stainless-lang, x-stainless-os, x-stainless-package-version, "
     "x-stainless-runtime, x-stainless-runtime-version, x-stainless-async, x-stainless-retry-count, "
-    "x-stainless-timeout, x-stainless-helper-method, x-stainless-raw-response"
+    "x-stainless-timeout, x-stainless-helper-method, x-stainless-raw-response, "
+    "x-api-key, anthropic-version, anthropic-beta, anthropic-dangerous-direct-browser-access"
 )
 OPEN_PATHS = ("/", "/health")  # liveness answers without the API key, as `curl localhost:11434` expects
 DEFAULT_MAX_BODY = 64 << 20
@@ -110,74 +111,98 @@ class SecurityMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         path: str = scope.get("path", "")
-        openai_style = path.startswith("/v1/")
+        style = error_style(path)
         host = headers.get("host", "")
-
         if self.check_host and not host_allowed(host):
-            await reply(send, 403, "forbidden: Host header is not allowed", openai_style)
+            await reply(send, 403, "forbidden: Host header is not allowed", style)
             return
         origin = headers.get("origin")
-        cors_headers: list[tuple[bytes, bytes]] = []
-        if origin is not None:
-            if not origin_allowed(origin, host, self.origins):
-                await reply(send, 403, f"forbidden: origin {origin!r} is not allowed", openai_style)
-                return
-            cors_headers = [
-                (b"access-control-allow-origin", origin.encode("latin-1")),
-                (b"vary", b"Origin"),
-                (b"access-control-allow-credentials", b"true"),
-            ]
-        if scope["method"] == "OPTIONS":
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 204,
-                    "headers": [
-                        *cors_headers,
-                        (b"access-control-allow-methods", b"GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS"),
-                        (b"access-control-allow-headers", ALLOW_HEADERS.encode()),
-                        (b"access-control-max-age", b"600"),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": b""})
+        if origin is not None and not origin_allowed(origin, host, self.origins):
+            await reply(send, 403, f"forbidden: origin {origin!r} is not allowed", style)
             return
-        if self.api_key and path not in OPEN_PATHS:
-            given = headers.get("authorization", "")
-            expected = f"Bearer {self.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                await reply(
-                    send,
-                    401,
-                    "unauthorized: a valid API key is required",
-                    openai_style,
-                    extra=[(b"www-authenticate", b"Bearer")],
-                )
-                return
-
+        cors_headers = cors_for(origin)
+        if scope["method"] == "OPTIONS":
+            await preflight(send, cors_headers)
+            return
+        if self.api_key and path not in OPEN_PATHS and not key_matches(headers, self.api_key):
+            await reply(
+                send,
+                401,
+                "unauthorized: a valid API key is required",
+                style,
+                extra=[(b"www-authenticate", b"Bearer")],
+            )
+            return
         capped = not path.startswith(UNCAPPED_PREFIXES)
         declared = headers.get("content-length")
         if capped and declared and declared.isdigit() and int(declared) > self.max_body:
-            await reply(send, 413, f"request body too large (limit {self.max_body} bytes)", openai_style)
+            await reply(send, 413, f"request body too large (limit {self.max_body} bytes)", style)
             return
+        await self.app(
+            scope,
+            self._capped(receive) if capped else receive,
+            _with_headers(send, cors_headers),
+        )
 
+    def _capped(self, receive: Receive) -> Receive:
+        """`receive` that counts body bytes and stops a chunked body past the cap."""
         received = 0
 
         async def capped_receive() -> Message:
             nonlocal received
             message = await receive()
-            if capped and message["type"] == "http.request":
+            if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body:
                     raise BodyTooLarge()
             return message
 
-        async def send_with_cors(message: Message) -> None:
-            if message["type"] == "http.response.start" and cors_headers:
-                message["headers"] = [*message.get("headers", []), *cors_headers]
-            await send(message)
+        return capped_receive
 
-        await self.app(scope, capped_receive if capped else receive, send_with_cors)
+
+def key_matches(headers: dict[str, str], api_key: str) -> bool:
+    """`Authorization: Bearer <key>` (OpenAI, Ollama) or `x-api-key: <key>` (Anthropic), in constant time."""
+    bearer = hmac.compare_digest(headers.get("authorization", "").encode(), f"Bearer {api_key}".encode())
+    x_api_key = hmac.compare_digest(headers.get("x-api-key", "").encode(), api_key.encode())
+    return bearer or x_api_key
+
+
+def cors_for(origin: str | None) -> list[tuple[bytes, bytes]]:
+    if origin is None:
+        return []
+    return [
+        (b"access-control-allow-origin", origin.encode("latin-1")),
+        (b"vary", b"Origin"),
+        (b"access-control-allow-credentials", b"true"),
+    ]
+
+
+async def preflight(send: Send, cors_headers: list[tuple[bytes, bytes]]) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 204,
+            "headers": [
+                *cors_headers,
+                (b"access-control-allow-methods", b"GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS"),
+                (b"access-control-allow-headers", ALLOW_HEADERS.encode()),
+                (b"access-control-max-age", b"600"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": b""})
+
+
+def _with_headers(send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
+    if not extra:
+        return send
+
+    async def send_with_headers(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", []), *extra]
+        await send(message)
+
+    return send_with_headers
 
 
 class BodyTooLarge(HTTPException):
@@ -188,9 +213,9 @@ class BodyTooLarge(HTTPException):
 
 
 async def reply(
-    send: Send, status: int, message: str, openai_style: bool, extra: list[tuple[bytes, bytes]] | None = None
+    send: Send, status: int, message: str, style: str, extra: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    body = json.dumps(error_body(message, status, openai_style)).encode()
+    body = json.dumps(error_body(message, status, style)).encode()
     await send(
         {
             "type": "http.response.start",
@@ -205,16 +230,43 @@ async def reply(
     await send({"type": "http.response.body", "body": body})
 
 
-def error_body(message: str, status: int, openai_style: bool) -> dict[str, Any]:
-    """Ollama: {"error": "..."}; OpenAI: {"error": {"message", "type", "param", "code"}}."""
-    if not openai_style:
+def error_style(path: str) -> str:
+    """Which API's error shape a path answers with: "anthropic", "openai" or "ollama"."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
+    return "openai" if path.startswith("/v1/") else "ollama"
+
+
+OPENAI_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    503: "server_busy",
+}
+# Anthropic's error.type per status (its SDK picks the exception class from the status).
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def error_body(message: str, status: int, style: str | bool) -> dict[str, Any]:
+    """Ollama: {"error": "..."}; OpenAI: {"error": {"message", "type", "param", "code"}};
+    Anthropic: {"type": "error", "error": {"type", "message"}}. A bool style means OpenAI (True) or Ollama."""
+    if isinstance(style, bool):
+        style = "openai" if style else "ollama"
+    if style == "anthropic":
+        kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    if style == "ollama":
         return {"error": message}
-    kind = {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        403: "permission_error",
-        404: "not_found_error",
-        413: "invalid_request_error",
-        503: "server_busy",
-    }.get(status, "api_error")
+    kind = OPENAI_ERROR_TYPES.get(status, "api_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}

@@ -55,3 +55,26 @@ def sse_response(
         media_type="text/event-stream",
         headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
     )
+
+
+def typed_sse_response(
+    items: AsyncIterator[dict[str, Any]], on_error: Callable[[LocalrtError], dict[str, Any]]
+) -> StreamingResponse:
+    """SSE with an `event:` line naming each item's `type` (OpenAI Responses, Anthropic Messages); those
+    clients dispatch on the name and end on their own terminal event, so there is no `[DONE]`."""
+
+    def frame(item: dict[str, Any]) -> bytes:
+        return f"event: {item['type']}\ndata: {json.dumps(item, ensure_ascii=False)}\n\n".encode()
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for item in items:
+                yield frame(item)
+        except LocalrtError as e:
+            yield frame(on_error(e))
+
+    return StreamingResponse(
+        body(),
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+    )

@@ -23,6 +23,7 @@ from localrt.errors import LocalrtError
 # in `localrt --help` order
 COMMANDS: list[Callable[[Any], Any]] = [
     models.add_pull,
+    models.add_push,
     run.add_run,
     models.add_list,
     run.add_ps,

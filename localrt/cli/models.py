@@ -1,4 +1,4 @@
-"""The store commands: `pull`, `list`/`ls`, `show`, `rm`, `cp`, `create`, each through the client.
+"""The store commands: `pull`, `push`, `list`/`ls`, `show`, `rm`, `cp`, `create`, each through the client.
 
 With a `localrt serve` at LOCALRT_HOST they are requests to it (so its runtime unloads a removed model,
 and a model it pulls is in its store); without one they work on the store in this process.
@@ -33,6 +33,27 @@ def cmd_pull(args: argparse.Namespace) -> int:
     async def go(client: Client) -> None:
         with PullProgress() as bar:
             async for event in client.pull(args.model, insecure=args.insecure):
+                bar.update(event)
+
+    with_client(go)
+    return 0
+
+
+# ---- push ---------------------------------------------------------------------------------------
+def add_push(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("push", help="upload a model to a registry")
+    p.add_argument("model")
+    p.add_argument("--insecure", action="store_true", help="allow http registries")
+    p.set_defaults(func=cmd_push)
+    return p
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from localrt.cli.progress import PullProgress
+
+    async def go(client: Client) -> None:
+        with PullProgress() as bar:
+            async for event in client.push(args.model, insecure=args.insecure):
                 bar.update(event)
 
     with_client(go)

@@ -58,6 +58,9 @@ class Metrics(Timings):
     """Ollama's final-chunk numbers, in nanoseconds: the backend's timings plus the request's total."""
 
     total_ns: int = 0
+    # the whole prompt, a reused (cached) prefix included: prompt_eval_count counts only what was
+    # evaluated; OpenAI's and Anthropic's usage count the whole input
+    prompt_tokens: int = 0
 
     # our field -> the name on Ollama's wire (the draft counts are ours, sent only when speculating)
     WIRE: ClassVar[dict[str, str]] = {
@@ -469,14 +472,18 @@ class Runtime:
         options: Mapping[str, Any] | None = None,
         think: Any = None,
     ) -> tuple[str, list[int]]:
-        """The prompt text and tokens a chat request would use (debugging, `_debug_render_only`)."""
+        """The prompt text and tokens a chat request would use (debugging, `_debug_render_only`, and
+        Anthropic's count_tokens, which must match the answer's input_tokens)."""
         resolved, opts = self._prepare(model, options)
         wanted = think if isinstance(think, Think) else thinking.parse_think(think)
+        msgs = [dict(m) for m in messages]
+        if resolved.system and not any(m.get("role") == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": resolved.system})
         async with self._use(resolved, opts, self._keep_alive(None), exclusive=False) as (entry, _):
             turn = _Turn.make(entry, model, wanted, _tool_choice(None, tools)[0], False, None)
             rendered = await asyncio.to_thread(
                 entry.template.render,
-                turn.prepare_messages([dict(m) for m in messages]),
+                turn.prepare_messages(msgs),
                 tools=turn.tools,
                 extra=turn.variables(),
             )
@@ -922,6 +929,7 @@ class Runtime:
                 **dataclasses.asdict(done.timings),
                 "load_ns": load_ns,
                 "total_ns": time.perf_counter_ns() - start,
+                "prompt_tokens": len(tokens),
             }
         )
         yield Chunk(

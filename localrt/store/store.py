@@ -198,9 +198,12 @@ class Store:
         raise ModelNotFound(f"model '{name.display}' not found, try pulling it first")
 
     def read_manifest(self, name: ModelName) -> tuple[dict[str, Any], str]:
-        path = self._find_manifest(name)
-        raw = path.read_bytes()
+        raw = self.manifest_bytes(name)
         return parse_manifest(raw), "sha256:" + hashlib.sha256(raw).hexdigest()
+
+    def manifest_bytes(self, name: ModelName) -> bytes:
+        """The manifest exactly as stored (what push uploads, so its digest stays the same)."""
+        return self._find_manifest(name).read_bytes()
 
     def exists(self, name: ModelName) -> bool:
         try:

@@ -59,6 +59,7 @@ class RegistryClient:
         self.insecure = insecure
         self.base = f"{'http' if insecure else 'https'}://{host}"
         self.token: str | None = None
+        self.answered: str | None = None  # the challenge the token was fetched for
         self.sleep = sleep
         self.http = httpx.Client(
             timeout=httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT),
@@ -76,13 +77,16 @@ class RegistryClient:
         self.close()
 
     # ---- requests ------------------------------------------------------------------------------
-    def _send(self, method: str, url: str, headers: dict[str, str]) -> httpx.Response:
+    def _send(
+        self, method: str, url: str, headers: dict[str, str], content: bytes | None = None
+    ) -> httpx.Response:
         """Send (streaming), following redirects by hand; the token only ever goes to the registry host."""
         for _ in range(MAX_REDIRECTS + 1):
             sent = dict(headers)
             if self.token and _netloc(url) == _netloc(self.base):
                 sent["Authorization"] = f"Bearer {self.token}"
-            response = self.http.send(self.http.build_request(method, url, headers=sent), stream=True)
+            built = self.http.build_request(method, url, headers=sent, content=content)
+            response = self.http.send(built, stream=True)
             location = response.headers.get("location")
             if not (response.is_redirect and location):
                 return response
@@ -100,21 +104,28 @@ class RegistryClient:
 
     @contextlib.contextmanager
     def request(
-        self, method: str, path_or_url: str, headers: dict[str, str] | None = None
+        self,
+        method: str,
+        path_or_url: str,
+        headers: dict[str, str] | None = None,
+        content: bytes | None = None,
     ) -> Iterator[httpx.Response]:
-        """A streamed request that answers a Bearer challenge once (token fetched from the same host)."""
+        """A streamed request that answers a Bearer challenge once (token fetched from the same host).
+        `content` is bytes, not a stream, so the request can be sent again after the challenge."""
         url = path_or_url if "://" in path_or_url else self.base + path_or_url
         headers = headers or {}
-        response = self._send(method, url, headers)
+        response = self._send(method, url, headers, content)
+        challenge = response.headers.get("www-authenticate", "")
         if (
             response.status_code == 401
             and _netloc(str(response.url)) == _netloc(self.base)
-            and self.token is None
+            # a new challenge (none answered yet, or a wider scope: a push after a pull token)
+            and (self.token is None or challenge != self.answered)
         ):
-            challenge = response.headers.get("www-authenticate", "")
             response.close()
             self.token = self._fetch_token(challenge)
-            response = self._send(method, url, headers)
+            self.answered = challenge
+            response = self._send(method, url, headers, content)
         try:
             yield response
         finally:

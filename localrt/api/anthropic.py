@@ -1,0 +1,412 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`, SPEC 6) as a
+translation onto the runtime's chat.
+
+Content blocks become the runtime's messages (tool results turn into tool turns placed before the
+user's text of that turn), the answer's blocks become thinking / text / tool_use blocks, and
+streaming follows Anthropic's event sequence: message_start, ping, per block content_block_start /
+content_block_delta... / content_block_stop, message_delta (stop_reason, cumulative usage),
+message_stop. Errors have Anthropic's shape (`security.error_body`, chosen by path in app.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from localrt.api import schemas as wire
+from localrt.api.ollama import observe, runtime_of
+from localrt.api.security import error_body
+from localrt.api.streaming import typed_sse_response
+from localrt.api.translate import (
+    Assembler,
+    Block,
+    BlockEvent,
+    ChatCall,
+    ParamError,
+    ToolChoice,
+    accepts,
+    assistant_message,
+    function_tool,
+    image_source,
+    new_id,
+    parse_arguments,
+    resolve_images,
+    sampling_options,
+    think_from_anthropic,
+    tool_message,
+)
+from localrt.errors import LocalrtError
+
+router = APIRouter(prefix="/v1")
+
+
+# ---- the request (documented; the route checks meaning itself) -----------------------------------
+class AnthropicMessage(wire.Wire):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class _MessagesBase(wire.Wire):
+    model: wire.ModelName
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+
+
+class MessagesRequest(_MessagesBase):
+    max_tokens: Annotated[wire.Int, Field(ge=1, le=10 * wire.MAX_NUM_CTX)]
+    stop_sequences: Annotated[list[str] | None, Field(max_length=wire.MAX_STOP_STRINGS)] = None
+    temperature: wire.option_field("temperature") = None
+    top_p: wire.option_field("top_p") = None
+    top_k: wire.option_field("top_k") = None
+    stream: bool | None = None
+    metadata: dict[str, Any] | None = None
+    options: wire.OptionsField = None
+    keep_alive: wire.KeepAlive = None
+
+
+class CountTokensRequest(_MessagesBase):
+    pass
+
+
+class AnthropicErrorObject(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    type: Literal["error"]
+    error: AnthropicErrorObject
+
+
+class MessageObject(wire.Out):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    usage: dict[str, Any]
+
+
+class TokenCount(wire.Out):
+    input_tokens: int
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {
+        code: {**entry, "model": AnthropicError}
+        for code, entry in wire.error_responses(True, *statuses).items()
+    }
+
+
+# ---- content blocks -> runtime messages ----------------------------------------------------------
+def block_text(block: Any, where: str) -> str:
+    if isinstance(block, str):
+        return block
+    if not isinstance(block, dict):
+        raise ParamError(where, "content blocks must be objects")
+    kind = block.get("type")
+    if kind == "text":
+        text = block.get("text")
+        if not isinstance(text, str):
+            raise ParamError(where, "a text block needs text")
+        return text
+    if kind == "image":
+        raise ParamError(where, "image blocks go in user turns, not here")
+    raise ParamError(where, f"content block type {kind!r} is not supported here")
+
+
+def image_url(block: dict[str, Any], where: str) -> str:
+    source = block.get("source") if isinstance(block.get("source"), dict) else {}
+    if source.get("type") == "base64":
+        return image_source(
+            f"data:{source.get('media_type') or 'image/png'};base64,{source.get('data')}", where
+        )
+    if source.get("type") == "url":
+        return image_source(source.get("url"), where)
+    raise ParamError(where, "an image block's source must be base64 or url")
+
+
+def result_text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(block_text(b, where) for b in content)
+    raise ParamError(where, "tool_result content must be a string or a list of blocks")
+
+
+def user_turn(content: list[Any], where: str) -> list[dict[str, Any]]:
+    """One user turn: its tool results first (each a tool message, in order), then its text."""
+    results, texts, images = [], [], []
+    for block in content:
+        if isinstance(block, dict) and block.get("type") == "image":
+            images.append(image_url(block, where))
+        elif isinstance(block, dict) and block.get("type") == "tool_result":
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ParamError(where, "a tool_result block needs tool_use_id")
+            text = result_text(block.get("content"), where)
+            if block.get("is_error") is True:
+                text = f"Error: {text}"
+            results.append(tool_message(call_id, None, text))
+        else:
+            texts.append(block_text(block, where))
+    if texts or images or not results:
+        message: dict[str, Any] = {"role": "user", "content": "".join(texts)}
+        if images:
+            message["images"] = images
+        results.append(message)
+    return results
+
+
+def assistant_turn(content: list[Any], where: str) -> dict[str, Any]:
+    text, thinking, calls = [], [], []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_use":
+            call_id, name = block.get("id"), block.get("name")
+            if not isinstance(call_id, str) or not isinstance(name, str) or not name:
+                raise ParamError(where, "a tool_use block needs id and name")
+            calls.append(
+                {"id": call_id, "name": name, "arguments": parse_arguments(block.get("input") or {}, where)}
+            )
+        elif kind == "thinking":
+            thinking.append(str(block.get("thinking") or ""))
+        elif kind == "redacted_thinking":
+            continue  # opaque to us: another server's encrypted reasoning
+        else:
+            text.append(block_text(block, where))
+    return assistant_message("".join(text), "".join(thinking), calls)
+
+
+def system_text(system: Any) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    if isinstance(system, list):
+        return "\n".join(block_text(b, "system") for b in system)
+    raise ParamError("system", "must be a string or a list of text blocks")
+
+
+def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
+    raw = f.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise ParamError("messages", "messages is required")
+    out: list[dict[str, Any]] = []
+    system = system_text(f.get("system"))
+    if system:
+        out.append({"role": "system", "content": system})
+    names: dict[str, str] = {}
+    for i, m in enumerate(raw):
+        where = f"messages.{i}"
+        content = m.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise ParamError(where, "content must be a string or a list of blocks")
+        if m.get("role") == "assistant":
+            turn = assistant_turn(blocks, where)
+            names.update({c["id"]: c["function"]["name"] for c in turn.get("tool_calls") or []})
+            out.append(turn)
+        elif m.get("role") == "user":
+            for message in user_turn(blocks, where):
+                if message["role"] == "tool" and message["tool_call_id"] in names:
+                    message["tool_name"] = names[message["tool_call_id"]]
+                out.append(message)
+        else:
+            raise ParamError(where, "role must be user or assistant")
+    return out
+
+
+# ---- request -> ChatCall -----------------------------------------------------------------------------
+def tools_from(raw: Any) -> list[dict[str, Any]] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ParamError("tools", "must be a list")
+    tools = []
+    for t in raw:
+        if not isinstance(t, dict):
+            raise ParamError("tools", "every tool must be an object")
+        if t.get("type") not in (None, "custom"):
+            raise ParamError("tools", f"tool type {t.get('type')!r} is not supported (only custom tools)")
+        tools.append(function_tool(t.get("name"), t.get("description"), t.get("input_schema"), "tools"))
+    return tools or None
+
+
+def tool_choice_from(raw: Any) -> ToolChoice:
+    if raw is None:
+        return "auto"
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(raw.get("name"), str):
+        return raw["name"]
+    raise ParamError("tool_choice", "type must be auto, any, tool (with name) or none")
+
+
+def format_from(output_config: Any) -> dict[str, Any] | None:
+    fmt = output_config.get("format") if isinstance(output_config, dict) else None
+    if fmt is None:
+        return None
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
+        raise ParamError("output_config.format", "must be {type: json_schema, schema: {...}}")
+    return fmt["schema"]
+
+
+def chat_call(f: dict[str, Any], *, counting: bool = False) -> ChatCall:
+    model = f.get("model")
+    if not isinstance(model, str) or not model:
+        raise ParamError("model", "model is required")
+    max_tokens = f.get("max_tokens")
+    if not counting and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise ParamError("max_tokens", "max_tokens is required and must be positive")
+    output_config = f.get("output_config") or {}
+    choice = f.get("tool_choice") if isinstance(f.get("tool_choice"), dict) else {}
+    renamed = {"max_tokens": "num_predict", "stop_sequences": "stop"}
+    return ChatCall(
+        model=model,
+        messages=messages_from(f),
+        options=sampling_options(f, renamed, {"temperature": 1.0}),
+        tools=tools_from(f.get("tools")),
+        format=format_from(output_config),
+        think=think_from_anthropic(f.get("thinking"), output_config.get("effort")),
+        keep_alive=f.get("keep_alive"),
+        stream=f.get("stream") is True,
+        tool_choice=tool_choice_from(f.get("tool_choice")),
+        parallel_tool_calls=False if choice.get("disable_parallel_tool_use") is True else None,
+        relax_think=True,
+    )
+
+
+# ---- answer -> message -------------------------------------------------------------------------------
+STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
+
+
+def content_block(block: Block, done: bool) -> dict[str, Any]:
+    if block.kind == "thinking":
+        return {"type": "thinking", "thinking": block.text if done else "", "signature": ""}
+    if block.kind == "text":
+        return {"type": "text", "text": block.text if done else ""}
+    call = block.call or {}
+    return {
+        "type": "tool_use",
+        "id": f"toolu_{block.id}",
+        "name": call.get("name"),
+        "input": call.get("arguments", {}) if done else {},
+    }
+
+
+def usage(answer: Assembler | None) -> dict[str, int]:
+    """Anthropic counts input without the cache read: input_tokens + cache_read_input_tokens is the prompt."""
+    if answer is None:
+        return {"input_tokens": 0, "output_tokens": 0}
+    return {
+        "input_tokens": answer.input_tokens - answer.cached_tokens,
+        "cache_read_input_tokens": answer.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": answer.output_tokens,
+    }
+
+
+def message(message_id: str, model: str, answer: Assembler | None) -> dict[str, Any]:
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [content_block(b, True) for b in answer.blocks] if answer is not None else [],
+        "stop_reason": STOP_REASONS[answer.ending] if answer is not None else None,
+        "stop_sequence": None,
+        "usage": usage(answer),
+    }
+
+
+def stream_events(ev: BlockEvent) -> list[dict[str, Any]]:
+    b = ev.block
+    if ev.kind == "start":
+        return [{"type": "content_block_start", "index": b.index, "content_block": content_block(b, False)}]
+    if ev.kind == "delta":
+        delta = (
+            {"type": "thinking_delta", "thinking": ev.text}
+            if b.kind == "thinking"
+            else {"type": "text_delta", "text": ev.text}
+        )
+        return [{"type": "content_block_delta", "index": b.index, "delta": delta}]
+    out = []
+    if b.kind == "tool_call":  # the runtime reports a call whole: its input is one JSON delta
+        delta = {"type": "input_json_delta", "partial_json": json.dumps((b.call or {}).get("arguments", {}))}
+        out.append({"type": "content_block_delta", "index": b.index, "delta": delta})
+    out.append({"type": "content_block_stop", "index": b.index})
+    return out
+
+
+def stream_error(e: LocalrtError) -> dict[str, Any]:
+    return error_body(str(e), e.status, "anthropic")
+
+
+# ---- routes -------------------------------------------------------------------------------------------
+@router.post(
+    "/messages",
+    openapi_extra=wire.request_body(MessagesRequest),
+    responses={200: wire.ok(MessageObject, wire.SSE), **error_responses(404, 499, 501, 503)},
+)
+async def create_message(request: Request) -> Response:
+    f = await wire.read_json(request, MessagesRequest)
+    call = chat_call(f)
+    message_id = f"msg_{new_id()}"
+    chunks = await call.start(runtime_of(request))
+    answer = Assembler()
+    if not call.stream:
+        async for chunk in chunks:
+            observe(request, chunk)
+            answer.feed(chunk)
+        return JSONResponse(message(message_id, call.model, answer))
+
+    async def events() -> AsyncIterator[dict[str, Any]]:
+        yield {"type": "message_start", "message": message(message_id, call.model, None)}
+        yield {"type": "ping"}
+        async for chunk in chunks:
+            observe(request, chunk)
+            for ev in answer.feed(chunk):
+                for event in stream_events(ev):
+                    yield event
+        yield {
+            "type": "message_delta",
+            "delta": {"stop_reason": STOP_REASONS[answer.ending], "stop_sequence": None},
+            "usage": usage(answer),
+        }
+        yield {"type": "message_stop"}
+
+    return typed_sse_response(events(), stream_error)
+
+
+@router.post(
+    "/messages/count_tokens",
+    openapi_extra=wire.request_body(CountTokensRequest),
+    responses={200: wire.ok(TokenCount), **error_responses(404, 501, 503)},
+)
+async def count_tokens(request: Request) -> dict[str, int]:
+    f = await wire.read_json(request, CountTokensRequest)
+    call = chat_call(f, counting=True)
+    await resolve_images(call.messages)
+    runtime = runtime_of(request)
+    # the prompt the answer would start from: thinking switched on or off in the template as asked
+    think = {"think": call.think} if call.think is not None and accepts(runtime.render, "think") else {}
+    _, tokens = await runtime.render(
+        call.model, call.messages, tools=call.tools, options=call.options, **think
+    )
+    return {"input_tokens": len(tokens)}

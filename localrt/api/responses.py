@@ -1,0 +1,569 @@
+"""OpenAI's Responses API (`POST /v1/responses`, SPEC 6) as a translation onto the runtime's chat.
+
+Input items become the runtime's messages, the answer's blocks become output items (reasoning,
+message, function_call); streaming sends the typed events in the order OpenAI's SDK accumulates them.
+Responses are kept in memory for the server's lifetime (bounded, least recently used dropped first),
+so `previous_response_id` continues a conversation and `GET /v1/responses/{id}` reads one back
+(`"store": false` keeps none).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Path, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field
+
+from localrt import config
+from localrt.api import schemas as wire
+from localrt.api.ollama import observe, runtime_of
+from localrt.api.security import error_body
+from localrt.api.streaming import typed_sse_response
+from localrt.api.translate import (
+    Assembler,
+    Block,
+    BlockEvent,
+    ChatCall,
+    ParamError,
+    ToolChoice,
+    assistant_message,
+    function_tool,
+    image_source,
+    new_id,
+    parse_arguments,
+    sampling_options,
+    think_from_effort,
+    tool_message,
+)
+from localrt.errors import LocalrtError, ModelNotFound
+
+router = APIRouter(prefix="/v1")
+DEFAULT_STORED = 1000
+
+
+# ---- the request (documented; the route checks meaning itself) -----------------------------------
+class ResponsesText(wire.Wire):
+    format: dict[str, Any] | None = None
+
+
+class ResponsesReasoning(wire.Wire):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(wire.Wire):
+    model: wire.ModelName
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponsesText | None = None
+    reasoning: ResponsesReasoning | None = None
+    max_output_tokens: Annotated[wire.Int | None, Field(ge=1, le=10 * wire.MAX_NUM_CTX)] = None
+    temperature: wire.option_field("temperature") = None
+    top_p: wire.option_field("top_p") = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    stream: bool | None = None
+    metadata: dict[str, str] | None = None
+    options: wire.OptionsField = None
+    keep_alive: wire.KeepAlive = None
+
+
+class ResponseObject(wire.Out):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+
+
+# ---- memory of past responses ---------------------------------------------------------------------
+@dataclass
+class Stored:
+    response: dict[str, Any]
+    history: list[dict[str, Any]]  # the conversation up to and including this answer, without instructions
+
+
+class ResponseStore:
+    """Past responses by id, least recently used dropped past `limit` (LOCALRT_MAX_RESPONSES)."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = max(
+            1, limit if limit is not None else config.env_int("LOCALRT_MAX_RESPONSES", DEFAULT_STORED)
+        )
+        self._items: OrderedDict[str, Stored] = OrderedDict()
+
+    def put(self, response_id: str, item: Stored) -> None:
+        self._items[response_id] = item
+        self._items.move_to_end(response_id)
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> Stored | None:
+        item = self._items.get(response_id)
+        if item is not None:
+            self._items.move_to_end(response_id)
+        return item
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def responses_of(request: Request) -> ResponseStore:
+    return request.app.state.responses
+
+
+# ---- input items -> runtime messages --------------------------------------------------------------
+ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+
+
+def part_text(part: Any) -> str:
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict):
+        raise ParamError("input", "content parts must be objects")
+    kind = part.get("type")
+    if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+        return str(part.get("text") or "")
+    if kind == "refusal":
+        return str(part.get("refusal") or "")
+    if kind == "input_image":
+        raise ParamError("input", "input_image parts go in user, system or developer messages")
+    if kind == "input_file":
+        raise ParamError("input", "file inputs are not supported")
+    raise ParamError("input", f"unknown content part type {kind!r}")
+
+
+def image_of(part: dict[str, Any]) -> str:
+    if part.get("image_url") is None:
+        raise ParamError("input", "input_image needs image_url (a data URL or URL); file_id is not supported")
+    return image_source(part["image_url"], "input")
+
+
+def content_text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(part_text(p) for p in content)
+    raise ParamError("input", "content must be a string or a list of parts")
+
+
+class HistoryBuilder:
+    """Input items in order -> messages; calls join the assistant turn before them, outputs become tool turns."""
+
+    def __init__(self, messages: list[dict[str, Any]]) -> None:
+        self.messages = messages
+        self.pending_thinking = ""
+        self.call_names: dict[str, str] = {
+            c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls") or [] if c.get("id")
+        }
+
+    def add(self, item: Any) -> None:
+        if not isinstance(item, dict):
+            raise ParamError("input", "every input item must be an object")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind is None:
+            raise ParamError("input", "input item missing required 'type' field")
+        if not isinstance(kind, str):
+            raise ParamError("input", "an input item's type must be a string")
+        handler = {
+            "message": self._message,
+            "function_call": self._call,
+            "function_call_output": self._output,
+            "reasoning": self._reasoning,
+        }.get(kind)
+        if handler is None:
+            raise ParamError("input", f"unknown input item type {kind!r}")
+        handler(item)
+
+    def _assistant(self) -> dict[str, Any]:
+        last = self.messages[-1] if self.messages else None
+        if last is None or last.get("role") != "assistant":
+            last = assistant_message(thinking=self.pending_thinking)
+            self.pending_thinking = ""
+            self.messages.append(last)
+        return last
+
+    def _message(self, item: dict[str, Any]) -> None:
+        role = ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
+        if role is None:
+            raise ParamError("input", f"invalid message role {item.get('role')!r}")
+        content = item.get("content")
+        parts = content if isinstance(content, list) else []
+        images = [image_of(p) for p in parts if isinstance(p, dict) and p.get("type") == "input_image"]
+        text = content_text(
+            [p for p in parts if not (isinstance(p, dict) and p.get("type") == "input_image")]
+            if parts
+            else content
+        )
+        if role == "assistant":
+            if images:
+                raise ParamError("input", "assistant messages cannot carry images")
+            self._assistant()["content"] += text
+        else:
+            message: dict[str, Any] = {"role": role, "content": text}
+            if images:
+                message["images"] = images
+            self.messages.append(message)
+
+    def _call(self, item: dict[str, Any]) -> None:
+        call_id, name = item.get("call_id"), item.get("name")
+        if not isinstance(call_id, str) or not isinstance(name, str) or not name:
+            raise ParamError("input", "a function_call item needs call_id and name")
+        args = parse_arguments(item.get("arguments", "{}"), "input")
+        message = self._assistant()
+        message.setdefault("tool_calls", []).append(
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+        )
+        self.call_names[call_id] = name
+
+    def _output(self, item: dict[str, Any]) -> None:
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str):
+            raise ParamError("input", "a function_call_output item needs call_id")
+        output = item.get("output")
+        text = output if isinstance(output, str) else content_text(output)
+        self.messages.append(tool_message(call_id, self.call_names.get(call_id), text))
+
+    def _reasoning(self, item: dict[str, Any]) -> None:
+        parts = item.get("content") or item.get("summary") or []
+        self.pending_thinking += content_text(parts) if isinstance(parts, list) else ""
+
+
+def input_messages(f: dict[str, Any], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    raw = f.get("input")
+    builder = HistoryBuilder(
+        copy.deepcopy(history)
+    )  # new items may extend its last turn; the stored one stays
+    if isinstance(raw, str):
+        builder.messages.append({"role": "user", "content": raw})
+    elif isinstance(raw, list) and raw:
+        for item in raw:
+            builder.add(item)
+    else:
+        raise ParamError("input", "must be a string or a non-empty list of items")
+    return builder.messages
+
+
+# ---- request -> ChatCall -----------------------------------------------------------------------------
+def tools_from(raw: Any) -> list[dict[str, Any]] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ParamError("tools", "must be a list")
+    tools = []
+    for t in raw:
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise ParamError("tools", f"only function tools are supported, not {kind!r}")
+        tools.append(function_tool(t.get("name"), t.get("description"), t.get("parameters"), "tools"))
+    return tools or None
+
+
+def tool_choice_from(raw: Any) -> ToolChoice:
+    if raw is None:
+        return "auto"
+    if raw in ("auto", "none", "required"):
+        return raw
+    if isinstance(raw, dict) and raw.get("type") == "function" and isinstance(raw.get("name"), str):
+        return raw["name"]
+    if (
+        isinstance(raw, dict)
+        and raw.get("type") == "allowed_tools"
+        and raw.get("mode") in ("auto", "required")
+    ):
+        return raw["mode"]
+    raise ParamError("tool_choice", "must be none, auto, required or {type: function, name}")
+
+
+def format_from(text: Any) -> str | dict[str, Any] | None:
+    fmt = (text or {}).get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise ParamError("text.format", "json_schema needs a schema object")
+        return schema
+    raise ParamError("text.format", "type must be text, json_object or json_schema")
+
+
+def chat_call(f: dict[str, Any], history: list[dict[str, Any]]) -> ChatCall:
+    model = f.get("model")
+    if not isinstance(model, str) or not model:
+        raise ParamError("model", "model is required")
+    messages = input_messages(f, history)
+    instructions = f.get("instructions")
+    if instructions:
+        messages = [{"role": "system", "content": instructions}, *messages]
+    reasoning = f.get("reasoning") or {}
+    return ChatCall(
+        model=model,
+        messages=messages,
+        options=sampling_options(f, {"max_output_tokens": "num_predict"}, {"temperature": 1.0, "top_p": 1.0}),
+        tools=tools_from(f.get("tools")),
+        format=format_from(f.get("text")),
+        think=think_from_effort(reasoning.get("effort"), "reasoning.effort"),
+        keep_alive=f.get("keep_alive"),
+        stream=f.get("stream") is True,
+        tool_choice=tool_choice_from(f.get("tool_choice")),
+        parallel_tool_calls=f.get("parallel_tool_calls"),
+    )
+
+
+# ---- answer -> response object ------------------------------------------------------------------------
+def item_of(block: Block, done: bool) -> dict[str, Any]:
+    """The output item a block is, in progress (as first announced) or complete."""
+    status = "completed" if done else "in_progress"
+    if block.kind == "thinking":
+        content = [{"type": "reasoning_text", "text": block.text}] if done else []
+        return {
+            "type": "reasoning",
+            "id": f"rs_{block.id}",
+            "summary": [],
+            "content": content,
+            "status": status,
+        }
+    if block.kind == "text":
+        content = [text_part(block.text)] if done else []
+        return {
+            "type": "message",
+            "id": f"msg_{block.id}",
+            "role": "assistant",
+            "status": status,
+            "content": content,
+        }
+    call = block.call or {}
+    return {
+        "type": "function_call",
+        "id": f"fc_{block.id}",
+        "call_id": call.get("id"),
+        "name": call.get("name"),
+        "arguments": block.arguments_json if done else "",
+        "status": status,
+    }
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+@dataclass
+class Envelope:
+    """What every form of one response shares: its id, the request's echoed settings."""
+
+    id: str
+    created_at: int
+    f: dict[str, Any]
+
+    def body(
+        self, status: str, output: list[dict[str, Any]], answer: Assembler | None = None
+    ) -> dict[str, Any]:
+        f = self.f
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "model": f.get("model"),
+            "instructions": f.get("instructions"),
+            "output": output,
+            "tools": f.get("tools") or [],
+            "tool_choice": f.get("tool_choice") or "auto",
+            "parallel_tool_calls": f.get("parallel_tool_calls") is not False,
+            "temperature": f.get("temperature"),
+            "top_p": f.get("top_p"),
+            "max_output_tokens": f.get("max_output_tokens"),
+            "previous_response_id": f.get("previous_response_id"),
+            "reasoning": f.get("reasoning") or {"effort": None, "summary": None},
+            "text": f.get("text") or {"format": {"type": "text"}},
+            "store": f.get("store") is not False,
+            "metadata": f.get("metadata") or {},
+        }
+        if answer is not None:
+            out["usage"] = usage(answer)
+            out["completed_at"] = int(time.time())
+            if answer.ending == "length":
+                out["incomplete_details"] = {"reason": "max_output_tokens"}
+        return out
+
+
+def final_status(answer: Assembler) -> str:
+    return "incomplete" if answer.ending == "length" else "completed"
+
+
+def usage(answer: Assembler) -> dict[str, Any]:
+    return {
+        "input_tokens": answer.input_tokens,
+        "input_tokens_details": {"cached_tokens": answer.cached_tokens},
+        "output_tokens": answer.output_tokens,
+        # thinking is generated like any token; the runtime reports one count for both
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": answer.input_tokens + answer.output_tokens,
+    }
+
+
+def finished(envelope: Envelope, answer: Assembler) -> dict[str, Any]:
+    return envelope.body(final_status(answer), [item_of(b, True) for b in answer.blocks], answer)
+
+
+def remember(
+    request: Request, envelope: Envelope, call: ChatCall, answer: Assembler, response: dict[str, Any]
+) -> None:
+    if envelope.f.get("store") is False:
+        return
+    # instructions apply to one request; a continuation sends its own (as OpenAI documents)
+    history = call.messages[1:] if envelope.f.get("instructions") else call.messages
+    responses_of(request).put(envelope.id, Stored(response, [*history, answer.history_message()]))
+
+
+# ---- streaming ---------------------------------------------------------------------------------------
+class EventWriter:
+    """Block events -> Responses stream events, numbered."""
+
+    def __init__(self, envelope: Envelope) -> None:
+        self.envelope = envelope
+        self.sequence = 0
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        out = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return out
+
+    def opening(self) -> list[dict[str, Any]]:
+        response = self.envelope.body("in_progress", [])
+        return [
+            self.event("response.created", response=response),
+            self.event("response.in_progress", response=response),
+        ]
+
+    def block(self, ev: BlockEvent) -> list[dict[str, Any]]:
+        b = ev.block
+        item_id = item_of(b, False)["id"]
+        where = {"item_id": item_id, "output_index": b.index}
+        if ev.kind == "start":
+            out = [self.event("response.output_item.added", output_index=b.index, item=item_of(b, False))]
+            if b.kind == "thinking":
+                part = {"type": "reasoning_text", "text": ""}
+                out.append(self.event("response.content_part.added", **where, content_index=0, part=part))
+            elif b.kind == "text":
+                out.append(
+                    self.event("response.content_part.added", **where, content_index=0, part=text_part(""))
+                )
+            return out
+        if ev.kind == "delta":
+            kind = "response.reasoning_text.delta" if b.kind == "thinking" else "response.output_text.delta"
+            extra = {} if b.kind == "thinking" else {"logprobs": []}
+            return [self.event(kind, **where, content_index=0, delta=ev.text, **extra)]
+        return self._stop(b, where)
+
+    def _stop(self, b: Block, where: dict[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        if b.kind == "thinking":
+            out.append(self.event("response.reasoning_text.done", **where, content_index=0, text=b.text))
+            part = {"type": "reasoning_text", "text": b.text}
+            out.append(self.event("response.content_part.done", **where, content_index=0, part=part))
+        elif b.kind == "text":
+            out.append(
+                self.event("response.output_text.done", **where, content_index=0, text=b.text, logprobs=[])
+            )
+            out.append(
+                self.event("response.content_part.done", **where, content_index=0, part=text_part(b.text))
+            )
+        else:
+            out.append(self.event("response.function_call_arguments.delta", **where, delta=b.arguments_json))
+            out.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    **where,
+                    name=(b.call or {}).get("name"),
+                    arguments=b.arguments_json,
+                )
+            )
+        out.append(self.event("response.output_item.done", output_index=b.index, item=item_of(b, True)))
+        return out
+
+    def error(self, e: LocalrtError) -> dict[str, Any]:
+        body = error_body(str(e), e.status, True)["error"]
+        return self.event(
+            "error", code=body["type"], message=body["message"], param=getattr(e, "param", None)
+        )
+
+
+# ---- routes -------------------------------------------------------------------------------------------
+ERRORS = wire.error_responses(True, 404, 499, 501, 503)
+
+
+def history_for(request: Request, f: dict[str, Any]) -> list[dict[str, Any]]:
+    previous = f.get("previous_response_id")
+    if previous is None:
+        return []
+    stored = responses_of(request).get(previous) if isinstance(previous, str) else None
+    if stored is None:
+        raise ParamError("previous_response_id", f"previous response with id {previous!r} not found")
+    return stored.history
+
+
+@router.post(
+    "/responses",
+    openapi_extra=wire.request_body(ResponsesRequest),
+    responses={200: wire.ok(ResponseObject, wire.SSE), **ERRORS},
+)
+async def create_response(request: Request) -> Response:
+    f = await wire.read_json(request, ResponsesRequest)
+    call = chat_call(f, history_for(request, f))
+    envelope = Envelope(f"resp_{new_id()}", int(time.time()), f)
+    chunks = await call.start(runtime_of(request))
+    answer = Assembler()
+    if not call.stream:
+        async for chunk in chunks:
+            observe(request, chunk)
+            answer.feed(chunk)
+        response = finished(envelope, answer)
+        remember(request, envelope, call, answer, response)
+        return JSONResponse(response)
+    writer = EventWriter(envelope)
+
+    async def events() -> AsyncIterator[dict[str, Any]]:
+        for event in writer.opening():
+            yield event
+        async for chunk in chunks:
+            observe(request, chunk)
+            for ev in answer.feed(chunk):
+                for event in writer.block(ev):
+                    yield event
+        response = finished(envelope, answer)
+        remember(request, envelope, call, answer, response)
+        yield writer.event(f"response.{response['status']}", response=response)
+
+    return typed_sse_response(events(), writer.error)
+
+
+ResponseId = Annotated[str, Path(json_schema_extra={"pattern": "^resp_[0-9a-f]{1,64}$"})]
+
+
+@router.get(
+    "/responses/{response_id}",
+    responses={200: wire.ok(ResponseObject), **wire.error_responses(True, 404)},
+)
+async def get_response(request: Request, response_id: ResponseId) -> dict[str, Any]:
+    stored = responses_of(request).get(response_id)
+    if stored is None:
+        raise ModelNotFound(f"response with id {response_id!r} not found")
+    return stored.response

@@ -1,0 +1,402 @@
+"""The one translation layer between the agent-facing protocols and the runtime.
+
+The OpenAI Responses route (`responses.py`) and the Anthropic Messages route (`anthropic.py`) turn
+their requests into the runtime's one chat request (`ChatCall`: messages in Ollama's shape, options,
+tools, format, think) and turn the runtime's chunks back through one `Assembler`, which sees an answer
+as a sequence of content blocks — thinking, text, tool calls — opened, extended and closed. Each
+protocol then only names those block events its own way. Thinking, tool choice and structured
+output are therefore decided here once; the protocols differ only in spelling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from localrt.api.openai import EXTRA_OPTIONS, OpenAIParamError
+from localrt.errors import LocalrtError
+from localrt.runtime import images as image_input
+from localrt.runtime.manager import Chunk, Metrics, Runtime
+
+ParamError = OpenAIParamError  # "<param>: <message>", a 400 that names the field
+Think = bool | str | None
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:24]
+
+
+def image_source(url: Any, where: str) -> str:
+    """An image as the request names it: a base64 data URL, or an http(s) URL (fetched only where
+    LOCALRT_FETCH_IMAGES allows it); `resolve_images` turns it into bytes for the runtime."""
+    if not isinstance(url, str) or not url:
+        raise ParamError(where, "an image needs a data URL or a URL")
+    return url
+
+
+async def resolve_images(messages: list[dict[str, Any]]) -> None:
+    """Each message's image sources -> bytes (the runtime's `images`), in a worker thread (a fetch blocks).
+    A model without vision then answers the runtime's 400 naming it."""
+    for i, message in enumerate(messages):
+        if message.get("images"):
+            message["images"] = [
+                await asyncio.to_thread(image_input.image_url_bytes, url, f"messages[{i}] image")
+                for url in message["images"]
+            ]
+
+
+# ---- request side --------------------------------------------------------------------------------
+def sampling_options(
+    f: Mapping[str, Any], renamed: Mapping[str, str], defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Runtime options from a protocol's top-level fields: `renamed` maps its names to Ollama's
+    (max_tokens -> num_predict), localrt's own options pass at top level or in `options` (an SDK's
+    `extra_body`), and `defaults` are the protocol's documented ones where the client sent nothing."""
+    options: dict[str, Any] = {}
+    for key in ("temperature", "top_p", "top_k", "seed", *EXTRA_OPTIONS):
+        if f.get(key) is not None:
+            options[key] = f[key]
+    for key, name in renamed.items():
+        if f.get(key) is not None:
+            options[name] = [f[key]] if name == "stop" and isinstance(f[key], str) else f[key]
+    extra = f.get("options")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise ParamError("options", "must be an object")
+        options.update(extra)
+    for key, value in defaults.items():
+        options.setdefault(key, value)
+    return options
+
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def think_from_effort(effort: Any, param: str) -> Think:
+    """A reasoning effort (OpenAI `reasoning.effort`, Anthropic `output_config.effort`) as the runtime's
+    `think`: none switches thinking off, the levels above high are high (the most the runtime knows)."""
+    if effort is None or effort == "":
+        return None
+    if effort not in EFFORTS:
+        raise ParamError(param, f"must be one of {', '.join(EFFORTS)}")
+    if effort == "none":
+        return False
+    if effort == "minimal":
+        return "low"
+    return "high" if effort in ("xhigh", "max") else effort
+
+
+def think_from_anthropic(thinking: Any, effort: Any) -> Think:
+    """Anthropic `thinking`: enabled -> on (`budget_tokens` is accepted, not enforced), disabled -> off,
+    adaptive or absent -> the model's default, unless `output_config.effort` names a level."""
+    if thinking is None:
+        return think_from_effort(effort, "output_config.effort")
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "enabled":
+        return think_from_effort(effort, "output_config.effort") or True
+    if kind == "disabled":
+        return False
+    if kind == "adaptive":
+        return think_from_effort(effort, "output_config.effort")
+    raise ParamError("thinking", "type must be enabled, disabled or adaptive")
+
+
+ToolChoice = Literal["auto", "none", "required"] | str  # or the name of the one tool to call
+
+
+def function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
+    """A tool in the runtime's (Ollama / OpenAI chat) shape, checked."""
+    if not isinstance(name, str) or not name:
+        raise ParamError(where, "every tool needs a name")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise ParamError(where, f"the parameters of tool {name!r} must be a JSON schema object")
+    fn: dict[str, Any] = {"name": name, "parameters": parameters}
+    if isinstance(description, str):
+        fn["description"] = description
+    return {"type": "function", "function": fn}
+
+
+def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of one call to one of `tools`: what the runtime's tool-call parser reads back."""
+    shapes = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t["function"]["name"]]},
+                "arguments": t["function"]["parameters"],
+            },
+            "required": ["name", "arguments"],
+        }
+        for t in tools
+    ]
+    return shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
+
+
+def constrain_tools(
+    tools: list[dict[str, Any]] | None,
+    choice: ToolChoice,
+    fmt: str | dict[str, Any] | None,
+    param: str,
+) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
+    """Apply a tool choice: `none` hides the tools, `required` or a tool's name forces one call by
+    grammar (the output is the call's JSON, parsed back into a tool call by the runtime)."""
+    if choice == "none" or not tools:
+        if choice not in ("auto", "none") and not tools:
+            raise ParamError(param, "a tool call is required but no tools were given")
+        return (None if choice == "none" else tools), fmt
+    if choice == "auto":
+        return tools, fmt
+    if fmt is not None:
+        raise ParamError(param, "a forced tool call cannot be combined with a response format")
+    chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
+    if not chosen:
+        raise ParamError(param, f"no tool named {choice!r} was given")
+    return tools, call_schema(chosen)
+
+
+def openai_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
+    """A tool choice in OpenAI chat's form, the one the runtime takes."""
+    if choice in ("auto", "none", "required"):
+        return choice
+    return {"type": "function", "function": {"name": choice}}
+
+
+def assistant_message(
+    text: str = "", thinking: str = "", calls: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """An assistant turn of the history in the runtime's shape (calls: {"id", "name", "arguments": dict})."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if thinking:
+        message["thinking"] = thinking
+    if calls:
+        message["tool_calls"] = [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls
+        ]
+    return message
+
+
+def tool_message(call_id: str, name: str | None, content: str) -> dict[str, Any]:
+    message = {"role": "tool", "content": content, "tool_call_id": call_id}
+    if name:
+        message["tool_name"] = name
+    return message
+
+
+def parse_arguments(raw: Any, where: str) -> dict[str, Any]:
+    """Tool-call arguments sent back in a history: a JSON object, or a string holding one."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            raise ParamError(where, "tool call arguments must be JSON") from None
+    if not isinstance(raw, dict):
+        raise ParamError(where, "tool call arguments must be a JSON object")
+    return raw
+
+
+def accepts(method: Any, name: str) -> bool:
+    """Does this runtime method take keyword `name`? (The runtime grows think and tool_choice.)"""
+    try:
+        return name in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass
+class ChatCall:
+    """The runtime's one chat request, as every protocol route builds it."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    options: dict[str, Any]
+    tools: list[dict[str, Any]] | None = None
+    format: str | dict[str, Any] | None = None
+    think: Think = None
+    keep_alive: Any = None
+    stream: bool = False
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool | None = None
+    # Anthropic clients (Claude Code) ask every model to think: then a model that cannot is answered
+    # without thinking rather than refused, as Ollama does on /v1/messages.
+    relax_think: bool = False
+
+    def __post_init__(self) -> None:
+        # checked now, so a bad choice is a 400 before the model loads
+        constrain_tools(self.tools, self.tool_choice, self.format, "tool_choice")
+
+    def _start(self, runtime: Runtime, think: Think) -> AsyncIterator[Chunk]:
+        kwargs: dict[str, Any] = {}
+        # `think` and `tool_choice` go to the runtime where it takes them (it knows each model
+        # family's thinking and call format); a runtime without them gets no think, and a tool
+        # choice enforced here by a grammar of one call.
+        if think is not None and accepts(runtime.chat, "think"):
+            kwargs["think"] = think
+        tools, fmt = self.tools, self.format
+        if accepts(runtime.chat, "tool_choice"):
+            kwargs["tool_choice"] = openai_tool_choice(self.tool_choice)
+            if self.parallel_tool_calls is not None and accepts(runtime.chat, "parallel_tool_calls"):
+                kwargs["parallel_tool_calls"] = self.parallel_tool_calls
+        else:
+            tools, fmt = constrain_tools(self.tools, self.tool_choice, self.format, "tool_choice")
+        return runtime.chat(
+            self.model,
+            self.messages,
+            options=self.options,
+            tools=tools,
+            format=fmt,
+            keep_alive=self.keep_alive,
+            stream=self.stream,
+            **kwargs,
+        )
+
+    async def start(self, runtime: Runtime) -> AsyncIterator[Chunk]:
+        """Start the generation and wait for its first chunk, so errors (unknown model, bad option,
+        prompt too long) raise here, before any byte of an answer is sent."""
+        await resolve_images(self.messages)
+        chunks = self._start(runtime, self.think)
+        try:
+            first = await anext(aiter(chunks))
+        except LocalrtError as e:
+            if not (self.relax_think and self.think and "does not support thinking" in str(e)):
+                raise
+            chunks = self._start(runtime, None)
+            first = await anext(aiter(chunks))
+
+        async def chain() -> AsyncIterator[Chunk]:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+
+        return chain()
+
+
+# ---- answer side ---------------------------------------------------------------------------------
+BlockKind = Literal["thinking", "text", "tool_call"]
+
+
+@dataclass
+class Block:
+    kind: BlockKind
+    index: int
+    id: str = field(default_factory=new_id)
+    text: str = ""  # thinking or text
+    call: dict[str, Any] | None = None  # tool_call: {"id": "call_...", "name", "arguments": dict}
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps((self.call or {}).get("arguments", {}), ensure_ascii=False)
+
+
+@dataclass
+class BlockEvent:
+    """`start` opens a block, `delta` adds `text` to it, `stop` closes it (its content is complete)."""
+
+    kind: Literal["start", "delta", "stop"]
+    block: Block
+    text: str = ""
+
+
+class Assembler:
+    """Runtime chunks in, content blocks out, in the order the model produced them: thinking, text and
+    tool calls (which the runtime reports whole, in the final chunk). Streamed or not, the same blocks."""
+
+    def __init__(self) -> None:
+        self.blocks: list[Block] = []
+        self.final: Chunk | None = None
+        self._open: Block | None = None
+
+    def feed(self, chunk: Chunk) -> list[BlockEvent]:
+        events: list[BlockEvent] = []
+        if chunk.thinking:
+            events += self._append("thinking", chunk.thinking)
+        if chunk.content:
+            events += self._append("text", chunk.content)
+        for raw in chunk.tool_calls or []:
+            events += self._close()
+            fn = raw.get("function") or {}
+            call = {
+                "id": raw.get("id") or f"call_{new_id()}",
+                "name": fn.get("name", ""),
+                "arguments": fn.get("arguments") or {},
+            }
+            block = self._new("tool_call")
+            block.call = call
+            events += [BlockEvent("start", block), BlockEvent("stop", block)]
+        if chunk.done:
+            events += self._close()
+            self.final = chunk
+        return events
+
+    def _new(self, kind: BlockKind) -> Block:
+        block = Block(kind, len(self.blocks))
+        self.blocks.append(block)
+        return block
+
+    def _append(self, kind: BlockKind, text: str) -> list[BlockEvent]:
+        events: list[BlockEvent] = []
+        if self._open is None or self._open.kind != kind:
+            events += self._close()
+            self._open = self._new(kind)
+            events.append(BlockEvent("start", self._open))
+        self._open.text += text
+        events.append(BlockEvent("delta", self._open, text))
+        return events
+
+    def _close(self) -> list[BlockEvent]:
+        if self._open is None:
+            return []
+        block, self._open = self._open, None
+        return [BlockEvent("stop", block)]
+
+    # ---- the finished answer ----
+    def of_kind(self, kind: BlockKind) -> list[Block]:
+        return [b for b in self.blocks if b.kind == kind]
+
+    @property
+    def text(self) -> str:
+        return "".join(b.text for b in self.of_kind("text"))
+
+    @property
+    def thinking(self) -> str:
+        return "".join(b.text for b in self.of_kind("thinking"))
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        return [b.call for b in self.of_kind("tool_call") if b.call is not None]
+
+    @property
+    def ending(self) -> Literal["tool_calls", "length", "stop"]:
+        if self.calls:
+            return "tool_calls"
+        return "length" if self.final is not None and self.final.done_reason == "length" else "stop"
+
+    @property
+    def metrics(self) -> Metrics:
+        return (self.final.metrics if self.final is not None else None) or Metrics()
+
+    @property
+    def input_tokens(self) -> int:
+        """The whole prompt (a reused prefix included), as OpenAI and Anthropic count input."""
+        m = self.metrics
+        return max(m.prompt_tokens, m.prompt_eval_count)
+
+    @property
+    def cached_tokens(self) -> int:
+        """The part of the prompt a previous request had already evaluated (the prefix cache)."""
+        return self.input_tokens - self.metrics.prompt_eval_count
+
+    @property
+    def output_tokens(self) -> int:
+        return self.metrics.eval_count
+
+    def history_message(self) -> dict[str, Any]:
+        """This answer as the assistant turn of the next request's history."""
+        return assistant_message(self.text, self.thinking, self.calls)
