@@ -374,3 +374,19 @@ def test_integral_numbers_count_as_integers(model_server: LocalrtServer) -> None
     assert (
         call(model_server, "POST", "/api/detokenize", {"model": TINY, "tokens": [300.5]}).status_code == 400
     )
+
+
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        ({"model": "dst@sha256:" + "9" * 64, "from": TINY}, "takes no @digest"),
+        ({"model": "dst", "from": "bad name\twith tab", "remote": ""}, "invalid model name"),
+    ],
+)
+def test_create_refuses_bad_names_before_streaming(
+    model_server: LocalrtServer, body: dict, reason: str
+) -> None:
+    """Found by schemathesis: these were a 200 whose stream ended in an error line."""
+    r = call(model_server, "POST", "/api/create", body)
+    assert r.status_code == 400, r.text
+    assert reason in r.json()["error"]

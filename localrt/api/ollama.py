@@ -286,6 +286,11 @@ async def create(request: Request) -> Response:
     fields = await wire.read_json(request, wire.CreateRequest)
     store = store_of(request)
     name = parse_name(required_model(fields))
+    # checked before the stream starts, so a bad name is a 400, not an error line after a 200
+    if name.digest:
+        raise LocalrtError(f"cannot create {name}: a model name to write takes no @digest")
+    if fields.get("from") is not None:
+        parse_name(fields["from"])  # `from` names a stored model (server-side paths are refused)
 
     def work(emit: Callable[[dict[str, Any]], None]) -> None:
         create_from_request(name, fields, store=store, progress=lambda status: emit({"status": status}))
