@@ -31,27 +31,9 @@ from tests.servers.serve import LocalrtServer
 UPSTREAM_MODEL = "smollm2:135m"
 UPSTREAM_KEY = "upstream-secret-4f9a"  # the upstream's LOCALRT_API_KEY; the front reads it from FAR_KEY
 GREEDY = {"temperature": 0, "seed": 1, "num_predict": 16}
-CITY_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
-    "required": ["city", "country"],
-}
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-CALL_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "enum": ["get_weather"]},
-        "arguments": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-    "required": ["name", "arguments"],
-}
+# the same schemas and tool as the local-model client tests, so both paths answer one question
+from tests.test_api_clients import CALL_SCHEMA, CITY_SCHEMA, WEATHER_TOOL  # noqa: E402
+
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 COUNTING = "Count from one to ten thousand, one number per line."  # far longer than any test waits
 
