@@ -12,7 +12,9 @@ from localrt.backends.base import ScoreResult, TokenLogprob, TopLogprob, log_sof
 TextOf = Callable[[Sequence[int]], str]  # token ids -> their text (the model's detokenize)
 
 
-def token_logprob(token: int, logprob: float, top: Sequence[tuple[int, float]], text_of: TextOf) -> TokenLogprob:
+def token_logprob(
+    token: int, logprob: float, top: Sequence[tuple[int, float]], text_of: TextOf
+) -> TokenLogprob:
     """A sampled token's logprob and its `top` alternatives ((id, logprob), best first), with their text."""
     alternatives = [TopLogprob(i, text_of([i]), v) for i, v in top]
     return TokenLogprob(token, text_of([token]), logprob, alternatives)

@@ -221,7 +221,11 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         self._draft_model = model
         draft_vocab = Vocab(model)
         check_draft_vocabulary(
-            path, self.n_vocab, draft_vocab.n_vocab, lambda t: self.piece(t, True), lambda t: draft_vocab.piece(t, True)
+            path,
+            self.n_vocab,
+            draft_vocab.n_vocab,
+            lambda t: self.piece(t, True),
+            lambda t: draft_vocab.piece(t, True),
         )
         dparams = context_params(
             self.opts,

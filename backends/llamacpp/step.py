@@ -619,7 +619,9 @@ class BatchedContext:
         return token, None
 
     def _logprob(self, row: int, token: int, top_n: int) -> TokenLogprob:
-        return logprob_from_logits(logits_row(self.lib, self.ctx.ctx, row, self.n_vocab), token, top_n, self.text_of)
+        return logprob_from_logits(
+            logits_row(self.lib, self.ctx.ctx, row, self.n_vocab), token, top_n, self.text_of
+        )
 
     def piece(self, token: int, special: bool = False) -> bytes:
         return token_piece(self.lib, self.vocab, token, special, self.pieces)

@@ -41,6 +41,7 @@ from localrt.backends.checks import (
     check_speculative,
 )
 from localrt.backends.grammar import Grammar
+from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
 from localrt.backends.outputs import (
     embedding_tokens,
     empty_score,
@@ -49,8 +50,7 @@ from localrt.backends.outputs import (
     unit_vector,
 )
 from localrt.backends.speculation import VERIFY_COST_PER_DRAFT, speculative_method
-from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
-from localrt.errors import LocalrtError, OptionError
+from localrt.errors import OptionError
 
 NAME = "mlx"
 PIP_HINT = "pip install 'localrt[mlx]' (on Linux that installs mlx[cpu])"

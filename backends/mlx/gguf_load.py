@@ -205,4 +205,3 @@ class GGUFTensors(GGUFTensorSource):
                 qw.scales, qw.biases = qw.scales.astype(dtype), qw.biases.astype(dtype)
             return qw
         return mx.array(dequantize(raw, t.ggml_type, t.shape)).astype(dtype)
-

@@ -17,15 +17,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-
 from localrt.backends.base import (
     Capabilities,
     DoneEvent,
     Event,
     GenerateRequest,
     LoadOptions,
-    ScoreResult,
     ModelLifetime,
+    ScoreResult,
     TextAssembler,
     TokenLogprob,
     loaded_context,
@@ -41,11 +40,11 @@ from localrt.backends.checks import (
     check_speculative,
 )
 from localrt.backends.grammar import Grammar
-from localrt.backends.outputs import empty_score, embedding_tokens, token_logprob, unit_vector
-from localrt.backends.speculation import speculative_method
 from localrt.backends.llamacpp.lib import default_threads
 from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
-from localrt.errors import LocalrtError, OptionError
+from localrt.backends.outputs import embedding_tokens, empty_score, token_logprob, unit_vector
+from localrt.backends.speculation import speculative_method
+from localrt.errors import OptionError
 
 NAME = "torch"
 PIP_HINT = "pip install 'localrt[torch]'"
@@ -210,7 +209,9 @@ class TorchModel(VocabMethods, ModelLifetime):
     def _sequence(self, req: GenerateRequest) -> tuple[Any, Grammar | None]:
         """The engine sequence for a request (and its grammar, which the stream closes)."""
         mode = speculative_method(
-            req.speculative, has_draft_model="draft" in self.engine.proposers, constrained=req.format is not None
+            req.speculative,
+            has_draft_model="draft" in self.engine.proposers,
+            constrained=req.format is not None,
         )
         grammar = None
         if req.format is not None:
