@@ -1,7 +1,7 @@
 """The one batched llama.cpp context and its step loop.
 
 One thread owns the context. Each step it builds one `llama_batch` holding every running sequence's next
-token(s) — the last sampled token plus any speculative guesses, each sequence on its own seq id and
+token(s) — the last sampled token plus any draft tokens, each sequence on its own seq id and
 positions — and fills the rest of a per-step token budget with prompt chunks (chunked prefill), then runs
 one `llama_decode` and samples every sequence from its own rows with its own sampler chain. Requests join
 and leave at every step. Sequence ids outnumber the running sequences: finished sequences stay in the KV
@@ -43,7 +43,7 @@ from localrt.errors import LocalrtError
 
 from .lib import Batch, Memory, _lib, logits_row, make_sampler, sample, token_piece
 
-MAX_VERIFY = 48  # guesses + 1 per sequence and step
+MAX_VERIFY = 48  # draft tokens + 1 per sequence and step
 # A prefix shorter than this is evaluated again rather than copied: copying between streams copies the
 # source's whole stream buffer (all n_ctx cells), which costs about as much as evaluating a few dozen tokens.
 COPY_MIN = 32
@@ -122,7 +122,7 @@ class Task:
 
 
 class DraftContext:
-    """The draft model's context: the same seq ids as the target, greedy guesses for many sequences at once."""
+    """The draft model's context: the same seq ids as the target, greedy draft tokens for many sequences at once."""
 
     def __init__(self, model: Any, ctx: Any, n_seq_max: int, n_batch: int) -> None:
         self.lib = _lib()
@@ -133,7 +133,7 @@ class DraftContext:
         self.cells: list[list[int]] = [[] for _ in range(n_seq_max)]
 
     def propose(self, wants: list[tuple[int, list[int], int]]) -> list[list[int]]:
-        """wants: (seq id, history, k) -> up to k greedy guesses per entry (one draft decode per round)."""
+        """wants: (seq id, history, k) -> up to k greedy draft tokens per entry (one draft decode per round)."""
         remaining: list[list[int]] = []
         for seq, history, _ in wants:
             keep = min(common_prefix(self.cells[seq], history), len(history) - 1)
@@ -182,7 +182,7 @@ class DraftContext:
         return live
 
     def _take(self, i: int, row: int, wants: list[tuple[int, list[int], int]], out: list[list[int]]) -> bool:
-        """Append the argmax of `row` to entry i's guesses; True while it wants more."""
+        """Append the argmax of `row` to entry i's draft tokens; True while it wants more."""
         token = int(np.argmax(logits_row(self.lib, self.ctx.ctx, row, self.n_vocab)))
         if self.lib.llama_vocab_is_eog(self.model.vocab, token):
             return False
@@ -504,8 +504,8 @@ class BatchedContext:
                 wants.append((job.seq, history, budget))
                 drafting.append(job)
         if wants and self.draft is not None:
-            for job, guesses in zip(drafting, self.draft.propose(wants)):
-                job.drafts = guesses
+            for job, tokens in zip(drafting, self.draft.propose(wants)):
+                job.drafts = tokens
 
     def _add_prefills(self) -> None:
         for job in self.running:
@@ -569,7 +569,7 @@ class BatchedContext:
 
     # ---- after the decode ----------------------------------------------------------------------
     def _consume(self, job: Job, rows: list[int], drafts: list[int]) -> None:
-        """Sample the job's rows in order: keep guesses while the target agrees, roll back the rest."""
+        """Sample the job's rows in order: keep draft tokens while the target agrees, roll back the rest."""
         if not job.generating:
             job.generating = True
             job.t_prompt = time.perf_counter_ns()

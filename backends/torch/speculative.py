@@ -185,11 +185,11 @@ class DraftModelProposer(_ModelProposer):
             if self._reserve(seq, len(seq.tokens) + k):
                 ready.append(seq)
                 ready_ks.append(k)
-        proposals = {id(s): p for s, p in zip(ready, self._run(ready, ready_ks, self.cache, self._catch_up))}
+        drafts = {id(s): p for s, p in zip(ready, self._run(ready, ready_ks, self.cache, self._catch_up))}
         for seq in ready:
             # the cache now holds every fed token except the last draft token
-            self.fed[seq.seq_id] = seq.tokens + proposals[id(seq)].tokens[:-1]
-        return [proposals.get(id(s), DraftTokens([])) for s in seqs]
+            self.fed[seq.seq_id] = seq.tokens + drafts[id(seq)].tokens[:-1]
+        return [drafts.get(id(s), DraftTokens([])) for s in seqs]
 
     def _catch_up(self, seq: Seq) -> tuple[list[int], int, Sequence[int]]:
         done = 0  # tokens of the draft cache that still match the sequence
