@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, ClassVar
+from typing import Any
 
 from localrt.backends.base import (
     GBNF,
@@ -49,34 +49,13 @@ class ContextLengthError(LocalrtError):
 
 @dataclass
 class Metrics(Timings):
-    """Ollama's final-chunk numbers, in nanoseconds: the backend's timings plus the request's total."""
+    """A request's numbers, in nanoseconds: the backend's timings plus the request's total (`localrt.wire`
+    gives them their names on Ollama's wire)."""
 
     total_ns: int = 0
     # the whole prompt, a reused (cached) prefix included: prompt_eval_count counts only what was
     # evaluated; OpenAI's and Anthropic's usage count the whole input
     prompt_tokens: int = 0
-
-    # our field -> the name on Ollama's wire (the draft counts are ours, sent only when speculating)
-    WIRE: ClassVar[dict[str, str]] = {
-        "total_ns": "total_duration",
-        "load_ns": "load_duration",
-        "prompt_eval_count": "prompt_eval_count",
-        "prompt_eval_ns": "prompt_eval_duration",
-        "eval_count": "eval_count",
-        "eval_ns": "eval_duration",
-        "draft_count": "draft_count",
-        "draft_accepted_count": "draft_accepted_count",
-    }
-
-    def to_ollama(self) -> dict[str, int]:
-        out = {wire: getattr(self, name) for name, wire in self.WIRE.items()}
-        if not self.draft_count:
-            del out["draft_count"], out["draft_accepted_count"]
-        return out
-
-    @classmethod
-    def from_ollama(cls, item: Mapping[str, Any]) -> Metrics:
-        return cls(**{name: int(item.get(wire) or 0) for name, wire in cls.WIRE.items()})
 
 
 @dataclass
