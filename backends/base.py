@@ -190,6 +190,14 @@ class Timings:
     cached_count: int = 0  # prompt tokens taken from the KV cache, not evaluated (OpenAI cached_tokens)
     prompt_image_tokens: int = 0  # of prompt_eval_count: cells an image encoder produced (0 on a reuse)
 
+    def set_durations(self, start_ns: int, first_token_ns: int, now_ns: int) -> Timings:
+        """The prompt's time runs from the request's start to its first token, generation's from there to
+        now (without a first token all of it is the prompt's); at least 1 ns each, as clients divide."""
+        first = first_token_ns or now_ns
+        self.prompt_eval_ns = max(1, first - start_ns)
+        self.eval_ns = max(1, now_ns - first)
+        return self
+
 
 @dataclass
 class DoneEvent:

@@ -261,21 +261,14 @@ class MLXModel(VocabMethods, ModelLifetime):
         tail = text.finish()
         if tail is not None:
             emit(tail)
-        now = time.perf_counter_ns()
-        first = out.first_token_ns or now
-        emit(
-            DoneEvent(
-                out.reason,
-                Timings(  # type: ignore[arg-type]
-                    prompt_eval_count=out.prompt_eval_count,
-                    prompt_eval_ns=max(1, first - start_ns),
-                    eval_count=out.generated,
-                    eval_ns=max(1, now - first),
-                    draft_count=out.drafted,
-                    draft_accepted_count=out.accepted,
-                ),
-            )
+        timings = Timings(
+            prompt_eval_count=out.prompt_eval_count,
+            eval_count=out.generated,
+            draft_count=out.drafted,
+            draft_accepted_count=out.accepted,
         )
+        timings.set_durations(start_ns, out.first_token_ns, time.perf_counter_ns())
+        emit(DoneEvent(out.reason, timings))  # type: ignore[arg-type]
 
     # ---- scoring and embeddings ---------------------------------------------------------------
     async def _run(self, fn: Callable[[], T]) -> T:

@@ -350,12 +350,9 @@ class _Stream:
         tail = self.text.finish()
         if tail is not None:
             events.append(tail)
-        s, now = self.seq, time.perf_counter_ns()
-        t = s.timings
-        first = s.first_token_ns or now
+        s = self.seq
+        t = s.timings.set_durations(self.start_ns, s.first_token_ns, time.perf_counter_ns())
         t.prompt_eval_count = s.prefill_fed
-        t.prompt_eval_ns = max(1, first - self.start_ns)
         t.eval_count = s.num_generated if ended else self.generated  # the engine's count has the end token
-        t.eval_ns = max(1, now - first)
         events.append(DoneEvent(reason, t))  # type: ignore[arg-type]
         return events
