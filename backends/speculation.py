@@ -60,17 +60,16 @@ class SpecState:
         return self.accepted / self.drafted if self.drafted else 1.0
 
     def record(self, drafted: int, accepted: int) -> None:
-        """After a verify step: every draft token kept doubles the next step's k (up to `k_max`), a
-        rejection brings it to what was kept plus one (each proposed position costs a CPU a row);
-        once the acceptance rate is trusted and below break-even at that k, speculation stops."""
+        """After a verify step. How many: all draft tokens kept doubles the next step's k (up to
+        `k_max`), a rejection brings it to what was kept plus one (each proposed position costs a CPU a
+        row). Whether at all: once the acceptance rate is trusted and below break-even for even one
+        draft token per step, speculation stops for this request."""
         if drafted <= 0:
             return
         self.drafted += drafted
         self.accepted += accepted
         self.k = min(self.k_max, 2 * self.k) if accepted == drafted else max(1, accepted + 1)
-        if self.drafted >= WARMUP_DRAFTS and self.acceptance < break_even_acceptance(
-            self.k, self.cost_per_draft
-        ):
+        if self.drafted >= WARMUP_DRAFTS and self.acceptance < break_even_acceptance(1, self.cost_per_draft):
             self.enabled = False  # speculation costs this request more than it saves
 
 
