@@ -197,12 +197,12 @@ class TorchModel(VocabMethods):
 
     def _build(self, tensors: Any, dtype: Any) -> Any:
         from . import quantized
-        from .model import Transformer
+        from .architectures import load_model
 
         if self.device.type == "cpu" and self.numerics == "quantized":
             modules = quantized.QuantizedModules(tensors, dtype)
-            return Transformer.from_gguf(tensors, dtype, self.device, modules=modules)
-        return Transformer.from_gguf(tensors, dtype, self.device)
+            return load_model(tensors, dtype, self.device, modules=modules)
+        return load_model(tensors, dtype, self.device)
 
     def _load_draft(self, path: Path, dtype: Any) -> Any:
         from .gguf_load import GGUFTensors

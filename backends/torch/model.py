@@ -36,8 +36,13 @@ class AttentionContext(Protocol):
 
     positions: torch.Tensor  # [N] int64, absolute position of each token in its sequence
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, n_head, head_dim], k/v [N, n_kv_head, head_dim] -> [N, n_head, head_dim]."""
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
+    ) -> torch.Tensor:
+        """q [N, n_head, head_dim], k/v [N, n_kv_head, head_dim] -> [N, n_head, head_dim].
+
+        `window` > 0: a query at position p sees only keys at p - window + 1 .. p (sliding layers).
+        """
         ...
 
 
@@ -47,10 +52,18 @@ class DenseCausal:
     def __init__(self, n_tokens: int, device: torch.device | str = "cpu") -> None:
         self.positions = torch.arange(n_tokens, device=device)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
+    ) -> torch.Tensor:
         # [N, H, D] -> [1, H, N, D] for SDPA; GQA heads are shared inside SDPA
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if window > 0:
+            pos = self.positions
+            near = pos[None, :] > pos[:, None] - window  # [N, N] key within the query's window
+            mask = (pos[None, :] <= pos[:, None]) & near
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)  # [N, H, D]
 
 
@@ -198,6 +211,11 @@ class Transformer(nn.Module):
         """tokens [N] -> logits [R, vocab] in float32."""
         return self.output(self.hidden(tokens, ctx, num_layers=num_layers, rows=rows)).float()
 
+    @property
+    def windows(self) -> list[int]:
+        """Each layer's sliding window in tokens, 0 for full attention (every Llama layer is full)."""
+        return [0] * self.cfg.block_count
+
     @classmethod
     def from_gguf(
         cls,
@@ -212,28 +230,46 @@ class Transformer(nn.Module):
         embedding itself, from the GGUF tensors named; those are never dequantized here.
         """
         md = tensors.metadata
-        vocab = md.get("tokenizer.ggml.tokens")
-        embd = tensors.by_name["token_embd.weight"]
-        cfg = LlamaConfig.from_gguf(md, len(vocab) if vocab is not None else embd.shape[1])
+        cfg = LlamaConfig.from_gguf(md, vocab_size_of(tensors))
         freq_factors = tensors.get("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
         with torch.device("meta"):
             model = cls(
                 cfg, qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors
             )
-        swapped = _swap_modules(model, tensors, modules) if modules is not None else set()
-        state: dict[str, torch.Tensor] = {}
-        for name in model.state_dict():  # one tensor in memory at a time (a fused one: its parts)
-            module = name.rsplit(".", 1)[0]
-            if _under(name, swapped) or (name == "output.weight" and name not in tensors):
-                continue  # supplied from outside, or tied embeddings (SmolLM2): token_embd below
-            parts = gguf_parts(module, tensors, name.rsplit(".", 1)[1])
-            state[name] = torch.cat([tensors.get(p) for p in parts]).to(device=device, dtype=dtype)
-        model.load_state_dict(state, strict=False, assign=True)
-        if "output.weight" not in tensors and "output" not in swapped:
-            model.output.weight = model.token_embd.weight
+        load_weights(model, tensors, dtype, device, modules)
         model.rotary = Rotary(cfg, freq_factors).to(device)  # buffers computed for real, off the meta device
-        model.requires_grad_(False)
-        return model.eval()
+        return model
+
+
+def vocab_size_of(tensors: Any) -> int:
+    """The vocabulary size: the tokenizer's list, else the embedding's rows."""
+    vocab = tensors.metadata.get("tokenizer.ggml.tokens")
+    return len(vocab) if vocab is not None else tensors.by_name["token_embd.weight"].shape[1]
+
+
+def load_weights(
+    model: nn.Module,
+    tensors: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    modules: ModuleFactory | None = None,
+) -> None:
+    """Fill a model built on the meta device from GGUF tensors (module names are GGUF's), one tensor
+    in memory at a time (a fused one: its parts); a missing `output.weight` ties the head to
+    token_embd. Buffers (RoPE tables) are left to the caller."""
+    swapped = _swap_modules(model, tensors, modules) if modules is not None else set()
+    state: dict[str, torch.Tensor] = {}
+    for name in model.state_dict():
+        module = name.rsplit(".", 1)[0]
+        if _under(name, swapped) or (name == "output.weight" and name not in tensors):
+            continue  # supplied from outside, or tied embeddings (SmolLM2): token_embd below
+        parts = gguf_parts(module, tensors, name.rsplit(".", 1)[1])
+        state[name] = torch.cat([tensors.get(p) for p in parts]).to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if "output.weight" not in tensors and "output" not in swapped:
+        model.output.weight = model.token_embd.weight  # type: ignore[union-attr]
+    model.requires_grad_(False)
+    model.eval()
 
 
 def gguf_parts(module: str, tensors: Any, leaf: str = "weight") -> list[str]:
@@ -250,7 +286,7 @@ def _under(name: str, modules: set[str]) -> bool:
     return any(name.startswith(m + ".") for m in modules)
 
 
-def _swap_modules(model: Transformer, tensors: Any, modules: ModuleFactory) -> set[str]:
+def _swap_modules(model: nn.Module, tensors: Any, modules: ModuleFactory) -> set[str]:
     swapped = set()
     for name, module in list(model.named_modules()):
         if isinstance(module, (nn.Linear, nn.Embedding)):
