@@ -94,7 +94,9 @@ def test_paged_sliding_layers_equal_dense(model: Gemma3) -> None:
     bs, n = 16, 70
     tokens = np.random.default_rng(1).integers(3, VOCAB, n).tolist()
     cfg = model.cfg
-    cache = KVCache(cfg.block_count, 8, 2, 16, "f32", torch.float32, "cpu", bs, [w > 0 for w in model.windows], 12)
+    cache = KVCache(
+        cfg.block_count, 8, 2, 16, "f32", torch.float32, "cpu", bs, [w > 0 for w in model.windows], 12
+    )
     table = [7, 2, 5, 0, 3]  # global layers: every block of the context
     window_table = [11, 4, 9, 1, 6]  # sliding layers; entries out of the window are never read
     out = []
@@ -205,7 +207,9 @@ def test_greedy_output_identical_with_speculation(model: Gemma3, mode: str) -> N
 
     def runs(speculative: str) -> list[list[int]]:
         engine = Engine(model, EngineConfig(context_length=512, kv_cache_type="f32"), draft_model=draft)
-        seqs = [engine.new_sequence(p, GREEDY, max_new=40, speculative=speculative, num_draft=5) for p in prompts]
+        seqs = [
+            engine.new_sequence(p, GREEDY, max_new=40, speculative=speculative, num_draft=5) for p in prompts
+        ]
         with torch.inference_mode():
             engine.run(seqs)
         engine.window_pool.check()

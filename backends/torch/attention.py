@@ -8,6 +8,7 @@ on CUDA, decode rows go through the fused Triton kernel in `triton_attention.py`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -123,21 +124,29 @@ class PagedAttention:
         )
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]; k/v are stored first, then read back paged."""
         view = self._view(window, self.cache.windowed[layer]) if window else self._views[(0, False)]
         self.cache.write(layer, k, v, view.slots)
         groups = view.groups
         if len(groups) == 1 and groups[0].rows.numel() == q.shape[0]:
-            return self._attend_group(layer, q, groups[0], window)  # rows are already in order
+            return self._attend_group(layer, q, groups[0], window, softcap)  # rows are already in order
         out = torch.empty_like(q)
         for group in groups:
-            out[group.rows] = self._attend_group(layer, q[group.rows], group, window)
+            out[group.rows] = self._attend_group(layer, q[group.rows], group, window, softcap)
         return out
 
-    def _attend_group(self, layer: int, q: torch.Tensor, group: _Group, window: int) -> torch.Tensor:
-        if self.fused and group.q_len == 1 and not window:
+    def _attend_group(
+        self, layer: int, q: torch.Tensor, group: _Group, window: int, softcap: float
+    ) -> torch.Tensor:
+        if self.fused and group.q_len == 1 and not window and not softcap:
             from .triton_attention import paged_decode
 
             c = self.cache
@@ -152,8 +161,8 @@ class PagedAttention:
             # which the quantized path's bf16 kernel outputs would amplify into other tokens
             q, keys, values = q.double(), keys.double(), values.double()
         q = q.view(b, group.q_len, n_head, head_dim).transpose(1, 2)  # [B, H, q_len, D]
-        out = F.scaled_dot_product_attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask, enable_gqa=True
+        out = attention(
+            q, keys.transpose(1, 2), values.transpose(1, 2), group.mask, softcap
         )  # [B, H, q_len, D]
         return out.to(dtype).transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
 
@@ -164,6 +173,23 @@ def _table(chunk: SeqChunk, own_table: bool) -> Sequence[int]:
     if chunk.window_table is None:
         raise ValueError("a sliding layer with its own blocks needs the chunk's window_table")
     return chunk.window_table
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, softcap: float = 0.0
+) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, Hkv, L, D], mask [B or 1, 1, Q, L] (True: may look) -> [B, H, Q, D].
+
+    `softcap` > 0 (Gemma 2): scores become c * tanh(s / c) before the mask and softmax, which SDPA
+    cannot do, so that case is written out."""
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, H, L, D]
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [B, H, Q, L]
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, -1) @ v
 
 
 def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

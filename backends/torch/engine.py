@@ -107,7 +107,9 @@ class Engine:
         seqs = config.kv_budget_seqs or config.max_seqs
         context_blocks = -(-config.context_length // bs)
         window_blocks = (
-            window_pool_blocks(window, seqs, config.max_batch_tokens, context_blocks * seqs, bs) if window else 0
+            window_pool_blocks(window, seqs, config.max_batch_tokens, context_blocks * seqs, bs)
+            if window
+            else 0
         )
         budget = config.kv_budget_bytes
         if budget is None:  # the global layers for every sequence's context, the sliding ones for its window

@@ -41,44 +41,73 @@ class Gemma3Config(LlamaConfig):
     rope_freq_base_swa: float = 10000.0
     attention_scale: float = 0.0  # multiplies q.k
     final_logit_softcapping: float = 0.0  # 0: off
+    attn_logit_softcapping: float = 0.0  # 0: off (Gemma 2 caps attention scores)
+    qk_norm: bool = True  # per-head RMSNorm of q and k (Gemma 2 has none)
 
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any], vocab_size: int) -> Gemma3Config:  # type: ignore[override]
-        def get(key: str, default: Any = None) -> Any:
-            value = metadata.get(f"{ARCH}.{key}", default)
-            if value is None:
-                raise LocalrtError(f"GGUF metadata {ARCH}.{key} is missing")
-            return value
+        return read_config(metadata, vocab_size, GEMMA3)
 
-        n_layer = int(get("block_count"))
-        n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
-        head_dim = int(get("attention.key_length", n_embd // n_head))
-        scaling = metadata.get(f"{ARCH}.rope.scaling.type")
-        factor = float(metadata.get(f"{ARCH}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
-        window = int(get("attention.sliding_window", 0))
-        return cls(
-            architecture=ARCH,
-            vocab_size=vocab_size,
-            context_length=int(get("context_length", 131072)),
-            embedding_length=n_embd,
-            feed_forward_length=int(get("feed_forward_length")),
-            block_count=n_layer,
-            attention_head_count=n_head,
-            attention_head_count_kv=int(get("attention.head_count_kv", n_head)),
-            attention_key_length=head_dim,
-            attention_layer_norm_rms_epsilon=float(get("attention.layer_norm_rms_epsilon")),
-            rope_freq_base=float(get("rope.freq_base", 10000.0)),
-            rope_dimension_count=int(get("rope.dimension_count", head_dim)),
-            rope_scaling_factor=factor if factor > 0 else 1.0,
-            rope_neox=True,
-            sliding_window=window,
-            sliding_layers=sliding_pattern(metadata.get(f"{ARCH}.attention.sliding_window_pattern"), n_layer)
-            if window > 0
-            else (False,) * n_layer,
-            rope_freq_base_swa=float(get("rope.freq_base_swa", 10000.0)),
-            attention_scale=1 / math.sqrt(n_embd / n_head if n_layer == SIZE_27B_LAYERS else head_dim),
-            final_logit_softcapping=float(get("final_logit_softcapping", 0.0)),
-        )
+
+@dataclass(frozen=True)
+class Family:
+    """What llama.cpp assumes for a Gemma generation when the file is silent."""
+
+    arch: str
+    swa_period: int  # layer i slides iff i % period < period - 1
+    window: int  # sliding window when the file has none (0: no sliding layers)
+    layers_27b: int  # the 27B size scales attention by 1/sqrt(dim / heads)
+    attn_softcap: float
+    final_softcap: float
+    qk_norm: bool
+    swa_base: float | None  # sliding layers' RoPE base when the file has none (None: the global one)
+
+
+GEMMA3 = Family(ARCH, DEFAULT_SWA_PERIOD, 0, SIZE_27B_LAYERS, 0.0, 0.0, True, 10000.0)
+
+
+def read_config(metadata: dict[str, Any], vocab_size: int, family: Family) -> Gemma3Config:
+    arch = family.arch
+
+    def get(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise LocalrtError(f"GGUF metadata {arch}.{key} is missing")
+        return value
+
+    n_layer = int(get("block_count"))
+    n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", n_embd // n_head))
+    scaling = metadata.get(f"{arch}.rope.scaling.type")
+    factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+    window = int(get("attention.sliding_window", family.window))
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", family.swa_period)
+    base = float(get("rope.freq_base", 10000.0))
+    return Gemma3Config(
+        architecture=arch,
+        vocab_size=vocab_size,
+        context_length=int(get("context_length", 131072)),
+        embedding_length=n_embd,
+        feed_forward_length=int(get("feed_forward_length")),
+        block_count=n_layer,
+        attention_head_count=n_head,
+        attention_head_count_kv=int(get("attention.head_count_kv", n_head)),
+        attention_key_length=head_dim,
+        attention_layer_norm_rms_epsilon=float(get("attention.layer_norm_rms_epsilon")),
+        rope_freq_base=base,
+        rope_dimension_count=int(get("rope.dimension_count", head_dim)),
+        rope_scaling_factor=factor if factor > 0 else 1.0,
+        rope_neox=True,
+        sliding_window=window,
+        sliding_layers=sliding_pattern(pattern, n_layer) if window > 0 else (False,) * n_layer,
+        rope_freq_base_swa=float(
+            get("rope.freq_base_swa", base if family.swa_base is None else family.swa_base)
+        ),
+        attention_scale=1 / math.sqrt(n_embd / n_head if n_layer == family.layers_27b else head_dim),
+        final_logit_softcapping=float(get("final_logit_softcapping", family.final_softcap)),
+        attn_logit_softcapping=float(get("attn_logit_softcapping", family.attn_softcap)),
+        qk_norm=family.qk_norm,
+    )
 
 
 def sliding_pattern(pattern: Any, n_layer: int) -> tuple[bool, ...]:
@@ -87,7 +116,9 @@ def sliding_pattern(pattern: Any, n_layer: int) -> tuple[bool, ...]:
     if isinstance(pattern, (list, tuple)) or hasattr(pattern, "tolist"):
         flags = [bool(x) for x in (pattern.tolist() if hasattr(pattern, "tolist") else pattern)]
         if len(flags) != n_layer:
-            raise LocalrtError(f"{ARCH}.attention.sliding_window_pattern has {len(flags)} entries, not {n_layer}")
+            raise LocalrtError(
+                f"{ARCH}.attention.sliding_window_pattern has {len(flags)} entries, not {n_layer}"
+            )
         return tuple(flags)
     period = DEFAULT_SWA_PERIOD if pattern is None else int(pattern)
     if period == 0:
@@ -110,8 +141,13 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(dim, eps)
         self.qkv_sizes = [self.n_head * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
         self.attn_qkv = nn.Linear(dim, sum(self.qkv_sizes), bias=False)
-        self.attn_q_norm = RMSNorm(self.head_dim, eps)
-        self.attn_k_norm = RMSNorm(self.head_dim, eps)
+        self.attn_q_norm = RMSNorm(self.head_dim, eps) if cfg.qk_norm else None
+        self.attn_k_norm = RMSNorm(self.head_dim, eps) if cfg.qk_norm else None
+        self.attend_options: dict[str, Any] = {}  # what the attention context must honour
+        if self.window:
+            self.attend_options["window"] = self.window
+        if cfg.attn_logit_softcapping > 0:
+            self.attend_options["softcap"] = cfg.attn_logit_softcapping
         self.attn_output = nn.Linear(self.n_head * self.head_dim, dim, bias=False)
         self.post_attention_norm = RMSNorm(dim, eps)
         self.ffn_norm = RMSNorm(dim, eps)
@@ -122,17 +158,16 @@ class Block(nn.Module):
     def attention(self, x: torch.Tensor, rotary: Rotary, ctx: AttentionContext) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.attn_qkv(x).split(self.qkv_sizes, -1)
-        q = self.attn_q_norm(q.view(n, self.n_head, self.head_dim))  # [N, H, D]
-        k = self.attn_k_norm(k.view(n, self.n_kv, self.head_dim))  # [N, Hkv, D]
+        q = q.view(n, self.n_head, self.head_dim)  # [N, H, D]
+        k = k.view(n, self.n_kv, self.head_dim)  # [N, Hkv, D]
         v = v.view(n, self.n_kv, self.head_dim)
+        if self.attn_q_norm is not None and self.attn_k_norm is not None:
+            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         qk = rotary(torch.cat([q, k], 1), ctx.positions)  # one rotation for q and k: [N, H + Hkv, D]
         q, k = qk[:, : self.n_head], qk[:, self.n_head :]
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        if self.window:
-            out = ctx.attend(self.layer, q, k, v, window=self.window)  # type: ignore[call-arg]
-        else:
-            out = ctx.attend(self.layer, q, k, v)  # [N, H, D]
+        out = ctx.attend(self.layer, q, k, v, **self.attend_options)  # [N, H, D]
         return self.attn_output(out.reshape(n, self.n_head * self.head_dim))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,6 +180,8 @@ class Block(nn.Module):
 
 
 class Gemma3(nn.Module):
+    config_from_gguf = staticmethod(Gemma3Config.from_gguf)
+
     def __init__(self, cfg: Gemma3Config) -> None:
         super().__init__()
         self.cfg = cfg
@@ -154,6 +191,7 @@ class Gemma3(nn.Module):
         self.output = nn.Linear(cfg.embedding_length, cfg.vocab_size, bias=False)
         self.embed_scale = math.sqrt(cfg.embedding_length)  # exact in fp32, as llama.cpp's sqrtf
         self.rotary, self.rotary_swa = _rotaries(cfg)
+        _cap_logits(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -188,10 +226,8 @@ class Gemma3(nn.Module):
         num_layers: int | None = None,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens [N] -> logits [R, vocab] in float32."""
-        logits = self.output(self.hidden(tokens, ctx, num_layers=num_layers, rows=rows)).float()
-        cap = self.cfg.final_logit_softcapping
-        return cap * torch.tanh(logits / cap) if cap > 0 else logits
+        """tokens [N] -> logits [R, vocab] in float32 (soft-capped by `output` itself, see `_cap_logits`)."""
+        return self.output(self.hidden(tokens, ctx, num_layers=num_layers, rows=rows)).float()
 
     @classmethod
     def from_gguf(
@@ -201,12 +237,23 @@ class Gemma3(nn.Module):
         device: torch.device | str,
         modules: ModuleFactory | None = None,
     ) -> Gemma3:
-        cfg = Gemma3Config.from_gguf(tensors.metadata, vocab_size_of(tensors))
+        cfg = cls.config_from_gguf(tensors.metadata, vocab_size_of(tensors))
         with torch.device("meta"):
             model = cls(cfg)
         load_weights(model, tensors, dtype, device, modules)
         model.rotary, model.rotary_swa = (r.to(device) for r in _rotaries(cfg))  # real buffers, off meta
+        _cap_logits(model)  # again: `modules` may have swapped the head
         return model
+
+
+def _cap_logits(model: Gemma3) -> None:
+    """The final soft-cap c * tanh(logits / c) as a hook on the head, so every caller of
+    `model.output` (the engine, scoring) gets capped logits."""
+    cap = model.cfg.final_logit_softcapping
+    head = model.output
+    if cap > 0 and not getattr(head, "soft_capped", False):
+        head.register_forward_hook(lambda _m, _i, out: cap * torch.tanh(out.float() / cap))
+        head.soft_capped = True  # type: ignore[assignment]
 
 
 def _rotaries(cfg: Gemma3Config) -> tuple[Rotary, Rotary]:

@@ -36,12 +36,12 @@ class AttentionContext(Protocol):
 
     positions: torch.Tensor  # [N] int64, absolute position of each token in its sequence
 
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
-    ) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, n_head, head_dim], k/v [N, n_kv_head, head_dim] -> [N, n_head, head_dim].
 
-        `window` > 0: a query at position p sees only keys at p - window + 1 .. p (sliding layers).
+        The Gemma files also pass `window` (> 0: a query at position p sees only keys p - window + 1
+        .. p) and `softcap` (scores capped as c * tanh(s / c)); `DenseCausal` and
+        `attention.PagedAttention` take both.
         """
         ...
 
@@ -53,15 +53,24 @@ class DenseCausal:
         self.positions = torch.arange(n_tokens, device=device)
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         # [N, H, D] -> [1, H, N, D] for SDPA; GQA heads are shared inside SDPA
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        if window > 0:
+        if window > 0 or softcap > 0:
+            from .attention import attention
+
             pos = self.positions
-            near = pos[None, :] > pos[:, None] - window  # [N, N] key within the query's window
-            mask = (pos[None, :] <= pos[:, None]) & near
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            mask = pos[None, :] <= pos[:, None]  # [N, N] causal
+            if window > 0:
+                mask &= pos[None, :] > pos[:, None] - window  # the key is within the query's window
+            out = attention(q, k, v, mask, softcap)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)  # [N, H, D]
@@ -83,7 +92,11 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """cos/sin tables for RoPE, indexed by absolute position."""
 
-    def __init__(self, cfg: LlamaConfig, freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, cfg: LlamaConfig, freq_factors: torch.Tensor | None = None, attn_factor: float = 1.0
+    ) -> None:
+        """`freq_factors` divide the frequencies (Llama 3.1, Phi-3's LongRoPE); `attn_factor` scales
+        cos and sin (Phi-3's LongRoPE)."""
         super().__init__()
         self.n_rot = cfg.rope_dimension_count or cfg.attention_key_length
         self.neox = cfg.rope_neox
@@ -92,8 +105,8 @@ class Rotary(nn.Module):
             inv_freq = inv_freq / freq_factors.double()
         positions = torch.arange(cfg.context_length, dtype=torch.float64) / cfg.rope_scaling_factor
         angles = torch.outer(positions, inv_freq)  # [max_pos, n_rot/2]
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("cos", (angles.cos() * attn_factor).float(), persistent=False)
+        self.register_buffer("sin", (angles.sin() * attn_factor).float(), persistent=False)
 
         self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -241,6 +254,15 @@ class Transformer(nn.Module):
         return model
 
 
+def llama_like_config(metadata: dict[str, Any], vocab_size: int, arch: str) -> LlamaConfig:
+    """The Llama-family hyper-parameters of another architecture's keys (`phi3.*`, `qwen3moe.*`), read
+    as the shared reader reads Qwen3's (neox RoPE, head dim from key_length)."""
+    keys = {f"qwen3.{k[len(arch) + 1 :]}": v for k, v in metadata.items() if k.startswith(f"{arch}.")}
+    cfg = LlamaConfig.from_gguf({**keys, "general.architecture": "qwen3"}, vocab_size)
+    cfg.architecture = arch
+    return cfg
+
+
 def vocab_size_of(tensors: Any) -> int:
     """The vocabulary size: the tokenizer's list, else the embedding's rows."""
     vocab = tensors.metadata.get("tokenizer.ggml.tokens")
@@ -275,6 +297,10 @@ def load_weights(
 def gguf_parts(module: str, tensors: Any, leaf: str = "weight") -> list[str]:
     """The GGUF tensors a module's `leaf` is made of: `blk.0.attn_qkv` -> attn_q, attn_k, attn_v."""
     prefix, _, last = module.rpartition(".")
+    if f"{module}.{leaf}" in tensors:
+        return [f"{module}.{leaf}"]  # stored fused (Phi-3's attn_qkv)
+    if last == "ffn_gate_up" and f"{prefix}.ffn_gate.{leaf}" not in tensors:
+        return [f"{prefix}.ffn_up.{leaf}"]  # Phi-3: ffn_up holds the gate rows, then the up rows
     if last in FUSED:
         return [f"{prefix}.{part}.{leaf}" for part in FUSED[last]]
     if module == "output" and "output.weight" not in tensors:

@@ -78,7 +78,9 @@ class WindowBlocks:
         seq.window_table = []
 
     # ---- prefix hits ----------------------------------------------------------------------------
-    def match(self, found: PrefixMatch, covered: int, tokens: list[int]) -> tuple[PrefixMatch, int, list[int], int | None]:
+    def match(
+        self, found: PrefixMatch, covered: int, tokens: list[int]
+    ) -> tuple[PrefixMatch, int, list[int], int | None]:
         """Shrink the global layers' hit `found` (covering `covered` tokens) to what the sliding layers
         also hold: (match, tokens covered, window table so far, a partial block to copy or None)."""
         bs = self.pool.block_size
