@@ -219,3 +219,50 @@ def test_greedy_output_identical_with_speculation(model: Gemma3, mode: str) -> N
         return [s.tokens[s.prompt_len :] for s in seqs]
 
     assert runs(mode) == runs("off")
+
+
+@pytest.mark.parametrize("mode", ["lookup", "draft"])
+def test_sampled_speculation_keeps_the_target_distribution(mode: str) -> None:
+    """Monte Carlo, as for Llama (tests/test_torch_speculative.py): with guesses verified against a
+    Gemma 3 whose window is shorter than the prompt, the two tokens after the first are distributed
+    exactly as the target's own P(t2, t3)."""
+    from tests.stats import assert_same_distribution, de_bruijn_prompt
+    from tests.test_torch_speculative import MC_VOCAB, target_pair_distribution
+
+    def mc_gemma(seed: int) -> Gemma3:
+        cfg = Gemma3Config(
+            "gemma3", MC_VOCAB, 256, 32, 64, 2, 2, 1, 16, 1e-6, rope_neox=True, sliding_window=6,
+            sliding_layers=(True, False), attention_scale=0.25,
+        )  # fmt: skip
+        return random_gemma3(cfg, seed=seed)
+
+    target = mc_gemma(2)
+    draft = mc_gemma(9) if mode == "draft" else None
+    engine = Engine(
+        target,
+        EngineConfig(
+            context_length=256, kv_cache_type="f32", max_seqs=64, kv_budget_seqs=40, max_batch_tokens=4096
+        ),
+        draft_model=draft,
+    )
+    prompt = de_bruijn_prompt(MC_VOCAB)
+    assert len(prompt) > 6  # the window slides over the prompt
+    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.97, min_p=0.0, repeat_penalty=1.0)
+    trials = 2000
+    seqs = []
+    for i in range(trials):
+        seeded = SamplingParams(**{**params.__dict__, "seed": 10_000 + i})
+        seqs.append(engine.new_sequence(prompt, seeded, max_new=3, speculative=mode, num_draft=3))
+        seqs[-1].spec.cost_per_draft = 0.0  # keep speculating whatever the acceptance: this tests exactness
+    with torch.inference_mode():
+        engine.run(seqs)
+    counts = np.zeros(MC_VOCAB * MC_VOCAB)
+    for s in seqs:
+        t2, t3 = s.tokens[len(prompt) + 1 : len(prompt) + 3]
+        counts[t2 * MC_VOCAB + t3] += 1
+    drafted = sum(s.timings.draft_count for s in seqs)
+    accepted = sum(s.timings.draft_accepted_count for s in seqs)
+    assert drafted > trials // 2
+    assert 0 < accepted < drafted
+    assert_same_distribution(counts, target_pair_distribution(target, prompt, params))
+    assert engine.window_pool.num_used == 0
