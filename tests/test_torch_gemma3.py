@@ -221,6 +221,7 @@ def test_greedy_output_identical_with_speculation(model: Gemma3, mode: str) -> N
     assert runs(mode) == runs("off")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["lookup", "draft"])
 def test_sampled_speculation_keeps_the_target_distribution(mode: str) -> None:
     """Monte Carlo, as for Llama (tests/test_torch_speculative.py): with guesses verified against a
