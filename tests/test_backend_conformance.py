@@ -133,14 +133,16 @@ def test_eos_ends_with_stop(model: LoadedModel) -> None:
         model, GenerateRequest(prompt_ids(model, "What is the capital of France?"), GREEDY, num_predict=64)
     )
     assert done.finish_reason == "stop"
+    assert done.stop_sequence is None  # an end token, not a stop string
 
 
 def test_stop_string_is_not_emitted(model: LoadedModel) -> None:
     ids = prompt_ids(model, "What is the capital of France?")
     plain = text_of(run(model, GenerateRequest(ids, GREEDY, num_predict=12))[0])
     assert "France" in plain
-    events, done = run(model, GenerateRequest(ids, GREEDY, num_predict=12, stop=["France"]))
+    events, done = run(model, GenerateRequest(ids, GREEDY, num_predict=12, stop=["nowhere", "France"]))
     assert done.finish_reason == "stop"
+    assert done.stop_sequence == "France"  # which stop string ended it (Anthropic's stop_sequence)
     assert text_of(events) == plain[: plain.index("France")]
 
 

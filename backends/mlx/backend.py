@@ -296,6 +296,7 @@ class MLXModel(VocabMethods):
                     draft_count=out.drafted,
                     draft_accepted_count=out.accepted,
                 ),
+                stop_sequence=text.stop_sequence,
             )
         )
 
