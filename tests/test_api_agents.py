@@ -254,6 +254,8 @@ def test_responses_input_items_input_tokens_and_delete(oai: openai.OpenAI, serve
         json={"model": MODEL, "input": "And Italy?", "previous_response_id": r.id},
     )
     assert continued.json()["input_tokens"] > count.input_tokens  # the stored conversation comes first
+    wrong_method = httpx.get(server.url + "/v1/responses/input_tokens")
+    assert wrong_method.status_code == 405  # a route, not a response id (found by schemathesis)
     oai.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         oai.responses.retrieve(r.id)

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
+from starlette.exceptions import HTTPException
 
 from localrt import config
 from localrt.api import schemas as wire
@@ -604,6 +605,7 @@ ResponseId = Annotated[str, Path(json_schema_extra={"pattern": "^resp_[0-9a-f]{1
     responses={200: wire.ok(ResponseObject), **wire.error_responses(True, 404)},
 )
 async def get_response(request: Request, response_id: ResponseId) -> dict[str, Any]:
+    not_the_counting_route(response_id)
     return stored_response(request, response_id).response
 
 
@@ -612,6 +614,12 @@ def stored_response(request: Request, response_id: str) -> Stored:
     if stored is None:
         raise ModelNotFound(f"response with id {response_id!r} not found")
     return stored
+
+
+def not_the_counting_route(response_id: str) -> None:
+    """`/v1/responses/input_tokens` is POST only; another method there is no response id but a 405."""
+    if response_id == "input_tokens":
+        raise HTTPException(405, "Method Not Allowed", headers={"Allow": "POST"})
 
 
 class DeletedResponse(wire.Out):
@@ -626,6 +634,7 @@ class DeletedResponse(wire.Out):
 )
 async def delete_response(request: Request, response_id: ResponseId) -> dict[str, Any]:
     """Forget a stored response: it can no longer be read or continued (`previous_response_id`)."""
+    not_the_counting_route(response_id)
     if not responses_of(request).delete(response_id):
         raise ModelNotFound(f"response with id {response_id!r} not found")
     return {"id": response_id, "object": "response.deleted", "deleted": True}
