@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from localrt.backends.base import (
     GBNF,
@@ -92,6 +92,26 @@ class RerankResult:
     load_ns: int
 
 
+class Settings(TypedDict, total=False):
+    """What chat and generate share, in the runtime's names (each API translates its fields to these).
+
+    options: option name -> value (`localrt.runtime.options`); format: "json" or a JSON schema;
+    keep_alive: a duration or seconds (0 unloads after the answer); logprobs / top_logprobs (0..20);
+    stream: chunks as they come, else one final chunk; think: Ollama's value (None, bool, "low"|"medium"|
+    "high") or a Think; truncate: drop the oldest turns to fit the context; shift: shift the context when
+    generation reaches its end. Unset means the default."""
+
+    options: Mapping[str, Any] | None
+    format: str | dict[str, Any] | None
+    keep_alive: str | float | None
+    logprobs: bool
+    top_logprobs: int
+    stream: bool
+    think: Any
+    truncate: bool
+    shift: bool
+
+
 def _now_rfc3339() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
@@ -139,37 +159,16 @@ class Runtime:
         model: str,
         messages: Sequence[Mapping[str, Any]],
         *,
-        options: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
-        format: str | dict[str, Any] | None = None,
-        keep_alive: str | float | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        stream: bool = True,
-        think: Any = None,
         tool_choice: Any = None,
         parallel_tool_calls: bool | None = None,
-        truncate: bool = True,
-        shift: bool = True,
+        **settings: Unpack[Settings],
     ) -> AsyncIterator[Chunk]:
         """Answer a conversation. Empty `messages` only loads the model (or unloads with keep_alive 0).
 
-        `think`: Ollama's value (None, bool, "low"|"medium"|"high") or a Think; `tool_choice`: OpenAI's
-        (None/"auto", "none", "required", {"type": "function", "function": {"name": ...}})."""
-        call = self._begin(
-            model,
-            options,
-            format=format,
-            keep_alive=keep_alive,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            stream=stream,
-            think=think,
-            truncate=truncate,
-            shift=shift,
-            tools=tools,
-            choice=tool_choice,
-        )
+        `tool_choice`: OpenAI's (None/"auto", "none", "required", {"type": "function", "function":
+        {"name": ...}}); `settings`: what chat and generate share (`Settings`)."""
+        call = self._begin(model, settings, tools=tools, choice=tool_choice)
         if not messages:
             async for chunk in self._load_only(call):
                 yield chunk
@@ -197,32 +196,14 @@ class Runtime:
         system: str | None = None,
         raw: bool = False,
         context: Sequence[int] | None = None,
-        options: Mapping[str, Any] | None = None,
-        format: str | dict[str, Any] | None = None,
-        keep_alive: str | float | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        stream: bool = True,
         images: Sequence[Any] | None = None,
-        think: Any = None,
-        truncate: bool = True,
-        shift: bool = True,
+        **settings: Unpack[Settings],
     ) -> AsyncIterator[Chunk]:
         """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only.
 
-        `images`: base64 strings or bytes, placed at `[img]` in the prompt or in front of it."""
-        call = self._begin(
-            model,
-            options,
-            format=format,
-            keep_alive=keep_alive,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            stream=stream,
-            think=think,
-            truncate=truncate,
-            shift=shift,
-        )
+        `images`: base64 strings or bytes, placed at `[img]` in the prompt or in front of it;
+        `settings`: what chat and generate share (`Settings`)."""
+        call = self._begin(model, settings)
         if not prompt and not context:
             async for chunk in self._load_only(call):
                 yield chunk
@@ -264,24 +245,21 @@ class Runtime:
     def _begin(
         self,
         model: str,
-        options: Mapping[str, Any] | None,
+        settings: Settings,
         *,
-        format: Any,
-        keep_alive: str | float | None,
-        logprobs: bool,
-        top_logprobs: int,
-        stream: bool,
-        think: Any,
-        truncate: bool,
-        shift: bool,
         tools: Sequence[Mapping[str, Any]] | None = None,
         choice: Any = None,
     ) -> _Call:
         """The checks chat and generate share, done once before any load."""
         start = time.perf_counter_ns()
-        resolved, opts = self.models.prepare(model, options)
-        format = _check_format(format)
+        unknown = set(settings) - set(Settings.__annotations__)
+        if unknown:  # what a signature would refuse: a misspelt setting must not pass silently
+            raise TypeError(f"unexpected keyword argument {sorted(unknown)[0]!r}")
+        resolved, opts = self.models.prepare(model, settings.get("options"))
+        format = _check_format(settings.get("format"))
+        top_logprobs = settings.get("top_logprobs", 0)
         _check_logprobs(top_logprobs)
+        think = settings.get("think")
         wanted = think if isinstance(think, Think) else thinking.parse_think(think)
         listed, required = tool_choice(choice, tools)
         return _Call(
@@ -289,15 +267,15 @@ class Runtime:
             resolved=resolved,
             opts=opts,
             format=format,
-            logprobs=logprobs,
+            logprobs=settings.get("logprobs", False),
             top_logprobs=top_logprobs,
-            stream=stream,
+            stream=settings.get("stream", True),
             think=wanted,
             tools=listed,
             required=required,
-            keep_alive=self.models.keep_alive(keep_alive),
-            truncate=truncate,
-            shift=shift,
+            keep_alive=self.models.keep_alive(settings.get("keep_alive")),
+            truncate=settings.get("truncate", True),
+            shift=settings.get("shift", True),
             start=start,
         )
 
