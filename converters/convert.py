@@ -290,7 +290,7 @@ class ExpertMerger:
 
 def _pieces(arch: Arch, hp: dict[str, Any], source: dict[str, SafeTensor]) -> list[Piece]:
     """The checkpoint's tensors in llama.cpp's converter order, experts merged where the arch does."""
-    merger = ExpertMerger(int(hp["num_experts"])) if arch.merge_experts else None
+    merger = ExpertMerger(arch.experts(hp)) if arch.experts else None
     out: list[Piece] = []
     for hf_name, st in source.items():
         if merger is not None and "experts" in hf_name:
@@ -489,7 +489,7 @@ def convert(
             hp["num_hidden_layers"],
             hp["num_attention_heads"],
             hp.get("num_key_value_heads") or hp["num_attention_heads"],
-            int(hp.get("num_experts") or hp.get("num_local_experts") or 0),
+            arch.experts(hp) if arch.experts else 0,
         )
         types = mixes.plan(specs, file_type, shape, has_imatrix=imatrix is not None)
         weights = _imatrix_weights(imatrix, specs, imatrix_label)

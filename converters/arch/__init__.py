@@ -56,7 +56,9 @@ class Arch:
     # torch-order shapes by GGUF base name that differ from the Llama layout (fused or expert tensors)
     shapes: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]] = lambda hp: {}
     norm_shift: bool = False  # HF stores RMSNorm weights as w for (1 + w) (Gemma): the GGUF holds 1 + w
-    merge_experts: bool = False  # per-expert HF tensors -> one 3-D tensor per layer and projection
+    # experts per layer of a mixture-of-experts model (its per-expert HF tensors are merged into one 3-D
+    # tensor per layer and projection); None for dense models
+    experts: Callable[[dict[str, Any]], int] | None = None
     # rows of token_embd to keep (Gemma 3 drops rows past the tokenizer's vocabulary), None: all
     embedding_rows: Callable[[Path, dict[str, Any]], int | None] = keep_rows
     skip: tuple[str, ...] = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")

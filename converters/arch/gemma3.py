@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from localrt.converters.arch import GLOBAL, KV, LLAMA_LAYER, Arch
+from localrt.converters.hf import ConvertError
 
 NORMS = {
     "model.layers.{bid}.post_attention_layernorm.weight": "blk.{bid}.post_attention_norm.weight",
@@ -74,6 +75,8 @@ def extra_kv(hp: dict[str, Any]) -> KV:
     if hp.get("final_logit_softcapping"):
         out.append(("gemma3.final_logit_softcapping", hp["final_logit_softcapping"], "f32"))
     if hp.get("sliding_window_pattern") != 1:
+        if hp.get("sliding_window") is None:
+            raise ConvertError("config.json sets sliding_window to null; llama.cpp's gemma3 needs a window")
         out.append(("gemma3.attention.sliding_window", hp["sliding_window"], "u32"))
     out.append(("gemma3.attention.head_count_kv", hp["num_key_value_heads"], "u32"))
     return out

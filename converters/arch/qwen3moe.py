@@ -35,12 +35,17 @@ def defaults(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def n_experts(hp: dict[str, Any]) -> int:
+    """Experts per layer: transformers 5 reports Qwen3-MoE's `num_experts` as `num_local_experts`."""
+    return int(hp.get("num_local_experts") or hp["num_experts"])
+
+
 def extra_kv(hp: dict[str, Any]) -> KV:
     return [("qwen3moe.expert_feed_forward_length", hp["moe_intermediate_size"], "u32")]
 
 
 def shapes(hp: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    h, ff, n = hp["hidden_size"], hp["moe_intermediate_size"], hp["num_experts"]
+    h, ff, n = hp["hidden_size"], hp["moe_intermediate_size"], n_experts(hp)
     return {
         "ffn_gate_inp.weight": (n, h),
         "ffn_gate_exps.weight": (n, ff, h),
@@ -57,5 +62,5 @@ ARCH = Arch(
     vocab=("spm", "gpt2"),
     extra_kv=extra_kv,
     shapes=shapes,
-    merge_experts=True,
+    experts=n_experts,
 )
