@@ -3,7 +3,8 @@
 Every cache has the same small protocol (as mlx-lm's): `offset` (tokens held), `attend(q, k, v)`
 (append this step's keys/values, attend over everything so far), `trim(n)` (forget the last n
 tokens, e.g. rejected guesses: lowering the offset is enough, later writes overwrite them) and
-`nbytes`.
+`nbytes`. `prefix(n)` gives a new cache holding the first n tokens (the prompt cache hands these
+out): MLX arrays are values, so later writes to either cache never reach the other.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class Cache(Protocol):
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array: ...
 
     def trim(self, n: int) -> int: ...
+
+    def prefix(self, n: int) -> Cache: ...
 
     @property
     def nbytes(self) -> int: ...
@@ -81,6 +84,13 @@ class KVCache(_Trimmable):
             q, keys, values, scale=scale, mask="causal" if n > 1 else None
         )
 
+    def prefix(self, n: int) -> KVCache:
+        out = KVCache(self.dtype)
+        n = min(n, self.offset)
+        if n > 0 and self.keys is not None and self.values is not None:
+            out.keys, out.values, out.offset = self.keys[:, :, :n], self.values[:, :, :n], n
+        return out
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.keys, self.values) if a is not None)
@@ -129,6 +139,15 @@ class QuantizedKVCache(_Trimmable):
         probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype)  # [1, Hkv, rep, L, T]
         out = mx.quantized_matmul(probs, *values, transpose=False, group_size=self.group_size, bits=self.bits)
         return out.reshape(1, n_head, n, d)
+
+    def prefix(self, n: int) -> QuantizedKVCache:
+        out = QuantizedKVCache(self.bits, self.group_size)
+        n = min(n, self.offset)
+        if n > 0 and self.keys is not None and self.values is not None:
+            out.keys = tuple(a[:, :, :n] for a in self.keys)  # type: ignore[assignment]
+            out.values = tuple(a[:, :, :n] for a in self.values)  # type: ignore[assignment]
+            out.offset = n
+        return out
 
     @property
     def nbytes(self) -> int:

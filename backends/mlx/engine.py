@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -40,12 +40,20 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class Runner:
     """A model with its own caches and the tokens they hold (the target, or a draft model)."""
 
-    def __init__(self, model: Transformer, kv_cache_type: str, num_batch: int) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        kv_cache_type: str,
+        num_batch: int,
+        caches: list[Any] | None = None,
+        tokens: Sequence[int] = (),
+    ) -> None:
+        """`caches` holding `tokens` (a prompt-cache hit), or fresh empty caches."""
         self.model = model
         self.kv_cache_type = kv_cache_type
         self.num_batch = max(1, num_batch)
-        self.caches = make_caches(model.cfg.block_count, kv_cache_type)
-        self.tokens: list[int] = []
+        self.caches = caches if caches is not None else make_caches(model.cfg.block_count, kv_cache_type)
+        self.tokens: list[int] = list(tokens)
 
     def reuse(self, tokens: Sequence[int], keep_last: int = 1) -> int:
         """Trim the caches to their longest prefix shared with `tokens`, leaving at least `keep_last`
