@@ -113,9 +113,7 @@ def localrt_concurrent(gguf: Path, levels: list[int], threads: int, new: int) ->
     """Aggregate tokens/s of N concurrent greedy requests through the MLX backend, per N."""
     opts = LoadOptions(num_ctx=1024, num_thread=threads, num_batch=512, num_parallel=max(levels))
     model = registry.get("mlx").load(gguf, opts)
-    prompts = [
-        model.tokenize(CHAT.format(q=q), add_special=True, parse_special=True) for q in QUESTIONS
-    ]
+    prompts = [model.tokenize(CHAT.format(q=q), add_special=True, parse_special=True) for q in QUESTIONS]
 
     async def one(prompt: list[int]) -> int:
         done = None
@@ -185,11 +183,17 @@ def concurrency_table(args: argparse.Namespace) -> None:
         f"aggregate generated tokens/s (prefill included)\n"
     )
     ours = localrt_concurrent(args.gguf, levels, args.threads, args.new)
-    peer = None if args.no_mlx_lm else mlx_lm_concurrent(args.hf or default_hf_dir(args.gguf), levels, args.new)
+    peer = (
+        None if args.no_mlx_lm else mlx_lm_concurrent(args.hf or default_hf_dir(args.gguf), levels, args.new)
+    )
     base, peer_base = ours.get(1) or ours[levels[0]], None if peer is None else peer.get(1)
-    print(f"{'clients':>8}{'localrt mlx':>14}{'x own 1':>9}{'mlx-lm batch':>14}{'x own 1':>9}{'mlx / mlx-lm':>14}")
+    print(
+        f"{'clients':>8}{'localrt mlx':>14}{'x own 1':>9}{'mlx-lm batch':>14}{'x own 1':>9}{'mlx / mlx-lm':>14}"
+    )
     for n in levels:
-        theirs = "" if peer is None else f"{peer[n]:>14.2f}{peer[n] / peer_base:>9.2f}{ours[n] / peer[n]:>14.2f}"
+        theirs = (
+            "" if peer is None else f"{peer[n]:>14.2f}{peer[n] / peer_base:>9.2f}{ours[n] / peer[n]:>14.2f}"
+        )
         print(f"{n:>8}{ours[n]:>14.2f}{ours[n] / base:>9.2f}{theirs}")
     if peer is None:
         print("(mlx-lm not run: pip install mlx-lm, or mlx-lm[cpu] on Linux)")
@@ -209,7 +213,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=48, help="tokens to generate")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", default=None, help="e.g. 1,4,8: batched decoding instead")
-    ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm (its conversion needs transformers)")
+    ap.add_argument(
+        "--no-mlx-lm", action="store_true", help="skip mlx-lm (its conversion needs transformers)"
+    )
     args = ap.parse_args()
     if args.concurrency:
         concurrency_table(args)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -211,7 +210,9 @@ PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"k{p.top_k}-p{p.top_p}-m{p.min_p}-r{p.repeat_penalty}")
+@pytest.mark.parametrize(
+    "params", PARAMS, ids=lambda p: f"k{p.top_k}-p{p.top_p}-m{p.min_p}-r{p.repeat_penalty}"
+)
 def test_device_sampler_draws_from_the_numpy_reference_distribution(params: SamplingParams) -> None:
     reference = Sampler(params, 64).probs(LOGITS, HISTORY)
     trials = 6000
@@ -226,9 +227,10 @@ def test_device_sampler_draws_from_the_numpy_reference_distribution(params: Samp
 def test_a_seeded_row_draws_the_same_alone_and_in_a_batch() -> None:
     rng = np.random.default_rng(1)
     logits = mx.array(rng.standard_normal((5, 4000)).astype(np.float32) * 3)
-    params = [
-        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=s) for s in (1, 2, 3)
-    ] + [SamplingParams(temperature=0.0), SamplingParams(temperature=1.1, min_p=0.05, seed=9)]
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=s) for s in (1, 2, 3)] + [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.1, min_p=0.05, seed=9),
+    ]
 
     def draws(rows: list[int], steps: int = 4) -> dict[int, list[int]]:
         samplers = {i: RowSampler(params[i], 64) for i in rows}
@@ -255,7 +257,9 @@ def tiny_backend(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-u
     model.unload()
 
 
-async def ask(model: object, req: GenerateRequest, cancel_after: int | None) -> tuple[list[int], DoneEvent | None]:
+async def ask(
+    model: object, req: GenerateRequest, cancel_after: int | None
+) -> tuple[list[int], DoneEvent | None]:
     ids: list[int] = []
     done = None
     events = model.generate(req)  # type: ignore[attr-defined]
@@ -286,7 +290,9 @@ def test_batching_is_invisible_through_the_backend(tiny_backend: object) -> None
 
     async def together() -> list[tuple[list[int], DoneEvent | None]]:
         return list(
-            await asyncio.gather(*(ask(tiny_backend, replace(r, cancel=CancelToken()), cut) for r, cut in requests))
+            await asyncio.gather(
+                *(ask(tiny_backend, replace(r, cancel=CancelToken()), cut) for r, cut in requests)
+            )
         )
 
     side_by_side = asyncio.run(together())

@@ -16,8 +16,8 @@ import importlib.util
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -145,7 +145,7 @@ class MLXModel(VocabMethods):
     def _load(self, opts: LoadOptions, self_spec_layers: int | None, prompt_cache_bytes: int | None) -> None:
         import mlx.core as mx
 
-        from .cache import KV_GROUP
+        from .cache import KV_GROUP, kv_dtype
         from .engine import VERIFY_COST_PER_DRAFT, Runner
         from .gguf_load import GGUFTensors
         from .model import Transformer
@@ -174,7 +174,7 @@ class MLXModel(VocabMethods):
         # 24 of 30 layers matches 26% of the time on copied text, of 27 layers 49%
         self.self_spec_layers = self_spec_layers or max(1, cfg.block_count - max(1, cfg.block_count // 10))
         kv_per_token = 2 * cfg.block_count * cfg.attention_head_count_kv * cfg.attention_key_length
-        kv_bytes = {"f32": 4.0, "q8_0": 1.125}.get(opts.kv_cache_type, 2.0)
+        kv_bytes = 1.125 if opts.kv_cache_type == "q8_0" else kv_dtype(opts.kv_cache_type, self.dtype).size
         context_kv = int(kv_per_token * kv_bytes * self.context_length)
         self.memory_bytes = self.model.nbytes + context_kv * self.slots
         budget = context_kv * self.slots if prompt_cache_bytes is None else prompt_cache_bytes
@@ -384,7 +384,7 @@ class MLXModel(VocabMethods):
 
         from .cache import make_caches
 
-        caches = make_caches(self.model.cfg.block_count, self.opts.kv_cache_type)
+        caches = make_caches(self.model.cfg.block_count, self.opts.kv_cache_type, self.dtype)
         chunks = []
         step = max(1, self.opts.num_batch)
         for s in range(0, len(ids), step):

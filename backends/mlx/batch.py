@@ -336,7 +336,9 @@ class BatchEngine:
         return new
 
     @staticmethod
-    def _host_logprob(row: Row, logits: np.ndarray, token: int) -> tuple[float, list[tuple[int, float]]] | None:
+    def _host_logprob(
+        row: Row, logits: np.ndarray, token: int
+    ) -> tuple[float, list[tuple[int, float]]] | None:
         if row.top_logprobs < 0:
             return None
         x = logits.astype(np.float64)
@@ -380,6 +382,8 @@ class BatchEngine:
             row.tokens.append(token)
             row.generated += 1
             if token in self.eog:
+                if row.runner is not None and len(row.runner.tokens) == len(row.tokens):
+                    row.runner.trim(1)  # fed by the step queued ahead: the caches keep only the answer
                 self._end(row, "stop", out)
                 return
             o.tokens.append(token)

@@ -79,7 +79,9 @@ class KVCache(_Trimmable):
         self.keys[:, :, self.offset : end] = k
         self.values[:, :, self.offset : end] = v
         self.offset = end
-        keys, values = (a[:, :, :end].astype(q.dtype) for a in (self.keys, self.values))
+        keys, values = self.keys[:, :, :end], self.values[:, :, :end]
+        if keys.dtype != q.dtype:  # a half cache under fp32 compute (only when asked for explicitly)
+            keys, values = keys.astype(q.dtype), values.astype(q.dtype)
         return mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=scale, mask="causal" if n > 1 else None
         )
@@ -158,10 +160,22 @@ KV_DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}
 KV_CACHE_TYPES = (*KV_DTYPES, "q8_0")
 
 
-def make_caches(n_layers: int, kv_cache_type: str) -> list[KVCache | QuantizedKVCache]:
+def kv_dtype(kv_cache_type: str, compute: mx.Dtype | None) -> mx.Dtype:
+    """The dtype a float cache stores: the compute dtype where one is given and the device computes in
+    fp32 (MLX's CPU): there, casting the whole cache to fp32 in every layer for every token costs more
+    than the memory a half-precision cache saves (`q8_0` is the type that saves memory)."""
+    if compute is not None and compute == mx.float32:
+        return mx.float32
+    return KV_DTYPES[kv_cache_type]
+
+
+def make_caches(
+    n_layers: int, kv_cache_type: str, compute: mx.Dtype | None = None
+) -> list[KVCache | QuantizedKVCache]:
     if kv_cache_type == "q8_0":
         return [QuantizedKVCache() for _ in range(n_layers)]
-    return [KVCache(KV_DTYPES[kv_cache_type]) for _ in range(n_layers)]
+    dtype = kv_dtype(kv_cache_type, compute)
+    return [KVCache(dtype) for _ in range(n_layers)]
 
 
 def trim_caches(caches: list[KVCache | QuantizedKVCache], n: int) -> None:

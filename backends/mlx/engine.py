@@ -52,7 +52,9 @@ class Runner:
         self.model = model
         self.kv_cache_type = kv_cache_type
         self.num_batch = max(1, num_batch)
-        self.caches = caches if caches is not None else make_caches(model.cfg.block_count, kv_cache_type)
+        if caches is None:
+            caches = make_caches(model.cfg.block_count, kv_cache_type, model.dtype)
+        self.caches = caches
         self.tokens: list[int] = list(tokens)
 
     def reuse(self, tokens: Sequence[int], keep_last: int = 1) -> int:

@@ -76,7 +76,9 @@ class RowSampler:
         return token
 
 
-def window_of(sampler: RowSampler, history: Sequence[int], pending: mx.array | None = None) -> mx.array | None:
+def window_of(
+    sampler: RowSampler, history: Sequence[int], pending: mx.array | None = None
+) -> mx.array | None:
     """The tokens the penalties count (the recent window), `pending` (a device token) last."""
     w = sampler.penalty_window
     if not w:
