@@ -16,25 +16,17 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
-from localrt.backends.lookup import LookupIndex
+from localrt.backends.lookup import NgramProposer
 from localrt.backends.sampler import Sampler
 from localrt.backends.speculation import WARMUP_DRAFTS, break_even_acceptance, verify
 
 from .cache import make_caches, trim_caches
 from .model import Transformer
+from .prompt_cache import common_prefix
 
 # Extra query rows in one verify pass, in units of a one-token step. On Apple GPUs decode is
 # bandwidth-bound (extra rows are nearly free); MLX's CPU matmuls scale with the rows.
 VERIFY_COST_PER_DRAFT = {"gpu": 0.03, "cpu": 0.25}
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Runner:
@@ -149,7 +141,7 @@ class LookupProposer:
     cost_per_draft = 0.0
 
     def __init__(self) -> None:
-        self.index = LookupIndex()
+        self.index = NgramProposer()
 
     def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
         return self.index.propose(tokens, k), None
