@@ -197,6 +197,8 @@ class DoneEvent:
     timings: Timings
     # calls an upstream returned already parsed (a remote model); local models leave them in the text
     tool_calls: list[dict[str, Any]] | None = None
+    # finish_reason "stop" because of this stop string (TextAssembler.stop_sequence), not an end token
+    stop_sequence: str | None = None
 
 
 Event = TextEvent | DoneEvent
@@ -263,12 +265,47 @@ class Backend(Protocol):
 
 
 # ---- helpers shared by backends ----------------------------------------------------------------
+def modules_installed(modules: Sequence[str], pip_hint: str) -> tuple[bool, str]:
+    """A backend's `availability()`: (True, "") or the first of `modules` not installed and what to install."""
+    import importlib.util
+
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            why = "its tokenizer is llama.cpp's" if module == "llama_cpp" else "it is required"
+            return False, f"{module} is not installed ({why}); {pip_hint}"
+    return True, ""
+
+
+class ModelLifetime:
+    """A loaded model's `cancel` and `unload`: unloading cancels what runs, marks the model closed (every
+    later request is refused, `checks.check_loaded`) and frees it once (`_free`)."""
+
+    _closed: bool = False
+    _active: set[CancelToken]  # the cancel tokens of the requests in flight
+
+    def cancel(self) -> None:
+        """Cancel every running request of this model."""
+        for token in list(self._active):
+            token.cancel()
+
+    def unload(self) -> None:
+        if self._closed:
+            return
+        self.cancel()
+        self._closed = True
+        self._free()
+
+    def _free(self) -> None:
+        raise NotImplementedError
+
+
 class StopMatcher:
     """Finds stop strings in streamed text; never releases text that could start a stop string."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: str | None = None  # the stop string that ended the text (earliest; longest on a tie)
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; returns (text safe to emit now, stopped)."""
@@ -276,8 +313,9 @@ class StopMatcher:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out, False
-        first = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if first >= 0:
+        found = [(at, -len(s), s) for s in self.stops if (at := self.pending.find(s)) >= 0]
+        if found:
+            first, _, self.matched = min(found)
             out, self.pending = self.pending[:first], ""
             return out, True
         hold = 0
@@ -318,6 +356,11 @@ class TextAssembler:
             return None, False
         return TextEvent(text, self._take_ids(), self._take_logprobs()), False
 
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the answer (None: it ended otherwise), for DoneEvent.stop_sequence."""
+        return self._stops.matched
+
     def finish(self) -> TextEvent | None:
         text = self._stops.push(self._utf8.decode(b"", final=True))[0] + self._stops.flush()
         if not text and not self._ids:
@@ -333,6 +376,12 @@ class TextAssembler:
             return None
         lps, self._logprobs = self._logprobs, []
         return lps
+
+
+def loaded_context(num_ctx: int, trained: int) -> int:
+    """The context a model is loaded with: num_ctx, at most what it was trained for (when the file says),
+    at least 16 tokens."""
+    return max(16, min(num_ctx, trained) if trained > 0 else num_ctx)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

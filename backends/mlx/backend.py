@@ -2,17 +2,20 @@
 
 Weights come from the GGUF itself (kept quantized where MLX has an exact form); tokens come from
 llama.cpp's vocab-only load of the same file, so tokenization is identical to the llama.cpp
-backend's. One sequence runs at a time per model. MLX's streams belong to the thread that created
-them, so every MLX call of a model (load, decode, score, embed) runs on that model's own thread.
+backend's. Requests are decoded together by the model's batched engine (`batch.py`): up to
+`parallel_slots` sequences per step, a prompt cache over finished conversations. MLX's streams belong
+to the thread that created them, so every MLX call of a model (load, decode, score, embed) runs on
+the engine's thread; each `generate` stream is fed from it through the event loop, where the text is
+assembled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import importlib.util
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -24,31 +27,49 @@ from localrt.backends.base import (
     Event,
     GenerateRequest,
     LoadOptions,
+    ModelLifetime,
     ScoreResult,
     TextAssembler,
     Timings,
     TokenLogprob,
     TopLogprob,
-    log_softmax,
-    run_in_thread_stream,
+    loaded_context,
+    modules_installed,
+)
+from localrt.backends.checks import (
+    check_draft_vocabulary,
+    check_kv_cache_type,
+    check_loaded,
+    check_model_file,
+    check_prompt,
+    check_scored,
+    check_speculative,
 )
 from localrt.backends.grammar import Grammar
-from localrt.backends.vocab import Vocab, VocabMethods
-from localrt.errors import LocalrtError, OptionError
+from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
+from localrt.backends.outputs import embedding_tokens, empty_score, fill_score, unit_vector
+from localrt.backends.speculation import (
+    DEFAULT_NUM_DRAFT,
+    VERIFY_COST_PER_DRAFT,
+    SpecState,
+    speculative_method,
+)
+from localrt.errors import OptionError
 
 NAME = "mlx"
 PIP_HINT = "pip install 'localrt[mlx]' (on Linux that installs mlx[cpu])"
 KV_CACHE_TYPES = ("f16", "bf16", "f32", "q8_0")
 SCORE_HEAD_ROWS = 256  # logits computed this many rows at a time (the head is n x vocab)
+MAX_SLOTS = 16
+DEFAULT_SLOTS = {"cpu": 4, "gpu": 8}  # sequences decoded together when LOCALRT_NUM_PARALLEL is unset
 T = TypeVar("T")
 
 
 def mlx_status() -> tuple[bool, str]:
     """Whether `import mlx.core` works here: on Linux the `mlx` package alone has no CPU library."""
-    for module in ("mlx", "numpy", "llama_cpp", "gguf"):
-        if importlib.util.find_spec(module) is None:
-            why = "its tokenizer is llama.cpp's" if module == "llama_cpp" else "it is required"
-            return False, f"{module} is not installed ({why}); {PIP_HINT}"
+    installed, why_not = modules_installed(("mlx", "numpy", "llama_cpp", "gguf"), PIP_HINT)
+    if not installed:
+        return False, why_not
     try:
         import mlx.core  # noqa: F401
     except ImportError as e:
@@ -72,14 +93,11 @@ class MLXBackend:
     @classmethod
     def capabilities(cls) -> Capabilities:
         return Capabilities(
-            chat=True,
-            embedding=True,
-            score=True,
             grammar=True,
             speculative=frozenset({"draft", "lookup", "self"}),
             kv_cache_types=KV_CACHE_TYPES,
             devices=("gpu",) if _on_gpu() else ("cpu",),
-            parallel_slots=1,
+            parallel_slots=MAX_SLOTS,
         )
 
     @classmethod
@@ -87,125 +105,149 @@ class MLXBackend:
         return MLXModel(Path(path), opts)
 
 
-class MLXModel(VocabMethods):
+class MLXModel(VocabMethods, ModelLifetime):
     backend_name = NAME
 
-    def __init__(self, path: Path, opts: LoadOptions, *, self_spec_layers: int | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        opts: LoadOptions,
+        *,
+        self_spec_layers: int | None = None,
+        prompt_cache_bytes: int | None = None,
+    ) -> None:
+        """`prompt_cache_bytes`: the budget of finished conversations' caches kept for reuse (None: the
+        KV of `parallel_slots` full contexts)."""
+        from .batch import BatchEngine
+
         t0 = time.perf_counter_ns()
         self.path, self.opts = path, opts
         self.capabilities = MLXBackend.capabilities()
-        if opts.kv_cache_type not in KV_CACHE_TYPES:
-            raise OptionError(
-                f"kv_cache_type {opts.kv_cache_type!r} is not supported by the MLX backend "
-                f"(supported: {', '.join(KV_CACHE_TYPES)})"
-            )
-        if not path.is_file():
-            raise LocalrtError(f"model file not found: {path}")
-        if opts.draft_model is not None and not Path(opts.draft_model).is_file():
-            raise LocalrtError(f"draft model file not found: {opts.draft_model}")
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="mlx", initializer=_own_stream
-        )
-        self._closed = False
-        self._active: set[Any] = set()
-        self.vocab = Vocab(path)
-        self.n_vocab = self.vocab.n_vocab
-        self.bos_token_id = self.vocab.bos_token_id
-        self.eos_token_ids = self.vocab.eos_token_ids
-        self.add_bos = self.vocab.add_bos
+        check_kv_cache_type(opts.kv_cache_type, KV_CACHE_TYPES, "MLX")
+        check_model_file(path)
+        if opts.draft_model is not None:
+            check_model_file(opts.draft_model, "draft model")
+        self.slots = min(MAX_SLOTS, opts.num_parallel or DEFAULT_SLOTS["gpu" if _on_gpu() else "cpu"])
+        self.capabilities = replace(self.capabilities, parallel_slots=self.slots)
+        self._active = set()
+        self._lock = threading.Lock()
+        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._take_vocab(Vocab.load(path))
         self._eog = set(self.vocab.eog_ids())
+        # the engine's thread exists before the model: it makes every MLX array the model uses
+        self.engine = BatchEngine(opts.kv_cache_type, opts.num_batch)
+        self.engine.start(self._route)
         try:
-            self._call(lambda: self._load(opts, self_spec_layers))
+            self._call(lambda: self._load(opts, self_spec_layers, prompt_cache_bytes))
         except BaseException:
-            self._pool.shutdown()
+            self.engine.stop()
             self.vocab.close()
             raise
         self.load_ns = time.perf_counter_ns() - t0
 
-    def _load(self, opts: LoadOptions, self_spec_layers: int | None) -> None:
+    def _load(self, opts: LoadOptions, self_spec_layers: int | None, prompt_cache_bytes: int | None) -> None:
         import mlx.core as mx
 
-        from .cache import KV_GROUP
-        from .engine import VERIFY_COST_PER_DRAFT, DraftProposer, Runner
+        from .cache import KV_GROUP, kv_dtype
+        from .engine import Runner
         from .gguf_load import GGUFTensors
         from .model import Transformer
+        from .prompt_cache import PromptCache
 
         # fp16 on Apple GPUs; fp32 on the CPU, where MLX's half matmuls are slower and inexact
         self.dtype = mx.float16 if _on_gpu() else mx.float32
         self.verify_cost = VERIFY_COST_PER_DRAFT["gpu" if _on_gpu() else "cpu"]
         tensors = GGUFTensors(self.path)
-        self.metadata: dict[str, str] = {
-            k: str(v)
-            for k, v in tensors.metadata.items()
-            if not isinstance(v, (list, tuple)) and not hasattr(v, "tobytes")
-        }
+        self.metadata: dict[str, str] = tensors.text_metadata()
+        tokens = tensors.vocabulary()  # to check a draft model's against
         self.model = Transformer(tensors, self.dtype)
         tensors.close()
         cfg = self.model.cfg
-        train_ctx = cfg.context_length
-        self.context_length = max(16, min(opts.num_ctx, train_ctx) if train_ctx > 0 else opts.num_ctx)
+        self.context_length = loaded_context(opts.num_ctx, cfg.context_length)
         if opts.kv_cache_type == "q8_0" and cfg.attention_key_length % KV_GROUP:
             raise OptionError(
                 f"kv_cache_type q8_0 needs a head size that is a multiple of {KV_GROUP} "
                 f"(this model's is {cfg.attention_key_length})"
             )
-        self.runner = Runner(self.model, opts.kv_cache_type, opts.num_batch)
         # the exit must sit near the top to agree with the full model: on SmolLM2-135M the argmax of
         # 24 of 30 layers matches 26% of the time on copied text, of 27 layers 49%
         self.self_spec_layers = self_spec_layers or max(1, cfg.block_count - max(1, cfg.block_count // 10))
         kv_per_token = 2 * cfg.block_count * cfg.attention_head_count_kv * cfg.attention_key_length
-        kv_bytes = {"f32": 4.0, "q8_0": 1.125}.get(opts.kv_cache_type, 2.0)
-        self.memory_bytes = self.model.nbytes + int(kv_per_token * kv_bytes * self.context_length)
-        self.draft: DraftProposer | None = None
+        kv_bytes = 1.125 if opts.kv_cache_type == "q8_0" else kv_dtype(opts.kv_cache_type, self.dtype).size
+        context_kv = int(kv_per_token * kv_bytes * self.context_length)
+        self.memory_bytes = self.model.nbytes + context_kv * self.slots
+        budget = context_kv * self.slots if prompt_cache_bytes is None else prompt_cache_bytes
+        self.engine.attach(self.model, max_rows=self.slots, prompt_cache=PromptCache(budget), eog=self._eog)
+        self.draft_model: Transformer | None = None
         if opts.draft_model is not None:
             dt = GGUFTensors(Path(opts.draft_model))
-            draft_vocab = dt.metadata.get("tokenizer.ggml.tokens")
-            if draft_vocab is None or len(draft_vocab) != self.n_vocab:
-                raise LocalrtError(
-                    f"draft model {Path(opts.draft_model).name} does not share the model's vocabulary"
-                )
+            draft_tokens = dt.vocabulary()
+            check_draft_vocabulary(
+                opts.draft_model, len(tokens), len(draft_tokens), tokens.__getitem__, draft_tokens.__getitem__
+            )
             draft_model = Transformer(dt, self.dtype)
             dt.close()
             self.memory_bytes += draft_model.nbytes
-            self.draft = DraftProposer(
-                Runner(draft_model, opts.kv_cache_type, opts.num_batch),
-                draft_model.nbytes / self.model.nbytes,
-            )
+            self.draft_model = draft_model
+        self.draft_cost = 0.0 if self.draft_model is None else self.draft_model.nbytes / self.model.nbytes
+        self._new_runner = lambda m: Runner(m, opts.kv_cache_type, opts.num_batch)
 
     def _call(self, fn: Callable[[], T]) -> T:
-        """Run fn on the model's MLX thread and wait for it (load, unload)."""
-        return self._pool.submit(fn).result()
+        """Run fn on the engine's thread and wait for it (load)."""
+        return self.engine.call(fn).result()
 
     # ---- generation -------------------------------------------------------------------------
     def _check(self, req: GenerateRequest) -> str:
-        if self._closed:
-            raise LocalrtError("the model was unloaded")
-        mode = req.speculative
-        if mode == "auto":
-            mode = "draft" if self.draft is not None else "off"
-        if mode not in ("off", *self.capabilities.speculative):
-            raise OptionError(f"speculative mode {mode!r} is not supported by the MLX backend")
-        if mode == "draft" and self.draft is None:
-            raise OptionError(
-                "speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)"
-            )
-        if req.format is not None:  # constrained: sampled token by token, drafts would skip the grammar
-            mode = "off"
-        if not req.prompt_tokens:
-            raise LocalrtError("the prompt is empty")
-        bad = [t for t in req.prompt_tokens if not 0 <= t < self.n_vocab]
-        if bad:
-            raise LocalrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
-        n = len(req.prompt_tokens)
-        if n >= self.context_length:
-            raise LocalrtError(
-                f"the prompt is {n} tokens, which does not fit the context length of "
-                f"{self.context_length} tokens (raise num_ctx or shorten the input)"
-            )
-        return mode
+        """Refuses what this model cannot run; returns the speculation method the request runs."""
+        check_loaded(self._closed)
+        has_draft = self.draft_model is not None
+        check_speculative(req.speculative, self.capabilities.speculative, has_draft, "MLX")
+        check_prompt(req.prompt_tokens, self.context_length, self.n_vocab)
+        return speculative_method(
+            req.speculative, has_draft_model=has_draft, constrained=req.format is not None
+        )
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         return self._stream(request)
+
+    def _row(self, req: GenerateRequest, mode: str, grammar: Grammar | None) -> Any:
+        """The engine row of a request: sampler, limits, its own proposer (on its own caches)."""
+        from .engine import DraftProposer, LookupProposer, SelfProposer
+        from .sampling import RowSampler
+
+        prompt = list(req.prompt_tokens)
+        room = self.context_length - len(prompt)
+        max_tokens = len(prompt) + (room if req.num_predict < 0 else min(req.num_predict, room))
+        row = self.engine.new_row(
+            prompt,
+            RowSampler(req.sampling, self.context_length, grammar),
+            max_tokens,
+            cancel=req.cancel,
+            top_logprobs=req.top_logprobs if req.logprobs or req.top_logprobs > 0 else -1,
+        )
+        if mode == "lookup":
+            row.proposer = LookupProposer()
+        elif mode == "draft" and self.draft_model is not None:
+            row.proposer = DraftProposer(self._new_runner(self.draft_model), self.draft_cost)
+        elif mode == "self":  # the row's own caches, once the engine gives them
+            cost = self.self_spec_layers / self.model.cfg.block_count
+            row.proposer = _SelfOnRow(row, self.self_spec_layers, cost, SelfProposer)
+        if row.proposer is not None:
+            k = req.num_draft or DEFAULT_NUM_DRAFT[mode]
+            row.spec = SpecState(mode, k, row.proposer.cost_per_draft + self.verify_cost)
+        return row
+
+    def _route(self, outputs: list[Any]) -> None:
+        """The engine thread's sink: each output to its request's queue, nothing else done here."""
+        with self._lock:
+            targets = [(self._queues.get(out.row.id), out) for out in outputs]
+        for target, out in targets:
+            if target is not None:
+                loop, queue = target
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                except RuntimeError:  # that request's event loop has closed: nobody is listening
+                    pass
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[Event]:
         mode = self._check(req)
@@ -215,116 +257,97 @@ class MLXModel(VocabMethods):
             if req.format is None
             else Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, req.format)
         )
-        self._active.add(req.cancel)
-        try:
-            async for event in run_in_thread_stream(
-                lambda emit: self._generate(req, mode, grammar, emit), req.cancel, self._pool
-            ):
-                yield event
-        finally:  # the worker has finished here (run_in_thread_stream waits for it)
-            self._active.discard(req.cancel)
+        start_ns = time.perf_counter_ns()
+        if req.num_predict == 0:  # nothing to generate
             if grammar is not None:
                 grammar.close()
-
-    def _proposer(self, mode: str) -> Any:
-        from .engine import LookupProposer, SelfProposer
-
-        if mode == "lookup":
-            return LookupProposer()
-        if mode == "self":
-            return SelfProposer(self.runner, self.self_spec_layers)
-        return self.draft if mode == "draft" else None
-
-    def _generate(
-        self, req: GenerateRequest, mode: str, grammar: Grammar | None, emit: Callable[[Event], None]
-    ) -> None:
-        from localrt.backends.sampler import Sampler
-        from localrt.backends.speculation import DEFAULT_NUM_DRAFT
-
-        from .engine import SpecStats, generate
-
-        if self._closed:
-            raise LocalrtError("the model was unloaded")
-        start_ns = time.perf_counter_ns()
-        text = TextAssembler(req.stop)
-        want_lp = req.logprobs or req.top_logprobs > 0
-        prompt = list(req.prompt_tokens)
-        room = self.context_length - len(prompt)
-        max_tokens = len(prompt) + (room if req.num_predict < 0 else min(req.num_predict, room))
-        proposer = self._proposer(mode)
-        spec = None
-        if proposer is not None:
-            spec = SpecStats(
-                mode, req.num_draft or DEFAULT_NUM_DRAFT[mode], proposer.cost_per_draft + self.verify_cost
-            )
-
-        def on_token(token: int, logits: np.ndarray) -> bool:
-            lp = self._logprob(logits, token, req.top_logprobs) if want_lp else None
-            event, stopped = text.add(token, self.vocab.piece(token, token in req.preserve_tokens), lp)
-            if event is not None:
-                emit(event)
-            return stopped
-
-        if max_tokens <= len(prompt):  # num_predict 0: nothing to generate
-            emit(DoneEvent("length", Timings()))
+            yield DoneEvent("length", Timings())
             return
-        out = generate(
-            self.runner,
-            prompt,
-            Sampler(req.sampling, self.context_length, grammar),
-            max_tokens=max_tokens,
-            eog=self._eog,
-            on_token=on_token,
-            cancelled=lambda: req.cancel.cancelled,
-            proposer=proposer,
-            spec=spec,
-            clock=time.perf_counter_ns,
-        )
+        row = self._row(req, mode, grammar)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        with self._lock:
+            self._queues[row.id] = (asyncio.get_running_loop(), queue)
+        text = TextAssembler(req.stop)
+        generated = 0
+        self._active.add(req.cancel)
+        try:
+            self.engine.submit(row)
+            while True:
+                out = await queue.get()
+                events, stopped = self._events(out, text, req)
+                if stopped:  # a stop string: the tokens after it are not the answer
+                    events += self._done(row, "stop", text, start_ns, generated + len(out.tokens))
+                elif out.finish is not None:
+                    if row.error is not None:
+                        raise row.error
+                    events += self._done(row, out.finish, text, start_ns, row.generated)
+                generated += len(out.tokens)
+                for event in events:
+                    yield event
+                if stopped or out.finish is not None:
+                    return
+        finally:
+            self._active.discard(req.cancel)
+            with self._lock:
+                self._queues.pop(row.id, None)
+            if row.finish is None:  # the consumer left early or a stop string: the engine ends the row
+                req.cancel.cancel()
+                while row.finish is None and not self._closed:
+                    await asyncio.sleep(0.005)
+            if grammar is not None and (row.finish is not None or self._closed):
+                grammar.close()
+
+    def _events(self, out: Any, text: TextAssembler, req: GenerateRequest) -> tuple[list[Event], bool]:
+        """A step's tokens for one request -> text events (on the event loop, not the engine thread)."""
+        events: list[Event] = []
+        for token, lp in zip(out.tokens, out.logprobs):
+            logprob = None if lp is None else self._logprob(token, *lp)
+            event, stopped = text.add(token, self.vocab.piece(token, token in req.preserve_tokens), logprob)
+            if event is not None:
+                events.append(event)
+            if stopped:
+                return events, True
+        return events, False
+
+    def _done(self, row: Any, reason: str, text: TextAssembler, start_ns: int, generated: int) -> list[Event]:
+        """The tail text and the done event (`generated`: tokens counted, an end token included)."""
+        events: list[Event] = []
         tail = text.finish()
-        if tail is not None and (tail.text or tail.token_ids):
-            emit(tail)
+        if tail is not None:
+            events.append(tail)
         now = time.perf_counter_ns()
-        first = out.first_token_ns or now
-        emit(
+        first = row.first_token_ns or now
+        spec = row.spec
+        events.append(
             DoneEvent(
-                out.reason,
-                Timings(  # type: ignore[arg-type]
-                    prompt_eval_count=out.prompt_eval_count,
+                reason,  # type: ignore[arg-type]
+                Timings(
+                    prompt_eval_count=row.prompt_eval_count,
                     prompt_eval_ns=max(1, first - start_ns),
-                    eval_count=out.generated,
+                    eval_count=generated,
                     eval_ns=max(1, now - first),
-                    draft_count=out.drafted,
-                    draft_accepted_count=out.accepted,
+                    draft_count=spec.drafted if spec is not None else 0,
+                    draft_accepted_count=spec.accepted if spec is not None else 0,
+                    cached_count=row.cached_count,
                 ),
+                stop_sequence=text.stop_sequence,
             )
         )
+        return events
 
-    def _logprob(self, logits: np.ndarray, token: int, top_n: int) -> TokenLogprob:
-        lp = log_softmax(logits)
-        top: list[TopLogprob] = []
-        if top_n > 0:
-            ids = np.argpartition(-lp, top_n)[:top_n]
-            ids = ids[np.argsort(-lp[ids], kind="stable")]
-            top = [TopLogprob(int(i), self.detokenize([int(i)]), float(lp[i])) for i in ids]
-        return TokenLogprob(token, self.detokenize([token]), float(lp[token]), top)
-
-    def cancel(self) -> None:
-        for token in list(self._active):
-            token.cancel()
+    def _logprob(self, token: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
+        alternatives = [TopLogprob(i, self.detokenize([i]), v) for i, v in top]
+        return TokenLogprob(token, self.detokenize([token]), logprob, alternatives)
 
     # ---- scoring and embeddings ---------------------------------------------------------------
     async def _run(self, fn: Callable[[], T]) -> T:
-        """Run fn on the model's MLX thread, after the request in flight (one at a time)."""
-        if self._closed:
-            raise LocalrtError("the model was unloaded")
-        return await asyncio.wrap_future(self._pool.submit(fn))
+        """Run fn on the engine's thread, between two steps."""
+        check_loaded(self._closed)
+        return await asyncio.wrap_future(self.engine.call(fn))
 
     async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
         ids = list(tokens)
-        if len(ids) > self.context_length:
-            raise LocalrtError(f"{len(ids)} tokens do not fit the context length of {self.context_length}")
-        if any(not 0 <= t < self.n_vocab for t in ids):
-            raise LocalrtError("a token id is outside the vocabulary")
+        check_scored(ids, self.context_length, self.n_vocab)
         return await self._run(lambda: self._score(ids, return_logits))
 
     def _hidden(self, ids: list[int]) -> Any:
@@ -333,7 +356,7 @@ class MLXModel(VocabMethods):
 
         from .cache import make_caches
 
-        caches = make_caches(self.model.cfg.block_count, self.opts.kv_cache_type)
+        caches = make_caches(self.model.cfg.block_count, self.opts.kv_cache_type, self.dtype)
         chunks = []
         step = max(1, self.opts.num_batch)
         for s in range(0, len(ids), step):
@@ -344,44 +367,37 @@ class MLXModel(VocabMethods):
 
     def _score(self, ids: list[int], return_logits: bool) -> ScoreResult:
         n = len(ids)
-        logprobs = np.zeros(max(0, n - 1), dtype=np.float64)
-        logits_out = np.zeros((max(0, n - 1), self.n_vocab), dtype=np.float32) if return_logits else None
+        result = empty_score(n, self.n_vocab, return_logits)
         if n < 2:
-            return ScoreResult(logprobs, logits_out)
+            return result
         hidden = self._hidden(ids[:-1])  # [n-1, dim]: the last token predicts nothing scored
-        targets = np.array(ids[1:])
         for s in range(0, n - 1, SCORE_HEAD_ROWS):
-            e = min(s + SCORE_HEAD_ROWS, n - 1)
-            rows = np.array(self.model.logits(hidden[s:e]))  # [rows, vocab]
-            logprobs[s:e] = log_softmax(rows)[np.arange(e - s), targets[s:e]]
-            if logits_out is not None:
-                logits_out[s:e] = rows
-        return ScoreResult(logprobs, logits_out)
+            fill_score(result, ids, s, np.array(self.model.logits(hidden[s : s + SCORE_HEAD_ROWS])))
+        return result
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        batches = []
-        for text in texts:
-            ids = self.tokenize(text, add_special=True)[: self.context_length]
-            batches.append(ids or [self.eos_token_ids[0] if self.eos_token_ids else 0])
+        batches = [embedding_tokens(self.tokenize, t, self.context_length, self.eos_token_ids) for t in texts]
         return await self._run(lambda: [self._embed(ids) for ids in batches])
 
     def _embed(self, ids: list[int]) -> list[float]:
         # mean over tokens of the final-normed hidden states, as llama.cpp's mean pooling
-        vec = np.array(self._hidden(ids)).astype(np.float64).mean(0)
-        return (vec / np.linalg.norm(vec)).tolist()
+        return unit_vector(np.array(self._hidden(ids)).astype(np.float64).mean(0))
 
     # ---- lifetime -----------------------------------------------------------------------------
-    def unload(self) -> None:
-        if self._closed:
-            return
-        self.cancel()
-        self._closed = True
-        self._pool.shutdown(wait=True)  # the request in flight sees its cancel and ends
+    def _free(self) -> None:
+        self.engine.stop()  # the rows still running end as cancelled
         self.vocab.close()
 
 
-def _own_stream() -> None:
-    """Give the model's worker thread its own MLX stream (streams are per thread)."""
-    import mlx.core as mx
+class _SelfOnRow:
+    """Self-speculation on a row's own caches, which the engine gives the row when it admits it."""
 
-    mx.set_default_stream(mx.new_stream(mx.default_device()))
+    def __init__(self, row: Any, num_layers: int, cost_per_draft: float, proposer: Any) -> None:
+        self.row, self.num_layers, self.make = row, num_layers, proposer
+        self.cost_per_draft = cost_per_draft
+        self._inner: Any = None
+
+    def propose(self, tokens: list[int], k: int, sampler: Any) -> Any:
+        if self._inner is None or self._inner.target is not self.row.runner:
+            self._inner = self.make(self.row.runner, self.num_layers)
+        return self._inner.propose(tokens, k, sampler)

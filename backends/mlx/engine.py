@@ -11,41 +11,43 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
 
-from localrt.backends.lookup import LookupIndex
+from localrt.backends.lookup import NgramProposer
 from localrt.backends.sampler import Sampler
 from localrt.backends.speculation import WARMUP_DRAFTS, break_even_acceptance, verify
 
 from .cache import make_caches, trim_caches
 from .model import Transformer
+from .prompt_cache import common_prefix
 
 # Extra query rows in one verify pass, in units of a one-token step. On Apple GPUs decode is
 # bandwidth-bound (extra rows are nearly free); MLX's CPU matmuls scale with the rows.
 VERIFY_COST_PER_DRAFT = {"gpu": 0.03, "cpu": 0.25}
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Runner:
     """A model with its own caches and the tokens they hold (the target, or a draft model)."""
 
-    def __init__(self, model: Transformer, kv_cache_type: str, num_batch: int) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        kv_cache_type: str,
+        num_batch: int,
+        caches: list[Any] | None = None,
+        tokens: Sequence[int] = (),
+    ) -> None:
+        """`caches` holding `tokens` (a prompt-cache hit), or fresh empty caches."""
         self.model = model
         self.kv_cache_type = kv_cache_type
         self.num_batch = max(1, num_batch)
-        self.caches = make_caches(model.cfg.block_count, kv_cache_type)
-        self.tokens: list[int] = []
+        if caches is None:
+            caches = make_caches(model.cfg.block_count, kv_cache_type, model.dtype)
+        self.caches = caches
+        self.tokens: list[int] = list(tokens)
 
     def reuse(self, tokens: Sequence[int], keep_last: int = 1) -> int:
         """Trim the caches to their longest prefix shared with `tokens`, leaving at least `keep_last`
@@ -139,7 +141,7 @@ class LookupProposer:
     cost_per_draft = 0.0
 
     def __init__(self) -> None:
-        self.index = LookupIndex()
+        self.index = NgramProposer()
 
     def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
         return self.index.propose(tokens, k), None
