@@ -16,13 +16,18 @@ some of those were reused, the hit shrinks to the longest prefix whose window is
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .kv_cache import BlockPool, KVCache, blocks_needed
 from .prefix_cache import ROOT_KEY, PrefixCache, PrefixMatch
 
-if TYPE_CHECKING:
-    from .scheduler import Sequence
+
+class Sequence(Protocol):
+    """What this module reads and writes of the scheduler's `Sequence` (a protocol: the scheduler
+    imports this module)."""
+
+    block_keys: list[bytes]
+    window_table: list[int]
 
 
 class WindowBlocks:
