@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from localrt.backends.base import CancelToken
-from localrt.backends.speculation import verify
+from localrt.backends.speculation import SpecState, verify
 
 from .engine import Proposer, Runner, SpecStats
 from .model import Transformer
@@ -53,7 +53,7 @@ class Row:
         cancel: CancelToken | None = None,
         top_logprobs: int = -1,
         proposer: Proposer | None = None,
-        spec: SpecStats | None = None,
+        spec: SpecState | SpecStats | None = None,
     ) -> None:
         self.id = row_id
         self.prompt = prompt

@@ -93,17 +93,16 @@ class Block:
         if self.attn_q_norm is not None and self.attn_k_norm is not None:
             q, k = rms_norm(q, self.attn_q_norm, self.eps), rms_norm(k, self.attn_k_norm, self.eps)
         scale = 1.0 / math.sqrt(self.head_dim)
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # [1, heads, L, D], once for the batch
         outs = []
         start = 0
         for cache, length in zip(caches, lengths):
-            qs, ks, vs = (
-                a[:, start : start + length].transpose(0, 2, 1, 3) for a in (q, k, v)
-            )  # [1, heads, l, D]
+            qs, ks, vs = (a[:, :, start : start + length] for a in (q, k, v))  # [1, heads, l, D]
             qs, ks = rope(qs, cache.offset), rope(ks, cache.offset)
-            outs.append(cache.attend(qs, ks, vs, scale=scale).transpose(0, 2, 1, 3))  # [1, l, H, D]
+            outs.append(cache.attend(qs, ks, vs, scale=scale))  # [1, H, l, D]
             start += length
-        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
-        return self.attn_output(out.reshape(1, n, self.n_head * self.head_dim))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+        return self.attn_output(out.transpose(0, 2, 1, 3).reshape(1, n, self.n_head * self.head_dim))
 
     def __call__(self, x: mx.array, rope: Rope, caches: list[Cache], lengths: list[int]) -> mx.array:
         x = x + self.attention(rms_norm(x, self.attn_norm, self.eps), rope, caches, lengths)
