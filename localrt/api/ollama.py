@@ -15,7 +15,7 @@ from localrt.api import schemas
 from localrt.api.streaming import first_and_rest, ndjson_response
 from localrt.errors import LocalrtError
 from localrt.runtime.bridge import run_in_thread_stream
-from localrt.runtime.generate import Chunk, Runtime
+from localrt.runtime.generate import Chunk, Runtime, Settings
 from localrt.store.names import DIGEST_RE, normalize_digest, parse_name
 from localrt.store.store import ResolvedModel, Store
 
@@ -413,20 +413,20 @@ def observe(request: Request, chunk: Chunk) -> None:
         )
 
 
-def generation_args(body: wire.Generation) -> dict[str, Any]:
+def generation_args(body: wire.Generation) -> Settings:
     """What /api/chat and /api/generate share, in the runtime's names with Ollama's defaults for the
     fields not sent: the one place an Ollama request becomes the runtime's."""
-    return {
-        "options": body.options,
-        "format": body.format or None,
-        "keep_alive": body.keep_alive,
-        "logprobs": body.logprobs is True,
-        "top_logprobs": body.top_logprobs or 0,
-        "stream": body.stream is not False,
-        "think": body.think,
-        "truncate": body.truncate is not False,
-        "shift": body.shift is not False,
-    }
+    return Settings(
+        options=body.options,
+        format=body.format or None,
+        keep_alive=body.keep_alive,
+        logprobs=body.logprobs is True,
+        top_logprobs=body.top_logprobs or 0,
+        stream=body.stream is not False,
+        think=body.think,
+        truncate=body.truncate is not False,
+        shift=body.shift is not False,
+    )
 
 
 async def generation_response(
