@@ -45,7 +45,7 @@ from .lib import (
     load_model,
     token_piece,
 )
-from .step import BatchedContext, DraftContext, ExternalChunk, Job, PromptItem
+from .step import BatchedContext, DraftContext, ExternalChunk, Job, PromptItem, copy_threshold
 
 NAME = "llama.cpp"
 PIP_HINT = "pip install 'localrt[llama]'  (or: pip install llama-cpp-python)"
@@ -192,6 +192,7 @@ class LlamaCppModel:
             n_ctx_seq=self.context_length,
             step_tokens=step_tokens,
             draft=draft,
+            copy_min=copy_threshold(per_token * self.context_length, int(m.size())),
         )
         if opts.projector is not None:
             self._projector = Projector(

@@ -41,9 +41,23 @@ from .lib import Batch, Memory, _lib, logits_row, make_sampler, sample, token_pi
 
 DEFAULT_NUM_DRAFT = {"draft": 4, "lookup": 8}
 MAX_VERIFY = 48  # guesses + 1 per sequence and step
-# A prefix shorter than this is evaluated again rather than copied: copying between streams copies the
-# source's whole stream buffer (all n_ctx cells), which costs about as much as evaluating a few dozen tokens.
+# The shared-prefix length from which a prefix is copied when the caller gives no cost figures, and the
+# least a new request must share with a prompt still being evaluated to wait for it rather than start.
 COPY_MIN = 32
+
+
+def copy_threshold(stream_bytes: int, weight_bytes: int) -> int:
+    """The shortest shared prefix worth copying rather than evaluating again.
+
+    A copy between sequences copies the source's whole KV stream (every cell of its context, used or not),
+    so it costs a memory copy of `stream_bytes`; evaluating a prompt token costs a pass of compute over the
+    weights. Counted on SmolLM2-135M Q4_1 (one thread, CPU time of the decode that carries the copy): a
+    2,048-cell stream (47 MB) costs about one token's evaluation, an 8,192-cell one about five, i.e. one
+    token per half the weights' bytes. Below that, re-evaluating the prefix is cheaper.
+    """
+    if stream_bytes <= 0 or weight_bytes <= 0:
+        return COPY_MIN
+    return max(1, -(-2 * stream_bytes // weight_bytes))
 
 
 @dataclass
@@ -214,6 +228,7 @@ class BatchedContext:
         n_ctx_seq: int,
         step_tokens: int,
         draft: DraftContext | None = None,
+        copy_min: int = COPY_MIN,
     ) -> None:
         self.lib = _lib()
         self.model, self.ctx = model, ctx
@@ -224,6 +239,7 @@ class BatchedContext:
         self.n_ctx_seq = n_ctx_seq
         self.step_tokens = step_tokens
         self.draft = draft
+        self.copy_min = copy_min
         self.memory = Memory(ctx.ctx)
         self.batch = Batch(step_tokens)
         self.cells: list[list[Hashable]] = [[] for _ in range(n_seq_max)]  # exactly what each seq holds
@@ -351,7 +367,8 @@ class BatchedContext:
             if other.generating or not other.pending:
                 continue
             shared = common_prefix(other.prompt_cells, job.prompt_cells)
-            if shared >= COPY_MIN and shared > cached:
+            # a wait of a step or more pays only for a long shared part, however cheap the copy is
+            if shared >= max(self.copy_min, COPY_MIN) and shared > cached:
                 return True
         return False
 
@@ -364,7 +381,7 @@ class BatchedContext:
         n = min(n, len(prompt_cells) - 1)  # at least one token is evaluated, for its logits
         n = _cut(job.prompt, n)  # never start inside an external chunk
         seq = self._free_seq(src, n, len(prompt_cells))
-        if seq != src and n >= COPY_MIN:
+        if seq != src and n >= self.copy_min:
             # each sequence has a stream of its own: the copy is of the whole stream, then the tail goes
             self.memory.copy(src, seq, -1, -1)
             self.cells[seq] = list(self.cells[src])
@@ -400,9 +417,10 @@ class BatchedContext:
     def _free_seq(self, src: int, n: int, prompt_len: int) -> int:
         """A seq id for a new request whose best cached prefix is n cells of seq `src`.
 
-        An idle source the prompt extends (a conversation's next turn) or repeats is taken over; a long
-        prefix is copied to another id, so that the source keeps its tail for its own conversation; a short
-        one is evaluated again on an empty id rather than cut another conversation. Otherwise the lowest empty id,
+        An idle source the prompt extends (a conversation's next turn) or repeats is taken over; a prefix of
+        at least `copy_min` cells (what the copy costs, see `copy_threshold`) is copied to another id, so that
+        the source keeps its tail for its own conversation; a shorter one is evaluated again on an empty id
+        rather than cut another conversation. Otherwise the lowest empty id,
         else the least recently used idle one: low ids keep the running ids together (llama.cpp cuts
         micro-batches of consecutive seq ids).
         """
@@ -413,7 +431,7 @@ class BatchedContext:
             return src  # the request extends it, or repeats its prompt
         others = [s for s in idle if s != src]
         empty = [s for s in others if not self.cells[s]]
-        if n >= COPY_MIN and others:
+        if n >= self.copy_min and others:
             return empty[0] if empty else min(others, key=lambda s: self.last_used[s])
         if empty:
             return empty[0]
