@@ -17,6 +17,9 @@ llama-server comes from `tests/fixtures_hf.py::llama_cpp_tools()` (built once, c
 
     python benchmarks/bench_serve.py --threads 2 --slots 16 --concurrency 1,4,16,32 --max-tokens 64
     python benchmarks/bench_serve.py --smoke   # tiny settings, to check that everything runs
+
+At 1 client a round is a single request: `--rounds 3` (or more) runs each concurrency that many times, with
+other questions each round, and pools the samples.
 """
 
 from __future__ import annotations

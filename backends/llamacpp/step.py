@@ -15,6 +15,7 @@ prefill reaches it and records the chunk's cells under its key, so an identical 
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -44,6 +45,9 @@ MAX_VERIFY = 48  # guesses + 1 per sequence and step
 # The shared-prefix length from which a prefix is copied when the caller gives no cost figures, and the
 # least a new request must share with a prompt still being evaluated to wait for it rather than start.
 COPY_MIN = 32
+# RAM for the states of idle sequences that lost their cells to another request (llama-server's
+# --cache-ram): a conversation coming back after its sequence was reused is restored, not re-evaluated.
+RAM_CACHE_BYTES = 512 << 20
 
 
 def copy_threshold(stream_bytes: int, weight_bytes: int) -> int:
@@ -87,6 +91,14 @@ def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
             break
         n += 1
     return n
+
+
+@dataclass
+class SavedSeq:
+    """An evicted idle sequence: its cells and its KV state as llama_state_seq_get_data wrote it."""
+
+    cells: list[Hashable]
+    data: Any  # a ctypes uint8 array
 
 
 @dataclass
@@ -229,6 +241,7 @@ class BatchedContext:
         step_tokens: int,
         draft: DraftContext | None = None,
         copy_min: int = COPY_MIN,
+        ram_cache_bytes: int = RAM_CACHE_BYTES,
     ) -> None:
         self.lib = _lib()
         self.model, self.ctx = model, ctx
@@ -240,6 +253,8 @@ class BatchedContext:
         self.step_tokens = step_tokens
         self.draft = draft
         self.copy_min = copy_min
+        self.ram_cache_bytes = ram_cache_bytes
+        self.saved: list[SavedSeq] = []  # evicted idle sequences' states, least recently saved first
         self.memory = Memory(ctx.ctx)
         self.batch = Batch(step_tokens)
         self.cells: list[list[Hashable]] = [[] for _ in range(n_seq_max)]  # exactly what each seq holds
@@ -377,20 +392,7 @@ class BatchedContext:
         job.t_admit = time.perf_counter_ns()
         prompt_cells = job.prompt_cells or _cells(job.prompt)
         job.prompt_cells = prompt_cells
-        src, n = self._best_prefix(prompt_cells)
-        n = min(n, len(prompt_cells) - 1)  # at least one token is evaluated, for its logits
-        n = _cut(job.prompt, n)  # never start inside an external chunk
-        seq = self._free_seq(src, n, len(prompt_cells))
-        if seq != src and n >= self.copy_min:
-            # each sequence has a stream of its own: the copy is of the whole stream, then the tail goes
-            self.memory.copy(src, seq, -1, -1)
-            self.cells[seq] = list(self.cells[src])
-        elif seq != src:
-            n = 0
-        if not self.memory.remove(seq, n, -1):
-            self.memory.remove(seq)
-            n = 0
-        del self.cells[seq][n:]
+        seq, n = self._place(job.prompt, prompt_cells)
         job.seq = seq
         self.owner[seq] = job
         job.pending = _items_from(job.prompt, n)
@@ -405,6 +407,69 @@ class BatchedContext:
         self._set_proposer(job)
         self.running.append(job)
         job.timings.cached_count = n
+
+    def _place(self, prompt: list[PromptItem], prompt_cells: list[Hashable]) -> tuple[int, int]:
+        """A seq id for a new prompt and how many of its cells it already holds (a live sequence's prefix,
+        copied or taken over, or a saved one restored from RAM); the rest of the seq's cells are gone."""
+        src, n = self._best_prefix(prompt_cells)
+        saved, n_saved = self._best_saved(prompt_cells)
+        if saved is not None and n_saved > n:
+            src = self._free_seq(-1, 0, len(prompt_cells))
+            n = n_saved if self._restore(saved, src) else 0
+        n = min(n, len(prompt_cells) - 1)  # at least one token is evaluated, for its logits
+        n = _cut(prompt, n)  # never start inside an external chunk
+        seq = self._free_seq(src, n, len(prompt_cells))
+        if self.cells[seq] and (seq != src or n < len(self.cells[seq])):
+            self._save(seq)  # an idle conversation loses cells: keep its state in RAM
+        if seq != src and n >= self.copy_min:
+            # each sequence has a stream of its own: the copy is of the whole stream, then the tail goes
+            self.memory.copy(src, seq, -1, -1)
+            self.cells[seq] = list(self.cells[src])
+        elif seq != src:
+            n = 0
+        if not self.memory.remove(seq, n, -1):
+            self.memory.remove(seq)
+            n = 0
+        del self.cells[seq][n:]
+        return seq, n
+
+    # ---- the RAM prompt cache: states of idle sequences that lost their cells ---------------------
+    def _save(self, seq: int) -> None:
+        """Keep seq's KV state (llama_state_seq_get_data) in RAM, newest last, within ram_cache_bytes."""
+        cells = self.cells[seq]
+        if self.ram_cache_bytes <= 0 or any(s.cells[: len(cells)] == cells for s in self.saved):
+            return  # off, or a saved state already holds all of it
+        size = int(self.lib.llama_state_seq_get_size(self.ctx.ctx, seq))
+        if size <= 0 or size > self.ram_cache_bytes:
+            return
+        buf = (ctypes.c_uint8 * size)()
+        if int(self.lib.llama_state_seq_get_data(self.ctx.ctx, buf, size, seq)) == 0:
+            return
+        self.saved = [s for s in self.saved if cells[: len(s.cells)] != s.cells]  # prefixes of this one
+        self.saved.append(SavedSeq(list(cells), buf))
+        while sum(len(s.data) for s in self.saved) > self.ram_cache_bytes:
+            self.saved.pop(0)
+
+    def _best_saved(self, cells: list[Hashable]) -> tuple[SavedSeq | None, int]:
+        best, best_n = None, 0
+        for saved in self.saved:
+            n = common_prefix(saved.cells, cells)
+            if n > best_n:
+                best, best_n = saved, n
+        return best, best_n
+
+    def _restore(self, saved: SavedSeq, seq: int) -> bool:
+        """Load a saved state into seq (whatever it held is saved or dropped first); False if llama.cpp
+        refused it (seq is then empty)."""
+        if self.cells[seq]:
+            self._save(seq)
+        self._evict(seq)
+        self.saved.remove(saved)
+        if int(self.lib.llama_state_seq_set_data(self.ctx.ctx, saved.data, len(saved.data), seq)) == 0:
+            self._evict(seq)
+            return False
+        self.cells[seq] = list(saved.cells)
+        return True
 
     def _best_prefix(self, cells: list[Hashable]) -> tuple[int, int]:
         best, best_n = -1, 0
@@ -448,7 +513,9 @@ class BatchedContext:
         idle = [s for s in range(self.n_seq_max) if self.owner[s] is None and self.cells[s]]
         if not idle:
             return False
-        self._evict(min(idle, key=lambda s: self.last_used[s]))
+        seq = min(idle, key=lambda s: self.last_used[s])
+        self._save(seq)
+        self._evict(seq)
         return True
 
     def _set_proposer(self, job: Job) -> None:
