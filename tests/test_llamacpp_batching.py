@@ -148,6 +148,22 @@ def test_a_second_request_evaluates_only_its_own_suffix(model: LlamaCppModel) ->
     assert b.done.timings.cached_count == shared
 
 
+def test_a_short_shared_prefix_is_copied_when_the_copy_is_cheaper(model: LlamaCppModel) -> None:
+    """A chat template's system part (well under 32 tokens) is copied from an idle sequence rather than
+    evaluated again: a 512-cell stream of SmolLM2 costs less to copy than one token to evaluate."""
+    first = ask(model, "Which river flows through Vienna?")
+    second = ask(model, "How many legs does a spider have?")
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared < 32
+    assert model.engine is not None
+    assert model.engine.copy_min == 1
+    asyncio.run(run_one(model, GenerateRequest(first, GREEDY, num_predict=2)))
+    b = asyncio.run(run_one(model, GenerateRequest(second, GREEDY, num_predict=2)))
+    assert b.done is not None
+    assert b.done.timings.cached_count >= shared
+    assert b.done.timings.prompt_eval_count == len(second) - b.done.timings.cached_count
+
+
 def test_a_request_copies_the_prefix_of_a_running_one(model: LlamaCppModel) -> None:
     system = " ".join(f"Rule {i}: answer politely and briefly." for i in range(8))
     prompts = [
