@@ -263,6 +263,40 @@ class Backend(Protocol):
 
 
 # ---- helpers shared by backends ----------------------------------------------------------------
+def modules_installed(modules: Sequence[str], pip_hint: str) -> tuple[bool, str]:
+    """A backend's `availability()`: (True, "") or the first of `modules` not installed and what to install."""
+    import importlib.util
+
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            why = "its tokenizer is llama.cpp's" if module == "llama_cpp" else "it is required"
+            return False, f"{module} is not installed ({why}); {pip_hint}"
+    return True, ""
+
+
+class ModelLifetime:
+    """A loaded model's `cancel` and `unload`: unloading cancels what runs, marks the model closed (every
+    later request is refused, `checks.check_loaded`) and frees it once (`_free`)."""
+
+    _closed: bool = False
+    _active: set[CancelToken]  # the cancel tokens of the requests in flight
+
+    def cancel(self) -> None:
+        """Cancel every running request of this model."""
+        for token in list(self._active):
+            token.cancel()
+
+    def unload(self) -> None:
+        if self._closed:
+            return
+        self.cancel()
+        self._closed = True
+        self._free()
+
+    def _free(self) -> None:
+        raise NotImplementedError
+
+
 class StopMatcher:
     """Finds stop strings in streamed text; never releases text that could start a stop string."""
 
@@ -333,6 +367,12 @@ class TextAssembler:
             return None
         lps, self._logprobs = self._logprobs, []
         return lps
+
+
+def loaded_context(num_ctx: int, trained: int) -> int:
+    """The context a model is loaded with: num_ctx, at most what it was trained for (when the file says),
+    at least 16 tokens."""
+    return max(16, min(num_ctx, trained) if trained > 0 else num_ctx)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

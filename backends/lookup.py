@@ -1,4 +1,5 @@
-"""Prompt-lookup drafting, shared by every backend: guess the next tokens from the text so far."""
+"""Prompt lookup ("lookup" speculation, vLLM's n-gram method), shared by every engine: the draft
+tokens are what followed the latest earlier occurrence of the last n tokens."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ from collections.abc import Sequence
 LOOKUP_NGRAM_SIZES = (4, 3, 2)  # longest first: longer matches predict better
 
 
-class LookupIndex:
-    """Prompt-lookup decoding: the latest earlier occurrence of the last n tokens predicts what follows.
+class NgramProposer:
+    """One request's n-gram index over its tokens so far; proposes the tokens that followed the latest
+    earlier occurrence of its last n tokens.
 
     The index grows with the history (each call indexes only the new n-grams), so proposing is
-    amortised O(new tokens) per step rather than a scan of the whole context.
+    amortised O(new tokens) per step rather than a scan of the whole context. Nothing runs a model:
+    its draft tokens cost nothing to propose and are deterministic (q one-hot in the verifier).
     """
+
+    cost_per_draft = 0.0
 
     def __init__(self, sizes: Sequence[int] = LOOKUP_NGRAM_SIZES) -> None:
         self.sizes = tuple(sizes)
@@ -20,6 +25,7 @@ class LookupIndex:
         self.indexed_to = 0  # n-grams ending before this position are indexed
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to k draft tokens after `history` (none when its tail was not seen before)."""
         end = len(history) - 1  # the n-gram ending at the last token must not find itself
         for n in self.sizes:
             table = self.index[n]
@@ -33,3 +39,8 @@ class LookupIndex:
             if pos is not None:
                 return list(history[pos : pos + k])
         return []
+
+
+# The old name, for code written against it on branches merged at the same time (the MLX track's);
+# drop it once nothing imports it.
+LookupIndex = NgramProposer

@@ -112,12 +112,17 @@ def installed() -> list[str]:
     return [s.name for s in statuses() if s.installed]
 
 
-def get(name: str) -> Any:
-    """The backend class for `name`, or BackendUnavailable saying why and what to install."""
+def _require(name: str) -> BackendStatus:
+    """The status of an installed backend, or BackendUnavailable saying why and what to install."""
     st = status(name)
     if not st.installed:
         raise BackendUnavailable(f"backend {st.name} is not available: {st.reason}")
-    return _backend_class(SPECS.get(st.name) or REMOTE)
+    return st
+
+
+def get(name: str) -> Any:
+    """The backend class for `name`, or BackendUnavailable saying why and what to install."""
+    return _backend_class(SPECS.get(_require(name).name) or REMOTE)
 
 
 def has_cuda() -> bool:
@@ -143,7 +148,4 @@ def resolve(name: str | None) -> str:
                 return candidate
         reasons = "; ".join(f"{s.name}: {s.reason}" for s in statuses())
         raise BackendUnavailable(f"no backend is installed ({reasons})")
-    st = status(name)
-    if not st.installed:
-        raise BackendUnavailable(f"backend {st.name} is not available: {st.reason}")
-    return st.name
+    return _require(name).name

@@ -1,12 +1,14 @@
-"""Speculative decoding maths shared by the engines: the exact verifier and the break-even rule.
+"""Speculative decoding shared by the engines: the method a request runs, its state and policy, the
+exact verifier and the break-even rule.
 
-A proposer guesses k tokens; the target scores [last, d1..dk] in one pass and `verify` keeps a prefix:
+A proposer proposes k draft tokens; the target scores [last, d1..dk] in one pass and `verify` keeps a
+prefix:
 
   accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection draw from
-  norm(max(p_j - q_j, 0)); if every guess survives, draw a bonus token from p_k.
+  norm(max(p_j - q_j, 0)); if every draft token survives, draw a bonus token from p_k.
 
-This keeps the target's distribution exactly (Leviathan et al. 2023); a deterministic guess is
-q = one-hot, and greedy decoding reduces to "keep guesses while they equal the target's argmax".
+This keeps the target's distribution exactly (Leviathan et al. 2023); a deterministic draft token is
+q = one-hot, and greedy decoding reduces to "keep draft tokens while they equal the target's argmax".
 `verify` is written over any array type with numpy/torch semantics (indexing, `clip`, `sum`), so
 the torch engine runs it on device tensors and the MLX engine on numpy rows.
 """
@@ -14,10 +16,62 @@ the torch engine runs it on device tensors and the MLX engine on numpy rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-DEFAULT_NUM_DRAFT = {"lookup": 8, "self": 4, "draft": 4}
-WARMUP_DRAFTS = 24  # drafts seen before a request's acceptance rate is trusted
+from localrt.backends.lookup import NgramProposer
+
+DEFAULT_NUM_DRAFT = {"lookup": 8, "self": 4, "draft": 4}  # draft tokens per step (num_speculative_tokens)
+WARMUP_DRAFTS = 24  # draft tokens seen before a request's acceptance rate is trusted
+# Extra query rows of one verify pass, in units of a one-token step: a CPU is compute-bound (every
+# draft token costs), a GPU bandwidth-bound at decode (extra rows are nearly free).
+VERIFY_COST_PER_DRAFT = {"cpu": 0.25, "gpu": 0.03}
+
+
+def speculative_method(mode: str, *, has_draft_model: bool, constrained: bool) -> str:
+    """The method a checked request runs: "auto" is the draft model when one is loaded, else off; a
+    grammar (`format`) decides token by token, so nothing is proposed ahead of it."""
+    if mode == "auto":
+        mode = "draft" if has_draft_model else "off"
+    return "off" if constrained else mode
+
+
+@dataclass
+class SpecState:
+    """One request's speculation: its method, the draft tokens a step proposes (`k`), whether it still
+    pays, and its counts. One policy for every engine (`record`)."""
+
+    mode: str  # "lookup" | "self" | "draft"
+    k: int  # draft tokens the next step proposes (num_speculative_tokens), adapted by `record`
+    cost_per_draft: float  # draft + verify cost of one draft token, in units of one target decode step
+    k_max: int = 0  # the request's num_draft; 0: `k` as given
+    enabled: bool = True
+    drafted: int = 0
+    accepted: int = 0
+    ngram: NgramProposer | None = field(default=None, repr=False)  # the "lookup" method's index
+
+    def __post_init__(self) -> None:
+        self.k_max = self.k_max or self.k
+        if self.mode == "lookup" and self.ngram is None:
+            self.ngram = NgramProposer()
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 1.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """After a verify step: every draft token kept doubles the next step's k (up to `k_max`), a
+        rejection brings it to what was kept plus one (each proposed position costs a CPU a row);
+        once the acceptance rate is trusted and below break-even at that k, speculation stops."""
+        if drafted <= 0:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        self.k = min(self.k_max, 2 * self.k) if accepted == drafted else max(1, accepted + 1)
+        if self.drafted >= WARMUP_DRAFTS and self.acceptance < break_even_acceptance(
+            self.k, self.cost_per_draft
+        ):
+            self.enabled = False  # speculation costs this request more than it saves
 
 
 class Sampler(Protocol):
@@ -35,14 +89,14 @@ class Sampler(Protocol):
 
 
 def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens produced per verify step when each guess survives with probability alpha."""
+    """Tokens produced per verify step when each draft token survives with probability alpha."""
     if alpha >= 1.0:
         return k + 1.0
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def break_even_acceptance(k: int, cost_per_draft: float) -> float:
-    """The acceptance rate below which k guesses per step are slower than plain decoding."""
+    """The acceptance rate below which k draft tokens per step are slower than plain decoding."""
     lo, hi = 0.0, 1.0
     cost = 1.0 + k * cost_per_draft
     if expected_tokens(1.0, k) <= cost:
@@ -62,9 +116,9 @@ def verify(
 ) -> tuple[list[int], int]:
     """target_logits [k+1, V] for [last, d1..dk]; returns (tokens to append, drafts accepted).
 
-    The tokens are the accepted drafts plus one more: the correction after a rejection or the bonus.
-    `draft_q` [k, V] holds the draft distributions (None: deterministic guesses); `history` is the
-    sequence before the drafts (for penalties).
+    The tokens are the accepted draft tokens plus one more: the correction after a rejection or the
+    bonus. `draft_q` [k, V] holds the draft distributions (None: deterministic draft tokens, q one-hot);
+    `history` is the sequence before the draft tokens (for penalties).
     """
     k = len(drafts)
     hist = list(history)

@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 import httpx
 
-from localrt import config
+from localrt import config, wire
 from localrt.errors import BackendUnavailable, LocalrtError, ModelNotFound, PullError
 from localrt.runtime.bridge import run_in_thread_stream
-from localrt.runtime.manager import Chunk, Metrics
+from localrt.runtime.generate import Chunk
 from localrt.store.sources.common import Progress
 
 # ---- what the interfaces see ----------------------------------------------------------------------
@@ -94,6 +94,25 @@ class ModelDetails:
     projector: list[tuple[str, str]] = field(default_factory=list)  # a vision model's projector facts
 
 
+@dataclass
+class CreateSpec:
+    """What `localrt create` asks for, whichever client builds it: a Modelfile's text or a GGUF
+    (`from_path`), or a remote model's endpoints (SPEC 8), plus the command's options. Paths are read
+    on this side: over HTTP the files are uploaded as blobs, the server never reads a path of ours."""
+
+    model: str
+    modelfile_text: str | None = None
+    from_path: str | None = None
+    base_dir: str | None = None  # where relative FROM / DRAFT / projector paths start
+    quantize: str | None = None
+    remote: Sequence[str] | None = None
+    remote_model: str | None = None
+    api_key_env: str | None = None
+    insecure: bool = False
+    projector_path: str | None = None
+    imatrix_path: str | None = None
+
+
 Message = Mapping[str, Any]
 StatusFn = Callable[[str], None]
 
@@ -135,22 +154,9 @@ class Client(Protocol):
 
     async def copy(self, source: str, destination: str) -> None: ...
 
-    async def create(
-        self,
-        model: str,
-        *,
-        modelfile_text: str | None = None,
-        from_path: str | None = None,
-        base_dir: str | None = None,
-        quantize: str | None = None,
-        status: StatusFn | None = None,
-        remote: Sequence[str] | None = None,
-        remote_model: str | None = None,
-        api_key_env: str | None = None,
-        insecure: bool = False,
-        projector_path: str | None = None,
-        imatrix_path: str | None = None,
-    ) -> str: ...
+    async def create(self, spec: CreateSpec, status: StatusFn | None = None) -> str:
+        """Build a model as `localrt create` asks; returns its name. `status` hears each step."""
+        ...
 
     async def context_length(self, model: str, options: Mapping[str, Any] | None = None) -> int | None: ...
 
@@ -165,22 +171,17 @@ def _ignore_status(_: str) -> None:
     pass
 
 
-def _remote_create_body(
-    mf: Any, remote_model: str | None, api_key_env: str | None, insecure: bool
-) -> dict[str, Any]:
-    """`/api/create` fields for a remote model (the key's variable is read in the server's environment)."""
-    body: dict[str, Any] = {
-        "remote": mf.remotes,
-        "remote_model": remote_model or mf.remote_model,
-        "api_key_env": api_key_env or mf.api_key_env,
-        "insecure": insecure,
+def _remote_fields(spec: CreateSpec, mf: Any) -> dict[str, Any]:
+    """`/api/create`'s fields for a remote model (the key's variable is read in the server's environment)."""
+    if spec.quantize:
+        raise LocalrtError("--quantize does not apply to a remote model (its weights live upstream)")
+    return {
+        "remote": list(spec.remote or mf.remotes),
+        "remote_model": spec.remote_model or mf.remote_model,
+        "api_key_env": spec.api_key_env or mf.api_key_env,
+        "insecure": spec.insecure,
+        "draft": mf.draft,  # refused by the server, as in process: a remote model has no draft
     }
-    if mf.parameters:
-        body["parameters"] = mf.parameters
-    for key in ("template", "system", "license"):
-        if getattr(mf, key) is not None:
-            body[key] = getattr(mf, key)
-    return body
 
 
 def _remote_details(resolved: Any) -> ModelDetails:
@@ -221,7 +222,7 @@ class RuntimeClient:
     @property
     def runtime(self) -> Any:
         if self._runtime is None:
-            from localrt.runtime.manager import Runtime
+            from localrt.runtime.generate import Runtime
 
             self._runtime = Runtime(self.store)
         return self._runtime
@@ -380,38 +381,23 @@ class RuntimeClient:
 
         await asyncio.to_thread(self.store.copy, parse_name(source), parse_name(destination))
 
-    async def create(
-        self,
-        model: str,
-        *,
-        modelfile_text: str | None = None,
-        from_path: str | None = None,
-        base_dir: str | None = None,
-        quantize: str | None = None,
-        status: StatusFn | None = None,
-        remote: Sequence[str] | None = None,
-        remote_model: str | None = None,
-        api_key_env: str | None = None,
-        insecure: bool = False,
-        projector_path: str | None = None,
-        imatrix_path: str | None = None,
-    ) -> str:
+    async def create(self, spec: CreateSpec, status: StatusFn | None = None) -> str:
         from localrt.store.modelfile import create
 
         name = await asyncio.to_thread(
             create,
-            model,
-            modelfile_text=modelfile_text,
-            from_path=from_path,
+            spec.model,
+            modelfile_text=spec.modelfile_text,
+            from_path=spec.from_path,
             store=self.store,
-            base_dir=base_dir,
-            quantize=quantize,
-            remote=remote,
-            remote_model=remote_model,
-            api_key_env=api_key_env,
-            insecure=insecure,
-            projector_path=projector_path,
-            imatrix=imatrix_path,
+            base_dir=spec.base_dir,
+            quantize=spec.quantize,
+            remote=spec.remote,
+            remote_model=spec.remote_model,
+            api_key_env=spec.api_key_env,
+            insecure=spec.insecure,
+            projector_path=spec.projector_path,
+            imatrix=spec.imatrix_path,
         )
         return name.display
 
@@ -487,9 +473,12 @@ class ServerClient:
             raise _error_from(response.status_code, response.content)
         return response
 
-    async def _ndjson(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def _post(self, path: str, request: wire.Wire) -> httpx.Response:
+        return await self._request("POST", path, json=wire.body_of(request))
+
+    async def _ndjson(self, path: str, request: wire.Wire) -> AsyncIterator[dict[str, Any]]:
         try:
-            async with self.http.stream("POST", path, json=body) as response:
+            async with self.http.stream("POST", path, json=wire.body_of(request)) as response:
                 if response.status_code != 200:
                     raise _error_from(response.status_code, await response.aread())
                 async for line in response.aiter_lines():
@@ -512,56 +501,51 @@ class ServerClient:
         keep_alive: str | float | None = None,
         think: bool | str | None = None,
     ) -> AsyncIterator[Chunk]:
-        body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages], "stream": True}
-        if options:
-            body["options"] = dict(options)
-        if format:
-            body["format"] = format
-        if keep_alive is not None:
-            body["keep_alive"] = keep_alive
-        if think is not None:
-            body["think"] = think
-        async for item in self._ndjson("/api/chat", body):
-            message = item.get("message") or {}
+        request = wire.build(
+            wire.ChatRequest,
+            model=model,
+            messages=[dict(m) for m in messages],
+            stream=True,
+            options=dict(options) if options else None,
+            format=format or None,
+            keep_alive=keep_alive,
+            think=think,
+        )
+        async for item in self._ndjson("/api/chat", request):
+            answer = wire.parse(wire.ChatResponse, item)
             yield Chunk(
-                model=item.get("model", model),
-                content=message.get("content") or "",
-                thinking=message.get("thinking") or "",
-                done=bool(item.get("done")),
-                done_reason=item.get("done_reason"),
-                tool_calls=message.get("tool_calls"),
-                metrics=Metrics.from_ollama(item) if item.get("done") else None,
+                model=answer.model,
+                content=answer.message.content,
+                thinking=answer.message.thinking or "",
+                done=answer.done,
+                done_reason=answer.done_reason,
+                tool_calls=answer.message.tool_calls,
+                metrics=wire.metrics_from_ollama(item) if answer.done else None,
             )
 
     async def list_models(self) -> list[ModelRow]:
-        rows = []
-        for m in (await self._request("GET", "/api/tags")).json().get("models", []):
-            modified = _epoch(m.get("modified_at")) or 0.0
-            name = m.get("name") or m.get("model", "")
-            rows.append(ModelRow(name, int(m.get("size", 0)), modified, str(m.get("digest", ""))))
-        return rows
+        tags = wire.parse(wire.TagsResponse, (await self._request("GET", "/api/tags")).json())
+        return [ModelRow(m.name, m.size, _epoch(m.modified_at) or 0.0, m.digest) for m in tags.models]
 
     async def ps(self) -> list[LoadedRow]:
-        rows = []
-        for m in (await self._request("GET", "/api/ps")).json().get("models", []):
-            size, vram = int(m.get("size", 0)), int(m.get("size_vram", 0))
-            rows.append(
-                LoadedRow(
-                    name=m.get("name") or m.get("model", ""),
-                    digest=str(m.get("digest", "")).removeprefix("sha256:"),
-                    size=size,
-                    size_vram=vram,
-                    processor=m.get("processor") or _processor(size, vram),
-                    backend=m.get("backend") or "",
-                    context_length=int(m.get("context_length") or 0),
-                    expires_at=_epoch(m.get("expires_at")),
-                    weight_bytes=int((m.get("details") or {}).get("weight_bytes") or 0),
-                )
+        loaded = wire.parse(wire.PsResponse, (await self._request("GET", "/api/ps")).json())
+        return [
+            LoadedRow(
+                name=m.name,
+                digest=m.digest.removeprefix("sha256:"),
+                size=m.size,
+                size_vram=m.size_vram,
+                processor=m.processor or _processor(m.size, m.size_vram),
+                backend=m.backend or "",
+                context_length=m.context_length,
+                expires_at=_epoch(m.expires_at),
+                weight_bytes=int((m.details or {}).get("weight_bytes") or 0),
             )
-        return rows
+            for m in loaded.models
+        ]
 
     async def stop(self, model: str) -> None:
-        await self._request("POST", "/api/generate", json={"model": model, "keep_alive": 0})
+        await self._post("/api/generate", wire.build(wire.GenerateRequest, model=model, keep_alive=0))
 
     async def _loaded(self, model: str) -> LoadedRow | None:
         from localrt.store.names import parse_name
@@ -569,20 +553,24 @@ class ServerClient:
         key = parse_name(model).display
         return next((row for row in await self.ps() if row.name == key), None)
 
+    async def _show(self, model: str) -> wire.ShowResponse:
+        answer = await self._post("/api/show", wire.build(wire.ModelRequest, model=model))
+        return wire.parse(wire.ShowResponse, answer.json())
+
     async def show(self, model: str, options: Mapping[str, Any] | None = None) -> ModelInfo:
         from localrt.store.names import parse_name
 
-        data = (await self._request("POST", "/api/show", json={"model": model})).json()
-        details, info = data.get("details") or {}, data.get("model_info") or {}
-        arch = info.get("general.architecture") or details.get("family") or "unknown"
+        data = await self._show(model)
+        details, info = data.details, data.model_info
+        arch = info.get("general.architecture") or details.family or "unknown"
         key = parse_name(model).display
         size = next((r.size for r in await self.list_models() if r.name == key), 0)
         loaded = await self._loaded(model)
         return ModelInfo(
             name=key,
             architecture=arch,
-            parameters=details.get("parameter_size") or "unknown",
-            quantization=details.get("quantization_level") or "unknown",
+            parameters=details.parameter_size or "unknown",
+            quantization=details.quantization_level or "unknown",
             context_length=info.get(f"{arch}.context_length"),
             size=size,
             backend=(loaded.backend or "unknown") if loaded else "(not loaded on the server)",
@@ -592,141 +580,113 @@ class ServerClient:
     async def details(self, model: str) -> ModelDetails:
         from localrt.store.gguf import format_parameter_count
 
-        data = (await self._request("POST", "/api/show", json={"model": model})).json()
-        details, info = data.get("details") or {}, data.get("model_info") or {}
-        arch = info.get("general.architecture") or details.get("family") or ""
+        data = await self._show(model)
+        details, info, remote = data.details, data.model_info, data.remote or {}
+        arch = info.get("general.architecture") or details.family or ""
         count = info.get("general.parameter_count")
-        lines = [
-            line.split(None, 1) for line in str(data.get("parameters") or "").splitlines() if line.strip()
-        ]
+        lines = [line.split(None, 1) for line in data.parameters.splitlines() if line.strip()]
         return ModelDetails(
             architecture=arch or "unknown",
-            parameters=format_parameter_count(int(count)) if count else details.get("parameter_size") or "",
+            parameters=format_parameter_count(int(count)) if count else details.parameter_size or "",
             context_length=info.get(f"{arch}.context_length"),
             embedding_length=info.get(f"{arch}.embedding_length"),
-            quantization=details.get("quantization_level") or "unknown",
+            quantization=details.quantization_level or "unknown",
             parameter_lines=[(k[0], k[1] if len(k) > 1 else "") for k in lines],
-            template=data.get("template") or "",
-            system=data.get("system") or "",
-            license=data.get("license") or "",
-            modelfile=data.get("modelfile") or "",
-            template_origin=data.get("template_origin") or "",
-            remote_model=str((data.get("remote") or {}).get("model") or ""),
-            endpoints=[
-                (e.get("url", ""), e.get("health", ""))
-                for e in (data.get("remote") or {}).get("endpoints", [])
-            ],
-            capabilities=list(data.get("capabilities") or []),
-            projector=_projector_rows(data.get("projector_info")),
+            template=data.template,
+            system=data.system,
+            license=data.license,
+            modelfile=data.modelfile,
+            template_origin=data.template_origin,
+            remote_model=str(remote.get("model") or ""),
+            endpoints=[(e.get("url", ""), e.get("health", "")) for e in remote.get("endpoints", [])],
+            capabilities=list(data.capabilities),
+            projector=_projector_rows(data.projector_info),
         )
 
     async def has_model(self, model: str) -> bool:
         try:
-            await self._request("POST", "/api/show", json={"model": model})
+            await self._post("/api/show", wire.build(wire.ModelRequest, model=model))
         except ModelNotFound:
             return False
         return True
 
-    async def pull(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
-        async for item in self._ndjson("/api/pull", {"model": model, "insecure": insecure, "stream": True}):
-            yield Progress(
-                item.get("status", ""), item.get("digest"), item.get("total"), item.get("completed")
-            )
+    async def _progress(self, path: str, request: wire.Wire) -> AsyncIterator[Progress]:
+        async for item in self._ndjson(path, request):
+            p = wire.parse(wire.ProgressResponse, item)
+            yield Progress(p.status, p.digest, p.total, p.completed)
 
-    async def push(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
-        async for item in self._ndjson("/api/push", {"model": model, "insecure": insecure, "stream": True}):
-            yield Progress(
-                item.get("status", ""), item.get("digest"), item.get("total"), item.get("completed")
-            )
+    def pull(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
+        request = wire.build(wire.PullRequest, model=model, insecure=insecure, stream=True)
+        return self._progress("/api/pull", request)
+
+    def push(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
+        request = wire.build(wire.PushRequest, model=model, insecure=insecure, stream=True)
+        return self._progress("/api/push", request)
 
     async def delete(self, model: str) -> None:
-        await self._request("DELETE", "/api/delete", json={"model": model})
+        request = wire.build(wire.ModelRequest, model=model)
+        await self._request("DELETE", "/api/delete", json=wire.body_of(request))
 
     async def copy(self, source: str, destination: str) -> None:
-        await self._request("POST", "/api/copy", json={"source": source, "destination": destination})
+        await self._post("/api/copy", wire.build(wire.CopyRequest, source=source, destination=destination))
 
-    async def create(
-        self,
-        model: str,
-        *,
-        modelfile_text: str | None = None,
-        from_path: str | None = None,
-        base_dir: str | None = None,
-        quantize: str | None = None,
-        status: StatusFn | None = None,
-        remote: Sequence[str] | None = None,
-        remote_model: str | None = None,
-        api_key_env: str | None = None,
-        insecure: bool = False,
-        projector_path: str | None = None,
-        imatrix_path: str | None = None,
-    ) -> str:
-        """As `ollama create`: the Modelfile is read here, a local GGUF is uploaded as a blob, and
-        the server builds the model from `files` or `from` (it never reads a path of ours). A projector
-        (`projector_path`, or a second FROM) is uploaded beside the model's GGUF."""
-        from localrt.store.modelfile import Modelfile, ModelfileError, parse_modelfile
+    async def create(self, spec: CreateSpec, status: StatusFn | None = None) -> str:
+        """As `ollama create`: the Modelfile is read here, local GGUFs (FROM, DRAFT, a projector) are
+        uploaded as blobs, and the server builds the model from `files` or `from` (it never reads a path
+        of ours). A projector (`projector_path`, or a second FROM) is uploaded beside the model's GGUF."""
+        from localrt.store.modelfile import Modelfile, parse_modelfile
         from localrt.store.names import parse_name
 
         emit = status or _ignore_status
-        name = parse_name(model)
-        mf = parse_modelfile(modelfile_text) if modelfile_text is not None else Modelfile()
-        if remote or mf.remotes:  # a remote model (SPEC 8)
-            mf.remotes = list(remote or mf.remotes)
-            return await self._create_remote(
-                name.display, mf, remote_model, api_key_env, insecure, quantize, emit
-            )
-        if from_path is not None:
-            mf.from_ = from_path
+        name = parse_name(spec.model).display
+        mf = parse_modelfile(spec.modelfile_text) if spec.modelfile_text is not None else Modelfile()
+        if spec.remote or mf.remotes:  # a remote model (SPEC 8): the server checks the URLs
+            fields = _remote_fields(spec, mf)
+        else:
+            fields = await self._weights_fields(spec, mf, emit)
+        fields.update(
+            {k: getattr(mf, k) for k in ("template", "system", "license") if getattr(mf, k) is not None}
+        )
+        request = wire.build(
+            wire.CreateRequest, model=name, stream=True, parameters=mf.parameters or None, **fields
+        )
+        async for item in self._ndjson("/api/create", request):
+            emit(wire.parse(wire.ProgressResponse, item).status)
+        return name
+
+    async def _weights_fields(self, spec: CreateSpec, mf: Any, emit: StatusFn) -> dict[str, Any]:
+        """`/api/create`'s fields for a model with weights: each local file uploaded, names as they are."""
+        from localrt.store.modelfile import ModelfileError
+        from localrt.store.names import parse_name
+
+        if spec.from_path is not None:
+            mf.from_ = spec.from_path
         if not mf.from_:
             raise ModelfileError("Modelfile has no FROM line (name a GGUF file or a model)")
-        if mf.draft is not None:
-            raise LocalrtError(
-                "DRAFT is not part of the server's create API yet; stop `localrt serve` to create "
-                "this model in-process"
-            )
-        body: dict[str, Any] = {"model": name.display, "stream": True}
-        here = Path(base_dir) if base_dir else Path.cwd()
+        fields: dict[str, Any] = {}
+        here = Path(spec.base_dir) if spec.base_dir else Path.cwd()
         source = _local_file(mf.from_, here)
         if source is not None:
-            body["files"] = {source.name: await self._upload(source, emit)}
+            fields["files"] = {source.name: await self._upload(source, emit)}
         else:
-            body["from"] = parse_name(mf.from_).display
-        projector = projector_path or mf.projector
+            fields["from"] = parse_name(mf.from_).display
+        projector = spec.projector_path or mf.projector
         if projector is not None:
             proj_file = _local_file(projector, here)
             if proj_file is None or source is None:
                 raise LocalrtError("over the server's create API a projector goes with a local GGUF file")
-            body["files"][f"mmproj-{proj_file.name}"] = await self._upload(proj_file, emit)
-        if mf.parameters:
-            body["parameters"] = mf.parameters
-        for key in ("template", "system", "license"):
-            if getattr(mf, key) is not None:
-                body[key] = getattr(mf, key)
-        if quantize:
-            body["quantize"] = quantize
-        if imatrix_path is not None:  # uploaded like the GGUF; the server weights --quantize with it
-            body["imatrix"] = await self._upload(Path(imatrix_path), emit)
-        async for item in self._ndjson("/api/create", body):
-            emit(str(item.get("status", "")))
-        return name.display
-
-    async def _create_remote(
-        self,
-        name: str,
-        mf: Any,
-        remote_model: str | None,
-        api_key_env: str | None,
-        insecure: bool,
-        quantize: str | None,
-        emit: StatusFn,
-    ) -> str:
-        """Through /api/create: the server checks the URLs and asks the upstream for its model."""
-        if quantize:
-            raise LocalrtError("--quantize does not apply to a remote model (its weights live upstream)")
-        body = _remote_create_body(mf, remote_model, api_key_env, insecure)
-        async for item in self._ndjson("/api/create", {"model": name, "stream": True, **body}):
-            emit(str(item.get("status", "")))
-        return name
+            fields["files"][f"mmproj-{proj_file.name}"] = await self._upload(proj_file, emit)
+        if mf.draft is not None:  # a local GGUF is uploaded; a name is a model stored on the server
+            draft_file = _local_file(mf.draft, here)
+            fields["draft"] = (
+                await self._upload(draft_file, emit)
+                if draft_file is not None
+                else parse_name(mf.draft).display
+            )
+        fields["quantize"] = spec.quantize or None
+        if spec.imatrix_path is not None:  # uploaded like the GGUF; the server weights --quantize with it
+            fields["imatrix"] = await self._upload(Path(spec.imatrix_path), emit)
+        return fields
 
     async def _upload(self, path: Path, emit: StatusFn) -> str:
         """The blob's digest, uploaded first unless the server already has it (HEAD /api/blobs)."""
@@ -760,8 +720,8 @@ class ServerClient:
         # the server has no render route: tokenize the text and add a few tokens per message for
         # the template's role markers, so the count is an estimate (shown with a ~)
         text = "\n".join(str(m.get("content") or "") for m in messages)
-        data = (await self._request("POST", "/api/tokenize", json={"model": model, "text": text})).json()
-        return len(data.get("tokens", [])) + 5 * len(messages), False
+        answer = await self._post("/api/tokenize", wire.build(wire.TokenizeRequest, model=model, text=text))
+        return len(wire.parse(wire.TokenizeResponse, answer.json()).tokens) + 5 * len(messages), False
 
     async def close(self) -> None:
         if self._http is not None:

@@ -86,10 +86,15 @@ def test_list_and_show(client: ollama.Client) -> None:
 
 def test_generate_not_streamed(client: ollama.Client) -> None:
     r = client.generate(MODEL, "What is the capital of France?", options=GREEDY)
-    assert r.done and r.done_reason in ("stop", "length")
+    assert r.done
+    assert r.done_reason in ("stop", "length")
     assert "Paris" in r.response
-    assert r.eval_count > 0 and r.eval_duration > 0 and r.prompt_eval_count > 0 and r.total_duration > 0
-    assert r.context and len(r.context) > r.prompt_eval_count
+    assert r.eval_count > 0
+    assert r.eval_duration > 0
+    assert r.prompt_eval_count > 0
+    assert r.total_duration > 0
+    assert r.context
+    assert len(r.context) > r.prompt_eval_count
 
 
 def test_generate_streamed_matches_not_streamed(client: ollama.Client) -> None:
@@ -98,18 +103,22 @@ def test_generate_streamed_matches_not_streamed(client: ollama.Client) -> None:
     whole = client.generate(MODEL, "Name three colors.", options=GREEDY, keep_alive=0).response
     assert MODEL not in [m.model for m in client.ps().models]
     chunks = list(client.generate(MODEL, "Name three colors.", options=GREEDY, stream=True, keep_alive=0))
-    assert len(chunks) > 2 and chunks[-1].done and not any(c.done for c in chunks[:-1])
+    assert len(chunks) > 2
+    assert chunks[-1].done
+    assert not any(c.done for c in chunks[:-1])
     assert "".join(c.response for c in chunks) == whole
 
 
 def test_chat_streamed_and_not(client: ollama.Client) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     r = client.chat(MODEL, messages=messages, options=GREEDY)
-    assert r.message.role == "assistant" and "Paris" in r.message.content
+    assert r.message.role == "assistant"
+    assert "Paris" in r.message.content
     parts = list(client.chat(MODEL, messages=messages, options=GREEDY, stream=True))
     assert "".join(p.message.content for p in parts) == r.message.content
     final = parts[-1]
-    assert final.done and final.eval_count == r.eval_count
+    assert final.done
+    assert final.eval_count == r.eval_count
 
 
 def test_chat_json_schema_output_validates(client: ollama.Client) -> None:
@@ -133,21 +142,24 @@ def test_tool_call_round_trip(client: ollama.Client) -> None:
     )
     assert r.message.tool_calls, r.message
     call = r.message.tool_calls[0]
-    assert call.function.name == "get_weather" and isinstance(call.function.arguments["city"], str)
+    assert call.function.name == "get_weather"
+    assert isinstance(call.function.arguments["city"], str)
     # the answer to the call goes back in; the template renders tool messages and the model replies
     messages += [
         r.message,
         {"role": "tool", "content": '{"temperature": "21C", "sky": "clear"}', "tool_name": "get_weather"},
     ]
     follow = client.chat(MODEL, messages=messages, tools=[WEATHER_TOOL], options=GREEDY)
-    assert follow.done and (follow.message.content or follow.message.tool_calls)
+    assert follow.done
+    assert follow.message.content or follow.message.tool_calls
 
 
 def test_logprobs(client: ollama.Client) -> None:
     r = client.generate(
         MODEL, "The sky is", options={**GREEDY, "num_predict": 4}, logprobs=True, top_logprobs=3
     )
-    assert r.logprobs and len(r.logprobs) == r.eval_count
+    assert r.logprobs
+    assert len(r.logprobs) == r.eval_count
     first = r.logprobs[0]
     assert len(first.top_logprobs) == 3
     assert first.logprob == pytest.approx(max(t.logprob for t in first.top_logprobs), abs=1e-4)  # greedy
@@ -155,7 +167,8 @@ def test_logprobs(client: ollama.Client) -> None:
 
 def test_embed(client: ollama.Client) -> None:
     r = client.embed(MODEL, ["The cat sat on the mat.", "Stock markets fell sharply today."])
-    assert len(r.embeddings) == 2 and len(r.embeddings[0]) == 576
+    assert len(r.embeddings) == 2
+    assert len(r.embeddings[0]) == 576
     legacy = client.embeddings(MODEL, "The cat sat on the mat.")
     assert legacy.embedding == pytest.approx(r.embeddings[0], abs=1e-4)
 
@@ -163,7 +176,8 @@ def test_embed(client: ollama.Client) -> None:
 def test_ps_shows_the_loaded_model(client: ollama.Client) -> None:
     client.generate(MODEL, "Hi", options={**GREEDY, "num_predict": 1})
     [row] = [m for m in client.ps().models if m.model == MODEL]
-    assert row.size > 0 and row.context_length == GREEDY["num_ctx"]
+    assert row.size > 0
+    assert row.context_length == GREEDY["num_ctx"]
 
 
 def test_copy_and_delete(client: ollama.Client) -> None:
@@ -190,7 +204,8 @@ def test_create_from_uploaded_blob(client: ollama.Client, smollm2_gguf: Path) ->
     ]
     assert statuses[-1] == "success"
     info = client.show("me/smol-created")
-    assert 'SYSTEM """You are terse."""' in info.modelfile and "temperature" in info.parameters
+    assert 'SYSTEM """You are terse."""' in info.modelfile
+    assert "temperature" in info.parameters
     client.delete("me/smol-created")
 
 
@@ -203,9 +218,11 @@ def test_pull_with_progress(client: ollama.Client, tmp_path: Path) -> None:
         name = f"{registry.address}/library/tiny:1"
         events = list(client.pull(name, insecure=True, stream=True))
     statuses = [e.status for e in events]
-    assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+    assert statuses[0] == "pulling manifest"
+    assert statuses[-1] == "success"
     layer = [e for e in events if e.digest and e.total]
-    assert layer and layer[-1].completed == layer[-1].total
+    assert layer
+    assert layer[-1].completed == layer[-1].total
     assert name in [m.model for m in client.list().models]
     client.delete(name)
 
@@ -216,7 +233,8 @@ def test_errors_and_server_stays_up(client: ollama.Client, server: LocalrtServer
     assert err.value.status_code == 404
     with pytest.raises(ollama.ResponseError) as err:
         client.generate(MODEL, "hi", options={"temperature": "hot"})
-    assert err.value.status_code == 400 and "temperature" in str(err.value)
+    assert err.value.status_code == 400
+    assert "temperature" in str(err.value)
     with pytest.raises(ollama.ResponseError) as err:
         client.generate(MODEL, "hi", options={"no_such_option": 1})
     assert err.value.status_code == 400
@@ -228,7 +246,8 @@ def test_errors_and_server_stays_up(client: ollama.Client, server: LocalrtServer
     assert "does not fit the context length of 512 tokens" in r.json()["error"]
     # truncate (the default): the prompt keeps its start and its newest tokens, and is answered
     r = httpx.post(server.url + "/api/generate", json={**too_long, "stream": False}, timeout=120)
-    assert r.status_code == 200 and r.json()["done"] is True
+    assert r.status_code == 200
+    assert r.json()["done"] is True
     assert client.generate(MODEL, "Hi", options={**GREEDY, "num_predict": 2}).done
 
 
@@ -271,7 +290,8 @@ def test_metrics_and_tokenize(server: LocalrtServer) -> None:
     toks = httpx.post(server.url + "/api/tokenize", json={"model": MODEL, "text": "Hello world"}).json()[
         "tokens"
     ]
-    assert toks and all(isinstance(t, int) for t in toks)
+    assert toks
+    assert all(isinstance(t, int) for t in toks)
     text = httpx.post(server.url + "/api/detokenize", json={"model": MODEL, "tokens": toks}).json()["text"]
     assert text.strip() == "Hello world"
     metrics = httpx.get(server.url + "/metrics").text
@@ -293,10 +313,8 @@ def test_openai_chat(oai: openai.OpenAI) -> None:
     r = oai.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason in ("stop", "length")
-    assert (
-        r.usage.completion_tokens > 0
-        and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    )
+    assert r.usage.completion_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     stream = oai.chat.completions.create(
         model=MODEL,
         messages=messages,
@@ -308,7 +326,8 @@ def test_openai_chat(oai: openai.OpenAI) -> None:
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r.choices[0].message.content
-    assert chunks[-1].usage and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-1].usage
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     # the same prompt again: all of it but the last token comes from the KV cache
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
@@ -316,9 +335,11 @@ def test_openai_chat(oai: openai.OpenAI) -> None:
 
 def test_openai_completions_and_embeddings(oai: openai.OpenAI) -> None:
     r = oai.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8)
-    assert r.choices[0].text and r.usage.completion_tokens > 0
+    assert r.choices[0].text
+    assert r.usage.completion_tokens > 0
     e = oai.embeddings.create(model=MODEL, input=["hello", "world"])
-    assert len(e.data) == 2 and len(e.data[0].embedding) == 576
+    assert len(e.data) == 2
+    assert len(e.data[0].embedding) == 576
 
 
 def test_openai_json_schema_and_tools(oai: openai.OpenAI) -> None:
@@ -341,7 +362,8 @@ def test_openai_json_schema_and_tools(oai: openai.OpenAI) -> None:
     choice = call.choices[0]
     assert choice.finish_reason == "tool_calls"
     tool_call = choice.message.tool_calls[0]
-    assert tool_call.function.name == "get_weather" and "city" in json.loads(tool_call.function.arguments)
+    assert tool_call.function.name == "get_weather"
+    assert "city" in json.loads(tool_call.function.arguments)
     follow = oai.chat.completions.create(
         model=MODEL,
         temperature=0,
@@ -366,7 +388,8 @@ def test_openai_logprobs_and_errors(oai: openai.OpenAI) -> None:
         top_logprobs=2,
     )
     content = r.choices[0].logprobs.content
-    assert content and len(content[0].top_logprobs) == 2
+    assert content
+    assert len(content[0].top_logprobs) == 2
     with pytest.raises(openai.NotFoundError) as err:
         oai.chat.completions.create(model="nosuch", messages=[{"role": "user", "content": "Hi"}])
     assert err.value.body["type"] == "not_found_error"

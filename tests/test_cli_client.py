@@ -141,17 +141,27 @@ def test_create_uploads_the_gguf_and_the_server_builds_it(
         assert localrt(server, cli_store, "rm", name).returncode == 0
 
 
-def test_create_with_a_draft_over_the_server_says_why_not(
-    server: LocalrtServer, cli_store: Path, tmp_path: Path
+def test_create_with_a_draft_goes_through_the_server(
+    server: LocalrtServer, cli_store: Path, smollm2_gguf: Path, tmp_path: Path
 ) -> None:
-    modelfile = tmp_path / "Modelfile"
-    modelfile.write_text(f"FROM {MODEL}\nDRAFT {MODEL}\n")
-    result = localrt(server, cli_store, "create", "drafted:1", "-f", str(modelfile))
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [
-        "Error: DRAFT is not part of the server's create API yet; stop `localrt serve` to create "
-        "this model in-process"
-    ]
+    served = Store(Path(server.env["LOCALRT_MODELS"]))
+    # DRAFT naming a stored model: the server takes that model's weights as the draft
+    by_name = tmp_path / "Modelfile"
+    by_name.write_text(f"FROM {MODEL}\nDRAFT {MODEL}\n")
+    made = localrt(server, cli_store, "create", "drafted:1", "-f", str(by_name))
+    assert made.returncode == 0, made.stderr
+    assert served.resolve("drafted:1").draft_path == served.resolve(MODEL).model_path
+
+    # DRAFT naming a local GGUF: uploaded as a blob first, as FROM's file is
+    by_file = tmp_path / "Modelfile.file"
+    by_file.write_text(f"FROM {MODEL}\nDRAFT {smollm2_gguf}\n")
+    made = localrt(server, cli_store, "create", "drafted:2", "-f", str(by_file))
+    assert made.returncode == 0, made.stderr
+    assert served.resolve("drafted:2").draft_path == served.resolve(MODEL).model_path
+    assert not cli_store.exists()
+
+    for name in ("drafted:1", "drafted:2"):
+        assert localrt(server, cli_store, "rm", name).returncode == 0
 
 
 def test_pull_goes_through_the_server(server: LocalrtServer, cli_store: Path, smollm2_gguf: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 from localrt.backends.base import DoneEvent, GenerateRequest, LoadOptions, SamplingParams, TextEvent  # noqa: E402
-from localrt.backends.llamacpp import LlamaCppBackend, LlamaCppModel, LookupProposer  # noqa: E402
+from localrt.backends.llamacpp import LlamaCppBackend, LlamaCppModel, NgramProposer  # noqa: E402
 from localrt.errors import LocalrtError, OptionError  # noqa: E402
 
 CHAT = (
@@ -166,11 +166,11 @@ def test_cpu_build_reports_cpu(model: LlamaCppModel, smollm2_gguf: Path) -> None
 
 
 def test_lookup_proposer_finds_latest_match() -> None:
-    p = LookupProposer(sizes=(3, 2))
+    p = NgramProposer(sizes=(3, 2))
     history = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 2, 3]
     assert p.propose(history, 3) == [7, 8, 2]  # "2 3" last followed by 7 8 ...
     assert p.propose([*history, 7], 2) == [8, 2]  # "3 7" (and "2 3 7") seen before
-    assert LookupProposer().propose([1, 2, 3], 4) == []
+    assert NgramProposer().propose([1, 2, 3], 4) == []
 
 
 def test_parallel_slots_give_each_request_its_own_output(smollm2_gguf: Path, model: LlamaCppModel) -> None:

@@ -47,7 +47,8 @@ async def collect(stream: AsyncIterator[Chunk]) -> tuple[str, Chunk]:
         text += chunk.content
         if chunk.done:
             final = chunk
-    assert final is not None and final.metrics is not None
+    assert final is not None
+    assert final.metrics is not None
     return text, final
 
 
@@ -59,11 +60,15 @@ def test_chat_answers_and_reports_timings(store: Store) -> None:
             assert "Paris" in text
             assert final.done_reason == "stop"
             m = final.metrics
-            assert m is not None and m.load_ns > 0 and m.total_ns >= m.prompt_eval_ns + m.eval_ns
-            assert m.prompt_eval_count > 10 and m.eval_count > 0
+            assert m is not None
+            assert m.load_ns > 0
+            assert m.total_ns >= m.prompt_eval_ns + m.eval_ns
+            assert m.prompt_eval_count > 10
+            assert m.eval_count > 0
             # loaded once: the second request has no load time
             _, again = await collect(rt.chat("smollm2:135m", FRANCE, stream=False))
-            assert again.metrics is not None and again.metrics.load_ns == 0
+            assert again.metrics is not None
+            assert again.metrics.load_ns == 0
             assert "Paris" in again.content  # stream=False: the whole answer in the final chunk
         finally:
             await rt.close()
@@ -85,7 +90,8 @@ def test_two_turn_chat_keeps_context_and_evaluates_only_new_tokens(store: Store)
             assert "Berlin" in second
             _, p1 = await rt.render("smollm2:135m", [{"role": "system", "content": SYSTEM}, *FRANCE])
             _, p2 = await rt.render("smollm2:135m", [{"role": "system", "content": SYSTEM}, *history])
-            assert done1.metrics is not None and done2.metrics is not None
+            assert done1.metrics is not None
+            assert done2.metrics is not None
             assert done1.metrics.prompt_eval_count == len(p1)
             # what turn 2 adds: the end of the answer's turn and the new user turn (the answer itself
             # is in the cache already, from generating it)
@@ -103,7 +109,9 @@ def test_generate_raw_context_and_json(store: Store) -> None:
         rt = Runtime(store)
         try:
             text, final = await collect(rt.generate("smollm2:135m", "What is the capital of France?"))
-            assert "Paris" in text and final.context and len(final.context) > 10
+            assert "Paris" in text
+            assert final.context
+            assert len(final.context) > 10
             raw, _ = await collect(
                 rt.generate(
                     "smollm2:135m",
@@ -135,7 +143,8 @@ def test_stop_option_logprobs_and_options_precedence(store: Store) -> None:
         rt = Runtime(store)
         try:
             text, final = await collect(rt.chat("smollm2:135m", FRANCE, options={"stop": ["Paris"]}))
-            assert "Paris" not in text and final.done_reason == "stop"
+            assert "Paris" not in text
+            assert final.done_reason == "stop"
             _, final = await collect(
                 rt.chat(
                     "smollm2:135m",
@@ -146,8 +155,12 @@ def test_stop_option_logprobs_and_options_precedence(store: Store) -> None:
                     stream=False,
                 )
             )
-            assert final.done_reason == "length" and final.metrics and final.metrics.eval_count == 3
-            assert final.logprobs and len(final.logprobs) == 3 and len(final.logprobs[0]["top_logprobs"]) == 2
+            assert final.done_reason == "length"
+            assert final.metrics
+            assert final.metrics.eval_count == 3
+            assert final.logprobs
+            assert len(final.logprobs) == 3
+            assert len(final.logprobs[0]["top_logprobs"]) == 2
         finally:
             await rt.close()
 
@@ -159,11 +172,9 @@ def test_embed_tokenize_score(store: Store) -> None:
         rt = Runtime(store)
         try:
             result = await rt.embed("smollm2:135m", ["hello world", "goodbye"])
-            assert (
-                len(result.embeddings) == 2
-                and len(result.embeddings[0]) == 576
-                and result.prompt_eval_count > 0
-            )
+            assert len(result.embeddings) == 2
+            assert len(result.embeddings[0]) == 576
+            assert result.prompt_eval_count > 0
             ids = await rt.tokenize("smollm2:135m", "Hello world")
             assert await rt.detokenize("smollm2:135m", ids) == "Hello world"
             scored = await rt.score("smollm2:135m", "The capital of France is Paris.")
@@ -183,15 +194,20 @@ def test_keep_alive_zero_unloads_and_ps(store: Store) -> None:
         try:
             await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 2}, keep_alive="1m"))
             (row,) = rt.ps()
-            assert row.name == "smollm2:135m" and row.backend == "llama.cpp" and row.context_length == 1024
-            assert row.expires_at is not None and row.size > 0
+            assert row.name == "smollm2:135m"
+            assert row.backend == "llama.cpp"
+            assert row.context_length == 1024
+            assert row.expires_at is not None
+            assert row.size > 0
             await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 2}, keep_alive=0))
             assert rt.ps() == []
             # empty messages: load only, then unload with keep_alive 0
             _, loaded = await collect(rt.chat("smollm2:135m", []))
-            assert loaded.done_reason == "load" and len(rt.ps()) == 1
+            assert loaded.done_reason == "load"
+            assert len(rt.ps()) == 1
             _, unloaded = await collect(rt.chat("smollm2:135m", [], keep_alive=0))
-            assert unloaded.done_reason == "unload" and rt.ps() == []
+            assert unloaded.done_reason == "unload"
+            assert rt.ps() == []
         finally:
             await rt.close()
 
@@ -208,7 +224,8 @@ def test_keep_alive_expiry_and_unload(store: Store) -> None:
             assert rt.ps() == []
             await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 1}, keep_alive=-1))
             assert rt.ps()[0].expires_at is None  # forever
-            assert await rt.unload("smollm2:135m") and rt.ps() == []
+            assert await rt.unload("smollm2:135m")
+            assert rt.ps() == []
             assert not await rt.unload("smollm2:135m")
         finally:
             await rt.close()
@@ -279,7 +296,8 @@ def test_parallel_slots_serve_requests_side_by_side(
             )
             await long.__anext__()  # streaming, holding one slot
             text, done = await collect(rt.chat("smollm2:135m", FRANCE, options={"backend": backend}))
-            assert "Paris" in text and done.done_reason == "stop"
+            assert "Paris" in text
+            assert done.done_reason == "stop"
             assert rt.queue_depth() == {"smollm2:135m": 1}  # the story is still running
             await long.aclose()
         finally:
@@ -337,7 +355,8 @@ def test_each_conversation_keeps_its_slot_and_its_prefix(
             for msgs in chats:
                 _, done = await collect(rt.chat("smollm2:135m", msgs, options={"num_predict": 4}))
                 _, full = await rt.render("smollm2:135m", [{"role": "system", "content": SYSTEM}, *msgs])
-                assert done.metrics is not None and done.metrics.prompt_eval_count < len(full) // 3
+                assert done.metrics is not None
+                assert done.metrics.prompt_eval_count < len(full) // 3
         finally:
             await rt.close()
 
@@ -352,7 +371,9 @@ def test_load_time_option_change_reloads(store: Store) -> None:
             _, final = await collect(
                 rt.chat("smollm2:135m", FRANCE, options={"num_predict": 1, "num_ctx": 512})
             )
-            assert final.metrics and final.metrics.load_ns > 0 and rt.ps()[0].context_length == 512
+            assert final.metrics
+            assert final.metrics.load_ns > 0
+            assert rt.ps()[0].context_length == 512
         finally:
             await rt.close()
 
@@ -378,11 +399,15 @@ def test_speculative_through_the_runtime(store: Store, smollm2_gguf: Path) -> No
             looked, fin = await collect(
                 rt.chat("smollm2:135m", copy, options={"num_predict": 30, "speculative": "lookup"})
             )
-            assert looked == plain and fin.metrics and fin.metrics.draft_count > 0
+            assert looked == plain
+            assert fin.metrics
+            assert fin.metrics.draft_count > 0
             drafted, fin = await collect(
                 rt.chat("smollm2:draft", copy, options={"num_predict": 30})
             )  # auto -> draft
-            assert drafted == plain and fin.metrics and fin.metrics.draft_accepted_count > 0
+            assert drafted == plain
+            assert fin.metrics
+            assert fin.metrics.draft_accepted_count > 0
             with pytest.raises(OptionError, match="not supported"):
                 await collect(rt.chat("smollm2:135m", copy, options={"speculative": "self"}))
         finally:

@@ -56,7 +56,9 @@ def chat(model: TorchModel, q: str, system: str = "You are a helpful assistant."
 def test_capabilities() -> None:
     caps = TorchBackend.capabilities()
     assert caps.speculative == {"draft", "lookup", "self"}
-    assert caps.parallel_slots > 1 and "q8_0" in caps.kv_cache_types and "cpu" in caps.devices
+    assert caps.parallel_slots > 1
+    assert "q8_0" in caps.kv_cache_types
+    assert "cpu" in caps.devices
     assert TorchBackend.availability() == (True, "")
 
 
@@ -157,7 +159,8 @@ def test_embed_is_normalized_and_deterministic(model: TorchModel) -> None:
     a, b, a2 = asyncio.run(
         model.embed(["The cat sat on the mat.", "Quantum chromodynamics", "The cat sat on the mat."])
     )
-    assert len(a) == 576 and abs(np.linalg.norm(a) - 1) < 1e-6
+    assert len(a) == 576
+    assert abs(np.linalg.norm(a) - 1) < 1e-6
     np.testing.assert_allclose(a, a2, atol=1e-6)
     assert float(np.dot(a, b)) < 0.999
 
@@ -276,5 +279,6 @@ def test_fidelity_through_score_against_llama_cpp_blas(
         f"llama.cpp (OpenBLAS) {reference_alone.perplexity:.4f} over {got.tokens} tokens"
     )
     assert got.tokens >= 2000
-    assert got.top1 is not None and got.top1 >= 0.98, got
+    assert got.top1 is not None, got
+    assert got.top1 >= 0.98, got
     assert abs(got.perplexity / reference_alone.perplexity - 1) < 0.005, (got, reference_alone)

@@ -66,7 +66,8 @@ def decode_logits(
             out.append(logits)
             for p, token in zip(prompts, logits.argmax(-1).tolist()):
                 p.append(token)
-    assert graphs.replays == 0 and graphs.runs == (steps if static else 0)
+    assert graphs.replays == 0
+    assert graphs.runs == (steps if static else 0)
     return out, cache
 
 
@@ -163,7 +164,10 @@ def test_engine_decodes_through_the_static_path(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(DecodeGraphs, "run", run)
     assert run_each(model, REQUESTS, together=True) == plain
-    assert runs and runs[0].buckets == [1, 2, 3] and runs[0].replays == 0
+    assert runs
+    assert runs[0].buckets == [1, 2, 3]
+    assert runs[0].replays == 0
     assert runs[0].cache.num_blocks == runs[0].scratch_block + 1  # the scratch block is past the pool's
     off = Engine(model, EngineConfig(context_length=256, cuda_graphs=False))
-    assert off.graphs is None and off.graph_replays == 0
+    assert off.graphs is None
+    assert off.graph_replays == 0

@@ -76,7 +76,8 @@ def generated(seq: Sequence) -> list[int]:
 def assert_pool_empty(engine: Engine) -> None:
     engine.pool.check()
     assert engine.pool.num_free == engine.pool.num_blocks
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.scheduler.running
+    assert not engine.scheduler.waiting
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,8 @@ def test_block_pool_free_list_and_ref_counts() -> None:
     pool = BlockPool(4)
     a, b = pool.allocate(), pool.allocate()
     pool.retain(a)
-    assert pool.num_free == 2 and pool.ref_count[a] == 2
+    assert pool.num_free == 2
+    assert pool.ref_count[a] == 2
     pool.release(a)
     assert pool.ref_count[a] == 1
     pool.allocate_many(2)
@@ -120,7 +122,8 @@ def test_block_pool_free_list_and_ref_counts() -> None:
     assert pool.num_free == 1  # evictable counts as free
     evicted = []
     pool.on_evict = evicted.append
-    assert pool.allocate() == b and evicted == [b]
+    assert pool.allocate() == b
+    assert evicted == [b]
     pool.check()
     with pytest.raises(LocalrtError, match="free"):
         BlockPool(2).retain(0)  # a block nobody owns cannot be shared
@@ -156,7 +159,8 @@ def test_chunked_prefill_keeps_decodes_running(model: Transformer) -> None:
             before = len(short.tokens)
             engine.step()
             progress.append(len(short.tokens) - before)
-    assert len(progress) >= 10 and all(p == 1 for p in progress[: len(progress) - 1])
+    assert len(progress) >= 10
+    assert all(p == 1 for p in progress[: len(progress) - 1])
     with torch.inference_mode():
         engine.run()
     assert generated(long) == solo(model, Req(long.tokens[:270], 2, GREEDY))
@@ -197,7 +201,9 @@ def test_too_long_for_the_pool_fails_cleanly(model: Transformer) -> None:
     seq = engine.new_sequence(list(range(3, 80)), GREEDY, max_new=4)
     with torch.inference_mode():
         engine.run([seq])
-    assert seq.finished and seq.error is not None and "KV cache" in str(seq.error)
+    assert seq.finished
+    assert seq.error is not None
+    assert "KV cache" in str(seq.error)
     assert_pool_empty(engine)
 
 
@@ -215,7 +221,8 @@ def test_prefix_cache_hits_and_identical_output(model: Transformer) -> None:
     assert fed[0] == 103
     # later requests compute only their question: 6 full blocks are shared, the 4 system tokens of
     # the 7th block are copied from the previous request's cached tail (copy-on-write)
-    assert fed[1] == 2 and fed[2] == 4
+    assert fed[1] == 2
+    assert fed[2] == 4
     assert engine.prefix.hit_tokens >= 2 * 96
     for q, out in zip(questions, outputs):
         assert out == solo(model, Req([*system, *q], 8, GREEDY))

@@ -66,7 +66,8 @@ def test_dequantizers_match_gguf_py(type_name: str) -> None:
 def test_dequantize_keeps_torch_order() -> None:
     data = np.arange(6, dtype=np.float32)
     out = dequantize(torch.from_numpy(data.view(np.uint8).copy()), "F32", (3, 2))  # GGUF shape: ne0 = 3
-    assert out.shape == (2, 3) and out[1, 0] == 3
+    assert out.shape == (2, 3)
+    assert out[1, 0] == 3
 
 
 def tiny_logits_llama_cpp(path: Path, tokens: list[int]) -> np.ndarray:
@@ -93,7 +94,8 @@ def test_tiny_gguf_logits_match_llama_cpp(tmp_path: Path, file_type: str) -> Non
         seed=3,
     )
     model = Transformer.from_gguf(GGUFTensors(path), torch.float32, "cpu")
-    assert model.cfg.attention_head_count_kv == 2 and not model.cfg.rope_neox
+    assert model.cfg.attention_head_count_kv == 2
+    assert not model.cfg.rope_neox
     tokens = [1, *np.random.default_rng(0).integers(5, model.cfg.vocab_size, 40).tolist()]
     with torch.inference_mode():
         ours = model(torch.tensor(tokens), DenseCausal(len(tokens))).numpy()
@@ -213,7 +215,8 @@ def test_smollm2_fidelity_2k_tokens(file_type: str, smollm2_file: Callable[[str]
     )
     assert got["top1"] >= decoded["top1"] - 0.002, (got, decoded)
     assert emu["top1"] >= decoded["top1"] - 0.01, (emu, decoded)
-    assert got["top1"] >= 0.95 and got["max_margin"] < 1.0, got
+    assert got["top1"] >= 0.95, got
+    assert got["max_margin"] < 1.0, got
     assert abs(emu["ppl_ours"] / emu["ppl_ref"] - 1) < 0.01, emu
     assert abs(got["ppl_ours"] / got["ppl_ref"] - 1) < (0.01 if file_type == "Q4_1" else 0.015), got
 
@@ -412,7 +415,8 @@ def test_ggml_activation_rounding_reproduces_llama_cpp(tmp_path: Path, file_type
         np.testing.assert_array_equal(restored, plain)  # removing the hooks restores the default numerics
         exact["plain"] += int(np.abs(plain - ref).max() < 1e-4)
         exact["emulated"] += int(np.abs(emulated - ref).max() < 1e-4)
-    assert exact["plain"] == 0 and exact["emulated"] >= 2, exact
+    assert exact["plain"] == 0, exact
+    assert exact["emulated"] >= 2, exact
 
 
 def test_ggml_attention_rounding_is_closer_to_llama_cpp_f16_kv(tmp_path: Path) -> None:

@@ -40,7 +40,8 @@ def test_int4_groups_are_the_dequantized_weights(qtype: str) -> None:
     rows, cols = 8, 512
     raw = random_blocks(qtype, rows, cols)
     q, scale, zero = quantized.int4_groups(raw, qtype, rows, cols)
-    assert int(q.min()) >= 0 and int(q.max()) <= 15
+    assert int(q.min()) >= 0
+    assert int(q.max()) <= 15
     mapped = ((q.float() - 8).view(rows, -1, 32) * scale[..., None] + zero[..., None]).view(rows, cols)
     reference = DEQUANTIZERS[qtype](raw.view(-1, BLOCK_BYTES[qtype])).reshape(rows, cols)
     # exact but for the zero's one fp32 rounding (Q4_1: m + 8d; Q4_K: 8 d sc - dmin m)
@@ -86,7 +87,8 @@ def test_q4_k_model_stays_quantized_close_and_small(tmp_path: Path) -> None:
         try:
             kinds = {type(module).__name__ for module in m.model.modules()}
             if numerics == "quantized":
-                assert "Int4Linear" in kinds and "Linear" not in kinds
+                assert "Int4Linear" in kinds
+                assert "Linear" not in kinds
                 assert m.weight_bytes() <= 1.5 * tensor_bytes(path)
             else:
                 assert m.weight_bytes() > 4 * tensor_bytes(path)  # fp32: about 7x a 4.5-bit file

@@ -37,7 +37,8 @@ def test_verifier_first_token_follows_target(proposer: str) -> None:
         else:
             drafts = [2, 4, 1]  # prompt-lookup style: no distribution, q = one-hot
             tokens, accepted = verify(sampler, target_logits, drafts, None, [])
-        assert len(tokens) == accepted + 1 and tokens[:accepted] == drafts[:accepted]
+        assert len(tokens) == accepted + 1
+        assert tokens[:accepted] == drafts[:accepted]
         counts[tokens[0]] += 1
         lengths.append(len(tokens))
     assert_same_distribution(counts, torch.softmax(target_logits[0], -1).double().numpy())
@@ -52,7 +53,8 @@ def test_greedy_verification_is_token_equality() -> None:
 
 
 def test_break_even() -> None:
-    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
     free = break_even_acceptance(4, 0.0)
     assert free < 1e-6  # guesses that cost nothing always pay
     costly = break_even_acceptance(4, 0.5)  # 3x the work per step: needs E[tokens] >= 3
@@ -114,7 +116,8 @@ def test_speculative_sampling_keeps_the_target_distribution(mode: str) -> None:
         counts[t2 * MC_VOCAB + t3] += 1
     drafted = sum(s.timings.draft_count for s in seqs)
     accepted = sum(s.timings.draft_accepted_count for s in seqs)
-    assert drafted > trials // 2 and 0 < accepted < drafted
+    assert drafted > trials // 2
+    assert 0 < accepted < drafted
     assert_same_distribution(counts, target_pair_distribution(target, prompt, params))
     assert engine.pool.num_free == engine.pool.num_blocks
 
@@ -165,6 +168,7 @@ def test_speculation_switches_off_below_break_even() -> None:
     )
     with torch.inference_mode():
         engine.run([seq])
-    assert seq.spec is not None and not seq.spec.enabled
+    assert seq.spec is not None
+    assert not seq.spec.enabled
     assert seq.timings.draft_count < 60  # it stopped guessing early, not after 150 tokens
     assert seq.spec.acceptance < break_even_acceptance(4, seq.spec.cost_per_draft)

@@ -5,7 +5,7 @@ speculation inside the batch) on llama-cpp-python's low-level API.
 `backend.py` the adapter implementing backends/base.py.
 """
 
-from localrt.backends.lookup import LookupIndex as LookupProposer
+from localrt.backends.lookup import NgramProposer
 
 from .backend import NAME, PIP_HINT, LlamaCppBackend, LlamaCppModel
 from .lib import KV_TYPES, _lib, default_threads, gpu_offload_supported
@@ -19,7 +19,7 @@ __all__ = [
     "ExternalChunk",
     "LlamaCppBackend",
     "LlamaCppModel",
-    "LookupProposer",
+    "NgramProposer",
     "_lib",
     "default_threads",
     "gpu_offload_supported",

@@ -24,13 +24,24 @@ from localrt.backends.base import (
     Event,
     GenerateRequest,
     LoadOptions,
+    ModelLifetime,
     ScoreResult,
-    log_softmax,
+    loaded_context,
     run_in_thread_stream,
 )
+from localrt.backends.checks import (
+    check_draft_vocabulary,
+    check_loaded,
+    check_prompt,
+    check_prompt_fits,
+    check_scored,
+    check_speculative,
+)
 from localrt.backends.mtmd import MediaPrompt, Projector  # issue 19: images through libmtmd
+from localrt.backends.outputs import embedding_tokens, empty_score, fill_score, unit_vector
 from localrt.backends.rerank import Reranker, is_reranker  # issue 19: rank pooling
-from localrt.errors import LocalrtError, OptionError
+from localrt.backends.speculation import VERIFY_COST_PER_DRAFT
+from localrt.errors import LocalrtError
 
 from .lib import (
     KV_BYTES,
@@ -43,9 +54,9 @@ from .lib import (
     default_threads,
     gpu_offload_supported,
     load_model,
-    token_piece,
 )
 from .step import BatchedContext, DraftContext, ExternalChunk, Job, PromptItem, copy_threshold
+from .vocab import Vocab, VocabMethods
 
 NAME = "llama.cpp"
 PIP_HINT = "pip install 'localrt[llama]'  (or: pip install llama-cpp-python)"
@@ -73,9 +84,6 @@ class LlamaCppBackend:
         if gpu_offload_supported():
             devices = ("cpu", "metal") if sys.platform == "darwin" else ("cpu", "gpu")
         return Capabilities(
-            chat=True,
-            embedding=True,
-            score=True,
             grammar=True,
             speculative=frozenset({"draft", "lookup"}),
             kv_cache_types=tuple(KV_TYPES),
@@ -127,7 +135,7 @@ def auto_parallel(per_sequence: int, budget: int) -> int:
     return min(AUTO_MAX_PARALLEL, fit)
 
 
-class LlamaCppModel:
+class LlamaCppModel(VocabMethods, ModelLifetime):
     backend_name = NAME
 
     def __init__(self, path: Path, opts: LoadOptions) -> None:
@@ -143,8 +151,6 @@ class LlamaCppModel:
         self._projector: Projector | None = None
         self._reranker: Reranker | None = None
         self._closed = False
-        self._special: list[str] | None = None
-        self._pieces: dict[tuple[int, bool], bytes] = {}
         try:
             self._setup(opts)
         except BaseException:
@@ -154,15 +160,9 @@ class LlamaCppModel:
 
     def _setup(self, opts: LoadOptions) -> None:
         m = self.model
-        self.vocab = m.vocab
-        self.n_vocab = m.n_vocab()
+        self._take_vocab(Vocab(m))
         self.metadata: dict[str, str] = m.metadata()
-        bos = m.token_bos()
-        self.bos_token_id: int | None = bos if bos >= 0 else None
-        self.eos_token_ids = [t for t in {m.token_eos(), m.token_eot()} if t >= 0 and self._is_eog(t)]
-        self.add_bos = bool(m.add_bos_token()) and self.bos_token_id is not None
-        n_train = m.n_ctx_train()
-        self.context_length = max(16, min(opts.num_ctx, n_train) if n_train > 0 else opts.num_ctx)
+        self.context_length = loaded_context(opts.num_ctx, m.n_ctx_train())
         per_token = kv_bytes_per_token(self.metadata, opts.kv_cache_type)
         n_par = opts.num_parallel
         if n_par <= 0:
@@ -192,6 +192,7 @@ class LlamaCppModel:
             n_ctx_seq=self.context_length,
             step_tokens=step_tokens,
             draft=draft,
+            verify_cost=VERIFY_COST_PER_DRAFT["gpu" if self.on_gpu else "cpu"],
             copy_min=copy_threshold(per_token * self.context_length, int(m.size())),
         )
         if opts.projector is not None:
@@ -219,14 +220,14 @@ class LlamaCppModel:
         """The draft model's weights and one context with the target's seq ids (same vocabulary required)."""
         model, _ = load_model(path, self.opts)
         self._draft_model = model
-        lib = self.lib
-        step = max(1, self.n_vocab // 97)
-        same = model.n_vocab() == self.n_vocab and all(
-            token_piece(lib, model.vocab, t, True, {}) == self.piece(t, True)
-            for t in range(0, self.n_vocab, step)
+        draft_vocab = Vocab(model)
+        check_draft_vocabulary(
+            path,
+            self.n_vocab,
+            draft_vocab.n_vocab,
+            lambda t: self.piece(t, True),
+            lambda t: draft_vocab.piece(t, True),
         )
-        if not same:
-            raise LocalrtError(f"draft model {path.name} does not share the model's vocabulary")
         dparams = context_params(
             self.opts,
             n_ctx=params.n_ctx,
@@ -236,47 +237,6 @@ class LlamaCppModel:
             threads=self.threads,
         )
         return DraftContext(model, create_context(model, dparams), params.n_seq_max, params.n_batch)
-
-    # -- tokens --
-    def _is_eog(self, token: int) -> bool:
-        return bool(self.lib.llama_vocab_is_eog(self.model.vocab, token))
-
-    def piece(self, token: int, special: bool = False) -> bytes:
-        if self._closed:
-            raise LocalrtError("the model was unloaded")
-        return token_piece(self.lib, self.model.vocab, token, special, self._pieces)
-
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        if self._closed:
-            raise LocalrtError("the model was unloaded")
-        if not text:
-            return (
-                [self.bos_token_id] if add_special and self.add_bos and self.bos_token_id is not None else []
-            )
-        return self.model.tokenize(text.encode("utf-8"), add_special, parse_special)
-
-    def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
-        return b"".join(self.piece(int(t), special) for t in ids).decode("utf-8", errors="replace")
-
-    def token_text(self, token_id: int) -> str:
-        return self.piece(token_id, True).decode("utf-8", errors="replace")
-
-    def special_tokens(self) -> list[str]:
-        """Texts that tokenizing with parse_special=True turns into control / user-defined tokens."""
-        if self._special is None:
-            lib = self.lib
-            mask = (
-                lib.LLAMA_TOKEN_ATTR_CONTROL
-                | lib.LLAMA_TOKEN_ATTR_USER_DEFINED
-                | lib.LLAMA_TOKEN_ATTR_UNKNOWN
-            )
-            texts = {
-                self.token_text(t)
-                for t in range(self.n_vocab)
-                if lib.llama_vocab_get_attr(self.vocab, t) & mask
-            }
-            self._special = sorted(t for t in texts if t)
-        return self._special
 
     # -- generation --
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
@@ -309,19 +269,19 @@ class LlamaCppModel:
         if not req.images or self._projector is None:
             return None
         media = self._projector.expand(req.prompt_tokens, req.images)
-        problem = ""
-        if len(media.cells) >= self.context_length:
-            problem = (
-                f"the prompt with its images is {len(media.cells)} tokens, which does not fit the context "
-                f"length of {self.context_length} tokens (raise num_ctx or send fewer images)"
+        try:
+            check_prompt_fits(
+                len(media.cells), self.context_length, what="prompt with its images", fix="send fewer images"
             )
-        elif not isinstance(media.cells[-1], int):
-            problem = "the prompt must end with text after its last image"
-        elif media.position_gaps():
-            problem = "images on M-RoPE vision models are not supported by the batched llama.cpp backend yet"
-        if problem:
+            if not isinstance(media.cells[-1], int):
+                raise LocalrtError("the prompt must end with text after its last image")
+            if media.position_gaps():
+                raise LocalrtError(
+                    "images on M-RoPE vision models are not supported by the batched llama.cpp backend yet"
+                )
+        except LocalrtError:
             media.close()
-            raise LocalrtError(problem)
+            raise
         return media
 
     def _media_items(self, media: MediaPrompt) -> list[PromptItem]:
@@ -356,8 +316,7 @@ class LlamaCppModel:
 
     def _rerank_blocking(self, query: str, documents: list[str]) -> tuple[list[float], int]:
         with self._embed_lock:
-            if self._closed:
-                raise LocalrtError("the model was unloaded")
+            check_loaded(self._closed)
             if self._reranker is None:
                 self._reranker = Reranker(
                     self.lib, self.model, self.metadata, self.context_length, self.threads
@@ -374,38 +333,18 @@ class LlamaCppModel:
             job.cancel.cancel()
 
     def _require_engine(self) -> BatchedContext:
-        if self._closed or self.engine is None:
-            raise LocalrtError("the model was unloaded")
+        check_loaded(self._closed or self.engine is None)
+        assert self.engine is not None
         return self.engine
 
     def _check_request(self, req: GenerateRequest) -> None:
         self._require_engine()
-        mode = req.speculative
-        if mode not in ("off", "auto") and mode not in self.capabilities.speculative:
-            raise OptionError(
-                f"speculative mode {mode!r} is not supported by the llama.cpp backend "
-                f"(supported: off, auto, {', '.join(sorted(self.capabilities.speculative))})"
-            )
-        if mode == "draft" and self._draft_model is None:
-            raise OptionError(
-                "speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)"
-            )
+        check_speculative(req.speculative, self.capabilities.speculative, self._draft_model is not None, NAME)
         if req.images and self._projector is None:
             raise LocalrtError("this model has no projector loaded, so it does not support images")
-        if not req.prompt_tokens:
-            raise LocalrtError("the prompt is empty")
-        if len(req.prompt_tokens) >= self.context_length:
-            raise LocalrtError(
-                f"the prompt is {len(req.prompt_tokens)} tokens, which does not fit the context length of "
-                f"{self.context_length} tokens (raise num_ctx or shorten the input)"
-            )
-        bad = [
-            t
-            for t in req.prompt_tokens
-            if not 0 <= t < self.n_vocab and not (req.images and t == IMAGE_TOKEN)
-        ]
-        if bad:
-            raise LocalrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
+        check_prompt(
+            req.prompt_tokens, self.context_length, self.n_vocab, (IMAGE_TOKEN,) if req.images else ()
+        )
 
     # -- scoring --
     async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
@@ -415,14 +354,10 @@ class LlamaCppModel:
 
     def _score_blocking(self, tokens: list[int], return_logits: bool) -> ScoreResult:
         n = len(tokens)
-        if n > self.context_length:
-            raise LocalrtError(f"{n} tokens do not fit the context length of {self.context_length}")
-        if any(not 0 <= t < self.n_vocab for t in tokens):
-            raise LocalrtError("a token id is outside the vocabulary")
-        logprobs = np.zeros(max(0, n - 1), dtype=np.float64)
-        logits_out = np.zeros((max(0, n - 1), self.n_vocab), dtype=np.float32) if return_logits else None
+        check_scored(tokens, self.context_length, self.n_vocab)
+        result = empty_score(n, self.n_vocab, return_logits)
         if n < 2:
-            return ScoreResult(logprobs, logits_out)
+            return result
         engine = self._require_engine()
 
         def run(ctx: Any, seq: int) -> None:
@@ -433,34 +368,22 @@ class LlamaCppModel:
                     batch.clear()
                     batch.add(chunk, start, seq, True)
                     engine.decode_exclusive(batch)
-                    self._take_scores(ctx, tokens, start, len(chunk), logprobs, logits_out)
+                    self._take_scores(ctx, tokens, start, len(chunk), result)
             finally:
                 batch.close()
 
         engine.run_task(run)
-        return ScoreResult(logprobs, logits_out)
+        return result
 
-    def _take_scores(
-        self,
-        ctx: Any,
-        tokens: list[int],
-        start: int,
-        count: int,
-        logprobs: np.ndarray,
-        logits_out: np.ndarray | None,
-    ) -> None:
-        n = len(tokens)
+    def _take_scores(self, ctx: Any, tokens: list[int], start: int, count: int, result: ScoreResult) -> None:
+        """The chunk's logits rows (tokens[start : start+count]) into the result; the last token scores nothing."""
         block = np.ctypeslib.as_array(self.lib.llama_get_logits(ctx), shape=(count, self.n_vocab))
         for s in range(0, count, 64):  # bounded temporaries
             first = start + s
-            last = min(first + min(64, count - s), n - 1)
+            last = min(first + min(64, count - s), len(tokens) - 1)
             if last <= first:
                 break
-            rows = block[s : s + last - first]
-            lp = log_softmax(rows)
-            logprobs[first:last] = lp[np.arange(last - first), tokens[first + 1 : last + 1]]
-            if logits_out is not None:
-                logits_out[first:last] = rows
+            fill_score(result, tokens, first, block[s : s + last - first])
 
     # -- embeddings --
     def _embed_context(self) -> tuple[Any, Any, int]:
@@ -497,16 +420,13 @@ class LlamaCppModel:
 
     def _embed_blocking(self, texts: list[str]) -> list[list[float]]:
         with self._embed_lock:
-            if self._closed:
-                raise LocalrtError("the model was unloaded")
+            check_loaded(self._closed)
             ctx, batch, n_max = self._embed_context()
             n_embd = self.model.n_embd()
             return [self._embed_one(ctx, batch, n_max, n_embd, text) for text in texts]
 
     def _embed_one(self, ctx: Any, batch: Any, n_max: int, n_embd: int, text: str) -> list[float]:
-        tokens = self.tokenize(text, add_special=True)[:n_max]
-        if not tokens:
-            tokens = [self.eos_token_ids[0] if self.eos_token_ids else 0]
+        tokens = embedding_tokens(self.tokenize, text, n_max, self.eos_token_ids)
         batch.reset()
         batch.add_sequence(tokens, 0, True)
         ctx.kv_cache_clear()
@@ -517,16 +437,10 @@ class LlamaCppModel:
         ptr = self.lib.llama_get_embeddings_seq(ctx.ctx, 0)
         if not ptr:
             ptr = self.lib.llama_get_embeddings_ith(ctx.ctx, -1)
-        vec = np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64)
-        norm = float(np.linalg.norm(vec))
-        return (vec / norm if norm > 0 else vec).tolist()
+        return unit_vector(np.ctypeslib.as_array(ptr, shape=(n_embd,)))
 
     # -- lifetime --
-    def unload(self) -> None:
-        if self._closed:
-            return
-        self.cancel()
-        self._closed = True
+    def _free(self) -> None:
         self._close_all()
 
     def _close_all(self) -> None:

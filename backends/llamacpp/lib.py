@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from localrt.backends.base import LoadOptions, SamplingParams
+from localrt.backends.checks import check_kv_cache_type, check_model_file
 from localrt.backends.grammar import grammar_sampler
 from localrt.errors import LocalrtError, OptionError
 
@@ -56,11 +57,7 @@ def gpu_offload_supported() -> bool:
 
 
 def check_kv_options(opts: LoadOptions) -> None:
-    if opts.kv_cache_type not in KV_TYPES:
-        raise OptionError(
-            f"kv_cache_type {opts.kv_cache_type!r} is not supported by the llama.cpp backend "
-            f"(supported: {', '.join(KV_TYPES)})"
-        )
+    check_kv_cache_type(opts.kv_cache_type, list(KV_TYPES), "llama.cpp")
     if opts.flash_attn is False and opts.kv_cache_type in QUANTIZED_KV:
         raise OptionError(f"kv_cache_type {opts.kv_cache_type} needs flash attention")
 
@@ -74,8 +71,7 @@ def load_model(path: Path, opts: LoadOptions) -> tuple[Any, bool]:
     use_gpu = gpu_offload_supported()
     n_gpu = opts.num_gpu if use_gpu else 0
     params.n_gpu_layers = 0x7FFFFFFF if n_gpu < 0 else n_gpu
-    if not path.is_file():
-        raise LocalrtError(f"model file not found: {path}")
+    check_model_file(path)
     try:
         model = _internals.LlamaModel(path_model=str(path), params=params, verbose=False)
     except ValueError as e:

@@ -1,7 +1,7 @@
 """The one batched llama.cpp context and its step loop.
 
 One thread owns the context. Each step it builds one `llama_batch` holding every running sequence's next
-token(s) — the last sampled token plus any speculative guesses, each sequence on its own seq id and
+token(s) — the last sampled token plus any draft tokens, each sequence on its own seq id and
 positions — and fills the rest of a per-step token budget with prompt chunks (chunked prefill), then runs
 one `llama_decode` and samples every sequence from its own rows with its own sampler chain. Requests join
 and leave at every step. Sequence ids outnumber the running sequences: finished sequences stay in the KV
@@ -32,16 +32,19 @@ from localrt.backends.base import (
     TextAssembler,
     Timings,
     TokenLogprob,
-    TopLogprob,
-    log_softmax,
 )
-from localrt.backends.lookup import LookupIndex
+from localrt.backends.outputs import logprob_from_logits
+from localrt.backends.speculation import (
+    DEFAULT_NUM_DRAFT,
+    VERIFY_COST_PER_DRAFT,
+    SpecState,
+    speculative_method,
+)
 from localrt.errors import LocalrtError
 
 from .lib import Batch, Memory, _lib, logits_row, make_sampler, sample, token_piece
 
-DEFAULT_NUM_DRAFT = {"draft": 4, "lookup": 8}
-MAX_VERIFY = 48  # guesses + 1 per sequence and step
+MAX_VERIFY = 48  # draft tokens + 1 per sequence and step
 # The shared-prefix length from which a prefix is copied when the caller gives no cost figures, and the
 # least a new request must share with a prompt still being evaluated to wait for it rather than start.
 COPY_MIN = 32
@@ -121,10 +124,7 @@ class Job:
     t_prompt: int = 0
     n_gen: int = 0
     max_new: int = 0
-    proposer: str = "off"  # off | lookup | draft
-    lookup: LookupIndex | None = None
-    k: int = 0
-    k_max: int = 0
+    spec: SpecState | None = None  # None: no speculation
     drafts: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # batch indices with logits for this job this step
     finished: threading.Event = field(default_factory=threading.Event)
@@ -148,7 +148,7 @@ class Task:
 
 
 class DraftContext:
-    """The draft model's context: the same seq ids as the target, greedy guesses for many sequences at once."""
+    """The draft model's context: the same seq ids as the target, greedy draft tokens for many sequences at once."""
 
     def __init__(self, model: Any, ctx: Any, n_seq_max: int, n_batch: int) -> None:
         self.lib = _lib()
@@ -159,7 +159,7 @@ class DraftContext:
         self.cells: list[list[int]] = [[] for _ in range(n_seq_max)]
 
     def propose(self, wants: list[tuple[int, list[int], int]]) -> list[list[int]]:
-        """wants: (seq id, history, k) -> up to k greedy guesses per entry (one draft decode per round)."""
+        """wants: (seq id, history, k) -> up to k greedy draft tokens per entry (one draft decode per round)."""
         remaining: list[list[int]] = []
         for seq, history, _ in wants:
             keep = min(common_prefix(self.cells[seq], history), len(history) - 1)
@@ -208,7 +208,7 @@ class DraftContext:
         return live
 
     def _take(self, i: int, row: int, wants: list[tuple[int, list[int], int]], out: list[list[int]]) -> bool:
-        """Append the argmax of `row` to entry i's guesses; True while it wants more."""
+        """Append the argmax of `row` to entry i's draft tokens; True while it wants more."""
         token = int(np.argmax(logits_row(self.lib, self.ctx.ctx, row, self.n_vocab)))
         if self.lib.llama_vocab_is_eog(self.model.vocab, token):
             return False
@@ -240,6 +240,7 @@ class BatchedContext:
         n_ctx_seq: int,
         step_tokens: int,
         draft: DraftContext | None = None,
+        verify_cost: float = VERIFY_COST_PER_DRAFT["cpu"],
         copy_min: int = COPY_MIN,
         ram_cache_bytes: int = RAM_CACHE_BYTES,
     ) -> None:
@@ -252,6 +253,10 @@ class BatchedContext:
         self.n_ctx_seq = n_ctx_seq
         self.step_tokens = step_tokens
         self.draft = draft
+        # draft + verify cost of one draft token, in target decode steps (speculation.SpecState)
+        self.draft_cost = {"lookup": verify_cost}
+        if draft is not None:
+            self.draft_cost["draft"] = verify_cost + draft.model.size() / max(1, model.size())
         self.copy_min = copy_min
         self.ram_cache_bytes = ram_cache_bytes
         self.saved: list[SavedSeq] = []  # evicted idle sequences' states, least recently saved first
@@ -567,18 +572,14 @@ class BatchedContext:
 
     def _set_proposer(self, job: Job) -> None:
         req = job.req
-        mode = req.speculative
-        if mode == "auto":
-            mode = "draft" if self.draft is not None else "off"
-        if req.format is not None or (mode == "draft" and self.draft is None):
-            mode = "off"  # a grammar decides token by token: nothing to guess ahead
+        mode = speculative_method(
+            req.speculative, has_draft_model=self.draft is not None, constrained=req.format is not None
+        )
         if any(isinstance(item, ExternalChunk) for item in job.prompt):
             mode = "off"  # the proposers see text only
-        job.proposer = mode if mode in DEFAULT_NUM_DRAFT else "off"
-        if job.proposer == "lookup":
-            job.lookup = LookupIndex()
-        job.k_max = min(req.num_draft or DEFAULT_NUM_DRAFT.get(job.proposer, 0), MAX_VERIFY - 1)
-        job.k = job.k_max  # adapted after each check: a CPU pays for every guessed position
+        if mode in self.draft_cost:  # lookup, and draft with a draft model
+            k = min(req.num_draft or DEFAULT_NUM_DRAFT[mode], MAX_VERIFY - 1)
+            job.spec = SpecState(mode, k, self.draft_cost[mode])
 
     # ---- building the batch --------------------------------------------------------------------
     def _add_decodes(self) -> None:
@@ -622,20 +623,21 @@ class BatchedContext:
         wants: list[tuple[int, list[int], int]] = []
         drafting: list[Job] = []
         for job in jobs:
-            if job.proposer == "off" or job.k <= 0:
+            spec = job.spec
+            if spec is None or not spec.enabled:
                 continue
-            budget = min(job.k, job.max_new - job.n_gen - 1, self.n_ctx_seq - len(self.cells[job.seq]) - 2)
+            budget = min(spec.k, job.max_new - job.n_gen - 1, self.n_ctx_seq - len(self.cells[job.seq]) - 2)
             if budget <= 0:
                 continue
             history = [*job.history]
-            if job.proposer == "lookup" and job.lookup is not None:
-                job.drafts = job.lookup.propose(history, budget)
+            if spec.ngram is not None:
+                job.drafts = spec.ngram.propose(history, budget)
             else:
                 wants.append((job.seq, history, budget))
                 drafting.append(job)
         if wants and self.draft is not None:
-            for job, guesses in zip(drafting, self.draft.propose(wants)):
-                job.drafts = guesses
+            for job, tokens in zip(drafting, self.draft.propose(wants)):
+                job.drafts = tokens
 
     def _add_prefills(self) -> None:
         for job in self.running:
@@ -699,7 +701,7 @@ class BatchedContext:
 
     # ---- after the decode ----------------------------------------------------------------------
     def _consume(self, job: Job, rows: list[int], drafts: list[int]) -> None:
-        """Sample the job's rows in order: keep guesses while the target agrees, roll back the rest."""
+        """Sample the job's rows in order: keep draft tokens while the target agrees, roll back the rest."""
         if not job.generating:
             job.generating = True
             job.t_prompt = time.perf_counter_ns()
@@ -722,7 +724,8 @@ class BatchedContext:
                 cells = self.cells[job.seq]
                 self.memory.remove(job.seq, len(cells) - rejected, -1)
                 del cells[len(cells) - rejected :]
-            job.k = min(job.k_max, 2 * job.k) if accepted == len(drafts) else max(1, accepted + 1)
+            assert job.spec is not None
+            job.spec.record(len(drafts), accepted)
         if finish is not None:
             self._finish(job, finish)
 
@@ -748,13 +751,9 @@ class BatchedContext:
         return token, None
 
     def _logprob(self, row: int, token: int, top_n: int) -> TokenLogprob:
-        lp = log_softmax(logits_row(self.lib, self.ctx.ctx, row, self.n_vocab))
-        top: list[TopLogprob] = []
-        if top_n > 0:
-            ids = np.argpartition(-lp, top_n - 1)[:top_n]
-            ids = ids[np.argsort(-lp[ids])]
-            top = [TopLogprob(int(i), self.text_of([int(i)]), float(lp[i])) for i in ids]
-        return TokenLogprob(token, self.text_of([token]), float(lp[token]), top)
+        return logprob_from_logits(
+            logits_row(self.lib, self.ctx.ctx, row, self.n_vocab), token, top_n, self.text_of
+        )
 
     def piece(self, token: int, special: bool = False) -> bytes:
         return token_piece(self.lib, self.vocab, token, special, self.pieces)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib.util
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -24,17 +23,34 @@ from localrt.backends.base import (
     Event,
     GenerateRequest,
     LoadOptions,
+    ModelLifetime,
     ScoreResult,
     TextAssembler,
     Timings,
-    TokenLogprob,
-    TopLogprob,
-    log_softmax,
+    loaded_context,
+    modules_installed,
     run_in_thread_stream,
 )
+from localrt.backends.checks import (
+    check_draft_vocabulary,
+    check_kv_cache_type,
+    check_loaded,
+    check_model_file,
+    check_prompt,
+    check_scored,
+    check_speculative,
+)
 from localrt.backends.grammar import Grammar
-from localrt.backends.vocab import Vocab, VocabMethods
-from localrt.errors import LocalrtError, OptionError
+from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
+from localrt.backends.outputs import (
+    embedding_tokens,
+    empty_score,
+    fill_score,
+    logprob_from_logits,
+    unit_vector,
+)
+from localrt.backends.speculation import VERIFY_COST_PER_DRAFT, speculative_method
+from localrt.errors import OptionError
 
 NAME = "mlx"
 PIP_HINT = "pip install 'localrt[mlx]' (on Linux that installs mlx[cpu])"
@@ -45,10 +61,9 @@ T = TypeVar("T")
 
 def mlx_status() -> tuple[bool, str]:
     """Whether `import mlx.core` works here: on Linux the `mlx` package alone has no CPU library."""
-    for module in ("mlx", "numpy", "llama_cpp", "gguf"):
-        if importlib.util.find_spec(module) is None:
-            why = "its tokenizer is llama.cpp's" if module == "llama_cpp" else "it is required"
-            return False, f"{module} is not installed ({why}); {PIP_HINT}"
+    installed, why_not = modules_installed(("mlx", "numpy", "llama_cpp", "gguf"), PIP_HINT)
+    if not installed:
+        return False, why_not
     try:
         import mlx.core  # noqa: F401
     except ImportError as e:
@@ -72,9 +87,6 @@ class MLXBackend:
     @classmethod
     def capabilities(cls) -> Capabilities:
         return Capabilities(
-            chat=True,
-            embedding=True,
-            score=True,
             grammar=True,
             speculative=frozenset({"draft", "lookup", "self"}),
             kv_cache_types=KV_CACHE_TYPES,
@@ -87,32 +99,22 @@ class MLXBackend:
         return MLXModel(Path(path), opts)
 
 
-class MLXModel(VocabMethods):
+class MLXModel(VocabMethods, ModelLifetime):
     backend_name = NAME
 
     def __init__(self, path: Path, opts: LoadOptions, *, self_spec_layers: int | None = None) -> None:
         t0 = time.perf_counter_ns()
         self.path, self.opts = path, opts
         self.capabilities = MLXBackend.capabilities()
-        if opts.kv_cache_type not in KV_CACHE_TYPES:
-            raise OptionError(
-                f"kv_cache_type {opts.kv_cache_type!r} is not supported by the MLX backend "
-                f"(supported: {', '.join(KV_CACHE_TYPES)})"
-            )
-        if not path.is_file():
-            raise LocalrtError(f"model file not found: {path}")
-        if opts.draft_model is not None and not Path(opts.draft_model).is_file():
-            raise LocalrtError(f"draft model file not found: {opts.draft_model}")
+        check_kv_cache_type(opts.kv_cache_type, KV_CACHE_TYPES, "MLX")
+        check_model_file(path)
+        if opts.draft_model is not None:
+            check_model_file(opts.draft_model, "draft model")
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="mlx", initializer=_own_stream
         )
-        self._closed = False
-        self._active: set[Any] = set()
-        self.vocab = Vocab(path)
-        self.n_vocab = self.vocab.n_vocab
-        self.bos_token_id = self.vocab.bos_token_id
-        self.eos_token_ids = self.vocab.eos_token_ids
-        self.add_bos = self.vocab.add_bos
+        self._active = set()
+        self._take_vocab(Vocab.load(path))
         self._eog = set(self.vocab.eog_ids())
         try:
             self._call(lambda: self._load(opts, self_spec_layers))
@@ -126,7 +128,7 @@ class MLXModel(VocabMethods):
         import mlx.core as mx
 
         from .cache import KV_GROUP
-        from .engine import VERIFY_COST_PER_DRAFT, DraftProposer, Runner
+        from .engine import DraftProposer, Runner
         from .gguf_load import GGUFTensors
         from .model import Transformer
 
@@ -134,16 +136,12 @@ class MLXModel(VocabMethods):
         self.dtype = mx.float16 if _on_gpu() else mx.float32
         self.verify_cost = VERIFY_COST_PER_DRAFT["gpu" if _on_gpu() else "cpu"]
         tensors = GGUFTensors(self.path)
-        self.metadata: dict[str, str] = {
-            k: str(v)
-            for k, v in tensors.metadata.items()
-            if not isinstance(v, (list, tuple)) and not hasattr(v, "tobytes")
-        }
+        self.metadata: dict[str, str] = tensors.text_metadata()
+        tokens = tensors.vocabulary()  # to check a draft model's against
         self.model = Transformer(tensors, self.dtype)
         tensors.close()
         cfg = self.model.cfg
-        train_ctx = cfg.context_length
-        self.context_length = max(16, min(opts.num_ctx, train_ctx) if train_ctx > 0 else opts.num_ctx)
+        self.context_length = loaded_context(opts.num_ctx, cfg.context_length)
         if opts.kv_cache_type == "q8_0" and cfg.attention_key_length % KV_GROUP:
             raise OptionError(
                 f"kv_cache_type q8_0 needs a head size that is a multiple of {KV_GROUP} "
@@ -159,11 +157,10 @@ class MLXModel(VocabMethods):
         self.draft: DraftProposer | None = None
         if opts.draft_model is not None:
             dt = GGUFTensors(Path(opts.draft_model))
-            draft_vocab = dt.metadata.get("tokenizer.ggml.tokens")
-            if draft_vocab is None or len(draft_vocab) != self.n_vocab:
-                raise LocalrtError(
-                    f"draft model {Path(opts.draft_model).name} does not share the model's vocabulary"
-                )
+            draft_tokens = dt.vocabulary()
+            check_draft_vocabulary(
+                opts.draft_model, len(tokens), len(draft_tokens), tokens.__getitem__, draft_tokens.__getitem__
+            )
             draft_model = Transformer(dt, self.dtype)
             dt.close()
             self.memory_bytes += draft_model.nbytes
@@ -178,31 +175,13 @@ class MLXModel(VocabMethods):
 
     # ---- generation -------------------------------------------------------------------------
     def _check(self, req: GenerateRequest) -> str:
-        if self._closed:
-            raise LocalrtError("the model was unloaded")
-        mode = req.speculative
-        if mode == "auto":
-            mode = "draft" if self.draft is not None else "off"
-        if mode not in ("off", *self.capabilities.speculative):
-            raise OptionError(f"speculative mode {mode!r} is not supported by the MLX backend")
-        if mode == "draft" and self.draft is None:
-            raise OptionError(
-                "speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)"
-            )
-        if req.format is not None:  # constrained: sampled token by token, drafts would skip the grammar
-            mode = "off"
-        if not req.prompt_tokens:
-            raise LocalrtError("the prompt is empty")
-        bad = [t for t in req.prompt_tokens if not 0 <= t < self.n_vocab]
-        if bad:
-            raise LocalrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
-        n = len(req.prompt_tokens)
-        if n >= self.context_length:
-            raise LocalrtError(
-                f"the prompt is {n} tokens, which does not fit the context length of "
-                f"{self.context_length} tokens (raise num_ctx or shorten the input)"
-            )
-        return mode
+        """Refuses what this model cannot run; returns the speculation method the request runs."""
+        check_loaded(self._closed)
+        check_speculative(req.speculative, self.capabilities.speculative, self.draft is not None, "MLX")
+        check_prompt(req.prompt_tokens, self.context_length, self.n_vocab)
+        return speculative_method(
+            req.speculative, has_draft_model=self.draft is not None, constrained=req.format is not None
+        )
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         return self._stream(request)
@@ -239,12 +218,11 @@ class MLXModel(VocabMethods):
         self, req: GenerateRequest, mode: str, grammar: Grammar | None, emit: Callable[[Event], None]
     ) -> None:
         from localrt.backends.sampler import Sampler
-        from localrt.backends.speculation import DEFAULT_NUM_DRAFT
+        from localrt.backends.speculation import DEFAULT_NUM_DRAFT, SpecState
 
-        from .engine import SpecStats, generate
+        from .engine import generate
 
-        if self._closed:
-            raise LocalrtError("the model was unloaded")
+        check_loaded(self._closed)
         start_ns = time.perf_counter_ns()
         text = TextAssembler(req.stop)
         want_lp = req.logprobs or req.top_logprobs > 0
@@ -254,12 +232,12 @@ class MLXModel(VocabMethods):
         proposer = self._proposer(mode)
         spec = None
         if proposer is not None:
-            spec = SpecStats(
+            spec = SpecState(
                 mode, req.num_draft or DEFAULT_NUM_DRAFT[mode], proposer.cost_per_draft + self.verify_cost
             )
 
         def on_token(token: int, logits: np.ndarray) -> bool:
-            lp = self._logprob(logits, token, req.top_logprobs) if want_lp else None
+            lp = logprob_from_logits(logits, token, req.top_logprobs, self.detokenize) if want_lp else None
             event, stopped = text.add(token, self.vocab.piece(token, token in req.preserve_tokens), lp)
             if event is not None:
                 emit(event)
@@ -281,7 +259,7 @@ class MLXModel(VocabMethods):
             clock=time.perf_counter_ns,
         )
         tail = text.finish()
-        if tail is not None and (tail.text or tail.token_ids):
+        if tail is not None:
             emit(tail)
         now = time.perf_counter_ns()
         first = out.first_token_ns or now
@@ -299,32 +277,15 @@ class MLXModel(VocabMethods):
             )
         )
 
-    def _logprob(self, logits: np.ndarray, token: int, top_n: int) -> TokenLogprob:
-        lp = log_softmax(logits)
-        top: list[TopLogprob] = []
-        if top_n > 0:
-            ids = np.argpartition(-lp, top_n)[:top_n]
-            ids = ids[np.argsort(-lp[ids], kind="stable")]
-            top = [TopLogprob(int(i), self.detokenize([int(i)]), float(lp[i])) for i in ids]
-        return TokenLogprob(token, self.detokenize([token]), float(lp[token]), top)
-
-    def cancel(self) -> None:
-        for token in list(self._active):
-            token.cancel()
-
     # ---- scoring and embeddings ---------------------------------------------------------------
     async def _run(self, fn: Callable[[], T]) -> T:
         """Run fn on the model's MLX thread, after the request in flight (one at a time)."""
-        if self._closed:
-            raise LocalrtError("the model was unloaded")
+        check_loaded(self._closed)
         return await asyncio.wrap_future(self._pool.submit(fn))
 
     async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
         ids = list(tokens)
-        if len(ids) > self.context_length:
-            raise LocalrtError(f"{len(ids)} tokens do not fit the context length of {self.context_length}")
-        if any(not 0 <= t < self.n_vocab for t in ids):
-            raise LocalrtError("a token id is outside the vocabulary")
+        check_scored(ids, self.context_length, self.n_vocab)
         return await self._run(lambda: self._score(ids, return_logits))
 
     def _hidden(self, ids: list[int]) -> Any:
@@ -344,38 +305,24 @@ class MLXModel(VocabMethods):
 
     def _score(self, ids: list[int], return_logits: bool) -> ScoreResult:
         n = len(ids)
-        logprobs = np.zeros(max(0, n - 1), dtype=np.float64)
-        logits_out = np.zeros((max(0, n - 1), self.n_vocab), dtype=np.float32) if return_logits else None
+        result = empty_score(n, self.n_vocab, return_logits)
         if n < 2:
-            return ScoreResult(logprobs, logits_out)
+            return result
         hidden = self._hidden(ids[:-1])  # [n-1, dim]: the last token predicts nothing scored
-        targets = np.array(ids[1:])
         for s in range(0, n - 1, SCORE_HEAD_ROWS):
-            e = min(s + SCORE_HEAD_ROWS, n - 1)
-            rows = np.array(self.model.logits(hidden[s:e]))  # [rows, vocab]
-            logprobs[s:e] = log_softmax(rows)[np.arange(e - s), targets[s:e]]
-            if logits_out is not None:
-                logits_out[s:e] = rows
-        return ScoreResult(logprobs, logits_out)
+            fill_score(result, ids, s, np.array(self.model.logits(hidden[s : s + SCORE_HEAD_ROWS])))
+        return result
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        batches = []
-        for text in texts:
-            ids = self.tokenize(text, add_special=True)[: self.context_length]
-            batches.append(ids or [self.eos_token_ids[0] if self.eos_token_ids else 0])
+        batches = [embedding_tokens(self.tokenize, t, self.context_length, self.eos_token_ids) for t in texts]
         return await self._run(lambda: [self._embed(ids) for ids in batches])
 
     def _embed(self, ids: list[int]) -> list[float]:
         # mean over tokens of the final-normed hidden states, as llama.cpp's mean pooling
-        vec = np.array(self._hidden(ids)).astype(np.float64).mean(0)
-        return (vec / np.linalg.norm(vec)).tolist()
+        return unit_vector(np.array(self._hidden(ids)).astype(np.float64).mean(0))
 
     # ---- lifetime -----------------------------------------------------------------------------
-    def unload(self) -> None:
-        if self._closed:
-            return
-        self.cancel()
-        self._closed = True
+    def _free(self) -> None:
         self._pool.shutdown(wait=True)  # the request in flight sees its cancel and ends
         self.vocab.close()
 

@@ -16,7 +16,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from localrt.backends.lookup import LookupIndex
+from localrt.backends.lookup import NgramProposer
 from localrt.backends.sampler import Sampler
 from localrt.backends.speculation import WARMUP_DRAFTS, break_even_acceptance, verify
 
@@ -139,7 +139,7 @@ class LookupProposer:
     cost_per_draft = 0.0
 
     def __init__(self) -> None:
-        self.index = LookupIndex()
+        self.index = NgramProposer()
 
     def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
         return self.index.propose(tokens, k), None

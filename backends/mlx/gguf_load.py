@@ -20,14 +20,13 @@ dequantizers) to the compute dtype, as are F16/BF16/F32.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from localrt.backends.gguf_tensors import GGUFTensorSource
 from localrt.errors import LocalrtError
-from localrt.store.gguf import GGML_TYPES, GGUFInfo, TensorInfo, read_gguf
+from localrt.store.gguf import GGML_TYPES
 
 GROUP = 32  # every exact form above has groups of 32 inputs
 ROWS_PER_CHUNK = 4096  # rows converted at once: bounds the numpy temporaries
@@ -190,42 +189,19 @@ def _type_info(ggml_type: str) -> tuple[str, int, int]:
     return next(v for v in GGML_TYPES.values() if v[0] == ggml_type)
 
 
-class GGUFTensors:
+class GGUFTensors(GGUFTensorSource):
     """A memory-mapped GGUF file: tensor name -> MLX arrays, quantized where exact, on demand."""
 
-    def __init__(self, path: Path | str) -> None:
-        self.path = Path(path)
-        self.info: GGUFInfo = read_gguf(self.path)
-        self._map: Any = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self.by_name: dict[str, TensorInfo] = {t.name: t for t in self.info.tensors}
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return self.info.metadata
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.by_name
-
-    def raw(self, name: str) -> tuple[np.ndarray, TensorInfo]:
-        t = self.by_name.get(name)
-        if t is None:
-            raise LocalrtError(f"GGUF tensor {name!r} is missing")
-        start = self.info.data_offset + t.offset
-        return np.asarray(self._map[start : start + t.n_bytes]), t
-
     def dense(self, name: str, dtype: mx.Dtype) -> mx.array:
-        raw, t = self.raw(name)
+        raw, t = self.stored(name)
         return mx.array(dequantize(raw, t.ggml_type, t.shape)).astype(dtype)
 
     def matrix(self, name: str, dtype: mx.Dtype) -> QuantizedWeight | mx.array:
         """A weight matrix: MLX-quantized when its type has an exact form and its rows split into groups."""
-        raw, t = self.raw(name)
+        raw, t = self.stored(name)
         if t.ggml_type in EXACT and len(t.shape) == 2 and t.shape[0] % GROUP == 0:
             qw = repack(raw, t.ggml_type, t.shape)
             if dtype != mx.float32:  # half compute: scales in the activations' dtype (no longer bit-exact)
                 qw.scales, qw.biases = qw.scales.astype(dtype), qw.biases.astype(dtype)
             return qw
         return mx.array(dequantize(raw, t.ggml_type, t.shape)).astype(dtype)
-
-    def close(self) -> None:
-        self._map = None

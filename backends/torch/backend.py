@@ -10,8 +10,6 @@ that thread through the event loop, so no worker thread is held per request.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -19,22 +17,34 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
-
 from localrt.backends.base import (
     Capabilities,
     DoneEvent,
     Event,
     GenerateRequest,
     LoadOptions,
+    ModelLifetime,
     ScoreResult,
     TextAssembler,
     TokenLogprob,
-    TopLogprob,
+    loaded_context,
+    modules_installed,
+)
+from localrt.backends.checks import (
+    check_draft_vocabulary,
+    check_kv_cache_type,
+    check_loaded,
+    check_model_file,
+    check_prompt,
+    check_scored,
+    check_speculative,
 )
 from localrt.backends.grammar import Grammar
-from localrt.backends.vocab import Vocab, VocabMethods
-from localrt.errors import LocalrtError, OptionError
+from localrt.backends.llamacpp.lib import default_threads
+from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
+from localrt.backends.outputs import embedding_tokens, empty_score, token_logprob, unit_vector
+from localrt.backends.speculation import speculative_method
+from localrt.errors import OptionError
 
 NAME = "torch"
 PIP_HINT = "pip install 'localrt[torch]'"
@@ -63,19 +73,12 @@ class TorchBackend:
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
-        for module in ("torch", "numpy", "llama_cpp"):
-            if importlib.util.find_spec(module) is None:
-                why = "its tokenizer is llama.cpp's" if module == "llama_cpp" else "it is required"
-                return False, f"{module} is not installed ({why}); {PIP_HINT}"
-        return True, ""
+        return modules_installed(("torch", "numpy", "llama_cpp"), PIP_HINT)
 
     @classmethod
     def capabilities(cls) -> Capabilities:
         cuda = _cuda_available()
         return Capabilities(
-            chat=True,
-            embedding=True,
-            score=True,
             grammar=True,
             speculative=frozenset({"draft", "lookup", "self"}),
             kv_cache_types=(*KV_TYPES_CPU, "fp8") if cuda else KV_TYPES_CPU,
@@ -88,17 +91,7 @@ class TorchBackend:
         return TorchModel(Path(path), opts)
 
 
-def _threads(opts: LoadOptions) -> int:
-    if opts.num_thread > 0:
-        return opts.num_thread
-    try:
-        available = len(os.sched_getaffinity(0))
-    except AttributeError:
-        available = os.cpu_count() or 1
-    return available if available <= 4 else max(4, available // 2)
-
-
-class TorchModel(VocabMethods):
+class TorchModel(VocabMethods, ModelLifetime):
     backend_name = NAME
 
     def __init__(
@@ -128,30 +121,22 @@ class TorchModel(VocabMethods):
         if device is None:
             device = "cuda" if opts.num_gpu != 0 and _cuda_available() else "cpu"
         self.device = torch.device(device)
-        if opts.kv_cache_type not in self.capabilities.kv_cache_types:
-            raise OptionError(
-                f"kv_cache_type {opts.kv_cache_type!r} is not supported by the torch backend here "
-                f"(supported: {', '.join(self.capabilities.kv_cache_types)})"
-            )
-        if not path.is_file():
-            raise LocalrtError(f"model file not found: {path}")
+        check_kv_cache_type(opts.kv_cache_type, self.capabilities.kv_cache_types, NAME)
+        check_model_file(path)
         if numerics not in NUMERICS:
             raise OptionError(f"numerics {numerics!r} is not one of: {', '.join(NUMERICS)}")
         if self.device.type == "cpu":
-            torch.set_num_threads(_threads(opts))
+            torch.set_num_threads(opts.num_thread or default_threads())
         # bf16 on GPUs that have it (fp16 otherwise), fp32 on the CPU, where half matmuls are slow
         if self.device.type == "cuda" and numerics in ("default", "quantized"):  # no CUDA int4 path yet
             dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         else:
             dtype = torch.float32
         self.numerics = numerics
-        self.vocab = Vocab(path)
+        self._take_vocab(Vocab.load(path))
         tensors = GGUFTensors(path)
-        self.metadata: dict[str, str] = {
-            k: str(v)
-            for k, v in tensors.metadata.items()
-            if not isinstance(v, (list, tuple)) and not hasattr(v, "tobytes")
-        }
+        self.metadata: dict[str, str] = tensors.text_metadata()
+        self._tokens = tensors.vocabulary()  # to check a draft model's against
         self.model = self._build(tensors, dtype)
         if numerics == "llama.cpp":
             from . import ggml_numerics
@@ -161,13 +146,7 @@ class TorchModel(VocabMethods):
         draft = None
         if opts.draft_model is not None:
             draft = self._load_draft(Path(opts.draft_model), dtype)
-        cfg = self.model.cfg
-        train_ctx = cfg.context_length
-        self.context_length = max(16, min(opts.num_ctx, train_ctx) if train_ctx > 0 else opts.num_ctx)
-        self.n_vocab = self.vocab.n_vocab
-        self.bos_token_id = self.vocab.bos_token_id
-        self.eos_token_ids = self.vocab.eos_token_ids
-        self.add_bos = self.vocab.add_bos
+        self.context_length = loaded_context(opts.num_ctx, self.model.cfg.context_length)
         config = EngineConfig(
             context_length=self.context_length,
             kv_cache_type=opts.kv_cache_type,
@@ -184,8 +163,7 @@ class TorchModel(VocabMethods):
 
             self.engine.dense_attention = GGMLDenseCausal  # score and embed see llama.cpp's f16 attention
         self.memory_bytes = self.engine.weight_bytes() + self.engine.cache.nbytes
-        self._closed = False
-        self._active: set[Any] = set()
+        self._active = set()
         self._lock = threading.Lock()
         self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self.engine.start(self._route)
@@ -207,43 +185,37 @@ class TorchModel(VocabMethods):
     def _load_draft(self, path: Path, dtype: Any) -> Any:
         from .gguf_load import GGUFTensors
 
-        if not path.is_file():
-            raise LocalrtError(f"draft model file not found: {path}")
+        check_model_file(path, "draft model")
         tensors = GGUFTensors(path)
-        draft_vocab = tensors.metadata.get("tokenizer.ggml.tokens")
-        if draft_vocab is None or len(draft_vocab) != self.vocab.n_vocab:
-            raise LocalrtError(f"draft model {path.name} does not share the model's vocabulary")
-        draft = self._build(tensors, dtype)
-        tensors.close()
-        return draft
+        try:
+            draft_tokens = tensors.vocabulary()
+            check_draft_vocabulary(
+                path, len(self._tokens), len(draft_tokens), self._tokens.__getitem__, draft_tokens.__getitem__
+            )
+            return self._build(tensors, dtype)
+        finally:
+            tensors.close()
 
     # ---- generation -------------------------------------------------------------------------
     def _check(self, req: GenerateRequest) -> None:
-        if self._closed:
-            raise LocalrtError("the model was unloaded")
-        mode = req.speculative
-        if mode not in ("off", "auto") and mode not in self.capabilities.speculative:
-            raise OptionError(f"speculative mode {mode!r} is not supported by the torch backend")
-        if mode == "draft" and "draft" not in self.engine.proposers:
-            raise OptionError(
-                "speculative 'draft' needs a draft model: set the draft_model option (or --draft NAME)"
-            )
-        bad = [t for t in req.prompt_tokens if not 0 <= t < self.n_vocab]
-        if bad:
-            raise LocalrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
+        check_loaded(self._closed)
+        has_draft = "draft" in self.engine.proposers
+        check_speculative(req.speculative, self.capabilities.speculative, has_draft, NAME)
+        check_prompt(req.prompt_tokens, self.context_length, self.n_vocab)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         return self._stream(request)
 
     def _sequence(self, req: GenerateRequest) -> tuple[Any, Grammar | None]:
         """The engine sequence for a request (and its grammar, which the stream closes)."""
-        mode = req.speculative
-        if mode == "auto":
-            mode = "draft" if "draft" in self.engine.proposers else "off"
+        mode = speculative_method(
+            req.speculative,
+            has_draft_model="draft" in self.engine.proposers,
+            constrained=req.format is not None,
+        )
         grammar = None
-        if req.format is not None:  # constrained: sampled token by token, drafts would skip the grammar
+        if req.format is not None:
             grammar = Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, req.format)
-            mode = "off"
         want_lp = req.logprobs or req.top_logprobs > 0
         try:
             seq = self.engine.new_sequence(
@@ -300,63 +272,44 @@ class TorchModel(VocabMethods):
                 grammar.close()
 
     def _logprob(self, token: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
-        alternatives = [TopLogprob(i, self.detokenize([i]), v) for i, v in top]
-        return TokenLogprob(token, self.detokenize([token]), logprob, alternatives)
-
-    def cancel(self) -> None:
-        for token in list(self._active):
-            token.cancel()
+        return token_logprob(token, logprob, top, self.detokenize)
 
     # ---- scoring and embeddings ---------------------------------------------------------------
     async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
         ids = list(tokens)
-        if self._closed:
-            raise LocalrtError("the model was unloaded")
-        if len(ids) > self.context_length:
-            raise LocalrtError(f"{len(ids)} tokens do not fit the context length of {self.context_length}")
-        if any(not 0 <= t < self.n_vocab for t in ids):
-            raise LocalrtError("a token id is outside the vocabulary")
+        check_loaded(self._closed)
+        check_scored(ids, self.context_length, self.n_vocab)
         return await asyncio.wrap_future(self.engine.call(lambda: self._score(ids, return_logits)))
 
     def _score(self, ids: list[int], return_logits: bool) -> ScoreResult:
         torch = _torch()
         n = len(ids)
-        logprobs = np.zeros(max(0, n - 1), dtype=np.float64)
-        logits_out = np.zeros((max(0, n - 1), self.n_vocab), dtype=np.float32) if return_logits else None
+        result = empty_score(n, self.n_vocab, return_logits)
         if n < 2:
-            return ScoreResult(logprobs, logits_out)
+            return result
         hidden = self.engine.hidden_states(ids)  # [n, dim]
         targets = torch.tensor(ids[1:], device=self.device)
+        # log-softmax and gather on the device: only the chosen logprobs cross to the host
         for s in range(0, n - 1, SCORE_HEAD_ROWS):
             e = min(s + SCORE_HEAD_ROWS, n - 1)
             rows = self.model.output(hidden[s:e]).float()  # [rows, vocab]
             lp = torch.log_softmax(rows.double(), -1)
-            logprobs[s:e] = lp.gather(1, targets[s:e, None]).squeeze(1).cpu().numpy()
-            if logits_out is not None:
-                logits_out[s:e] = rows.cpu().numpy()
-        return ScoreResult(logprobs, logits_out)
+            result.logprobs[s:e] = lp.gather(1, targets[s:e, None]).squeeze(1).cpu().numpy()
+            if result.logits is not None:
+                result.logits[s:e] = rows.cpu().numpy()
+        return result
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        if self._closed:
-            raise LocalrtError("the model was unloaded")
-        batches = []
-        for text in texts:
-            ids = self.tokenize(text, add_special=True)[: self.context_length]
-            batches.append(ids or [self.eos_token_ids[0] if self.eos_token_ids else 0])
+        check_loaded(self._closed)
+        batches = [embedding_tokens(self.tokenize, t, self.context_length, self.eos_token_ids) for t in texts]
         return await asyncio.wrap_future(self.engine.call(lambda: [self._embed(ids) for ids in batches]))
 
     def _embed(self, ids: list[int]) -> list[float]:
-        torch = _torch()
         # mean over tokens of the final-normed hidden states, as llama.cpp's mean pooling
-        vec = self.engine.hidden_states(ids).double().mean(0)
-        return torch.nn.functional.normalize(vec, dim=0).cpu().tolist()
+        return unit_vector(self.engine.hidden_states(ids).double().mean(0).cpu().numpy())
 
     # ---- lifetime -----------------------------------------------------------------------------
-    def unload(self) -> None:
-        if self._closed:
-            return
-        self.cancel()
-        self._closed = True
+    def _free(self) -> None:
         self.engine.stop()
         self.vocab.model.close()
 
@@ -395,7 +348,7 @@ class _Stream:
         self.done = True
         events: list[Event] = []
         tail = self.text.finish()
-        if tail is not None and (tail.text or tail.token_ids):
+        if tail is not None:
             events.append(tail)
         s, now = self.seq, time.perf_counter_ns()
         t = s.timings

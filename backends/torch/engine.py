@@ -1,6 +1,6 @@
 """The engine: one model, one paged KV cache, a scheduler, and a loop that runs steps.
 
-A step = schedule -> (guess) -> the runner's one batched forward over every scheduled chunk -> sample
+A step = schedule -> (propose) -> the runner's one batched forward over every scheduled chunk -> sample
 (every plain decode in one batch, one host sync) or verify per sequence -> commit, and it returns its
 outputs: the tokens each sequence gained, their logprobs when asked, and the sequences that ended.
 Nothing is called back from inside a step. On CUDA, a step made only of single-token decodes replays
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from localrt.backends.base import CancelToken, SamplingParams
+from localrt.backends.checks import check_prompt
 from localrt.backends.grammar import Grammar
 from localrt.errors import LocalrtError
 
@@ -36,16 +37,14 @@ from .sampling import RequestSampler, Sampled
 from .scheduler import Scheduled, Scheduler, Sequence
 from .speculative import (
     DEFAULT_NUM_DRAFT,
+    VERIFY_COST_PER_DRAFT,
     DraftModelProposer,
+    DraftTokens,
     LookupProposer,
-    Proposal,
     SelfProposer,
     SpecState,
     verify,
 )
-
-# Extra query rows are not free on a CPU (compute-bound); on a GPU decode is bandwidth-bound.
-VERIFY_COST_PER_DRAFT = {"cpu": 0.25, "cuda": 0.03}
 
 
 @dataclass
@@ -55,7 +54,7 @@ class EngineConfig:
     kv_budget_bytes: int | None = None  # None: room for `kv_budget_seqs` full-length sequences
     kv_budget_seqs: int | None = None  # None: max_seqs (context_length x parallel sequences, as llama.cpp)
     max_seqs: int = 16  # sequences decoding together
-    max_batch_tokens: int = 512  # tokens per step (prefill chunk + decodes + guesses)
+    max_batch_tokens: int = 512  # tokens per step (prefill chunk + decodes + draft tokens)
     prefix_caching: bool = True
     self_spec_layers: int | None = None  # None: four fifths of the layers (shallower exits rarely agree)
     eos_token_ids: tuple[int, ...] = ()
@@ -132,7 +131,7 @@ class Engine:
             max_seqs=config.max_seqs,
         )
         self.runner = ModelRunner(model, self.cache, self.device, self.graphs)
-        verify_cost = VERIFY_COST_PER_DRAFT.get(self.device.type, 0.1)
+        verify_cost = VERIFY_COST_PER_DRAFT["cpu" if self.device.type == "cpu" else "gpu"]
         layers = config.self_spec_layers or max(1, cfg.block_count - cfg.block_count // 5)
         self.proposers: dict[str, Any] = {
             "lookup": LookupProposer(),
@@ -188,13 +187,7 @@ class Engine:
     ) -> Sequence:
         tokens = list(prompt)
         ctx = self.config.context_length
-        if not tokens:
-            raise LocalrtError("the prompt is empty")
-        if len(tokens) >= ctx:
-            raise LocalrtError(
-                f"the prompt is {len(tokens)} tokens, which does not fit the context length of "
-                f"{ctx} tokens (raise num_ctx or shorten the input)"
-            )
+        check_prompt(tokens, ctx, self.model.cfg.vocab_size)
         room = ctx - len(tokens)
         max_len = len(tokens) + (room if max_new < 0 else min(max_new, room))
         seq = Sequence(
@@ -290,13 +283,13 @@ class Engine:
             if item.num_draft > 0 and item.seq.spec is not None:
                 by_mode.setdefault(item.seq.spec.mode, []).append(i)
         for mode, members in by_mode.items():
-            proposals: list[Proposal] = self.proposers[mode].propose(
+            drafts: list[DraftTokens] = self.proposers[mode].propose(
                 [work.plan[i].seq for i in members], [work.plan[i].num_draft for i in members]
             )
-            for i, proposal in zip(members, proposals):
-                n = min(len(proposal.tokens), work.plan[i].num_draft)
-                work.plan[i].drafts = proposal.tokens[:n]
-                work.q[i] = None if proposal.q is None else proposal.q[:n]
+            for i, draft in zip(members, drafts):
+                n = min(len(draft.tokens), work.plan[i].num_draft)
+                work.plan[i].drafts = draft.tokens[:n]
+                work.q[i] = None if draft.q is None else draft.q[:n]
 
     def _advance(
         self, item: Scheduled, batch: StepBatch, i: int, q: torch.Tensor | None, drawn: Sampled | None
@@ -328,7 +321,7 @@ class Engine:
                 reason = "length"
             if reason is not None:
                 break
-        # KV past the kept tokens (a guess after an early stop) is never looked at again
+        # KV past the kept tokens (a draft token after an early stop) is never looked at again
         seq.num_computed = min(seq.num_computed, len(seq.tokens))
         if reason is not None:
             sched.finish(seq, reason)
@@ -337,7 +330,7 @@ class Engine:
         return out
 
     def _draw_alone(self, item: Scheduled, logits: torch.Tensor, q: torch.Tensor | None) -> Sampled:
-        """Tokens for a row outside the batched sampler: guesses to verify, or a grammar's constraint."""
+        """Tokens for a row outside the batched sampler: draft tokens to verify, or a grammar's constraint."""
         seq = item.seq
         if item.drafts:
             tokens, accepted = verify(seq.sampler, logits, item.drafts, q, seq.tokens)

@@ -8,13 +8,13 @@ Work happens in float32 on the CPU; the caller casts to the compute dtype and mo
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from localrt.backends.gguf_tensors import GGUFTensorSource
 from localrt.errors import LocalrtError
-from localrt.store.gguf import GGML_TYPES, GGUFInfo, TensorInfo, read_gguf
+from localrt.store.gguf import GGML_TYPES
 
 QK_K = 256
 
@@ -213,36 +213,15 @@ def dequantize(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...]) -> tor
     return out.reshape(tuple(reversed(shape)))
 
 
-class GGUFTensors:
+class GGUFTensors(GGUFTensorSource):
     """A memory-mapped GGUF file: tensor name -> dequantized float32 torch tensor, on demand."""
-
-    def __init__(self, path: Path | str) -> None:
-        self.path = Path(path)
-        self.info: GGUFInfo = read_gguf(self.path)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self.by_name: dict[str, TensorInfo] = {t.name: t for t in self.info.tensors}
-
-    @property
-    def metadata(self) -> dict:
-        return self.info.metadata
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.by_name
 
     def raw(self, name: str) -> torch.Tensor:
         """The tensor's stored bytes, uint8 [n_bytes]."""
-        t = self.by_name.get(name)
-        if t is None:
-            raise LocalrtError(f"GGUF tensor {name!r} is missing")
-        start = self.info.data_offset + t.offset
         # a copy: the map is read-only and torch wants writable storage
-        return torch.from_numpy(np.array(self._map[start : start + t.n_bytes]))
+        return torch.from_numpy(np.array(self.stored(name)[0]))
 
     def get(self, name: str) -> torch.Tensor:
-        t = self.by_name.get(name)
-        if t is None:
-            raise LocalrtError(f"GGUF tensor {name!r} is missing")
-        return dequantize(self.raw(name), t.ggml_type, t.shape)
-
-    def close(self) -> None:
-        self._map = None  # type: ignore[assignment]
+        raw = self.raw(name)  # raises when the tensor is missing
+        t = self.by_name[name]
+        return dequantize(raw, t.ggml_type, t.shape)

@@ -39,7 +39,7 @@ class ModelRunner:
         self.graphs = graphs
 
     def forward(self, plan: Sequence[Scheduled]) -> StepBatch:
-        """One batched forward over every scheduled chunk (its tokens, then its guesses)."""
+        """One batched forward over every scheduled chunk (its tokens, then its draft tokens)."""
         feed: list[int] = []
         chunks: list[SeqChunk] = []
         rows: list[int] = []
@@ -49,7 +49,7 @@ class ModelRunner:
             start = seq.num_computed
             tokens = seq.tokens[start : start + item.num_tokens] + item.drafts
             chunks.append(SeqChunk(len(tokens), start + len(tokens), seq.block_table))
-            if start + item.num_tokens == len(seq.tokens):  # caught up: logits for the last token (+ guesses)
+            if start + item.num_tokens == len(seq.tokens):  # caught up: logits for the last (+ drafts)
                 first = len(feed) + item.num_tokens - 1
                 spans[i] = (len(rows), len(rows) + 1 + len(item.drafts))
                 rows.extend(range(first, len(feed) + len(tokens)))
@@ -83,7 +83,7 @@ class ModelRunner:
 
 
 def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], top_n: int) -> Sampled:
-    """Logprobs of tokens chosen outside the batched sampler (guesses kept, grammar rows): row j for token j."""
+    """Logprobs of tokens chosen outside the batched sampler (draft tokens kept, grammar rows): row j for token j."""
     lp = torch.log_softmax(logits[: len(tokens)].double(), -1)
     chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
     top: list[list[tuple[int, float]]] = [[] for _ in tokens]

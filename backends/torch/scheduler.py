@@ -2,7 +2,7 @@
 
 There are no prefill and decode phases: every sequence has `tokens` and `num_computed` (tokens whose
 KV is in the cache), and each step hands out a token budget so sequences catch up. Running sequences
-go first (a decode costs one token, plus its guesses when speculating), then waiting ones are
+go first (a decode costs one token, plus its draft tokens when speculating), then waiting ones are
 admitted with what is left, so a long prompt is prefilled in chunks over several steps while the
 others keep decoding. When blocks run out, the most recently admitted sequence is preempted: its
 blocks are freed (full ones stay findable in the prefix cache) and it is recomputed later from its
@@ -59,7 +59,7 @@ class Sequence:
 class Scheduled:
     seq: Sequence
     num_tokens: int  # tokens of seq.tokens fed this step
-    num_draft: int = 0  # guesses it may add (blocks are reserved for them)
+    num_draft: int = 0  # draft tokens it may add (blocks are reserved for them)
     drafts: list[int] = field(default_factory=list)
 
 
@@ -171,7 +171,7 @@ class Scheduler:
 
     # ---- leaving ----------------------------------------------------------------------------
     def commit(self, seq: Sequence) -> None:
-        """After a step: cache newly full blocks, drop blocks reserved for rejected guesses."""
+        """After a step: cache newly full blocks, drop blocks reserved for rejected draft tokens."""
         bs = self.pool.block_size
         keep = blocks_needed(seq.num_computed + 1, bs)  # room for the next token's KV
         if len(seq.block_table) > keep:

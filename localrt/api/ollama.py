@@ -10,13 +10,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from localrt import __version__
-from localrt.api import schemas as wire
+from localrt import __version__, wire
+from localrt.api import schemas
 from localrt.api.streaming import first_and_rest, ndjson_response
 from localrt.errors import LocalrtError
 from localrt.runtime.bridge import run_in_thread_stream
-from localrt.runtime.manager import Chunk, Metrics, Runtime
-from localrt.store.names import normalize_digest, parse_name
+from localrt.runtime.generate import Chunk, Runtime, Settings
+from localrt.store.names import DIGEST_RE, normalize_digest, parse_name
 from localrt.store.store import ResolvedModel, Store
 
 router = APIRouter()
@@ -65,10 +65,10 @@ def model_details(store: Store, resolved: ResolvedModel) -> dict[str, Any]:
     }
 
 
-ERRORS = wire.error_responses(False)
-MODEL_ERRORS = wire.error_responses(False, 404)
-GENERATION_ERRORS = wire.error_responses(False, 404, 499, 501, 503)
-STREAMED = wire.STREAMED
+ERRORS = schemas.error_responses(False)
+MODEL_ERRORS = schemas.error_responses(False, 404)
+GENERATION_ERRORS = schemas.error_responses(False, 404, 499, 501, 503)
+STREAMED = schemas.STREAMED
 
 
 # documented, not enforced here: normalize_digest gives the clearer error
@@ -82,7 +82,7 @@ async def root() -> str:
     return "localrt is running"
 
 
-@router.get("/api/version", responses={200: wire.ok(wire.VersionResponse), **ERRORS})
+@router.get("/api/version", responses={200: schemas.ok(wire.VersionResponse), **ERRORS})
 @router.head("/api/version", operation_id="version_head", responses=ERRORS)
 async def version() -> dict[str, str]:
     return {"version": __version__}
@@ -93,7 +93,7 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/api/tags", responses={200: wire.ok(wire.TagsResponse), **ERRORS})
+@router.get("/api/tags", responses={200: schemas.ok(wire.TagsResponse), **ERRORS})
 @router.head("/api/tags", operation_id="tags_head", responses=ERRORS)
 async def tags(request: Request) -> dict[str, Any]:
     store = store_of(request)
@@ -116,17 +116,16 @@ async def tags(request: Request) -> dict[str, Any]:
     return {"models": models}
 
 
-def required_model(f: dict[str, Any], key: str = "model") -> str:
-    value = f.get(key) or (f.get("name") if key == "model" else None)
-    if not isinstance(value, str) or not value:
+def given(value: str, key: str) -> str:
+    if not value:
         raise LocalrtError(f"{key} is required")
     return value
 
 
 @router.post(
     "/api/show",
-    openapi_extra=wire.request_body(wire.ModelRequest),
-    responses={200: wire.ok(wire.ShowResponse), **MODEL_ERRORS},
+    openapi_extra=schemas.request_body(wire.ModelRequest),
+    responses={200: schemas.ok(wire.ShowResponse), **MODEL_ERRORS},
 )
 async def show(request: Request) -> dict[str, Any]:
     from localrt.show import (
@@ -139,9 +138,9 @@ async def show(request: Request) -> dict[str, Any]:
     )
     from localrt.store.gguf import read_gguf
 
-    body = await wire.read_json(request, wire.ModelRequest)
+    body = await schemas.read_body(request, wire.ModelRequest)
     store = store_of(request)
-    resolved = store.resolve(parse_name(required_model(body)))
+    resolved = store.resolve(parse_name(body.required_name()))
     if resolved.remote is not None:
         return await show_remote(store, resolved)
     info = read_gguf(resolved.model_path)
@@ -195,9 +194,9 @@ async def show_remote(store: Store, resolved: ResolvedModel) -> dict[str, Any]:
     }
 
 
-@router.delete("/api/delete", openapi_extra=wire.request_body(wire.ModelRequest), responses=MODEL_ERRORS)
+@router.delete("/api/delete", openapi_extra=schemas.request_body(wire.ModelRequest), responses=MODEL_ERRORS)
 async def delete(request: Request) -> Response:
-    name = parse_name(required_model(await wire.read_json(request, wire.ModelRequest)))
+    name = parse_name((await schemas.read_body(request, wire.ModelRequest)).required_name())
     runtime = request.app.state.runtime
     if runtime is not None:
         with contextlib.suppress(LocalrtError):
@@ -206,10 +205,10 @@ async def delete(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.post("/api/copy", openapi_extra=wire.request_body(wire.CopyRequest), responses=MODEL_ERRORS)
+@router.post("/api/copy", openapi_extra=schemas.request_body(wire.CopyRequest), responses=MODEL_ERRORS)
 async def copy(request: Request) -> Response:
-    body = await wire.read_json(request, wire.CopyRequest)
-    src, dst = parse_name(required_model(body, "source")), parse_name(required_model(body, "destination"))
+    body = await schemas.read_body(request, wire.CopyRequest)
+    src, dst = parse_name(given(body.source, "source")), parse_name(given(body.destination, "destination"))
     store_of(request).copy(src, dst)
     return Response(status_code=200)
 
@@ -236,72 +235,75 @@ async def respond(items: AsyncIterator[dict[str, Any]], stream: bool) -> Respons
 
 @router.post(
     "/api/pull",
-    openapi_extra=wire.request_body(wire.PullRequest),
-    responses={200: STREAMED, **wire.error_responses(False, 404, 502)},
+    openapi_extra=schemas.request_body(wire.PullRequest),
+    responses={200: STREAMED, **schemas.error_responses(False, 404, 502)},
 )
 async def pull(request: Request) -> Response:
     from localrt.store.pull import pull as do_pull
 
-    body = await wire.read_json(request, wire.PullRequest)
-    name = parse_name(required_model(body))
-    store, insecure = store_of(request), body.get("insecure") is True
+    body = await schemas.read_body(request, wire.PullRequest)
+    name = parse_name(body.required_name())
+    store, insecure = store_of(request), body.insecure is True
 
     def work(emit: Callable[[dict[str, Any]], None]) -> None:
         do_pull(name, store=store, insecure=insecure, progress=lambda e: emit(progress_dict(e)))
 
     return await respond(
-        run_in_thread_stream(work, wait=False, name="localrt-pull"), body.get("stream", True) is not False
+        run_in_thread_stream(work, wait=False, name="localrt-pull"), body.stream is not False
     )
 
 
 @router.post(
     "/api/push",
-    openapi_extra=wire.request_body(wire.PushRequest),
-    responses={200: STREAMED, **wire.error_responses(False, 404, 502)},
+    openapi_extra=schemas.request_body(wire.PushRequest),
+    responses={200: STREAMED, **schemas.error_responses(False, 404, 502)},
 )
 async def push(request: Request) -> Response:
     from localrt.store.push import push as do_push
 
-    body = await wire.read_json(request, wire.PushRequest)
-    name = parse_name(required_model(body))
-    store, insecure = store_of(request), body.get("insecure") is True
+    body = await schemas.read_body(request, wire.PushRequest)
+    name = parse_name(body.required_name())
+    store, insecure = store_of(request), body.insecure is True
     store.read_manifest(name)  # an unknown model is a 404 before the stream starts
 
     def work(emit: Callable[[dict[str, Any]], None]) -> None:
         do_push(name, store=store, insecure=insecure, progress=lambda e: emit(progress_dict(e)))
 
     return await respond(
-        run_in_thread_stream(work, wait=False, name="localrt-push"), body.get("stream", True) is not False
+        run_in_thread_stream(work, wait=False, name="localrt-push"), body.stream is not False
     )
 
 
 @router.post(
     "/api/create",
-    openapi_extra=wire.request_body(wire.CreateRequest),
+    openapi_extra=schemas.request_body(wire.CreateRequest),
     responses={200: STREAMED, **MODEL_ERRORS},
 )
 async def create(request: Request) -> Response:
     from localrt.store.modelfile import create_from_request
 
-    fields = await wire.read_json(request, wire.CreateRequest)
+    body = await schemas.read_body(request, wire.CreateRequest)
     store = store_of(request)
-    name = parse_name(required_model(fields))
+    name = parse_name(body.required_name())
     # checked before the stream starts, so a bad name is a 400, not an error line after a 200
     if name.digest:
         raise LocalrtError(f"cannot create {name}: a model name to write takes no @digest")
-    if fields.get("from") is not None:
-        parse_name(fields["from"])  # `from` names a stored model (server-side paths are refused)
+    if body.from_ is not None:
+        parse_name(body.from_)  # `from` names a stored model (server-side paths are refused)
+    if body.draft is not None and not DIGEST_RE.match(body.draft):
+        parse_name(body.draft)  # a stored model, else an uploaded blob's digest
+    fields = wire.body_of(body)  # the store reads a create request by its wire names
 
     def work(emit: Callable[[dict[str, Any]], None]) -> None:
         create_from_request(name, fields, store=store, progress=lambda status: emit({"status": status}))
         emit({"status": "success"})
 
     return await respond(
-        run_in_thread_stream(work, wait=False, name="localrt-create"), fields.get("stream", True) is not False
+        run_in_thread_stream(work, wait=False, name="localrt-create"), body.stream is not False
     )
 
 
-@router.head("/api/blobs/{digest}", responses=wire.error_responses(False, 404))
+@router.head("/api/blobs/{digest}", responses=schemas.error_responses(False, 404))
 async def blob_exists(request: Request, digest: BlobDigest) -> Response:
     exists = store_of(request).has_blob(normalize_digest(digest))
     return Response(status_code=200 if exists else 404)
@@ -329,7 +331,7 @@ async def blob_upload(request: Request, digest: BlobDigest) -> Response:
     return Response(status_code=201)
 
 
-@router.get("/api/ps", responses={200: wire.ok(wire.PsResponse), **ERRORS})
+@router.get("/api/ps", responses={200: schemas.ok(wire.PsResponse), **ERRORS})
 async def ps(request: Request) -> dict[str, Any]:
     runtime = request.app.state.runtime
     rows = runtime.ps() if runtime is not None else []
@@ -360,10 +362,6 @@ def runtime_of(request: Request) -> Runtime:
     return runtime
 
 
-def metrics_fields(m: Metrics | None) -> dict[str, Any]:
-    return m.to_ollama() if m is not None else {}
-
-
 def chunk_to_generate(chunk: Chunk) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": chunk.model,
@@ -381,7 +379,7 @@ def chunk_to_generate(chunk: Chunk) -> dict[str, Any]:
             out["context"] = chunk.context
         if chunk.tool_calls:
             out["tool_calls"] = chunk.tool_calls
-        out.update(metrics_fields(chunk.metrics))
+        out.update(wire.metrics_to_ollama(chunk.metrics))
     return out
 
 
@@ -401,7 +399,7 @@ def chunk_to_chat(chunk: Chunk) -> dict[str, Any]:
         out["logprobs"] = chunk.logprobs
     if chunk.done:
         out["done_reason"] = chunk.done_reason
-        out.update(metrics_fields(chunk.metrics))
+        out.update(wire.metrics_to_ollama(chunk.metrics))
     return out
 
 
@@ -415,20 +413,20 @@ def observe(request: Request, chunk: Chunk) -> None:
         )
 
 
-def bool_field(fields: dict[str, Any], key: str, default: bool) -> bool:
-    value = fields.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise LocalrtError(f"{key} must be true or false")
-    return value
-
-
-def optional_str(fields: dict[str, Any], key: str) -> str | None:
-    value = fields.get(key)
-    if value is not None and not isinstance(value, str):
-        raise LocalrtError(f"{key} must be a string")
-    return value
+def generation_args(body: wire.Generation) -> Settings:
+    """What /api/chat and /api/generate share, in the runtime's names with Ollama's defaults for the
+    fields not sent: the one place an Ollama request becomes the runtime's."""
+    return Settings(
+        options=body.options,
+        format=body.format or None,
+        keep_alive=body.keep_alive,
+        logprobs=body.logprobs is True,
+        top_logprobs=body.top_logprobs or 0,
+        stream=body.stream is not False,
+        think=body.think,
+        truncate=body.truncate is not False,
+        shift=body.shift is not False,
+    )
 
 
 async def generation_response(
@@ -450,100 +448,57 @@ async def generation_response(
 
 @router.post(
     "/api/generate",
-    openapi_extra=wire.request_body(wire.GenerateRequest),
-    responses={200: wire.ok(wire.GenerateResponse, STREAMED), **GENERATION_ERRORS},
+    openapi_extra=schemas.request_body(wire.GenerateRequest),
+    responses={200: schemas.ok(wire.GenerateResponse, STREAMED), **GENERATION_ERRORS},
 )
 async def generate(request: Request) -> Response:
-    f = await wire.read_json(request, wire.GenerateRequest)
+    body = await schemas.read_body(request, wire.GenerateRequest)
     runtime = runtime_of(request)
-    context = f.get("context")
-    if context is not None and (
-        not isinstance(context, list) or not all(isinstance(t, int) for t in context)
-    ):
-        raise LocalrtError("context must be a list of token ids")
-    prompt = f.get("prompt") or ""
-    if not isinstance(prompt, str):
-        raise LocalrtError("prompt must be a string")
-    stream = bool_field(f, "stream", True)
-    images = f.get("images")
-    if images is not None and (not isinstance(images, list) or not all(isinstance(i, str) for i in images)):
-        raise LocalrtError("images must be a list of base64 strings")
+    args = generation_args(body)
     chunks = runtime.generate(
-        required_model(f),
-        prompt,
-        images=images or None,
-        system=optional_str(f, "system"),
-        raw=bool_field(f, "raw", False),
-        context=context,
-        options=f.get("options"),
-        format=f.get("format") or None,
-        keep_alive=f.get("keep_alive"),
-        logprobs=bool_field(f, "logprobs", False),
-        top_logprobs=f.get("top_logprobs") or 0,
-        stream=stream,
-        think=f.get("think"),
-        truncate=bool_field(f, "truncate", True),
-        shift=bool_field(f, "shift", True),
+        body.required_name(),
+        body.prompt or "",
+        images=body.images or None,
+        system=body.system,
+        raw=body.raw is True,
+        context=body.context,
+        **args,
     )
-    return await generation_response(request, chunks, stream, chunk_to_generate)
+    return await generation_response(request, chunks, args["stream"], chunk_to_generate)
 
 
 @router.post(
     "/api/chat",
-    openapi_extra=wire.request_body(wire.ChatRequest),
-    responses={200: wire.ok(wire.ChatResponse, STREAMED), **GENERATION_ERRORS},
+    openapi_extra=schemas.request_body(wire.ChatRequest),
+    responses={200: schemas.ok(wire.ChatResponse, STREAMED), **GENERATION_ERRORS},
 )
 async def chat(request: Request) -> Response:
-    f = await wire.read_json(request, wire.ChatRequest)
+    body = await schemas.read_body(request, wire.ChatRequest)
     runtime = runtime_of(request)
-    messages = f.get("messages") or []
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise LocalrtError("messages must be a list of objects")
-    for m in messages:
-        if m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise LocalrtError(f"invalid message role {m.get('role')!r}")
-        if m.get("content") is not None and not isinstance(m.get("content"), str):
-            raise LocalrtError("message content must be a string")
-        images = m.get("images")
-        if images is not None and (
-            not isinstance(images, list) or not all(isinstance(i, str) for i in images)
-        ):
-            raise LocalrtError("message images must be a list of base64 strings")
-    tools = f.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise LocalrtError("tools must be a list")
-    stream = bool_field(f, "stream", True)
+    args = generation_args(body)
     chunks = runtime.chat(
-        required_model(f),
-        messages,
-        options=f.get("options"),
-        tools=tools or None,
-        format=f.get("format") or None,
-        keep_alive=f.get("keep_alive"),
-        logprobs=bool_field(f, "logprobs", False),
-        top_logprobs=f.get("top_logprobs") or 0,
-        stream=stream,
-        think=f.get("think"),
-        truncate=bool_field(f, "truncate", True),
-        shift=bool_field(f, "shift", True),
+        body.required_name(),
+        [m.model_dump(by_alias=True, exclude_unset=True) for m in body.messages or []],
+        tools=body.tools or None,
+        **args,
     )
-    return await generation_response(request, chunks, stream, chunk_to_chat)
+    return await generation_response(request, chunks, args["stream"], chunk_to_chat)
 
 
 @router.post(
     "/api/embed",
-    openapi_extra=wire.request_body(wire.EmbedRequest),
-    responses={200: wire.ok(wire.EmbedResponse), **GENERATION_ERRORS},
+    openapi_extra=schemas.request_body(wire.EmbedRequest),
+    responses={200: schemas.ok(wire.EmbedResponse), **GENERATION_ERRORS},
 )
 async def embed(request: Request) -> dict[str, Any]:
-    f = await wire.read_json(request, wire.EmbedRequest)
-    inputs = f.get("input") or ""  # null or absent: only load the model, as Ollama does
+    body = await schemas.read_body(request, wire.EmbedRequest)
+    inputs = body.input or ""  # null or absent: only load the model, as Ollama does
     result = await runtime_of(request).embed(
-        required_model(f),
+        body.required_name(),
         inputs,
-        options=f.get("options"),
-        keep_alive=f.get("keep_alive"),
-        truncate=bool_field(f, "truncate", True),
+        options=body.options,
+        keep_alive=body.keep_alive,
+        truncate=body.truncate is not False,
     )
     return {
         "model": result.model,
@@ -556,15 +511,15 @@ async def embed(request: Request) -> dict[str, Any]:
 
 @router.post(
     "/api/embeddings",
-    openapi_extra=wire.request_body(wire.EmbeddingsRequest),
-    responses={200: wire.ok(wire.EmbeddingsResponse), **GENERATION_ERRORS},
+    openapi_extra=schemas.request_body(wire.EmbeddingsRequest),
+    responses={200: schemas.ok(wire.EmbeddingsResponse), **GENERATION_ERRORS},
 )
 async def embeddings_legacy(request: Request) -> dict[str, Any]:
-    f = await wire.read_json(request, wire.EmbeddingsRequest)
-    prompt = f.get("prompt") or ""
+    body = await schemas.read_body(request, wire.EmbeddingsRequest)
+    prompt = body.prompt or ""
     # an empty prompt still loads the model (and checks the name and options), as Ollama does
     result = await runtime_of(request).embed(
-        required_model(f), prompt, options=f.get("options"), keep_alive=f.get("keep_alive")
+        body.required_name(), prompt, options=body.options, keep_alive=body.keep_alive
     )
     return {"embedding": result.embeddings[0] if prompt else []}
 
@@ -572,22 +527,17 @@ async def embeddings_legacy(request: Request) -> dict[str, Any]:
 async def rerank_response(request: Request) -> dict[str, Any]:
     """`POST /api/rerank` and `/v1/rerank` (llama-server's, Jina's and Cohere's shape): results sorted by
     relevance_score, cut to top_n, each with its document's index (and text with return_documents)."""
-    f = await wire.read_json(request, wire.RerankRequest)
-    documents = f.get("documents")
-    if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
-        raise LocalrtError("documents must be a list of strings")
-    top_n = f.get("top_n")
-    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 0):
-        raise LocalrtError("top_n must be a non-negative integer")
+    body = await schemas.read_body(request, wire.RerankRequest)
+    documents, top_n = body.documents, body.top_n
     result = await runtime_of(request).rerank(
-        required_model(f),
-        f.get("query"),
+        body.required_name(),
+        body.query,
         documents,
-        options=f.get("options"),
-        keep_alive=f.get("keep_alive"),
+        options=body.options,
+        keep_alive=body.keep_alive,
     )
     order = sorted(range(len(documents)), key=lambda i: -result.scores[i])
-    with_text = bool_field(f, "return_documents", False)
+    with_text = body.return_documents is True
     results = [
         {
             "index": i,
@@ -608,8 +558,8 @@ async def rerank_response(request: Request) -> dict[str, Any]:
 
 @router.post(
     "/api/rerank",
-    openapi_extra=wire.request_body(wire.RerankRequest),
-    responses={200: wire.ok(wire.RerankResponse), **GENERATION_ERRORS},
+    openapi_extra=schemas.request_body(wire.RerankRequest),
+    responses={200: schemas.ok(wire.RerankResponse), **GENERATION_ERRORS},
 )
 async def rerank(request: Request) -> dict[str, Any]:
     return await rerank_response(request)
@@ -617,35 +567,33 @@ async def rerank(request: Request) -> dict[str, Any]:
 
 @router.post(
     "/api/tokenize",
-    openapi_extra=wire.request_body(wire.TokenizeRequest),
-    responses={200: wire.ok(wire.TokenizeResponse), **GENERATION_ERRORS},
+    openapi_extra=schemas.request_body(wire.TokenizeRequest),
+    responses={200: schemas.ok(wire.TokenizeResponse), **GENERATION_ERRORS},
 )
 async def tokenize(request: Request) -> dict[str, Any]:
-    f = await wire.read_json(request, wire.TokenizeRequest)
-    text = f.get("text") if f.get("text") is not None else f.get("content") or ""
+    body = await schemas.read_body(request, wire.TokenizeRequest)
+    # llama-server names the field `content`
+    text = body.text if body.text is not None else (body.model_extra or {}).get("content") or ""
     if not isinstance(text, str):
         raise LocalrtError("text must be a string")
     tokens = await runtime_of(request).tokenize(
-        required_model(f),
+        body.required_name(),
         text,
-        add_special=bool_field(f, "add_special", True),
-        parse_special=bool_field(f, "parse_special", False),
+        add_special=body.add_special is not False,
+        parse_special=body.parse_special is True,
     )
-    return {"model": required_model(f), "tokens": tokens}
+    return {"model": body.required_name(), "tokens": tokens}
 
 
 @router.post(
     "/api/detokenize",
-    openapi_extra=wire.request_body(wire.DetokenizeRequest),
-    responses={200: wire.ok(wire.DetokenizeResponse), **GENERATION_ERRORS},
+    openapi_extra=schemas.request_body(wire.DetokenizeRequest),
+    responses={200: schemas.ok(wire.DetokenizeResponse), **GENERATION_ERRORS},
 )
 async def detokenize(request: Request) -> dict[str, Any]:
-    f = await wire.read_json(request, wire.DetokenizeRequest)
-    tokens = f.get("tokens")
-    if not isinstance(tokens, list):
-        raise LocalrtError("tokens must be a list of token ids")
-    text = await runtime_of(request).detokenize(required_model(f), tokens)
-    return {"model": required_model(f), "text": text}
+    body = await schemas.read_body(request, wire.DetokenizeRequest)
+    text = await runtime_of(request).detokenize(body.required_name(), body.tokens)
+    return {"model": body.required_name(), "text": text}
 
 
 @router.get("/metrics", response_class=PlainTextResponse, responses=ERRORS)

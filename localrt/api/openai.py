@@ -13,27 +13,28 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response
 
-from localrt.api import schemas as wire
+from localrt import wire
+from localrt.api import schemas
 from localrt.api.ollama import observe, runtime_of
 from localrt.api.security import error_body
 from localrt.api.streaming import first_and_rest, sse_response
 from localrt.errors import LocalrtError, ModelNotFound
 from localrt.runtime import images as image_input
-from localrt.runtime.manager import Chunk, Metrics
+from localrt.runtime.generate import Chunk, Metrics
 from localrt.runtime.thinking import think_from_effort
 from localrt.store.names import parse_name
 
 router = APIRouter(prefix="/v1")
-ERRORS = wire.error_responses(True)
-GENERATION_ERRORS = wire.error_responses(True, 404, 499, 501, 503)
-SSE = wire.SSE
+ERRORS = schemas.error_responses(True)
+GENERATION_ERRORS = schemas.error_responses(True, 404, 499, 501, 503)
+SSE = schemas.SSE
 
 
 def model_object(display: str, created: float, owner: str) -> dict[str, Any]:
     return {"id": display, "object": "model", "created": int(created), "owned_by": owner}
 
 
-@router.get("/models", responses={200: wire.ok(wire.ModelList), **ERRORS})
+@router.get("/models", responses={200: schemas.ok(wire.ModelList), **ERRORS})
 async def list_models(request: Request) -> dict[str, Any]:
     entries = request.app.state.store.list_models()
     return {
@@ -43,7 +44,8 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 
 @router.get(
-    "/models/{model_id:path}", responses={200: wire.ok(wire.ModelObject), **wire.error_responses(True, 404)}
+    "/models/{model_id:path}",
+    responses={200: schemas.ok(wire.ModelObject), **schemas.error_responses(True, 404)},
 )
 async def get_model(
     request: Request, model_id: Annotated[str, Path(json_schema_extra=wire.NAME_SCHEMA)]
@@ -80,7 +82,9 @@ EXTRA_OPTIONS = (
 )
 
 
-def options_from(f: dict[str, Any]) -> dict[str, Any]:
+def options_from(body: wire.OpenAISampling) -> dict[str, Any]:
+    """The runtime's options from OpenAI's top-level fields, ours at top level, and `options`."""
+    f = wire.body_of(body)  # the fields sent, ours among them (extra_body lands at top level)
     options: dict[str, Any] = {}
     for key in PASSED + EXTRA_OPTIONS:
         if f.get(key) is not None:
@@ -91,16 +95,10 @@ def options_from(f: dict[str, Any]) -> dict[str, Any]:
     stop = f.get("stop")
     if stop is not None:
         options["stop"] = [stop] if isinstance(stop, str) else stop
-    extra = f.get("options")
-    if extra is not None:
-        if not isinstance(extra, dict):
-            raise LocalrtError("options must be an object")
-        options.update(extra)
+    options.update(body.options or {})
     # OpenAI's defaults, not Ollama's, when the client leaves them out (as Ollama does on /v1)
     options.setdefault("temperature", 1.0)
     options.setdefault("top_p", 1.0)
-    if f.get("n") not in (None, 1):
-        raise OpenAIParamError("n", "only n=1 is supported")
     return options
 
 
@@ -110,64 +108,48 @@ class OpenAIParamError(LocalrtError):
         self.param = param
 
 
-def format_from(f: dict[str, Any]) -> str | dict[str, Any] | None:
-    rf = f.get("response_format")
-    if rf is None:
-        return None
-    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-        raise OpenAIParamError("response_format", "type must be text, json_object or json_schema")
-    if rf["type"] == "json_object":
+def required_model(model: str) -> str:
+    if not model:
+        raise OpenAIParamError("model", "model is required")
+    return model
+
+
+def format_from(rf: wire.ResponseFormat | None) -> str | dict[str, Any] | None:
+    if isinstance(rf, wire.JsonObjectFormat):
         return "json"
-    if rf["type"] == "json_schema":
-        schema = (rf.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise OpenAIParamError("response_format", "json_schema.schema must be an object")
-        return schema
+    if isinstance(rf, wire.JsonSchemaFormat):
+        return rf.json_schema.schema_
     return None
 
 
-def message_text(content: Any) -> str:
-    """Content as a string (text parts only, for the routes that take no images)."""
-    text, urls = message_parts(content)
-    if urls:
-        raise OpenAIParamError("messages", "image_url parts are only supported by /v1/chat/completions")
-    return text
+Content = str | list[wire.ContentPart | wire.ImagePart] | None
 
 
-def message_parts(content: Any) -> tuple[str, list[str]]:
+def message_parts(content: Content) -> tuple[str, list[str]]:
     """Content as (text, image URLs): OpenAI allows a list of text and image_url parts. Each image's place
     in the text is Ollama's `[img]`, which the runtime fills in order."""
     if content is None:
         return "", []
     if isinstance(content, str):
         return content, []
-    if isinstance(content, list):
-        texts, urls = [], []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                texts.append(str(part.get("text", "")))
-            elif kind == "image_url":
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                if not isinstance(url, str) or not url:
-                    raise OpenAIParamError("messages", "an image_url part needs image_url.url")
-                urls.append(url)
-                texts.append(image_input.PLACEHOLDER)
-            else:
-                raise OpenAIParamError(
-                    "messages", f"unsupported content part type {kind!r} (text, image_url)"
-                )
-        return "".join(texts), urls
-    raise OpenAIParamError("messages", "content must be a string or a list of parts")
+    texts, urls = [], []
+    for part in content:
+        if isinstance(part, wire.ImagePart):
+            if not part.image_url.url:
+                raise OpenAIParamError("messages", "an image_url part needs image_url.url")
+            urls.append(part.image_url.url)
+            texts.append(image_input.PLACEHOLDER)
+        else:
+            texts.append(part.text)
+    return "".join(texts), urls
 
 
-async def fetch_message_images(raw: list[Any], messages: list[dict[str, Any]]) -> None:
+async def fetch_message_images(raw: list[wire.OpenAIMessage], messages: list[dict[str, Any]]) -> None:
     """Turn each message's image_url parts into image bytes (`images`), fetching in a worker thread."""
     import asyncio
 
     for i, (m, msg) in enumerate(zip(raw, messages)):
-        _, urls = message_parts(m.get("content"))
+        _, urls = message_parts(m.content)
         if urls:
             msg["images"] = [
                 await asyncio.to_thread(image_input.image_url_bytes, url, f"messages[{i}] image_url")
@@ -175,27 +157,17 @@ async def fetch_message_images(raw: list[Any], messages: list[dict[str, Any]]) -
             ]
 
 
-def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
-    raw = f.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise OpenAIParamError("messages", "a non-empty list of messages is required")
+def messages_from(raw: list[wire.OpenAIMessage]) -> list[dict[str, Any]]:
+    """OpenAI's messages as the runtime's (Ollama's shape): developer is system, calls' arguments parsed."""
     out = []
     for m in raw:
-        if not isinstance(m, dict) or m.get("role") not in (
-            "system",
-            "developer",
-            "user",
-            "assistant",
-            "tool",
-        ):
-            raise OpenAIParamError("messages", f"invalid message {m!r:.80}")
         msg: dict[str, Any] = {
-            "role": "system" if m["role"] == "developer" else m["role"],
-            "content": message_parts(m.get("content"))[0],
+            "role": "system" if m.role == "developer" else m.role,
+            "content": message_parts(m.content)[0],
         }
-        if m.get("tool_calls"):
+        if m.tool_calls:
             calls = []
-            for call in m["tool_calls"]:
+            for call in m.tool_calls:
                 fn = (call or {}).get("function") or {}
                 args = fn.get("arguments", "{}")
                 try:
@@ -204,13 +176,13 @@ def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
                     raise OpenAIParamError("messages", "tool call arguments must be JSON") from None
                 calls.append({"id": call.get("id"), "function": {"name": fn.get("name"), "arguments": args}})
             msg["tool_calls"] = calls
-        thinking = m.get("reasoning_content") or m.get("reasoning")
-        if thinking and m["role"] == "assistant":
+        thinking = m.reasoning_content or m.reasoning
+        if thinking and m.role == "assistant":
             msg["thinking"] = thinking
-        if m.get("tool_call_id"):
-            msg["tool_call_id"] = m["tool_call_id"]
-        if m.get("name"):
-            msg["tool_name"] = m["name"]
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name:
+            msg["tool_name"] = m.name
         out.append(msg)
     return out
 
@@ -272,21 +244,22 @@ def finish_reason(chunk: Chunk) -> str:
     return {"length": "length"}.get(chunk.done_reason or "", "stop")
 
 
-def logprob_flags(f: dict[str, Any]) -> tuple[bool, int]:
-    want = f.get("logprobs")
-    top = f.get("top_logprobs")
-    if isinstance(want, int) and not isinstance(want, bool):  # /v1/completions: logprobs is a count
+def logprob_flags(want: bool | int | None, top: int | None = None) -> tuple[bool, int]:
+    """(logprobs wanted, how many alternatives): chat sends a flag and top_logprobs, /v1/completions
+    a count."""
+    if isinstance(want, int) and not isinstance(want, bool):
         return want > 0, want
-    if want is not None and not isinstance(want, bool):
-        raise OpenAIParamError("logprobs", "must be a boolean")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
-        raise OpenAIParamError("top_logprobs", "must be an integer between 0 and 20")
     return bool(want), (top or 0) if want else 0
 
 
-def include_usage(f: dict[str, Any]) -> bool:
-    opts = f.get("stream_options") or {}
-    return isinstance(opts, dict) and bool(opts.get("include_usage"))
+def include_usage(body: wire.OpenAISampling) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage is True
+
+
+def tool_choice_of(body: wire.ChatCompletionRequest) -> Any:
+    """OpenAI's tool_choice as the runtime reads it: a name, or {"type": "function", "function": ...}."""
+    choice = body.tool_choice
+    return wire.body_of(choice) if isinstance(choice, wire.NamedToolChoice) else choice
 
 
 def sse_error(e: LocalrtError) -> dict[str, Any]:
@@ -296,7 +269,7 @@ def sse_error(e: LocalrtError) -> dict[str, Any]:
 async def answer(
     request: Request,
     chunks: AsyncIterator[Chunk],
-    f: dict[str, Any],
+    body: wire.OpenAISampling,
     completion_id: str,
     model: str,
     objects: tuple[str, str],
@@ -311,7 +284,7 @@ async def answer(
         "model": model,
         "system_fingerprint": "fp_localrt",
     }
-    if f.get("stream") is not True:
+    if body.stream is not True:
         final: Chunk | None = None
         async for chunk in chunks:
             observe(request, chunk)
@@ -329,7 +302,7 @@ async def answer(
             first = False
             if choice is not None:
                 yield {**base, "object": objects[1], "choices": [choice]}
-            if chunk.done and include_usage(f):
+            if chunk.done and include_usage(body):
                 yield {**base, "object": objects[1], "choices": [], "usage": usage_of(chunk)}
 
     _, items = await first_and_rest(events())
@@ -339,37 +312,28 @@ async def answer(
 # ---- routes ------------------------------------------------------------------------------------
 @router.post(
     "/chat/completions",
-    openapi_extra=wire.request_body(wire.ChatCompletionRequest),
-    responses={200: wire.ok(wire.ChatCompletion, SSE), **GENERATION_ERRORS},
+    openapi_extra=schemas.request_body(wire.ChatCompletionRequest),
+    responses={200: schemas.ok(wire.ChatCompletion, SSE), **GENERATION_ERRORS},
 )
 async def chat_completions(request: Request) -> Response:
-    f = await wire.read_json(request, wire.ChatCompletionRequest)
-    model = f.get("model")
-    if not isinstance(model, str) or not model:
-        raise OpenAIParamError("model", "model is required")
-    messages = messages_from(f)
-    await fetch_message_images(f["messages"], messages)  # issue 19: image_url parts
-    options = options_from(f)
-    fmt = format_from(f)
-    want_logprobs, top = logprob_flags(f)
-    tools = f.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise OpenAIParamError("tools", "must be a list")
-    stream = f.get("stream") is True
-    runtime = runtime_of(request)
-    chunks = runtime.chat(
+    body = await schemas.read_body(request, wire.ChatCompletionRequest)
+    model = required_model(body.model)
+    messages = messages_from(body.messages)
+    await fetch_message_images(body.messages, messages)  # issue 19: image_url parts
+    want_logprobs, top = logprob_flags(body.logprobs, body.top_logprobs)
+    chunks = runtime_of(request).chat(
         model,
         messages,
-        options=options,
-        tools=tools or None,
-        format=fmt,
-        keep_alive=f.get("keep_alive"),
+        options=options_from(body),
+        tools=body.tools or None,
+        format=format_from(body.response_format),
+        keep_alive=body.keep_alive,
         logprobs=want_logprobs,
         top_logprobs=top,
-        stream=stream,
-        think=think_from_effort(f.get("reasoning_effort")),
-        tool_choice=f.get("tool_choice"),
-        parallel_tool_calls=f.get("parallel_tool_calls"),
+        stream=body.stream is True,
+        think=think_from_effort(body.reasoning_effort),
+        tool_choice=tool_choice_of(body),
+        parallel_tool_calls=body.parallel_tool_calls,
     )
 
     def whole(final: Chunk) -> dict[str, Any]:
@@ -412,7 +376,7 @@ async def chat_completions(request: Request) -> Response:
     return await answer(
         request,
         chunks,
-        f,
+        body,
         f"chatcmpl-{uuid.uuid4().hex[:24]}",
         model,
         ("chat.completion", "chat.completion.chunk"),
@@ -423,33 +387,25 @@ async def chat_completions(request: Request) -> Response:
 
 @router.post(
     "/completions",
-    openapi_extra=wire.request_body(wire.CompletionRequest),
-    responses={200: wire.ok(wire.Completion, SSE), **GENERATION_ERRORS},
+    openapi_extra=schemas.request_body(wire.CompletionRequest),
+    responses={200: schemas.ok(wire.Completion, SSE), **GENERATION_ERRORS},
 )
 async def completions(request: Request) -> Response:
-    f = await wire.read_json(request, wire.CompletionRequest)
-    model = f.get("model")
-    if not isinstance(model, str) or not model:
-        raise OpenAIParamError("model", "model is required")
-    prompt = f.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise OpenAIParamError("prompt", "must be a string")
-    options = options_from(f)
-    want_logprobs, top = logprob_flags(f)
-    stream = f.get("stream") is True
+    body = await schemas.read_body(request, wire.CompletionRequest)
+    model = required_model(body.model)
+    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    want_logprobs, top = logprob_flags(body.logprobs)
     # A completion continues the text as given: no chat template (raw), as OpenAI's API means it.
     chunks = runtime_of(request).generate(
         model,
         prompt,
         raw=True,
-        options=options,
-        format=format_from(f),
-        keep_alive=f.get("keep_alive"),
+        options=options_from(body),
+        format=format_from(body.response_format),
+        keep_alive=body.keep_alive,
         logprobs=want_logprobs,
         top_logprobs=top,
-        stream=stream,
+        stream=body.stream is True,
     )
 
     def logprobs_legacy(items: list[dict[str, Any]] | None) -> dict[str, Any] | None:
@@ -472,7 +428,7 @@ async def completions(request: Request) -> Response:
     return await answer(
         request,
         chunks,
-        f,
+        body,
         f"cmpl-{uuid.uuid4().hex[:24]}",
         model,
         ("text_completion", "text_completion"),
@@ -483,27 +439,19 @@ async def completions(request: Request) -> Response:
 
 @router.post(
     "/embeddings",
-    openapi_extra=wire.request_body(wire.OpenAIEmbeddingsRequest),
-    responses={200: wire.ok(wire.EmbeddingList), **GENERATION_ERRORS},
+    openapi_extra=schemas.request_body(wire.OpenAIEmbeddingsRequest),
+    responses={200: schemas.ok(wire.EmbeddingList), **GENERATION_ERRORS},
 )
 async def embeddings(request: Request) -> dict[str, Any]:
-    f = await wire.read_json(request, wire.OpenAIEmbeddingsRequest)
-    model = f.get("model")
-    if not isinstance(model, str) or not model:
-        raise OpenAIParamError("model", "model is required")
-    inputs = f.get("input")
-    if isinstance(inputs, str):
-        inputs = [inputs]
-    if not isinstance(inputs, list) or not inputs or not all(isinstance(x, str) for x in inputs):
-        raise OpenAIParamError("input", "must be a string or a non-empty list of strings")
-    encoding = f.get("encoding_format") or "float"
-    if encoding not in ("float", "base64"):
-        raise OpenAIParamError("encoding_format", "must be float or base64")
-    result = await runtime_of(request).embed(model, inputs, keep_alive=f.get("keep_alive"))
-    dims = f.get("dimensions")
+    body = await schemas.read_body(request, wire.OpenAIEmbeddingsRequest)
+    model = required_model(body.model)
+    inputs = [body.input] if isinstance(body.input, str) else body.input
+    encoding = body.encoding_format or "float"
+    result = await runtime_of(request).embed(model, inputs, keep_alive=body.keep_alive)
+    dims = body.dimensions
     data = []
     for i, vector in enumerate(result.embeddings):
-        if isinstance(dims, int) and not isinstance(dims, bool) and 0 < dims < len(vector):
+        if dims is not None and 0 < dims < len(vector):
             vector = vector[:dims]
         embedding: Any = vector
         if encoding == "base64":
@@ -519,8 +467,8 @@ async def embeddings(request: Request) -> dict[str, Any]:
 
 @router.post(
     "/rerank",
-    openapi_extra=wire.request_body(wire.RerankRequest),
-    responses={200: wire.ok(wire.RerankResponse), **GENERATION_ERRORS},
+    openapi_extra=schemas.request_body(wire.RerankRequest),
+    responses={200: schemas.ok(wire.RerankResponse), **GENERATION_ERRORS},
 )
 async def rerank(request: Request) -> dict[str, Any]:
     """Jina / Cohere / llama-server rerank (issue 19): the same handler as /api/rerank."""

@@ -225,22 +225,22 @@ def remote_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_create(args: argparse.Namespace) -> int:
+    from localrt.client import CreateSpec
     from localrt.store.names import parse_name
 
     parse_name(args.model)  # a bad name fails before any file is read
     modelfile, base_dir = read_modelfile(args)
-    name = with_client(
-        lambda client: client.create(
-            args.model,
-            modelfile_text=modelfile,
-            from_path=args.from_path,
-            base_dir=base_dir,
-            quantize=args.quantize,
-            **remote_kwargs(args),
-            projector_path=args.mmproj,
-            imatrix_path=args.imatrix,
-        )
+    spec = CreateSpec(
+        args.model,
+        modelfile_text=modelfile,
+        from_path=args.from_path,
+        base_dir=base_dir,
+        quantize=args.quantize,
+        **remote_kwargs(args),
+        projector_path=args.mmproj,
+        imatrix_path=args.imatrix,
     )
+    name = with_client(lambda client: client.create(spec))
     print(f"success: created '{name}'")
     return 0
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from localrt.errors import LocalrtError, ModelNotFound
-from localrt.store.names import ModelName, normalize_digest, parse_name
+from localrt.store.names import DIGEST_RE, ModelName, normalize_digest, parse_name
 from localrt.store.remote import REMOTE_PARAMETERS, is_remote_url
 from localrt.store.store import MEDIA_DRAFT, MEDIA_MODEL, MEDIA_PROJECTOR, Store
 
@@ -573,6 +573,7 @@ def create_from_request(
             raise LocalrtError(f"{key} must be a string")
         texts[key] = value
     weights = _imatrix_blob(store, fields.get("imatrix"), file_type)
+    draft = _draft_from_request(store, fields.get("draft"))
     if file_type:
         progress(f"quantizing model to {file_type}")
     with quantized(store, source, file_type, weights) as model_source:
@@ -585,8 +586,27 @@ def create_from_request(
             system=texts["system"],
             license_text=texts["license"],
             parameters=checked,
+            draft=draft,
             projector=projector,
         )
+
+
+def _draft_from_request(store: Store, value: Any) -> str | ModelName | None:
+    """The `draft` field of /api/create (a Modelfile's DRAFT line): the sha256 digest of an uploaded
+    GGUF blob, or a stored model whose weights become the draft."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise LocalrtError("draft must be a model name or the sha256 digest of an uploaded GGUF blob")
+    if DIGEST_RE.match(value):
+        blob = normalize_digest(value)
+        if not store.has_blob(blob):
+            raise LocalrtError(f"blob {blob} not found: upload it with POST /api/blobs/{blob} first")
+        return blob
+    name = parse_name(value)
+    if not store.exists(name):
+        raise ModelNotFound(f"draft model '{name.display}' not found, try pulling it first")
+    return name
 
 
 def _check_create_fields(fields: dict[str, Any]) -> str | None:
@@ -607,6 +627,8 @@ def _remote_from_request(
     """`POST /api/create` with `remote` (a URL or a list), `remote_model`, `api_key_env`, `insecure`."""
     from localrt.store.remote import create_remote
 
+    if fields.get("draft") is not None:
+        raise LocalrtError("draft does not apply to a remote model")
     urls = fields["remote"]
     urls = [urls] if isinstance(urls, str) else urls
     if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):

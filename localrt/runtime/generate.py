@@ -1,0 +1,610 @@
+"""Generation: the runtime's answers to chat, generate, embed, rerank, score and tokenize requests.
+
+    rt = Runtime()
+    async for chunk in rt.chat("smollm2:135m", [{"role": "user", "content": "Hi"}]):
+        print(chunk.content, end="")
+
+A request is checked once (`_begin`), holds a loaded model through `ModelPool.use`, has its prompt
+rendered by the model's `Prompter`, and streams `Chunk`s from one loop (`_run`). All methods are
+coroutines of one event loop; blocking backend work runs in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import re
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, TypedDict, Unpack
+
+from localrt.backends.base import (
+    GBNF,
+    DoneEvent,
+    GenerateRequest,
+    ImageInput,
+    LoadedModel,
+    ScoreResult,
+    TextEvent,
+    Timings,
+    TokenLogprob,
+)
+from localrt.errors import LocalrtError
+from localrt.runtime import images as image_input
+from localrt.runtime import remote, thinking
+from localrt.runtime.models import Entry, LoadedInfo, ModelPool
+from localrt.runtime.options import Options
+from localrt.runtime.prompt import Turn, tool_choice, with_system
+from localrt.runtime.thinking import Piece, Think
+from localrt.runtime.truncate import fit_tokens
+from localrt.store.store import ResolvedModel, Store
+
+
+class ContextLengthError(LocalrtError):
+    status = 400
+
+
+@dataclass
+class Metrics(Timings):
+    """A request's numbers, in nanoseconds: the backend's timings plus the request's total (`localrt.wire`
+    gives them their names on Ollama's wire)."""
+
+    total_ns: int = 0
+    # the whole prompt, a reused (cached) prefix included: prompt_eval_count counts only what was
+    # evaluated; OpenAI's and Anthropic's usage count the whole input
+    prompt_tokens: int = 0
+
+
+@dataclass
+class Chunk:
+    """One streamed piece of a chat or generate answer; the last one has done=True and metrics."""
+
+    model: str
+    content: str = ""
+    thinking: str = ""  # a reasoning model's thinking, split out of content (Ollama's message.thinking)
+    done: bool = False
+    done_reason: str | None = None  # stop | length | cancel | load | unload
+    tool_calls: list[dict[str, Any]] | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    metrics: Metrics | None = None
+    context: list[int] | None = None  # generate only: prompt + answer tokens, for the next call
+    created_at: str = field(default_factory=lambda: _now_rfc3339())
+
+
+@dataclass
+class EmbedResult:
+    model: str
+    embeddings: list[list[float]]
+    prompt_eval_count: int
+    total_ns: int
+    load_ns: int
+
+
+@dataclass
+class RerankResult:
+    model: str
+    scores: list[float]  # per document, in the order given
+    prompt_eval_count: int
+    total_ns: int
+    load_ns: int
+
+
+class Settings(TypedDict, total=False):
+    """What chat and generate share, in the runtime's names (each API translates its fields to these).
+
+    options: option name -> value (`localrt.runtime.options`); format: "json" or a JSON schema;
+    keep_alive: a duration or seconds (0 unloads after the answer); logprobs / top_logprobs (0..20);
+    stream: chunks as they come, else one final chunk; think: Ollama's value (None, bool, "low"|"medium"|
+    "high") or a Think; truncate: drop the oldest turns to fit the context; shift: shift the context when
+    generation reaches its end. Unset means the default."""
+
+    options: Mapping[str, Any] | None
+    format: str | dict[str, Any] | None
+    keep_alive: str | float | None
+    logprobs: bool
+    top_logprobs: int
+    stream: bool
+    think: Any
+    truncate: bool
+    shift: bool
+
+
+def _now_rfc3339() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class _Call:
+    """What a chat or generate request settles before any load: checked once, used by every step."""
+
+    model: str  # as the request named it
+    resolved: ResolvedModel
+    opts: Options
+    format: str | dict[str, Any] | None
+    logprobs: bool
+    top_logprobs: int
+    stream: bool
+    think: Think
+    tools: list[dict[str, Any]] | None  # what the template renders (tool_choice applied)
+    required: bool  # tool_choice asks for a call
+    keep_alive: float
+    truncate: bool
+    shift: bool
+    start: int  # perf_counter_ns at arrival
+
+
+class Runtime:
+    """The runtime every interface shares (CLI, HTTP server, TUI): a `ModelPool` and the request paths."""
+
+    def __init__(
+        self,
+        store: Store | None = None,
+        *,
+        max_loaded: int | None = None,
+        max_queue: int | None = None,
+        keep_alive: float | None = None,
+    ) -> None:
+        self.models = ModelPool(store, max_loaded=max_loaded, max_queue=max_queue, keep_alive=keep_alive)
+
+    @property
+    def store(self) -> Store:
+        return self.models.store
+
+    # ---- chat and generate -----------------------------------------------------------------------
+    async def chat(
+        self,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
+        **settings: Unpack[Settings],
+    ) -> AsyncIterator[Chunk]:
+        """Answer a conversation. Empty `messages` only loads the model (or unloads with keep_alive 0).
+
+        `tool_choice`: OpenAI's (None/"auto", "none", "required", {"type": "function", "function":
+        {"name": ...}}); `settings`: what chat and generate share (`Settings`)."""
+        call = self._begin(model, settings, tools=tools, choice=tool_choice)
+        if not messages:
+            async for chunk in self._load_only(call):
+                yield chunk
+            return
+        msgs = with_system(messages, call.resolved.system)
+        msgs, pictures = image_input.place_images(msgs)  # decoded and checked before any load
+        _check_vision(call.resolved, pictures)
+        async with self.models.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
+            prompter = entry.prompter
+            turn = prompter.turn(model, call.think, call.tools, call.required, parallel_tool_calls)
+            upstream = remote.chat_prompt(msgs, call.tools) if remote.is_remote(call.resolved) else None
+            tokens: list[int] = []
+            if upstream is None:  # a remote model's upstream templates, tokenizes and fits it itself
+                tokens = await prompter.render(msgs, turn, pictures)
+                if call.truncate and not pictures and len(tokens) >= entry.model.context_length:
+                    tokens = await prompter.fit(msgs, turn, tokens)
+            async for chunk in self._run(call, entry, load_ns, tokens, turn, upstream, pictures):
+                yield chunk
+
+    async def generate(
+        self,
+        model: str,
+        prompt: str = "",
+        *,
+        system: str | None = None,
+        raw: bool = False,
+        context: Sequence[int] | None = None,
+        images: Sequence[Any] | None = None,
+        **settings: Unpack[Settings],
+    ) -> AsyncIterator[Chunk]:
+        """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only.
+
+        `images`: base64 strings or bytes, placed at `[img]` in the prompt or in front of it;
+        `settings`: what chat and generate share (`Settings`)."""
+        call = self._begin(model, settings)
+        if not prompt and not context:
+            async for chunk in self._load_only(call):
+                yield chunk
+            return
+        if raw and (system or context):
+            raise LocalrtError("raw mode does not support template, system, or context")
+        pictures: list[ImageInput] = []
+        if images:
+            (marked,), pictures = image_input.place_images([{"content": prompt, "images": list(images)}])
+            prompt = marked["content"]
+        _check_vision(call.resolved, pictures)
+        resolved = call.resolved
+        async with self.models.use(resolved, call.opts, call.keep_alive) as (entry, load_ns):
+            m = entry.model
+            turn: Turn | None = None
+            upstream = remote.generate_prompt(resolved, prompt, system, raw, context)
+            if upstream is not None:  # a remote model: the upstream templates and tokenizes
+                tokens = []
+            elif raw:  # the text as given: no template, so no thinking switch and no parsing
+                tokenize = image_input.split_markers(
+                    lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special)
+                )
+                tokens = tokenize(prompt, True, True)
+            else:
+                sys_text = system if system is not None else resolved.system
+                msgs = with_system([{"role": "user", "content": prompt}], sys_text)
+                turn = entry.prompter.turn(model, call.think)
+                tokens = await entry.prompter.render(msgs, turn, pictures, add_bos=not context)
+                tokens = [*(context or []), *tokens]
+            if call.truncate and not pictures and upstream is None:
+                tokens = fit_tokens(tokens, m.context_length, call.opts.num_keep)
+            # image cells have no token ids, and a remote upstream's are not ours
+            want_context = not raw and not pictures and upstream is None
+            async for chunk in self._run(
+                call, entry, load_ns, tokens, turn, upstream, pictures, want_context
+            ):
+                yield chunk
+
+    def _begin(
+        self,
+        model: str,
+        settings: Settings,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        choice: Any = None,
+    ) -> _Call:
+        """The checks chat and generate share, done once before any load."""
+        start = time.perf_counter_ns()
+        unknown = set(settings) - set(Settings.__annotations__)
+        if unknown:  # what a signature would refuse: a misspelt setting must not pass silently
+            raise TypeError(f"unexpected keyword argument {sorted(unknown)[0]!r}")
+        resolved, opts = self.models.prepare(model, settings.get("options"))
+        format = _check_format(settings.get("format"))
+        top_logprobs = settings.get("top_logprobs", 0)
+        _check_logprobs(top_logprobs)
+        think = settings.get("think")
+        wanted = think if isinstance(think, Think) else thinking.parse_think(think)
+        listed, required = tool_choice(choice, tools)
+        return _Call(
+            model=model,
+            resolved=resolved,
+            opts=opts,
+            format=format,
+            logprobs=settings.get("logprobs", False),
+            top_logprobs=top_logprobs,
+            stream=settings.get("stream", True),
+            think=wanted,
+            tools=listed,
+            required=required,
+            keep_alive=self.models.keep_alive(settings.get("keep_alive")),
+            truncate=settings.get("truncate", True),
+            shift=settings.get("shift", True),
+            start=start,
+        )
+
+    async def _load_only(self, call: _Call) -> AsyncIterator[Chunk]:
+        name = call.resolved.name.display
+        if call.keep_alive <= 0:
+            await self.unload(name)
+            yield Chunk(
+                model=name,
+                done=True,
+                done_reason="unload",
+                metrics=Metrics(total_ns=time.perf_counter_ns() - call.start),
+            )
+            return
+        async with self.models.use(call.resolved, call.opts, call.keep_alive, exclusive=False) as (
+            _,
+            load_ns,
+        ):
+            pass
+        yield Chunk(
+            model=name,
+            done=True,
+            done_reason="load",
+            metrics=Metrics(total_ns=time.perf_counter_ns() - call.start, load_ns=load_ns),
+        )
+
+    def _request(self, call: _Call, entry: Entry, tokens: list[int], turn: Turn | None) -> GenerateRequest:
+        """The backend's request: the prompt checked against the context, the output constraint chosen."""
+        m, opts = entry.model, call.opts
+        if len(tokens) >= m.context_length:
+            raise ContextLengthError(
+                f"the prompt is {len(tokens)} tokens, which does not fit the context length of "
+                f"{m.context_length} tokens (raise num_ctx or shorten the input)"
+            )
+        constraint: Any = call.format
+        if opts.grammar:
+            if call.format is not None:
+                raise LocalrtError("format and grammar cannot be used together")
+            _check_token_refs(m, opts.grammar)
+            constraint = GBNF(opts.grammar)
+        if turn is not None and turn.required:
+            if constraint is not None:
+                raise LocalrtError("tool_choice 'required' cannot be combined with format or grammar")
+            constraint = GBNF(turn.grammar())
+        if constraint is not None and not m.capabilities.grammar:
+            raise LocalrtError(f"the {entry.backend} backend does not support format (JSON output)")
+        # with a context shift an explicit num_predict may go past the context end
+        shifting = call.shift and m.capabilities.context_shift
+        return GenerateRequest(
+            prompt_tokens=tokens,
+            sampling=opts.sampling(),
+            num_predict=opts.max_new_tokens(len(tokens), m.context_length, shifting),
+            stop=list(opts.stop),
+            logprobs=call.logprobs or call.top_logprobs > 0,
+            top_logprobs=call.top_logprobs,
+            format=constraint,
+            speculative=opts.speculative,
+            num_draft=opts.num_draft,
+            preserve_tokens=entry.preserve_tokens if turn is not None else frozenset(),
+        )
+
+    async def _run(
+        self,
+        call: _Call,
+        entry: Entry,
+        load_ns: int,
+        tokens: list[int],
+        turn: Turn | None,
+        upstream: dict[str, Any] | None,
+        images: Sequence[ImageInput] = (),
+        want_context: bool = False,
+    ) -> AsyncIterator[Chunk]:
+        """Generate, and split the reply (thinking, content, tool calls) as it streams: each chunk carries
+        only what the parser has decided; held text (a tag or call still arriving) waits for the next."""
+        m = entry.model
+        name = entry.key
+        if images and not m.capabilities.vision:
+            raise image_input.ImageError(
+                f"the {entry.backend} backend does not support images yet; use the llama.cpp backend "
+                f'for "{name}"'
+            )
+        request = self._request(call, entry, tokens, turn)
+        request.images = list(images)
+        request.shift, request.num_keep = call.shift, call.opts.num_keep
+        request = remote.with_upstream(request, call.opts, upstream)  # a remote model: messages or text
+        # a remote upstream has parsed thinking and tool calls already
+        parser = turn.parser() if turn is not None and upstream is None else None
+        whole = Piece()  # everything, for a reply that is not streamed
+        answer_ids: list[int] = []
+        lps: list[dict[str, Any]] = []
+        done: DoneEvent | None = None
+        events = m.generate(request)
+        async with contextlib.aclosing(events):  # type: ignore[type-var]
+            async for event in events:
+                if isinstance(event, DoneEvent):
+                    done = event
+                    break
+                assert isinstance(event, TextEvent)
+                answer_ids.extend(event.token_ids)
+                piece_lps = [_ollama_logprob(lp) for lp in event.logprobs] if event.logprobs else None
+                if piece_lps:
+                    lps.extend(piece_lps)
+                piece = parser.feed(event.text) if parser is not None else Piece(content=event.text)
+                if not call.stream:
+                    whole.add(piece)
+                elif piece or piece_lps:
+                    yield _piece_chunk(name, piece, piece_lps)
+        if done is None:  # the backend ended without a final event: treat as cancelled
+            raise LocalrtError("generation ended unexpectedly")
+        last = parser.finish() if parser is not None else Piece()
+        if not call.stream:
+            whole.add(last)
+            last = whole
+        metrics = Metrics(
+            **{
+                **dataclasses.asdict(done.timings),
+                "load_ns": load_ns,
+                "total_ns": time.perf_counter_ns() - call.start,
+                "prompt_tokens": len(tokens),
+            }
+        )
+        yield Chunk(
+            model=name,
+            content=last.content,
+            thinking=last.thinking,
+            done=True,
+            done_reason=done.finish_reason,
+            tool_calls=last.tool_calls or done.tool_calls or None,  # a remote upstream parsed its own
+            logprobs=(lps or None) if not call.stream else None,
+            metrics=metrics,
+            context=[*tokens, *answer_ids] if want_context else None,
+        )
+
+    # ---- the other paths ---------------------------------------------------------------------
+    async def embed(
+        self,
+        model: str,
+        inputs: str | Sequence[str],
+        *,
+        options: Mapping[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+        truncate: bool = True,
+    ) -> EmbedResult:
+        start = time.perf_counter_ns()
+        texts = [inputs] if isinstance(inputs, str) else list(inputs)
+        if not all(isinstance(t, str) for t in texts):
+            raise LocalrtError("input must be a string or a list of strings")
+        resolved, opts = self.models.prepare(model, options)
+        keep = self.models.keep_alive(keep_alive)
+        async with self.models.use(resolved, opts, keep) as (entry, load_ns):
+            m = entry.model
+            if not m.capabilities.embedding:
+                raise LocalrtError(f'"{resolved.name.display}" does not support embeddings')
+            if remote.is_remote(resolved):  # the upstream tokenizes and counts
+                vectors, count = await m.embed_counted(texts)  # type: ignore[attr-defined]
+                return EmbedResult(
+                    resolved.name.display, vectors, count, time.perf_counter_ns() - start, load_ns
+                )
+            counts = [len(m.tokenize(t)) for t in texts]
+            if not truncate and any(c > m.context_length for c in counts):
+                raise ContextLengthError(
+                    f"input length exceeds the context length of {m.context_length} tokens"
+                )
+            vectors = await m.embed(texts)
+        return EmbedResult(
+            resolved.name.display,
+            vectors,
+            sum(min(c, m.context_length) for c in counts),
+            time.perf_counter_ns() - start,
+            load_ns,
+        )
+
+    async def rerank(
+        self,
+        model: str,
+        query: str,
+        documents: Sequence[str],
+        *,
+        options: Mapping[str, Any] | None = None,
+        keep_alive: str | float | None = None,
+    ) -> RerankResult:
+        """Relevance of each document to the query, from a reranker model (rank pooling)."""
+        start = time.perf_counter_ns()
+        if not isinstance(query, str) or not query:
+            raise LocalrtError("query is required (a string)")
+        if not isinstance(documents, (list, tuple)) or not all(isinstance(d, str) for d in documents):
+            raise LocalrtError("documents must be a list of strings")
+        resolved, opts = self.models.prepare(model, options)
+        keep = self.models.keep_alive(keep_alive)
+        async with self.models.use(resolved, opts, keep) as (entry, load_ns):
+            m = entry.model
+            if not m.capabilities.rerank or not hasattr(m, "rerank"):
+                raise LocalrtError(f'"{resolved.name.display}" does not support reranking')
+            scores, n_tokens = await m.rerank(query, documents) if documents else ([], 0)
+        return RerankResult(resolved.name.display, scores, n_tokens, time.perf_counter_ns() - start, load_ns)
+
+    async def tokenize(
+        self,
+        model: str,
+        text: str,
+        *,
+        add_special: bool = True,
+        parse_special: bool = False,
+        options: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        resolved, opts = self.models.prepare(model, options)
+        keep = self.models.keep_alive(None)
+        async with self.models.use(resolved, opts, keep, exclusive=False) as (entry, _):
+            if remote.is_remote(resolved):  # an HTTP round trip: off the event loop
+                return await asyncio.to_thread(entry.model.tokenize, text, add_special, parse_special)
+            return entry.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    async def detokenize(
+        self, model: str, tokens: Sequence[int], *, options: Mapping[str, Any] | None = None
+    ) -> str:
+        resolved, opts = self.models.prepare(model, options)
+        keep = self.models.keep_alive(None)
+        async with self.models.use(resolved, opts, keep, exclusive=False) as (entry, _):
+            bad = [
+                t
+                for t in tokens
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < entry.model.n_vocab
+            ]
+            if bad:
+                raise LocalrtError(f"invalid token id {bad[0]!r}")
+            if remote.is_remote(resolved):
+                return await asyncio.to_thread(entry.model.detokenize, tokens)
+            return entry.model.detokenize(tokens)
+
+    async def score(
+        self,
+        model: str,
+        tokens: Sequence[int] | str,
+        *,
+        return_logits: bool = False,
+        options: Mapping[str, Any] | None = None,
+    ) -> ScoreResult:
+        """Per-position log p(token_i | prefix) for perplexity / KL (a text is tokenized with BOS)."""
+        resolved, opts = self.models.prepare(model, options)
+        async with self.models.use(resolved, opts, self.models.keep_alive(None)) as (entry, _):
+            ids = entry.model.tokenize(tokens, add_special=True) if isinstance(tokens, str) else list(tokens)
+            if len(ids) > entry.model.context_length:
+                raise ContextLengthError(
+                    f"{len(ids)} tokens do not fit the context length of {entry.model.context_length}"
+                )
+            return await entry.model.score(ids, return_logits=return_logits)
+
+    async def render(
+        self,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        options: Mapping[str, Any] | None = None,
+        think: Any = None,
+    ) -> tuple[str, list[int]]:
+        """The prompt text and tokens a chat request would use (debugging, `_debug_render_only`, and
+        Anthropic's count_tokens, which must match the answer's input_tokens)."""
+        resolved, opts = self.models.prepare(model, options)
+        wanted = think if isinstance(think, Think) else thinking.parse_think(think)
+        msgs = with_system(messages, resolved.system)
+        keep = self.models.keep_alive(None)
+        async with self.models.use(resolved, opts, keep, exclusive=False) as (entry, _):
+            turn = entry.prompter.turn(model, wanted, tool_choice(None, tools)[0])
+            return await entry.prompter.render_text(msgs, turn)
+
+    # ---- the pool's state -------------------------------------------------------------------------
+    def ps(self) -> list[LoadedInfo]:
+        return self.models.ps()
+
+    def queue_depth(self) -> dict[str, int]:
+        """Requests waiting or running, per model (for /metrics)."""
+        return self.models.queue_depth()
+
+    async def unload(self, model: str) -> bool:
+        """Unload now if idle, else as soon as its running requests finish. False when not loaded."""
+        return await self.models.unload(model)
+
+    async def close(self) -> None:
+        """Cancel what runs and unload everything (server shutdown, end of `localrt run`)."""
+        await self.models.close()
+
+
+_TOKEN_REF = re.compile(r"<\[(\d+)\]>")
+
+
+def _check_token_refs(model: LoadedModel, grammar: str) -> None:
+    """A grammar's `<[id]>` token references must name whole-character tokens of this vocabulary:
+    llama.cpp aborts the process on one that names a partial UTF-8 byte (seen with byte tokens)."""
+    for match in _TOKEN_REF.finditer(grammar):
+        token = int(match.group(1))
+        if token >= model.n_vocab or "\ufffd" in model.token_text(token):
+            raise LocalrtError(f"grammar: token {match.group(0)} is not a whole-text token of this model")
+
+
+def _piece_chunk(name: str, piece: Piece, logprobs: list[dict[str, Any]] | None) -> Chunk:
+    return Chunk(
+        model=name,
+        content=piece.content,
+        thinking=piece.thinking,
+        tool_calls=piece.tool_calls or None,
+        logprobs=logprobs,
+    )
+
+
+def _check_vision(resolved: ResolvedModel, pictures: Sequence[ImageInput]) -> None:
+    if pictures and resolved.projector_path is None:
+        raise image_input.ImageError(f'"{resolved.name.display}" does not support images')
+
+
+def _ollama_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": list(lp.token.encode("utf-8")),
+        "top_logprobs": [
+            {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))} for t in lp.top
+        ],
+    }
+
+
+def _check_format(format: Any) -> str | dict[str, Any] | None:
+    if format is None or format == "":
+        return None
+    if format == "json" or isinstance(format, dict):
+        return format
+    raise LocalrtError(f'invalid format {format!r}: use "json" or a JSON schema object')
+
+
+def _check_logprobs(top_logprobs: Any) -> None:
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
+        raise LocalrtError("top_logprobs must be between 0 and 20")

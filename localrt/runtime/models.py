@@ -1,0 +1,357 @@
+"""Model lifecycle: models loaded on demand, kept alive, evicted least-recently-used, and requests
+queued per model. `ModelPool.use` is the one door a request goes through to hold a loaded model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localrt import config
+from localrt.backends import registry
+from localrt.backends.base import LoadedModel
+from localrt.errors import LocalrtError, ModelNotFound, OptionError, ServerBusy
+from localrt.runtime import remote, thinking
+from localrt.runtime.options import Options, num_parallel
+from localrt.runtime.prompt import Prompter, make_template, preserved_tokens
+from localrt.store.store import ResolvedModel, Store
+
+BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
+
+
+@dataclass
+class LoadedInfo:
+    """A row of `ps` / `GET /api/ps`."""
+
+    name: str
+    digest: str
+    size: int
+    size_vram: int
+    backend: str
+    processor: str
+    context_length: int
+    expires_at: float | None  # epoch seconds; None = kept until stopped
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Entry:
+    """One loaded model."""
+
+    key: str
+    resolved: ResolvedModel
+    backend: str
+    load_key: tuple[Any, ...]
+    draft_path: Path | None
+    model: LoadedModel
+    prompter: Prompter  # its template, how it thinks and calls tools
+    preserve_tokens: frozenset[int] = frozenset()  # special tokens the reply parser must see
+    slots: asyncio.Semaphore = field(default_factory=asyncio.Semaphore)  # sized by the backend; FIFO, so fair
+    refs: int = 0  # requests holding or waiting for this entry
+    last_used: float = field(default_factory=time.monotonic)
+    keep_alive: float = 300.0
+    expires_at: float | None = None  # epoch
+    timer: asyncio.TimerHandle | None = None
+    stop_requested: bool = False  # `localrt stop`: unload as soon as the running requests finish
+
+
+class ModelPool:
+    """The loaded models of one process and the queue in front of each."""
+
+    def __init__(
+        self,
+        store: Store | None = None,
+        *,
+        max_loaded: int | None = None,
+        max_queue: int | None = None,
+        keep_alive: float | None = None,
+    ) -> None:
+        self.store = store or Store()
+        self.max_loaded = (
+            max_loaded if max_loaded is not None else max(1, config.env_int("LOCALRT_MAX_LOADED_MODELS", 2))
+        )
+        self.max_queue = (
+            max_queue if max_queue is not None else max(0, config.env_int("LOCALRT_MAX_QUEUE", 512))
+        )
+        self.default_keep_alive = keep_alive if keep_alive is not None else config.keep_alive_default()
+        self._entries: dict[str, Entry] = {}
+        self._pending: dict[str, int] = {}  # waiting for their model, per model
+        self._inflight: dict[str, int] = {}  # waiting or running, per model
+        self._loading: set[str] = set()
+        self._cond = asyncio.Condition()  # guards the tables above; notified on every change
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ---- what a request asks for ---------------------------------------------------------------
+    def prepare(self, model: str, options: Mapping[str, Any] | None) -> tuple[ResolvedModel, Options]:
+        """The stored model and the options in force (its Modelfile's parameters, then the request's)."""
+        if not isinstance(model, str) or not model.strip():
+            raise LocalrtError("model is required")
+        resolved = self.store.resolve(model)
+        if options is not None and not isinstance(options, Mapping):
+            raise OptionError("options must be an object of name: value pairs")
+        opts = Options.merge(resolved.params, options, lenient=(True, False))
+        remote.check_options(resolved, opts)
+        return resolved, opts
+
+    def keep_alive(self, value: str | float | None) -> float:
+        if value is None:
+            return self.default_keep_alive
+        return config.parse_duration(value, self.default_keep_alive)
+
+    # ---- what `ps`, `stop` and shutdown see ------------------------------------------------------
+    def ps(self) -> list[LoadedInfo]:
+        return [_loaded_info(e) for e in sorted(self._entries.values(), key=lambda e: -e.last_used)]
+
+    def queue_depth(self) -> dict[str, int]:
+        """Requests waiting or running, per model (for /metrics)."""
+        return {name: n for name, n in self._inflight.items() if n > 0}
+
+    async def unload(self, model: str) -> bool:
+        """Unload now if idle, else as soon as its running requests finish. False when not loaded."""
+        from localrt.store.names import parse_name
+
+        key = parse_name(model).display
+        async with self._cond:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            entry.stop_requested = True
+            if entry.refs == 0:
+                await self._unload_locked(entry)
+        return True
+
+    async def close(self) -> None:
+        """Cancel what runs and unload everything (server shutdown, end of `localrt run`)."""
+        for entry in list(self._entries.values()):
+            with contextlib.suppress(Exception):
+                entry.model.cancel()
+        async with self._cond:
+            for entry in list(self._entries.values()):
+                await self._unload_locked(entry)
+
+    # ---- scheduling ------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def use(
+        self, resolved: ResolvedModel, opts: Options, keep_alive: float, exclusive: bool = True
+    ) -> AsyncIterator[tuple[Entry, int]]:
+        """Hold a loaded model for one request: queue, load or reuse, then release with keep-alive.
+        Yields the entry and the load time in ns (0 when it was loaded already)."""
+        key = resolved.name.display
+        waiting = self._pending.get(key, 0)
+        if waiting >= self.max_queue:
+            raise ServerBusy(BUSY_MESSAGE)
+        self._pending[key] = waiting + 1
+        self._inflight[key] = self._inflight.get(key, 0) + 1
+        started = time.perf_counter_ns()
+        entry: Entry | None = None
+        locked = False
+        try:
+            try:
+                entry, loaded_now = await self._acquire(resolved, opts)
+                if exclusive:
+                    await entry.slots.acquire()  # as many generations at once as the model has slots
+                    locked = True
+            except BaseException:
+                if entry is not None:
+                    await self._release(entry, keep_alive)
+                raise
+            finally:
+                self._pending[key] -= 1
+            load_ns = time.perf_counter_ns() - started if loaded_now else 0
+            try:
+                yield entry, load_ns
+            finally:
+                if locked:
+                    entry.slots.release()
+                await self._release(entry, keep_alive)
+        finally:
+            self._inflight[key] -= 1
+
+    def _draft_path(self, resolved: ResolvedModel, opts: Options) -> Path | None:
+        if opts.speculative == "off":
+            return None
+        if opts.draft_model:
+            path = Path(opts.draft_model).expanduser()
+            if path.suffix == ".gguf" and path.is_file():
+                return path
+            try:
+                return self.store.resolve(opts.draft_model).model_path
+            except ModelNotFound:
+                raise ModelNotFound(
+                    f"draft model '{opts.draft_model}' not found, try pulling it first"
+                ) from None
+        if opts.speculative in ("auto", "draft"):
+            return resolved.draft_path
+        return None
+
+    async def _acquire(self, resolved: ResolvedModel, opts: Options) -> tuple[Entry, bool]:
+        key = resolved.name.display
+        backend = remote.BACKEND if remote.is_remote(resolved) else registry.resolve(opts.backend)
+        draft = self._draft_path(resolved, opts)
+        load_key = (
+            backend,
+            str(resolved.model_path),
+            opts.num_ctx,
+            opts.num_thread,
+            opts.num_gpu,
+            opts.kv_cache_type,
+            opts.flash_attn,
+            opts.num_batch,
+            num_parallel(),
+            str(resolved.projector_path),
+        )
+        async with self._cond:
+            while True:
+                entry = self._entries.get(key)
+                if key in self._loading:
+                    await self._cond.wait()  # someone is loading it right now
+                    continue
+                if entry is not None and (
+                    entry.load_key != load_key or (draft is not None and entry.draft_path != draft)
+                ):
+                    # other load-time options: reload once its running requests are done, as Ollama does
+                    if entry.refs == 0:
+                        await self._unload_locked(entry)
+                    else:
+                        await self._cond.wait()
+                    continue
+                if entry is not None:
+                    self._grab(entry)
+                    return entry, False
+                if backend != remote.BACKEND and self._local_count() >= self.max_loaded:
+                    victim = self._lru_idle()
+                    if victim is None:
+                        await self._cond.wait()  # every loaded model is busy
+                    else:
+                        await self._unload_locked(victim)
+                    continue
+                self._loading.add(key)
+                break
+        # load outside the lock, so requests for other (loaded) models keep flowing
+        try:
+            entry = await self._load(key, resolved, opts, backend, load_key, draft)
+        finally:
+            async with self._cond:
+                self._loading.discard(key)
+                self._cond.notify_all()
+        async with self._cond:
+            self._entries[key] = entry
+            self._grab(entry)
+        return entry, True
+
+    def _grab(self, entry: Entry) -> None:
+        entry.refs += 1
+        entry.last_used = time.monotonic()
+        if entry.timer is not None:
+            entry.timer.cancel()
+            entry.timer = None
+        entry.expires_at = None
+
+    async def _release(self, entry: Entry, keep_alive: float) -> None:
+        async with self._cond:
+            entry.refs -= 1
+            entry.last_used = time.monotonic()
+            if not entry.stop_requested:
+                entry.keep_alive = keep_alive
+            self._cond.notify_all()
+            if entry.refs > 0 or self._entries.get(entry.key) is not entry:
+                return
+            if entry.stop_requested or entry.keep_alive <= 0:
+                await self._unload_locked(entry)
+            elif entry.keep_alive == float("inf"):
+                entry.expires_at = float("inf")
+            else:
+                loop = asyncio.get_running_loop()
+                entry.expires_at = time.time() + entry.keep_alive
+                entry.timer = loop.call_later(entry.keep_alive, self._spawn_expire, entry)
+
+    def _spawn_expire(self, entry: Entry) -> None:
+        task = asyncio.ensure_future(self._expire(entry))
+        self._tasks.add(task)  # keep a reference until it finishes
+        task.add_done_callback(self._tasks.discard)
+
+    async def _expire(self, entry: Entry) -> None:
+        async with self._cond:
+            if entry.refs == 0 and self._entries.get(entry.key) is entry:
+                await self._unload_locked(entry)
+
+    def _local_count(self) -> int:
+        """Models held in this process's memory; remote ones do not count toward the limit."""
+        return sum(e.backend != remote.BACKEND for e in self._entries.values()) + len(self._loading)
+
+    def _lru_idle(self) -> Entry | None:
+        idle = [e for e in self._entries.values() if e.refs == 0 and e.backend != remote.BACKEND]
+        return min(idle, key=lambda e: e.last_used) if idle else None
+
+    async def _load(
+        self,
+        key: str,
+        resolved: ResolvedModel,
+        opts: Options,
+        backend_name: str,
+        load_key: tuple[Any, ...],
+        draft: Path | None,
+    ) -> Entry:
+        backend = registry.get(backend_name)
+        load_opts = dataclasses.replace(
+            opts.load_options(draft_path=draft), projector=resolved.projector_path
+        )
+        model: LoadedModel = await asyncio.to_thread(backend.load, resolved.model_path, load_opts)
+        try:
+            template = make_template(resolved, model)
+            fmt = thinking.model_format(template.source, model.special_tokens())
+            preserve = preserved_tokens(model, fmt.markers)
+        except BaseException:
+            await asyncio.to_thread(model.unload)
+            raise
+        slots = asyncio.Semaphore(max(1, model.capabilities.parallel_slots))
+        return Entry(
+            key=key,
+            resolved=resolved,
+            backend=backend_name,
+            load_key=load_key,
+            draft_path=draft,
+            model=model,
+            prompter=Prompter(key, model, template, fmt),
+            preserve_tokens=preserve,
+            slots=slots,
+        )
+
+    async def _unload_locked(self, entry: Entry) -> None:
+        """Unload while holding self._cond."""
+        if entry.timer is not None:
+            entry.timer.cancel()
+            entry.timer = None
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+        await asyncio.to_thread(entry.model.unload)
+        self._cond.notify_all()
+
+
+def _loaded_info(e: Entry) -> LoadedInfo:
+    on_gpu = bool(getattr(e.model, "on_gpu", False))
+    size = int(e.model.memory_bytes)
+    details = {
+        "format": e.resolved.config.get("model_format", "gguf"),
+        "family": e.model.metadata.get("general.architecture", ""),
+    }
+    weights = getattr(e.model, "weight_bytes", None)  # backends that report their resident weights
+    if callable(weights):
+        details["weight_bytes"] = int(weights())
+    return LoadedInfo(
+        name=e.key,
+        digest=e.resolved.manifest_digest,
+        size=size,
+        size_vram=size if on_gpu else 0,
+        backend=e.backend,
+        processor=getattr(e.model, "processor", None) or f"100% {'GPU' if on_gpu else 'CPU'}",
+        context_length=e.model.context_length,
+        expires_at=None if e.expires_at is None or e.expires_at == float("inf") else e.expires_at,
+        details=details,
+    )

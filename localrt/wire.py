@@ -1,0 +1,709 @@
+"""The wire model: the typed requests and answers of the HTTP API (Ollama's and OpenAI's shapes), shared
+by the server's routes (`localrt.api`) and the client that talks to a server (`localrt.client`).
+
+A body is checked here once, field by field (types, ranges, names); the route hands the runtime what the
+model holds and the runtime checks only what needs the model or the store. Option values are documented
+from the runtime's own ranges (`localrt.runtime.options`) and checked by the runtime, which names the
+option. Free of FastAPI, so the client can build its requests from these models and parse answers into them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
+
+from localrt.errors import LocalrtError
+from localrt.runtime.bridge import KV_CACHE_TYPES, SPECULATIVE_MODES
+from localrt.runtime.generate import Metrics
+from localrt.runtime.options import (
+    _RANGES,
+    BACKEND_ALIASES,
+    BACKEND_NAMES,
+    IGNORED_OPTIONS,
+    KV_ALIASES,
+    MAX_GRAMMAR_LENGTH,
+    MAX_NUM_CTX,
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+)
+from localrt.store import names
+
+M = TypeVar("M", bound=BaseModel)
+
+
+# ---- options (documented from the runtime's table, checked by the runtime) --------------------
+def option_schema(name: str) -> dict[str, Any]:
+    if name in _RANGES:
+        kind, lo, hi = _RANGES[name]
+        out: dict[str, Any] = {"type": "integer" if kind is int else "number"}
+        if lo is not None:
+            out["minimum"] = lo
+        if hi is not None:
+            out["maximum"] = hi
+        return {"anyOf": [out, {"type": "null"}]}  # null: not set
+    spec = {
+        "stop": {
+            "anyOf": [
+                {"type": "string", "maxLength": MAX_STOP_LENGTH},
+                {
+                    "type": "array",
+                    "maxItems": MAX_STOP_STRINGS,
+                    "items": {"type": "string", "maxLength": MAX_STOP_LENGTH},
+                },
+            ]
+        },
+        "backend": {"type": "string", "enum": [*BACKEND_NAMES, *BACKEND_ALIASES]},
+        "kv_cache_type": {"type": "string", "enum": [*KV_CACHE_TYPES, *KV_ALIASES]},
+        "speculative": {"type": "string", "enum": list(SPECULATIVE_MODES)},
+        "draft_model": {"type": "string"},
+        "flash_attn": {"type": "boolean"},
+        "grammar": {"type": "string", "maxLength": MAX_GRAMMAR_LENGTH, "pattern": "root"},
+    }[name]
+    return {"anyOf": [spec, {"type": "null"}]}
+
+
+OPTION_KEYS = (
+    *_RANGES,
+    "stop",
+    "backend",
+    "kv_cache_type",
+    "speculative",
+    "draft_model",
+    "flash_attn",
+    "grammar",
+)
+OPTIONS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "description": "Ollama's options plus localrt's; unknown names are a 400. Ignored for compatibility: "
+    + ", ".join(sorted(IGNORED_OPTIONS)),
+    "properties": {**{k: option_schema(k) for k in OPTION_KEYS}, **{k: {} for k in sorted(IGNORED_OPTIONS)}},
+}
+OptionsField = Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [OPTIONS_SCHEMA, {"type": "null"}]})]
+
+
+def option_field(name: str) -> Any:
+    """An OpenAI top-level option: documented as the runtime's option, validated there."""
+    return Annotated[Any, WithJsonSchema({"anyOf": [option_schema(name), {"type": "null"}]})]
+
+
+# ---- shared pieces ---------------------------------------------------------------------------
+class Wire(BaseModel):
+    """Strict types (a bool is not a number, a number is not a string); unknown fields pass, as in Ollama."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer as JSON Schema means it: 3 and 3.0 both are; true is not.
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+# localrt.store.names as one regular expression, so generated names are the ones the store accepts:
+# [host[:port]/][namespace/]model[:tag][@sha256:<hex>], no "..", and "hf.co/x" alone is not a model.
+def _bare(pattern: re.Pattern[str]) -> str:
+    return pattern.pattern.removeprefix("^").removesuffix("$")
+
+
+_HF = r"(?:[hH][fF]|[hH][uU][gG][gG][iI][nN][gG][fF][aA][cC][eE])\.[cC][oO]"  # no inline flags in ECMA regex
+DIGEST_PATTERN = names.DIGEST_RE.pattern
+NAME_PATTERN = (
+    rf"^(?!.*\.\.)(?!{_HF}/[^/]*$)(?:(?:{_bare(names._HOST)}/)?{_bare(names._NAMESPACE)}/)?"
+    rf"{_bare(names._MODEL)}(?::{_bare(names._TAG)})?(?:@{_bare(names.DIGEST_RE)})?$"
+)
+NAME_SCHEMA = {
+    "type": "string",
+    "pattern": NAME_PATTERN,
+    "maxLength": 600,
+    "description": "model name, e.g. smollm2:135m",
+}
+ModelName = Annotated[str, WithJsonSchema(NAME_SCHEMA)]
+KeepAlive = Annotated[
+    str | float | None, Field(description='duration ("5m", "1h", "-1") or seconds; 0 unloads')
+]
+Format = Annotated[
+    Literal["", "json"] | dict[str, Any] | None,
+    Field(description='"json" or a JSON schema the output must follow'),
+]
+TopLogprobs = Annotated[Int | None, Field(ge=0, le=20)]
+ThinkValue = Annotated[
+    bool | Literal["low", "medium", "high", "max"] | None,
+    Field(description="think before answering: true/false or a level (a model that cannot think: 400)"),
+]
+
+
+class Message(Wire):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    thinking: str | None = None
+    images: list[str] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+    tool_call_id: str | None = None
+
+
+# ---- Ollama requests -------------------------------------------------------------------------
+def _model_required(schema: dict[str, Any]) -> None:
+    schema["required"] = ["model", *[k for k in schema.get("required", []) if k != "model"]]
+
+
+class Named(Wire):
+    """`model` is documented as required, but older Ollama clients send `name`: `required_name` checks
+    that one of them is there (the store checks that it is a valid name)."""
+
+    model_config = ConfigDict(json_schema_extra=_model_required)
+    model: Annotated[str | None, WithJsonSchema(NAME_SCHEMA)] = None
+
+    def required_name(self) -> str:
+        value = self.model or (self.model_extra or {}).get("name")
+        if not isinstance(value, str) or not value:
+            raise LocalrtError("model is required")
+        return value
+
+
+class ModelRequest(Named):
+    pass
+
+
+class CopyRequest(Wire):
+    source: ModelName
+    destination: ModelName
+
+
+class PullRequest(Named):
+    insecure: bool | None = None
+    stream: bool | None = None
+
+
+class PushRequest(Named):
+    insecure: bool | None = None
+    stream: bool | None = None
+
+
+class CreateRequest(Named):
+    # `from` is a Python keyword; the wire name is kept through the alias
+    from_: Annotated[str | None, WithJsonSchema({"anyOf": [NAME_SCHEMA, {"type": "null"}]})] = Field(
+        None, alias="from", description="a stored model to build on"
+    )
+    files: Annotated[
+        dict[str, str] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "minProperties": 1,
+                        "maxProperties": 2,  # a vision model: its GGUF and its projector GGUF
+                        "propertyNames": {"pattern": r"\.gguf$"},
+                        "additionalProperties": {"type": "string", "pattern": DIGEST_PATTERN},
+                    },
+                    {"type": "null"},
+                ]
+            }
+        ),
+    ] = Field(None, description="file name -> sha256 digest of an uploaded blob (POST /api/blobs first)")
+    quantize: str | None = None
+    template: str | None = None
+    system: str | None = None
+    license: str | list[str] | None = None
+    parameters: dict[str, Any] | None = None
+    messages: list[Message] | None = None
+    stream: bool | None = None
+    # a remote model (SPEC 8): OpenAI-compatible endpoint URLs instead of weights
+    remote: str | list[str] | None = Field(None, description="endpoint URL(s), e.g. https://host:8000/v1")
+    remote_model: str | None = Field(None, description="the upstream's model id")
+    api_key_env: str | None = Field(
+        None, description="name of the server's environment variable with the key"
+    )
+    insecure: bool | None = Field(None, description="allow plain http to a non-loopback endpoint")
+    # a Modelfile's DRAFT line: speculative decoding's draft model, stored beside the weights
+    draft: str | None = Field(
+        None, description="a stored model, or the sha256 digest of an uploaded GGUF blob (POST /api/blobs)"
+    )
+    imatrix: str | None = Field(
+        None, description="sha256 digest of an uploaded importance matrix weighting `quantize`"
+    )
+
+
+class Generation(Named):
+    """What generate and chat share."""
+
+    format: Format = None
+    options: OptionsField = None
+    keep_alive: KeepAlive = None
+    stream: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs = None
+    think: ThinkValue = None
+    truncate: bool | None = None  # drop the oldest turns when the prompt exceeds num_ctx (default true)
+    shift: bool | None = None  # shift the context when generation reaches its end (default true)
+
+
+class GenerateRequest(Generation):
+    prompt: str | None = None
+    images: list[str] | None = None
+    system: str | None = None
+    raw: bool | None = None
+    context: list[Int] | None = None
+
+
+class ChatRequest(Generation):
+    messages: list[Message] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class EmbedRequest(Named):
+    input: str | list[str] | None = None
+    truncate: bool | None = None
+    options: OptionsField = None
+    keep_alive: KeepAlive = None
+
+
+class EmbeddingsRequest(Named):
+    prompt: str | None = None
+    options: OptionsField = None
+    keep_alive: KeepAlive = None
+
+
+class TokenizeRequest(Named):
+    text: str | None = None
+    add_special: bool | None = None
+    parse_special: bool | None = None
+
+
+class DetokenizeRequest(Named):
+    tokens: list[Int]
+
+
+class RerankRequest(Named):
+    query: str
+    documents: list[str]
+    top_n: Annotated[Int | None, Field(ge=0)] = None
+    return_documents: bool | None = None
+    options: OptionsField = None
+    keep_alive: KeepAlive = None
+
+
+# ---- OpenAI requests -------------------------------------------------------------------------
+class ContentPart(Wire):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(Wire):
+    url: Annotated[str, Field(description="a base64 data URL; http(s) only with LOCALRT_FETCH_IMAGES=1")]
+    detail: str | None = None
+
+
+class ImagePart(Wire):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class OpenAIMessage(Wire):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart | ImagePart] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(Wire):
+    include_usage: bool | None = None
+
+
+class TextFormat(Wire):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(Wire):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(Wire):
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(Wire):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class OpenAISampling(Wire):
+    """Top-level options (the openai client's `extra_body` lands here too)."""
+
+    temperature: option_field("temperature") = None
+    top_p: option_field("top_p") = None
+    seed: option_field("seed") = None
+    frequency_penalty: option_field("frequency_penalty") = None
+    presence_penalty: option_field("presence_penalty") = None
+    max_tokens: Annotated[Int | None, Field(ge=0, le=10 * MAX_NUM_CTX)] = None
+    max_completion_tokens: Annotated[Int | None, Field(ge=0, le=10 * MAX_NUM_CTX)] = None
+    stop: option_field("stop") = None
+    n: Annotated[Int | None, Field(ge=1, le=1, description="only 1 is supported")] = None
+    top_k: option_field("top_k") = None
+    min_p: option_field("min_p") = None
+    repeat_penalty: option_field("repeat_penalty") = None
+    num_ctx: option_field("num_ctx") = None
+    grammar: option_field("grammar") = None
+    backend: option_field("backend") = None
+    speculative: option_field("speculative") = None
+    options: OptionsField = None
+    keep_alive: KeepAlive = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+
+
+class NamedFunction(Wire):
+    name: str
+
+
+class NamedToolChoice(Wire):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class ChatCompletionRequest(OpenAISampling):
+    model: ModelName
+    messages: Annotated[list[OpenAIMessage], Field(min_length=1)]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs = None
+
+
+class CompletionRequest(OpenAISampling):
+    model: ModelName
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    logprobs: Annotated[Int | None, Field(ge=0, le=20)] = None
+    response_format: ResponseFormat | None = None
+
+
+class OpenAIEmbeddingsRequest(Wire):
+    model: ModelName
+    input: str | Annotated[list[str], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Annotated[Int | None, Field(ge=1)] = None
+    keep_alive: KeepAlive = None
+
+
+# ---- responses (documentation only: FastAPI does not filter what the routes return) ------------
+class OllamaError(BaseModel):
+    error: str
+
+
+class OpenAIErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorObject
+
+
+# ---- 200 bodies (documentation only; the fields every client relies on, more may follow) ---------
+class Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class VersionResponse(Out):
+    version: str
+
+
+class ModelDetails(Out):
+    format: str
+    family: str
+    families: list[str] | None = None
+    parameter_size: str
+    quantization_level: str
+
+
+class TagModel(Out):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: ModelDetails
+
+
+class TagsResponse(Out):
+    models: list[TagModel]
+
+
+class ShowResponse(Out):
+    license: str
+    modelfile: str
+    parameters: str
+    template: str
+    system: str
+    details: ModelDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    template_origin: str = ""  # ours: the Modelfile's, the file's, or a built-in family template
+    projector_info: dict[str, Any] | None = None  # ours: a vision model's projector GGUF header
+    remote: dict[str, Any] | None = None  # ours: a remote model's upstream id and endpoints' health
+
+
+class RunningModel(Out):
+    name: str
+    model: str
+    size: int
+    digest: str
+    expires_at: str
+    size_vram: int
+    context_length: int
+    details: dict[str, Any] | None = None
+    backend: str | None = None  # ours: the backend it runs on
+    processor: str | None = None  # ours: "100% CPU" as `ps` prints it
+
+
+class ProgressResponse(Out):
+    """One line of a pull, push or create stream."""
+
+    status: str
+    digest: str | None = None
+    total: int | None = None
+    completed: int | None = None
+
+
+class PsResponse(Out):
+    models: list[RunningModel]
+
+
+class Timings(Out):
+    done: bool
+    done_reason: str | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+
+
+class GenerateResponse(Timings):
+    model: str
+    created_at: str
+    response: str
+    thinking: str | None = None
+    context: list[int] | None = None
+
+
+class ChatMessageOut(Out):
+    role: Literal["assistant"]
+    content: str
+    thinking: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatResponse(Timings):
+    model: str
+    created_at: str
+    message: ChatMessageOut
+
+
+class EmbedResponse(Out):
+    model: str
+    embeddings: list[list[float]]
+    prompt_eval_count: int
+
+
+class RerankDocument(Out):
+    text: str
+
+
+class RerankResult(Out):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankResponse(Out):
+    model: str
+    object: Literal["list"]
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
+class EmbeddingsResponse(Out):
+    embedding: list[float]
+
+
+class TokenizeResponse(Out):
+    model: str
+    tokens: list[int]
+
+
+class DetokenizeResponse(Out):
+    model: str
+    text: str
+
+
+class ModelObject(Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(Out):
+    object: Literal["list"]
+    data: list[ModelObject]
+
+
+class Usage(Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None  # cached_tokens: prompt tokens the KV cache held
+
+
+class CompletionMessage(Out):
+    role: Literal["assistant"]
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(Out):
+    index: int
+    message: CompletionMessage
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class ChatCompletion(Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(Out):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class Completion(Out):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class EmbeddingObject(Out):
+    object: Literal["embedding"]
+    embedding: list[float] | str  # str: base64 of little-endian float32
+    index: int
+
+
+class EmbeddingUsage(Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(Out):
+    object: Literal["list"]
+    data: list[EmbeddingObject]
+    model: str
+    usage: EmbeddingUsage
+
+
+# ---- translations shared by the routes and the client -------------------------------------------
+# the runtime's Metrics field -> its name on Ollama's wire (the draft counts are ours, sent only when
+# speculating)
+METRICS_WIRE: dict[str, str] = {
+    "total_ns": "total_duration",
+    "load_ns": "load_duration",
+    "prompt_eval_count": "prompt_eval_count",
+    "prompt_eval_ns": "prompt_eval_duration",
+    "eval_count": "eval_count",
+    "eval_ns": "eval_duration",
+    "draft_count": "draft_count",
+    "draft_accepted_count": "draft_accepted_count",
+}
+
+
+def metrics_to_ollama(m: Metrics | None) -> dict[str, int]:
+    """The final chunk's numbers under Ollama's names (nothing for a chunk without metrics)."""
+    if m is None:
+        return {}
+    out = {wire: getattr(m, name) for name, wire in METRICS_WIRE.items()}
+    if not m.draft_count:
+        del out["draft_count"], out["draft_accepted_count"]
+    return out
+
+
+def metrics_from_ollama(item: Mapping[str, Any]) -> Metrics:
+    return Metrics(**{name: int(item.get(wire) or 0) for name, wire in METRICS_WIRE.items()})
+
+
+def error_text(errors: list[Any]) -> tuple[str, str | None]:
+    """pydantic/FastAPI error list to one line, and the first field it names (OpenAI's `param`)."""
+    parts, first = [], None
+    for err in errors:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        if err.get("type") == "json_invalid" or (err.get("type") == "missing" and not loc):
+            return (
+                "invalid JSON in request body"
+                if err.get("type") == "json_invalid"
+                else "missing request body"
+            ), None
+        first = first or loc or None
+        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts[:3]) or "invalid request", first
+
+
+def build(kind: type[M], /, **fields: Any) -> M:
+    """A request as a client builds it: checked by the same model the server checks it with, so a bad
+    value is one LocalrtError here instead of a round trip (None means: not sent)."""
+    try:
+        return kind.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as e:
+        raise LocalrtError(error_text(e.errors(include_url=False))[0]) from None
+
+
+def parse(model: type[M], item: Any) -> M:
+    """An answer read into its model; a server that answers otherwise is one LocalrtError."""
+    try:
+        return model.model_validate(item)
+    except ValidationError as e:
+        message = error_text(e.errors(include_url=False))[0]
+        raise LocalrtError(f"unexpected answer from the server ({model.__name__}: {message})") from None
+
+
+def body_of(request: BaseModel) -> dict[str, Any]:
+    """The JSON body of a request model: wire names, only the fields that were set."""
+    return request.model_dump(by_alias=True, exclude_unset=True)
