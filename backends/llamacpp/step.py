@@ -356,6 +356,8 @@ class BatchedContext:
         """One iteration: drop cancelled requests, admit new ones, decode one batch, sample."""
         for job in [j for j in self.running if j.cancel.cancelled]:
             self._finish(job, "cancel")
+        if self.waiting:
+            self._flush()  # admission may take a while (a grammar to compile): tokens go out first
         self._admit()
         if not self.running:
             self._flush()
