@@ -11,7 +11,6 @@ The result is the file llama.cpp itself would make from the same checkpoint:
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from gguf import GGMLQuantizationType
 
 from localrt.converters import imatrix as imatrix_io
 from localrt.converters import mixes, quants, writer
-from localrt.converters.arch import Arch, find_arch
+from localrt.converters.arch import KV, Arch, find_arch
 from localrt.converters.hf import (
     ConvertError,
     SafeTensor,
@@ -34,7 +33,7 @@ from localrt.converters.hf import (
     read_json,
     resolve_source,
 )
-from localrt.converters.tokenizer import vocab_kv
+from localrt.converters.tokenizer import KVMap, vocab_kv
 
 QT = GGMLQuantizationType
 FLOAT_FILE_TYPES = {"F32": QT.F32, "F16": QT.F16, "BF16": QT.BF16}
@@ -55,6 +54,15 @@ class Tensor:
 
 
 # ---- hyperparameters ---------------------------------------------------------------------------
+def _rope_parameters(hp: dict[str, Any]) -> dict[str, Any]:
+    """transformers' single rope dict, with what llama.cpp's converter mirrors into it."""
+    rope = dict(hp.get("rope_parameters") or hp.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", hp.get("rope_theta"))
+    if "rope_type" not in rope:
+        rope["rope_type"] = rope.get("type", "default")
+    return rope
+
+
 def hyperparameters(config: dict[str, Any], arch: Arch) -> dict[str, Any]:
     """config.json as llama.cpp's converter sees it (transformers' AutoConfig fills in class defaults)."""
     hp = dict(config)
@@ -63,11 +71,7 @@ def hyperparameters(config: dict[str, Any], arch: Arch) -> dict[str, Any]:
     for key, value in arch.defaults(hp).items():
         if hp.get(key) is None:
             hp[key] = value
-    rope = dict(hp.get("rope_parameters") or hp.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", hp.get("rope_theta"))
-    if "rope_type" not in rope:
-        rope["rope_type"] = rope.get("type", "default")
-    hp["rope_parameters"] = rope
+    hp["rope_parameters"] = arch.rope_parameters(hp) if arch.rope_parameters else _rope_parameters(hp)
     required = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
     missing = [k for k in required if not isinstance(hp.get(k), int)]
     if missing:
@@ -75,51 +79,88 @@ def hyperparameters(config: dict[str, Any], arch: Arch) -> dict[str, Any]:
     return hp
 
 
-def base_kv(w: gguf.GGUFWriter, hp: dict[str, Any], arch: Arch, file_type: int) -> None:
-    """TextModel.set_gguf_parameters' keys, in its order, then the architecture's own."""
-    a = arch.name
-    w.add_uint32(f"{a}.block_count", hp["num_hidden_layers"])
-    w.add_uint32(f"{a}.context_length", hp["max_position_embeddings"])
-    w.add_uint32(f"{a}.embedding_length", hp["hidden_size"])
-    w.add_uint32(f"{a}.feed_forward_length", hp["intermediate_size"])
-    w.add_uint32(f"{a}.attention.head_count", hp["num_attention_heads"])
+def base_kv(hp: dict[str, Any], arch: Arch, file_type: int) -> KVMap:
+    """TextModel.set_gguf_parameters' keys in its order, then the architecture's own (or only its own)."""
+    out: KVMap = {}
+    if arch.model_kv is not None:
+        _set_all(out, arch.model_kv(hp, file_type))
+    else:
+        _set_all(out, _text_model_kv(hp, arch.name, file_type))
+    _set_all(out, arch.extra_kv(hp))
+    return out
+
+
+def _set_all(kvs: KVMap, items: KV) -> None:
+    """Set keys in order; a key set again keeps its first position (as GGUFWriter does)."""
+    for key, value, kind in items:
+        kvs[key] = (value, kind)
+
+
+def _text_model_kv(hp: dict[str, Any], a: str, file_type: int) -> KV:
+    out: KV = [
+        (f"{a}.block_count", hp["num_hidden_layers"], "u32"),
+        (f"{a}.context_length", hp["max_position_embeddings"], "u32"),
+        (f"{a}.embedding_length", hp["hidden_size"], "u32"),
+        (f"{a}.feed_forward_length", hp["intermediate_size"], "u32"),
+        (f"{a}.attention.head_count", hp["num_attention_heads"], "u32"),
+    ]
     if hp.get("num_key_value_heads") is not None:
-        w.add_uint32(f"{a}.attention.head_count_kv", hp["num_key_value_heads"])
-    rope = hp["rope_parameters"]
+        out.append((f"{a}.attention.head_count_kv", hp["num_key_value_heads"], "u32"))
+    rope_all = hp["rope_parameters"]
+    rope = rope_all.get("full_attention", rope_all)
+    out += _rope_scaling_kv(rope, a)
+    if rope.get("rope_theta") is not None:
+        out.append((f"{a}.rope.freq_base", rope["rope_theta"], "f32"))
+    local = (rope_all.get("sliding_attention") or {}).get("rope_theta")
+    if local is not None:
+        out.append((f"{a}.rope.freq_base_swa", local, "f32"))
+    if hp.get("rms_norm_eps") is not None:
+        out.append((f"{a}.attention.layer_norm_rms_epsilon", hp["rms_norm_eps"], "f32"))
+    for keys, name in (
+        (("num_local_experts", "num_experts", "n_routed_experts"), "expert_count"),
+        (("num_experts_per_tok", "num_experts_per_token", "top_k_experts"), "expert_used_count"),
+    ):
+        value = next((hp[k] for k in keys if k in hp), None)
+        if value is not None:
+            out.append((f"{a}.{name}", value, "u32"))
+    if hp.get("head_dim") is not None:
+        out.append((f"{a}.attention.key_length", hp["head_dim"], "u32"))
+        out.append((f"{a}.attention.value_length", hp["head_dim"], "u32"))
+    out.append(("general.file_type", file_type, "u32"))
+    return out
+
+
+def _rope_scaling_kv(rope: dict[str, Any], a: str) -> KV:
     kind, factor = rope.get("rope_type"), rope.get("factor")
     if kind == "linear" and factor is not None:
-        w.add_string(f"{a}.rope.scaling.type", "linear")
-        w.add_float32(f"{a}.rope.scaling.factor", factor)
-    elif kind == "yarn" and factor is not None:
-        w.add_string(f"{a}.rope.scaling.type", "yarn")
-        w.add_float32(f"{a}.rope.scaling.factor", factor)
-        w.add_uint32(f"{a}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
-        for src, key in (
-            ("extrapolation_factor", "yarn_ext_factor"),
-            ("attention_factor", "yarn_attn_factor"),
-            ("beta_fast", "yarn_beta_fast"),
-            ("beta_slow", "yarn_beta_slow"),
-        ):
-            value = rope.get(src, rope.get("attn_factor")) if src == "attention_factor" else rope.get(src)
-            if value is not None:
-                w.add_float32(f"{a}.rope.scaling.{key}", value)
-    elif kind in ("su", "longrope"):
-        w.add_string(f"{a}.rope.scaling.type", "longrope")
-    if rope.get("rope_theta") is not None:
-        w.add_float32(f"{a}.rope.freq_base", rope["rope_theta"])
-    if hp.get("rms_norm_eps") is not None:
-        w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", hp["rms_norm_eps"])
-    if hp.get("head_dim") is not None:
-        w.add_uint32(f"{a}.attention.key_length", hp["head_dim"])
-        w.add_uint32(f"{a}.attention.value_length", hp["head_dim"])
-    w.add_uint32("general.file_type", file_type)
-    for key, value, kind_ in arch.extra_kv(hp):
-        writer.add_kv(w, key, value, kind_)
+        return [(f"{a}.rope.scaling.type", "linear", "str"), (f"{a}.rope.scaling.factor", factor, "f32")]
+    if kind in ("su", "longrope"):
+        return [(f"{a}.rope.scaling.type", "longrope", "str")]
+    if kind != "yarn" or factor is None:
+        return []
+    out: KV = [
+        (f"{a}.rope.scaling.type", "yarn", "str"),
+        (f"{a}.rope.scaling.factor", factor, "f32"),
+        (f"{a}.rope.scaling.original_context_length", rope["original_max_position_embeddings"], "u32"),
+    ]
+    for src, key in (
+        ("extrapolation_factor", "yarn_ext_factor"),
+        ("attention_factor", "yarn_attn_factor"),
+        ("beta_fast", "yarn_beta_fast"),
+        ("beta_slow", "yarn_beta_slow"),
+    ):
+        value = rope.get(src, rope.get("attn_factor")) if src == "attention_factor" else rope.get(src)
+        if value is not None:
+            out.append((f"{a}.rope.scaling.{key}", value, "f32"))
+    return out
 
 
-def general_kv(w: gguf.GGUFWriter, model_dir: Path, repo_id: str | None, total_params: int) -> None:
+def general_kv(
+    w: gguf.GGUFWriter, model_dir: Path, repo_id: str | None, params: tuple[int, int, int, int]
+) -> None:
     """general.type plus the model-card metadata (name, size label, license, ...) via gguf-py."""
     w.add_type(gguf.GGUFType.MODEL)
+    total_params = params[0]
     meta = gguf.Metadata.load(None, model_dir, None, total_params)
     gen = read_json(model_dir / "generation_config.json") or {}
     # llama.cpp's gguf-py also reads HF's name for the repeat penalty
@@ -131,7 +172,7 @@ def general_kv(w: gguf.GGUFWriter, model_dir: Path, repo_id: str | None, total_p
     if meta.name is None:
         meta.name = model_dir.name
     if meta.size_label is None and total_params > 0:
-        meta.size_label = gguf.size_label(total_params, total_params, 0, 0)
+        meta.size_label = gguf.size_label(*params)
     meta.set_gguf_meta_model(w)
 
 
@@ -142,38 +183,6 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     w: (n_head * head_dim, ...) -> same shape, rows of each head reordered [0, d/2, 1, d/2+1, ...].
     """
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def llama3_rope_factors(hp: dict[str, Any]) -> np.ndarray:
-    """rope_freqs.weight for rope_type llama3: per-frequency divisors of the rotary base frequencies.
-
-    llama.cpp's converter evaluates this in torch float32; torch's pow can differ from numpy's by an
-    ulp, so torch is used when it is installed (the 1-D tensor then matches exactly), numpy otherwise.
-    """
-    rope = hp["rope_parameters"]
-    base = rope.get("rope_theta", 10000.0)
-    dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
-    factor = rope.get("factor", 8.0)
-    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
-    old = rope.get("original_max_position_embeddings", 8192)
-    try:
-        import torch
-
-        freqs: Any = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    except ImportError:
-        f32 = np.float32
-        freqs = f32(1.0) / (f32(base) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)))
-    out = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq  # float32 (a 0-d tensor or a numpy scalar)
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(float(factor))
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(float(1 / ((1 - smooth) / factor + smooth)))
-    return np.array(out, dtype=np.float32)
 
 
 def expected_shapes(hp: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -187,6 +196,8 @@ def expected_shapes(hp: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "output_norm.weight": (h,),
         "attn_norm.weight": (h,),
         "ffn_norm.weight": (h,),
+        "post_attention_norm.weight": (h,),
+        "post_ffw_norm.weight": (h,),
         "attn_q.weight": (nh * hd, h),
         "attn_k.weight": (nkv * hd, h),
         "attn_v.weight": (nkv * hd, h),
@@ -202,17 +213,131 @@ def expected_shapes(hp: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     }
 
 
-def collect_tensors(arch: Arch, hp: dict[str, Any], source: dict[str, SafeTensor]) -> list[Tensor]:
-    """Output tensors in llama.cpp's converter order, with shapes checked against the config."""
-    shapes = expected_shapes(hp)
-    n_layer = hp["num_hidden_layers"]
-    n_head, n_kv = hp["num_attention_heads"], hp.get("num_key_value_heads")
-    out: list[Tensor] = []
-    if arch.name == "llama" and str(hp["rope_parameters"].get("rope_type", "")).lower() == "llama3":
-        factors = llama3_rope_factors(hp)
-        out.append(Tensor("rope_freqs.weight", factors.shape, "F32", lambda f=factors: f))
-    seen: dict[str, set[int]] = {}
+# (HF name, torch-order shape, source dtype, load()) of one tensor the converter maps to a GGUF name
+Piece = tuple[str, tuple[int, ...], str, Callable[[], np.ndarray]]
+EXPERT_PROJECTIONS = ("down_proj", "gate_proj", "up_proj")  # the order llama.cpp's converter emits them
+
+
+class ExpertMerger:
+    """Per-expert HF tensors -> one stacked (n_expert, rows, cols) tensor per layer and projection.
+
+    llama.cpp's converter holds a layer's expert tensors until all 3 * n_expert have been read, then
+    emits down, gate, up; so the merged tensors sit where the layer's last expert tensor was read.
+    Checkpoints already holding 3-D `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` are split
+    (gate rows first) or passed through.
+    """
+
+    def __init__(self, n_expert: int) -> None:
+        self.n_expert = n_expert
+        self.held: dict[int, dict[str, SafeTensor]] = {}
+
+    def add(self, hf_name: str, st: SafeTensor) -> list[Piece]:
+        base = hf_name.removesuffix(".weight")
+        if base.endswith("mlp.experts.down_proj"):
+            return [(base + ".weight", st.shape, st.dtype, st.read)]
+        if base.endswith("mlp.experts.gate_up_proj"):
+            return self._split_gate_up(base.removesuffix(".gate_up_proj"), st)
+        bid = next((int(p) for p in hf_name.split(".") if p.isdecimal()), None)
+        if bid is None:
+            raise ConvertError(f"expert tensor {hf_name} names no layer")
+        layer = self.held.setdefault(bid, {})
+        layer[hf_name] = st
+        if len(layer) < 3 * self.n_expert:
+            return []
+        del self.held[bid]
+        return [self._stack(bid, w, layer) for w in EXPERT_PROJECTIONS]
+
+    def _stack(self, bid: int, w: str, layer: dict[str, SafeTensor]) -> Piece:
+        names = [f"model.layers.{bid}.mlp.experts.{x}.{w}.weight" for x in range(self.n_expert)]
+        missing = [n for n in names if n not in layer]
+        if missing:
+            raise ConvertError(f"layer {bid} lacks expert tensors {', '.join(missing[:3])}")
+        parts = [layer[n] for n in names]
+        shape = (self.n_expert, *parts[0].shape)
+        if any(p.shape != parts[0].shape for p in parts):
+            raise ConvertError(f"the experts of layer {bid} have different {w} shapes")
+
+        def load(parts: list[SafeTensor] = parts) -> np.ndarray:
+            return np.stack([p.read() for p in parts])
+
+        return (f"model.layers.{bid}.mlp.experts.{w}.weight", shape, parts[0].dtype, load)
+
+    @staticmethod
+    def _split_gate_up(base: str, st: SafeTensor) -> list[Piece]:
+        if len(st.shape) != 3 or st.shape[1] % 2:
+            raise ConvertError(
+                f"{base}.gate_up_proj has shape {list(st.shape)}, expected (experts, 2 * ff, hidden)"
+            )
+        n_ff = st.shape[1] // 2
+        shape = (st.shape[0], n_ff, st.shape[2])
+        return [
+            (
+                f"{base}.{w}.weight",
+                shape,
+                st.dtype,
+                lambda i=i: np.ascontiguousarray(st.read()[:, i * n_ff : (i + 1) * n_ff]),
+            )
+            for i, w in enumerate(("gate_proj", "up_proj"))
+        ]
+
+    def check_done(self) -> None:
+        left = sorted(n for layer in self.held.values() for n in layer)
+        if left:
+            raise ConvertError(
+                f"incomplete experts (config.json says {self.n_expert} per layer): {', '.join(left[:3])}"
+            )
+
+
+def _pieces(arch: Arch, hp: dict[str, Any], source: dict[str, SafeTensor]) -> list[Piece]:
+    """The checkpoint's tensors in llama.cpp's converter order, experts merged where the arch does."""
+    merger = ExpertMerger(arch.experts(hp)) if arch.experts else None
+    out: list[Piece] = []
     for hf_name, st in source.items():
+        if merger is not None and "experts" in hf_name:
+            out += merger.add(hf_name, st)
+        else:
+            out.append((hf_name, st.shape, st.dtype, st.read))
+    if merger is not None:
+        merger.check_done()
+    return out
+
+
+def _value_changes(
+    arch: Arch, hp: dict[str, Any], hf_name: str, load: Callable[[], np.ndarray], rows: int | None
+) -> Callable[[], np.ndarray]:
+    """load() with the converter's changes: Q/K permutation, Gemma's 1 + w norms, token_embd rows."""
+    heads = None
+    if arch.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        heads = hp["num_attention_heads"]
+    elif arch.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        n_kv = hp.get("num_key_value_heads")
+        heads = n_kv if n_kv is not None and n_kv != hp["num_attention_heads"] else hp["num_attention_heads"]
+    shift = arch.norm_shift and hf_name.endswith("norm.weight")
+    cut = rows if "embed_tokens.weight" in hf_name else None
+
+    def changed() -> np.ndarray:
+        data = load()
+        if heads:
+            data = permute_rows(data, heads)
+        if shift:  # in the checkpoint's precision (f16 stays f16), as the converter's torch add
+            data = data + data.dtype.type(1)
+        if cut is not None:
+            data = data[:cut]
+        return data
+
+    return changed
+
+
+def collect_tensors(
+    arch: Arch, hp: dict[str, Any], source: dict[str, SafeTensor], model_dir: Path
+) -> list[Tensor]:
+    """Output tensors in llama.cpp's converter order, with shapes checked against the config."""
+    shapes = expected_shapes(hp) | arch.shapes(hp)
+    n_layer = hp["num_hidden_layers"]
+    out = [Tensor(name, data.shape, "F32", lambda d=data: d) for name, data in arch.extra_tensors(hp)]
+    rows = arch.embedding_rows(model_dir, hp)
+    seen: dict[str, set[int]] = {}
+    for hf_name, shape, dtype, load in _pieces(arch, hp, source):
         name = arch.gguf_name(hf_name)
         if name is None:
             continue
@@ -226,21 +351,11 @@ def collect_tensors(arch: Arch, hp: dict[str, Any], source: dict[str, SafeTensor
                 )
             seen.setdefault(base, set()).add(layer)
         want = shapes.get(base)
-        if want is not None and st.shape != want:
-            raise ConvertError(
-                f"tensor {hf_name} has shape {list(st.shape)}, config.json implies {list(want)}"
-            )
-        heads = None
-        if arch.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            heads = n_head
-        elif arch.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            heads = n_kv if n_kv is not None and n_kv != n_head else n_head
-
-        def load(st: SafeTensor = st, heads: int | None = heads) -> np.ndarray:
-            data = st.read()
-            return permute_rows(data, heads) if heads else data
-
-        out.append(Tensor(name, st.shape, st.dtype, load))
+        if want is not None and shape != want:
+            raise ConvertError(f"tensor {hf_name} has shape {list(shape)}, config.json implies {list(want)}")
+        if rows is not None and name == "token_embd.weight":
+            shape = (min(rows, shape[0]), *shape[1:])
+        out.append(Tensor(name, shape, dtype, _value_changes(arch, hp, hf_name, load, rows)))
     incomplete = sorted(base for base, layers in seen.items() if len(layers) != n_layer)
     if incomplete:
         raise ConvertError(f"tensors missing for some of the {n_layer} layers: {', '.join(incomplete)}")
@@ -251,9 +366,27 @@ def collect_tensors(arch: Arch, hp: dict[str, Any], source: dict[str, SafeTensor
     return out
 
 
+def parameter_counts(tensors: list[Tensor]) -> tuple[int, int, int, int]:
+    """(total, shared, per-expert, experts) as gguf-py counts them for the size label ("8x1.2B")."""
+    total = shared = expert = expert_sum = n_expert_tensors = 0
+    for t in tensors:
+        size = int(np.prod(t.shape, dtype=np.int64))
+        if "_exps." in t.name and len(t.shape) >= 3:
+            count = t.shape[0]
+            expert += size // count
+            expert_sum += count
+            n_expert_tensors += 1
+        else:
+            shared += size
+        total += size
+    return total, shared, expert, expert_sum // n_expert_tensors if n_expert_tensors else 0
+
+
 def stored_as_float32(name: str, ndim: int) -> bool:
-    """The converter keeps 1-D tensors, norms and non-weights in F32 whatever the outtype."""
-    return ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight")
+    """The converter keeps 1-D tensors, norms, MoE routers and non-weights in F32 whatever the outtype."""
+    return (
+        ndim <= 1 or name.endswith(("_norm.weight", ".ffn_gate_inp.weight")) or not name.endswith(".weight")
+    )
 
 
 def auto_intermediate(tensors: list[Tensor]) -> QT:
@@ -321,8 +454,7 @@ def convert(
     config = read_config(model_dir)
     arch = find_arch(config)
     hp = hyperparameters(config, arch)
-    tensors = collect_tensors(arch, hp, index_tensors(model_dir))
-    total_params = sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
+    tensors = collect_tensors(arch, hp, index_tensors(model_dir), model_dir)
     threads = threads or os.cpu_count() or 1
 
     float_type = FLOAT_FILE_TYPES.get(file_type)
@@ -334,10 +466,13 @@ def convert(
     )
 
     w = writer.new_writer(arch.name)
-    general_kv(w, model_dir, repo_id, total_params)
-    base_kv(w, hp, arch, stage_ftype)
-    w.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
-    for key, (value, kind) in vocab_kv(model_dir, hp, arch.vocab, arch.name).items():
+    for key, value, kind in arch.early_kv(hp):  # set while llama.cpp's converter reads the tensors
+        writer.add_kv(w, key, value, kind)
+    general_kv(w, model_dir, repo_id, parameter_counts(tensors))
+    kvs = base_kv(hp, arch, stage_ftype)
+    kvs["general.quantization_version"] = (gguf.GGML_QUANT_VERSION, "u32")
+    kvs |= vocab_kv(model_dir, hp, arch.vocab, arch.name, arch.spm_no_space_prefix)
+    for key, (value, kind) in kvs.items():
         writer.add_kv(w, key, value, kind)
 
     plan: list[tuple[str, tuple[int, ...], QT, Callable[[], np.ndarray]]] = []
@@ -354,6 +489,7 @@ def convert(
             hp["num_hidden_layers"],
             hp["num_attention_heads"],
             hp.get("num_key_value_heads") or hp["num_attention_heads"],
+            arch.experts(hp) if arch.experts else 0,
         )
         types = mixes.plan(specs, file_type, shape, has_imatrix=imatrix is not None)
         weights = _imatrix_weights(imatrix, specs, imatrix_label)

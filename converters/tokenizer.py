@@ -131,6 +131,38 @@ def spm_vocab(model_dir: Path, hparams: dict[str, Any]) -> tuple[list[bytes], li
     return tokens, scores, types
 
 
+def phi3_spm_vocab(model_dir: Path, hparams: dict[str, Any]) -> tuple[list[bytes], list[float], list[int]]:
+    """Phi-3's reading of a SentencePiece vocabulary: added tokens (added_tokens.json, then
+    tokenizer_config's added_tokens_decoder, then tokenizer.json's added_tokens) overwrite their ids as
+    USER_DEFINED, or CONTROL when flagged special, with their text as written."""
+    pieces = read_sentencepiece(model_dir / "tokenizer.model")
+    n = hparams.get("vocab_size") or len(pieces)
+    if len(pieces) > n:
+        raise ConvertError(
+            f"tokenizer.model has {len(pieces)} pieces, more than vocab_size {n} of config.json"
+        )
+    tokens = [f"[PAD{i}]".encode() for i in range(n)]
+    scores = [-10000.0] * n
+    types = [UNUSED] * n
+    kinds = {2: UNKNOWN, 3: CONTROL, 5: UNUSED, 6: BYTE}
+    for i, (piece, score, kind) in enumerate(pieces):
+        tokens[i], scores[i], types[i] = piece, score, kinds.get(kind, NORMAL)
+    for text, tid in (read_json(model_dir / "added_tokens.json") or {}).items():
+        if tid < n:
+            tokens[tid], scores[tid], types[tid] = text.encode(), -1000.0, USER_DEFINED
+    config = read_json(model_dir / "tokenizer_config.json") or {}
+    entries = [(int(k), e) for k, e in (config.get("added_tokens_decoder") or {}).items()]
+    entries += [
+        (int(e["id"]), e) for e in (read_json(model_dir / "tokenizer.json") or {}).get("added_tokens") or []
+    ]
+    for tid, entry in entries:
+        if tid >= n:
+            raise ConvertError(f"added token {entry['content']!r} has id {tid}, outside vocab_size {n}")
+        tokens[tid], scores[tid] = entry["content"].encode(), -1000.0
+        types[tid] = CONTROL if entry.get("special") else USER_DEFINED
+    return tokens, scores, types
+
+
 # ---- GPT-2 style BPE ------------------------------------------------------------------------------
 def pre_tokenizer_name(tokenizer_json: Path) -> str:
     """llama.cpp's name for the pre-tokenizer: a fingerprint of how the tokenizer splits CHECK_TEXT."""
@@ -151,13 +183,17 @@ def pre_tokenizer_name(tokenizer_json: Path) -> str:
     return name
 
 
-def bpe_vocab(model_dir: Path, hparams: dict[str, Any]) -> tuple[list[str], list[int], str]:
+def bpe_vocab(
+    model_dir: Path, hparams: dict[str, Any], byte_fallback: bool = False
+) -> tuple[list[str], list[int], str]:
+    """GPT-2-style BPE from tokenizer.json. `byte_fallback`: accept a SentencePiece-style BPE
+    (Gemma 3 without tokenizer.model, which llama.cpp's converter reads this way too)."""
     path = model_dir / "tokenizer.json"
     tj = json.loads(path.read_text(encoding="utf-8"))
     model = tj.get("model") or {}
     if model.get("type") != "BPE":
         raise ConvertError(f"{path}: tokenizer model {model.get('type')!r} is not supported (BPE only)")
-    if model.get("byte_fallback") and not (model_dir / "tokenizer.model").is_file():
+    if model.get("byte_fallback") and not byte_fallback and not (model_dir / "tokenizer.model").is_file():
         raise ConvertError(f"{path}: SentencePiece-style BPE without tokenizer.model is not supported yet")
     vocab: dict[str, int] = dict(model.get("vocab") or {})
     added = {a["id"]: a for a in tj.get("added_tokens") or []}
@@ -403,24 +439,41 @@ def _chat_template(model_dir: Path, tc: dict[str, Any]) -> Any:
 
 
 # ---- entry point ----------------------------------------------------------------------------------
-def vocab_kv(model_dir: Path, hparams: dict[str, Any], kinds: tuple[str, ...], arch_name: str) -> KVMap:
-    """The tokenizer keys of a converted model, in llama.cpp's order."""
+def vocab_kv(
+    model_dir: Path,
+    hparams: dict[str, Any],
+    kinds: tuple[str, ...],
+    arch_name: str,
+    spm_no_space_prefix: bool = False,
+) -> KVMap:
+    """The tokenizer keys of a converted model, in llama.cpp's order.
+
+    `kinds` are tried in order: "spm" (tokenizer.model), "gpt2" (tokenizer.json), "phi3" (Phi-3's
+    converter: GPT-2 BPE when tokenizer_config names GPT2Tokenizer, else its own SentencePiece reading).
+    `spm_no_space_prefix`: a SentencePiece vocabulary gets add_space_prefix=False after its special
+    tokens (Gemma).
+    """
     out: KVMap = {}
     tc = read_json(model_dir / "tokenizer_config.json") or {}
     if arch_name == "llama" and tc.get("add_prefix_space") is not None:
         out["tokenizer.ggml.add_space_prefix"] = (bool(tc["add_prefix_space"]), "bool")
     for kind in kinds:
-        if kind == "spm" and (model_dir / "tokenizer.model").is_file():
-            tokens, scores, types = spm_vocab(model_dir, hparams)
+        if kind == "phi3":
+            kind = "gpt2" if tc.get("tokenizer_class") == "GPT2Tokenizer" else "phi3"
+        spm = {"spm": spm_vocab, "phi3": phi3_spm_vocab}.get(kind)
+        if spm is not None and (model_dir / "tokenizer.model").is_file():
+            tokens, scores, types = spm(model_dir, hparams)
             out["tokenizer.ggml.model"] = ("llama", "str")
             out["tokenizer.ggml.pre"] = ("default", "str")
             out["tokenizer.ggml.tokens"] = (tokens, "arr_str")
             out["tokenizer.ggml.scores"] = (scores, "arr_f32")
             out["tokenizer.ggml.token_type"] = (types, "arr_i32")
             _Special(model_dir, load_merges=False, n_vocab=len(tokens)).kv(out)
+            if spm_no_space_prefix:
+                out["tokenizer.ggml.add_space_prefix"] = (False, "bool")
             break
         if kind == "gpt2" and (model_dir / "tokenizer.json").is_file():
-            btokens, btypes, pre = bpe_vocab(model_dir, hparams)
+            btokens, btypes, pre = bpe_vocab(model_dir, hparams, byte_fallback=arch_name == "gemma3")
             out["tokenizer.ggml.model"] = ("gpt2", "str")
             out["tokenizer.ggml.pre"] = (pre, "str")
             out["tokenizer.ggml.tokens"] = (btokens, "arr_str")
@@ -428,7 +481,10 @@ def vocab_kv(model_dir: Path, hparams: dict[str, Any], kinds: tuple[str, ...], a
             _Special(model_dir, load_merges=True, n_vocab=None).kv(out)
             break
     else:
-        raise ConvertError(f"{model_dir} has no tokenizer.json or tokenizer.model")
+        wanted = " or ".join(
+            "tokenizer.json" if k == "gpt2" else "tokenizer.model" for k in dict.fromkeys(kinds)
+        )
+        raise ConvertError(f"{model_dir} has no {wanted}")
     if arch_name == "llama" and hparams.get("vocab_size") == 49152:
         # llama.cpp's converter turns BOS off for vocabularies of this size (Granite small models),
         # which SmolLM2 shares; mirrored so the converted files agree

@@ -773,7 +773,8 @@ class BatchedContext:
             job.timings.prompt_eval_ns = now - job.t_admit
         job.timings.eval_count = job.n_gen
         job.timings.eval_ns = now - job.t_prompt if job.t_prompt else 0
-        self._emit(job, DoneEvent(reason, job.timings))  # type: ignore[arg-type]
+        stop_sequence = job.text.stop_sequence if job.text is not None else None
+        self._emit(job, DoneEvent(reason, job.timings, stop_sequence=stop_sequence))  # type: ignore[arg-type]
         self._release(job, keep=reason != "cancel")
 
     def _fail(self, job: Job, error: BaseException) -> None:

@@ -357,5 +357,5 @@ class _Stream:
         t.prompt_eval_ns = max(1, first - self.start_ns)
         t.eval_count = s.num_generated if ended else self.generated  # the engine's count has the end token
         t.eval_ns = max(1, now - first)
-        events.append(DoneEvent(reason, t))  # type: ignore[arg-type]
+        events.append(DoneEvent(reason, t, stop_sequence=self.text.stop_sequence))  # type: ignore[arg-type]
         return events

@@ -1,6 +1,7 @@
 """One small table per architecture: HF names -> GGUF names, config defaults, Q/K permutation.
 
-An `Arch` is data plus two tiny hooks; `converters/convert.py` runs the same pipeline for all of them.
+An `Arch` is data plus a few small hooks (keys, generated tensors, value changes);
+`converters/convert.py` runs the same pipeline for all of them.
 """
 
 from __future__ import annotations
@@ -8,11 +9,26 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from localrt.converters.hf import ConvertError
 
 KV = list[tuple[str, Any, str]]  # (GGUF key, value, value type: "u32", "f32", "str", "bool")
+
+
+def no_kv(hp: dict[str, Any]) -> KV:
+    return []
+
+
+def no_tensors(hp: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
+    return []
+
+
+def keep_rows(model_dir: Path, hp: dict[str, Any]) -> int | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -22,9 +38,29 @@ class Arch:
     tensors: dict[str, str]  # HF tensor name ({bid} = layer) -> GGUF tensor name
     # config defaults of the transformers config class (llama.cpp's converter reads AutoConfig.to_dict())
     defaults: Callable[[dict[str, Any]], dict[str, Any]]
+    # transformers' rope_parameters for this config (None: the single-dict form of Llama and Qwen)
+    rope_parameters: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     permute_qk: bool = False  # HF rotate-half Q/K rows -> GGUF's interleaved (llama) rope layout
-    vocab: tuple[str, ...] = ("spm", "gpt2")  # tokenizers tried in order
-    extra_kv: Callable[[dict[str, Any]], KV] = lambda hp: []  # keys after the shared ones
+    vocab: tuple[str, ...] = ("spm", "gpt2")  # tokenizers tried in order ("phi3": Phi-3's own SentencePiece)
+    # tokenizer.ggml.add_space_prefix=False written after the special tokens of a SentencePiece vocab (Gemma)
+    spm_no_space_prefix: bool = False
+    # the model's keys when the architecture writes its own set instead of the shared ones: (hp, file type)
+    model_kv: Callable[[dict[str, Any], int], KV] | None = None
+    extra_kv: Callable[[dict[str, Any]], KV] = (
+        no_kv  # keys after the shared ones (a re-set key keeps its place)
+    )
+    early_kv: Callable[[dict[str, Any]], KV] = (
+        no_kv  # keys set before the model card's (while reading tensors)
+    )
+    extra_tensors: Callable[[dict[str, Any]], list[tuple[str, np.ndarray]]] = no_tensors  # written first, F32
+    # torch-order shapes by GGUF base name that differ from the Llama layout (fused or expert tensors)
+    shapes: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]] = lambda hp: {}
+    norm_shift: bool = False  # HF stores RMSNorm weights as w for (1 + w) (Gemma): the GGUF holds 1 + w
+    # experts per layer of a mixture-of-experts model (its per-expert HF tensors are merged into one 3-D
+    # tensor per layer and projection); None for dense models
+    experts: Callable[[dict[str, Any]], int] | None = None
+    # rows of token_embd to keep (Gemma 3 drops rows past the tokenizer's vocabulary), None: all
+    embedding_rows: Callable[[Path, dict[str, Any]], int | None] = keep_rows
     skip: tuple[str, ...] = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
     _patterns: list[tuple[re.Pattern[str], str]] = field(default_factory=list, compare=False, repr=False)
 
@@ -66,10 +102,10 @@ GLOBAL = {
 
 def registry() -> dict[str, Arch]:
     """HF architecture name -> Arch."""
-    from localrt.converters.arch import llama, qwen2, qwen3
+    from localrt.converters.arch import gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe
 
     out: dict[str, Arch] = {}
-    for arch in (llama.ARCH, qwen2.ARCH, qwen3.ARCH):
+    for arch in (llama.ARCH, qwen2.ARCH, qwen3.ARCH, gemma3.ARCH, gemma2.ARCH, phi3.ARCH, qwen3moe.ARCH):
         for hf in arch.hf_architectures:
             out[hf] = arch
     return out

@@ -6,7 +6,10 @@ converter permutes q_proj/k_proj rows per head (see `permute_qk` in convert.py).
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import numpy as np
 
 from localrt.converters.arch import GLOBAL, KV, LLAMA_LAYER, Arch
 
@@ -29,6 +32,45 @@ def extra_kv(hp: dict[str, Any]) -> KV:
     return [("llama.vocab_size", hp["vocab_size"], "u32"), ("llama.rope.dimension_count", rope_dim, "u32")]
 
 
+def llama3_rope_factors(hp: dict[str, Any]) -> np.ndarray:
+    """rope_freqs.weight for rope_type llama3: per-frequency divisors of the rotary base frequencies.
+
+    llama.cpp's converter evaluates this in torch float32; torch's pow can differ from numpy's by an
+    ulp, so torch is used when it is installed (the 1-D tensor then matches exactly), numpy otherwise.
+    """
+    rope = hp["rope_parameters"]
+    base = rope.get("rope_theta", 10000.0)
+    dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    try:
+        import torch
+
+        freqs: Any = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    except ImportError:
+        f32 = np.float32
+        freqs = f32(1.0) / (f32(base) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq  # float32 (a 0-d tensor or a numpy scalar)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(float(factor))
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(float(1 / ((1 - smooth) / factor + smooth)))
+    return np.array(out, dtype=np.float32)
+
+
+def extra_tensors(hp: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
+    """Llama 3.1+ rope scaling: the converter writes the frequency divisors as a tensor."""
+    if str(hp["rope_parameters"].get("rope_type", "")).lower() != "llama3":
+        return []
+    return [("rope_freqs.weight", llama3_rope_factors(hp))]
+
+
 ARCH = Arch(
     name="llama",
     hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"),
@@ -37,4 +79,5 @@ ARCH = Arch(
     permute_qk=True,
     vocab=("spm", "gpt2"),
     extra_kv=extra_kv,
+    extra_tensors=extra_tensors,
 )

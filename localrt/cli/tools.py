@@ -16,10 +16,20 @@ if TYPE_CHECKING:
     from localrt.converters.convert import Result
 
 QUANT_HELP = "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K_S/M/L Q4_K_S/M Q5_K_S/M Q6_K IQ4_NL IQ4_XS"
+# the text models localrt convert writes (converters/arch/: one table per architecture)
+CONVERT_ARCHITECTURES = (
+    "Llama 2/3 and Mistral (LlamaForCausalLM, MistralForCausalLM), Qwen2 (Qwen2ForCausalLM), "
+    "Qwen3 (Qwen3ForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM), Gemma 2 (Gemma2ForCausalLM), "
+    "Gemma 3 text (Gemma3ForCausalLM), Phi-3/Phi-4 (Phi3ForCausalLM)"
+)
 
 
 def add_convert(sub: Subparsers) -> argparse.ArgumentParser:
-    p = sub.add_parser("convert", help="convert HF safetensors to GGUF")
+    p = sub.add_parser(
+        "convert",
+        help="convert HF safetensors to GGUF",
+        description=f"Convert a Hugging Face checkpoint to GGUF. Architectures: {CONVERT_ARCHITECTURES}.",
+    )
     p.add_argument("source", help="HF model directory or repo id (org/name)")
     p.add_argument("-q", "--quant", default="Q4_K_M", help=QUANT_HELP)
     p.add_argument("-o", "--output", default=None, help="write FILE.gguf")
