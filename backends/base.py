@@ -197,6 +197,8 @@ class DoneEvent:
     timings: Timings
     # calls an upstream returned already parsed (a remote model); local models leave them in the text
     tool_calls: list[dict[str, Any]] | None = None
+    # finish_reason "stop" because of this stop string (TextAssembler.stop_sequence), not an end token
+    stop_sequence: str | None = None
 
 
 Event = TextEvent | DoneEvent
@@ -303,6 +305,7 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: str | None = None  # the stop string that ended the text (earliest; longest on a tie)
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; returns (text safe to emit now, stopped)."""
@@ -310,8 +313,9 @@ class StopMatcher:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out, False
-        first = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if first >= 0:
+        found = [(at, -len(s), s) for s in self.stops if (at := self.pending.find(s)) >= 0]
+        if found:
+            first, _, self.matched = min(found)
             out, self.pending = self.pending[:first], ""
             return out, True
         hold = 0
@@ -351,6 +355,11 @@ class TextAssembler:
         if not text:
             return None, False
         return TextEvent(text, self._take_ids(), self._take_logprobs()), False
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the answer (None: it ended otherwise), for DoneEvent.stop_sequence."""
+        return self._stops.matched
 
     def finish(self) -> TextEvent | None:
         text = self._stops.push(self._utf8.decode(b"", final=True))[0] + self._stops.flush()

@@ -31,9 +31,12 @@ def grammar_for(fmt: str | dict[str, Any] | GBNF) -> str:
         return JSON_GBNF
     if isinstance(fmt, dict):
         try:
-            return json_schema_to_gbnf(json.dumps(fmt))
+            gbnf = json_schema_to_gbnf(json.dumps(fmt))
         except Exception as e:  # the converter raises bare exceptions on schemas it cannot express
             raise LocalrtError(f"unsupported JSON schema in format: {e}") from None
+        # llama-cpp-python's converter lets raw control characters (a newline) into strings, which no
+        # JSON parser accepts; its own JSON grammar and llama.cpp's converter exclude them
+        return gbnf.replace(r'char ::= [^"\\] |', r'char ::= [^"\\\x7F\x00-\x1F] |')
     raise LocalrtError(f'invalid format {fmt!r}: use "json" or a JSON schema object')
 
 

@@ -1,6 +1,7 @@
 """MLX backend decode speed, side by side with llama.cpp and mlx-lm's own generate on the same model.
 
     python benchmarks/bench_mlx.py [--gguf PATH] [--hf DIR] [--threads 1] [--new 48] [--rounds 2]
+    python benchmarks/bench_mlx.py --concurrency 1,4,8 [--new 32] [--no-mlx-lm]
 
 Prints prompt and decode tokens/s, greedy, for:
   - localrt's MLX backend on the GGUF (weights kept quantized, e.g. Q4_1 -> MLX 4-bit, group 32),
@@ -10,6 +11,12 @@ Prints prompt and decode tokens/s, greedy, for:
     dtype as localrt's (fp32 on a CPU, fp16 on an Apple GPU), when mlx-lm is installed (`pip install mlx-lm`; on Linux `mlx-lm[cpu]`).
 Same chat prompt and token count everywhere; the best of `--rounds` is kept. Not a test: numbers
 depend on the machine (on Linux MLX runs on its CPU backend; on Apple Silicon on the GPU).
+
+`--concurrency 1,4,8` measures batched decoding instead: N clients at once (different questions,
+greedy, `--new` tokens each) through localrt's MLX backend (`num_parallel` = the largest N), and N
+prompts through mlx-lm's `BatchGenerator` on the same 4-bit conversion where mlx-lm is installed.
+It prints aggregate generated tokens/s (wall clock from the first request to the last token,
+prefill included) and each engine's ratio to its own single stream.
 """
 
 from __future__ import annotations
@@ -90,6 +97,108 @@ def mlx_lm_rates(hf_dir: Path, new: int, rounds: int) -> tuple[float, float, int
     return best
 
 
+QUESTIONS = [
+    QUESTION,
+    "Why is the sky blue?",
+    "Name three colours of the rainbow.",
+    "Describe a cat in two sentences.",
+    "What is the capital of France?",
+    "List the planets of the solar system.",
+    "Tell me a fact about the moon.",
+    "Write a haiku about autumn.",
+]
+
+
+def localrt_concurrent(gguf: Path, levels: list[int], threads: int, new: int) -> dict[int, float]:
+    """Aggregate tokens/s of N concurrent greedy requests through the MLX backend, per N."""
+    opts = LoadOptions(num_ctx=1024, num_thread=threads, num_batch=512, num_parallel=max(levels))
+    model = registry.get("mlx").load(gguf, opts)
+    prompts = [model.tokenize(CHAT.format(q=q), add_special=True, parse_special=True) for q in QUESTIONS]
+
+    async def one(prompt: list[int]) -> int:
+        done = None
+        async for event in model.generate(
+            GenerateRequest(prompt, SamplingParams(temperature=0.0), num_predict=new)
+        ):
+            if isinstance(event, DoneEvent):
+                done = event
+        assert done is not None
+        return done.timings.eval_count
+
+    async def level(n: int, shift: int) -> float:
+        # a different first token per run: no prompt-cache hit carries a prefill over
+        batch = [[prompts[i % len(prompts)][0]] * shift + prompts[i % len(prompts)] for i in range(n)]
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in batch))
+        return sum(counts) / (time.perf_counter() - t0)
+
+    rates = {}
+    try:
+        asyncio.run(level(1, 0))  # warm-up
+        for i, n in enumerate(levels):
+            rates[n] = asyncio.run(level(n, i + 1))
+    finally:
+        model.unload()
+    return rates
+
+
+def mlx_lm_concurrent(hf_dir: Path, levels: list[int], new: int) -> dict[int, float] | None:
+    """Aggregate tokens/s of mlx-lm's BatchGenerator on N prompts, per N (None: not installed)."""
+    try:
+        from mlx_lm import convert, load
+        from mlx_lm.generate import BatchGenerator
+    except ImportError:
+        return None
+    import mlx.core as mx
+
+    rates = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "mlx-q4-g32"
+        dtype = "float16" if mx.default_device().type == mx.DeviceType.gpu else "float32"
+        convert(str(hf_dir), str(out), quantize=True, q_group_size=32, q_bits=4, dtype=dtype)
+        model, tokenizer = load(str(out))
+        prompts = [tokenizer.encode(CHAT.format(q=q), add_special_tokens=False) for q in QUESTIONS]
+        for n in [1, *levels]:  # the first is a warm-up
+            gen = BatchGenerator(model, max_tokens=new, stop_tokens=[])
+            t0 = time.perf_counter()
+            gen.insert([prompts[i % len(prompts)] for i in range(n)], [new] * n)
+            produced, finished = 0, 0
+            while finished < n:
+                step = gen.next_generated() if hasattr(gen, "next_generated") else gen.next()
+                for response in step:
+                    produced += 1
+                    finished += response.finish_reason is not None
+            rates[n] = produced / (time.perf_counter() - t0)
+            if hasattr(gen, "close"):
+                gen.close()
+    return rates
+
+
+def concurrency_table(args: argparse.Namespace) -> None:
+    import mlx.core as mx
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    print(
+        f"{args.gguf.name}, {args.new} new tokens per request, greedy; MLX device {mx.default_device()}; "
+        f"aggregate generated tokens/s (prefill included)\n"
+    )
+    ours = localrt_concurrent(args.gguf, levels, args.threads, args.new)
+    peer = (
+        None if args.no_mlx_lm else mlx_lm_concurrent(args.hf or default_hf_dir(args.gguf), levels, args.new)
+    )
+    base, peer_base = ours.get(1) or ours[levels[0]], None if peer is None else peer.get(1)
+    print(
+        f"{'clients':>8}{'localrt mlx':>14}{'x own 1':>9}{'mlx-lm batch':>14}{'x own 1':>9}{'mlx / mlx-lm':>14}"
+    )
+    for n in levels:
+        theirs = (
+            "" if peer is None else f"{peer[n]:>14.2f}{peer[n] / peer_base:>9.2f}{ours[n] / peer[n]:>14.2f}"
+        )
+        print(f"{n:>8}{ours[n]:>14.2f}{ours[n] / base:>9.2f}{theirs}")
+    if peer is None:
+        print("(mlx-lm not run: pip install mlx-lm, or mlx-lm[cpu] on Linux)")
+
+
 def default_hf_dir(gguf: Path) -> Path:
     from tests.fixtures_hf import smollm2_hf_dir
 
@@ -103,7 +212,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--new", type=int, default=48, help="tokens to generate")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrency", default=None, help="e.g. 1,4,8: batched decoding instead")
+    ap.add_argument(
+        "--no-mlx-lm", action="store_true", help="skip mlx-lm (its conversion needs transformers)"
+    )
     args = ap.parse_args()
+    if args.concurrency:
+        concurrency_table(args)
+        return
 
     import mlx.core as mx
 

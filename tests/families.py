@@ -220,7 +220,34 @@ PHI4 = Family(
     ),
 )
 
-FAMILIES = {f.name: f for f in (QWEN3, DEEPSEEK_R1, HARMONY, LLAMA3, MISTRAL, GRANITE, PHI4)}
+# Qwen3-Coder: ChatML without thinking; tools listed in the system turn, calls written as XML inside
+# <tool_call> (`<function=NAME>` with one `<parameter=NAME>` block per argument), results in <tool_response>.
+QWEN3_CODER = Family(
+    "qwen3-coder",
+    "<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}"
+    "{% else %}You are Qwen, a helpful assistant.{% endif %}"
+    "{% if tools %}\n\n# Tools\n\nYou have access to the following functions:\n\n<tools>"
+    "{% for tool in tools %}\n<function>\n<name>{{ tool.function.name }}</name>\n<parameters>"
+    "{% for p in tool.function.parameters.properties %}\n<parameter>\n<name>{{ p }}</name>\n</parameter>"
+    "{% endfor %}\n</parameters>\n</function>{% endfor %}\n</tools>\n\n"
+    "If you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
+    "</parameter>\n</function>\n</tool_call>{% endif %}<|im_end|>\n"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}"
+    "{% for tc in message.tool_calls or [] %}\n<tool_call>\n<function={{ tc.function.name }}>\n"
+    "{% for k, v in tc.function.arguments.items() %}<parameter={{ k }}>\n"
+    "{{ v if v is string else v | tojson }}\n</parameter>\n{% endfor %}</function>\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}"
+    "\n</tool_response><|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    (("<tool_call>", TOKEN_USER_DEFINED), ("</tool_call>", TOKEN_USER_DEFINED)),
+)
+
+FAMILIES = {f.name: f for f in (QWEN3, DEEPSEEK_R1, HARMONY, LLAMA3, MISTRAL, GRANITE, PHI4, QWEN3_CODER)}
 
 
 FIRST_SPECIAL_ID = 5  # tiny_spm_vocab puts the extra specials right after <unk> <s> </s> and ChatML's two

@@ -228,6 +228,45 @@ def test_responses_kept_for_retrieval_unless_store_false(oai: openai.OpenAI) -> 
     assert err.value.body["param"] == "previous_response_id"
 
 
+def test_responses_input_items_input_tokens_and_delete(oai: openai.OpenAI, server: LocalrtServer) -> None:
+    conversation = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": QUESTION},
+    ]
+    r = oai.responses.create(
+        model=MODEL, input=conversation, instructions="Be brief.", max_output_tokens=2, extra_body=GREEDY
+    )
+    items = oai.responses.input_items.list(r.id, order="asc")
+    assert [item.role for item in items.data] == ["user", "assistant", "user"]
+    assert items.data[2].content[0].text == QUESTION
+    assert len({item.id for item in items.data}) == 3
+    # newest first by default, one per page: the client follows the cursor through all of them
+    paged = list(oai.responses.input_items.list(r.id, limit=1))
+    assert [item.id for item in paged] == [item.id for item in reversed(items.data)]
+    # the prompt the response started from, counted before generating (as count_tokens)
+    count = oai.responses.input_tokens.count(
+        model=MODEL, input=conversation, instructions="Be brief.", extra_body=GREEDY
+    )
+    assert count.input_tokens == r.usage.input_tokens
+    continued = httpx.post(
+        server.url + "/v1/responses/input_tokens",
+        json={"model": MODEL, "input": "And Italy?", "previous_response_id": r.id},
+    )
+    assert continued.json()["input_tokens"] > count.input_tokens  # the stored conversation comes first
+    wrong_method = httpx.get(server.url + "/v1/responses/input_tokens")
+    assert wrong_method.status_code == 405  # a route, not a response id (found by schemathesis)
+    oai.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.input_items.list(r.id)
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model=MODEL, input="more", previous_response_id=r.id, extra_body=GREEDY)
+
+
 def test_responses_errors(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         oai.responses.create(model="nosuch", input="Hi")
@@ -377,10 +416,22 @@ def test_messages_stop_sequences_and_options(claude: anthropic.Anthropic) -> Non
         model=MODEL,
         max_tokens=48,
         messages=[{"role": "user", "content": "Count from 1 to 10, separated by commas."}],
-        stop_sequences=["5"],
+        stop_sequences=["never", "5"],
         extra_body=GREEDY,
     )
     assert "5" not in m.content[0].text
+    assert m.stop_reason == "stop_sequence"
+    assert m.stop_sequence == "5"
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=48,
+        messages=[{"role": "user", "content": "Count from 1 to 10, separated by commas."}],
+        stop_sequences=["5"],
+        extra_body=GREEDY,
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "stop_sequence"
+    assert streamed.stop_sequence == "5"
     # thinking asked of a model that cannot think is answered without it (as Claude Code needs)
     thought = claude.messages.create(
         model=MODEL,

@@ -74,3 +74,48 @@ def test_responses_reasoning_items(server: LocalrtServer, forced: dict[str, obje
     assert reasoning == THOUGHT
     assert text == ANSWER
     assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+
+
+# ---- a thinking budget ---------------------------------------------------------------------------
+LONG_THOUGHT = "One two three four five six seven eight nine ten eleven twelve thirteen fourteen."
+LONG_REPLY = f"<think>\n{LONG_THOUGHT}\n</think>\n\nIt is sunny."
+BUDGET = 6
+
+
+def test_anthropic_budget_tokens_close_the_thinking(server: LocalrtServer) -> None:
+    # the grammar spells a thought far longer than the budget: the runtime ends it after BUDGET tokens,
+    # closes it with </think>, and the answer is generated after that (free: the grammar spelled a reply
+    # whose thinking was cut)
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    grammar = families.forced(LONG_REPLY, families.FAMILIES["qwen3"])
+    kwargs = {
+        "model": "qwen3:tiny",
+        "max_tokens": 24,
+        "thinking": {"type": "enabled", "budget_tokens": BUDGET},
+        "messages": [{"role": "user", "content": ASK}],
+        "extra_body": {"temperature": 0, "num_thread": 1, "grammar": grammar},
+    }
+    m = claude.messages.create(**kwargs)
+    assert m.content[0].type == "thinking"
+    thought = m.content[0].thinking
+    assert thought
+    assert LONG_THOUGHT.startswith(thought)
+    assert len(thought) < len(LONG_THOUGHT) // 2  # cut after a few tokens
+    assert m.usage.output_tokens > BUDGET  # the answer was generated after the cut
+    assert "fourteen" not in "".join(b.text for b in m.content if b.type == "text")
+    with claude.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].thinking == thought
+    assert final.usage.output_tokens == m.usage.output_tokens
+
+
+def test_responses_reasoning_tokens(server: LocalrtServer, forced: dict[str, object]) -> None:
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    r = oai.responses.create(model="qwen3:tiny", input=ASK, extra_body=forced)
+    reasoning = r.usage.output_tokens_details.reasoning_tokens
+    assert reasoning > len("<think>")  # the thought is spelled over many tokens
+    assert reasoning < r.usage.output_tokens  # the answer's tokens are no reasoning
+    chat = oai.chat.completions.create(
+        model="qwen3:tiny", messages=[{"role": "user", "content": ASK}], extra_body=forced
+    )
+    assert chat.usage.completion_tokens_details.reasoning_tokens == reasoning

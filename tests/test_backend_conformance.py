@@ -133,14 +133,16 @@ def test_eos_ends_with_stop(model: LoadedModel) -> None:
         model, GenerateRequest(prompt_ids(model, "What is the capital of France?"), GREEDY, num_predict=64)
     )
     assert done.finish_reason == "stop"
+    assert done.stop_sequence is None  # an end token, not a stop string
 
 
 def test_stop_string_is_not_emitted(model: LoadedModel) -> None:
     ids = prompt_ids(model, "What is the capital of France?")
     plain = text_of(run(model, GenerateRequest(ids, GREEDY, num_predict=12))[0])
     assert "France" in plain
-    events, done = run(model, GenerateRequest(ids, GREEDY, num_predict=12, stop=["France"]))
+    events, done = run(model, GenerateRequest(ids, GREEDY, num_predict=12, stop=["nowhere", "France"]))
     assert done.finish_reason == "stop"
+    assert done.stop_sequence == "France"  # which stop string ended it (Anthropic's stop_sequence)
     assert text_of(events) == plain[: plain.index("France")]
 
 
@@ -276,7 +278,9 @@ def test_speculative_greedy_matches_plain(
 
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+    # maxLength: the grammar itself bounds the answer, so a sampled run closes within the token budget
+    # whatever a backend's random stream draws (unbounded, a 135M model can wander on inside a string)
+    "properties": {"city": {"type": "string", "maxLength": 40}, "population": {"type": "integer"}},
     "required": ["city", "population"],
 }
 

@@ -113,6 +113,7 @@ def calls(chunks: list[Chunk]) -> list[dict[str, Any]]:
         ("mistral", "none", False, "mistral"),
         ("granite", "none", False, "granite"),
         ("phi4", "none", False, "phi4"),
+        ("qwen3-coder", "none", False, "hermes"),
     ],
 )
 def test_format_is_read_from_the_template(family: str, thinking: str, hybrid: bool, tool_style: str) -> None:
@@ -223,6 +224,8 @@ CALL_REPLIES = {
     "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "phi4": 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "gpt-oss": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+    "qwen3-coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+    "</tool_call>",
 }
 MALFORMED = {
     "qwen3": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par</tool_call>',
@@ -231,6 +234,16 @@ MALFORMED = {
     "granite": '<|tool_call|>[{"name": "get_weather", "argu',
     "phi4": 'functools[{"name": "get_weather"',
     "gpt-oss": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Par',
+    "qwen3-coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar</tool_call>",
+}
+# a call to a tool the request did not offer is text the model wrote, not a call
+UNKNOWN_TOOL = {
+    "qwen3": '<tool_call>\n{"name": "delete_files", "arguments": {"path": "/"}}\n</tool_call>',
+    "llama3": '{"name": "delete_files", "parameters": {"path": "/"}}',
+    "mistral": '[TOOL_CALLS][{"name": "delete_files", "arguments": {"path": "/"}}]',
+    "gpt-oss": '<|channel|>commentary to=functions.delete_files <|constrain|>json<|message|>{"path": "/"}',
+    "qwen3-coder": "<tool_call>\n<function=delete_files>\n<parameter=path>\n/\n</parameter>\n</function>\n"
+    "</tool_call>",
 }
 
 
@@ -257,6 +270,50 @@ def test_malformed_call_comes_back_as_content(store: Store, family: str, stream:
     expected = MALFORMED[family].split("<|message|>")[-1] if family == "gpt-oss" else MALFORMED[family]
     assert joined(chunks, "content") == expected
     assert chunks[-1].done_reason == "stop"
+
+
+@pytest.mark.parametrize("family", sorted(UNKNOWN_TOOL))
+@pytest.mark.parametrize("stream", [True, False])
+def test_call_to_a_tool_not_offered_comes_back_as_content(store: Store, family: str, stream: bool) -> None:
+    chunks = chat(store, family, UNKNOWN_TOOL[family], stream=stream, tools=[WEATHER])
+    assert calls(chunks) == []
+    expected = UNKNOWN_TOOL[family].split("<|message|>")[-1] if family == "gpt-oss" else UNKNOWN_TOOL[family]
+    assert joined(chunks, "content") == expected
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_llama_pythonic_calls(store: Store, stream: bool) -> None:
+    reply = '[get_weather(city="Paris"), get_time(city="Oslo")]'
+    chunks = chat(store, "llama3", reply, stream=stream, tools=[WEATHER, TIME])
+    found = calls(chunks)
+    assert [c["function"]["name"] for c in found] == ["get_weather", "get_time"]
+    assert [c["function"]["arguments"] for c in found] == [{"city": "Paris"}, {"city": "Oslo"}]
+    assert joined(chunks, "content") == ""
+
+
+def test_llama_pythonic_list_that_is_no_call_stays_content(store: Store) -> None:
+    chunks = chat(store, "llama3", "[Paris, Rome] are both sunny.", stream=True, tools=[WEATHER])
+    assert calls(chunks) == []
+    assert joined(chunks, "content") == "[Paris, Rome] are both sunny."
+
+
+def test_qwen3_coder_values_are_typed_by_the_schema(store: Store) -> None:
+    forecast = {
+        "type": "function",
+        "function": {
+            "name": "forecast",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    }
+    reply = (
+        "<tool_call>\n<function=forecast>\n<parameter=city>\n1984\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    [call] = calls(chat(store, "qwen3-coder", reply, stream=True, tools=[forecast]))
+    assert call["function"]["arguments"] == {"city": "1984", "days": 3}  # a string stays one
 
 
 def test_text_before_a_hermes_call_stays_content(store: Store) -> None:
@@ -312,6 +369,7 @@ TOOL_RESULT_MARKERS = {
     "mistral": '[TOOL_RESULTS]{"content": "21C and clear", "call_id": "',
     "granite": "<|start_of_role|>tool_response<|end_of_role|>21C and clear",
     "gpt-oss": '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"21C and clear"',
+    "qwen3-coder": "<tool_response>\n21C and clear\n</tool_response>",
 }
 
 
@@ -563,3 +621,37 @@ def test_grammar_naming_a_partial_byte_token_is_refused(store: Store) -> None:
     with pytest.raises(LocalrtError, match="is not a whole-text token"):
         run(store, "chat", "qwen3", ASK, options=options, stream=False)
     assert joined(chat(store, "qwen3", "Still here.", stream=False, think=False), "content") == "Still here."
+
+
+# ---- a thinking budget ----------------------------------------------------------------------------
+def test_thinking_budget_appends_the_close_tag_and_counts_reasoning(store: Store) -> None:
+    from localrt.runtime.thinking import Think
+
+    thought = "One two three four five six seven eight nine ten eleven twelve thirteen."
+    reply = f"<think>\n{thought}\n</think>\n\nOk."
+    options = {**GREEDY, "num_predict": 20, "grammar": forced(reply, FAMILIES["qwen3"])}
+
+    async def go() -> tuple[list[Chunk], str]:
+        rt = Runtime(store, keep_alive=0)
+        try:
+            budget = Think(True, "medium", budget=5)
+            chunks = [c async for c in rt.generate("qwen3:tiny", "Weather?", options=options, think=budget)]
+            _, prompt = await rt.render("qwen3:tiny", [{"role": "user", "content": "Weather?"}], think=True)
+            context = chunks[-1].context or []
+            return chunks, await rt.detokenize("qwen3:tiny", context[len(prompt) :])
+        finally:
+            await rt.close()
+
+    chunks, written = asyncio.run(go())
+    metrics = chunks[-1].metrics
+    assert metrics is not None
+    assert metrics.reasoning_tokens == 5  # the budget, all spent inside the thinking
+    assert metrics.eval_count > 5  # then the answer
+    # (the tiny SentencePiece vocabulary puts a space before text that follows a special token)
+    spent, closing, answer = written.partition("</think>")
+    assert closing  # the runtime's close tag follows the cut in what the model was given
+    assert spent.startswith("<think>\n")
+    assert f"<think>\n{thought}".startswith(spent.rstrip())  # cut inside the forced thought
+    assert len(spent) < len(thought) // 2
+    assert joined(chunks, "thinking") == spent.removeprefix("<think>\n").strip()
+    assert joined(chunks, "content") == answer.lstrip()

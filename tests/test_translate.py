@@ -16,6 +16,7 @@ from localrt.api import anthropic, responses
 from localrt.api.translate import (
     Assembler,
     ParamError,
+    budget_from_anthropic,
     call_schema,
     constrain_tools,
     function_tool,
@@ -155,6 +156,17 @@ def test_response_store_is_bounded_lru() -> None:
     assert len(kept) == 2
 
 
+def test_one_effort_mapping_for_every_route() -> None:
+    # /v1/chat/completions reads reasoning_effort with the runtime's mapping; Responses and Anthropic go
+    # through translate.think_from_effort, which must say the same for every effort
+    from localrt.runtime.thinking import EFFORTS
+    from localrt.runtime.thinking import think_from_effort as runtime_mapping
+
+    for effort in EFFORTS:
+        wanted = runtime_mapping(effort)
+        assert think_from_effort(effort, "p") == (wanted.level if wanted.enabled else False), effort
+
+
 def test_thinking_mappings() -> None:
     assert think_from_effort(None, "p") is None
     assert think_from_effort("none", "p") is False
@@ -169,6 +181,27 @@ def test_thinking_mappings() -> None:
     assert think_from_anthropic(None, "max") == "high"
     with pytest.raises(ParamError):
         think_from_anthropic({"type": "sometimes"}, None)
+
+
+def test_budget_tokens() -> None:
+    assert budget_from_anthropic({"type": "enabled", "budget_tokens": 2048}) == 2048
+    assert budget_from_anthropic({"type": "enabled"}) is None
+    assert budget_from_anthropic({"type": "disabled", "budget_tokens": 2048}) is None
+    with pytest.raises(ParamError, match="budget_tokens"):
+        budget_from_anthropic({"type": "enabled", "budget_tokens": 0})
+
+
+def test_stop_sequence_reaches_anthropic_only_when_one_matched() -> None:
+    by_stop = Assembler()
+    by_stop.feed(Chunk(model="m", content="1, 2, 3, 4, "))
+    by_stop.feed(Chunk(model="m", done=True, done_reason="stop", stop_sequence="5", metrics=Metrics()))
+    message = anthropic.message("msg_1", "m", by_stop)
+    assert message["stop_reason"] == "stop_sequence"
+    assert message["stop_sequence"] == "5"
+    by_end = Assembler()
+    by_end.feed(Chunk(model="m", content="Hi.", done=True, done_reason="stop", metrics=Metrics()))
+    assert anthropic.message("msg_2", "m", by_end)["stop_reason"] == "end_turn"
+    assert anthropic.message("msg_2", "m", by_end)["stop_sequence"] is None
 
 
 def test_tool_choice() -> None:

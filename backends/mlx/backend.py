@@ -2,16 +2,20 @@
 
 Weights come from the GGUF itself (kept quantized where MLX has an exact form); tokens come from
 llama.cpp's vocab-only load of the same file, so tokenization is identical to the llama.cpp
-backend's. One sequence runs at a time per model. MLX's streams belong to the thread that created
-them, so every MLX call of a model (load, decode, score, embed) runs on that model's own thread.
+backend's. Requests are decoded together by the model's batched engine (`batch.py`): up to
+`parallel_slots` sequences per step, a prompt cache over finished conversations. MLX's streams belong
+to the thread that created them, so every MLX call of a model (load, decode, score, embed) runs on
+the engine's thread; each `generate` stream is fed from it through the event loop, where the text is
+assembled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -27,9 +31,10 @@ from localrt.backends.base import (
     ScoreResult,
     TextAssembler,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     loaded_context,
     modules_installed,
-    run_in_thread_stream,
 )
 from localrt.backends.checks import (
     check_draft_vocabulary,
@@ -42,20 +47,21 @@ from localrt.backends.checks import (
 )
 from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
-from localrt.backends.outputs import (
-    embedding_tokens,
-    empty_score,
-    fill_score,
-    logprob_from_logits,
-    unit_vector,
+from localrt.backends.outputs import embedding_tokens, empty_score, fill_score, unit_vector
+from localrt.backends.speculation import (
+    DEFAULT_NUM_DRAFT,
+    VERIFY_COST_PER_DRAFT,
+    SpecState,
+    speculative_method,
 )
-from localrt.backends.speculation import VERIFY_COST_PER_DRAFT, speculative_method
 from localrt.errors import OptionError
 
 NAME = "mlx"
 PIP_HINT = "pip install 'localrt[mlx]' (on Linux that installs mlx[cpu])"
 KV_CACHE_TYPES = ("f16", "bf16", "f32", "q8_0")
 SCORE_HEAD_ROWS = 256  # logits computed this many rows at a time (the head is n x vocab)
+MAX_SLOTS = 16
+DEFAULT_SLOTS = {"cpu": 4, "gpu": 8}  # sequences decoded together when LOCALRT_NUM_PARALLEL is unset
 T = TypeVar("T")
 
 
@@ -91,7 +97,7 @@ class MLXBackend:
             speculative=frozenset({"draft", "lookup", "self"}),
             kv_cache_types=KV_CACHE_TYPES,
             devices=("gpu",) if _on_gpu() else ("cpu",),
-            parallel_slots=1,
+            parallel_slots=MAX_SLOTS,
         )
 
     @classmethod
@@ -102,7 +108,18 @@ class MLXBackend:
 class MLXModel(VocabMethods, ModelLifetime):
     backend_name = NAME
 
-    def __init__(self, path: Path, opts: LoadOptions, *, self_spec_layers: int | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        opts: LoadOptions,
+        *,
+        self_spec_layers: int | None = None,
+        prompt_cache_bytes: int | None = None,
+    ) -> None:
+        """`prompt_cache_bytes`: the budget of finished conversations' caches kept for reuse (None: the
+        KV of `parallel_slots` full contexts)."""
+        from .batch import BatchEngine
+
         t0 = time.perf_counter_ns()
         self.path, self.opts = path, opts
         self.capabilities = MLXBackend.capabilities()
@@ -110,27 +127,32 @@ class MLXModel(VocabMethods, ModelLifetime):
         check_model_file(path)
         if opts.draft_model is not None:
             check_model_file(opts.draft_model, "draft model")
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="mlx", initializer=_own_stream
-        )
+        self.slots = min(MAX_SLOTS, opts.num_parallel or DEFAULT_SLOTS["gpu" if _on_gpu() else "cpu"])
+        self.capabilities = replace(self.capabilities, parallel_slots=self.slots)
         self._active = set()
+        self._lock = threading.Lock()
+        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._take_vocab(Vocab.load(path))
         self._eog = set(self.vocab.eog_ids())
+        # the engine's thread exists before the model: it makes every MLX array the model uses
+        self.engine = BatchEngine(opts.kv_cache_type, opts.num_batch)
+        self.engine.start(self._route)
         try:
-            self._call(lambda: self._load(opts, self_spec_layers))
+            self._call(lambda: self._load(opts, self_spec_layers, prompt_cache_bytes))
         except BaseException:
-            self._pool.shutdown()
+            self.engine.stop()
             self.vocab.close()
             raise
         self.load_ns = time.perf_counter_ns() - t0
 
-    def _load(self, opts: LoadOptions, self_spec_layers: int | None) -> None:
+    def _load(self, opts: LoadOptions, self_spec_layers: int | None, prompt_cache_bytes: int | None) -> None:
         import mlx.core as mx
 
-        from .cache import KV_GROUP
-        from .engine import DraftProposer, Runner
+        from .cache import KV_GROUP, kv_dtype
+        from .engine import Runner
         from .gguf_load import GGUFTensors
         from .model import Transformer
+        from .prompt_cache import PromptCache
 
         # fp16 on Apple GPUs; fp32 on the CPU, where MLX's half matmuls are slower and inexact
         self.dtype = mx.float16 if _on_gpu() else mx.float32
@@ -147,14 +169,16 @@ class MLXModel(VocabMethods, ModelLifetime):
                 f"kv_cache_type q8_0 needs a head size that is a multiple of {KV_GROUP} "
                 f"(this model's is {cfg.attention_key_length})"
             )
-        self.runner = Runner(self.model, opts.kv_cache_type, opts.num_batch)
         # the exit must sit near the top to agree with the full model: on SmolLM2-135M the argmax of
         # 24 of 30 layers matches 26% of the time on copied text, of 27 layers 49%
         self.self_spec_layers = self_spec_layers or max(1, cfg.block_count - max(1, cfg.block_count // 10))
         kv_per_token = 2 * cfg.block_count * cfg.attention_head_count_kv * cfg.attention_key_length
-        kv_bytes = {"f32": 4.0, "q8_0": 1.125}.get(opts.kv_cache_type, 2.0)
-        self.memory_bytes = self.model.nbytes + int(kv_per_token * kv_bytes * self.context_length)
-        self.draft: DraftProposer | None = None
+        kv_bytes = 1.125 if opts.kv_cache_type == "q8_0" else kv_dtype(opts.kv_cache_type, self.dtype).size
+        context_kv = int(kv_per_token * kv_bytes * self.context_length)
+        self.memory_bytes = self.model.nbytes + context_kv * self.slots
+        budget = context_kv * self.slots if prompt_cache_bytes is None else prompt_cache_bytes
+        self.engine.attach(self.model, max_rows=self.slots, prompt_cache=PromptCache(budget), eog=self._eog)
+        self.draft_model: Transformer | None = None
         if opts.draft_model is not None:
             dt = GGUFTensors(Path(opts.draft_model))
             draft_tokens = dt.vocabulary()
@@ -164,27 +188,66 @@ class MLXModel(VocabMethods, ModelLifetime):
             draft_model = Transformer(dt, self.dtype)
             dt.close()
             self.memory_bytes += draft_model.nbytes
-            self.draft = DraftProposer(
-                Runner(draft_model, opts.kv_cache_type, opts.num_batch),
-                draft_model.nbytes / self.model.nbytes,
-            )
+            self.draft_model = draft_model
+        self.draft_cost = 0.0 if self.draft_model is None else self.draft_model.nbytes / self.model.nbytes
+        self._new_runner = lambda m: Runner(m, opts.kv_cache_type, opts.num_batch)
 
     def _call(self, fn: Callable[[], T]) -> T:
-        """Run fn on the model's MLX thread and wait for it (load, unload)."""
-        return self._pool.submit(fn).result()
+        """Run fn on the engine's thread and wait for it (load)."""
+        return self.engine.call(fn).result()
 
     # ---- generation -------------------------------------------------------------------------
     def _check(self, req: GenerateRequest) -> str:
         """Refuses what this model cannot run; returns the speculation method the request runs."""
         check_loaded(self._closed)
-        check_speculative(req.speculative, self.capabilities.speculative, self.draft is not None, "MLX")
+        has_draft = self.draft_model is not None
+        check_speculative(req.speculative, self.capabilities.speculative, has_draft, "MLX")
         check_prompt(req.prompt_tokens, self.context_length, self.n_vocab)
         return speculative_method(
-            req.speculative, has_draft_model=self.draft is not None, constrained=req.format is not None
+            req.speculative, has_draft_model=has_draft, constrained=req.format is not None
         )
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         return self._stream(request)
+
+    def _row(self, req: GenerateRequest, mode: str, grammar: Grammar | None) -> Any:
+        """The engine row of a request: sampler, limits, its own proposer (on its own caches)."""
+        from .engine import DraftProposer, LookupProposer, SelfProposer
+        from .sampling import RowSampler
+
+        prompt = list(req.prompt_tokens)
+        room = self.context_length - len(prompt)
+        max_tokens = len(prompt) + (room if req.num_predict < 0 else min(req.num_predict, room))
+        row = self.engine.new_row(
+            prompt,
+            RowSampler(req.sampling, self.context_length, grammar),
+            max_tokens,
+            cancel=req.cancel,
+            top_logprobs=req.top_logprobs if req.logprobs or req.top_logprobs > 0 else -1,
+        )
+        if mode == "lookup":
+            row.proposer = LookupProposer()
+        elif mode == "draft" and self.draft_model is not None:
+            row.proposer = DraftProposer(self._new_runner(self.draft_model), self.draft_cost)
+        elif mode == "self":  # the row's own caches, once the engine gives them
+            cost = self.self_spec_layers / self.model.cfg.block_count
+            row.proposer = _SelfOnRow(row, self.self_spec_layers, cost, SelfProposer)
+        if row.proposer is not None:
+            k = req.num_draft or DEFAULT_NUM_DRAFT[mode]
+            row.spec = SpecState(mode, k, row.proposer.cost_per_draft + self.verify_cost)
+        return row
+
+    def _route(self, outputs: list[Any]) -> None:
+        """The engine thread's sink: each output to its request's queue, nothing else done here."""
+        with self._lock:
+            targets = [(self._queues.get(out.row.id), out) for out in outputs]
+        for target, out in targets:
+            if target is not None:
+                loop, queue = target
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                except RuntimeError:  # that request's event loop has closed: nobody is listening
+                    pass
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[Event]:
         mode = self._check(req)
@@ -194,94 +257,93 @@ class MLXModel(VocabMethods, ModelLifetime):
             if req.format is None
             else Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, req.format)
         )
-        self._active.add(req.cancel)
-        try:
-            async for event in run_in_thread_stream(
-                lambda emit: self._generate(req, mode, grammar, emit), req.cancel, self._pool
-            ):
-                yield event
-        finally:  # the worker has finished here (run_in_thread_stream waits for it)
-            self._active.discard(req.cancel)
+        start_ns = time.perf_counter_ns()
+        if req.num_predict == 0:  # nothing to generate
             if grammar is not None:
                 grammar.close()
-
-    def _proposer(self, mode: str) -> Any:
-        from .engine import LookupProposer, SelfProposer
-
-        if mode == "lookup":
-            return LookupProposer()
-        if mode == "self":
-            return SelfProposer(self.runner, self.self_spec_layers)
-        return self.draft if mode == "draft" else None
-
-    def _generate(
-        self, req: GenerateRequest, mode: str, grammar: Grammar | None, emit: Callable[[Event], None]
-    ) -> None:
-        from localrt.backends.sampler import Sampler
-        from localrt.backends.speculation import DEFAULT_NUM_DRAFT, SpecState
-
-        from .engine import generate
-
-        check_loaded(self._closed)
-        start_ns = time.perf_counter_ns()
-        text = TextAssembler(req.stop)
-        want_lp = req.logprobs or req.top_logprobs > 0
-        prompt = list(req.prompt_tokens)
-        room = self.context_length - len(prompt)
-        max_tokens = len(prompt) + (room if req.num_predict < 0 else min(req.num_predict, room))
-        proposer = self._proposer(mode)
-        spec = None
-        if proposer is not None:
-            spec = SpecState(
-                mode, req.num_draft or DEFAULT_NUM_DRAFT[mode], proposer.cost_per_draft + self.verify_cost
-            )
-
-        def on_token(token: int, logits: np.ndarray) -> bool:
-            lp = logprob_from_logits(logits, token, req.top_logprobs, self.detokenize) if want_lp else None
-            event, stopped = text.add(token, self.vocab.piece(token, token in req.preserve_tokens), lp)
-            if event is not None:
-                emit(event)
-            return stopped
-
-        if max_tokens <= len(prompt):  # num_predict 0: nothing to generate
-            emit(DoneEvent("length", Timings()))
+            yield DoneEvent("length", Timings())
             return
-        out = generate(
-            self.runner,
-            prompt,
-            Sampler(req.sampling, self.context_length, grammar),
-            max_tokens=max_tokens,
-            eog=self._eog,
-            on_token=on_token,
-            cancelled=lambda: req.cancel.cancelled,
-            proposer=proposer,
-            spec=spec,
-            clock=time.perf_counter_ns,
-        )
+        row = self._row(req, mode, grammar)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        with self._lock:
+            self._queues[row.id] = (asyncio.get_running_loop(), queue)
+        text = TextAssembler(req.stop)
+        generated = 0
+        self._active.add(req.cancel)
+        try:
+            self.engine.submit(row)
+            while True:
+                out = await queue.get()
+                events, stopped = self._events(out, text, req)
+                if stopped:  # a stop string: the tokens after it are not the answer
+                    events += self._done(row, "stop", text, start_ns, generated + len(out.tokens))
+                elif out.finish is not None:
+                    if row.error is not None:
+                        raise row.error
+                    events += self._done(row, out.finish, text, start_ns, row.generated)
+                generated += len(out.tokens)
+                for event in events:
+                    yield event
+                if stopped or out.finish is not None:
+                    return
+        finally:
+            self._active.discard(req.cancel)
+            with self._lock:
+                self._queues.pop(row.id, None)
+            if row.finish is None:  # the consumer left early or a stop string: the engine ends the row
+                req.cancel.cancel()
+                while row.finish is None and not self._closed:
+                    await asyncio.sleep(0.005)
+            if grammar is not None and (row.finish is not None or self._closed):
+                grammar.close()
+
+    def _events(self, out: Any, text: TextAssembler, req: GenerateRequest) -> tuple[list[Event], bool]:
+        """A step's tokens for one request -> text events (on the event loop, not the engine thread)."""
+        events: list[Event] = []
+        for token, lp in zip(out.tokens, out.logprobs):
+            logprob = None if lp is None else self._logprob(token, *lp)
+            event, stopped = text.add(token, self.vocab.piece(token, token in req.preserve_tokens), logprob)
+            if event is not None:
+                events.append(event)
+            if stopped:
+                return events, True
+        return events, False
+
+    def _done(self, row: Any, reason: str, text: TextAssembler, start_ns: int, generated: int) -> list[Event]:
+        """The tail text and the done event (`generated`: tokens counted, an end token included)."""
+        events: list[Event] = []
         tail = text.finish()
         if tail is not None:
-            emit(tail)
+            events.append(tail)
         now = time.perf_counter_ns()
-        first = out.first_token_ns or now
-        emit(
+        first = row.first_token_ns or now
+        spec = row.spec
+        events.append(
             DoneEvent(
-                out.reason,
-                Timings(  # type: ignore[arg-type]
-                    prompt_eval_count=out.prompt_eval_count,
+                reason,  # type: ignore[arg-type]
+                Timings(
+                    prompt_eval_count=row.prompt_eval_count,
                     prompt_eval_ns=max(1, first - start_ns),
-                    eval_count=out.generated,
+                    eval_count=generated,
                     eval_ns=max(1, now - first),
-                    draft_count=out.drafted,
-                    draft_accepted_count=out.accepted,
+                    draft_count=spec.drafted if spec is not None else 0,
+                    draft_accepted_count=spec.accepted if spec is not None else 0,
+                    cached_count=row.cached_count,
                 ),
+                stop_sequence=text.stop_sequence,
             )
         )
+        return events
+
+    def _logprob(self, token: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
+        alternatives = [TopLogprob(i, self.detokenize([i]), v) for i, v in top]
+        return TokenLogprob(token, self.detokenize([token]), logprob, alternatives)
 
     # ---- scoring and embeddings ---------------------------------------------------------------
     async def _run(self, fn: Callable[[], T]) -> T:
-        """Run fn on the model's MLX thread, after the request in flight (one at a time)."""
+        """Run fn on the engine's thread, between two steps."""
         check_loaded(self._closed)
-        return await asyncio.wrap_future(self._pool.submit(fn))
+        return await asyncio.wrap_future(self.engine.call(fn))
 
     async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
         ids = list(tokens)
@@ -294,7 +356,7 @@ class MLXModel(VocabMethods, ModelLifetime):
 
         from .cache import make_caches
 
-        caches = make_caches(self.model.cfg.block_count, self.opts.kv_cache_type)
+        caches = make_caches(self.model.cfg.block_count, self.opts.kv_cache_type, self.dtype)
         chunks = []
         step = max(1, self.opts.num_batch)
         for s in range(0, len(ids), step):
@@ -323,12 +385,19 @@ class MLXModel(VocabMethods, ModelLifetime):
 
     # ---- lifetime -----------------------------------------------------------------------------
     def _free(self) -> None:
-        self._pool.shutdown(wait=True)  # the request in flight sees its cancel and ends
+        self.engine.stop()  # the rows still running end as cancelled
         self.vocab.close()
 
 
-def _own_stream() -> None:
-    """Give the model's worker thread its own MLX stream (streams are per thread)."""
-    import mlx.core as mx
+class _SelfOnRow:
+    """Self-speculation on a row's own caches, which the engine gives the row when it admits it."""
 
-    mx.set_default_stream(mx.new_stream(mx.default_device()))
+    def __init__(self, row: Any, num_layers: int, cost_per_draft: float, proposer: Any) -> None:
+        self.row, self.num_layers, self.make = row, num_layers, proposer
+        self.cost_per_draft = cost_per_draft
+        self._inner: Any = None
+
+    def propose(self, tokens: list[int], k: int, sampler: Any) -> Any:
+        if self._inner is None or self._inner.target is not self.row.runner:
+            self._inner = self.make(self.row.runner, self.num_layers)
+        return self._inner.propose(tokens, k, sampler)

@@ -3,7 +3,8 @@
 Every cache has the same small protocol (as mlx-lm's): `offset` (tokens held), `attend(q, k, v)`
 (append this step's keys/values, attend over everything so far), `trim(n)` (forget the last n
 tokens, e.g. rejected guesses: lowering the offset is enough, later writes overwrite them) and
-`nbytes`.
+`nbytes`. `prefix(n)` gives a new cache holding the first n tokens (the prompt cache hands these
+out): MLX arrays are values, so later writes to either cache never reach the other.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class Cache(Protocol):
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array: ...
 
     def trim(self, n: int) -> int: ...
+
+    def prefix(self, n: int) -> Cache: ...
 
     @property
     def nbytes(self) -> int: ...
@@ -76,10 +79,19 @@ class KVCache(_Trimmable):
         self.keys[:, :, self.offset : end] = k
         self.values[:, :, self.offset : end] = v
         self.offset = end
-        keys, values = (a[:, :, :end].astype(q.dtype) for a in (self.keys, self.values))
+        keys, values = self.keys[:, :, :end], self.values[:, :, :end]
+        if keys.dtype != q.dtype:  # a half cache under fp32 compute (only when asked for explicitly)
+            keys, values = keys.astype(q.dtype), values.astype(q.dtype)
         return mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=scale, mask="causal" if n > 1 else None
         )
+
+    def prefix(self, n: int) -> KVCache:
+        out = KVCache(self.dtype)
+        n = min(n, self.offset)
+        if n > 0 and self.keys is not None and self.values is not None:
+            out.keys, out.values, out.offset = self.keys[:, :, :n], self.values[:, :, :n], n
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +142,15 @@ class QuantizedKVCache(_Trimmable):
         out = mx.quantized_matmul(probs, *values, transpose=False, group_size=self.group_size, bits=self.bits)
         return out.reshape(1, n_head, n, d)
 
+    def prefix(self, n: int) -> QuantizedKVCache:
+        out = QuantizedKVCache(self.bits, self.group_size)
+        n = min(n, self.offset)
+        if n > 0 and self.keys is not None and self.values is not None:
+            out.keys = tuple(a[:, :, :n] for a in self.keys)  # type: ignore[assignment]
+            out.values = tuple(a[:, :, :n] for a in self.values)  # type: ignore[assignment]
+            out.offset = n
+        return out
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for buf in (self.keys, self.values) if buf is not None for a in buf)
@@ -139,10 +160,22 @@ KV_DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}
 KV_CACHE_TYPES = (*KV_DTYPES, "q8_0")
 
 
-def make_caches(n_layers: int, kv_cache_type: str) -> list[KVCache | QuantizedKVCache]:
+def kv_dtype(kv_cache_type: str, compute: mx.Dtype | None) -> mx.Dtype:
+    """The dtype a float cache stores: the compute dtype where one is given and the device computes in
+    fp32 (MLX's CPU): there, casting the whole cache to fp32 in every layer for every token costs more
+    than the memory a half-precision cache saves (`q8_0` is the type that saves memory)."""
+    if compute is not None and compute == mx.float32:
+        return mx.float32
+    return KV_DTYPES[kv_cache_type]
+
+
+def make_caches(
+    n_layers: int, kv_cache_type: str, compute: mx.Dtype | None = None
+) -> list[KVCache | QuantizedKVCache]:
     if kv_cache_type == "q8_0":
         return [QuantizedKVCache() for _ in range(n_layers)]
-    return [KVCache(KV_DTYPES[kv_cache_type]) for _ in range(n_layers)]
+    dtype = kv_dtype(kv_cache_type, compute)
+    return [KVCache(dtype) for _ in range(n_layers)]
 
 
 def trim_caches(caches: list[KVCache | QuantizedKVCache], n: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -22,30 +22,32 @@ from localrt.backends.speculation import WARMUP_DRAFTS, break_even_acceptance, v
 
 from .cache import make_caches, trim_caches
 from .model import Transformer
+from .prompt_cache import common_prefix
 
 # Extra query rows in one verify pass, in units of a one-token step. On Apple GPUs decode is
 # bandwidth-bound (extra rows are nearly free); MLX's CPU matmuls scale with the rows.
 VERIFY_COST_PER_DRAFT = {"gpu": 0.03, "cpu": 0.25}
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Runner:
     """A model with its own caches and the tokens they hold (the target, or a draft model)."""
 
-    def __init__(self, model: Transformer, kv_cache_type: str, num_batch: int) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        kv_cache_type: str,
+        num_batch: int,
+        caches: list[Any] | None = None,
+        tokens: Sequence[int] = (),
+    ) -> None:
+        """`caches` holding `tokens` (a prompt-cache hit), or fresh empty caches."""
         self.model = model
         self.kv_cache_type = kv_cache_type
         self.num_batch = max(1, num_batch)
-        self.caches = make_caches(model.cfg.block_count, kv_cache_type)
-        self.tokens: list[int] = []
+        if caches is None:
+            caches = make_caches(model.cfg.block_count, kv_cache_type, model.dtype)
+        self.caches = caches
+        self.tokens: list[int] = list(tokens)
 
     def reuse(self, tokens: Sequence[int], keep_last: int = 1) -> int:
         """Trim the caches to their longest prefix shared with `tokens`, leaving at least `keep_last`

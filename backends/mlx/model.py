@@ -6,7 +6,11 @@ in MLX's quantized layout where GGUF's blocks have an exact form (gguf_load.py) 
 
 RoPE follows GGUF's layout: llama.cpp's converter permutes Llama's Q/K rows so rotation pairs are
 adjacent (MLX's `traditional=True`); Qwen models keep HF's half-split pairs (`traditional=False`).
-Batch size is 1: activations are [1, L, dim], the cache holds one sequence.
+Several sequences run in one forward: their tokens are laid end to end ([1, L_total, dim]), so every
+matrix product covers the whole batch, and attention splits the rows back into segments, each with
+its own cache, RoPE offset and causal mask (as llama.cpp's flat batches). A row's result does not
+depend on what else is in the batch: MLX's CPU matmuls compute each output row on its own, and each
+segment's attention is exactly the call it would make alone.
 """
 
 from __future__ import annotations
@@ -80,20 +84,28 @@ class Block:
         self.ffn_norm = t.dense(p + "ffn_norm.weight", dtype)
         self.ffn_gate, self.ffn_up, self.ffn_down = linear("ffn_gate"), linear("ffn_up"), linear("ffn_down")
 
-    def attention(self, x: mx.array, rope: Rope, cache: Cache) -> mx.array:
+    def attention(self, x: mx.array, rope: Rope, caches: list[Cache], lengths: list[int]) -> mx.array:
+        """x [1, L_total, dim] holding segments of `lengths` tokens, segment i appended to caches[i]."""
         _, n, _ = x.shape
         q = self.attn_q(x).reshape(1, n, self.n_head, self.head_dim)  # [1, L, H, D]
         k = self.attn_k(x).reshape(1, n, self.n_kv, self.head_dim)  # [1, L, Hkv, D]
         v = self.attn_v(x).reshape(1, n, self.n_kv, self.head_dim)
         if self.attn_q_norm is not None and self.attn_k_norm is not None:
             q, k = rms_norm(q, self.attn_q_norm, self.eps), rms_norm(k, self.attn_k_norm, self.eps)
-        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # [1, heads, L, D]
-        q, k = rope(q, cache.offset), rope(k, cache.offset)
-        out = cache.attend(q, k, v, scale=1.0 / math.sqrt(self.head_dim))  # [1, H, L, D]
+        scale = 1.0 / math.sqrt(self.head_dim)
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # [1, heads, L, D], once for the batch
+        outs = []
+        start = 0
+        for cache, length in zip(caches, lengths):
+            qs, ks, vs = (a[:, :, start : start + length] for a in (q, k, v))  # [1, heads, l, D]
+            qs, ks = rope(qs, cache.offset), rope(ks, cache.offset)
+            outs.append(cache.attend(qs, ks, vs, scale=scale))  # [1, H, l, D]
+            start += length
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
         return self.attn_output(out.transpose(0, 2, 1, 3).reshape(1, n, self.n_head * self.head_dim))
 
-    def __call__(self, x: mx.array, rope: Rope, cache: Cache) -> mx.array:
-        x = x + self.attention(rms_norm(x, self.attn_norm, self.eps), rope, cache)
+    def __call__(self, x: mx.array, rope: Rope, caches: list[Cache], lengths: list[int]) -> mx.array:
+        x = x + self.attention(rms_norm(x, self.attn_norm, self.eps), rope, caches, lengths)
         h = rms_norm(x, self.ffn_norm, self.eps)
         return x + self.ffn_down(_silu(self.ffn_gate(h)) * self.ffn_up(h))  # SwiGLU
 
@@ -150,9 +162,16 @@ class Transformer:
         `num_layers` runs only the first blocks (self-speculative drafting); the final norm and head
         still apply, so the shallow model speaks the same vocabulary.
         """
+        return self.hidden_batch(tokens, [caches], [tokens.shape[0]], num_layers)
+
+    def hidden_batch(
+        self, tokens: mx.array, caches: list[list[Any]], lengths: list[int], num_layers: int | None = None
+    ) -> mx.array:
+        """Several sequences in one forward: tokens [L_total] = segments of `lengths` tokens laid end to
+        end, segment i appended to the per-layer caches `caches[i]`; hidden states [L_total, dim]."""
         x = self.token_embd.rows(tokens)[None].astype(self.dtype)  # [1, L, dim]
-        for block, cache in zip(self.blk[: num_layers or len(self.blk)], caches):
-            x = block(x, self.rope, cache)
+        for i, block in enumerate(self.blk[: num_layers or len(self.blk)]):
+            x = block(x, self.rope, [c[i] for c in caches], lengths)
         return rms_norm(x[0], self.output_norm, self.cfg.attention_layer_norm_rms_epsilon)
 
     def logits(self, hidden: mx.array) -> mx.array:

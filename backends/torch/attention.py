@@ -8,6 +8,7 @@ on CUDA, decode rows go through the fused Triton kernel in `triton_attention.py`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ class SeqChunk:
     length: int  # query tokens fed this step
     context_len: int  # tokens in the cache once this chunk is written (its positions end here)
     block_table: Sequence[int]
+    window_table: Sequence[int] | None = None  # the sliding layers' blocks (-1: fell out of the window)
 
 
 @dataclass
@@ -35,8 +37,21 @@ class _Group:
     lens: torch.Tensor  # [B] context length of each sequence
 
 
+@dataclass
+class _View:
+    """Where one kind of layer writes (slots) and what its queries read (groups)."""
+
+    slots: torch.Tensor  # [N] flat KV slot of each row's token
+    groups: list[_Group]
+
+
 class PagedAttention:
-    """An `AttentionContext` over a `KVCache`; built once per step, used by every layer."""
+    """An `AttentionContext` over a `KVCache`; built once per step, used by every layer.
+
+    Sliding layers (`attend(..., window=w)`) see only the last w positions; in a cache whose sliding
+    layers have their own pool (`KVCache.windowed`) they read and write through each chunk's
+    `window_table`, of which only the window's blocks are gathered.
+    """
 
     def __init__(
         self,
@@ -47,57 +62,91 @@ class PagedAttention:
     ) -> None:
         """`fused`: decode rows through the Triton kernel (None: on CUDA when Triton is installed)."""
         self.cache = cache
+        self.chunks = chunks
+        self.device = device
         self.fused = fused_available(torch.device(device)) if fused is None else fused
-        bs = cache.block_size
-        positions: list[int] = []
-        slots: list[int] = []
-        by_len: dict[int, list[tuple[int, SeqChunk]]] = {}
-        row = 0
-        for chunk in chunks:
-            first = chunk.context_len - chunk.length
-            for pos in range(first, chunk.context_len):
-                positions.append(pos)
-                slots.append(chunk.block_table[pos // bs] * bs + pos % bs)
-            by_len.setdefault(chunk.length, []).append((row, chunk))
-            row += chunk.length
-        host = torch.tensor([positions, slots], dtype=torch.long)  # built on the host, one upload
-        self.positions, self.slots = upload(host, device)  # [N] each
-        self.groups = [self._group(q_len, members, device) for q_len, members in by_len.items()]
+        positions = [pos for c in chunks for pos in range(c.context_len - c.length, c.context_len)]
+        self.positions = upload(torch.tensor(positions, dtype=torch.long), device)  # [N]
+        self._views: dict[tuple[int, bool], _View] = {}
+        full = self._view(0, own_table=False)
+        self.slots, self.groups = full.slots, full.groups
 
-    def _group(self, q_len: int, members: list[tuple[int, SeqChunk]], device: torch.device | str) -> _Group:
+    def _view(self, window: int, own_table: bool) -> _View:
+        """The slots and groups of full layers (window 0) or of sliding ones, built on first use."""
+        found = self._views.get((window, own_table))
+        if found is not None:
+            return found
         bs = self.cache.block_size
-        n_blocks = max(-(-c.context_len // bs) for _, c in members)
+        slots: list[int] = []
+        by_len: dict[int, list[tuple[int, int, SeqChunk]]] = {}
+        row = 0
+        for chunk in self.chunks:
+            table = _table(chunk, own_table)
+            first = chunk.context_len - chunk.length
+            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(first, chunk.context_len))
+            # the first block any of this chunk's queries can see
+            low = max(0, first - window + 1) // bs if window else 0
+            by_len.setdefault(chunk.length, []).append((row, low, chunk))
+            row += chunk.length
+        view = _View(
+            upload(torch.tensor(slots, dtype=torch.long), self.device),
+            [self._group(q_len, members, window, own_table) for q_len, members in by_len.items()],
+        )
+        self._views[(window, own_table)] = view
+        return view
+
+    def _group(
+        self, q_len: int, members: list[tuple[int, int, SeqChunk]], window: int, own_table: bool
+    ) -> _Group:
+        bs = self.cache.block_size
+        n_blocks = max(-(-c.context_len // bs) - low for _, low, c in members)
         tables = torch.zeros(len(members), n_blocks, dtype=torch.long)
         rows = torch.empty(len(members), q_len, dtype=torch.long)
         ctx = torch.empty(len(members), dtype=torch.long)
-        for i, (start, c) in enumerate(members):
+        lows = torch.empty(len(members), dtype=torch.long)
+        for i, (start, low, c) in enumerate(members):
             used = -(-c.context_len // bs)
-            tables[i, :used] = torch.as_tensor(list(c.block_table[:used]), dtype=torch.long)
+            tables[i, : used - low] = torch.as_tensor(list(_table(c, own_table)[low:used]), dtype=torch.long)
             rows[i] = torch.arange(start, start + q_len)
             ctx[i] = c.context_len
-        key_pos = torch.arange(n_blocks * bs)  # [L]
+            lows[i] = low * bs
+        key_pos = lows[:, None] + torch.arange(n_blocks * bs)[None, :]  # [B, L]
         query_pos = ctx[:, None] - q_len + torch.arange(q_len)[None, :]  # [B, q_len]
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, q_len, L] causal within context
+        mask = key_pos[:, None, :] <= query_pos[:, :, None]  # [B, q_len, L] causal within context
+        if window:
+            mask &= key_pos[:, None, :] > query_pos[:, :, None] - window
         return _Group(
-            upload(rows.flatten(), device),
-            upload(tables, device),
-            upload(mask.unsqueeze(1), device),
+            upload(rows.flatten(), self.device),
+            upload(tables, self.device),
+            upload(mask.unsqueeze(1), self.device),
             q_len,
-            upload(ctx, device),
+            upload(ctx, self.device),
         )
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
         """q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]; k/v are stored first, then read back paged."""
-        self.cache.write(layer, k, v, self.slots)
-        if len(self.groups) == 1 and self.groups[0].rows.numel() == q.shape[0]:
-            return self._attend_group(layer, q, self.groups[0])  # rows are already in order
+        view = self._view(window, self.cache.windowed[layer]) if window else self._views[(0, False)]
+        self.cache.write(layer, k, v, view.slots)
+        groups = view.groups
+        if len(groups) == 1 and groups[0].rows.numel() == q.shape[0]:
+            return self._attend_group(layer, q, groups[0], window, softcap)  # rows are already in order
         out = torch.empty_like(q)
-        for group in self.groups:
-            out[group.rows] = self._attend_group(layer, q[group.rows], group)
+        for group in groups:
+            out[group.rows] = self._attend_group(layer, q[group.rows], group, window, softcap)
         return out
 
-    def _attend_group(self, layer: int, q: torch.Tensor, group: _Group) -> torch.Tensor:
-        if self.fused and group.q_len == 1:
+    def _attend_group(
+        self, layer: int, q: torch.Tensor, group: _Group, window: int, softcap: float
+    ) -> torch.Tensor:
+        if self.fused and group.q_len == 1 and not window and not softcap:
             from .triton_attention import paged_decode
 
             c = self.cache
@@ -112,10 +161,35 @@ class PagedAttention:
             # which the quantized path's bf16 kernel outputs would amplify into other tokens
             q, keys, values = q.double(), keys.double(), values.double()
         q = q.view(b, group.q_len, n_head, head_dim).transpose(1, 2)  # [B, H, q_len, D]
-        out = F.scaled_dot_product_attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask, enable_gqa=True
+        out = attention(
+            q, keys.transpose(1, 2), values.transpose(1, 2), group.mask, softcap
         )  # [B, H, q_len, D]
         return out.to(dtype).transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
+
+
+def _table(chunk: SeqChunk, own_table: bool) -> Sequence[int]:
+    if not own_table:
+        return chunk.block_table
+    if chunk.window_table is None:
+        raise ValueError("a sliding layer with its own blocks needs the chunk's window_table")
+    return chunk.window_table
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, softcap: float = 0.0
+) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, Hkv, L, D], mask [B or 1, 1, Q, L] (True: may look) -> [B, H, Q, D].
+
+    `softcap` > 0 (Gemma 2): scores become c * tanh(s / c) before the mask and softmax, which SDPA
+    cannot do, so that case is written out."""
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, H, L, D]
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [B, H, Q, L]
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, -1) @ v
 
 
 def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

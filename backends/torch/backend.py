@@ -175,12 +175,12 @@ class TorchModel(VocabMethods, ModelLifetime):
 
     def _build(self, tensors: Any, dtype: Any) -> Any:
         from . import quantized
-        from .model import Transformer
+        from .architectures import load_model
 
         if self.device.type == "cpu" and self.numerics == "quantized":
             modules = quantized.QuantizedModules(tensors, dtype)
-            return Transformer.from_gguf(tensors, dtype, self.device, modules=modules)
-        return Transformer.from_gguf(tensors, dtype, self.device)
+            return load_model(tensors, dtype, self.device, modules=modules)
+        return load_model(tensors, dtype, self.device)
 
     def _load_draft(self, path: Path, dtype: Any) -> Any:
         from .gguf_load import GGUFTensors
@@ -357,5 +357,5 @@ class _Stream:
         t.prompt_eval_ns = max(1, first - self.start_ns)
         t.eval_count = s.num_generated if ended else self.generated  # the engine's count has the end token
         t.eval_ns = max(1, now - first)
-        events.append(DoneEvent(reason, t))  # type: ignore[arg-type]
+        events.append(DoneEvent(reason, t, stop_sequence=self.text.stop_sequence))  # type: ignore[arg-type]
         return events

@@ -35,6 +35,7 @@ from .prefix_cache import PrefixCache
 from .runner import ModelRunner, StepBatch, logprobs_of
 from .sampling import RequestSampler, Sampled
 from .scheduler import Scheduled, Scheduler, Sequence
+from .sliding import WindowBlocks, window_pool_blocks
 from .speculative import (
     DEFAULT_NUM_DRAFT,
     VERIFY_COST_PER_DRAFT,
@@ -92,20 +93,35 @@ class Engine:
         self.device = torch.device(device)
         cfg = model.cfg
         dtype = model.dtype
-        per_block = KVCache.bytes_per_block(
-            cfg.block_count,
-            cfg.attention_head_count_kv,
-            cfg.attention_key_length,
-            config.kv_cache_type,
-            config.block_size,
+        windows = model.windows  # per layer: its sliding window in tokens, 0 for full attention
+        window = max(windows, default=0)
+        windowed = [w > 0 for w in windows]
+        bs = config.block_size
+        per_block, per_window_block = (
+            KVCache.bytes_per_block(
+                n, cfg.attention_head_count_kv, cfg.attention_key_length, config.kv_cache_type, bs
+            )
+            for n in (windowed.count(False), windowed.count(True))
+        )
+        seqs = config.kv_budget_seqs or config.max_seqs
+        context_blocks = -(-config.context_length // bs)
+        window_blocks = (
+            window_pool_blocks(window, seqs, config.max_batch_tokens, context_blocks * seqs, bs)
+            if window
+            else 0
         )
         budget = config.kv_budget_bytes
-        if budget is None:
-            seqs = config.kv_budget_seqs or config.max_seqs
-            budget = per_block * -(-config.context_length // config.block_size) * seqs
-        num_blocks = num_blocks_for(budget, per_block)
-        self.pool = BlockPool(num_blocks, config.block_size)
-        use_graphs = config.cuda_graphs and _graphs_available(self.device)
+        if budget is None:  # the global layers for every sequence's context, the sliding ones for its window
+            budget = per_block * context_blocks * seqs + per_window_block * window_blocks
+        if per_block:
+            num_blocks = num_blocks_for(budget - per_window_block * window_blocks, per_block)
+        else:  # every layer slides: the global pool only numbers positions, it holds no tensors
+            num_blocks = context_blocks * seqs
+        window_blocks = min(window_blocks, num_blocks)
+        self.pool = BlockPool(num_blocks, bs)
+        self.window_pool = BlockPool(window_blocks, bs) if window else None
+        # sliding layers: CUDA graphs and the Triton kernel walk whole block tables, not windows
+        use_graphs = config.cuda_graphs and _graphs_available(self.device) and not window
         # graphs pad the batch; padded rows write their K/V into one extra block the pool never hands out
         self.cache = KVCache(
             cfg.block_count,
@@ -115,7 +131,9 @@ class Engine:
             config.kv_cache_type,
             dtype,
             self.device,
-            config.block_size,
+            bs,
+            windowed=windowed,
+            window_blocks=window_blocks,
         )
         self.graphs = (
             DecodeGraphs(model, self.cache, num_blocks, config.max_seqs, config.context_length, self.device)
@@ -129,14 +147,16 @@ class Engine:
             self.prefix,
             max_batch_tokens=config.max_batch_tokens,
             max_seqs=config.max_seqs,
+            window=None
+            if self.window_pool is None
+            else WindowBlocks(self.window_pool, self.cache, window, config.prefix_caching),
         )
         self.runner = ModelRunner(model, self.cache, self.device, self.graphs)
         verify_cost = VERIFY_COST_PER_DRAFT["cpu" if self.device.type == "cpu" else "gpu"]
         layers = config.self_spec_layers or max(1, cfg.block_count - cfg.block_count // 5)
-        self.proposers: dict[str, Any] = {
-            "lookup": LookupProposer(),
-            "self": SelfProposer(model, self.cache, self.device, layers),
-        }
+        self.proposers: dict[str, Any] = {"lookup": LookupProposer()}
+        if not window:  # the shallow pass reads the target's cache through block tables only
+            self.proposers["self"] = SelfProposer(model, self.cache, self.device, layers)
         self.verify_cost = verify_cost
         self.draft_model = draft_model
         if draft_model is not None:

@@ -113,7 +113,12 @@ class BlockPool:
 
 
 class KVCache:
-    """Per-layer K and V tensors [num_blocks, block_size, n_kv_heads, head_dim] (+ scales if quantized)."""
+    """Per-layer K and V tensors [num_blocks, block_size, n_kv_heads, head_dim] (+ scales if quantized).
+
+    Sliding-window layers (`windowed`) have tensors of their own size, `window_blocks`, indexed by a
+    second pool's block ids: a sequence holds only its window's blocks there (`scheduler.Sequence.
+    window_table`), while the global layers keep every block of the context.
+    """
 
     def __init__(
         self,
@@ -125,6 +130,8 @@ class KVCache:
         compute_dtype: torch.dtype,
         device: torch.device | str,
         block_size: int = BLOCK_SIZE,
+        windowed: list[bool] | None = None,
+        window_blocks: int = 0,
     ) -> None:
         if kv_type not in KV_STORAGE:
             raise OptionError(
@@ -137,14 +144,18 @@ class KVCache:
         self.compute_dtype = compute_dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, n_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=self.storage, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.storage, device=device) for _ in range(num_layers)]
+        self.windowed = list(windowed) if windowed is not None else [False] * num_layers
+        self.window_blocks = window_blocks
+        shapes = [
+            (window_blocks if w else num_blocks, block_size, n_kv_heads, head_dim) for w in self.windowed
+        ]
+        self.k = [torch.zeros(shape, dtype=self.storage, device=device) for shape in shapes]
+        self.v = [torch.zeros(shape, dtype=self.storage, device=device) for shape in shapes]
         self.k_scale: list[torch.Tensor] = []
         self.v_scale: list[torch.Tensor] = []
         if self.quantized:
-            self.k_scale = [torch.ones(shape[:3], device=device) for _ in range(num_layers)]
-            self.v_scale = [torch.ones(shape[:3], device=device) for _ in range(num_layers)]
+            self.k_scale = [torch.ones(shape[:3], device=device) for shape in shapes]
+            self.v_scale = [torch.ones(shape[:3], device=device) for shape in shapes]
 
     @staticmethod
     def bytes_per_block(
@@ -201,12 +212,13 @@ class KVCache:
             )  # [B, n_blocks * block_size, Hkv, D]
         return out[0], out[1]
 
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copy-on-write for a partially filled cached block."""
+    def copy_block(self, src: int, dst: int, windowed: bool = False) -> None:
+        """Copy-on-write for a partially filled cached block (of the sliding layers' pool if `windowed`)."""
         for tensors in (self.k, self.v, self.k_scale, self.v_scale):
-            for t in tensors:
-                raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-                raw[dst].copy_(raw[src])
+            for t, w in zip(tensors, self.windowed):
+                if w == windowed:
+                    raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+                    raw[dst].copy_(raw[src])
 
 
 def num_blocks_for(budget_bytes: int, bytes_per_block: int) -> int:

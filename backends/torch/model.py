@@ -37,7 +37,12 @@ class AttentionContext(Protocol):
     positions: torch.Tensor  # [N] int64, absolute position of each token in its sequence
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, n_head, head_dim], k/v [N, n_kv_head, head_dim] -> [N, n_head, head_dim]."""
+        """q [N, n_head, head_dim], k/v [N, n_kv_head, head_dim] -> [N, n_head, head_dim].
+
+        The Gemma files also pass `window` (> 0: a query at position p sees only keys p - window + 1
+        .. p) and `softcap` (scores capped as c * tanh(s / c)); `DenseCausal` and
+        `attention.PagedAttention` take both.
+        """
         ...
 
 
@@ -47,10 +52,27 @@ class DenseCausal:
     def __init__(self, n_tokens: int, device: torch.device | str = "cpu") -> None:
         self.positions = torch.arange(n_tokens, device=device)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
         # [N, H, D] -> [1, H, N, D] for SDPA; GQA heads are shared inside SDPA
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if window > 0 or softcap > 0:
+            from .attention import attention
+
+            pos = self.positions
+            mask = pos[None, :] <= pos[:, None]  # [N, N] causal
+            if window > 0:
+                mask &= pos[None, :] > pos[:, None] - window  # the key is within the query's window
+            out = attention(q, k, v, mask, softcap)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)  # [N, H, D]
 
 
@@ -70,7 +92,11 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """cos/sin tables for RoPE, indexed by absolute position."""
 
-    def __init__(self, cfg: LlamaConfig, freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, cfg: LlamaConfig, freq_factors: torch.Tensor | None = None, attn_factor: float = 1.0
+    ) -> None:
+        """`freq_factors` divide the frequencies (Llama 3.1, Phi-3's LongRoPE); `attn_factor` scales
+        cos and sin (Phi-3's LongRoPE)."""
         super().__init__()
         self.n_rot = cfg.rope_dimension_count or cfg.attention_key_length
         self.neox = cfg.rope_neox
@@ -79,8 +105,8 @@ class Rotary(nn.Module):
             inv_freq = inv_freq / freq_factors.double()
         positions = torch.arange(cfg.context_length, dtype=torch.float64) / cfg.rope_scaling_factor
         angles = torch.outer(positions, inv_freq)  # [max_pos, n_rot/2]
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("cos", (angles.cos() * attn_factor).float(), persistent=False)
+        self.register_buffer("sin", (angles.sin() * attn_factor).float(), persistent=False)
 
         self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -198,6 +224,11 @@ class Transformer(nn.Module):
         """tokens [N] -> logits [R, vocab] in float32."""
         return self.output(self.hidden(tokens, ctx, num_layers=num_layers, rows=rows)).float()
 
+    @property
+    def windows(self) -> list[int]:
+        """Each layer's sliding window in tokens, 0 for full attention (every Llama layer is full)."""
+        return [0] * self.cfg.block_count
+
     @classmethod
     def from_gguf(
         cls,
@@ -212,33 +243,64 @@ class Transformer(nn.Module):
         embedding itself, from the GGUF tensors named; those are never dequantized here.
         """
         md = tensors.metadata
-        vocab = md.get("tokenizer.ggml.tokens")
-        embd = tensors.by_name["token_embd.weight"]
-        cfg = LlamaConfig.from_gguf(md, len(vocab) if vocab is not None else embd.shape[1])
+        cfg = LlamaConfig.from_gguf(md, vocab_size_of(tensors))
         freq_factors = tensors.get("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
         with torch.device("meta"):
             model = cls(
                 cfg, qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors
             )
-        swapped = _swap_modules(model, tensors, modules) if modules is not None else set()
-        state: dict[str, torch.Tensor] = {}
-        for name in model.state_dict():  # one tensor in memory at a time (a fused one: its parts)
-            module = name.rsplit(".", 1)[0]
-            if _under(name, swapped) or (name == "output.weight" and name not in tensors):
-                continue  # supplied from outside, or tied embeddings (SmolLM2): token_embd below
-            parts = gguf_parts(module, tensors, name.rsplit(".", 1)[1])
-            state[name] = torch.cat([tensors.get(p) for p in parts]).to(device=device, dtype=dtype)
-        model.load_state_dict(state, strict=False, assign=True)
-        if "output.weight" not in tensors and "output" not in swapped:
-            model.output.weight = model.token_embd.weight
+        load_weights(model, tensors, dtype, device, modules)
         model.rotary = Rotary(cfg, freq_factors).to(device)  # buffers computed for real, off the meta device
-        model.requires_grad_(False)
-        return model.eval()
+        return model
+
+
+def llama_like_config(metadata: dict[str, Any], vocab_size: int, arch: str) -> LlamaConfig:
+    """The Llama-family hyper-parameters of another architecture's keys (`phi3.*`, `qwen3moe.*`), read
+    as the shared reader reads Qwen3's (neox RoPE, head dim from key_length)."""
+    keys = {f"qwen3.{k[len(arch) + 1 :]}": v for k, v in metadata.items() if k.startswith(f"{arch}.")}
+    cfg = LlamaConfig.from_gguf({**keys, "general.architecture": "qwen3"}, vocab_size)
+    cfg.architecture = arch
+    return cfg
+
+
+def vocab_size_of(tensors: Any) -> int:
+    """The vocabulary size: the tokenizer's list, else the embedding's rows."""
+    vocab = tensors.metadata.get("tokenizer.ggml.tokens")
+    return len(vocab) if vocab is not None else tensors.by_name["token_embd.weight"].shape[1]
+
+
+def load_weights(
+    model: nn.Module,
+    tensors: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    modules: ModuleFactory | None = None,
+) -> None:
+    """Fill a model built on the meta device from GGUF tensors (module names are GGUF's), one tensor
+    in memory at a time (a fused one: its parts); a missing `output.weight` ties the head to
+    token_embd. Buffers (RoPE tables) are left to the caller."""
+    swapped = _swap_modules(model, tensors, modules) if modules is not None else set()
+    state: dict[str, torch.Tensor] = {}
+    for name in model.state_dict():
+        module = name.rsplit(".", 1)[0]
+        if _under(name, swapped) or (name == "output.weight" and name not in tensors):
+            continue  # supplied from outside, or tied embeddings (SmolLM2): token_embd below
+        parts = gguf_parts(module, tensors, name.rsplit(".", 1)[1])
+        state[name] = torch.cat([tensors.get(p) for p in parts]).to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if "output.weight" not in tensors and "output" not in swapped:
+        model.output.weight = model.token_embd.weight  # type: ignore[union-attr]
+    model.requires_grad_(False)
+    model.eval()
 
 
 def gguf_parts(module: str, tensors: Any, leaf: str = "weight") -> list[str]:
     """The GGUF tensors a module's `leaf` is made of: `blk.0.attn_qkv` -> attn_q, attn_k, attn_v."""
     prefix, _, last = module.rpartition(".")
+    if f"{module}.{leaf}" in tensors:
+        return [f"{module}.{leaf}"]  # stored fused (Phi-3's attn_qkv)
+    if last == "ffn_gate_up" and f"{prefix}.ffn_gate.{leaf}" not in tensors:
+        return [f"{prefix}.ffn_up.{leaf}"]  # Phi-3: ffn_up holds the gate rows, then the up rows
     if last in FUSED:
         return [f"{prefix}.{part}.{leaf}" for part in FUSED[last]]
     if module == "output" and "output.weight" not in tensors:
@@ -250,7 +312,7 @@ def _under(name: str, modules: set[str]) -> bool:
     return any(name.startswith(m + ".") for m in modules)
 
 
-def _swap_modules(model: Transformer, tensors: Any, modules: ModuleFactory) -> set[str]:
+def _swap_modules(model: nn.Module, tensors: Any, modules: ModuleFactory) -> set[str]:
     swapped = set()
     for name, module in list(model.named_modules()):
         if isinstance(module, (nn.Linear, nn.Embedding)):

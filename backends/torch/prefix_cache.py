@@ -71,7 +71,23 @@ class PrefixCache:
             found.keys.append(key)
             parent, pos = key, pos + bs
         # a cached block (full or partial) under the same parent that starts like the rest
-        rest = tuple(tokens[pos : min(pos + bs, max_tokens)])
+        best, best_len = self.find_partial(parent, tokens[pos : min(pos + bs, max_tokens)])
+        if best is not None:
+            found.partial_block, found.partial_tokens = best, best_len
+        covered = pos + best_len
+        self.queried_tokens += len(tokens)
+        self.hit_tokens += covered
+        return found, covered
+
+    def find_full(self, parent: bytes, tokens: Sequence[int]) -> int | None:
+        """The cached full block holding exactly `tokens` after the prefix `parent` names, if any."""
+        block_tokens = tuple(tokens)
+        block = self._full.get(chain_key(parent, block_tokens)) if self.enabled else None
+        return block if block is not None and self._holds(block, parent, block_tokens) else None
+
+    def find_partial(self, parent: bytes, rest: Sequence[int]) -> tuple[int | None, int]:
+        """The cached block (full or partial) under `parent` sharing the longest start with `rest`:
+        (block, tokens shared), or (None, 0)."""
         best, best_len = None, 0
         for cached_tokens, block in self._children.get(parent, {}).items():
             n = 0
@@ -81,12 +97,7 @@ class PrefixCache:
                 n += 1
             if n > best_len:
                 best, best_len = block, n
-        if best is not None:
-            found.partial_block, found.partial_tokens = best, best_len
-        covered = pos + best_len
-        self.queried_tokens += len(tokens)
-        self.hit_tokens += covered
-        return found, covered
+        return best, best_len
 
     def _holds(self, block: int, parent: bytes, tokens: tuple[int, ...]) -> bool:
         """The block was cached for exactly these tokens after exactly this parent."""

@@ -48,7 +48,7 @@ class ModelRunner:
             seq = item.seq
             start = seq.num_computed
             tokens = seq.tokens[start : start + item.num_tokens] + item.drafts
-            chunks.append(SeqChunk(len(tokens), start + len(tokens), seq.block_table))
+            chunks.append(SeqChunk(len(tokens), start + len(tokens), seq.block_table, seq.window_table))
             if start + item.num_tokens == len(seq.tokens):  # caught up: logits for the last (+ drafts)
                 first = len(feed) + item.num_tokens - 1
                 spans[i] = (len(rows), len(rows) + 1 + len(item.drafts))

@@ -21,6 +21,7 @@ from localrt.backends.base import CancelToken, Timings
 from .kv_cache import BlockPool, KVCache, blocks_needed
 from .prefix_cache import ROOT_KEY, PrefixCache
 from .sampling import RequestSampler
+from .sliding import WindowBlocks
 from .speculative import SpecState
 
 
@@ -35,6 +36,7 @@ class Sequence:
     spec: SpecState | None = None
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # SHA-256 chain keys of the leading full blocks
+    window_table: list[int] = field(default_factory=list)  # sliding layers' blocks, -1 when out of window
     num_computed: int = 0
     num_preemptions: int = 0
     finished: bool = False
@@ -72,8 +74,10 @@ class Scheduler:
         *,
         max_batch_tokens: int = 512,
         max_seqs: int = 16,
+        window: WindowBlocks | None = None,
     ) -> None:
         self.pool = pool
+        self.window = window  # the sliding layers' blocks, when the model has such layers
         self.cache = cache
         self.prefix = prefix_cache
         self.max_batch_tokens = max_batch_tokens
@@ -125,9 +129,15 @@ class Scheduler:
         return plan
 
     def _grow(self, seq: Sequence, n_tokens: int) -> bool:
-        """Blocks for n_tokens positions, preempting later sequences when the pool is short."""
-        need = blocks_needed(n_tokens, self.pool.block_size) - len(seq.block_table)
-        while need > self.pool.num_free:
+        """Blocks for n_tokens positions, preempting later sequences when a pool is short."""
+        n_blocks = blocks_needed(n_tokens, self.pool.block_size)
+        need = n_blocks - len(seq.block_table)
+        window, pos = self.window, seq.num_computed
+        if window is not None:
+            window.trim(seq, pos)
+        while need > self.pool.num_free or (
+            window is not None and window.shortfall(seq, n_blocks, pos) > window.pool.num_free
+        ):
             if len(self.running) == 1:  # alone and still short: it can never fit
                 self.fail(seq, "the sequence does not fit the KV cache (raise the KV cache budget)")
                 return False
@@ -137,12 +147,18 @@ class Scheduler:
                 return False
         if need > 0:
             seq.block_table.extend(self.pool.allocate_many(need))
+        if window is not None:
+            window.extend(seq, n_blocks, pos)
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Attach cached prefix blocks and blocks for the first chunk; returns tokens to feed (0: not now)."""
         bs = self.pool.block_size
         match, covered = self.prefix.match(seq.tokens, len(seq.tokens) - 1)  # the last token makes logits
+        window_table: list[int] = []
+        window_partial = None
+        if self.window is not None:  # the sliding layers' blocks may cover less
+            match, covered, window_table, window_partial = self.window.match(match, covered, seq.tokens)
         n = min(len(seq.tokens) - covered, budget)
         shared = match.blocks
         # sharing an evictable block takes it off the free list, so it counts against what is free
@@ -150,7 +166,11 @@ class Scheduler:
         if match.partial_block is not None and self.pool.ref_count[match.partial_block] == 0:
             taken_from_free += 1  # held while it is copied
         fresh = blocks_needed(covered + n, bs) - len(shared)
-        if fresh + taken_from_free > self.pool.num_free:
+        window_short = self.window is not None and (
+            self.window.admission_cost(window_table, window_partial, blocks_needed(covered + n, bs), covered)
+            > self.window.pool.num_free
+        )
+        if fresh + taken_from_free > self.pool.num_free or window_short:
             if not self.running and blocks_needed(len(seq.tokens), bs) > self.pool.num_blocks:
                 self.fail(seq, "the prompt does not fit the KV cache (raise the KV cache budget)")
             return 0
@@ -166,6 +186,8 @@ class Scheduler:
             self.pool.release(src)
             seq.block_table.append(dst)
         seq.block_table.extend(self.pool.allocate_many(blocks_needed(covered + n, bs) - len(seq.block_table)))
+        if self.window is not None:
+            self.window.attach(seq, window_table, window_partial, len(seq.block_table), covered)
         seq.num_computed = covered
         return n
 
@@ -174,15 +196,21 @@ class Scheduler:
         """After a step: cache newly full blocks, drop blocks reserved for rejected draft tokens."""
         bs = self.pool.block_size
         keep = blocks_needed(seq.num_computed + 1, bs)  # room for the next token's KV
+        window = self.window
         if len(seq.block_table) > keep:
             self.pool.release_all(seq.block_table[keep:])
             del seq.block_table[keep:]
+        if window is not None:
+            window.truncate(seq, keep)
         while len(seq.block_keys) < seq.num_computed // bs:
             i = len(seq.block_keys)
             parent = seq.block_keys[-1] if seq.block_keys else ROOT_KEY
-            seq.block_keys.append(
-                self.prefix.insert_full(seq.block_table[i], parent, seq.tokens[i * bs : (i + 1) * bs])
-            )
+            tokens = seq.tokens[i * bs : (i + 1) * bs]
+            seq.block_keys.append(self.prefix.insert_full(seq.block_table[i], parent, tokens))
+            if window is not None:
+                window.cache_full(seq, i, parent, tokens)
+        if window is not None:
+            window.trim(seq, seq.num_computed)  # the next query is at num_computed
 
     def _release(self, seq: Sequence) -> None:
         """Free a sequence's blocks, keeping its computed tail findable (copy-on-write on reuse)."""
@@ -193,6 +221,8 @@ class Scheduler:
         if tail and full < len(seq.block_table):
             parent = seq.block_keys[-1] if seq.block_keys else ROOT_KEY
             self.prefix.insert_partial(seq.block_table[full], parent, tail)
+        if self.window is not None:
+            self.window.release(seq, tail)
         self.pool.release_all(seq.block_table)
         seq.block_table, seq.block_keys = [], []
         self.released.append(seq)

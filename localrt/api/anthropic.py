@@ -31,6 +31,7 @@ from localrt.api.translate import (
     ToolChoice,
     accepts,
     assistant_message,
+    budget_from_anthropic,
     function_tool,
     image_source,
     new_id,
@@ -284,6 +285,7 @@ def chat_call(f: dict[str, Any], *, counting: bool = False) -> ChatCall:
         tools=tools_from(f.get("tools")),
         format=format_from(output_config),
         think=think_from_anthropic(f.get("thinking"), output_config.get("effort")),
+        think_budget=budget_from_anthropic(f.get("thinking")),
         keep_alive=f.get("keep_alive"),
         stream=f.get("stream") is True,
         tool_choice=tool_choice_from(f.get("tool_choice")),
@@ -294,6 +296,11 @@ def chat_call(f: dict[str, Any], *, counting: bool = False) -> ChatCall:
 
 # ---- answer -> message -------------------------------------------------------------------------------
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
+
+
+def stop_reason(answer: Assembler) -> str:
+    """Anthropic's stop_reason: `stop_sequence` when one of the request's stop sequences ended the text."""
+    return "stop_sequence" if answer.stop_sequence is not None else STOP_REASONS[answer.ending]
 
 
 def content_block(block: Block, done: bool) -> dict[str, Any]:
@@ -329,8 +336,8 @@ def message(message_id: str, model: str, answer: Assembler | None) -> dict[str, 
         "role": "assistant",
         "model": model,
         "content": [content_block(b, True) for b in answer.blocks] if answer is not None else [],
-        "stop_reason": STOP_REASONS[answer.ending] if answer is not None else None,
-        "stop_sequence": None,
+        "stop_reason": stop_reason(answer) if answer is not None else None,
+        "stop_sequence": answer.stop_sequence if answer is not None else None,
         "usage": usage(answer),
     }
 
@@ -386,7 +393,7 @@ async def create_message(request: Request) -> Response:
                     yield event
         yield {
             "type": "message_delta",
-            "delta": {"stop_reason": STOP_REASONS[answer.ending], "stop_sequence": None},
+            "delta": {"stop_reason": stop_reason(answer), "stop_sequence": answer.stop_sequence},
             "usage": usage(answer),
         }
         yield {"type": "message_stop"}

@@ -232,6 +232,7 @@ def usage_of(chunk: Chunk) -> dict[str, Any]:
         "completion_tokens": m.eval_count,
         "total_tokens": prompt + m.eval_count,
         "prompt_tokens_details": {"cached_tokens": m.cached_count},
+        "completion_tokens_details": {"reasoning_tokens": m.reasoning_tokens},
     }
     if m.draft_count:
         usage.update(draft_count=m.draft_count, draft_accepted_count=m.draft_accepted_count)

@@ -13,12 +13,13 @@ import copy
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
+from starlette.exceptions import HTTPException
 
 from localrt import config
 from localrt.api import schemas as wire
@@ -37,6 +38,7 @@ from localrt.api.translate import (
     image_source,
     new_id,
     parse_arguments,
+    resolve_images,
     sampling_options,
     think_from_effort,
     tool_message,
@@ -77,6 +79,21 @@ class ResponsesRequest(wire.Wire):
     keep_alive: wire.KeepAlive = None
 
 
+class InputTokensRequest(wire.Wire):
+    """`POST /v1/responses/input_tokens`: the fields of a response request that shape its prompt."""
+
+    model: wire.ModelName
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponsesText | None = None
+    reasoning: ResponsesReasoning | None = None
+    previous_response_id: str | None = None
+    options: wire.OptionsField = None
+
+
 class ResponseObject(wire.Out):
     id: str
     object: Literal["response"]
@@ -91,6 +108,7 @@ class ResponseObject(wire.Out):
 class Stored:
     response: dict[str, Any]
     history: list[dict[str, Any]]  # the conversation up to and including this answer, without instructions
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # the request's input, as items with ids
 
 
 class ResponseStore:
@@ -107,6 +125,9 @@ class ResponseStore:
         self._items.move_to_end(response_id)
         while len(self._items) > self.limit:
             self._items.popitem(last=False)
+
+    def delete(self, response_id: str) -> bool:
+        return self._items.pop(response_id, None) is not None
 
     def get(self, response_id: str) -> Stored | None:
         item = self._items.get(response_id)
@@ -237,6 +258,25 @@ class HistoryBuilder:
     def _reasoning(self, item: dict[str, Any]) -> None:
         parts = item.get("content") or item.get("summary") or []
         self.pending_thinking += content_text(parts) if isinstance(parts, list) else ""
+
+
+def input_items(raw: Any) -> list[dict[str, Any]]:
+    """A request's `input` as the items `GET /v1/responses/{id}/input_items` lists: a string is one user
+    message; every item gets an id (the ones the client sent are kept)."""
+    items = [{"type": "message", "role": "user", "content": raw}] if isinstance(raw, str) else raw
+    out = []
+    for item in items if isinstance(items, list) else []:
+        entry = copy.deepcopy(item) if isinstance(item, dict) else {}
+        kind = entry.setdefault("type", "message")
+        if kind == "message" and isinstance(entry.get("content"), str):
+            part = "output_text" if entry.get("role") == "assistant" else "input_text"
+            entry["content"] = [{"type": part, "text": entry["content"]}]
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+        entry.setdefault("id", f"{prefix.get(kind, 'item')}_{new_id()}")
+        if kind != "reasoning":
+            entry.setdefault("status", "completed")
+        out.append(entry)
+    return out
 
 
 def input_messages(f: dict[str, Any], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -413,8 +453,7 @@ def usage(answer: Assembler) -> dict[str, Any]:
         "input_tokens": answer.input_tokens,
         "input_tokens_details": {"cached_tokens": answer.cached_tokens},
         "output_tokens": answer.output_tokens,
-        # thinking is generated like any token; the runtime reports one count for both
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": answer.reasoning_tokens},
         "total_tokens": answer.input_tokens + answer.output_tokens,
     }
 
@@ -430,7 +469,10 @@ def remember(
         return
     # instructions apply to one request; a continuation sends its own (as OpenAI documents)
     history = call.messages[1:] if envelope.f.get("instructions") else call.messages
-    responses_of(request).put(envelope.id, Stored(response, [*history, answer.history_message()]))
+    responses_of(request).put(
+        envelope.id,
+        Stored(response, [*history, answer.history_message()], input_items(envelope.f.get("input"))),
+    )
 
 
 # ---- streaming ---------------------------------------------------------------------------------------
@@ -563,7 +605,100 @@ ResponseId = Annotated[str, Path(json_schema_extra={"pattern": "^resp_[0-9a-f]{1
     responses={200: wire.ok(ResponseObject), **wire.error_responses(True, 404)},
 )
 async def get_response(request: Request, response_id: ResponseId) -> dict[str, Any]:
+    not_the_counting_route(response_id)
+    return stored_response(request, response_id).response
+
+
+def stored_response(request: Request, response_id: str) -> Stored:
     stored = responses_of(request).get(response_id)
     if stored is None:
         raise ModelNotFound(f"response with id {response_id!r} not found")
-    return stored.response
+    return stored
+
+
+def not_the_counting_route(response_id: str) -> None:
+    """`/v1/responses/input_tokens` is POST only; another method there is no response id but a 405."""
+    if response_id == "input_tokens":
+        raise HTTPException(405, "Method Not Allowed", headers={"Allow": "POST"})
+
+
+class DeletedResponse(wire.Out):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
+@router.delete(
+    "/responses/{response_id}",
+    responses={200: wire.ok(DeletedResponse), **wire.error_responses(True, 404)},
+)
+async def delete_response(request: Request, response_id: ResponseId) -> dict[str, Any]:
+    """Forget a stored response: it can no longer be read or continued (`previous_response_id`)."""
+    not_the_counting_route(response_id)
+    if not responses_of(request).delete(response_id):
+        raise ModelNotFound(f"response with id {response_id!r} not found")
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+class InputItemList(wire.Out):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+@router.get(
+    "/responses/{response_id}/input_items",
+    responses={200: wire.ok(InputItemList), **wire.error_responses(True, 404)},
+)
+async def list_input_items(
+    request: Request,
+    response_id: ResponseId,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: Annotated[str | None, Query(max_length=200)] = None,
+    before: Annotated[str | None, Query(max_length=200)] = None,
+) -> dict[str, Any]:
+    """The input items of a stored response, a page at a time (OpenAI's cursor: `after` / `before` an id;
+    newest first by default, as OpenAI lists them)."""
+    items = stored_response(request, response_id).input_items
+    items = list(reversed(items)) if order == "desc" else list(items)
+    ids = [item["id"] for item in items]
+    if after is not None:
+        items = items[ids.index(after) + 1 :] if after in ids else []
+    if before is not None:
+        cut = [item["id"] for item in items]
+        items = items[: cut.index(before)] if before in cut else []
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
+
+
+class InputTokens(wire.Out):
+    object: Literal["response.input_tokens"]
+    input_tokens: int
+
+
+@router.post(
+    "/responses/input_tokens",
+    openapi_extra=wire.request_body(InputTokensRequest),
+    responses={200: wire.ok(InputTokens), **wire.error_responses(True, 404, 501, 503)},
+)
+async def count_input_tokens(request: Request) -> dict[str, Any]:
+    """The prompt a `POST /v1/responses` with this body would start from, counted like Anthropic's
+    count_tokens: the same messages, instructions, tools and thinking switch, through the template."""
+    f = await wire.read_json(request, InputTokensRequest)
+    call = chat_call(f, history_for(request, f))
+    await resolve_images(call.messages)
+    runtime = runtime_of(request)
+    think = {"think": call.think} if call.think is not None else {}
+    _, tokens = await runtime.render(
+        call.model, call.messages, tools=call.tools, options=call.options, **think
+    )
+    return {"object": "response.input_tokens", "input_tokens": len(tokens)}

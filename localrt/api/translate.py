@@ -21,6 +21,7 @@ from typing import Any, Literal
 from localrt.api.openai import EXTRA_OPTIONS, OpenAIParamError
 from localrt.errors import LocalrtError
 from localrt.runtime import images as image_input
+from localrt.runtime import thinking
 from localrt.runtime.manager import Chunk, Metrics, Runtime
 
 ParamError = OpenAIParamError  # "<param>: <message>", a 400 that names the field
@@ -74,25 +75,21 @@ def sampling_options(
     return options
 
 
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-
-
 def think_from_effort(effort: Any, param: str) -> Think:
     """A reasoning effort (OpenAI `reasoning.effort`, Anthropic `output_config.effort`) as the runtime's
-    `think`: none switches thinking off, the levels above high are high (the most the runtime knows)."""
-    if effort is None or effort == "":
+    `think` value, through the runtime's one mapping (`thinking.think_from_effort`, which
+    /v1/chat/completions' `reasoning_effort` uses too); a bad value is a 400 naming `param`."""
+    try:
+        wanted = thinking.think_from_effort(effort, param)
+    except thinking.ThinkError as e:
+        raise ParamError(param, str(e)) from None
+    if not wanted.is_set:
         return None
-    if effort not in EFFORTS:
-        raise ParamError(param, f"must be one of {', '.join(EFFORTS)}")
-    if effort == "none":
-        return False
-    if effort == "minimal":
-        return "low"
-    return "high" if effort in ("xhigh", "max") else effort
+    return wanted.level if wanted.enabled else False
 
 
 def think_from_anthropic(thinking: Any, effort: Any) -> Think:
-    """Anthropic `thinking`: enabled -> on (`budget_tokens` is accepted, not enforced), disabled -> off,
+    """Anthropic `thinking`: enabled -> on (its `budget_tokens`: `budget_from_anthropic`), disabled -> off,
     adaptive or absent -> the model's default, unless `output_config.effort` names a level."""
     if thinking is None:
         return think_from_effort(effort, "output_config.effort")
@@ -104,6 +101,19 @@ def think_from_anthropic(thinking: Any, effort: Any) -> Think:
     if kind == "adaptive":
         return think_from_effort(effort, "output_config.effort")
     raise ParamError("thinking", "type must be enabled, disabled or adaptive")
+
+
+def budget_from_anthropic(thinking: Any) -> int | None:
+    """`thinking.budget_tokens` of an enabled thinking: the most reply tokens the thinking may take
+    (the runtime then closes it and the answer follows)."""
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled":
+        return None
+    budget = thinking.get("budget_tokens")
+    if budget is None:
+        return None
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise ParamError("thinking.budget_tokens", "must be a positive integer")
+    return budget
 
 
 ToolChoice = Literal["auto", "none", "required"] | str  # or the name of the one tool to call
@@ -227,6 +237,7 @@ class ChatCall:
     # Anthropic clients (Claude Code) ask every model to think: then a model that cannot is answered
     # without thinking rather than refused, as Ollama does on /v1/messages.
     relax_think: bool = False
+    think_budget: int | None = None  # reply tokens the thinking may take (Anthropic's budget_tokens)
 
     def __post_init__(self) -> None:
         # checked now, so a bad choice is a 400 before the model loads
@@ -239,6 +250,9 @@ class ChatCall:
         # choice enforced here by a grammar of one call.
         if think is not None and accepts(runtime.chat, "think"):
             kwargs["think"] = think
+            if self.think_budget is not None:  # the budget travels in the runtime's Think
+                wanted = thinking.parse_think(think)
+                kwargs["think"] = thinking.Think(wanted.enabled, wanted.level, self.think_budget)
         tools, fmt = self.tools, self.format
         if accepts(runtime.chat, "tool_choice"):
             kwargs["tool_choice"] = openai_tool_choice(self.tool_choice)
@@ -379,6 +393,11 @@ class Assembler:
         return "length" if self.final is not None and self.final.done_reason == "length" else "stop"
 
     @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the answer, if one did (Anthropic's `stop_sequence`)."""
+        return self.final.stop_sequence if self.final is not None and self.ending == "stop" else None
+
+    @property
     def metrics(self) -> Metrics:
         return (self.final.metrics if self.final is not None else None) or Metrics()
 
@@ -396,6 +415,11 @@ class Assembler:
     @property
     def output_tokens(self) -> int:
         return self.metrics.eval_count
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Of the output: tokens generated inside the thinking."""
+        return self.metrics.reasoning_tokens
 
     def history_message(self) -> dict[str, Any]:
         """This answer as the assistant turn of the next request's history."""

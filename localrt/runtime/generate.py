@@ -23,6 +23,7 @@ from typing import Any, TypedDict, Unpack
 
 from localrt.backends.base import (
     GBNF,
+    CancelToken,
     DoneEvent,
     GenerateRequest,
     ImageInput,
@@ -38,7 +39,7 @@ from localrt.runtime import remote, thinking
 from localrt.runtime.models import Entry, LoadedInfo, ModelPool
 from localrt.runtime.options import Options
 from localrt.runtime.prompt import Turn, tool_choice, with_system
-from localrt.runtime.thinking import Piece, Think
+from localrt.runtime.thinking import Piece, ReplyParser, Think
 from localrt.runtime.truncate import fit_tokens
 from localrt.store.store import ResolvedModel, Store
 
@@ -56,6 +57,7 @@ class Metrics(Timings):
     # the whole prompt, a reused (cached) prefix included: prompt_eval_count counts only what was
     # evaluated; OpenAI's and Anthropic's usage count the whole input
     prompt_tokens: int = 0
+    reasoning_tokens: int = 0  # of eval_count: generated inside the thinking (Responses' reasoning_tokens)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Chunk:
     thinking: str = ""  # a reasoning model's thinking, split out of content (Ollama's message.thinking)
     done: bool = False
     done_reason: str | None = None  # stop | length | cancel | load | unload
+    stop_sequence: str | None = None  # done_reason "stop" because this stop string matched (not an end token)
     tool_calls: list[dict[str, Any]] | None = None
     logprobs: list[dict[str, Any]] | None = None
     metrics: Metrics | None = None
@@ -363,38 +366,39 @@ class Runtime:
         request = remote.with_upstream(request, call.opts, upstream)  # a remote model: messages or text
         # a remote upstream has parsed thinking and tool calls already
         parser = turn.parser() if turn is not None and upstream is None else None
-        whole = Piece()  # everything, for a reply that is not streamed
-        answer_ids: list[int] = []
-        lps: list[dict[str, Any]] = []
-        done: DoneEvent | None = None
-        events = m.generate(request)
-        async with contextlib.aclosing(events):  # type: ignore[type-var]
-            async for event in events:
-                if isinstance(event, DoneEvent):
-                    done = event
-                    break
-                assert isinstance(event, TextEvent)
-                answer_ids.extend(event.token_ids)
-                piece_lps = [_ollama_logprob(lp) for lp in event.logprobs] if event.logprobs else None
-                if piece_lps:
-                    lps.extend(piece_lps)
-                piece = parser.feed(event.text) if parser is not None else Piece(content=event.text)
-                if not call.stream:
-                    whole.add(piece)
-                elif piece or piece_lps:
-                    yield _piece_chunk(name, piece, piece_lps)
-        if done is None:  # the backend ended without a final event: treat as cancelled
-            raise LocalrtError("generation ended unexpectedly")
+        reply = _Reply()
+        budget = (
+            turn.thinking_budget(request, call.format) if turn is not None and parser is not None else None
+        )
+        wanted = request.num_predict
+        if budget is not None:  # first up to the budget; a cut inside the thinking closes it and goes on
+            request.num_predict = budget
+        while True:
+            async for chunk in self._generate(m, name, request, parser, reply, call.stream):
+                yield chunk
+            if budget is None or reply.dones[-1].finish_reason != "length" or parser is None:
+                break
+            assert turn is not None
+            request, piece = _after_budget(m, turn, request, tokens, reply, parser, wanted)
+            budget = None  # one cut per reply
+            if call.stream and piece:
+                yield _piece_chunk(name, piece, None)
+            elif piece:
+                reply.whole.add(piece)
+            if request.num_predict <= 0:
+                break
+        done = reply.dones[-1]
         last = parser.finish() if parser is not None else Piece()
         if not call.stream:
-            whole.add(last)
-            last = whole
+            reply.whole.add(last)
+            last = reply.whole
         metrics = Metrics(
             **{
-                **dataclasses.asdict(done.timings),
+                **dataclasses.asdict(_merged_timings(reply.dones)),
                 "load_ns": load_ns,
                 "total_ns": time.perf_counter_ns() - call.start,
                 "prompt_tokens": len(tokens),
+                "reasoning_tokens": reply.reasoning,
             }
         )
         yield Chunk(
@@ -403,11 +407,44 @@ class Runtime:
             thinking=last.thinking,
             done=True,
             done_reason=done.finish_reason,
+            stop_sequence=done.stop_sequence,
             tool_calls=last.tool_calls or done.tool_calls or None,  # a remote upstream parsed its own
-            logprobs=(lps or None) if not call.stream else None,
+            logprobs=(reply.lps or None) if not call.stream else None,
             metrics=metrics,
-            context=[*tokens, *answer_ids] if want_context else None,
+            context=[*tokens, *reply.ids] if want_context else None,
         )
+
+    async def _generate(
+        self,
+        m: LoadedModel,
+        name: str,
+        request: GenerateRequest,
+        parser: ReplyParser | None,
+        reply: _Reply,
+        stream: bool,
+    ) -> AsyncIterator[Chunk]:
+        """One generation of the backend into `reply`: streamed chunks out, its done event kept."""
+        events = m.generate(request)
+        async with contextlib.aclosing(events):  # type: ignore[type-var]
+            async for event in events:
+                if isinstance(event, DoneEvent):
+                    reply.dones.append(event)
+                    return
+                assert isinstance(event, TextEvent)
+                reply.ids.extend(event.token_ids)
+                piece_lps = [_ollama_logprob(lp) for lp in event.logprobs] if event.logprobs else None
+                if piece_lps:
+                    reply.lps.extend(piece_lps)
+                thinking_before = parser is not None and parser.thinking_now
+                piece = parser.feed(event.text) if parser is not None else Piece(content=event.text)
+                if thinking_before or (parser is not None and parser.thinking_now):
+                    reply.reasoning += len(event.token_ids)  # tokens generated inside the thinking
+                if not stream:
+                    reply.whole.add(piece)
+                elif piece or piece_lps:
+                    yield _piece_chunk(name, piece, piece_lps)
+        # the backend ended without a final event: treat as cancelled
+        raise LocalrtError("generation ended unexpectedly")
 
     # ---- the other paths ---------------------------------------------------------------------
     async def embed(
@@ -557,6 +594,60 @@ class Runtime:
     async def close(self) -> None:
         """Cancel what runs and unload everything (server shutdown, end of `localrt run`)."""
         await self.models.close()
+
+
+def _after_budget(
+    m: LoadedModel,
+    turn: Turn,
+    request: GenerateRequest,
+    tokens: list[int],
+    reply: _Reply,
+    parser: ReplyParser,
+    wanted: int,
+) -> tuple[GenerateRequest, Piece]:
+    """The thinking budget is spent: the rest of the reply, as a new generation after what was generated
+    (the model's cache still holds it, so only the new tokens are evaluated). Cut inside the thinking,
+    the family's end-of-thinking text goes in first, so the answer follows; the parser reads it too."""
+    piece = Piece()
+    if parser.thinking_now:
+        closing = thinking.end_of_thinking(turn.fmt)
+        reply.ids.extend(m.tokenize(closing, add_special=False, parse_special=True))
+        piece = parser.feed(closing)
+    # a user grammar (the one constraint a budgeted reply may have: format and a required call turn
+    # the budget off) spelled a whole reply and would start over here, so the rest is free
+    generated = sum(d.timings.eval_count for d in reply.dones)
+    rest = dataclasses.replace(
+        request,
+        prompt_tokens=[*tokens, *reply.ids],
+        num_predict=wanted - generated,
+        format=None,
+        cancel=CancelToken(),  # the first generation's stream set its own when it closed
+    )
+    return rest, piece
+
+
+@dataclass
+class _Reply:
+    """One reply across its generations (a thinking budget makes two): what the caller gets at the end."""
+
+    whole: Piece = field(default_factory=Piece)  # everything, for a reply that is not streamed
+    ids: list[int] = field(default_factory=list)  # its tokens, the runtime's end-of-thinking text included
+    lps: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: int = 0  # tokens generated inside the thinking
+    dones: list[DoneEvent] = field(default_factory=list)
+
+
+def _merged_timings(dones: Sequence[DoneEvent]) -> Timings:
+    """One reply's timings over its generations: the first one's prompt; a later one's prompt (the
+    end-of-thinking text and what the cache lacked) is generation time, its tokens are no prompt."""
+    merged = dataclasses.replace(dones[0].timings)
+    for done in dones[1:]:
+        t = done.timings
+        merged.eval_count += t.eval_count
+        merged.eval_ns += t.eval_ns + t.prompt_eval_ns
+        merged.draft_count += t.draft_count
+        merged.draft_accepted_count += t.draft_accepted_count
+    return merged
 
 
 _TOKEN_REF = re.compile(r"<\[(\d+)\]>")

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from localrt.backends.base import IMAGE_TOKEN, ImageInput, LoadedModel
+from localrt.backends.base import IMAGE_TOKEN, GenerateRequest, ImageInput, LoadedModel
 from localrt.errors import LocalrtError
 from localrt.runtime import images as image_input
 from localrt.runtime import thinking
@@ -64,6 +64,17 @@ class Turn:
                 rendered = RenderedPrompt([*rendered.segments, (tail, True)])
         self.prompt_text = rendered.text
         return rendered
+
+    def thinking_budget(self, request: GenerateRequest, format: Any) -> int | None:
+        """The reply tokens thinking may take before the runtime closes it, when that can be enforced:
+        a model that thinks in tags or harmony channels, thinking on, and no output constraint that a
+        second generation would have to start over (`format`, a required call)."""
+        budget = self.think.budget
+        if budget is None or not self.think.enabled or not self.fmt.can_think:
+            return None
+        if format is not None or self.required or budget >= request.num_predict:
+            return None
+        return max(1, budget)
 
     def parser(self) -> ReplyParser:
         return ReplyParser(

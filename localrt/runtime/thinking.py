@@ -47,10 +47,13 @@ class ThinkError(LocalrtError):
 
 @dataclass(frozen=True)
 class Think:
-    """A request's `think`: unset (None), off, or on at a level (`true` is "medium", as Ollama reads it)."""
+    """A request's `think`: unset (None), off, or on at a level (`true` is "medium", as Ollama reads it);
+    `budget`: at most this many reply tokens of thinking (Anthropic's `budget_tokens`), then the runtime
+    closes the thinking and the answer follows."""
 
     enabled: bool | None = None
     level: str | None = None
+    budget: int | None = None
 
     @property
     def is_set(self) -> bool:
@@ -73,20 +76,25 @@ def parse_think(value: Any) -> Think:
     raise ThinkError(f"think must be a boolean or a string, got {type(value).__name__}")
 
 
-def think_from_effort(effort: Any) -> Think:
-    """OpenAI's `reasoning_effort` (and Responses' `reasoning.effort`) as a Think, as Ollama maps it."""
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_EFFORT_LEVELS = {"minimal": "low", "xhigh": "high", "max": "high", "ultra": "high"}
+
+
+def think_from_effort(effort: Any, param: str = "reasoning_effort") -> Think:
+    """A reasoning effort as a Think, the one mapping every route uses (OpenAI's `reasoning_effort`,
+    Responses' `reasoning.effort`, Anthropic's `output_config.effort`), as Ollama maps it: none is off,
+    minimal is low, the levels above high are high (the most a template knows). `param` names the
+    field in the 400."""
     if effort is None or effort == "":
         return Think()
     if not isinstance(effort, str):
-        raise ThinkError("reasoning_effort must be a string")
+        raise ThinkError(f"{param} must be a string")
     value = effort.strip().lower()
     if value == "none":
         return Think(False)
-    mapped = {"minimal": "low", "xhigh": "high", "max": "high", "ultra": "high"}.get(value, value)
+    mapped = _EFFORT_LEVELS.get(value, value)
     if mapped not in THINK_LEVELS:
-        raise ThinkError(
-            f"invalid reasoning_effort {effort!r} (use none, minimal, low, medium, high, xhigh or max)"
-        )
+        raise ThinkError(f"invalid {param} {effort!r} (use {', '.join(EFFORTS)})")
     return Think(True, mapped)
 
 
@@ -161,9 +169,10 @@ def check_think(fmt: ModelFormat, think: Think, model: str) -> Think:
             raise ThinkError(f'"{model}" does not support thinking')
         return Think(False) if think.is_set else Think()
     if not think.is_set:
-        return Think(True, "medium")
+        return Think(True, "medium", think.budget)
     if fmt.thinking == "harmony" and not think.enabled:
-        return Think(True, "medium")  # gpt-oss cannot stop thinking: false is ignored, as Ollama does
+        # gpt-oss cannot stop thinking: false is ignored, as Ollama does
+        return Think(True, "medium", think.budget)
     return think
 
 
@@ -205,6 +214,14 @@ def close_thinking(fmt: ModelFormat, prompt_text: str) -> str:
 
 def prompt_opens_thinking(fmt: ModelFormat, prompt_text: str) -> bool:
     return fmt.thinking == "tags" and prompt_text.rstrip().endswith(fmt.open_tag)
+
+
+def end_of_thinking(fmt: ModelFormat) -> str:
+    """The text that closes a reply's thinking so the answer follows (a thinking budget ran out): the
+    close tag, or harmony's end of the analysis message and the header of the final one."""
+    if fmt.thinking == "harmony":
+        return "<|end|><|start|>assistant<|channel|>final<|message|>"
+    return f"\n{fmt.close_tag}\n\n" if fmt.thinking == "tags" else ""
 
 
 # ---- the output side -------------------------------------------------------------------------------
@@ -284,6 +301,10 @@ class _TagSplitter:
             content += self.buffer
             self.buffer = ""
             return thinking, content
+
+    @property
+    def thinking_now(self) -> bool:
+        return self.state in ("eat", "thinking")
 
     def finish(self) -> tuple[str, str]:
         rest, self.buffer = self.buffer, ""
@@ -367,6 +388,10 @@ class _HarmonySplitter:
             if final:
                 self._emit_call(out)
 
+    @property
+    def thinking_now(self) -> bool:
+        return self.state == "body" and self.kind == "thinking"
+
     def _emit_call(self, out: Piece) -> None:
         call = parse_harmony_call(self.recipient, self.call_args, self.tool_names)
         if call is None:  # malformed: the text comes back as content, never an error
@@ -411,12 +436,22 @@ class ReplyParser:
             if fmt.thinking == "tags"
             else None
         )
-        self.calls = ToolCallParser(fmt.tool_style, names) if tools and fmt.tool_style != "harmony" else None
+        self.calls = (
+            ToolCallParser(fmt.tool_style, names, parameter_types(tools))
+            if tools and fmt.tool_style != "harmony"
+            else None
+        )
         self.parallel = parallel_tool_calls
         self.n_calls = 0
 
     def feed(self, text: str) -> Piece:
         return self._finish_piece(self._split(text, final=False))
+
+    @property
+    def thinking_now(self) -> bool:
+        """Is the reply inside its thinking right now (the tokens fed so far opened and did not close it)?"""
+        splitter = self.harmony or self.tags
+        return splitter is not None and splitter.thinking_now
 
     def finish(self) -> Piece:
         return self._finish_piece(self._split("", final=True))
@@ -460,6 +495,18 @@ class ReplyParser:
             calls.append(call)
         piece.tool_calls = calls
         return piece
+
+
+def parameter_types(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Each tool's parameter schemas by name (`properties` of its JSON schema)."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools or ():
+        fn = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool
+        params = fn.get("parameters") if isinstance(fn, Mapping) else None
+        props = params.get("properties") if isinstance(params, Mapping) else None
+        if isinstance(props, Mapping):
+            out[tool_name(tool)] = {k: v for k, v in props.items() if isinstance(v, Mapping)}
+    return out
 
 
 def tool_name(tool: Mapping[str, Any]) -> str:

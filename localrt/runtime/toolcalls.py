@@ -1,8 +1,11 @@
 """Tool calls out of model text, for every common family, parsed incrementally while the reply streams.
 
 Styles (what the model emits; the reference notes on agent APIs, section 3):
-  * hermes:  `<tool_call>{"name": f, "arguments": {...}}</tool_call>`, repeatable (Hermes, Qwen2.5/3)
-  * llama3:  `{"name": f, "parameters": {...}}`, optionally after `<|python_tag|>`, several joined by `;`
+  * hermes:  `<tool_call>{"name": f, "arguments": {...}}</tool_call>`, repeatable (Hermes, Qwen2.5/3), or
+             inside the same tags Qwen3-Coder's XML, `<function=f><parameter=p>v</parameter></function>`
+             (values typed by the tool's schema: a string parameter keeps its text, others read as JSON)
+  * llama3:  `{"name": f, "parameters": {...}}`, optionally after `<|python_tag|>`, several joined by `;`,
+             or Llama 3.2/4's pythonic list `[f(a=1), g(b="x")]` (also read by the json fallback)
   * mistral: `[TOOL_CALLS][{"name": f, "arguments": {...}}]` (v3) or `[TOOL_CALLS]f{...}` /
              `[TOOL_CALLS]f[ARGS]{...}` (v11+)
   * granite: `<|tool_call|>[{"name": f, "arguments": {...}}]`
@@ -11,11 +14,13 @@ Styles (what the model emits; the reference notes on agent APIs, section 3):
   * json:    the fallback: a reply that is a bare JSON call (or list of calls), or `<tool_call>` blocks
 
 Calls come back in Ollama's shape, `{"id": ..., "function": {"index": i, "name": str, "arguments": dict}}`.
-A call that does not parse is given back as plain content, never an error.
+A call that does not parse, or that names a tool the request did not offer, is given back as plain
+content, never an error.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
@@ -141,6 +146,93 @@ def _parse_after_marker(style: str, text: str) -> tuple[list[dict[str, Any]], in
     return None
 
 
+_XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.S)
+
+
+def _xml_value(text: str, schema_type: Any) -> Any:
+    """A Qwen3-Coder parameter's text as its schema types it: strings stay text, the rest read as JSON
+    (a value that is no JSON stays text)."""
+    value = text.removeprefix("\n").removesuffix("\n")
+    if schema_type == "string":
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _parse_xml_calls(text: str, types: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]] | None:
+    """Qwen3-Coder's `<function=f><parameter=p>v</parameter>...</function>` (one or more), or None when the
+    text is anything else (then the block is no call)."""
+    rest = _XML_FUNCTION.sub("", text).strip()
+    found = _XML_FUNCTION.findall(text)
+    if not found or rest:
+        return None
+    calls = []
+    for name, body in found:
+        params = _XML_PARAMETER.findall(body)
+        if _XML_PARAMETER.sub("", body).strip():
+            return None  # text between the parameters: not this format
+        known = types.get(name, {})
+        args = {p: _xml_value(v, (known.get(p) or {}).get("type")) for p, v in params}
+        calls.append({"function": {"name": name, "arguments": args}})
+    return calls
+
+
+_PY_CONSTANTS = {"true": True, "false": False, "null": None, "none": None}
+
+
+def _py_value(node: ast.expr) -> Any:
+    if isinstance(node, ast.Name) and node.id.lower() in _PY_CONSTANTS:
+        return _PY_CONSTANTS[node.id.lower()]
+    return ast.literal_eval(node)
+
+
+def _py_name(node: ast.expr) -> str | None:
+    """`f` or `module.f` as the call's name."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        owner = _py_name(node.value)
+        return f"{owner}.{node.attr}" if owner else None
+    return None
+
+
+def _parse_pythonic(text: str) -> tuple[list[dict[str, Any]], int] | None:
+    """Llama's pythonic calls at the start of `text`, `[f(a=1), g(b="x")]`, and where the list ends; None
+    while no complete list of keyword-only calls with literal values is there."""
+    start = len(text) - len(text.lstrip())
+    if not text.startswith("[", start):
+        return None
+    for end in (m.end() for m in re.finditer(r"\]", text)):
+        try:
+            node = ast.parse(text[start:end].strip(), mode="eval").body
+        except (SyntaxError, ValueError):
+            continue
+        if not isinstance(node, ast.List) or not node.elts:
+            return None
+        calls = []
+        for item in node.elts:
+            name = _py_name(item.func) if isinstance(item, ast.Call) else None
+            if name is None or not isinstance(item, ast.Call) or item.args:
+                return None
+            try:
+                args = {kw.arg: _py_value(kw.value) for kw in item.keywords if kw.arg is not None}
+            except (ValueError, SyntaxError):
+                return None
+            if len(args) != len(item.keywords):
+                return None  # **kwargs
+            calls.append({"function": {"name": name, "arguments": args}})
+        return calls, end
+    return None
+
+
+def _could_be_pythonic(text: str) -> bool:
+    """`[` then a name: may still become a pythonic call list (a JSON list would start otherwise)."""
+    return re.match(r"\s*\[\s*[A-Za-z_]", text) is not None
+
+
 def _partial(text: str, marker: str) -> int:
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):
@@ -152,9 +244,15 @@ class ToolCallParser:
     """Content in, (content safe to show now, complete calls) out; a call split over many chunks waits
     in the buffer until it is whole. `finish()` gives back whatever is left: calls, or plain text."""
 
-    def __init__(self, style: str, tool_names: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        style: str,
+        tool_names: Sequence[str] = (),
+        param_types: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         self.style = style if style in TOOL_STYLES else "json"
-        self.names = list(tool_names)
+        self.names = list(tool_names)  # the request's tools: a call to another name is no call
+        self.types = param_types or {}  # tool -> its parameters' schemas (types Qwen3-Coder's XML values)
         self.leading = self.style in ("llama3", "json")  # a call only as the whole reply's start
         self.state = "start" if self.leading else "content"
         self.buffer = ""
@@ -184,10 +282,18 @@ class ToolCallParser:
             return out + parsed[0] + more, calls + parsed[1] + more_calls
         rest, self.buffer = self.buffer, ""
         if self.state in ("start", "leading") and rest.strip():
-            found = _parse_json_calls(rest.strip().removeprefix("<|python_tag|>"))
-            if found:
+            body = rest.strip().removeprefix("<|python_tag|>")
+            found = _parse_json_calls(body)
+            if found is None:
+                pythonic = _parse_pythonic(body)
+                found = pythonic[0] if pythonic is not None and not body[pythonic[1] :].strip() else None
+            if found and self._known(found):
                 return out, calls + found
         return out + rest, calls
+
+    def _known(self, calls: list[dict[str, Any]]) -> bool:
+        """Every call names one of the request's tools (a model inventing a tool wrote text, not a call)."""
+        return all(c["function"]["name"] in self.names for c in calls) if self.names else True
 
     # -- states; each returns (released text, calls) or None to wait for more text --
     def _step_start(self) -> tuple[str, list[dict[str, Any]]] | None:
@@ -214,12 +320,16 @@ class ToolCallParser:
             return None  # fenced: decided at the end
         decoded = _decode_prefix(body)
         if decoded is None:
-            return None
-        calls = _calls_of(decoded[0])
-        if not calls:
+            pythonic = _parse_pythonic(body) if _could_be_pythonic(body) else None
+            if pythonic is None:
+                return None  # still arriving (or decided at the end)
+            calls, end = pythonic
+        else:
+            calls, end = _calls_of(decoded[0]), decoded[1]
+        if not calls or not self._known(calls):
             self.state = "text"
             return "", []
-        self.buffer = body[decoded[1] :].lstrip()
+        self.buffer = body[end:].lstrip()
         return "", calls
 
     def _step_text(self) -> tuple[str, list[dict[str, Any]]]:
@@ -256,6 +366,10 @@ class ToolCallParser:
             body = text[:at] if at >= 0 else text
             rest = text[at + len(closer) :] if at >= 0 else ""
             calls = _parse_json_calls(body)
+            if calls is None:
+                calls = _parse_xml_calls(body, self.types)
+            if calls is not None and not self._known(calls):
+                calls = None
             self.state, self.buffer = "content", rest.lstrip() if calls else rest
             if calls:
                 return "", calls
@@ -264,6 +378,9 @@ class ToolCallParser:
         if parsed is None:
             return None
         calls, end = parsed
+        if not self._known(calls):  # given back as written, the text after it read on as content
+            self.state, self.buffer = "content", text[end:]
+            return self.marker + text[:end], []
         self.state, self.buffer = "content", text[end:].lstrip()
         return "", calls
 
@@ -297,10 +414,10 @@ def parse_harmony_call(recipient: str, args: str, tool_names: Sequence[str]) -> 
     name = recipient.strip().removeprefix("functions.")
     if not name:
         return None
-    for original in tool_names:
-        if harmony_name(original) == name:
-            name = original
-            break
+    known = [original for original in tool_names if harmony_name(original) == name]
+    if tool_names and not known:
+        return None  # a tool the request did not offer: the text comes back as content
+    name = known[0] if known else name
     try:
         arguments = json.loads(args) if args.strip() else {}
     except ValueError:

@@ -1,0 +1,53 @@
+"""The GGUF architectures the torch engine runs: `general.architecture` -> the model file that builds it.
+
+One model file per architecture family (`model.py`: the Llama family, `gemma3.py`: Gemma 3, `gemma2.py`: Gemma 2 on the same layer,
+`phi3.py`: Phi-3 on the Llama block,
+`qwen3moe.py`: Qwen3-MoE, Qwen3's attention with routed experts); each
+class has `from_gguf(tensors, dtype, device, modules)` and the same forward contract (tokens and an
+attention context in, float32 logits out), so the engine never asks which one it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from localrt.errors import LocalrtError
+
+from .gemma2 import Gemma2
+from .gemma3 import Gemma3
+from .model import ModuleFactory, Transformer
+from .phi3 import Phi3
+from .qwen3moe import Qwen3MoE
+
+MODELS: dict[str, Any] = {
+    "llama": Transformer,
+    "mistral": Transformer,
+    "granite": Transformer,
+    "qwen2": Transformer,
+    "qwen3": Transformer,
+    "gemma2": Gemma2,
+    "gemma3": Gemma3,
+    "phi3": Phi3,
+    "qwen3moe": Qwen3MoE,
+}
+
+
+def model_class(metadata: dict[str, Any]) -> Any:
+    arch = str(metadata.get("general.architecture", "llama"))
+    cls = MODELS.get(arch)
+    if cls is None:
+        raise LocalrtError(
+            f"the torch backend does not support the {arch!r} architecture yet "
+            f"(supported: {', '.join(sorted(MODELS))}); the llama.cpp backend runs it"
+        )
+    return cls
+
+
+def load_model(
+    tensors: Any, dtype: torch.dtype, device: torch.device | str, modules: ModuleFactory | None = None
+) -> Any:
+    """The model a GGUF describes, its weights dequantized into `dtype` on `device` (or supplied by
+    `modules`, e.g. kept quantized)."""
+    return model_class(tensors.metadata).from_gguf(tensors, dtype, device, modules=modules)

@@ -1,0 +1,109 @@
+"""Qwen3-MoE (GGUF architecture `qwen3moe`): Qwen3's attention block (`model.py`) with a mixture of
+experts in place of every layer's MLP, as llama.cpp's qwen3moe graph computes it.
+
+Routing, per token x: p = softmax(W_router x) over all experts; the top k (`expert_used_count`) are
+kept with weights p[selected] / max(sum of them, 2^-14) (llama.cpp always renormalises for this
+family, whatever the checkpoint's `norm_topk_prob` said); each chosen expert e adds
+w_e * W_down_e(silu(W_gate_e x) * W_up_e x). No shared expert.
+
+The experts are GGUF's 3-D tensors as stored (`ffn_gate_exps` [E, n_ff, dim], `ffn_up_exps`,
+`ffn_down_exps` [E, dim, n_ff]). Dispatch is batched: the step's (token, slot) pairs are sorted by
+expert, each expert runs once on all of its tokens, and the results are scattered back weighted;
+the Python loop is over experts, never over tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from localrt.errors import LocalrtError
+
+from .model import (
+    Block,
+    LlamaConfig,
+    ModuleFactory,
+    Rotary,
+    Transformer,
+    llama_like_config,
+    load_weights,
+    vocab_size_of,
+)
+
+ARCH = "qwen3moe"
+MIN_WEIGHT_SUM = 6.103515625e-5  # llama.cpp's floor for the renormalising sum (the smallest normal f16)
+
+
+class Experts(nn.Module):
+    """One 3-D expert tensor, named as GGUF names it (`blk.N.ffn_gate_exps.weight`)."""
+
+    def __init__(self, n_expert: int, rows: int, cols: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_expert, rows, cols), requires_grad=False)
+
+
+class MoEBlock(Block):
+    def __init__(self, cfg: LlamaConfig, layer: int, n_expert: int, n_used: int, n_ff_expert: int) -> None:
+        super().__init__(cfg, layer, qkv_bias=False, qk_norm=True)
+        del self.ffn_gate_up, self.ffn_down  # the dense MLP is not used by this family
+        dim = cfg.embedding_length
+        self.n_used = n_used
+        self.ffn_gate_inp = nn.Linear(dim, n_expert, bias=False)  # the router
+        self.ffn_gate_exps = Experts(n_expert, n_ff_expert, dim)
+        self.ffn_up_exps = Experts(n_expert, n_ff_expert, dim)
+        self.ffn_down_exps = Experts(n_expert, dim, n_ff_expert)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = x.shape[0], self.n_used
+        probs = torch.softmax(self.ffn_gate_inp(x).float(), -1)  # [N, E]
+        weights, chosen = probs.topk(k, -1)  # [N, k] each
+        weights = weights / weights.sum(-1, keepdim=True).clamp(min=MIN_WEIGHT_SUM)
+        flat = chosen.reshape(-1)  # [N * k] expert of each (token, slot)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=probs.shape[1]).tolist()  # one host sync per layer
+        token = order // k  # [N * k] token of each grouped pair
+        xs = x[token]  # [N * k, dim]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            gate = xs[rows] @ self.ffn_gate_exps.weight[e].T  # [count, n_ff]
+            up = xs[rows] @ self.ffn_up_exps.weight[e].T
+            ys[rows] = (F.silu(gate) * up) @ self.ffn_down_exps.weight[e].T  # [count, dim]
+            start += count
+        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+        return torch.zeros(n, x.shape[1], dtype=ys.dtype, device=x.device).index_add_(0, token, ys)
+
+
+class Qwen3MoE(Transformer):
+    def __init__(self, cfg: LlamaConfig, n_expert: int, n_used: int, n_ff_expert: int) -> None:
+        super().__init__(cfg, qk_norm=True)
+        self.blk = nn.ModuleList(
+            MoEBlock(cfg, i, n_expert, n_used, n_ff_expert) for i in range(cfg.block_count)
+        )
+
+    @classmethod
+    def from_gguf(
+        cls,
+        tensors: Any,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        modules: ModuleFactory | None = None,
+    ) -> Qwen3MoE:
+        md = tensors.metadata
+        cfg = llama_like_config(md, vocab_size_of(tensors), ARCH)
+        n_expert = int(md.get(f"{ARCH}.expert_count", 0))
+        n_used = int(md.get(f"{ARCH}.expert_used_count", 0))
+        if not 0 < n_used <= n_expert:
+            raise LocalrtError(f"GGUF metadata {ARCH}.expert_count / expert_used_count are missing or wrong")
+        n_ff = int(md.get(f"{ARCH}.expert_feed_forward_length", cfg.feed_forward_length // n_used))
+        with torch.device("meta"):
+            model = cls(cfg, n_expert, n_used, n_ff)
+        load_weights(model, tensors, dtype, device, modules)
+        model.rotary = Rotary(cfg).to(device)  # real buffers, off the meta device
+        return model
