@@ -17,6 +17,9 @@ llama-server comes from `tests/fixtures_hf.py::llama_cpp_tools()` (built once, c
 
     python benchmarks/bench_serve.py --threads 2 --slots 16 --concurrency 1,4,16,32 --max-tokens 64
     python benchmarks/bench_serve.py --smoke   # tiny settings, to check that everything runs
+
+At 1 client a round is a single request: `--rounds 3` (or more) runs each concurrency that many times, with
+other questions each round, and pools the samples.
 """
 
 from __future__ import annotations
@@ -207,7 +210,7 @@ def questions(n: int, salt: int = 0) -> list[list[dict[str, str]]]:
         [
             {
                 "role": "user",
-                "content": f"Write a long, detailed story about {TOPICS[(i + salt) % len(TOPICS)]} (#{i}).",
+                "content": f"Write a long, detailed story about {TOPICS[(i + salt) % len(TOPICS)]} (#{i + salt}).",
             }
         ]
         for i in range(n)
@@ -254,6 +257,7 @@ class Config:
     server_spec: str
     skip: set[str]
     with_llama_server: bool = True
+    rounds: int = 1  # rounds per concurrency (one round = N requests at once); more rounds, steadier figures
     scale: float = 1.0  # of the prefix and passage lengths (smoke runs use a tenth)
 
 
@@ -277,8 +281,12 @@ def run_load(cfg: Config) -> dict[str, list[Row]]:
         model = MODEL if name.startswith("localrt") else "default"
         with start() as url:
             for c in cfg.concurrency:
-                wall, samples = asyncio.run(drive(url, model, questions(c), cfg.max_tokens))
-                results.setdefault(name, []).append(Row(name, c, wall, samples))
+                row = Row(name, c, 0.0)
+                for r in range(cfg.rounds):  # each round asks other questions: no prompt is repeated
+                    wall, samples = asyncio.run(drive(url, model, questions(c, salt=r * c), cfg.max_tokens))
+                    row.wall += wall
+                    row.samples += samples
+                results.setdefault(name, []).append(row)
     return results
 
 
@@ -373,6 +381,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", default="1,4,16,32")
     p.add_argument("--clients", type=int, default=16, help="clients of the prefix and grounded runs")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds per concurrency of the load run (one at 1 "
+        "client is a single request: use 3 or more for its figures)",
+    )
     p.add_argument("--backend", action="append", default=[], help="extra localrt backend column (torch)")
     p.add_argument("--server-spec", default="ngram-simple", help="llama-server --spec-type for grounded")
     p.add_argument("--skip", default="", help="comma list of load,prefix,grounded to skip")
@@ -393,6 +408,7 @@ def main() -> None:
         server_spec=a.server_spec,
         skip={s for s in a.skip.split(",") if s},
         with_llama_server=not a.no_llama_server,
+        rounds=max(1, a.rounds),
     )
     clients = a.clients
     if a.smoke:

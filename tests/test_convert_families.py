@@ -44,7 +44,8 @@ MODELS: dict[str, dict[str, Any]] = {
         rope_scaling={"rope_type": "linear", "factor": 8.0},
     ),
     "gemma3-rows320": dict(family="gemma3", n_layer=2, **ROWS320),
-    "gemma2": dict(family="gemma2", dtype="BF16"),
+    # f16 weights: the 1 + w of the norms is an f16 add, as in llama.cpp's converter
+    "gemma2": dict(family="gemma2", dtype="F16"),
     "gemma2-rows320": dict(family="gemma2", n_layer=2, **ROWS320),
     # LongRoPE (factors + attention factor), f16 weights
     "phi3": dict(family="phi3", dtype="F16", longrope=True, context=8192, original_context=2048),

@@ -148,6 +148,22 @@ def test_a_second_request_evaluates_only_its_own_suffix(model: LlamaCppModel) ->
     assert b.done.timings.cached_count == shared
 
 
+def test_a_short_shared_prefix_is_copied_when_the_copy_is_cheaper(model: LlamaCppModel) -> None:
+    """A chat template's system part (well under 32 tokens) is copied from an idle sequence rather than
+    evaluated again: a 512-cell stream of SmolLM2 costs less to copy than one token to evaluate."""
+    first = ask(model, "Which river flows through Vienna?")
+    second = ask(model, "How many legs does a spider have?")
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared < 32
+    assert model.engine is not None
+    assert model.engine.copy_min == 1
+    asyncio.run(run_one(model, GenerateRequest(first, GREEDY, num_predict=2)))
+    b = asyncio.run(run_one(model, GenerateRequest(second, GREEDY, num_predict=2)))
+    assert b.done is not None
+    assert b.done.timings.cached_count >= shared
+    assert b.done.timings.prompt_eval_count == len(second) - b.done.timings.cached_count
+
+
 def test_a_request_copies_the_prefix_of_a_running_one(model: LlamaCppModel) -> None:
     system = " ".join(f"Rule {i}: answer politely and briefly." for i in range(8))
     prompts = [
@@ -235,3 +251,35 @@ def test_speculation_in_a_mixed_batch_stays_exact(smollm2_gguf: Path) -> None:
     drafted = [o.done.timings for o in mixed if o.done is not None]
     assert sum(t.draft_count for t in drafted[:2]) > 0
     assert sum(t.draft_accepted_count for t in drafted[:2]) > 0  # the draft is the model itself
+
+
+def test_an_evicted_conversation_comes_back_from_the_ram_cache(smollm2_gguf: Path) -> None:
+    """Two sequences, three conversations: the first loses its sequence to the third, its state is saved in
+    RAM, and its next turn evaluates only the new tokens, with the tokens a fresh model gives."""
+    opts = LoadOptions(num_ctx=512, num_thread=THREADS, num_batch=128, num_parallel=2)
+    system = " ".join(f"Rule {i}: answer with care and in full sentences." for i in range(6))
+    chat = CHAT.replace("You are a helpful assistant.", system)
+    m = LlamaCppBackend.load(smollm2_gguf, opts)
+    try:
+        first = m.tokenize(chat.format(q="Where is Peru?"), True, True)
+        answer = asyncio.run(run_one(m, GenerateRequest(first, GREEDY, num_predict=6)))
+        for q in ("Name a fruit.", "Name a tree."):  # two other conversations: the first one's seq is reused
+            other = m.tokenize(CHAT.format(q=q), True, True)
+            asyncio.run(run_one(m, GenerateRequest(other, GREEDY, num_predict=3)))
+        follow = first + answer.ids + m.tokenize("<|im_end|>\n<|im_start|>user\nAnd Chile?", False, True)
+        again = asyncio.run(run_one(m, GenerateRequest(follow, GREEDY, num_predict=6)))
+        saved_after = len(m.engine.saved) if m.engine is not None else -1
+    finally:
+        m.unload()
+    fresh_model = LlamaCppBackend.load(smollm2_gguf, opts)
+    try:
+        scratch = asyncio.run(run_one(fresh_model, GenerateRequest(follow, GREEDY, num_predict=6)))
+    finally:
+        fresh_model.unload()
+    assert again.done is not None
+    assert scratch.done is not None
+    assert again.done.timings.cached_count >= len(first)  # restored: the whole first turn
+    assert again.done.timings.prompt_eval_count == len(follow) - again.done.timings.cached_count
+    assert scratch.done.timings.cached_count == 0
+    assert again.ids == scratch.ids
+    assert saved_after >= 1  # the "tree" conversation's seq was saved in turn when the first came back

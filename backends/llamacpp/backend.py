@@ -55,7 +55,7 @@ from .lib import (
     gpu_offload_supported,
     load_model,
 )
-from .step import BatchedContext, DraftContext, ExternalChunk, Job, PromptItem
+from .step import BatchedContext, DraftContext, ExternalChunk, Job, PromptItem, copy_threshold
 from .vocab import Vocab, VocabMethods
 
 NAME = "llama.cpp"
@@ -193,6 +193,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             step_tokens=step_tokens,
             draft=draft,
             verify_cost=VERIFY_COST_PER_DRAFT["gpu" if self.on_gpu else "cpu"],
+            copy_min=copy_threshold(per_token * self.context_length, int(m.size())),
         )
         if opts.projector is not None:
             self._projector = Projector(

@@ -15,6 +15,7 @@ prefill reaches it and records the chunk's cells under its key, so an identical 
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -44,9 +45,26 @@ from localrt.errors import LocalrtError
 from .lib import Batch, Memory, _lib, logits_row, make_sampler, sample, token_piece
 
 MAX_VERIFY = 48  # draft tokens + 1 per sequence and step
-# A prefix shorter than this is evaluated again rather than copied: copying between streams copies the
-# source's whole stream buffer (all n_ctx cells), which costs about as much as evaluating a few dozen tokens.
+# The shared-prefix length from which a prefix is copied when the caller gives no cost figures, and the
+# least a new request must share with a prompt still being evaluated to wait for it rather than start.
 COPY_MIN = 32
+# RAM for the states of idle sequences that lost their cells to another request (llama-server's
+# --cache-ram): a conversation coming back after its sequence was reused is restored, not re-evaluated.
+RAM_CACHE_BYTES = 512 << 20
+
+
+def copy_threshold(stream_bytes: int, weight_bytes: int) -> int:
+    """The shortest shared prefix worth copying rather than evaluating again.
+
+    A copy between sequences copies the source's whole KV stream (every cell of its context, used or not),
+    so it costs a memory copy of `stream_bytes`; evaluating a prompt token costs a pass of compute over the
+    weights. Counted on SmolLM2-135M Q4_1 (one thread, CPU time of the decode that carries the copy): a
+    2,048-cell stream (47 MB) costs about one token's evaluation, an 8,192-cell one about five, i.e. one
+    token per half the weights' bytes. Below that, re-evaluating the prefix is cheaper.
+    """
+    if stream_bytes <= 0 or weight_bytes <= 0:
+        return COPY_MIN
+    return max(1, -(-2 * stream_bytes // weight_bytes))
 
 
 @dataclass
@@ -76,6 +94,14 @@ def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
             break
         n += 1
     return n
+
+
+@dataclass
+class SavedSeq:
+    """An evicted idle sequence: its cells and its KV state as llama_state_seq_get_data wrote it."""
+
+    cells: list[Hashable]
+    data: Any  # a ctypes uint8 array
 
 
 @dataclass
@@ -215,6 +241,8 @@ class BatchedContext:
         step_tokens: int,
         draft: DraftContext | None = None,
         verify_cost: float = VERIFY_COST_PER_DRAFT["cpu"],
+        copy_min: int = COPY_MIN,
+        ram_cache_bytes: int = RAM_CACHE_BYTES,
     ) -> None:
         self.lib = _lib()
         self.model, self.ctx = model, ctx
@@ -229,6 +257,9 @@ class BatchedContext:
         self.draft_cost = {"lookup": verify_cost}
         if draft is not None:
             self.draft_cost["draft"] = verify_cost + draft.model.size() / max(1, model.size())
+        self.copy_min = copy_min
+        self.ram_cache_bytes = ram_cache_bytes
+        self.saved: list[SavedSeq] = []  # evicted idle sequences' states, least recently saved first
         self.memory = Memory(ctx.ctx)
         self.batch = Batch(step_tokens)
         self.cells: list[list[Hashable]] = [[] for _ in range(n_seq_max)]  # exactly what each seq holds
@@ -243,6 +274,12 @@ class BatchedContext:
         self.cond = threading.Condition()
         self.closed = False
         self.steps = 0  # decodes run (for tests and benchmarks)
+        self.outbox: list[Callable[[], None]] = []  # events of the last step, handed over by _flush
+        self.handing: list[Callable[[], None]] = []  # flushed, for the hand-over thread
+        self.hand_cond = threading.Condition()
+        self.hand_closed = False
+        self.hand_thread = threading.Thread(target=self._hand_over, daemon=True, name="localrt-llamacpp-emit")
+        self.hand_thread.start()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="localrt-llamacpp-step")
         self.thread.start()
 
@@ -271,11 +308,17 @@ class BatchedContext:
             self.closed = True
             self.cond.notify_all()
         self.thread.join()
+        with self.hand_cond:
+            self.hand_closed = True
+            self.hand_cond.notify_all()
+        self.hand_thread.join()
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self.cond:
+                if not (self.closed or self.waiting or self.running or self.tasks):
+                    self._flush()
                 while not (self.closed or self.waiting or self.running or self.tasks):
                     self.cond.wait()
                 if self.closed:
@@ -304,6 +347,7 @@ class BatchedContext:
                     job.finished.set()
             else:
                 self._fail(job, gone)
+        self._flush()
         for task in tasks:
             task.error = gone
             task.finished.set()
@@ -312,12 +356,16 @@ class BatchedContext:
         """One iteration: drop cancelled requests, admit new ones, decode one batch, sample."""
         for job in [j for j in self.running if j.cancel.cancelled]:
             self._finish(job, "cancel")
+        if self.waiting:
+            self._flush()  # admission may take a while (a grammar to compile): tokens go out first
         self._admit()
         if not self.running:
+            self._flush()
             return
         self._add_decodes()
         self._add_prefills()
         self._fill_batch()
+        self._flush()
         if self.batch.n == 0:
             return
         self._decode()
@@ -326,6 +374,38 @@ class BatchedContext:
                 rows, drafts = job.rows, job.drafts
                 job.rows, job.drafts = [], []
                 self._consume(job, rows, drafts)
+
+    def _emit(self, job: Job, event: Event) -> None:
+        self.outbox.append(lambda: job.emit(event))
+
+    def _flush(self) -> None:
+        """Pass the last step's events to the hand-over thread, right before the next `llama_decode`.
+
+        Emitting wakes the consumer's event loop (`call_soon_threadsafe` writes to its socket), which takes
+        the GIL at once; emitted from the step thread, the loop's work (runtime, HTTP, JSON) ran while the
+        step thread waited for the GIL to come back (cProfile on the step thread, loaded machine: that
+        `socket.send` took 14-20 ms of wall per step). The hand-over thread gets the GIL when the step
+        thread enters `llama_decode` (ctypes releases it), so the consumers' work overlaps the decode. On
+        the loaded machine the step's total time outside the decode did not measurably change (A/B over
+        64 steps); a quiet 2-core run decides whether it pays."""
+        if not self.outbox:
+            return
+        with self.hand_cond:
+            self.handing.extend(self.outbox)
+            self.hand_cond.notify()
+        self.outbox = []
+
+    def _hand_over(self) -> None:
+        """The hand-over thread: run flushed emits in order (events, then `finished`), until closed."""
+        while True:
+            with self.hand_cond:
+                while not (self.handing or self.hand_closed):
+                    self.hand_cond.wait()
+                if not self.handing:
+                    return
+                out, self.handing = self.handing, []
+            for hand_over in out:
+                hand_over()
 
     # ---- admission and prefix reuse ------------------------------------------------------------
     def _admit(self) -> None:
@@ -356,7 +436,8 @@ class BatchedContext:
             if other.generating or not other.pending:
                 continue
             shared = common_prefix(other.prompt_cells, job.prompt_cells)
-            if shared >= COPY_MIN and shared > cached:
+            # a wait of a step or more pays only for a long shared part, however cheap the copy is
+            if shared >= max(self.copy_min, COPY_MIN) and shared > cached:
                 return True
         return False
 
@@ -365,20 +446,7 @@ class BatchedContext:
         job.t_admit = time.perf_counter_ns()
         prompt_cells = job.prompt_cells or _cells(job.prompt)
         job.prompt_cells = prompt_cells
-        src, n = self._best_prefix(prompt_cells)
-        n = min(n, len(prompt_cells) - 1)  # at least one token is evaluated, for its logits
-        n = _cut(job.prompt, n)  # never start inside an external chunk
-        seq = self._free_seq(src, n, len(prompt_cells))
-        if seq != src and n >= COPY_MIN:
-            # each sequence has a stream of its own: the copy is of the whole stream, then the tail goes
-            self.memory.copy(src, seq, -1, -1)
-            self.cells[seq] = list(self.cells[src])
-        elif seq != src:
-            n = 0
-        if not self.memory.remove(seq, n, -1):
-            self.memory.remove(seq)
-            n = 0
-        del self.cells[seq][n:]
+        seq, n = self._place(job.prompt, prompt_cells)
         job.seq = seq
         self.owner[seq] = job
         job.pending = _items_from(job.prompt, n)
@@ -394,6 +462,69 @@ class BatchedContext:
         self.running.append(job)
         job.timings.cached_count = n
 
+    def _place(self, prompt: list[PromptItem], prompt_cells: list[Hashable]) -> tuple[int, int]:
+        """A seq id for a new prompt and how many of its cells it already holds (a live sequence's prefix,
+        copied or taken over, or a saved one restored from RAM); the rest of the seq's cells are gone."""
+        src, n = self._best_prefix(prompt_cells)
+        saved, n_saved = self._best_saved(prompt_cells)
+        if saved is not None and n_saved > n:
+            src = self._free_seq(-1, 0, len(prompt_cells))
+            n = n_saved if self._restore(saved, src) else 0
+        n = min(n, len(prompt_cells) - 1)  # at least one token is evaluated, for its logits
+        n = _cut(prompt, n)  # never start inside an external chunk
+        seq = self._free_seq(src, n, len(prompt_cells))
+        if self.cells[seq] and (seq != src or n < len(self.cells[seq])):
+            self._save(seq)  # an idle conversation loses cells: keep its state in RAM
+        if seq != src and n >= self.copy_min:
+            # each sequence has a stream of its own: the copy is of the whole stream, then the tail goes
+            self.memory.copy(src, seq, -1, -1)
+            self.cells[seq] = list(self.cells[src])
+        elif seq != src:
+            n = 0
+        if not self.memory.remove(seq, n, -1):
+            self.memory.remove(seq)
+            n = 0
+        del self.cells[seq][n:]
+        return seq, n
+
+    # ---- the RAM prompt cache: states of idle sequences that lost their cells ---------------------
+    def _save(self, seq: int) -> None:
+        """Keep seq's KV state (llama_state_seq_get_data) in RAM, newest last, within ram_cache_bytes."""
+        cells = self.cells[seq]
+        if self.ram_cache_bytes <= 0 or any(s.cells[: len(cells)] == cells for s in self.saved):
+            return  # off, or a saved state already holds all of it
+        size = int(self.lib.llama_state_seq_get_size(self.ctx.ctx, seq))
+        if size <= 0 or size > self.ram_cache_bytes:
+            return
+        buf = (ctypes.c_uint8 * size)()
+        if int(self.lib.llama_state_seq_get_data(self.ctx.ctx, buf, size, seq)) == 0:
+            return
+        self.saved = [s for s in self.saved if cells[: len(s.cells)] != s.cells]  # prefixes of this one
+        self.saved.append(SavedSeq(list(cells), buf))
+        while sum(len(s.data) for s in self.saved) > self.ram_cache_bytes:
+            self.saved.pop(0)
+
+    def _best_saved(self, cells: list[Hashable]) -> tuple[SavedSeq | None, int]:
+        best, best_n = None, 0
+        for saved in self.saved:
+            n = common_prefix(saved.cells, cells)
+            if n > best_n:
+                best, best_n = saved, n
+        return best, best_n
+
+    def _restore(self, saved: SavedSeq, seq: int) -> bool:
+        """Load a saved state into seq (whatever it held is saved or dropped first); False if llama.cpp
+        refused it (seq is then empty)."""
+        if self.cells[seq]:
+            self._save(seq)
+        self._evict(seq)
+        self.saved.remove(saved)
+        if int(self.lib.llama_state_seq_set_data(self.ctx.ctx, saved.data, len(saved.data), seq)) == 0:
+            self._evict(seq)
+            return False
+        self.cells[seq] = list(saved.cells)
+        return True
+
     def _best_prefix(self, cells: list[Hashable]) -> tuple[int, int]:
         best, best_n = -1, 0
         for seq in range(self.n_seq_max):
@@ -405,9 +536,10 @@ class BatchedContext:
     def _free_seq(self, src: int, n: int, prompt_len: int) -> int:
         """A seq id for a new request whose best cached prefix is n cells of seq `src`.
 
-        An idle source the prompt extends (a conversation's next turn) or repeats is taken over; a long
-        prefix is copied to another id, so that the source keeps its tail for its own conversation; a short
-        one is evaluated again on an empty id rather than cut another conversation. Otherwise the lowest empty id,
+        An idle source the prompt extends (a conversation's next turn) or repeats is taken over; a prefix of
+        at least `copy_min` cells (what the copy costs, see `copy_threshold`) is copied to another id, so that
+        the source keeps its tail for its own conversation; a shorter one is evaluated again on an empty id
+        rather than cut another conversation. Otherwise the lowest empty id,
         else the least recently used idle one: low ids keep the running ids together (llama.cpp cuts
         micro-batches of consecutive seq ids).
         """
@@ -418,7 +550,7 @@ class BatchedContext:
             return src  # the request extends it, or repeats its prompt
         others = [s for s in idle if s != src]
         empty = [s for s in others if not self.cells[s]]
-        if n >= COPY_MIN and others:
+        if n >= self.copy_min and others:
             return empty[0] if empty else min(others, key=lambda s: self.last_used[s])
         if empty:
             return empty[0]
@@ -435,7 +567,9 @@ class BatchedContext:
         idle = [s for s in range(self.n_seq_max) if self.owner[s] is None and self.cells[s]]
         if not idle:
             return False
-        self._evict(min(idle, key=lambda s: self.last_used[s]))
+        seq = min(idle, key=lambda s: self.last_used[s])
+        self._save(seq)
+        self._evict(seq)
         return True
 
     def _set_proposer(self, job: Job) -> None:
@@ -611,7 +745,7 @@ class BatchedContext:
         assert job.text is not None
         event, stopped = job.text.add(token, self.piece(token, token in req.preserve_tokens), lp)
         if event is not None:
-            job.emit(event)
+            self._emit(job, event)
         if stopped:
             return token, "stop"
         if job.n_gen >= job.max_new:
@@ -633,14 +767,14 @@ class BatchedContext:
         if job.text is not None:
             tail = job.text.finish()
             if tail is not None and (tail.text or tail.token_ids):
-                job.emit(tail)
+                self._emit(job, tail)
         now = time.perf_counter_ns()
         if not job.generating:
             job.timings.prompt_eval_ns = now - job.t_admit
         job.timings.eval_count = job.n_gen
         job.timings.eval_ns = now - job.t_prompt if job.t_prompt else 0
         stop_sequence = job.text.stop_sequence if job.text is not None else None
-        job.emit(DoneEvent(reason, job.timings, stop_sequence=stop_sequence))  # type: ignore[arg-type]
+        self._emit(job, DoneEvent(reason, job.timings, stop_sequence=stop_sequence))  # type: ignore[arg-type]
         self._release(job, keep=reason != "cancel")
 
     def _fail(self, job: Job, error: BaseException) -> None:
@@ -660,7 +794,7 @@ class BatchedContext:
         if job.sampler is not None:
             job.sampler.close()
             job.sampler = None
-        job.finished.set()
+        self.outbox.append(job.finished.set)  # after the job's last event
 
     # ---- exclusive tasks -----------------------------------------------------------------------
     def _run_task(self, task: Task) -> None:
