@@ -12,7 +12,9 @@ from typing import Any
 from localrt.errors import LocalrtError
 
 NEOX_ROPE_ARCHS = {"qwen2", "qwen3", "qwen2moe", "phi3", "stablelm", "gptneox"}
-SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "granite"}
+# not "granite": its embedding, residual, attention and logit multipliers are not applied here, so a
+# Granite file would give wrong logits; refused until they are (the llama.cpp backend runs it)
+SUPPORTED_ARCHS = {"llama", "mistral", "qwen2", "qwen3"}
 
 
 @dataclass

@@ -24,7 +24,6 @@ from .qwen3moe import Qwen3MoE
 MODELS: dict[str, Any] = {
     "llama": Transformer,
     "mistral": Transformer,
-    "granite": Transformer,
     "qwen2": Transformer,
     "qwen3": Transformer,
     "gemma2": Gemma2,
