@@ -39,8 +39,3 @@ class NgramProposer:
             if pos is not None:
                 return list(history[pos : pos + k])
         return []
-
-
-# The old name, for code written against it on branches merged at the same time (the MLX track's);
-# drop it once nothing imports it.
-LookupIndex = NgramProposer

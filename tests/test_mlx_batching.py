@@ -23,12 +23,13 @@ from localrt.backends.base import (  # noqa: E402
     TextEvent,
 )
 from localrt.backends.mlx.batch import BatchEngine, Row  # noqa: E402
-from localrt.backends.mlx.engine import LookupProposer, SpecStats  # noqa: E402
+from localrt.backends.mlx.engine import LookupProposer  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.model import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
 from localrt.backends.mlx.sampling import RowSampler, sample_rows, window_of  # noqa: E402
 from localrt.backends.sampler import Sampler  # noqa: E402
+from localrt.backends.speculation import SpecState  # noqa: E402
 from tests.gguf_factory import write_random_model, write_tiny_llama  # noqa: E402
 from tests.stats import assert_same_distribution  # noqa: E402
 
@@ -65,7 +66,7 @@ def mixed_specs() -> list[Spec]:
     for i in range(8):
         n = [3, 17, 40, 9, 33, 1, 25, 50][i]
         prompt = rng.integers(3, VOCAB, n).tolist()
-        if i == 2:  # repetitive text: prompt lookup finds guesses
+        if i == 2:  # repetitive text: prompt lookup finds draft tokens
             prompt = (prompt[:8] * 5)[:n]
         params = (
             SamplingParams(temperature=0.0)
@@ -97,7 +98,7 @@ def row_for(engine: BatchEngine, spec: Spec) -> Row:
     )
     if spec.lookup:
         row.proposer = LookupProposer()
-        row.spec = SpecStats("lookup", 4, 0.0)
+        row.spec = SpecState("lookup", 4, 0.0)
     return row
 
 
@@ -139,7 +140,7 @@ def test_speculation_in_the_batch_is_exact_and_switches_off(tiny: Transformer) -
     prompt = list(range(3, 11)) * 5
     plain = drive(engine, [Spec(prompt, SamplingParams(temperature=0.0), 100)])[0][0]
     row = row_for(engine, Spec(prompt, SamplingParams(temperature=0.0), 100, lookup=True))
-    row.spec = SpecStats("lookup", 4, 1.0)  # 4 guesses cost 5 steps: only all-accepted would pay
+    row.spec = SpecState("lookup", 4, 1.0)  # a draft token costs a step: only all-accepted would pay
     engine.run([row])
     assert row.output[: len(plain)] == plain
     assert row.spec.drafted > 0
@@ -300,5 +301,5 @@ def test_batching_is_invisible_through_the_backend(tiny_backend: object) -> None
         assert b[0] == a[0], f"request {i} changed when batched"
     finished = [d for _, d in side_by_side if d is not None]
     assert len(finished) == 6  # two hung up
-    assert sum(d.timings.draft_count for d in finished) > 0  # lookup guessed inside the batch
+    assert sum(d.timings.draft_count for d in finished) > 0  # lookup drafted inside the batch
     assert all(d.timings.eval_count > 0 for d in finished)

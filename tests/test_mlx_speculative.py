@@ -14,17 +14,16 @@ mx = pytest.importorskip("mlx.core")
 from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
 from localrt.backends.mlx.engine import (  # noqa: E402
-    DraftProposer,
+    DraftModelProposer,
     LookupProposer,
     Runner,
     SelfProposer,
-    SpecStats,
     generate,
 )
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.model import Transformer  # noqa: E402
 from localrt.backends.sampler import Sampler  # noqa: E402
-from localrt.backends.speculation import break_even_acceptance, verify  # noqa: E402
+from localrt.backends.speculation import SpecState, break_even_acceptance, verify  # noqa: E402
 from tests.gguf_factory import write_random_model  # noqa: E402
 from tests.stats import assert_same_distribution, de_bruijn_prompt, exact_pair_distribution  # noqa: E402
 
@@ -39,7 +38,7 @@ def proposer_for(mode: str, runner: Runner, draft: Transformer | None, self_laye
     if mode == "self":
         return SelfProposer(runner, self_layers)
     assert draft is not None
-    return DraftProposer(Runner(draft, runner.kv_cache_type, runner.num_batch), 0.5)
+    return DraftModelProposer(Runner(draft, runner.kv_cache_type, runner.num_batch), 0.5)
 
 
 def decode(
@@ -51,14 +50,14 @@ def decode(
     proposer: object | None = None,
     k: int = 4,
     cost: float = 0.0,
-) -> tuple[list[int], SpecStats | None]:
+) -> tuple[list[int], SpecState | None]:
     out: list[int] = []
 
     def on_token(token: int, logits: np.ndarray) -> bool:
         out.append(token)
         return False
 
-    spec = SpecStats(mode, k, cost) if proposer is not None else None
+    spec = SpecState(mode, k, cost) if proposer is not None else None
     generate(
         runner,
         prompt,
@@ -180,7 +179,7 @@ def test_speculation_switches_off_below_break_even(greedy_models: tuple[Transfor
     )
     assert spec is not None
     assert not spec.enabled
-    assert spec.drafted < 60  # it stopped guessing early, not after 120 tokens
+    assert spec.drafted < 60  # it stopped drafting early, not after 120 tokens
     assert spec.accepted / spec.drafted < break_even_acceptance(4, 0.5)
 
 

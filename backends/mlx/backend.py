@@ -210,7 +210,7 @@ class MLXModel(VocabMethods, ModelLifetime):
 
     def _row(self, req: GenerateRequest, mode: str, grammar: Grammar | None) -> Any:
         """The engine row of a request: sampler, limits, its own proposer (on its own caches)."""
-        from .engine import DraftProposer, LookupProposer, SelfProposer
+        from .engine import DraftModelProposer, LookupProposer, SelfProposer
         from .sampling import RowSampler
 
         prompt = list(req.prompt_tokens)
@@ -226,7 +226,7 @@ class MLXModel(VocabMethods, ModelLifetime):
         if mode == "lookup":
             row.proposer = LookupProposer()
         elif mode == "draft" and self.draft_model is not None:
-            row.proposer = DraftProposer(self._new_runner(self.draft_model), self.draft_cost)
+            row.proposer = DraftModelProposer(self._new_runner(self.draft_model), self.draft_cost)
         elif mode == "self":  # the row's own caches, once the engine gives them
             cost = self.self_spec_layers / self.model.cfg.block_count
             row.proposer = _SelfOnRow(row, self.self_spec_layers, cost, SelfProposer)

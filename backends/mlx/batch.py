@@ -2,7 +2,7 @@
 
 A step lays every active sequence's input end to end and runs one forward (`Transformer.hidden_batch`:
 shared matrix products, per-sequence caches and attention): a prompt chunk (no logits) for sequences
-still prefilling, the last token for decoding ones, the last token and its guesses for speculating
+still prefilling, the last token for decoding ones, the last token and its draft tokens for speculating
 ones. Sequences join and leave at every step; each one's caches start from the prompt cache's longest
 match and go back to it when the sequence ends.
 
@@ -10,7 +10,7 @@ Pipelining (`mx.async_eval`): a step samples on the device and starts evaluating
 built on the device tokens it sampled, before the host reads them, and only then are the first
 step's tokens read. A sequence that ended in the meantime wasted one row of the queued step; its
 cache keeps the last token it was fed. Rows that need the host before their next input exists
-(a grammar mask, speculative guesses) are read first: they are sampled on the host side from their
+(a grammar mask, speculative draft tokens) are read first: they are sampled on the host side from their
 logits rows, with the same per-request key stream (`sampling.RowSampler`).
 
 `step()` returns its outputs (tokens per sequence, logprobs, finish reasons); `start(sink)` runs it on
@@ -34,7 +34,7 @@ import numpy as np
 from localrt.backends.base import CancelToken
 from localrt.backends.speculation import SpecState, verify
 
-from .engine import Proposer, Runner, SpecStats
+from .engine import Proposer, Runner
 from .model import Transformer
 from .prompt_cache import PromptCache
 from .sampling import Logprobs, RowSampler, logprobs_of, sample_rows, window_of
@@ -53,7 +53,7 @@ class Row:
         cancel: CancelToken | None = None,
         top_logprobs: int = -1,
         proposer: Proposer | None = None,
-        spec: SpecState | SpecStats | None = None,
+        spec: SpecState | None = None,
     ) -> None:
         self.id = row_id
         self.prompt = prompt
@@ -76,7 +76,7 @@ class Row:
 
     @property
     def needs_host(self) -> bool:
-        """Its next input depends on the host (a grammar's mask, the proposer's guesses)."""
+        """Its next input depends on the host (a grammar's mask, the proposer's draft tokens)."""
         return self.sampler.grammar is not None or (self.spec is not None and self.spec.enabled)
 
     @property
@@ -100,7 +100,7 @@ class _Planned:
     kind: str  # "prefill" (no logits), "device" (sampled on the device), "host" (logits read back)
     index: int = -1  # its place among the device rows or the host rows
     drafts: list[int] = field(default_factory=list)
-    q: Any = None  # the drafts' distributions (None: deterministic guesses)
+    q: Any = None  # the draft tokens' distributions (None: deterministic draft tokens)
     logits_rows: int = 0
 
 
@@ -331,7 +331,7 @@ class BatchEngine:
             return [row.sampler.sample(rows[0], row.tokens)]
         new, accepted = verify(row.sampler, rows, p.drafts, p.q, row.tokens)
         assert row.runner is not None and row.spec is not None
-        row.runner.trim(len(p.drafts) - accepted)  # the rejected guesses leave the caches
+        row.runner.trim(len(p.drafts) - accepted)  # the rejected draft tokens leave the caches
         row.spec.record(len(p.drafts), accepted)
         return new
 

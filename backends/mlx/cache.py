@@ -2,7 +2,7 @@
 
 Every cache has the same small protocol (as mlx-lm's): `offset` (tokens held), `attend(q, k, v)`
 (append this step's keys/values, attend over everything so far), `trim(n)` (forget the last n
-tokens, e.g. rejected guesses: lowering the offset is enough, later writes overwrite them) and
+tokens, e.g. rejected draft tokens: lowering the offset is enough, later writes overwrite them) and
 `nbytes`. `prefix(n)` gives a new cache holding the first n tokens (the prompt cache hands these
 out): MLX arrays are values, so later writes to either cache never reach the other.
 """

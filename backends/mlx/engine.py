@@ -2,8 +2,9 @@
 
 The caches always hold exactly `Engine.tokens`. A request first trims them to the longest prefix
 it shares with the prompt (a conversation's next turn recomputes only the new turn), prefills the
-rest in chunks of `num_batch`, then runs steps. A step feeds the last token plus any guesses,
-verifies the guesses (speculation.verify: exact for sampling too) and trims the rejected ones.
+rest in chunks of `num_batch`, then runs steps. A step feeds the last token plus any draft tokens,
+verifies them (speculation.verify: exact for sampling too) and trims the rejected ones. A request's
+speculation state and policy are the engines' shared ones (`speculation.SpecState`).
 Invariant: before a step the caches hold every token but the last.
 """
 
@@ -18,15 +19,11 @@ import numpy as np
 
 from localrt.backends.lookup import NgramProposer
 from localrt.backends.sampler import Sampler
-from localrt.backends.speculation import WARMUP_DRAFTS, break_even_acceptance, verify
+from localrt.backends.speculation import SpecState, verify
 
 from .cache import make_caches, trim_caches
 from .model import Transformer
 from .prompt_cache import common_prefix
-
-# Extra query rows in one verify pass, in units of a one-token step. On Apple GPUs decode is
-# bandwidth-bound (extra rows are nearly free); MLX's CPU matmuls scale with the rows.
-VERIFY_COST_PER_DRAFT = {"gpu": 0.03, "cpu": 0.25}
 
 
 class Runner:
@@ -85,51 +82,35 @@ class Runner:
         return np.concatenate(out) if rows == "all" else out[-1]
 
 
-@dataclass
-class SpecStats:
-    mode: str
-    k: int
-    cost_per_draft: float
-    enabled: bool = True
-    drafted: int = 0
-    accepted: int = 0
-
-    def record(self, drafted: int, accepted: int) -> None:
-        self.drafted += drafted
-        self.accepted += accepted
-        if self.drafted >= WARMUP_DRAFTS and self.accepted / self.drafted < break_even_acceptance(
-            self.k, self.cost_per_draft
-        ):
-            self.enabled = False  # speculation costs this request more than it saves
-
-
-Proposal = tuple[list[int], np.ndarray | None]  # guesses, and their distributions [k, V] when sampled
+Proposal = tuple[list[int], np.ndarray | None]  # draft tokens, and their distributions [k, V] when sampled
 
 
 class Proposer(Protocol):
+    """Proposes a step's draft tokens (`LookupProposer`, `SelfProposer`, `DraftModelProposer`)."""
+
     cost_per_draft: float  # in units of one target decode step
 
     def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal: ...
 
 
-def _guess(sampler: Sampler, logits: np.ndarray, history: list[int]) -> tuple[int, np.ndarray | None]:
+def _draft_token(sampler: Sampler, logits: np.ndarray, history: list[int]) -> tuple[int, np.ndarray | None]:
     if sampler.greedy:
         return sampler.sample(logits, history), None
     q = sampler.probs(logits, history)
     return sampler.draw(q), q
 
 
-def _model_guesses(
+def _model_draft_tokens(
     runner: Runner, first: Sequence[int], tokens: list[int], k: int, sampler: Sampler, num_layers: int | None
 ) -> tuple[list[int], list[np.ndarray]]:
-    """k guesses from `runner` (fed `first` then each guess but the last)."""
+    """k draft tokens from `runner` (fed `first` then each draft token but the last)."""
     drafts: list[int] = []
     qs: list[np.ndarray] = []
     feed = list(first)
     for _ in range(k):
         logits = runner.feed(feed, "last", num_layers)
         assert logits is not None
-        d, q = _guess(sampler, logits, tokens + drafts)
+        d, q = _draft_token(sampler, logits, tokens + drafts)
         drafts.append(d)
         if q is not None:
             qs.append(q)
@@ -138,6 +119,8 @@ def _model_guesses(
 
 
 class LookupProposer:
+    """Prompt lookup: the request's own n-gram index (backends/lookup.py); nothing runs a model."""
+
     cost_per_draft = 0.0
 
     def __init__(self) -> None:
@@ -150,7 +133,7 @@ class LookupProposer:
 class SelfProposer:
     """The target's first `num_layers` blocks + final norm + head, on the target's own caches.
 
-    The guesses' KV in those layers is trimmed again before the verify pass recomputes them.
+    The draft tokens' KV in those layers is trimmed again before the verify pass recomputes them.
     """
 
     def __init__(self, target: Runner, num_layers: int) -> None:
@@ -159,12 +142,12 @@ class SelfProposer:
         self.cost_per_draft = num_layers / target.model.cfg.block_count
 
     def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
-        drafts, qs = _model_guesses(self.target, [tokens[-1]], tokens, k, sampler, self.num_layers)
+        drafts, qs = _model_draft_tokens(self.target, [tokens[-1]], tokens, k, sampler, self.num_layers)
         trim_caches(self.target.caches[: self.num_layers], k)
         return drafts, np.stack(qs) if qs else None
 
 
-class DraftProposer:
+class DraftModelProposer:
     """A smaller model with the same vocabulary and its own caches, caught up by prefix reuse."""
 
     def __init__(self, draft: Runner, cost_per_draft: float) -> None:
@@ -173,7 +156,7 @@ class DraftProposer:
 
     def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
         n = self.draft.reuse(tokens)
-        drafts, qs = _model_guesses(self.draft, tokens[n:], tokens, k, sampler, None)
+        drafts, qs = _model_draft_tokens(self.draft, tokens[n:], tokens, k, sampler, None)
         return drafts, np.stack(qs) if qs else None
 
 
@@ -201,7 +184,7 @@ def generate(
     on_token: OnToken,
     cancelled: Callable[[], bool],
     proposer: Proposer | None = None,
-    spec: SpecStats | None = None,
+    spec: SpecState | None = None,
     clock: Callable[[], int] = lambda: 0,
 ) -> Outcome:
     """Decode after `prompt` until EOS, a stop string, `max_tokens` total tokens, or cancel."""
