@@ -318,8 +318,9 @@ def run_grounded(cfg: Config, clients: int) -> dict[str, Row]:
             results[f"llama-server {cfg.server_spec or 'no spec'}"] = Row(
                 "llama-server", clients, wall, samples
             )
-    with localrt_server(cfg.gguf, cfg.threads, cfg.slots, cfg.ctx, "llama.cpp") as url:
-        for label, mode in (("localrt lookup", "lookup"), ("localrt off", "off")):
+    for label, mode in (("localrt lookup", "lookup"), ("localrt off", "off")):
+        # a fresh server per mode: on one server the second run would find every prompt cached
+        with localrt_server(cfg.gguf, cfg.threads, cfg.slots, cfg.ctx, "llama.cpp") as url:
             wall, samples = asyncio.run(drive(url, MODEL, work, cfg.max_tokens, {"speculative": mode}))
             results[label] = Row(label, clients, wall, samples)
     same = [
