@@ -389,7 +389,9 @@ async def test_pulling_a_model_shows_progress(tmp_path: Path, monkeypatch: pytes
     gguf = write_tiny_llama(tmp_path / "tiny.gguf", n_embd=256, n_ff=512)  # a few MB: many progress events
     with Registry() as registry:
         registry.add_model("library/tiny", "latest", gguf)
-        registry.delay = 0.01  # per 64 KiB: the pull takes about a second
+        # per 64 KiB: the pull takes about four seconds, so the bar is seen between its ends even when
+        # a busy machine lets the UI loop run only now and then (at 0.01 a loaded CI run once saw 0, 0, end)
+        registry.delay = 0.03
         name = f"{registry.address}/library/tiny:latest"
 
         app = make_app(tmp_path / "models", tmp_path, model=None)
