@@ -146,7 +146,8 @@ class MLXModel(VocabMethods, ModelLifetime):
     def _load(self, opts: LoadOptions, self_spec_layers: int | None, prompt_cache_bytes: int | None) -> None:
         import mlx.core as mx
 
-        from .cache import KV_GROUP, kv_dtype
+        from .architectures import load_model
+        from .cache import KV_GROUP, SLACK, kv_dtype
         from .engine import Runner
         from .gguf_load import GGUFTensors
         from .model import Transformer
@@ -158,7 +159,7 @@ class MLXModel(VocabMethods, ModelLifetime):
         tensors = GGUFTensors(self.path)
         self.metadata: dict[str, str] = tensors.text_metadata()
         tokens = tensors.vocabulary()  # to check a draft model's against
-        self.model = Transformer(tensors, self.dtype)
+        self.model = load_model(tensors, self.dtype)
         tensors.close()
         cfg = self.model.cfg
         self.context_length = loaded_context(opts.num_ctx, cfg.context_length)
@@ -170,9 +171,14 @@ class MLXModel(VocabMethods, ModelLifetime):
         # the exit must sit near the top to agree with the full model: on SmolLM2-135M the argmax of
         # 24 of 30 layers matches 26% of the time on copied text, of 27 layers 49%
         self.self_spec_layers = self_spec_layers or max(1, cfg.block_count - max(1, cfg.block_count // 10))
-        kv_per_token = 2 * cfg.block_count * cfg.attention_head_count_kv * cfg.attention_key_length
+        kv_per_token = 2 * cfg.attention_head_count_kv * cfg.attention_key_length  # one layer's
         kv_bytes = 1.125 if opts.kv_cache_type == "q8_0" else kv_dtype(opts.kv_cache_type, self.dtype).size
-        context_kv = int(kv_per_token * kv_bytes * self.context_length)
+        # a sliding layer's rotating cache holds its window, its slack and one chunk at most
+        held = [
+            min(self.context_length, w + 2 * SLACK + opts.num_batch) if w else self.context_length
+            for w in self.model.windows
+        ]
+        context_kv = int(kv_per_token * kv_bytes * sum(held))
         self.memory_bytes = self.model.nbytes + context_kv * self.slots
         budget = context_kv * self.slots if prompt_cache_bytes is None else prompt_cache_bytes
         self.engine.attach(self.model, max_rows=self.slots, prompt_cache=PromptCache(budget), eog=self._eog)
@@ -183,7 +189,7 @@ class MLXModel(VocabMethods, ModelLifetime):
             check_draft_vocabulary(
                 opts.draft_model, len(tokens), len(draft_tokens), tokens.__getitem__, draft_tokens.__getitem__
             )
-            draft_model = Transformer(dt, self.dtype)
+            draft_model = load_model(dt, self.dtype)
             dt.close()
             self.memory_bytes += draft_model.nbytes
             self.draft_model = draft_model
@@ -339,9 +345,7 @@ class MLXModel(VocabMethods, ModelLifetime):
         """Final-normed hidden states [n, dim] of one sequence, on fresh caches (the chat's are kept)."""
         import mlx.core as mx
 
-        from .cache import make_caches
-
-        caches = make_caches(self.model.cfg.block_count, self.opts.kv_cache_type, self.dtype)
+        caches = self.model.make_caches(self.opts.kv_cache_type)
         chunks = []
         step = max(1, self.opts.num_batch)
         for s in range(0, len(ids), step):

@@ -21,7 +21,7 @@ from localrt.backends.lookup import NgramProposer
 from localrt.backends.sampler import Sampler
 from localrt.backends.speculation import SpecState, verify
 
-from .cache import make_caches, trim_caches
+from .cache import trim_caches
 from .model import Transformer
 from .prompt_cache import common_prefix
 
@@ -41,15 +41,17 @@ class Runner:
         self.model = model
         self.kv_cache_type = kv_cache_type
         self.num_batch = max(1, num_batch)
-        if caches is None:
-            caches = make_caches(model.cfg.block_count, kv_cache_type, model.dtype)
-        self.caches = caches
+        self.caches = model.make_caches(kv_cache_type) if caches is None else caches
         self.tokens: list[int] = list(tokens)
 
     def reuse(self, tokens: Sequence[int], keep_last: int = 1) -> int:
         """Trim the caches to their longest prefix shared with `tokens`, leaving at least `keep_last`
         tokens to feed (their logits are needed); returns how many tokens are reused."""
         n = min(common_prefix(self.tokens, tokens), max(0, len(tokens) - keep_last))
+        if not all(c.can_trim(len(self.tokens) - n) for c in self.caches):
+            # a sliding layer's cache no longer holds the window before position n: start over
+            self.caches, n = self.model.make_caches(self.kv_cache_type), 0
+            self.tokens.clear()
         self.trim(len(self.tokens) - n)
         return n
 

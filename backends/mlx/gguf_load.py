@@ -205,3 +205,18 @@ class GGUFTensors(GGUFTensorSource):
                 qw.scales, qw.biases = qw.scales.astype(dtype), qw.biases.astype(dtype)
             return qw
         return mx.array(dequantize(raw, t.ggml_type, t.shape)).astype(dtype)
+
+    def experts(self, name: str, dtype: mx.Dtype) -> QuantizedWeight | mx.array:
+        """A 3-D expert tensor (GGUF shape (in, out, experts)) as [experts, out, in]: MLX-quantized
+        (arrays [E, out, *]) where its type has an exact form, else dense."""
+        raw, t = self.stored(name)
+        if t.ggml_type in EXACT and len(t.shape) == 3 and t.shape[0] % GROUP == 0:
+            n_out, n_expert = t.shape[1], t.shape[2]
+            qw = repack(raw, t.ggml_type, t.shape)  # [E * out, *]: each expert's rows in turn
+            qw.weight, qw.scales, qw.biases = (
+                a.reshape(n_expert, n_out, -1) for a in (qw.weight, qw.scales, qw.biases)
+            )
+            if dtype != mx.float32:
+                qw.scales, qw.biases = qw.scales.astype(dtype), qw.biases.astype(dtype)
+            return qw
+        return mx.array(dequantize(raw, t.ggml_type, t.shape)).astype(dtype)

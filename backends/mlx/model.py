@@ -1,4 +1,5 @@
-"""A Llama-family transformer in MLX, read straight from GGUF (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3).
+"""A Llama-family transformer in MLX, read straight from GGUF (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3),
+and the layer the other families' files build on (`architectures.py` picks the file).
 
 Attributes carry GGUF's tensor names (`blk[3].attn_q`), so loading needs no renaming. Matrices stay
 in MLX's quantized layout where GGUF's blocks have an exact form (gguf_load.py) and run through
@@ -22,7 +23,7 @@ import mlx.core as mx
 
 from localrt.backends.llama_config import LlamaConfig
 
-from .cache import Cache
+from .cache import SLACK, Cache, make_caches
 from .gguf_load import GGUFTensors, QuantizedWeight
 
 
@@ -58,78 +59,103 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 
 
 class Block:
-    """Pre-norm attention + SwiGLU MLP."""
+    """Pre-norm attention + SwiGLU MLP. Subclasses (other families) change how the weights load
+    (`load_attention`, `load_feed_forward`), the projections (`qkv`, `feed_forward`) or the norms
+    around them (`__call__`); the per-sequence attention itself is shared."""
 
-    def __init__(self, cfg: LlamaConfig, t: GGUFTensors, i: int, dtype: mx.Dtype) -> None:
-        p = f"blk.{i}."
-
-        def linear(name: str) -> Linear:
-            bias = (
-                t.dense(p + name + ".bias", dtype) if p + name + ".bias" in t else None
-            )  # Qwen2 q/k/v biases
-            return Linear(t.matrix(p + name + ".weight", dtype), bias)
-
+    def __init__(self, cfg: LlamaConfig, t: GGUFTensors, i: int, dtype: mx.Dtype, rope: Rope) -> None:
         self.n_head, self.n_kv, self.head_dim = (
             cfg.attention_head_count,
             cfg.attention_head_count_kv,
             cfg.attention_key_length,
         )
         self.eps = cfg.attention_layer_norm_rms_epsilon
+        self.rope = rope
+        self.scale = 1.0 / math.sqrt(self.head_dim)  # multiplies q.k
+        self.softcap = 0.0  # attention-score soft-cap (Gemma 2); 0: off
+        p = f"blk.{i}."
         self.attn_norm = t.dense(p + "attn_norm.weight", dtype)
-        self.attn_q, self.attn_k, self.attn_v = linear("attn_q"), linear("attn_k"), linear("attn_v")
-        self.attn_output = linear("attn_output")
-        # Qwen3 normalises each head's q and k before RoPE
+        self.ffn_norm = t.dense(p + "ffn_norm.weight", dtype)
+        # Qwen3 and Gemma 3 normalise each head's q and k before RoPE
         self.attn_q_norm = t.dense(p + "attn_q_norm.weight", dtype) if p + "attn_q_norm.weight" in t else None
         self.attn_k_norm = t.dense(p + "attn_k_norm.weight", dtype) if p + "attn_k_norm.weight" in t else None
-        self.ffn_norm = t.dense(p + "ffn_norm.weight", dtype)
-        self.ffn_gate, self.ffn_up, self.ffn_down = linear("ffn_gate"), linear("ffn_up"), linear("ffn_down")
+        self.attn_output = linear(t, p + "attn_output", dtype)
+        self.load_attention(t, p, dtype)
+        self.load_feed_forward(t, p, dtype)
 
-    def attention(self, x: mx.array, rope: Rope, caches: list[Cache], lengths: list[int]) -> mx.array:
+    def load_attention(self, t: GGUFTensors, p: str, dtype: mx.Dtype) -> None:
+        self.attn_q, self.attn_k, self.attn_v = (
+            linear(t, p + n, dtype) for n in ("attn_q", "attn_k", "attn_v")
+        )
+
+    def load_feed_forward(self, t: GGUFTensors, p: str, dtype: mx.Dtype) -> None:
+        self.ffn_gate, self.ffn_up, self.ffn_down = (
+            linear(t, p + n, dtype) for n in ("ffn_gate", "ffn_up", "ffn_down")
+        )
+
+    def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """x [1, L, dim] -> q [1, L, H * D], k and v [1, L, Hkv * D]."""
+        return self.attn_q(x), self.attn_k(x), self.attn_v(x)
+
+    def attention(self, x: mx.array, caches: list[Cache], lengths: list[int]) -> mx.array:
         """x [1, L_total, dim] holding segments of `lengths` tokens, segment i appended to caches[i]."""
         _, n, _ = x.shape
-        q = self.attn_q(x).reshape(1, n, self.n_head, self.head_dim)  # [1, L, H, D]
-        k = self.attn_k(x).reshape(1, n, self.n_kv, self.head_dim)  # [1, L, Hkv, D]
-        v = self.attn_v(x).reshape(1, n, self.n_kv, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = q.reshape(1, n, self.n_head, self.head_dim)  # [1, L, H, D]
+        k = k.reshape(1, n, self.n_kv, self.head_dim)  # [1, L, Hkv, D]
+        v = v.reshape(1, n, self.n_kv, self.head_dim)
         if self.attn_q_norm is not None and self.attn_k_norm is not None:
             q, k = rms_norm(q, self.attn_q_norm, self.eps), rms_norm(k, self.attn_k_norm, self.eps)
-        scale = 1.0 / math.sqrt(self.head_dim)
         q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # [1, heads, L, D], once for the batch
         outs = []
         start = 0
         for cache, length in zip(caches, lengths):
             qs, ks, vs = (a[:, :, start : start + length] for a in (q, k, v))  # [1, heads, l, D]
-            qs, ks = rope(qs, cache.offset), rope(ks, cache.offset)
-            outs.append(cache.attend(qs, ks, vs, scale=scale))  # [1, H, l, D]
+            qs, ks = self.rope(qs, cache.offset), self.rope(ks, cache.offset)
+            outs.append(cache.attend(qs, ks, vs, scale=self.scale, softcap=self.softcap))  # [1, H, l, D]
             start += length
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
         return self.attn_output(out.transpose(0, 2, 1, 3).reshape(1, n, self.n_head * self.head_dim))
 
-    def __call__(self, x: mx.array, rope: Rope, caches: list[Cache], lengths: list[int]) -> mx.array:
-        x = x + self.attention(rms_norm(x, self.attn_norm, self.eps), rope, caches, lengths)
-        h = rms_norm(x, self.ffn_norm, self.eps)
-        return x + self.ffn_down(_silu(self.ffn_gate(h)) * self.ffn_up(h))  # SwiGLU
+    def feed_forward(self, h: mx.array) -> mx.array:
+        return self.ffn_down(silu(self.ffn_gate(h)) * self.ffn_up(h))  # SwiGLU
+
+    def __call__(self, x: mx.array, caches: list[Cache], lengths: list[int]) -> mx.array:
+        x = x + self.attention(rms_norm(x, self.attn_norm, self.eps), caches, lengths)
+        return x + self.feed_forward(rms_norm(x, self.ffn_norm, self.eps))
 
 
-def _silu(x: mx.array) -> mx.array:
+def linear(t: GGUFTensors, name: str, dtype: mx.Dtype) -> Linear:
+    """The GGUF matrix `name`.weight, with its bias when the file has one (Qwen2's q/k/v)."""
+    bias = t.dense(name + ".bias", dtype) if name + ".bias" in t else None
+    return Linear(t.matrix(name + ".weight", dtype), bias)
+
+
+def silu(x: mx.array) -> mx.array:
     return x * mx.sigmoid(x)
 
 
 class Rope:
     """RoPE over the first `n_rot` dims of each head, positions starting at the cache offset."""
 
-    def __init__(self, cfg: LlamaConfig, freq_factors: mx.array | None) -> None:
+    def __init__(
+        self, cfg: LlamaConfig, freq_factors: mx.array | None = None, attn_factor: float = 1.0
+    ) -> None:
+        """`freq_factors` stretch the wavelengths (Llama 3.1's `rope_freqs`, Phi-3's LongRoPE factors);
+        `attn_factor` scales cos and sin, i.e. the rotated dims (Phi-3's LongRoPE)."""
         self.n_rot = cfg.rope_dimension_count or cfg.attention_key_length
         self.traditional = not cfg.rope_neox  # GGUF's Llama layout: adjacent pairs
         self.scale = 1.0 / cfg.rope_scaling_factor
         self.base: float | None = cfg.rope_freq_base
+        self.attn_factor = attn_factor
         self.freqs: mx.array | None = None
-        if freq_factors is not None:  # Llama 3.1's rope_freqs.weight stretches the wavelengths
+        if freq_factors is not None:
             exps = mx.arange(0, self.n_rot, 2, dtype=mx.float32) / self.n_rot
             self.freqs = (cfg.rope_freq_base**exps) * freq_factors.astype(mx.float32)
             self.base = None
 
     def __call__(self, x: mx.array, offset: int) -> mx.array:
-        return mx.fast.rope(
+        out = mx.fast.rope(
             x,
             self.n_rot,
             traditional=self.traditional,
@@ -138,23 +164,62 @@ class Rope:
             offset=offset,
             freqs=self.freqs,
         )
+        if self.attn_factor == 1.0:
+            return out
+        rotated = out[..., : self.n_rot] * self.attn_factor
+        return (
+            mx.concatenate([rotated, out[..., self.n_rot :]], axis=-1)
+            if out.shape[-1] > self.n_rot
+            else rotated
+        )
 
 
 class Transformer:
+    """The Llama family (llama, mistral, qwen2, qwen3); other families subclass it (`architectures.py`).
+
+    `windows` gives each layer's sliding window (0: global attention), which `make_caches` turns into
+    rotating caches for the sliding layers."""
+
+    block_class: type[Block] = Block
+    cache_slack = SLACK  # positions a sliding layer's cache keeps behind the window (tests make it small)
+
     def __init__(self, t: GGUFTensors, dtype: mx.Dtype) -> None:
         md = t.metadata
         vocab = md.get("tokenizer.ggml.tokens")
         embd = t.by_name["token_embd.weight"]
-        self.cfg = LlamaConfig.from_gguf(md, len(vocab) if vocab is not None else embd.shape[1])
+        self.cfg = self.read_config(md, len(vocab) if vocab is not None else embd.shape[1])
         self.dtype = dtype
         self.token_embd = Linear(t.matrix("token_embd.weight", dtype))
-        self.blk = [Block(self.cfg, t, i, dtype) for i in range(self.cfg.block_count)]
+        self.blk = [self.make_block(t, i) for i in range(self.cfg.block_count)]
         self.output_norm = t.dense("output_norm.weight", dtype)
         # tied embeddings (SmolLM2): the head reuses token_embd
-        self.output = Linear(t.matrix("output.weight", dtype)) if "output.weight" in t else self.token_embd
-        factors = t.dense("rope_freqs.weight", mx.float32) if "rope_freqs.weight" in t else None
-        self.rope = Rope(self.cfg, factors)
+        self.output = Linear(t.matrix("output.weight", dtype)) if self.has_head(t) else self.token_embd
         mx.eval(self.arrays())
+
+    def read_config(self, metadata: dict[str, Any], vocab_size: int) -> LlamaConfig:
+        return LlamaConfig.from_gguf(metadata, vocab_size)
+
+    def make_block(self, t: GGUFTensors, i: int) -> Block:
+        if i == 0:  # one RoPE for every layer
+            factors = t.dense("rope_freqs.weight", mx.float32) if "rope_freqs.weight" in t else None
+            self.rope = Rope(self.cfg, factors)
+        return self.block_class(self.cfg, t, i, self.dtype, self.rope)
+
+    def has_head(self, t: GGUFTensors) -> bool:
+        """Whether the file has its own output matrix (else the head is the embedding)."""
+        return "output.weight" in t
+
+    @property
+    def windows(self) -> list[int]:
+        return [0] * self.cfg.block_count
+
+    def make_caches(self, kv_cache_type: str) -> list[Any]:
+        """Fresh per-layer caches for one sequence."""
+        return make_caches(self.cfg.block_count, kv_cache_type, self.dtype, self.windows, self.cache_slack)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """tokens [L] -> [1, L, dim] in the compute dtype."""
+        return self.token_embd.rows(tokens)[None].astype(self.dtype)
 
     def hidden(self, tokens: mx.array, caches: list[Any], num_layers: int | None = None) -> mx.array:
         """tokens [L] -> final-normed hidden states [L, dim], appending to the first layers' caches.
@@ -169,9 +234,9 @@ class Transformer:
     ) -> mx.array:
         """Several sequences in one forward: tokens [L_total] = segments of `lengths` tokens laid end to
         end, segment i appended to the per-layer caches `caches[i]`; hidden states [L_total, dim]."""
-        x = self.token_embd.rows(tokens)[None].astype(self.dtype)  # [1, L, dim]
+        x = self.embed(tokens)  # [1, L, dim]
         for i, block in enumerate(self.blk[: num_layers or len(self.blk)]):
-            x = block(x, self.rope, [c[i] for c in caches], lengths)
+            x = block(x, [c[i] for c in caches], lengths)
         return rms_norm(x[0], self.output_norm, self.cfg.attention_layer_norm_rms_epsilon)
 
     def logits(self, hidden: mx.array) -> mx.array:

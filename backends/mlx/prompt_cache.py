@@ -35,6 +35,11 @@ class Entry:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
 
+    @property
+    def min_prefix(self) -> int:
+        """The shortest prefix every layer can give (sliding layers keep only a tail)."""
+        return max((c.min_prefix for c in self.caches), default=0)
+
 
 class PromptCache:
     def __init__(self, budget_bytes: int) -> None:
@@ -53,6 +58,8 @@ class PromptCache:
         limit = max(0, len(prompt) - keep_last)
         for key, entry in self.entries.items():
             n = min(common_prefix(entry.tokens, prompt), limit)
+            if n < entry.min_prefix:
+                continue  # its sliding layers no longer hold the window before position n
             if n > best_n:
                 best, best_n = key, n
         if best is None:

@@ -1,0 +1,124 @@
+"""Hyper-parameters of the families past Llama (Gemma 3, Gemma 2, Phi-3, Qwen3-MoE) from GGUF metadata,
+for any engine (MLX reads them here; the torch engine's `gemma3.py` holds the same rules and can import
+these).
+
+Gemma's sliding layers follow llama.cpp: layer i slides iff i % period < period - 1 (Gemma 3: period 6,
+five sliding layers for each global one; Gemma 2: period 2, the even layers sliding), unless the file
+carries a per-layer `attention.sliding_window_pattern`. A sliding layer's query at p sees keys
+p - window + 1 .. p.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from localrt.errors import LocalrtError
+
+from .llama_config import LlamaConfig
+
+DEFAULT_SWA_PERIOD = 6  # llama.cpp's Gemma 3 default; the converter never writes the pattern
+
+
+@dataclass
+class GemmaConfig(LlamaConfig):
+    sliding_window: int = 0  # tokens a sliding layer's query sees (itself included); 0: no sliding layers
+    sliding_layers: tuple[bool, ...] = ()  # per layer: True = sliding window
+    rope_freq_base_swa: float = 10000.0
+    attention_scale: float = 0.0  # multiplies q.k
+    final_logit_softcapping: float = 0.0  # 0: off
+    attn_logit_softcapping: float = 0.0  # 0: off (Gemma 2 caps attention scores)
+    qk_norm: bool = True  # per-head RMSNorm of q and k (Gemma 2 has none)
+
+    @property
+    def windows(self) -> list[int]:
+        """Each layer's sliding window in tokens, 0 for the global layers."""
+        return [self.sliding_window if s else 0 for s in self.sliding_layers]
+
+
+@dataclass(frozen=True)
+class GemmaFamily:
+    """What llama.cpp assumes for a Gemma generation when the file is silent."""
+
+    arch: str
+    swa_period: int  # layer i slides iff i % period < period - 1
+    window: int  # sliding window when the file has none (0: no sliding layers)
+    layers_27b: int  # the 27B size scales attention by 1/sqrt(dim / heads)
+    attn_softcap: float
+    final_softcap: float
+    qk_norm: bool
+    swa_base: float | None  # sliding layers' RoPE base when the file has none (None: the global one)
+
+
+GEMMA3 = GemmaFamily("gemma3", DEFAULT_SWA_PERIOD, 0, 62, 0.0, 0.0, True, 10000.0)
+GEMMA2 = GemmaFamily("gemma2", 2, 4096, 46, 50.0, 30.0, False, None)
+
+
+def gemma_config(metadata: dict[str, Any], vocab_size: int, family: GemmaFamily) -> GemmaConfig:
+    arch = family.arch
+
+    def get(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise LocalrtError(f"GGUF metadata {arch}.{key} is missing")
+        return value
+
+    n_layer = int(get("block_count"))
+    n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", n_embd // n_head))
+    scaling = metadata.get(f"{arch}.rope.scaling.type")
+    factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+    window = int(get("attention.sliding_window", family.window))
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", family.swa_period)
+    base = float(get("rope.freq_base", 10000.0))
+    return GemmaConfig(
+        architecture=arch,
+        vocab_size=vocab_size,
+        context_length=int(get("context_length", 131072)),
+        embedding_length=n_embd,
+        feed_forward_length=int(get("feed_forward_length")),
+        block_count=n_layer,
+        attention_head_count=n_head,
+        attention_head_count_kv=int(get("attention.head_count_kv", n_head)),
+        attention_key_length=head_dim,
+        attention_layer_norm_rms_epsilon=float(get("attention.layer_norm_rms_epsilon")),
+        rope_freq_base=base,
+        rope_dimension_count=int(get("rope.dimension_count", head_dim)),
+        rope_scaling_factor=factor if factor > 0 else 1.0,
+        rope_neox=True,
+        sliding_window=window,
+        sliding_layers=sliding_pattern(pattern, n_layer, arch) if window > 0 else (False,) * n_layer,
+        rope_freq_base_swa=float(
+            get("rope.freq_base_swa", base if family.swa_base is None else family.swa_base)
+        ),
+        attention_scale=1 / math.sqrt(n_embd / n_head if n_layer == family.layers_27b else head_dim),
+        final_logit_softcapping=float(get("final_logit_softcapping", family.final_softcap)),
+        attn_logit_softcapping=float(get("attn_logit_softcapping", family.attn_softcap)),
+        qk_norm=family.qk_norm,
+    )
+
+
+def sliding_pattern(pattern: Any, n_layer: int, arch: str = "gemma3") -> tuple[bool, ...]:
+    """Which layers slide: a per-layer bool array as given, else a period n (layer i slides iff
+    i % n < n - 1; n = 0: every layer slides, n = 1: none)."""
+    if isinstance(pattern, (list, tuple)) or hasattr(pattern, "tolist"):
+        flags = [bool(x) for x in (pattern.tolist() if hasattr(pattern, "tolist") else pattern)]
+        if len(flags) != n_layer:
+            raise LocalrtError(
+                f"{arch}.attention.sliding_window_pattern has {len(flags)} entries, not {n_layer}"
+            )
+        return tuple(flags)
+    period = DEFAULT_SWA_PERIOD if pattern is None else int(pattern)
+    if period == 0:
+        return (True,) * n_layer
+    return tuple(i % period < period - 1 for i in range(n_layer))
+
+
+def llama_like_config(metadata: dict[str, Any], vocab_size: int, arch: str) -> LlamaConfig:
+    """The Llama-family hyper-parameters of another architecture's keys (`phi3.*`, `qwen3moe.*`), read
+    as the shared reader reads Qwen3's (neox RoPE, head dim from key_length)."""
+    keys = {f"qwen3.{k[len(arch) + 1 :]}": v for k, v in metadata.items() if k.startswith(f"{arch}.")}
+    cfg = LlamaConfig.from_gguf({**keys, "general.architecture": "qwen3"}, vocab_size)
+    cfg.architecture = arch
+    return cfg

@@ -1,0 +1,87 @@
+"""Gemma 3 (text) in MLX, read straight from GGUF (GGUF architecture `gemma3`).
+
+What differs from the Llama file (`model.py`), as llama.cpp's gemma3 graph computes it (the
+hyper-parameters and the layer pattern are read by `backends/family_config.py`, shared with torch):
+- Five sliding-window layers for each global one (layer i slides iff i % 6 < 5 unless the file says
+  otherwise); a sliding layer's query at p sees keys p - window + 1 .. p. Those layers get rotating
+  caches (`cache.py`: their memory stays bounded however long the sequence grows).
+- Two RoPE bases: `rope.freq_base` for global layers (with the file's linear scaling, if any),
+  `rope.freq_base_swa` for sliding ones (never scaled). Rotation pairs are halves (neox).
+- q and k are RMS-normed per head before RoPE; attention scale 1/sqrt(head_dim) (27B: 1/sqrt(dim/heads)).
+- Sandwich norms: RMSNorm before and after attention and before and after the MLP.
+- The embedding is scaled by sqrt(dim); the MLP is GELU(tanh) gated; the head is tied unless the
+  file carries `output.weight`; an optional final soft-cap c * tanh(logits / c).
+- Norm weights are used as stored: llama.cpp's converter already added Gemma's "1 +" to them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import mlx.core as mx
+
+from localrt.backends.family_config import GEMMA3, GemmaConfig, GemmaFamily, gemma_config
+
+from .cache import Cache
+from .gguf_load import GGUFTensors
+from .model import Block, Rope, Transformer, rms_norm
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """GELU's tanh approximation (llama.cpp's and Gemma's)."""
+    return 0.5 * x * (1.0 + mx.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+
+
+class GemmaBlock(Block):
+    """Sandwich-normed attention and GELU-gated MLP."""
+
+    def __init__(self, cfg: GemmaConfig, t: GGUFTensors, i: int, dtype: mx.Dtype, rope: Rope) -> None:
+        super().__init__(cfg, t, i, dtype, rope)
+        self.scale = cfg.attention_scale
+        self.softcap = cfg.attn_logit_softcapping
+        p = f"blk.{i}."
+        self.post_attention_norm = t.dense(p + "post_attention_norm.weight", dtype)
+        self.post_ffw_norm = t.dense(p + "post_ffw_norm.weight", dtype)
+
+    def feed_forward(self, h: mx.array) -> mx.array:
+        return self.ffn_down(gelu_tanh(self.ffn_gate(h)) * self.ffn_up(h))
+
+    def __call__(self, x: mx.array, caches: list[Cache], lengths: list[int]) -> mx.array:
+        attn = self.attention(rms_norm(x, self.attn_norm, self.eps), caches, lengths)
+        x = x + rms_norm(attn, self.post_attention_norm, self.eps)
+        ff = self.feed_forward(rms_norm(x, self.ffn_norm, self.eps))
+        return x + rms_norm(ff, self.post_ffw_norm, self.eps)
+
+
+class Gemma3(Transformer):
+    block_class = GemmaBlock
+    family: GemmaFamily = GEMMA3
+    cfg: GemmaConfig
+
+    def read_config(self, metadata: dict[str, Any], vocab_size: int) -> GemmaConfig:  # type: ignore[override]
+        return gemma_config(metadata, vocab_size, self.family)
+
+    def make_block(self, t: GGUFTensors, i: int) -> Block:
+        if i == 0:  # global layers: the file's base and scaling; sliding ones: their own base, unscaled
+            self.rope = Rope(self.cfg)
+            self.rope_swa = Rope(
+                replace(self.cfg, rope_freq_base=self.cfg.rope_freq_base_swa, rope_scaling_factor=1.0)
+            )
+        rope = self.rope_swa if self.cfg.sliding_layers[i] else self.rope
+        return self.block_class(self.cfg, t, i, self.dtype, rope)
+
+    @property
+    def windows(self) -> list[int]:
+        return self.cfg.windows
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return super().embed(tokens) * math.sqrt(self.cfg.embedding_length)  # fp32, as llama.cpp's sqrtf
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        logits = super().logits(hidden)
+        cap = self.cfg.final_logit_softcapping
+        return cap * mx.tanh(logits / cap) if cap > 0 else logits
