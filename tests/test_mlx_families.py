@@ -26,6 +26,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 from localrt.backends.base import CancelToken, LoadOptions, SamplingParams  # noqa: E402
 from localrt.backends.mlx.architectures import load_model  # noqa: E402
 from localrt.backends.mlx.batch import BatchEngine, Row  # noqa: E402
+from localrt.backends.mlx.cache import make_caches  # noqa: E402
 from localrt.backends.mlx.engine import LookupProposer, Runner, SelfProposer, generate  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.model import Transformer  # noqa: E402
@@ -167,6 +168,26 @@ def test_a_long_sequence_keeps_only_the_window_and_equals_dense(
     assert max(h for h, w in zip(held_max, model.windows) if w) <= bound
     assert [c.held for c, w in zip(caches, model.windows) if not w] == [150]
     assert all(c.start > 0 for c, w in zip(caches, model.windows) if w)  # they did rotate
+
+
+def test_an_8_bit_rotating_cache_stays_close(family_files: Callable[[str, str], Path]) -> None:
+    """q8_0 caches rotate too: over the same 150 tokens their logits stay within a few percent of the
+    fp32 caches' and pick the same tokens."""
+    model = load(family_files("gemma3", "F32"), SMALL_SLACK)
+    tokens = tokens_for(model.cfg.vocab_size, 150, seed=5)
+
+    def logits(kind: str) -> tuple[np.ndarray, list[Any]]:
+        caches = make_caches(model.cfg.block_count, kind, model.dtype, model.windows, SMALL_SLACK)
+        rows = [
+            np.array(model(mx.array(tokens[s : s + 7], dtype=mx.int32), caches)) for s in range(0, 150, 7)
+        ]
+        return np.concatenate(rows), caches
+
+    exact, _ = logits("f32")
+    packed, caches = logits("q8_0")
+    assert all(c.start > 0 for c, w in zip(caches, model.windows) if w)
+    assert np.abs(packed - exact).mean() < 0.05 * np.abs(exact).mean()
+    assert (packed.argmax(-1) == exact.argmax(-1)).mean() >= 0.95
 
 
 # ---- the batched engine -------------------------------------------------------------------------------
