@@ -210,6 +210,17 @@ def test_an_8_bit_rotating_cache_stays_close(family_files: Callable[[str, str], 
     assert (packed.argmax(-1) == exact.argmax(-1)).mean() >= 0.95
 
 
+@pytest.mark.parametrize("arch", ["granite", "olmoe"])
+def test_an_architecture_mlx_lacks_is_refused_by_name(arch: str, tmp_path: Path) -> None:
+    """A file of another architecture is one clear error naming it and what MLX runs, not wrong logits."""
+    from localrt.errors import LocalrtError
+    from tests.gguf_factory import write_random_model
+
+    path = write_random_model(tmp_path / "other.gguf", arch=arch)
+    with pytest.raises(LocalrtError, match=rf"does not support the '{arch}' architecture.*gemma3.*qwen3moe"):
+        load(path)
+
+
 # ---- the batched engine -------------------------------------------------------------------------------
 @dataclass
 class Spec:
