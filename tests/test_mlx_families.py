@@ -248,7 +248,9 @@ def specs_for(vocab: int) -> list[Spec]:
 
 
 def engine_for(model: Transformer) -> BatchEngine:
-    return BatchEngine("f32", 16, model, max_rows=6, prompt_cache=PromptCache(1 << 30), eog=set())
+    """Prompt chunks of up to 40 tokens: the MoE's (token, slot) pairs take the sorted dispatch in long
+    prefill steps and the unsorted one in decode steps, alone and together."""
+    return BatchEngine("f32", 40, model, max_rows=6, prompt_cache=PromptCache(1 << 30), eog=set())
 
 
 def row_for(engine: BatchEngine, spec: Spec) -> Row:
