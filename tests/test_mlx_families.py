@@ -27,7 +27,13 @@ from localrt.backends.base import CancelToken, LoadOptions, SamplingParams  # no
 from localrt.backends.mlx.architectures import load_model  # noqa: E402
 from localrt.backends.mlx.batch import BatchEngine, Row  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
-from localrt.backends.mlx.engine import LookupProposer, Runner, SelfProposer, generate  # noqa: E402
+from localrt.backends.mlx.engine import (  # noqa: E402
+    DraftModelProposer,
+    LookupProposer,
+    Runner,
+    SelfProposer,
+    generate,
+)
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.model import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
@@ -330,10 +336,10 @@ def test_the_prompt_cache_respects_the_window(family_files: Callable[[str, str],
 
 
 def decode(
-    runner: Runner, prompt: list[int], n: int, proposer: Any = None
+    runner: Runner, prompt: list[int], n: int, mode: str = "off", proposer: Any = None
 ) -> tuple[list[int], SpecState | None]:
     out: list[int] = []
-    spec = SpecState("self" if isinstance(proposer, SelfProposer) else "lookup", 5, 0.0) if proposer else None
+    spec = SpecState(mode, 5, 0.0) if proposer else None
     generate(
         runner,
         prompt,
@@ -348,21 +354,28 @@ def decode(
     return out, spec
 
 
-@pytest.mark.parametrize("mode", ["self", "lookup"])
+@pytest.mark.parametrize("mode", ["self", "lookup", "draft"])
 @pytest.mark.parametrize("family", ["gemma3", "qwen3moe"])
 def test_greedy_output_identical_with_speculation(
     family: str, mode: str, family_files: Callable[[str, str], Path]
 ) -> None:
     """Draft tokens verified and the rejected ones trimmed (from the rotating caches too): the greedy
     output is exactly the plain decode's."""
-    model = load(family_files(family, "Q4_K_M"), SMALL_SLACK)
+    path = family_files(family, "Q4_K_M")
+    model = load(path, SMALL_SLACK)
     rng = np.random.default_rng(3)
     base = rng.integers(3, min(model.cfg.vocab_size, 400), 10).tolist()
     prompt = [*base, *base, *base, *base[:4]]  # 34 tokens, repetitive: the proposers find drafts
     plain, _ = decode(Runner(model, "f32", 16), prompt, 40)
     runner = Runner(model, "f32", 16)
-    proposer = SelfProposer(runner, model.cfg.block_count - 1) if mode == "self" else LookupProposer()
-    fast, spec = decode(runner, prompt, 40, proposer)
+    proposer: Any = {
+        "self": lambda: SelfProposer(runner, model.cfg.block_count - 1),
+        "lookup": LookupProposer,
+        "draft": lambda: DraftModelProposer(
+            Runner(load(path, SMALL_SLACK), "f32", 16), 0.5
+        ),  # the same weights
+    }[mode]()
+    fast, spec = decode(runner, prompt, 40, mode, proposer)
     assert fast == plain
     assert spec is not None
     assert spec.drafted > 0
