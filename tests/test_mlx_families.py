@@ -7,9 +7,6 @@ Gemma 3 270M file against llama.cpp."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +18,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-llama_cpp = pytest.importorskip("llama_cpp")
+pytest.importorskip("llama_cpp")
 
 from localrt.backends.base import CancelToken, LoadOptions, SamplingParams  # noqa: E402
 from localrt.backends.mlx.architectures import load_model  # noqa: E402
@@ -41,9 +38,9 @@ from localrt.backends.mlx.sampling import RowSampler  # noqa: E402
 from localrt.backends.sampler import Sampler  # noqa: E402
 from localrt.backends.speculation import SpecState  # noqa: E402
 from tests.fixtures_families import GEMMA3_WINDOW, family_gguf, tiny_hf  # noqa: E402
+from tests.test_torch_families import llama_cpp_logits, run_cli, tokens_for  # noqa: E402
 
 FAMILIES = ["gemma3", "gemma2", "phi3", "qwen3moe"]
-N_TOKENS = 80  # past the tiny Gemmas' window (24) three times over
 SMALL_SLACK = 8  # rotating caches drop old positions every few tokens (the default keeps 256); >= k below
 
 
@@ -73,10 +70,6 @@ def load(path: Path, slack: int | None = None) -> Transformer:
     return model
 
 
-def tokens_for(vocab: int, n: int = N_TOKENS, seed: int = 0) -> list[int]:
-    return [1, *np.random.default_rng(seed).integers(3, vocab, n - 1).tolist()]
-
-
 def mlx_logits(model: Transformer, tokens: list[int], chunk: int) -> np.ndarray:
     """Logits of every position, the sequence fed `chunk` tokens at a time through the model's caches."""
     caches = model.make_caches("f32")
@@ -100,17 +93,6 @@ def torch_reference(path: Path, tokens: list[int]) -> tuple[np.ndarray, list[int
         tensors.close()
     with torch.inference_mode():
         return model(torch.tensor(tokens), DenseCausal(len(tokens))).numpy(), list(model.windows)
-
-
-def llama_cpp_logits(path: Path, tokens: list[int]) -> np.ndarray:
-    llm = llama_cpp.Llama(
-        str(path), logits_all=True, n_ctx=256, n_threads=1, verbose=False, type_k=0, type_v=0
-    )
-    try:
-        llm.eval(tokens)
-        return np.array(llm.scores[: len(tokens)])
-    finally:
-        llm.close()
 
 
 # ---- logits ----------------------------------------------------------------------------------------
@@ -382,53 +364,41 @@ def test_greedy_output_identical_with_speculation(
 
 
 # ---- through the CLI ------------------------------------------------------------------------------------
-def run_cli(*args: str, models: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "LOCALRT_MODELS": str(models), "LOCALRT_HOST": "127.0.0.1:1"}  # no server
-    return subprocess.run(
-        [sys.executable, "-m", "localrt", *args], capture_output=True, text=True, timeout=900, env=env
+def answers(gguf: Path, prompt: str, tmp_path: Path, extra: str = "") -> tuple[str, str]:
+    """`localrt run`'s greedy answer to a raw prompt (no chat template) on MLX and on llama.cpp."""
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_text(
+        f"FROM {gguf}\nTEMPLATE {{{{ .Prompt }}}}\nPARAMETER temperature 0\nPARAMETER num_predict 12\n{extra}"
     )
+    models = tmp_path / "models"
+    created = run_cli("create", "raw", "-f", str(modelfile), models=models)
+    assert created.returncode == 0, created.stderr
+    outputs = []
+    for backend in ("mlx", "llama.cpp"):
+        run = run_cli("run", "raw", prompt, "--backend", backend, models=models)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outputs.append(run.stdout)
+    return outputs[0], outputs[1]
 
 
 def test_localrt_run_answers_with_gemma3_on_mlx(
     family_files: Callable[[str, str], Path], tmp_path: Path
 ) -> None:
-    """`localrt run --backend mlx` loads a Gemma 3 file and answers with llama.cpp's greedy continuation."""
-    path = family_files("gemma3", "F32")
-    modelfile = tmp_path / "Modelfile"
-    # the random model's plain greedy answer is newlines only; a repeat penalty makes it say something
-    modelfile.write_text(
-        f"FROM {path}\nTEMPLATE {{{{ .Prompt }}}}\nPARAMETER temperature 0\nPARAMETER num_predict 12\n"
-        "PARAMETER repeat_penalty 1.5\n"
+    """`localrt run --backend mlx` loads a Gemma 3 file and answers with llama.cpp's greedy continuation
+    (the random model's plain greedy answer is newlines only; a repeat penalty makes it say something)."""
+    mlx_answer, llama_answer = answers(
+        family_files("gemma3", "F32"), "the quick brown fox", tmp_path, "PARAMETER repeat_penalty 1.5\n"
     )
-    models = tmp_path / "models"
-    created = run_cli("create", "tiny-gemma3", "-f", str(modelfile), models=models)
-    assert created.returncode == 0, created.stderr
-    prompt = "the quick brown fox"
-    mlx_run = run_cli("run", "tiny-gemma3", prompt, "--backend", "mlx", models=models)
-    assert mlx_run.returncode == 0, mlx_run.stderr[-2000:]
-    llama_run = run_cli("run", "tiny-gemma3", prompt, "--backend", "llama.cpp", models=models)
-    assert llama_run.returncode == 0, llama_run.stderr[-2000:]
-    assert mlx_run.stdout.strip()
-    assert mlx_run.stdout == llama_run.stdout
+    assert mlx_answer.strip()
+    assert mlx_answer == llama_answer
 
 
 def test_gemma3_270m_answers_on_the_mlx_backend(gemma3_gguf: Path, tmp_path: Path) -> None:
     """`localrt run --backend mlx` loads the PyPI file (a pretrained model: plain completion, no chat
     turns) and answers with llama.cpp's greedy continuation."""
-    modelfile = tmp_path / "Modelfile"
-    modelfile.write_text(
-        f"FROM {gemma3_gguf}\nTEMPLATE {{{{ .Prompt }}}}\nPARAMETER temperature 0\nPARAMETER num_predict 12\n"
-    )
-    models = tmp_path / "models"
-    created = run_cli("create", "gemma3-raw", "-f", str(modelfile), models=models)
-    assert created.returncode == 0, created.stderr
-    prompt = "The capital of France is"
-    mlx_run = run_cli("run", "gemma3-raw", prompt, "--backend", "mlx", models=models)
-    assert mlx_run.returncode == 0, mlx_run.stderr[-2000:]
-    llama_run = run_cli("run", "gemma3-raw", prompt, "--backend", "llama.cpp", models=models)
-    assert llama_run.returncode == 0, llama_run.stderr[-2000:]
-    assert len(mlx_run.stdout.split()) >= 3
-    assert mlx_run.stdout == llama_run.stdout
+    mlx_answer, llama_answer = answers(gemma3_gguf, "The capital of France is", tmp_path)
+    assert len(mlx_answer.split()) >= 3
+    assert mlx_answer == llama_answer
 
 
 # ---- the real Gemma 3 270M (Q4_K_M, from PyPI) ---------------------------------------------------------
