@@ -15,7 +15,7 @@ import asyncio
 import codecs
 import concurrent.futures
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
@@ -384,6 +384,16 @@ class TextAssembler:
             return None
         lps, self._logprobs = self._logprobs, []
         return lps
+
+
+def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    """How many items `a` and `b` share from their start (token ids, or llama.cpp's prompt cells)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def loaded_context(num_ctx: int, trained: int) -> int:

@@ -12,7 +12,6 @@ assembled.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
@@ -43,6 +42,7 @@ from localrt.backends.checks import (
     check_scored,
     check_speculative,
 )
+from localrt.backends.engine_thread import EngineStreams
 from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
 from localrt.backends.outputs import embedding_tokens, empty_score, fill_score, token_logprob, unit_vector
@@ -128,13 +128,12 @@ class MLXModel(VocabMethods, ModelLifetime):
         self.slots = min(MAX_SLOTS, opts.num_parallel or DEFAULT_SLOTS["gpu" if _on_gpu() else "cpu"])
         self.capabilities = replace(self.capabilities, parallel_slots=self.slots)
         self._active = set()
-        self._lock = threading.Lock()
-        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._streams = EngineStreams(lambda out: out.row.id)
         self._take_vocab(Vocab.load(path))
         self._eog = set(self.vocab.eog_ids())
         # the engine's thread exists before the model: it makes every MLX array the model uses
         self.engine = BatchEngine(opts.kv_cache_type, opts.num_batch)
-        self.engine.start(self._route)
+        self.engine.start(self._streams.route)
         try:
             self._call(lambda: self._load(opts, self_spec_layers, prompt_cache_bytes))
         except BaseException:
@@ -235,18 +234,6 @@ class MLXModel(VocabMethods, ModelLifetime):
             row.spec = SpecState(mode, k, row.proposer.cost_per_draft + self.verify_cost)
         return row
 
-    def _route(self, outputs: list[Any]) -> None:
-        """The engine thread's sink: each output to its request's queue, nothing else done here."""
-        with self._lock:
-            targets = [(self._queues.get(out.row.id), out) for out in outputs]
-        for target, out in targets:
-            if target is not None:
-                loop, queue = target
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, out)
-                except RuntimeError:  # that request's event loop has closed: nobody is listening
-                    pass
-
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[Event]:
         mode = self._check(req)
         # built here, so a schema it cannot express fails before any work
@@ -262,13 +249,11 @@ class MLXModel(VocabMethods, ModelLifetime):
             yield DoneEvent("length", Timings())
             return
         row = self._row(req, mode, grammar)
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        with self._lock:
-            self._queues[row.id] = (asyncio.get_running_loop(), queue)
         text = TextAssembler(req.stop)
         generated = 0
-        self._active.add(req.cancel)
-        try:
+        async with self._streams.open(
+            self, row.id, req.cancel, lambda: row.finish is not None, grammar
+        ) as queue:
             self.engine.submit(row)
             while True:
                 out = await queue.get()
@@ -284,16 +269,6 @@ class MLXModel(VocabMethods, ModelLifetime):
                     yield event
                 if stopped or out.finish is not None:
                     return
-        finally:
-            self._active.discard(req.cancel)
-            with self._lock:
-                self._queues.pop(row.id, None)
-            if row.finish is None:  # the consumer left early or a stop string: the engine ends the row
-                req.cancel.cancel()
-                while row.finish is None and not self._closed:
-                    await asyncio.sleep(0.005)
-            if grammar is not None and (row.finish is not None or self._closed):
-                grammar.close()
 
     def _events(self, out: Any, text: TextAssembler, req: GenerateRequest) -> tuple[list[Event], bool]:
         """A step's tokens for one request -> text events (on the event loop, not the engine thread)."""

@@ -10,7 +10,6 @@ that thread through the event loop, so no worker thread is held per request.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
@@ -39,6 +38,7 @@ from localrt.backends.checks import (
     check_scored,
     check_speculative,
 )
+from localrt.backends.engine_thread import EngineStreams
 from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.lib import default_threads
 from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
@@ -164,9 +164,8 @@ class TorchModel(VocabMethods, ModelLifetime):
             self.engine.dense_attention = GGMLDenseCausal  # score and embed see llama.cpp's f16 attention
         self.memory_bytes = self.engine.weight_bytes() + self.engine.cache.nbytes
         self._active = set()
-        self._lock = threading.Lock()
-        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
-        self.engine.start(self._route)
+        self._streams = EngineStreams(lambda out: out.seq.seq_id)
+        self.engine.start(self._streams.route)
         self.load_ns = time.perf_counter_ns() - t0
 
     def weight_bytes(self) -> int:
@@ -234,42 +233,17 @@ class TorchModel(VocabMethods, ModelLifetime):
             raise
         return seq, grammar
 
-    def _route(self, outputs: list[Any]) -> None:
-        """The engine thread's sink: each output to its request's queue, nothing else done here."""
-        with self._lock:
-            targets = [(self._queues.get(out.seq.seq_id), out) for out in outputs]
-        for target, out in targets:
-            if target is not None:
-                loop, queue = target
-                loop.call_soon_threadsafe(queue.put_nowait, out)
-
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[Event]:
         self._check(req)
         seq, grammar = self._sequence(req)
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        with self._lock:
-            self._queues[seq.seq_id] = (asyncio.get_running_loop(), queue)
         stream = _Stream(self, seq, TextAssembler(req.stop), req.preserve_tokens)
-        self._active.add(req.cancel)
-        try:
+        async with self._streams.open(self, seq.seq_id, req.cancel, lambda: seq.finished, grammar) as queue:
             self.engine.submit(seq)
             while not stream.done:
                 for event in stream.events(
                     await queue.get()
                 ):  # detokenize and stop strings: here, not the engine
                     yield event
-        finally:
-            self._active.discard(req.cancel)
-            with self._lock:
-                self._queues.pop(seq.seq_id, None)
-            if not seq.finished:
-                # the consumer left early or a stop string matched: cancel, and wait until the engine
-                # has freed the sequence
-                req.cancel.cancel()
-                while not seq.finished and not self._closed:
-                    await asyncio.sleep(0.005)
-            if grammar is not None and (seq.finished or self._closed):
-                grammar.close()
 
     def _logprob(self, token: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
         return token_logprob(token, logprob, top, self.detokenize)

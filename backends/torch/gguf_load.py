@@ -19,9 +19,14 @@ from localrt.store.gguf import GGML_TYPES
 QK_K = 256
 
 
+def _floats(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored floats: the bytes [nb, n * size] read as `dtype` (little-endian), as float32 [nb, n]."""
+    return raw.contiguous().view(dtype).float()
+
+
 def _f16(raw: torch.Tensor) -> torch.Tensor:
-    """[nb, 2] uint8 -> [nb, 1] float32 (little-endian fp16)."""
-    return raw.contiguous().view(torch.float16).float()
+    """[nb, 2] uint8 -> [nb, 1] float32 (a block's fp16 scale)."""
+    return _floats(raw, torch.float16)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -137,18 +142,6 @@ def dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d.unsqueeze(-1) * scales.unsqueeze(-1) * q).reshape(nb, QK_K)
 
 
-def dequant_f16(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float16).float()
-
-
-def dequant_bf16(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.bfloat16).float()
-
-
-def dequant_f32(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float32)
-
-
 IQ4_GRID = torch.tensor(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32
 )
@@ -172,9 +165,9 @@ def dequant_iq4_xs(b: torch.Tensor) -> torch.Tensor:
 
 
 DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "F32": dequant_f32,
-    "F16": dequant_f16,
-    "BF16": dequant_bf16,
+    "F32": lambda b: _floats(b, torch.float32),
+    "F16": _f16,
+    "BF16": lambda b: _floats(b, torch.bfloat16),
     "Q4_0": dequant_q4_0,
     "Q4_1": dequant_q4_1,
     "Q5_0": dequant_q5_0,
