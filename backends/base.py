@@ -153,6 +153,11 @@ class GenerateRequest:
     preserve_tokens: frozenset[int] = frozenset()
     images: list[ImageInput] = field(default_factory=list)  # needs Capabilities.vision
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """Each generated token comes with its logprob (asked for, or implied by top_logprobs)."""
+        return self.logprobs or self.top_logprobs > 0
+
 
 @dataclass
 class TopLogprob:
@@ -368,6 +373,12 @@ class TextAssembler:
     def stop_sequence(self) -> str | None:
         """The stop string that ended the answer (None: it ended otherwise), for DoneEvent.stop_sequence."""
         return self._stops.matched
+
+    def end(self, reason: str, timings: Timings) -> list[Event]:
+        """The answer's last events: the text still held back (if any), then the done event."""
+        tail = self.finish()
+        done = DoneEvent(reason, timings, stop_sequence=self.stop_sequence)  # type: ignore[arg-type]
+        return [done] if tail is None else [tail, done]
 
     def finish(self) -> TextEvent | None:
         text = self._stops.push(self._utf8.decode(b"", final=True))[0] + self._stops.flush()

@@ -13,13 +13,20 @@ import concurrent.futures
 import contextlib
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
-from localrt.backends.base import CancelToken, ModelLifetime
+import numpy as np
+
+from localrt.backends.base import CancelToken, Capabilities, GenerateRequest, ModelLifetime, ScoreResult
+from localrt.backends.checks import check_loaded, check_prompt, check_scored, check_speculative
+from localrt.backends.grammar import Grammar
+from localrt.backends.outputs import embedding_tokens, empty_score, unit_vector
+from localrt.backends.speculation import speculative_method
 from localrt.errors import LocalrtError
 
 Sink = Callable[[list[Any]], None]
+T = TypeVar("T")
 
 
 class EngineThread:
@@ -68,21 +75,20 @@ class EngineThread:
 
     def submit(self, request: Any) -> None:
         """Queue a request; it joins the engine between two steps."""
-        with self._cv:
-            if self._stopping:
-                raise LocalrtError("the model was unloaded")
-            self._inbox.append(request)
-            self._cv.notify()
+        self._put(self._inbox, request)
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         """Run fn on the engine thread between steps."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._cv:
-            if self._stopping:
-                raise LocalrtError("the model was unloaded")
-            self._jobs.append((fn, future))
-            self._cv.notify()
+        self._put(self._jobs, (fn, future))
         return future
+
+    def _put(self, queue: deque[Any], item: Any) -> None:
+        with self._cv:
+            if self._stopping:  # nothing would take it
+                raise LocalrtError("the model was unloaded")
+            queue.append(item)
+            self._cv.notify()
 
     def stop(self) -> None:
         """The thread ends after its step; the requests still in the engine end (`_unload`), the jobs
@@ -193,3 +199,69 @@ class EngineStreams:
                     await asyncio.sleep(0.005)
             if grammar is not None and (ended() or model._closed):
                 grammar.close()
+
+
+class EngineModel:
+    """What a loaded model does the same way over an engine with its own thread (torch, MLX): `score`
+    and `embed` run there as jobs between two steps, and unloading stops the engine and frees the
+    vocabulary. The model gives `_score(ids, result)` (fills the empty result, 2+ tokens) and
+    `_hidden_rows(ids)` (final-normed hidden states [n, dim] on the host)."""
+
+    engine: EngineThread
+    vocab: Any  # llamacpp.vocab.Vocab
+    context_length: int
+    n_vocab: int
+    eos_token_ids: Sequence[int]
+    _closed: bool
+    tokenize: Callable[[str], list[int]]  # the model's vocabulary (VocabMethods)
+
+    capabilities: Capabilities
+
+    def _check(self, request: GenerateRequest, has_draft_model: bool, backend: str) -> str:
+        """Refuses what this model cannot run; returns the speculation method the request runs."""
+        check_loaded(self._closed)
+        check_speculative(request.speculative, self.capabilities.speculative, has_draft_model, backend)
+        check_prompt(request.prompt_tokens, self.context_length, self.n_vocab)
+        return speculative_method(
+            request.speculative, has_draft_model=has_draft_model, constrained=request.format is not None
+        )
+
+    def _grammar(self, request: GenerateRequest) -> Grammar | None:
+        """The request's `format` as a grammar (built before any work: a schema it cannot express fails
+        here); whoever gets it closes it."""
+        if request.format is None:
+            return None
+        return Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, request.format)
+
+    def _score(self, ids: list[int], result: ScoreResult) -> ScoreResult:
+        raise NotImplementedError
+
+    def _hidden_rows(self, ids: list[int]) -> np.ndarray:
+        raise NotImplementedError
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        """Run fn on the engine's thread, between two steps."""
+        check_loaded(self._closed)
+        return await asyncio.wrap_future(self.engine.call(fn))
+
+    async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
+        ids = list(tokens)
+        check_loaded(self._closed)
+        check_scored(ids, self.context_length, self.n_vocab)
+        result = empty_score(len(ids), self.n_vocab, return_logits)
+        if len(ids) < 2:  # nothing is predicted
+            return result
+        return await self._run(lambda: self._score(ids, result))
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        check_loaded(self._closed)
+        batches = [embedding_tokens(self.tokenize, t, self.context_length, self.eos_token_ids) for t in texts]
+        return await self._run(lambda: [self._embed(ids) for ids in batches])
+
+    def _embed(self, ids: list[int]) -> list[float]:
+        # mean over tokens of the final-normed hidden states, as llama.cpp's mean pooling
+        return unit_vector(np.asarray(self._hidden_rows(ids), dtype=np.float64).mean(0))
+
+    def _free(self) -> None:
+        self.engine.stop()  # the requests still running end (EngineThread._unload)
+        self.vocab.close()

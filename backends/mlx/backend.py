@@ -11,9 +11,8 @@ assembled.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -36,22 +35,13 @@ from localrt.backends.base import (
 from localrt.backends.checks import (
     check_draft_vocabulary,
     check_kv_cache_type,
-    check_loaded,
     check_model_file,
-    check_prompt,
-    check_scored,
-    check_speculative,
 )
-from localrt.backends.engine_thread import EngineStreams
+from localrt.backends.engine_thread import EngineModel, EngineStreams
 from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
-from localrt.backends.outputs import embedding_tokens, empty_score, fill_score, token_logprob, unit_vector
-from localrt.backends.speculation import (
-    DEFAULT_NUM_DRAFT,
-    VERIFY_COST_PER_DRAFT,
-    SpecState,
-    speculative_method,
-)
+from localrt.backends.outputs import fill_score, token_logprob
+from localrt.backends.speculation import SpecState, verify_cost_per_draft
 from localrt.errors import OptionError
 
 NAME = "mlx"
@@ -103,7 +93,7 @@ class MLXBackend:
         return MLXModel(Path(path), opts)
 
 
-class MLXModel(VocabMethods, ModelLifetime):
+class MLXModel(VocabMethods, EngineModel, ModelLifetime):
     backend_name = NAME
 
     def __init__(
@@ -153,7 +143,7 @@ class MLXModel(VocabMethods, ModelLifetime):
 
         # fp16 on Apple GPUs; fp32 on the CPU, where MLX's half matmuls are slower and inexact
         self.dtype = mx.float16 if _on_gpu() else mx.float32
-        self.verify_cost = VERIFY_COST_PER_DRAFT["gpu" if _on_gpu() else "cpu"]
+        self.verify_cost = verify_cost_per_draft(_on_gpu())
         tensors = GGUFTensors(self.path)
         self.metadata: dict[str, str] = tensors.text_metadata()
         tokens = tensors.vocabulary()  # to check a draft model's against
@@ -194,19 +184,6 @@ class MLXModel(VocabMethods, ModelLifetime):
         return self.engine.call(fn).result()
 
     # ---- generation -------------------------------------------------------------------------
-    def _check(self, req: GenerateRequest) -> str:
-        """Refuses what this model cannot run; returns the speculation method the request runs."""
-        check_loaded(self._closed)
-        has_draft = self.draft_model is not None
-        check_speculative(req.speculative, self.capabilities.speculative, has_draft, "MLX")
-        check_prompt(req.prompt_tokens, self.context_length, self.n_vocab)
-        return speculative_method(
-            req.speculative, has_draft_model=has_draft, constrained=req.format is not None
-        )
-
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        return self._stream(request)
-
     def _row(self, req: GenerateRequest, mode: str, grammar: Grammar | None) -> Any:
         """The engine row of a request: sampler, limits, its own proposer (on its own caches)."""
         from .engine import DraftModelProposer, LookupProposer, SelfProposer
@@ -220,7 +197,7 @@ class MLXModel(VocabMethods, ModelLifetime):
             RowSampler(req.sampling, self.context_length, grammar),
             max_tokens,
             cancel=req.cancel,
-            top_logprobs=req.top_logprobs if req.logprobs or req.top_logprobs > 0 else -1,
+            top_logprobs=req.top_logprobs if req.wants_logprobs else -1,
         )
         if mode == "lookup":
             row.proposer = LookupProposer()
@@ -230,34 +207,28 @@ class MLXModel(VocabMethods, ModelLifetime):
             cost = self.self_spec_layers / self.model.cfg.block_count
             row.proposer = _SelfOnRow(row, self.self_spec_layers, cost, SelfProposer)
         if row.proposer is not None:
-            k = req.num_draft or DEFAULT_NUM_DRAFT[mode]
-            row.spec = SpecState(mode, k, row.proposer.cost_per_draft + self.verify_cost)
+            row.spec = SpecState.begin(mode, req.num_draft, row.proposer.cost_per_draft, self.verify_cost)
         return row
 
-    async def _stream(self, req: GenerateRequest) -> AsyncIterator[Event]:
-        mode = self._check(req)
-        # built here, so a schema it cannot express fails before any work
-        grammar = (
-            None
-            if req.format is None
-            else Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, req.format)
-        )
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        mode = self._check(request, self.draft_model is not None, "MLX")
+        grammar = self._grammar(request)
         start_ns = time.perf_counter_ns()
-        if req.num_predict == 0:  # nothing to generate
+        if request.num_predict == 0:  # nothing to generate
             if grammar is not None:
                 grammar.close()
             yield DoneEvent("length", Timings())
             return
-        row = self._row(req, mode, grammar)
-        text = TextAssembler(req.stop)
+        row = self._row(request, mode, grammar)
+        text = TextAssembler(request.stop)
         generated = 0
         async with self._streams.open(
-            self, row.id, req.cancel, lambda: row.finish is not None, grammar
+            self, row.id, request.cancel, lambda: row.finish is not None, grammar
         ) as queue:
             self.engine.submit(row)
             while True:
                 out = await queue.get()
-                events, stopped = self._events(out, text, req)
+                events, stopped = self._events(out, text, request)
                 if stopped:  # a stop string: the tokens after it are not the answer
                     events += self._done(row, "stop", text, start_ns, generated + len(out.tokens))
                 elif out.finish is not None:
@@ -284,10 +255,6 @@ class MLXModel(VocabMethods, ModelLifetime):
 
     def _done(self, row: Any, reason: str, text: TextAssembler, start_ns: int, generated: int) -> list[Event]:
         """The tail text and the done event (`generated`: tokens counted, an end token included)."""
-        events: list[Event] = []
-        tail = text.finish()
-        if tail is not None:
-            events.append(tail)
         spec = row.spec
         timings = Timings(
             prompt_eval_count=row.prompt_eval_count,
@@ -296,20 +263,9 @@ class MLXModel(VocabMethods, ModelLifetime):
             draft_accepted_count=spec.accepted if spec is not None else 0,
             cached_count=row.cached_count,
         ).set_durations(start_ns, row.first_token_ns, time.perf_counter_ns())
-        events.append(DoneEvent(reason, timings, stop_sequence=text.stop_sequence))  # type: ignore[arg-type]
-        return events
+        return text.end(reason, timings)
 
     # ---- scoring and embeddings ---------------------------------------------------------------
-    async def _run(self, fn: Callable[[], T]) -> T:
-        """Run fn on the engine's thread, between two steps."""
-        check_loaded(self._closed)
-        return await asyncio.wrap_future(self.engine.call(fn))
-
-    async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
-        ids = list(tokens)
-        check_scored(ids, self.context_length, self.n_vocab)
-        return await self._run(lambda: self._score(ids, return_logits))
-
     def _hidden(self, ids: list[int]) -> Any:
         """Final-normed hidden states [n, dim] of one sequence, on fresh caches (the chat's are kept)."""
         import mlx.core as mx
@@ -325,28 +281,15 @@ class MLXModel(VocabMethods, ModelLifetime):
             chunks.append(h)
         return mx.concatenate(chunks)
 
-    def _score(self, ids: list[int], return_logits: bool) -> ScoreResult:
+    def _score(self, ids: list[int], result: ScoreResult) -> ScoreResult:
         n = len(ids)
-        result = empty_score(n, self.n_vocab, return_logits)
-        if n < 2:
-            return result
         hidden = self._hidden(ids[:-1])  # [n-1, dim]: the last token predicts nothing scored
         for s in range(0, n - 1, SCORE_HEAD_ROWS):
             fill_score(result, ids, s, np.array(self.model.logits(hidden[s : s + SCORE_HEAD_ROWS])))
         return result
 
-    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        batches = [embedding_tokens(self.tokenize, t, self.context_length, self.eos_token_ids) for t in texts]
-        return await self._run(lambda: [self._embed(ids) for ids in batches])
-
-    def _embed(self, ids: list[int]) -> list[float]:
-        # mean over tokens of the final-normed hidden states, as llama.cpp's mean pooling
-        return unit_vector(np.array(self._hidden(ids)).astype(np.float64).mean(0))
-
-    # ---- lifetime -----------------------------------------------------------------------------
-    def _free(self) -> None:
-        self.engine.stop()  # the rows still running end as cancelled
-        self.vocab.close()
+    def _hidden_rows(self, ids: list[int]) -> np.ndarray:
+        return np.array(self._hidden(ids))
 
 
 class _SelfOnRow:

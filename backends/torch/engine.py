@@ -23,6 +23,7 @@ from localrt.backends.base import CancelToken, SamplingParams
 from localrt.backends.checks import check_prompt
 from localrt.backends.engine_thread import EngineThread
 from localrt.backends.grammar import Grammar
+from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
 
 from .attention import fused_available
@@ -35,8 +36,6 @@ from .sampling import RequestSampler, Sampled
 from .scheduler import Scheduled, Scheduler, Sequence
 from .sliding import WindowBlocks, window_pool_blocks
 from .speculative import (
-    DEFAULT_NUM_DRAFT,
-    VERIFY_COST_PER_DRAFT,
     DraftModelProposer,
     DraftTokens,
     LookupProposer,
@@ -152,12 +151,11 @@ class Engine(EngineThread):
             else WindowBlocks(self.window_pool, self.cache, window, config.prefix_caching),
         )
         self.runner = ModelRunner(model, self.cache, self.device, self.graphs)
-        verify_cost = VERIFY_COST_PER_DRAFT["cpu" if self.device.type == "cpu" else "gpu"]
         layers = config.self_spec_layers or max(1, cfg.block_count - cfg.block_count // 5)
         self.proposers: dict[str, Any] = {"lookup": LookupProposer()}
         if not window:  # the shallow pass reads the target's cache through block tables only
             self.proposers["self"] = SelfProposer(model, self.cache, self.device, layers)
-        self.verify_cost = verify_cost
+        self.verify_cost = verify_cost_per_draft(self.device.type != "cpu")
         self.draft_model = draft_model
         if draft_model is not None:
             self.proposers["draft"] = self._make_draft_proposer(draft_model, num_blocks)
@@ -221,8 +219,7 @@ class Engine(EngineThread):
                     else f"speculative mode {speculative!r} is not supported"
                 )
             proposer = self.proposers[speculative]
-            k = num_draft or DEFAULT_NUM_DRAFT[speculative]
-            seq.spec = SpecState(speculative, k, proposer.cost_per_draft + self.verify_cost)
+            seq.spec = SpecState.begin(speculative, num_draft, proposer.cost_per_draft, self.verify_cost)
         return seq
 
     def add(self, seq: Sequence) -> None:
