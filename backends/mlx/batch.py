@@ -32,6 +32,7 @@ import numpy as np
 
 from localrt.backends.base import CancelToken
 from localrt.backends.engine_thread import EngineThread
+from localrt.backends.outputs import logprob_values
 from localrt.backends.speculation import SpecState, verify
 
 from .engine import Proposer, Runner
@@ -336,18 +337,7 @@ class BatchEngine(EngineThread):
     def _host_logprob(
         row: Row, logits: np.ndarray, token: int
     ) -> tuple[float, list[tuple[int, float]]] | None:
-        if row.top_logprobs < 0:
-            return None
-        x = logits.astype(np.float64)
-        lp = x - x.max()
-        lp = lp - np.log(np.exp(lp).sum())
-        n = row.top_logprobs
-        top: list[tuple[int, float]] = []
-        if n > 0:
-            ids = np.argpartition(-lp, n - 1)[:n]
-            ids = ids[np.argsort(-lp[ids], kind="stable")]
-            top = [(int(i), float(lp[i])) for i in ids]
-        return float(lp[token]), top
+        return None if row.top_logprobs < 0 else logprob_values(logits, token, row.top_logprobs)
 
     @staticmethod
     def _logprobs(flight: _InFlight) -> dict[int, tuple[float, list[tuple[int, float]]]]:

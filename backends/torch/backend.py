@@ -28,7 +28,6 @@ from localrt.backends.base import (
     modules_installed,
 )
 from localrt.backends.checks import (
-    check_draft_vocabulary,
     check_kv_cache_type,
     check_model_file,
 )
@@ -180,10 +179,7 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         check_model_file(path, "draft model")
         tensors = GGUFTensors(path)
         try:
-            draft_tokens = tensors.vocabulary()
-            check_draft_vocabulary(
-                path, len(self._tokens), len(draft_tokens), self._tokens.__getitem__, draft_tokens.__getitem__
-            )
+            tensors.check_draft_of(self._tokens)
             return self._build(tensors, dtype)
         finally:
             tensors.close()
