@@ -126,8 +126,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         try:
             self._call(lambda: self._load(opts, self_spec_layers, prompt_cache_bytes))
         except BaseException:
-            self.engine.stop()
-            self.vocab.close()
+            self._free()
             raise
         self.load_ns = time.perf_counter_ns() - t0
 
