@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from localrt.backends.checks import check_draft_vocabulary
 from localrt.errors import LocalrtError
 from localrt.store.gguf import GGUFInfo, TensorInfo, read_gguf
 
@@ -39,13 +38,6 @@ class GGUFTensorSource:
     def vocabulary(self) -> list[Any]:
         """The tokenizer's entries (`tokenizer.ggml.tokens`), empty when the file has none."""
         return list(self.metadata.get("tokenizer.ggml.tokens") or [])
-
-    def check_draft_of(self, tokens: list[Any]) -> None:
-        """This file can be the draft model of one whose vocabulary is `tokens` (the GGUF token lists)."""
-        draft_tokens = self.vocabulary()
-        check_draft_vocabulary(
-            self.path, len(tokens), len(draft_tokens), tokens.__getitem__, draft_tokens.__getitem__
-        )
 
     def __contains__(self, name: str) -> bool:
         return name in self.by_name

@@ -28,6 +28,7 @@ from localrt.backends.base import (
     modules_installed,
 )
 from localrt.backends.checks import (
+    check_draft_vocabulary,
     check_kv_cache_type,
     check_model_file,
 )
@@ -179,7 +180,10 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         check_model_file(path, "draft model")
         tensors = GGUFTensors(path)
         try:
-            tensors.check_draft_of(self._tokens)
+            draft_tokens = tensors.vocabulary()
+            check_draft_vocabulary(
+                path, len(self._tokens), len(draft_tokens), self._tokens.__getitem__, draft_tokens.__getitem__
+            )
             return self._build(tensors, dtype)
         finally:
             tensors.close()
