@@ -13,15 +13,23 @@ import concurrent.futures
 import contextlib
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from localrt.backends.base import CancelToken, Capabilities, GenerateRequest, ModelLifetime, ScoreResult
+from localrt.backends.base import (
+    CancelToken,
+    Capabilities,
+    Event,
+    GenerateRequest,
+    ModelLifetime,
+    ScoreResult,
+    TextAssembler,
+)
 from localrt.backends.checks import check_loaded, check_prompt, check_scored, check_speculative
 from localrt.backends.grammar import Grammar
-from localrt.backends.outputs import embedding_tokens, empty_score, unit_vector
+from localrt.backends.outputs import embedding_tokens, empty_score, token_logprob, unit_vector
 from localrt.backends.speculation import speculative_method
 from localrt.errors import LocalrtError
 
@@ -214,6 +222,7 @@ class EngineModel:
     eos_token_ids: Sequence[int]
     _closed: bool
     tokenize: Callable[[str], list[int]]  # the model's vocabulary (VocabMethods)
+    detokenize: Callable[[Sequence[int]], str]
 
     capabilities: Capabilities
 
@@ -232,6 +241,27 @@ class EngineModel:
         if request.format is None:
             return None
         return Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, request.format)
+
+    def _text_events(
+        self,
+        tokens: Sequence[int],
+        logprobs: Iterable[tuple[float, list[tuple[int, float]]] | None],
+        text: TextAssembler,
+        preserve: frozenset[int],
+    ) -> tuple[list[Event], int | None]:
+        """A step's tokens for one request -> text events, on the event loop (pieces and stop strings
+        never run on the engine thread). Second: None, or the tokens taken up to a stop string that
+        matched (the rest of the step's tokens are not the answer). `preserve`: special tokens whose
+        text stays in the output (thinking markers)."""
+        events: list[Event] = []
+        for taken, (token, lp) in enumerate(zip(tokens, logprobs), 1):
+            logprob = None if lp is None else token_logprob(token, *lp, self.detokenize)
+            event, stopped = text.add(token, self.vocab.piece(token, token in preserve), logprob)
+            if event is not None:
+                events.append(event)
+            if stopped:
+                return events, taken
+        return events, None
 
     def _score(self, ids: list[int], result: ScoreResult) -> ScoreResult:
         raise NotImplementedError

@@ -40,7 +40,7 @@ from localrt.backends.checks import (
 from localrt.backends.engine_thread import EngineModel, EngineStreams
 from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
-from localrt.backends.outputs import fill_score, token_logprob
+from localrt.backends.outputs import fill_score
 from localrt.backends.speculation import SpecState, verify_cost_per_draft
 from localrt.errors import OptionError
 
@@ -227,7 +227,8 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
             self.engine.submit(row)
             while True:
                 out = await queue.get()
-                events, stopped = self._events(out, text, request)
+                events, taken = self._text_events(out.tokens, out.logprobs, text, request.preserve_tokens)
+                stopped = taken is not None
                 if stopped:  # a stop string: the tokens after it are not the answer
                     events += self._done(row, "stop", text, start_ns, generated + len(out.tokens))
                 elif out.finish is not None:
@@ -239,18 +240,6 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
                     yield event
                 if stopped or out.finish is not None:
                     return
-
-    def _events(self, out: Any, text: TextAssembler, req: GenerateRequest) -> tuple[list[Event], bool]:
-        """A step's tokens for one request -> text events (on the event loop, not the engine thread)."""
-        events: list[Event] = []
-        for token, lp in zip(out.tokens, out.logprobs):
-            logprob = None if lp is None else token_logprob(token, *lp, self.detokenize)
-            event, stopped = text.add(token, self.vocab.piece(token, token in req.preserve_tokens), logprob)
-            if event is not None:
-                events.append(event)
-            if stopped:
-                return events, True
-        return events, False
 
     def _done(self, row: Any, reason: str, text: TextAssembler, start_ns: int, generated: int) -> list[Event]:
         """The tail text and the done event (`generated`: tokens counted, an end token included)."""

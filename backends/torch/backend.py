@@ -23,7 +23,6 @@ from localrt.backends.base import (
     ModelLifetime,
     ScoreResult,
     TextAssembler,
-    TokenLogprob,
     loaded_context,
     modules_installed,
 )
@@ -36,7 +35,6 @@ from localrt.backends.engine_thread import EngineModel, EngineStreams
 from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.lib import default_threads
 from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
-from localrt.backends.outputs import token_logprob
 from localrt.errors import OptionError
 
 NAME = "torch"
@@ -222,9 +220,6 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
                 for event in stream.events(await queue.get()):
                     yield event
 
-    def _logprob(self, token: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
-        return token_logprob(token, logprob, top, self.detokenize)
-
     # ---- scoring and embeddings ---------------------------------------------------------------
     def _score(self, ids: list[int], result: ScoreResult) -> ScoreResult:
         torch = _torch()
@@ -256,18 +251,12 @@ class _Stream:
         self.done = False
 
     def events(self, out: Any) -> list[Event]:
-        events: list[Event] = []
-        for j, token in enumerate(out.tokens):
-            self.generated += 1
-            lp = out.logprob[j]
-            logprob = None if lp is None else self.model._logprob(token, lp, out.top[j])
-            event, stopped = self.text.add(
-                token, self.model.vocab.piece(token, token in self.preserve), logprob
-            )
-            if event is not None:
-                events.append(event)
-            if stopped:  # a stop string: the rest of the step's tokens are not the answer
-                return [*events, *self._finish("stop", ended=False)]
+        logprobs = [None if lp is None else (lp, top) for lp, top in zip(out.logprob, out.top)]
+        events, taken = self.model._text_events(out.tokens, logprobs, self.text, self.preserve)
+        if taken is not None:  # a stop string: the rest of the step's tokens are not the answer
+            self.generated += taken
+            return [*events, *self._finish("stop", ended=False)]
+        self.generated += len(out.tokens)
         if out.finish is not None:
             if self.seq.error is not None:
                 raise self.seq.error
