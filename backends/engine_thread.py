@@ -4,6 +4,8 @@
 score, embed) come from any thread and are taken between two steps; each step's outputs go to a sink
 on that thread. `EngineStreams`: the adapter's side, that sink: every output goes to its request's
 asyncio queue on the request's event loop, where the text is assembled (never on the engine thread).
+`EngineModel`: what the torch and MLX adapters do the same way over such an engine (request checks,
+a step's text events, score and embed as jobs on its thread, unload).
 """
 
 from __future__ import annotations
@@ -223,7 +225,6 @@ class EngineModel:
     _closed: bool
     tokenize: Callable[[str], list[int]]  # the model's vocabulary (VocabMethods)
     detokenize: Callable[[Sequence[int]], str]
-
     capabilities: Capabilities
 
     def _check(self, request: GenerateRequest, has_draft_model: bool, backend: str) -> str:
