@@ -26,7 +26,7 @@ from localrt.backends.torch.model import DenseCausal  # noqa: E402
 from tests.fixtures_families import GEMMA3_WINDOW, family_gguf, tiny_hf  # noqa: E402
 
 N_TOKENS = 80  # past the window (24) three times over
-FAMILIES = ["gemma3", "gemma2", "phi3", "qwen3moe"]
+FAMILIES = ["gemma3", "gemma2", "phi3", "qwen3moe", "olmoe"]
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +85,7 @@ WINDOWS = {
     "gemma2": [GEMMA3_WINDOW, 0] * 3,  # alternating, the even layers sliding
     "phi3": [0] * 3,  # llama.cpp ignores Phi-3's sliding window
     "qwen3moe": [0] * 3,
+    "olmoe": [0] * 3,
 }
 
 
