@@ -65,7 +65,9 @@ def test_short_factors_within_the_original_context(phi3: tuple[Path, Path]) -> N
     model.fit_context(ORIGINAL)
     assert model.rope_factors == "short"
     tokens = tokens_for(model.cfg.vocab_size, 100, seed=4)
-    np.testing.assert_allclose(ours(model, tokens), llama_cpp_logits(path, tokens, ORIGINAL), atol=0.02, rtol=0)
+    np.testing.assert_allclose(
+        ours(model, tokens), llama_cpp_logits(path, tokens, ORIGINAL), atol=0.02, rtol=0
+    )
 
 
 def test_engine_runs_past_the_original_context(phi3: tuple[Path, Path]) -> None:

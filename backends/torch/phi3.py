@@ -25,6 +25,7 @@ class Phi3(Transformer):
     factors: dict[str, torch.Tensor]  # "short" / "long": LongRoPE's frequency divisors (empty: none)
     original_context: int  # the context the short factors serve
     attn_factor: float
+    rope_factors: str  # the factors in use: "short", "long" or "none" (a file without LongRoPE)
 
     def fit_context(self, context_length: int) -> None:
         """Pick the RoPE factors for a context of `context_length` tokens (llama.cpp: the long ones iff
@@ -56,7 +57,9 @@ class Phi3(Transformer):
             model = cls(cfg)
         load_weights(model, tensors, dtype, device, modules)
         model.factors = factors
-        model.original_context = int(md.get(f"{ARCH}.rope.scaling.original_context_length", cfg.context_length))
+        model.original_context = int(
+            md.get(f"{ARCH}.rope.scaling.original_context_length", cfg.context_length)
+        )
         model.attn_factor = float(md.get(f"{ARCH}.rope.scaling.attn_factor", 1.0))
         model.rope_factors = "short" if factors else "none"
         # real buffers, off the meta device

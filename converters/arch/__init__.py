@@ -106,7 +106,14 @@ def registry() -> dict[str, Arch]:
 
     out: dict[str, Arch] = {}
     for arch in (
-        llama.ARCH, qwen2.ARCH, qwen3.ARCH, gemma3.ARCH, gemma2.ARCH, phi3.ARCH, qwen3moe.ARCH, olmoe.ARCH
+        llama.ARCH,
+        qwen2.ARCH,
+        qwen3.ARCH,
+        gemma3.ARCH,
+        gemma2.ARCH,
+        phi3.ARCH,
+        qwen3moe.ARCH,
+        olmoe.ARCH,
     ):
         for hf in arch.hf_architectures:
             out[hf] = arch
