@@ -223,21 +223,23 @@ def test_gemma3_270m_perplexity_matches_llama_cpp(gemma3_gguf: Path) -> None:
 @pytest.mark.timeout(3600)
 def test_gemma3_270m_top1_against_exact_llama_cpp(gemma3_gguf: Path) -> None:
     """Issue 21's bar on the real file, measured as `localrt eval` measures (4,096 tokens of English,
-    windows of 1,024, second halves scored): top-1 agreement with exact llama.cpp (the OpenBLAS build,
+    windows of 512, second halves scored): top-1 agreement with exact llama.cpp (the OpenBLAS build,
     weight repacking off, so its batched matmuls are fp32 on the dequantized weights) at least 98%, and
-    perplexity within 1% of it."""
+    perplexity within 1% of it. Windows of 512, not 1,024 as above: the KL between two sets of
+    262,144-wide logits of 1,024 rows needs about 15 GB (out of memory on a 24 GB machine shared by
+    several runs); the sliding window itself is covered by the perplexity test above."""
     from localrt.backends.base import LoadOptions
     from localrt.backends.torch import TorchModel
     from localrt.eval import evaluate
     from tests.fixtures_hf import LlamaCppBuildReference, llama_cpp_blas
     from tests.test_torch_model import english_text
 
-    model = TorchModel(gemma3_gguf, LoadOptions(num_ctx=1024, num_thread=2, num_batch=512))
+    model = TorchModel(gemma3_gguf, LoadOptions(num_ctx=512, num_thread=2, num_batch=512))
     try:
         tokens = model.tokenize(english_text(), add_special=False)[:4096]
         reference = LlamaCppBuildReference(llama_cpp_blas(), gemma3_gguf, model, threads=2, repack=False)
-        got = asyncio.run(evaluate(model, tokens, 1024, reference))
-        reference_alone = asyncio.run(evaluate(reference, tokens, 1024))
+        got = asyncio.run(evaluate(model, tokens, 512, reference))
+        reference_alone = asyncio.run(evaluate(reference, tokens, 512))
     finally:
         model.unload()
     print(
