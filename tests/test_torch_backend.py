@@ -27,7 +27,10 @@ GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 
 @pytest.fixture(scope="module")
 def model(smollm2_gguf: Path) -> Iterator[TorchModel]:
-    loaded = TorchBackend.load(smollm2_gguf, LoadOptions(num_ctx=2048, num_thread=2, num_batch=512))
+    """The dequantized fp32 weights (the file's exact function), chosen by the load option."""
+    opts = LoadOptions(num_ctx=2048, num_thread=2, num_batch=512, numerics="dequantized")
+    loaded = TorchBackend.load(smollm2_gguf, opts)
+    assert loaded.numerics == "dequantized"
     yield loaded
     loaded.unload()
 
@@ -72,9 +75,9 @@ def test_tokens_are_llama_cpp_tokens(model: TorchModel, smollm2_gguf: Path) -> N
 
 @pytest.fixture(scope="module")
 def quantized(smollm2_gguf: Path) -> Iterator[TorchModel]:
-    loaded = TorchModel(
-        smollm2_gguf, LoadOptions(num_ctx=2048, num_thread=2, num_batch=512), numerics="quantized"
-    )
+    """The default load on the CPU: weights kept quantized."""
+    loaded = TorchBackend.load(smollm2_gguf, LoadOptions(num_ctx=2048, num_thread=2, num_batch=512))
+    assert loaded.numerics == "quantized"
     yield loaded
     loaded.unload()
 
@@ -216,8 +219,8 @@ def test_llama_cpp_numerics_option(tmp_path: Path) -> None:
 
 
 def test_weights_stay_quantized_in_memory(quantized: TorchModel, smollm2_gguf: Path) -> None:
-    """`numerics="quantized"` keeps SmolLM2 Q4_1's weights packed: at most 1.5x the file's tensor bytes
-    (fp32 would be 5.6x), and the reported memory is those weights plus the KV pool."""
+    """By default SmolLM2 Q4_1's weights stay packed: at most 1.5x the file's tensor bytes (fp32
+    would be 5.6x), and the reported memory is those weights plus the KV pool."""
     from localrt.backends.torch.gguf_load import GGUFTensors
 
     tensor_bytes = sum(t.n_bytes for t in GGUFTensors(smollm2_gguf).info.tensors)
@@ -249,7 +252,14 @@ def test_logprobs_come_with_the_batch(model: TorchModel) -> None:
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize(
     ("file_type", "numerics"),
-    [("Q4_1", "exact"), ("Q4_K_M", "exact"), ("Q6_K", "exact"), ("Q4_1", "quantized")],
+    [
+        ("Q4_1", "exact"),
+        ("Q4_K_M", "exact"),
+        ("Q6_K", "exact"),
+        ("Q4_1", "quantized"),
+        ("Q4_K_M", "quantized"),
+        ("Q6_K", "quantized"),
+    ],
 )
 def test_fidelity_through_score_against_llama_cpp_blas(
     file_type: str, numerics: str, smollm2_file: Callable[[str], Path]
