@@ -92,8 +92,34 @@ def split_bf16(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([hi, (x - hi.float()).to(torch.bfloat16)])
 
 
-class Int4Linear(nn.Module):
-    """y = x @ W.T (+ b) for W in 4-bit affine groups of 32, packed for torch's CPU int4 kernel.
+class SplitLinear(nn.Module):
+    """y = x @ W.T (+ b) through a bf16-activation kernel (`matmul`): x goes in as its bf16 head and
+    remainder stacked by rows (`split_bf16`), and the two halves of the output are added in fp32."""
+
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """[2M, K] bf16 -> [2M, >= N] (the kernel's own output rows)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        m = flat.shape[0]
+        y = self.matmul(split_bf16(flat))
+        y = self.combine(y[:m].float() + y[m:].float())  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def combine(self, y: torch.Tensor) -> torch.Tensor:
+        """The kernel's output columns -> the N outputs (padding sliced off, planes added)."""
+        return y
+
+
+class Int4Linear(SplitLinear):
+    """W in 4-bit affine groups of 32, packed for torch's CPU int4 kernel.
 
     `planes` 2: q holds two planes stacked by rows (`pair_groups`), W = the first + the second."""
 
@@ -118,22 +144,16 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        m = flat.shape[0]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            split_bf16(flat), self.packed, GROUP, self.scales_and_zeros
-        )
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_and_zeros)
+
+    def combine(self, y: torch.Tensor) -> torch.Tensor:
         n = self.out_features
-        y = y[:m].float() + y[m:].float()  # [M, rows]: the activation's bf16 head + remainder
-        y = y[:, :n] + y[:, n : 2 * n] if self.planes == 2 else y[:, :n]  # [M, N]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y[:, :n] + y[:, n : 2 * n] if self.planes == 2 else y[:, :n]
 
 
-class Int8Linear(nn.Module):
-    """y = x @ (q * scale).T (+ b) with int8 q [N, K] and one scale per output row."""
+class Int8Linear(SplitLinear):
+    """W = q * scale with int8 q [N, K] and one scale per output row."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -142,17 +162,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.to(torch.bfloat16))
         self.register_buffer("bias", bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        m = flat.shape[0]
-        y = torch.ops.aten._weight_int8pack_mm(split_bf16(flat), self.weight_int8, self.scale)
-        y = y[:m].float() + y[m:].float()
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scale)
 
 
-class BF16Linear(nn.Module):
+class BF16Linear(SplitLinear):
     """A dense bf16 weight (a head whose type has no torch kernel): rows double as the embedding."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -161,14 +175,8 @@ class BF16Linear(nn.Module):
         self.register_buffer("weight_bf16", weight.to(torch.bfloat16))
         self.register_buffer("bias", bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        m = flat.shape[0]
-        y = torch.nn.functional.linear(split_bf16(flat), self.weight_bf16)
-        y = y[:m].float() + y[m:].float()
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x2, self.weight_bf16)
 
 
 class Concat(nn.Module):
