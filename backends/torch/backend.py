@@ -172,6 +172,12 @@ class TorchModel(VocabMethods, ModelLifetime):
             from .ggml_numerics import GGMLDenseCausal
 
             self.engine.dense_attention = GGMLDenseCausal  # score and embed see llama.cpp's f16 attention
+        if self.numerics == "quantized":
+            from .attention import StoredKVCausal
+
+            # score and embed in the paged path's arithmetic: its logprobs, not nearby ones
+            cache = self.engine.cache
+            self.engine.dense_attention = lambda n, device: StoredKVCausal(cache, n, device)
         self.memory_bytes = self.engine.weight_bytes() + self.engine.cache.nbytes
         self._active = set()
         self._lock = threading.Lock()

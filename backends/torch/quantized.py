@@ -39,6 +39,7 @@ INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 PAIR_TYPES = ("Q8_0", "Q5_0", "Q5_1")  # up to 8-bit integers in groups of 32: two int4 planes
 FLOAT_TYPES = ("F32", "F16", "BF16")  # never quantized: loaded dense
 GROUP = 32
+REFINE_TOP = 8  # logits of each head row recomputed in fp32 (`RefinedHead`)
 PAIR_BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q5_1": 24}
 
 
@@ -215,6 +216,29 @@ class RowsOf(nn.Module):
         return self.head.weight_bf16[ids].to(self.dtype)
 
 
+class RefinedHead(nn.Module):
+    """The head through a bf16-output kernel, then each row's `REFINE_TOP` best logits recomputed in
+    fp32 from the weight's own rows (`rows`: ids -> weight rows, exact from the GGUF's bytes, or the
+    bf16 weight's). The kernel rounds logits near 20 to about 0.06, enough to swap near-tied
+    candidates (SmolLM2 Q4_1, "What is the capital of France?": "The" 24.144 vs "La" 24.049 exactly,
+    "La" first after the kernel's rounding); the recomputed ones decide greedy picks and top logprobs
+    as the fp32 head would, for the cost of `REFINE_TOP` dot products a row."""
+
+    def __init__(self, kernel: SplitLinear, rows: nn.Module) -> None:
+        super().__init__()
+        self.kernel, self.rows = kernel, rows
+        self.out_features, self.in_features = kernel.out_features, kernel.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.kernel(x)
+        flat, hidden = logits.reshape(-1, self.out_features), x.reshape(-1, self.in_features).float()
+        top = flat.topk(min(REFINE_TOP, self.out_features), -1).indices  # [R, k]
+        exact = torch.bmm(self.rows(top).float(), hidden[:, :, None]).squeeze(-1)  # [R, k]
+        if self.kernel.bias is not None:
+            exact = exact + self.kernel.bias[top]
+        return flat.scatter(1, top, exact.to(flat.dtype)).reshape(logits.shape)
+
+
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] fp32 -> (int8 [N, K], scale [N]): symmetric, round to nearest, amax / 127 per row."""
     scale = w.abs().amax(-1).clamp(min=1e-30) / 127.0
@@ -227,16 +251,19 @@ class QuantizedModules:
     - a linear part in a 4-bit affine type: `Int4Linear` (exact nibbles); Q8_0, Q5_0, Q5_1: an
       `Int4Linear` of two planes (exact integers); a float type: None (loaded dense); any other type:
       `Int8Linear` (per-row requantization). A fused linear whose parts differ in kind is a `Concat`.
-    - the head (output, or the tied token_embd): `Int4Linear` for 4-bit types, else dense bf16,
-      because per-row int8 moves logits by enough to flip 3% of top-1 tokens (Q8_0 head, SmolLM2).
-    - the embedding: the GGUF's bytes, rows dequantized on lookup; a tied bf16 head lends its rows.
+    - the head (output, or the tied token_embd): `Int4Linear` (one or two planes) where the type
+      allows, else dense bf16, because per-row int8 moves logits by enough to flip 3% of top-1 tokens
+      (Q8_0 head, SmolLM2); its best logits refined in fp32 (`RefinedHead`) from the GGUF's bytes
+      (the bf16 weight's rows for a bf16 head).
+    - the embedding: the GGUF's bytes, rows dequantized on lookup (shared with a tied head's
+      refinement); a tied bf16 head lends its rows.
     """
 
     def __init__(self, tensors: GGUFTensors, dtype: torch.dtype = torch.float32) -> None:
         self.tensors = tensors
         self.dtype = dtype
         self.tied = "output.weight" not in tensors
-        self._heads: dict[str, nn.Module] = {}
+        self._heads: dict[str, RefinedHead] = {}
         self.counts: dict[str, int] = {}  # "kind (GGUF type)" -> tensors, for `kept()`
 
     def __call__(self, name: str, parts: list[str]) -> nn.Module | None:
@@ -247,13 +274,7 @@ class QuantizedModules:
         if "dense" in kinds:
             return None  # float weights: dense, as the dequantized numerics load them
         if name == "token_embd":
-            head = self._head(parts[0]) if self.tied else None
-            if isinstance(head, BF16Linear):
-                return RowsOf(head, self.dtype)
-            t = self.tensors.by_name[parts[0]]
-            return GGUFRows(
-                self.tensors.raw(parts[0]), t.ggml_type, int(t.shape[1]), int(t.shape[0]), self.dtype
-            )
+            return self._head(parts[0]).rows if self.tied else self._gguf_rows(parts[0])
         if name == "output":
             return self._head(parts[0])
         if len(set(kinds)) == 1:
@@ -279,13 +300,21 @@ class QuantizedModules:
             return self._int8(parts)
         return self._int4(parts)
 
-    def _head(self, name: str) -> nn.Module:
+    def _head(self, name: str) -> RefinedHead:
         if name not in self._heads:
+            kernel: SplitLinear
             if self._kind(name) in ("int4", "int4x2"):
-                self._heads[name] = self._int4([name])
+                kernel = self._int4([name])
+                rows: nn.Module = self._gguf_rows(name)
             else:
-                self._heads[name] = BF16Linear(self.tensors.get(name).float(), self._bias([name]))
+                kernel = BF16Linear(self.tensors.get(name).float(), self._bias([name]))
+                rows = RowsOf(kernel, self.dtype)
+            self._heads[name] = RefinedHead(kernel, rows)
         return self._heads[name]
+
+    def _gguf_rows(self, name: str) -> GGUFRows:
+        t = self.tensors.by_name[name]
+        return GGUFRows(self.tensors.raw(name), t.ggml_type, int(t.shape[1]), int(t.shape[0]), self.dtype)
 
     def _int4(self, parts: list[str]) -> Int4Linear:
         """The parts (all 4-bit, or all two-plane) stacked by rows; two planes: every part's high
