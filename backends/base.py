@@ -15,7 +15,7 @@ import asyncio
 import codecs
 import concurrent.futures
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
@@ -158,6 +158,11 @@ class GenerateRequest:
     # the runtime parses them out of the text, as llama-server's preserved tokens
     preserve_tokens: frozenset[int] = frozenset()
     images: list[ImageInput] = field(default_factory=list)  # needs Capabilities.vision
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Each generated token comes with its logprob (asked for, or implied by top_logprobs)."""
+        return self.logprobs or self.top_logprobs > 0
 
 
 @dataclass
@@ -375,6 +380,12 @@ class TextAssembler:
         """The stop string that ended the answer (None: it ended otherwise), for DoneEvent.stop_sequence."""
         return self._stops.matched
 
+    def end(self, reason: str, timings: Timings) -> list[Event]:
+        """The answer's last events: the text still held back (if any), then the done event."""
+        tail = self.finish()
+        done = DoneEvent(reason, timings, stop_sequence=self.stop_sequence)  # type: ignore[arg-type]
+        return [done] if tail is None else [tail, done]
+
     def finish(self) -> TextEvent | None:
         text = self._stops.push(self._utf8.decode(b"", final=True))[0] + self._stops.flush()
         if not text and not self._ids:
@@ -390,6 +401,16 @@ class TextAssembler:
             return None
         lps, self._logprobs = self._logprobs, []
         return lps
+
+
+def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    """How many items `a` and `b` share from their start (token ids, or llama.cpp's prompt cells)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def loaded_context(num_ctx: int, trained: int) -> int:

@@ -23,6 +23,11 @@ def token_logprob(
 def logprob_from_logits(logits: np.ndarray, token: int, top_n: int, text_of: TextOf) -> TokenLogprob:
     """The same from the raw logits row [V] the token was sampled from (log-softmax of the raw row, as
     llama-server reports it, not of the sampler's truncated distribution)."""
+    return token_logprob(token, *logprob_values(logits, token, top_n), text_of)
+
+
+def logprob_values(logits: np.ndarray, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
+    """A token's logprob in the raw logits row [V] and the `top_n` best (id, logprob), best first."""
     lp = log_softmax(logits)
     top: list[tuple[int, float]] = []
     top_n = min(top_n, lp.shape[-1])
@@ -30,7 +35,7 @@ def logprob_from_logits(logits: np.ndarray, token: int, top_n: int, text_of: Tex
         ids = np.argpartition(-lp, top_n - 1)[:top_n]
         ids = ids[np.argsort(-lp[ids], kind="stable")]
         top = [(int(i), float(lp[i])) for i in ids]
-    return token_logprob(token, float(lp[token]), top, text_of)
+    return float(lp[token]), top
 
 
 def empty_score(n_tokens: int, n_vocab: int, return_logits: bool) -> ScoreResult:

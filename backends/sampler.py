@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -16,14 +17,57 @@ from localrt.backends.base import SamplingParams
 from localrt.backends.grammar import Grammar
 
 
-class Sampler:
+class SamplerBase:
+    """What every engine's per-request sampler holds and does the same way (numpy here, torch, MLX):
+    the parameters, the seed its draws start from, the penalty window, and `sample` with a grammar.
+    An engine's sampler adds its random stream and the chain over its array library (`_pick`)."""
+
     def __init__(self, params: SamplingParams, context_length: int, grammar: Grammar | None = None) -> None:
         self.params = params
         self.greedy = params.greedy
         self.grammar = grammar  # `format`: sample() only picks what it allows (no speculation then)
-        seed = params.seed if params.seed >= 0 else random.getrandbits(63)
-        self.rng = np.random.default_rng(seed)
+        self.seed = params.seed if params.seed >= 0 else random.getrandbits(63)
         self.penalty_window = params.penalty_window(context_length)  # 0: no penalties
+
+    def sample(self, logits: Any, history: Sequence[int]) -> int:
+        if self.grammar is not None:  # constrained output: only what the grammar allows next
+            logits = self._masked(logits)
+        token = self._pick(logits, history)
+        if self.grammar is not None:
+            self.grammar.accept(token)
+        return token
+
+    def _masked(self, logits: Any) -> Any:
+        """logits [V] with what the grammar forbids next at -inf (the grammar runs on the host)."""
+        assert self.grammar is not None
+        return self.grammar.mask(np.asarray(logits, dtype=np.float32))
+
+    def _pick(self, logits: Any, history: Sequence[int]) -> int:
+        raise NotImplementedError
+
+
+def penalty_knobs(samplers: Sequence[SamplerBase]) -> list[list[float]]:
+    """A batch's penalty parameters, a row per request: repeat, frequency, presence."""
+    return [
+        [s.params.repeat_penalty, s.params.frequency_penalty, s.params.presence_penalty] for s in samplers
+    ]
+
+
+def chain_knobs(params: Sequence[SamplingParams], vocab: int) -> list[list[float]]:
+    """A batch's chain parameters, a row per request: top-k (the vocabulary when off), top-p, min-p,
+    temperature."""
+    return [[p.top_k if 0 < p.top_k < vocab else vocab, p.top_p, p.min_p, p.temperature] for p in params]
+
+
+def truncates(params: Sequence[SamplingParams], vocab: int) -> bool:
+    """Whether any request of a batch cuts by top-k or top-p (the batch then sorts its rows)."""
+    return any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params)
+
+
+class Sampler(SamplerBase):
+    def __init__(self, params: SamplingParams, context_length: int, grammar: Grammar | None = None) -> None:
+        super().__init__(params, context_length, grammar)
+        self.rng = np.random.default_rng(self.seed)
 
     def penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """logits [V] with llama.cpp's repeat / frequency / presence penalties over the recent window."""
@@ -68,16 +112,10 @@ class Sampler:
     def uniform(self) -> float:
         return float(self.rng.random())
 
-    def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
-        if self.grammar is not None:  # constrained output: only what the grammar allows next
-            logits = self.grammar.mask(np.asarray(logits, dtype=np.float32))
+    def _pick(self, logits: np.ndarray, history: Sequence[int]) -> int:
         if self.greedy:
-            token = int(self.penalized(np.asarray(logits, dtype=np.float32), history).argmax())
-        else:
-            token = self.draw(self.probs(logits, history))
-        if self.grammar is not None:
-            self.grammar.accept(token)
-        return token
+            return int(self.penalized(np.asarray(logits, dtype=np.float32), history).argmax())
+        return self.draw(self.probs(logits, history))
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

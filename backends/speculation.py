@@ -28,6 +28,11 @@ WARMUP_DRAFTS = 24  # draft tokens seen before a request's acceptance rate is tr
 VERIFY_COST_PER_DRAFT = {"cpu": 0.25, "gpu": 0.03}
 
 
+def verify_cost_per_draft(on_gpu: bool) -> float:
+    """What verifying one draft token costs on this device (VERIFY_COST_PER_DRAFT)."""
+    return VERIFY_COST_PER_DRAFT["gpu" if on_gpu else "cpu"]
+
+
 def speculative_method(mode: str, *, has_draft_model: bool, constrained: bool) -> str:
     """The method a checked request runs: "auto" is the draft model when one is loaded, else off; a
     grammar (`format`) decides token by token, so nothing is proposed ahead of it."""
@@ -49,6 +54,12 @@ class SpecState:
     drafted: int = 0
     accepted: int = 0
     ngram: NgramProposer | None = field(default=None, repr=False)  # the "lookup" method's index
+
+    @classmethod
+    def begin(cls, mode: str, num_draft: int | None, draft_cost: float, verify_cost: float) -> SpecState:
+        """A request's state: `k` its num_draft, else the method's default (DEFAULT_NUM_DRAFT); a draft
+        token costs its proposer's `draft_cost` plus `verify_cost`, in target decode steps."""
+        return cls(mode, num_draft or DEFAULT_NUM_DRAFT[mode], draft_cost + verify_cost)
 
     def __post_init__(self) -> None:
         self.k_max = self.k_max or self.k

@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from localrt.errors import LocalrtError
 from localrt.runtime.bridge import KV_CACHE_TYPES, NUMERICS, SPECULATIVE_MODES
-from localrt.runtime.generate import Metrics
+from localrt.runtime.generate import Metrics, TokenLogprob
 from localrt.runtime.options import (
     _RANGES,
     BACKEND_ALIASES,
@@ -656,6 +656,23 @@ METRICS_WIRE: dict[str, str] = {
     "draft_count": "draft_count",
     "draft_accepted_count": "draft_accepted_count",
 }
+
+
+def logprobs_to_wire(items: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """Token log-probabilities as Ollama's `logprobs` and OpenAI's `logprobs.content` both write them
+    (the same fields: token, logprob, its UTF-8 bytes, the alternatives)."""
+    return [
+        {
+            "token": lp.token,
+            "logprob": lp.logprob,
+            "bytes": list(lp.token.encode("utf-8")),
+            "top_logprobs": [
+                {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))}
+                for t in lp.top
+            ],
+        }
+        for lp in items
+    ]
 
 
 def metrics_to_ollama(m: Metrics | None) -> dict[str, int]:

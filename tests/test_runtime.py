@@ -160,7 +160,7 @@ def test_stop_option_logprobs_and_options_precedence(store: Store) -> None:
             assert final.metrics.eval_count == 3
             assert final.logprobs
             assert len(final.logprobs) == 3
-            assert len(final.logprobs[0]["top_logprobs"]) == 2
+            assert len(final.logprobs[0].top) == 2
         finally:
             await rt.close()
 

@@ -40,7 +40,7 @@ from localrt.backends.checks import (
 from localrt.backends.mtmd import MediaPrompt, Projector  # issue 19: images through libmtmd
 from localrt.backends.outputs import embedding_tokens, empty_score, fill_score, unit_vector
 from localrt.backends.rerank import Reranker, is_reranker  # issue 19: rank pooling
-from localrt.backends.speculation import VERIFY_COST_PER_DRAFT
+from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
 
 from .lib import (
@@ -192,7 +192,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             n_ctx_seq=self.context_length,
             step_tokens=step_tokens,
             draft=draft,
-            verify_cost=VERIFY_COST_PER_DRAFT["gpu" if self.on_gpu else "cpu"],
+            verify_cost=verify_cost_per_draft(self.on_gpu),
             copy_min=copy_threshold(per_token * self.context_length, int(m.size())),
         )
         if opts.projector is not None:

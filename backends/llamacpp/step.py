@@ -32,6 +32,7 @@ from localrt.backends.base import (
     TextAssembler,
     Timings,
     TokenLogprob,
+    common_prefix,
 )
 from localrt.backends.outputs import logprob_from_logits
 from localrt.backends.speculation import (
@@ -85,15 +86,6 @@ class ExternalChunk:
 
 
 PromptItem = int | ExternalChunk
-
-
-def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass

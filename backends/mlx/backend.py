@@ -11,10 +11,8 @@ assembled.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -37,21 +35,13 @@ from localrt.backends.base import (
 from localrt.backends.checks import (
     check_draft_vocabulary,
     check_kv_cache_type,
-    check_loaded,
     check_model_file,
-    check_prompt,
-    check_scored,
-    check_speculative,
 )
+from localrt.backends.engine_thread import EngineModel, EngineStreams
 from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
-from localrt.backends.outputs import embedding_tokens, empty_score, fill_score, token_logprob, unit_vector
-from localrt.backends.speculation import (
-    DEFAULT_NUM_DRAFT,
-    VERIFY_COST_PER_DRAFT,
-    SpecState,
-    speculative_method,
-)
+from localrt.backends.outputs import fill_score
+from localrt.backends.speculation import SpecState, verify_cost_per_draft
 from localrt.errors import OptionError
 
 NAME = "mlx"
@@ -103,7 +93,7 @@ class MLXBackend:
         return MLXModel(Path(path), opts)
 
 
-class MLXModel(VocabMethods, ModelLifetime):
+class MLXModel(VocabMethods, EngineModel, ModelLifetime):
     backend_name = NAME
 
     def __init__(
@@ -128,18 +118,16 @@ class MLXModel(VocabMethods, ModelLifetime):
         self.slots = min(MAX_SLOTS, opts.num_parallel or DEFAULT_SLOTS["gpu" if _on_gpu() else "cpu"])
         self.capabilities = replace(self.capabilities, parallel_slots=self.slots)
         self._active = set()
-        self._lock = threading.Lock()
-        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._streams = EngineStreams(lambda out: out.row.id)
         self._take_vocab(Vocab.load(path))
         self._eog = set(self.vocab.eog_ids())
         # the engine's thread exists before the model: it makes every MLX array the model uses
         self.engine = BatchEngine(opts.kv_cache_type, opts.num_batch)
-        self.engine.start(self._route)
+        self.engine.start(self._streams.route)
         try:
             self._call(lambda: self._load(opts, self_spec_layers, prompt_cache_bytes))
         except BaseException:
-            self.engine.stop()
-            self.vocab.close()
+            self._free()
             raise
         self.load_ns = time.perf_counter_ns() - t0
 
@@ -154,7 +142,7 @@ class MLXModel(VocabMethods, ModelLifetime):
 
         # fp16 on Apple GPUs; fp32 on the CPU, where MLX's half matmuls are slower and inexact
         self.dtype = mx.float16 if _on_gpu() else mx.float32
-        self.verify_cost = VERIFY_COST_PER_DRAFT["gpu" if _on_gpu() else "cpu"]
+        self.verify_cost = verify_cost_per_draft(_on_gpu())
         tensors = GGUFTensors(self.path)
         self.metadata: dict[str, str] = tensors.text_metadata()
         tokens = tensors.vocabulary()  # to check a draft model's against
@@ -195,19 +183,6 @@ class MLXModel(VocabMethods, ModelLifetime):
         return self.engine.call(fn).result()
 
     # ---- generation -------------------------------------------------------------------------
-    def _check(self, req: GenerateRequest) -> str:
-        """Refuses what this model cannot run; returns the speculation method the request runs."""
-        check_loaded(self._closed)
-        has_draft = self.draft_model is not None
-        check_speculative(req.speculative, self.capabilities.speculative, has_draft, "MLX")
-        check_prompt(req.prompt_tokens, self.context_length, self.n_vocab)
-        return speculative_method(
-            req.speculative, has_draft_model=has_draft, constrained=req.format is not None
-        )
-
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        return self._stream(request)
-
     def _row(self, req: GenerateRequest, mode: str, grammar: Grammar | None) -> Any:
         """The engine row of a request: sampler, limits, its own proposer (on its own caches)."""
         from .engine import DraftModelProposer, LookupProposer, SelfProposer
@@ -221,7 +196,7 @@ class MLXModel(VocabMethods, ModelLifetime):
             RowSampler(req.sampling, self.context_length, grammar),
             max_tokens,
             cancel=req.cancel,
-            top_logprobs=req.top_logprobs if req.logprobs or req.top_logprobs > 0 else -1,
+            top_logprobs=req.top_logprobs if req.wants_logprobs else -1,
         )
         if mode == "lookup":
             row.proposer = LookupProposer()
@@ -231,48 +206,29 @@ class MLXModel(VocabMethods, ModelLifetime):
             cost = self.self_spec_layers / self.model.cfg.block_count
             row.proposer = _SelfOnRow(row, self.self_spec_layers, cost, SelfProposer)
         if row.proposer is not None:
-            k = req.num_draft or DEFAULT_NUM_DRAFT[mode]
-            row.spec = SpecState(mode, k, row.proposer.cost_per_draft + self.verify_cost)
+            row.spec = SpecState.begin(mode, req.num_draft, row.proposer.cost_per_draft, self.verify_cost)
         return row
 
-    def _route(self, outputs: list[Any]) -> None:
-        """The engine thread's sink: each output to its request's queue, nothing else done here."""
-        with self._lock:
-            targets = [(self._queues.get(out.row.id), out) for out in outputs]
-        for target, out in targets:
-            if target is not None:
-                loop, queue = target
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, out)
-                except RuntimeError:  # that request's event loop has closed: nobody is listening
-                    pass
-
-    async def _stream(self, req: GenerateRequest) -> AsyncIterator[Event]:
-        mode = self._check(req)
-        # built here, so a schema it cannot express fails before any work
-        grammar = (
-            None
-            if req.format is None
-            else Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, req.format)
-        )
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        mode = self._check(request, self.draft_model is not None, "MLX")
+        grammar = self._grammar(request)
         start_ns = time.perf_counter_ns()
-        if req.num_predict == 0:  # nothing to generate
+        if request.num_predict == 0:  # nothing to generate
             if grammar is not None:
                 grammar.close()
             yield DoneEvent("length", Timings())
             return
-        row = self._row(req, mode, grammar)
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        with self._lock:
-            self._queues[row.id] = (asyncio.get_running_loop(), queue)
-        text = TextAssembler(req.stop)
+        row = self._row(request, mode, grammar)
+        text = TextAssembler(request.stop)
         generated = 0
-        self._active.add(req.cancel)
-        try:
+        async with self._streams.open(
+            self, row.id, request.cancel, lambda: row.finish is not None, grammar
+        ) as queue:
             self.engine.submit(row)
             while True:
                 out = await queue.get()
-                events, stopped = self._events(out, text, req)
+                events, taken = self._text_events(out.tokens, out.logprobs, text, request.preserve_tokens)
+                stopped = taken is not None
                 if stopped:  # a stop string: the tokens after it are not the answer
                     events += self._done(row, "stop", text, start_ns, generated + len(out.tokens))
                 elif out.finish is not None:
@@ -284,35 +240,9 @@ class MLXModel(VocabMethods, ModelLifetime):
                     yield event
                 if stopped or out.finish is not None:
                     return
-        finally:
-            self._active.discard(req.cancel)
-            with self._lock:
-                self._queues.pop(row.id, None)
-            if row.finish is None:  # the consumer left early or a stop string: the engine ends the row
-                req.cancel.cancel()
-                while row.finish is None and not self._closed:
-                    await asyncio.sleep(0.005)
-            if grammar is not None and (row.finish is not None or self._closed):
-                grammar.close()
-
-    def _events(self, out: Any, text: TextAssembler, req: GenerateRequest) -> tuple[list[Event], bool]:
-        """A step's tokens for one request -> text events (on the event loop, not the engine thread)."""
-        events: list[Event] = []
-        for token, lp in zip(out.tokens, out.logprobs):
-            logprob = None if lp is None else token_logprob(token, *lp, self.detokenize)
-            event, stopped = text.add(token, self.vocab.piece(token, token in req.preserve_tokens), logprob)
-            if event is not None:
-                events.append(event)
-            if stopped:
-                return events, True
-        return events, False
 
     def _done(self, row: Any, reason: str, text: TextAssembler, start_ns: int, generated: int) -> list[Event]:
         """The tail text and the done event (`generated`: tokens counted, an end token included)."""
-        events: list[Event] = []
-        tail = text.finish()
-        if tail is not None:
-            events.append(tail)
         spec = row.spec
         timings = Timings(
             prompt_eval_count=row.prompt_eval_count,
@@ -321,20 +251,9 @@ class MLXModel(VocabMethods, ModelLifetime):
             draft_accepted_count=spec.accepted if spec is not None else 0,
             cached_count=row.cached_count,
         ).set_durations(start_ns, row.first_token_ns, time.perf_counter_ns())
-        events.append(DoneEvent(reason, timings, stop_sequence=text.stop_sequence))  # type: ignore[arg-type]
-        return events
+        return text.end(reason, timings)
 
     # ---- scoring and embeddings ---------------------------------------------------------------
-    async def _run(self, fn: Callable[[], T]) -> T:
-        """Run fn on the engine's thread, between two steps."""
-        check_loaded(self._closed)
-        return await asyncio.wrap_future(self.engine.call(fn))
-
-    async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
-        ids = list(tokens)
-        check_scored(ids, self.context_length, self.n_vocab)
-        return await self._run(lambda: self._score(ids, return_logits))
-
     def _hidden(self, ids: list[int]) -> Any:
         """Final-normed hidden states [n, dim] of one sequence, on fresh caches (the chat's are kept)."""
         import mlx.core as mx
@@ -350,28 +269,15 @@ class MLXModel(VocabMethods, ModelLifetime):
             chunks.append(h)
         return mx.concatenate(chunks)
 
-    def _score(self, ids: list[int], return_logits: bool) -> ScoreResult:
+    def _score(self, ids: list[int], result: ScoreResult) -> ScoreResult:
         n = len(ids)
-        result = empty_score(n, self.n_vocab, return_logits)
-        if n < 2:
-            return result
         hidden = self._hidden(ids[:-1])  # [n-1, dim]: the last token predicts nothing scored
         for s in range(0, n - 1, SCORE_HEAD_ROWS):
             fill_score(result, ids, s, np.array(self.model.logits(hidden[s : s + SCORE_HEAD_ROWS])))
         return result
 
-    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        batches = [embedding_tokens(self.tokenize, t, self.context_length, self.eos_token_ids) for t in texts]
-        return await self._run(lambda: [self._embed(ids) for ids in batches])
-
-    def _embed(self, ids: list[int]) -> list[float]:
-        # mean over tokens of the final-normed hidden states, as llama.cpp's mean pooling
-        return unit_vector(np.array(self._hidden(ids)).astype(np.float64).mean(0))
-
-    # ---- lifetime -----------------------------------------------------------------------------
-    def _free(self) -> None:
-        self.engine.stop()  # the rows still running end as cancelled
-        self.vocab.close()
+    def _hidden_rows(self, ids: list[int]) -> np.ndarray:
+        return np.array(self._hidden(ids))
 
 
 class _SelfOnRow:

@@ -19,8 +19,7 @@ the engine thread, which owns every MLX call of the model (`call` runs score/emb
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -32,6 +31,8 @@ import mlx.core as mx
 import numpy as np
 
 from localrt.backends.base import CancelToken
+from localrt.backends.engine_thread import EngineThread
+from localrt.backends.outputs import logprob_values
 from localrt.backends.speculation import SpecState, verify
 
 from .engine import Proposer, Runner
@@ -114,7 +115,9 @@ class _InFlight:
     position: dict[int, int]  # row id -> device index
 
 
-class BatchEngine:
+class BatchEngine(EngineThread):
+    thread_name = "mlx-engine"
+
     def __init__(
         self,
         kv_cache_type: str,
@@ -137,12 +140,7 @@ class BatchEngine:
         self._inflight: _InFlight | None = None
         self._ids = count()
         self.steps = 0
-        # threaded mode
-        self._cv = threading.Condition()
-        self._inbox: deque[Row] = deque()
-        self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._init_thread()
 
     def attach(
         self, model: Transformer | None, *, max_rows: int, prompt_cache: PromptCache, eog: Iterable[int] = ()
@@ -339,18 +337,7 @@ class BatchEngine:
     def _host_logprob(
         row: Row, logits: np.ndarray, token: int
     ) -> tuple[float, list[tuple[int, float]]] | None:
-        if row.top_logprobs < 0:
-            return None
-        x = logits.astype(np.float64)
-        lp = x - x.max()
-        lp = lp - np.log(np.exp(lp).sum())
-        n = row.top_logprobs
-        top: list[tuple[int, float]] = []
-        if n > 0:
-            ids = np.argpartition(-lp, n - 1)[:n]
-            ids = ids[np.argsort(-lp[ids], kind="stable")]
-            top = [(int(i), float(lp[i])) for i in ids]
-        return float(lp[token]), top
+        return None if row.top_logprobs < 0 else logprob_values(logits, token, row.top_logprobs)
 
     @staticmethod
     def _logprobs(flight: _InFlight) -> dict[int, tuple[float, list[tuple[int, float]]]]:
@@ -413,65 +400,21 @@ class BatchEngine:
         self.prompt_cache.clear()
         return list(out.values())
 
-    # ---- threaded mode ----------------------------------------------------------------------
-    def start(self, sink: Callable[[list[RowOutput]], None]) -> None:
-        """Run on an engine thread of its own (with its own MLX stream); `sink` gets each step's outputs."""
-        self._thread = threading.Thread(target=self._loop, args=(sink,), name="mlx-engine", daemon=True)
-        self._thread.start()
-
-    def submit(self, row: Row) -> None:
-        with self._cv:
-            self._inbox.append(row)
-            self._cv.notify()
-
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        """Run fn on the engine thread between steps (load, score, embed)."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._cv:
-            if self._stopping:
-                future.set_exception(RuntimeError("the engine has stopped"))
-                return future
-            self._jobs.append((fn, future))
-            self._cv.notify()
-        return future
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-
-    def _loop(self, sink: Callable[[list[RowOutput]], None]) -> None:
+    # ---- threaded mode (engine_thread.py) ---------------------------------------------------------
+    def _thread_context(self) -> Any:
         mx.set_default_stream(mx.new_stream(mx.default_device()))  # MLX streams belong to their thread
-        while True:
-            with self._cv:
-                while not (self._stopping or self._inbox or self._jobs or self.has_work):
-                    self._cv.wait()
-                if self._stopping:
-                    break
-                self.waiting.extend(self._inbox)
-                self._inbox.clear()
-                jobs = list(self._jobs)
-                self._jobs.clear()
-            for fn, future in jobs:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except BaseException as e:
-                        future.set_exception(e)
-            if self.has_work:
-                try:
-                    outputs = self.step()
-                except Exception as e:  # the rows learn of it; the engine keeps serving
-                    outputs = self.fail(e)
-                if outputs:
-                    sink(outputs)
-        out: dict[int, RowOutput] = {}  # unloaded: the rows still running end as cancelled
+        return contextlib.nullcontext()
+
+    def _take(self, queued: list[Row]) -> None:
+        self.waiting.extend(queued)
+
+    def _fail_step(self, error: Exception) -> list[RowOutput]:
+        return self.fail(error)
+
+    def _unload(self, queued: list[Row]) -> list[RowOutput]:
+        """Unloaded: the rows still running end as cancelled."""
+        out: dict[int, RowOutput] = {}
         self._inflight = None
-        for row in [*self.active, *self.waiting, *self._inbox]:
+        for row in [*self.active, *self.waiting, *queued]:
             self._end(row, "cancel", out)
-        if out:
-            sink(list(out.values()))
-        for _, future in self._jobs:
-            future.cancel()
+        return list(out.values())

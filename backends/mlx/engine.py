@@ -17,13 +17,13 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
+from localrt.backends.base import common_prefix
 from localrt.backends.lookup import NgramProposer
 from localrt.backends.sampler import Sampler
 from localrt.backends.speculation import SpecState, verify
 
 from .cache import make_caches, trim_caches
 from .model import Transformer
-from .prompt_cache import common_prefix
 
 
 class Runner:

@@ -16,14 +16,7 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from localrt.backends.base import common_prefix
 
 
 @dataclass

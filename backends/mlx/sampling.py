@@ -14,7 +14,6 @@ follows a grammar draws from the same stream as one that does not.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,20 +22,18 @@ import numpy as np
 
 from localrt.backends.base import SamplingParams
 from localrt.backends.grammar import Grammar
+from localrt.backends.sampler import SamplerBase, chain_knobs, penalty_knobs, truncates
 
 NEG_INF = float("-inf")
 
 
-class RowSampler:
-    """One request's sampling state: its parameters, its key stream and its grammar."""
+class RowSampler(SamplerBase):
+    """One request's sampling state: its parameters, its key stream and its grammar (a row with a
+    grammar is sampled on the host side of the step)."""
 
     def __init__(self, params: SamplingParams, context_length: int, grammar: Grammar | None = None) -> None:
-        self.params = params
-        self.greedy = params.greedy
-        self.grammar = grammar  # `format`: the row is sampled on the host side of the step
-        seed = params.seed if params.seed >= 0 else random.getrandbits(63)
-        self.key = mx.random.key(seed)
-        self.penalty_window = params.penalty_window(context_length)  # 0: no penalties
+        super().__init__(params, context_length, grammar)
+        self.key = mx.random.key(self.seed)
 
     def next_key(self) -> mx.array:
         pair = mx.random.split(self.key)
@@ -66,14 +63,9 @@ class RowSampler:
     def uniform(self) -> float:
         return float(mx.random.uniform(key=self.next_key()).item())
 
-    def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
-        if self.grammar is not None:  # constrained output: only what the grammar allows next
-            logits = self.grammar.mask(np.asarray(logits, dtype=np.float32))
+    def _pick(self, logits: np.ndarray, history: Sequence[int]) -> int:
         row = mx.array(np.asarray(logits, dtype=np.float32))[None]
-        token = int(sample_rows([self], row, [window_of(self, history)]).item())
-        if self.grammar is not None:
-            self.grammar.accept(token)
-        return token
+        return int(sample_rows([self], row, [window_of(self, history)]).item())
 
 
 def window_of(
@@ -99,10 +91,7 @@ def penalized(samplers: Sequence[RowSampler], x: mx.array, windows: Sequence[mx.
         c = mx.zeros((v,), dtype=x.dtype)
         counts.append(c if w is None or w.size == 0 else c.at[w].add(1.0))
     count = mx.stack(counts)  # [B, V]
-    knobs = mx.array(
-        [[s.params.repeat_penalty, s.params.frequency_penalty, s.params.presence_penalty] for s in samplers],
-        dtype=x.dtype,
-    )
+    knobs = mx.array(penalty_knobs(samplers), dtype=x.dtype)
     rep, freq, pres = knobs[:, 0:1], knobs[:, 1:2], knobs[:, 2:3]
     out = mx.where(x > 0, x / rep, x * rep) - count * freq - pres
     return mx.where(count > 0, out, x)
@@ -111,13 +100,10 @@ def penalized(samplers: Sequence[RowSampler], x: mx.array, windows: Sequence[mx.
 def chain_probs(params: Sequence[SamplingParams], x: mx.array) -> mx.array:
     """Penalized rows [S, V] -> the distributions they draw from (top-k, top-p, min-p, temperature)."""
     s, v = x.shape
-    knobs = mx.array(
-        [[p.top_k if 0 < p.top_k < v else v, p.top_p, p.min_p, p.temperature] for p in params],
-        dtype=mx.float32,
-    )
+    knobs = mx.array(chain_knobs(params, v), dtype=mx.float32)
     top_k, top_p = knobs[:, 0:1].astype(mx.int32), knobs[:, 1:2]
     min_p, temperature = knobs[:, 2:3], knobs[:, 3:4]
-    if any(0 < p.top_k < v or p.top_p < 1.0 for p in params):
+    if truncates(params, v):
         desc = -mx.sort(-x, axis=-1)  # [S, V], best first
         kth = mx.take_along_axis(desc, top_k - 1, axis=-1)  # ties with the k-th value stay
         desc = mx.where(desc < kth, NEG_INF, desc)

@@ -65,35 +65,32 @@ def response_format(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def chat_body(model: str, request: GenerateRequest) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": openai_messages(request.messages or []),
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **sampling_fields(request.sampling),
-    }
+    fields: dict[str, Any] = {"messages": openai_messages(request.messages or [])}
     if request.tools:
-        body["tools"] = request.tools
+        fields["tools"] = request.tools
     if request.logprobs:
-        body["logprobs"] = True
-        body["top_logprobs"] = request.top_logprobs
-    return _common(body, request)
+        fields["logprobs"] = True
+        fields["top_logprobs"] = request.top_logprobs
+    return _streamed(model, fields, request)
 
 
 def completion_body(model: str, request: GenerateRequest) -> dict[str, Any]:
+    fields: dict[str, Any] = {"prompt": request.prompt_text or ""}
+    if request.logprobs:
+        fields["logprobs"] = max(1, request.top_logprobs)  # the legacy field is a count; 0 asks for none
+    return _streamed(model, fields, request)
+
+
+def _streamed(model: str, fields: dict[str, Any], request: GenerateRequest) -> dict[str, Any]:
+    """A streamed request's body: the model, the endpoint's own `fields` (its prompt, ...), then what
+    chat and completions read the same way (sampling, length, stop strings, response format)."""
     body: dict[str, Any] = {
         "model": model,
-        "prompt": request.prompt_text or "",
+        **fields,
         "stream": True,
         "stream_options": {"include_usage": True},
         **sampling_fields(request.sampling),
     }
-    if request.logprobs:
-        body["logprobs"] = max(1, request.top_logprobs)  # the legacy field is a count; 0 asks for none
-    return _common(body, request)
-
-
-def _common(body: dict[str, Any], request: GenerateRequest) -> dict[str, Any]:
     if request.num_predict > 0:
         body["max_tokens"] = request.num_predict
     if request.stop:

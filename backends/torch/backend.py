@@ -10,11 +10,9 @@ that thread through the event loop, so no worker thread is held per request.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -22,31 +20,24 @@ from typing import Any, ClassVar
 from localrt.backends.base import (
     NUMERICS,
     Capabilities,
-    DoneEvent,
     Event,
     GenerateRequest,
     LoadOptions,
     ModelLifetime,
     ScoreResult,
     TextAssembler,
-    TokenLogprob,
     loaded_context,
     modules_installed,
 )
 from localrt.backends.checks import (
     check_draft_vocabulary,
     check_kv_cache_type,
-    check_loaded,
     check_model_file,
-    check_prompt,
-    check_scored,
-    check_speculative,
 )
+from localrt.backends.engine_thread import EngineModel, EngineStreams
 from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.lib import default_threads
 from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
-from localrt.backends.outputs import embedding_tokens, empty_score, token_logprob, unit_vector
-from localrt.backends.speculation import speculative_method
 from localrt.errors import OptionError
 
 NAME = "torch"
@@ -94,7 +85,7 @@ class TorchBackend:
         return TorchModel(Path(path), opts)
 
 
-class TorchModel(VocabMethods, ModelLifetime):
+class TorchModel(VocabMethods, EngineModel, ModelLifetime):
     backend_name = NAME
 
     def __init__(
@@ -180,9 +171,8 @@ class TorchModel(VocabMethods, ModelLifetime):
             self.engine.dense_attention = lambda n, device: StoredKVCausal(cache, n, device)
         self.memory_bytes = self.engine.weight_bytes() + self.engine.cache.nbytes
         self._active = set()
-        self._lock = threading.Lock()
-        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
-        self.engine.start(self._route)
+        self._streams = EngineStreams(lambda out: out.seq.seq_id)
+        self.engine.start(self._streams.route)
         self.load_ns = time.perf_counter_ns() - t0
 
     def weight_bytes(self) -> int:
@@ -217,26 +207,8 @@ class TorchModel(VocabMethods, ModelLifetime):
             tensors.close()
 
     # ---- generation -------------------------------------------------------------------------
-    def _check(self, req: GenerateRequest) -> None:
-        check_loaded(self._closed)
-        has_draft = "draft" in self.engine.proposers
-        check_speculative(req.speculative, self.capabilities.speculative, has_draft, NAME)
-        check_prompt(req.prompt_tokens, self.context_length, self.n_vocab)
-
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        return self._stream(request)
-
-    def _sequence(self, req: GenerateRequest) -> tuple[Any, Grammar | None]:
-        """The engine sequence for a request (and its grammar, which the stream closes)."""
-        mode = speculative_method(
-            req.speculative,
-            has_draft_model="draft" in self.engine.proposers,
-            constrained=req.format is not None,
-        )
-        grammar = None
-        if req.format is not None:
-            grammar = Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, req.format)
-        want_lp = req.logprobs or req.top_logprobs > 0
+    def _sequence(self, req: GenerateRequest, mode: str, grammar: Grammar | None) -> Any:
+        """The engine sequence for a request (the grammar is closed here if it cannot be made)."""
         try:
             seq = self.engine.new_sequence(
                 req.prompt_tokens,
@@ -246,67 +218,32 @@ class TorchModel(VocabMethods, ModelLifetime):
                 num_draft=req.num_draft,
                 cancel=req.cancel,
                 grammar=grammar,
-                top_logprobs=req.top_logprobs if want_lp else -1,
+                top_logprobs=req.top_logprobs if req.wants_logprobs else -1,
             )
         except BaseException:
             if grammar is not None:
                 grammar.close()
             raise
-        return seq, grammar
+        return seq
 
-    def _route(self, outputs: list[Any]) -> None:
-        """The engine thread's sink: each output to its request's queue, nothing else done here."""
-        with self._lock:
-            targets = [(self._queues.get(out.seq.seq_id), out) for out in outputs]
-        for target, out in targets:
-            if target is not None:
-                loop, queue = target
-                loop.call_soon_threadsafe(queue.put_nowait, out)
-
-    async def _stream(self, req: GenerateRequest) -> AsyncIterator[Event]:
-        self._check(req)
-        seq, grammar = self._sequence(req)
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        with self._lock:
-            self._queues[seq.seq_id] = (asyncio.get_running_loop(), queue)
-        stream = _Stream(self, seq, TextAssembler(req.stop), req.preserve_tokens)
-        self._active.add(req.cancel)
-        try:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        mode = self._check(request, "draft" in self.engine.proposers, NAME)
+        grammar = self._grammar(request)
+        seq = self._sequence(request, mode, grammar)
+        stream = _Stream(self, seq, TextAssembler(request.stop), request.preserve_tokens)
+        async with self._streams.open(
+            self, seq.seq_id, request.cancel, lambda: seq.finished, grammar
+        ) as queue:
             self.engine.submit(seq)
             while not stream.done:
-                for event in stream.events(
-                    await queue.get()
-                ):  # detokenize and stop strings: here, not the engine
+                # detokenize and stop strings: here, on the event loop, not on the engine thread
+                for event in stream.events(await queue.get()):
                     yield event
-        finally:
-            self._active.discard(req.cancel)
-            with self._lock:
-                self._queues.pop(seq.seq_id, None)
-            if not seq.finished:
-                # the consumer left early or a stop string matched: cancel, and wait until the engine
-                # has freed the sequence
-                req.cancel.cancel()
-                while not seq.finished and not self._closed:
-                    await asyncio.sleep(0.005)
-            if grammar is not None and (seq.finished or self._closed):
-                grammar.close()
-
-    def _logprob(self, token: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
-        return token_logprob(token, logprob, top, self.detokenize)
 
     # ---- scoring and embeddings ---------------------------------------------------------------
-    async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
-        ids = list(tokens)
-        check_loaded(self._closed)
-        check_scored(ids, self.context_length, self.n_vocab)
-        return await asyncio.wrap_future(self.engine.call(lambda: self._score(ids, return_logits)))
-
-    def _score(self, ids: list[int], return_logits: bool) -> ScoreResult:
+    def _score(self, ids: list[int], result: ScoreResult) -> ScoreResult:
         torch = _torch()
         n = len(ids)
-        result = empty_score(n, self.n_vocab, return_logits)
-        if n < 2:
-            return result
         hidden = self.engine.hidden_states(ids)  # [n, dim]
         targets = torch.tensor(ids[1:], device=self.device)
         # log-softmax and gather on the device: only the chosen logprobs cross to the host
@@ -319,19 +256,8 @@ class TorchModel(VocabMethods, ModelLifetime):
                 result.logits[s:e] = rows.cpu().numpy()
         return result
 
-    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        check_loaded(self._closed)
-        batches = [embedding_tokens(self.tokenize, t, self.context_length, self.eos_token_ids) for t in texts]
-        return await asyncio.wrap_future(self.engine.call(lambda: [self._embed(ids) for ids in batches]))
-
-    def _embed(self, ids: list[int]) -> list[float]:
-        # mean over tokens of the final-normed hidden states, as llama.cpp's mean pooling
-        return unit_vector(self.engine.hidden_states(ids).double().mean(0).cpu().numpy())
-
-    # ---- lifetime -----------------------------------------------------------------------------
-    def _free(self) -> None:
-        self.engine.stop()
-        self.vocab.model.close()
+    def _hidden_rows(self, ids: list[int]) -> Any:
+        return self.engine.hidden_states(ids).float().cpu().numpy()
 
 
 class _Stream:
@@ -345,18 +271,12 @@ class _Stream:
         self.done = False
 
     def events(self, out: Any) -> list[Event]:
-        events: list[Event] = []
-        for j, token in enumerate(out.tokens):
-            self.generated += 1
-            lp = out.logprob[j]
-            logprob = None if lp is None else self.model._logprob(token, lp, out.top[j])
-            event, stopped = self.text.add(
-                token, self.model.vocab.piece(token, token in self.preserve), logprob
-            )
-            if event is not None:
-                events.append(event)
-            if stopped:  # a stop string: the rest of the step's tokens are not the answer
-                return [*events, *self._finish("stop", ended=False)]
+        logprobs = [None if lp is None else (lp, top) for lp, top in zip(out.logprob, out.top)]
+        events, taken = self.model._text_events(out.tokens, logprobs, self.text, self.preserve)
+        if taken is not None:  # a stop string: the rest of the step's tokens are not the answer
+            self.generated += taken
+            return [*events, *self._finish("stop", ended=False)]
+        self.generated += len(out.tokens)
         if out.finish is not None:
             if self.seq.error is not None:
                 raise self.seq.error
@@ -366,13 +286,8 @@ class _Stream:
     def _finish(self, reason: str, ended: bool) -> list[Event]:
         """The tail text and the done event; `ended`: the engine finished the sequence (else a stop string)."""
         self.done = True
-        events: list[Event] = []
-        tail = self.text.finish()
-        if tail is not None:
-            events.append(tail)
         s = self.seq
         t = s.timings.set_durations(self.start_ns, s.first_token_ns, time.perf_counter_ns())
         t.prompt_eval_count = s.prefill_fed
         t.eval_count = s.num_generated if ended else self.generated  # the engine's count has the end token
-        events.append(DoneEvent(reason, t, stop_sequence=self.text.stop_sequence))  # type: ignore[arg-type]
-        return events
+        return self.text.end(reason, t)

@@ -11,10 +11,7 @@ and executes jobs (`call`, for score/embed) between steps.
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import count
@@ -24,7 +21,9 @@ import torch
 
 from localrt.backends.base import CancelToken, SamplingParams
 from localrt.backends.checks import check_prompt
+from localrt.backends.engine_thread import EngineThread
 from localrt.backends.grammar import Grammar
+from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
 
 from .attention import fused_available
@@ -37,8 +36,6 @@ from .sampling import RequestSampler, Sampled
 from .scheduler import Scheduled, Scheduler, Sequence
 from .sliding import WindowBlocks, window_pool_blocks
 from .speculative import (
-    DEFAULT_NUM_DRAFT,
-    VERIFY_COST_PER_DRAFT,
     DraftModelProposer,
     DraftTokens,
     LookupProposer,
@@ -80,7 +77,9 @@ class _Work:
     q: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
 
-class Engine:
+class Engine(EngineThread):
+    thread_name = "torch-engine"
+
     def __init__(
         self,
         model: Transformer,
@@ -152,7 +151,7 @@ class Engine:
             else WindowBlocks(self.window_pool, self.cache, window, config.prefix_caching),
         )
         self.runner = ModelRunner(model, self.cache, self.device, self.graphs)
-        verify_cost = VERIFY_COST_PER_DRAFT["cpu" if self.device.type == "cpu" else "gpu"]
+        verify_cost = verify_cost_per_draft(self.device.type != "cpu")
         layers = config.self_spec_layers or max(1, cfg.block_count - cfg.block_count // 5)
         self.proposers: dict[str, Any] = {"lookup": LookupProposer()}
         if not window:  # the shallow pass reads the target's cache through block tables only
@@ -164,13 +163,7 @@ class Engine:
         self.eos = set(config.eos_token_ids)
         self.dense_attention: Callable[[int, torch.device], Any] = DenseCausal  # the whole-sequence passes
         self._ids = count()
-        # threaded mode
-        self._cv = threading.Condition()
-        self._inbox: deque[Sequence] = deque()
-        self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
-        self._thread: threading.Thread | None = None
-        self._sink: Callable[[list[StepOutput]], None] | None = None
-        self._stopping = False
+        self._init_thread()
         self.steps = 0
 
     def _make_draft_proposer(self, draft: Transformer, num_blocks: int) -> DraftModelProposer:
@@ -227,21 +220,12 @@ class Engine:
                     else f"speculative mode {speculative!r} is not supported"
                 )
             proposer = self.proposers[speculative]
-            k = num_draft or DEFAULT_NUM_DRAFT[speculative]
-            seq.spec = SpecState(speculative, k, proposer.cost_per_draft + self.verify_cost)
+            seq.spec = SpecState.begin(speculative, num_draft, proposer.cost_per_draft, self.verify_cost)
         return seq
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (engine thread or synchronous use)."""
         self.scheduler.add(seq)
-
-    def submit(self, seq: Sequence) -> None:
-        """Queue a sequence from any thread."""
-        with self._cv:
-            if self._stopping:
-                raise LocalrtError("the model was unloaded")
-            self._inbox.append(seq)
-            self._cv.notify()
 
     # ---- one step ---------------------------------------------------------------------------
     @property
@@ -388,68 +372,26 @@ class Engine:
         t = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.model.hidden(t, self.dense_attention(len(tokens), self.device))
 
-    # ---- threaded mode ----------------------------------------------------------------------
-    def start(self, sink: Callable[[list[StepOutput]], None] | None = None) -> None:
-        """Step in a background thread; `sink` receives each step's outputs there (keep it quick)."""
-        self._sink = sink
-        self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
-        self._thread.start()
+    # ---- threaded mode (engine_thread.py) ---------------------------------------------------------
+    def _thread_context(self) -> Any:
+        return torch.inference_mode()
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        """Run fn on the engine thread between steps."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._cv:
-            if self._stopping:
-                raise LocalrtError("the model was unloaded")
-            self._jobs.append((fn, future))
-            self._cv.notify()
-        return future
+    def _take(self, queued: list[Sequence]) -> None:
+        for seq in queued:
+            self.scheduler.add(seq)
 
-    def stop(self) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        for seq in [*self.scheduler.running, *self.scheduler.waiting, *self._inbox]:
+    def _fail_step(self, error: Exception) -> list[StepOutput]:
+        """A failed step fails the sequences in flight; the waiting ones and the engine go on."""
+        for seq in [*self.scheduler.running]:
+            seq.error = error
+            self.scheduler.finish(seq, "error")
+        return self._collect({})
+
+    def _unload(self, queued: list[Sequence]) -> list[StepOutput]:
+        for seq in [*self.scheduler.running, *self.scheduler.waiting, *queued]:
             seq.error = LocalrtError("the model was unloaded")
             self.scheduler.finish(seq, "error")
-        self._inbox.clear()
-        self._deliver(self._collect({}))
-
-    def _deliver(self, outputs: list[StepOutput]) -> None:
-        if outputs and self._sink is not None:
-            self._sink(outputs)
-
-    def _loop(self) -> None:
-        with torch.inference_mode():
-            while True:
-                with self._cv:
-                    while not (self._stopping or self._inbox or self._jobs or self.scheduler.has_work):
-                        self._cv.wait()
-                    if self._stopping:
-                        jobs = list(self._jobs)
-                        self._jobs.clear()
-                        for _, future in jobs:
-                            future.set_exception(LocalrtError("the model was unloaded"))
-                        return
-                    jobs = list(self._jobs)
-                    self._jobs.clear()
-                    while self._inbox:
-                        self.scheduler.add(self._inbox.popleft())
-                for fn, future in jobs:
-                    try:
-                        future.set_result(fn())
-                    except BaseException as e:
-                        future.set_exception(e)
-                try:
-                    outputs = self.step()
-                except Exception as e:  # a failed step fails the sequences in flight, the engine goes on
-                    for seq in [*self.scheduler.running]:
-                        seq.error = e
-                        self.scheduler.finish(seq, "error")
-                    outputs = self._collect({})
-                self._deliver(outputs)
+        return self._collect({})
 
 
 def _graphs_available(device: torch.device) -> bool:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localrt.backends.llama_config import llama_fields, metadata_getter
 from localrt.errors import LocalrtError
 
 from .model import (
@@ -80,35 +81,15 @@ GEMMA3 = Family(ARCH, DEFAULT_SWA_PERIOD, 0, SIZE_27B_LAYERS, 0.0, 0.0, True, 10
 
 def read_config(metadata: dict[str, Any], vocab_size: int, family: Family) -> Gemma3Config:
     arch = family.arch
-
-    def get(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"{arch}.{key}", default)
-        if value is None:
-            raise LocalrtError(f"GGUF metadata {arch}.{key} is missing")
-        return value
-
-    n_layer = int(get("block_count"))
-    n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", n_embd // n_head))
-    scaling = metadata.get(f"{arch}.rope.scaling.type")
-    factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+    get = metadata_getter(metadata, arch)
+    fields = llama_fields(metadata, arch, vocab_size, context_length=131072, eps=None)
+    n_layer, n_embd = fields["block_count"], fields["embedding_length"]
+    n_head, head_dim = fields["attention_head_count"], fields["attention_key_length"]
     window = int(get("attention.sliding_window", family.window))
     pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", family.swa_period)
-    base = float(get("rope.freq_base", 10000.0))
+    base = fields["rope_freq_base"]
     return Gemma3Config(
-        architecture=arch,
-        vocab_size=vocab_size,
-        context_length=int(get("context_length", 131072)),
-        embedding_length=n_embd,
-        feed_forward_length=int(get("feed_forward_length")),
-        block_count=n_layer,
-        attention_head_count=n_head,
-        attention_head_count_kv=int(get("attention.head_count_kv", n_head)),
-        attention_key_length=head_dim,
-        attention_layer_norm_rms_epsilon=float(get("attention.layer_norm_rms_epsilon")),
-        rope_freq_base=base,
-        rope_dimension_count=int(get("rope.dimension_count", head_dim)),
-        rope_scaling_factor=factor if factor > 0 else 1.0,
+        **fields,
         rope_neox=True,
         sliding_window=window,
         sliding_layers=sliding_pattern(pattern, n_layer) if window > 0 else (False,) * n_layer,

@@ -19,9 +19,14 @@ from localrt.store.gguf import GGML_TYPES
 QK_K = 256
 
 
+def _floats(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored floats: the bytes [nb, n * size] read as `dtype` (little-endian), as float32 [nb, n]."""
+    return raw.contiguous().view(dtype).float()
+
+
 def _f16(raw: torch.Tensor) -> torch.Tensor:
-    """[nb, 2] uint8 -> [nb, 1] float32 (little-endian fp16)."""
-    return raw.contiguous().view(torch.float16).float()
+    """[nb, 2] uint8 -> [nb, 1] float32 (a block's fp16 scale)."""
+    return _floats(raw, torch.float16)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -105,24 +110,29 @@ def _k4_scale_min(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, minimum
 
 
-def dequant_q4_k(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
+def _k4_scaled(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K: a super-block's d and dmin (f16) and its 8 sub-blocks' 6-bit (scale, min) pairs,
+    bytes 0..15, applied to the sub-blocks' quants q [nb, 8, 32]: d * scale * q - dmin * min."""
     d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
     scale, minimum = _k4_scale_min(b[:, 4:16])
-    qs = b[:, 16:144].view(nb, 4, 1, 32)
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(nb, 8, 32).float()  # sub-block 2c: low, 2c+1: high
-    return ((d * scale).unsqueeze(-1) * q - (dmin * minimum).unsqueeze(-1)).reshape(nb, QK_K)
+    return ((d * scale).unsqueeze(-1) * q - (dmin * minimum).unsqueeze(-1)).reshape(b.shape[0], QK_K)
+
+
+def _k4_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """128 bytes [nb, 128] -> [nb, 8, 32]: 32 bytes per chunk c, sub-block 2c its low nibbles, 2c+1 its high."""
+    qs = qs.view(qs.shape[0], 4, 1, 32)
+    return torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(qs.shape[0], 8, 32)
+
+
+def dequant_q4_k(b: torch.Tensor) -> torch.Tensor:
+    return _k4_scaled(b, _k4_nibbles(b[:, 16:144]).float())
 
 
 def dequant_q5_k(b: torch.Tensor) -> torch.Tensor:
     nb = b.shape[0]
-    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
-    scale, minimum = _k4_scale_min(b[:, 4:16])
-    qh, qs = b[:, 16:48], b[:, 48:176].view(nb, 4, 1, 32)
-    low = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(nb, 8, 32)
+    qh = b[:, 16:48]
     high = (qh.view(nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1  # sub-block s: bit s
-    q = (low | (high << 4)).float()
-    return ((d * scale).unsqueeze(-1) * q - (dmin * minimum).unsqueeze(-1)).reshape(nb, QK_K)
+    return _k4_scaled(b, (_k4_nibbles(b[:, 48:176]) | (high << 4)).float())
 
 
 def dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -135,18 +145,6 @@ def dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
     q = (low | (high << 4)).to(torch.int16) - 32
     q = q.reshape(nb, 16, 16).float()
     return (d.unsqueeze(-1) * scales.unsqueeze(-1) * q).reshape(nb, QK_K)
-
-
-def dequant_f16(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float16).float()
-
-
-def dequant_bf16(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.bfloat16).float()
-
-
-def dequant_f32(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float32)
 
 
 IQ4_GRID = torch.tensor(
@@ -172,9 +170,9 @@ def dequant_iq4_xs(b: torch.Tensor) -> torch.Tensor:
 
 
 DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "F32": dequant_f32,
-    "F16": dequant_f16,
-    "BF16": dequant_bf16,
+    "F32": lambda b: _floats(b, torch.float32),
+    "F16": _f16,
+    "BF16": lambda b: _floats(b, torch.bfloat16),
     "Q4_0": dequant_q4_0,
     "Q4_1": dequant_q4_1,
     "Q5_0": dequant_q5_0,

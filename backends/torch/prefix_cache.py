@@ -18,6 +18,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from localrt.backends.base import common_prefix
+
 from .kv_cache import BlockPool
 
 ROOT_KEY = bytes(32)  # the parent of a prompt's first block
@@ -90,11 +92,7 @@ class PrefixCache:
         (block, tokens shared), or (None, 0)."""
         best, best_len = None, 0
         for cached_tokens, block in self._children.get(parent, {}).items():
-            n = 0
-            for a, b in zip(cached_tokens, rest):
-                if a != b:
-                    break
-                n += 1
+            n = common_prefix(cached_tokens, rest)
             if n > best_len:
                 best, best_len = block, n
         return best, best_len

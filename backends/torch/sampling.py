@@ -11,7 +11,6 @@ everything is read back with one host sync.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,9 +18,10 @@ import torch
 
 from localrt.backends.base import SamplingParams
 from localrt.backends.grammar import Grammar
+from localrt.backends.sampler import SamplerBase, chain_knobs, penalty_knobs, truncates
 
 
-class RequestSampler:
+class RequestSampler(SamplerBase):
     def __init__(
         self,
         params: SamplingParams,
@@ -29,13 +29,9 @@ class RequestSampler:
         context_length: int,
         grammar: Grammar | None = None,
     ) -> None:
-        self.params = params
-        self.greedy = params.greedy
-        self.grammar = grammar  # `format`: sample() only picks what it allows (no speculation then)
+        super().__init__(params, context_length, grammar)
         self.generator = torch.Generator(device=device)
-        seed = params.seed if params.seed >= 0 else random.getrandbits(63)
-        self.generator.manual_seed(seed)
-        self.penalty_window = params.penalty_window(context_length)  # 0: no penalties
+        self.generator.manual_seed(self.seed)
 
     def penalized(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         """logits [V] with llama.cpp's repeat / frequency / presence penalties over the recent window."""
@@ -90,14 +86,11 @@ class RequestSampler:
             torch.rand(1, generator=self.generator, dtype=torch.float64, device=self.generator.device)
         )
 
-    def sample(self, logits: torch.Tensor, history: Sequence[int]) -> int:
-        if self.grammar is not None:  # constrained output: the grammar runs on the host, one row per step
-            allowed = self.grammar.mask(logits.float().cpu().numpy())
-            logits = torch.from_numpy(allowed).to(logits.device)
-        token = int(self.pick(logits, history))
-        if self.grammar is not None:
-            self.grammar.accept(token)
-        return token
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(super()._masked(logits.float().cpu().numpy())).to(logits.device)
+
+    def _pick(self, logits: torch.Tensor, history: Sequence[int]) -> int:
+        return int(self.pick(logits, history))
 
     def pick(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         """logits [V] -> the token as a device scalar (no host sync); the grammar is not applied here."""
@@ -135,10 +128,7 @@ def _penalized(
         1, idx, torch.ones_like(idx, dtype=x.dtype)
     )
     counts = counts[:, :v]  # [B, V]
-    knobs = torch.tensor(
-        [[s.params.repeat_penalty, s.params.frequency_penalty, s.params.presence_penalty] for s in samplers],
-        dtype=x.dtype,
-    ).to(x.device, non_blocking=True)  # [B, 3]
+    knobs = torch.tensor(penalty_knobs(samplers), dtype=x.dtype).to(x.device, non_blocking=True)  # [B, 3]
     rep, freq, pres = knobs[:, 0:1], knobs[:, 1:2], knobs[:, 2:3]
     out = torch.where(x > 0, x / rep, x * rep) - counts * freq - pres
     return torch.where(counts > 0, out, x)
@@ -147,16 +137,11 @@ def _penalized(
 def _batch_probs(samplers: Sequence[RequestSampler], x: torch.Tensor) -> torch.Tensor:
     """Penalized rows [S, V] of sampled requests -> the distributions they draw from (RequestSampler.probs)."""
     s, v = x.shape
-    knobs = torch.tensor(
-        [
-            [p.top_k if 0 < p.top_k < v else v, p.top_p, p.min_p, p.temperature]
-            for p in (r.params for r in samplers)
-        ],
-        dtype=torch.float64,
-    ).to(x.device, non_blocking=True)
+    params = [r.params for r in samplers]
+    knobs = torch.tensor(chain_knobs(params, v), dtype=torch.float64).to(x.device, non_blocking=True)
     top_k, top_p = knobs[:, 0:1].long(), knobs[:, 1:2].float()
     min_p, temperature = knobs[:, 2:3].float(), knobs[:, 3:4].float()
-    if any(0 < r.params.top_k < v or r.params.top_p < 1.0 for r in samplers):
+    if truncates(params, v):
         sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [S, V]
         kth = sorted_x.gather(1, top_k - 1)  # [S, 1]: ties with the k-th value stay, as alone
         sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))

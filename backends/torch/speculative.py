@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from localrt.backends.speculation import (  # noqa: F401  (re-exported for the engine and tests)
-    DEFAULT_NUM_DRAFT,
-    VERIFY_COST_PER_DRAFT,
     SpecState,
     break_even_acceptance,
     expected_tokens,

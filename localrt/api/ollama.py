@@ -372,7 +372,7 @@ def chunk_to_generate(chunk: Chunk) -> dict[str, Any]:
     if chunk.thinking:
         out["thinking"] = chunk.thinking
     if chunk.logprobs:
-        out["logprobs"] = chunk.logprobs
+        out["logprobs"] = wire.logprobs_to_wire(chunk.logprobs)
     if chunk.done:
         out["done_reason"] = chunk.done_reason
         if chunk.context is not None:
@@ -396,7 +396,7 @@ def chunk_to_chat(chunk: Chunk) -> dict[str, Any]:
         "done": chunk.done,
     }
     if chunk.logprobs:
-        out["logprobs"] = chunk.logprobs
+        out["logprobs"] = wire.logprobs_to_wire(chunk.logprobs)
     if chunk.done:
         out["done_reason"] = chunk.done_reason
         out.update(wire.metrics_to_ollama(chunk.metrics))

@@ -20,7 +20,7 @@ from localrt.api.security import error_body
 from localrt.api.streaming import first_and_rest, sse_response
 from localrt.errors import LocalrtError, ModelNotFound
 from localrt.runtime import images as image_input
-from localrt.runtime.generate import Chunk, Metrics
+from localrt.runtime.generate import Chunk, Metrics, TokenLogprob
 from localrt.runtime.thinking import think_from_effort
 from localrt.store.names import parse_name
 
@@ -205,23 +205,8 @@ def openai_tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]
     ]
 
 
-def openai_logprobs(items: list[dict[str, Any]] | None) -> dict[str, Any] | None:
-    if items is None:
-        return None
-    return {
-        "content": [
-            {
-                "token": lp["token"],
-                "logprob": lp["logprob"],
-                "bytes": lp.get("bytes"),
-                "top_logprobs": [
-                    {"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")}
-                    for t in lp.get("top_logprobs", [])
-                ],
-            }
-            for lp in items
-        ]
-    }
+def openai_logprobs(items: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    return None if items is None else {"content": wire.logprobs_to_wire(items)}
 
 
 def usage_of(chunk: Chunk) -> dict[str, Any]:
@@ -409,13 +394,13 @@ async def completions(request: Request) -> Response:
         stream=body.stream is True,
     )
 
-    def logprobs_legacy(items: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    def logprobs_legacy(items: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if not want_logprobs or not items:
             return None
         return {
-            "tokens": [lp["token"] for lp in items],
-            "token_logprobs": [lp["logprob"] for lp in items],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in lp.get("top_logprobs", [])} for lp in items],
+            "tokens": [lp.token for lp in items],
+            "token_logprobs": [lp.logprob for lp in items],
+            "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in items],
         }
 
     def choice(chunk: Chunk) -> dict[str, Any]:

@@ -71,7 +71,7 @@ class Chunk:
     done_reason: str | None = None  # stop | length | cancel | load | unload
     stop_sequence: str | None = None  # done_reason "stop" because this stop string matched (not an end token)
     tool_calls: list[dict[str, Any]] | None = None
-    logprobs: list[dict[str, Any]] | None = None
+    logprobs: list[TokenLogprob] | None = None  # the API routes write them in their own wire shape
     metrics: Metrics | None = None
     context: list[int] | None = None  # generate only: prompt + answer tokens, for the next call
     created_at: str = field(default_factory=lambda: _now_rfc3339())
@@ -432,7 +432,7 @@ class Runtime:
                     return
                 assert isinstance(event, TextEvent)
                 reply.ids.extend(event.token_ids)
-                piece_lps = [_ollama_logprob(lp) for lp in event.logprobs] if event.logprobs else None
+                piece_lps = event.logprobs or None
                 if piece_lps:
                     reply.lps.extend(piece_lps)
                 thinking_before = parser is not None and parser.thinking_now
@@ -632,7 +632,7 @@ class _Reply:
 
     whole: Piece = field(default_factory=Piece)  # everything, for a reply that is not streamed
     ids: list[int] = field(default_factory=list)  # its tokens, the runtime's end-of-thinking text included
-    lps: list[dict[str, Any]] = field(default_factory=list)
+    lps: list[TokenLogprob] = field(default_factory=list)
     reasoning: int = 0  # tokens generated inside the thinking
     dones: list[DoneEvent] = field(default_factory=list)
 
@@ -662,7 +662,7 @@ def _check_token_refs(model: LoadedModel, grammar: str) -> None:
             raise LocalrtError(f"grammar: token {match.group(0)} is not a whole-text token of this model")
 
 
-def _piece_chunk(name: str, piece: Piece, logprobs: list[dict[str, Any]] | None) -> Chunk:
+def _piece_chunk(name: str, piece: Piece, logprobs: list[TokenLogprob] | None) -> Chunk:
     return Chunk(
         model=name,
         content=piece.content,
@@ -675,17 +675,6 @@ def _piece_chunk(name: str, piece: Piece, logprobs: list[dict[str, Any]] | None)
 def _check_vision(resolved: ResolvedModel, pictures: Sequence[ImageInput]) -> None:
     if pictures and resolved.projector_path is None:
         raise image_input.ImageError(f'"{resolved.name.display}" does not support images')
-
-
-def _ollama_logprob(lp: TokenLogprob) -> dict[str, Any]:
-    return {
-        "token": lp.token,
-        "logprob": lp.logprob,
-        "bytes": list(lp.token.encode("utf-8")),
-        "top_logprobs": [
-            {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))} for t in lp.top
-        ],
-    }
 
 
 def _check_format(format: Any) -> str | dict[str, Any] | None:

@@ -1,0 +1,298 @@
+"""An engine's own thread and the streams of its outputs, written once for the torch and MLX engines.
+
+`EngineThread`: an engine steps on a thread of its own; requests (`submit`) and jobs (`call`: load,
+score, embed) come from any thread and are taken between two steps; each step's outputs go to a sink
+on that thread. `EngineStreams`: the adapter's side, that sink: every output goes to its request's
+asyncio queue on the request's event loop, where the text is assembled (never on the engine thread).
+`EngineModel`: what the torch and MLX adapters do the same way over such an engine (request checks,
+a step's text events, score and embed as jobs on its thread, unload).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from localrt.backends.base import (
+    CancelToken,
+    Capabilities,
+    Event,
+    GenerateRequest,
+    ModelLifetime,
+    ScoreResult,
+    TextAssembler,
+)
+from localrt.backends.checks import check_loaded, check_prompt, check_scored, check_speculative
+from localrt.backends.grammar import Grammar
+from localrt.backends.outputs import embedding_tokens, empty_score, token_logprob, unit_vector
+from localrt.backends.speculation import speculative_method
+from localrt.errors import LocalrtError
+
+Sink = Callable[[list[Any]], None]
+T = TypeVar("T")
+
+
+class EngineThread:
+    """The thread, request inbox and job queue of an engine. The engine gives `has_work`, `step`
+    (one iteration's outputs), `_take` (queued requests join it, on its thread), `_fail_step` (a step
+    raised: the outputs of the requests that fail with it) and `_unload` (stopped: the outputs of every
+    request still in it, the queued ones included)."""
+
+    thread_name = "engine"
+
+    def _init_thread(self) -> None:
+        self._cv = threading.Condition()
+        self._inbox: deque[Any] = deque()
+        self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        self._thread: threading.Thread | None = None
+        self._sink: Sink | None = None
+        self._stopping = False
+
+    # ---- what the engine gives ------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def step(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _take(self, queued: list[Any]) -> None:
+        raise NotImplementedError
+
+    def _fail_step(self, error: Exception) -> list[Any]:
+        raise NotImplementedError
+
+    def _unload(self, queued: list[Any]) -> list[Any]:
+        raise NotImplementedError
+
+    def _thread_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered by the thread around its whole life (torch: inference mode)."""
+        return contextlib.nullcontext()
+
+    # ---- from any thread ------------------------------------------------------------------------
+    def start(self, sink: Sink | None = None) -> None:
+        """Step on the engine's thread; `sink` receives each step's outputs there (keep it quick)."""
+        self._sink = sink
+        self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Any) -> None:
+        """Queue a request; it joins the engine between two steps."""
+        self._put(self._inbox, request)
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run fn on the engine thread between steps."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._put(self._jobs, (fn, future))
+        return future
+
+    def _put(self, queue: deque[Any], item: Any) -> None:
+        with self._cv:
+            if self._stopping:  # nothing would take it
+                raise LocalrtError("the model was unloaded")
+            queue.append(item)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        """The thread ends after its step; the requests still in the engine end (`_unload`), the jobs
+        still queued fail."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is None:  # never started: nothing else ends them
+            self._shut_down()
+        elif self._thread is not threading.current_thread():
+            self._thread.join()
+
+    # ---- on the engine thread -------------------------------------------------------------------
+    def _deliver(self, outputs: list[Any]) -> None:
+        if outputs and self._sink is not None:
+            self._sink(outputs)
+
+    def _loop(self) -> None:
+        with self._thread_context():
+            while True:
+                with self._cv:
+                    while not (self._stopping or self._inbox or self._jobs or self.has_work):
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    queued, jobs = self._queued()
+                self._take(queued)
+                for fn, future in jobs:
+                    if future.set_running_or_notify_cancel():
+                        try:
+                            future.set_result(fn())
+                        except BaseException as e:
+                            future.set_exception(e)
+                if self.has_work:
+                    try:
+                        outputs = self.step()
+                    except Exception as e:  # the requests learn of it; the engine keeps serving
+                        outputs = self._fail_step(e)
+                    self._deliver(outputs)
+            self._shut_down()
+
+    def _queued(self) -> tuple[list[Any], list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]]:
+        """Takes the requests and jobs queued so far (the caller holds the lock)."""
+        queued, jobs = list(self._inbox), list(self._jobs)
+        self._inbox.clear()
+        self._jobs.clear()
+        return queued, jobs
+
+    def _shut_down(self) -> None:
+        with self._cv:
+            queued, jobs = self._queued()
+        for _, future in jobs:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(LocalrtError("the model was unloaded"))
+        self._deliver(self._unload(queued))
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+class EngineStreams:
+    """An adapter's side of its engine thread: `route` (the engine's sink) hands each output to its
+    request's queue; `open` is a request's stream around that queue."""
+
+    def __init__(self, request_of: Callable[[Any], int]) -> None:
+        self._request_of = request_of  # an output -> the id of its request
+        self._lock = threading.Lock()
+        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+
+    def route(self, outputs: list[Any]) -> None:
+        """The engine thread's sink: each output to its request's queue, nothing else done here."""
+        with self._lock:
+            targets = [(self._queues.get(self._request_of(out)), out) for out in outputs]
+        for target, out in targets:
+            if target is not None:
+                loop, queue = target
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                except RuntimeError:  # that request's event loop has closed: nobody is listening
+                    pass
+
+    @contextlib.asynccontextmanager
+    async def open(
+        self,
+        model: ModelLifetime,
+        request_id: int,
+        cancel: CancelToken,
+        ended: Callable[[], bool],
+        grammar: _Closable | None,
+    ) -> AsyncIterator[asyncio.Queue[Any]]:
+        """The queue of one request's outputs, while the body submits it and reads them. On the way out
+        (done, a stop string, or the consumer left early) a request the engine still runs is cancelled
+        and waited for (`ended`), so its grammar is closed only once the engine has let go of it."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        with self._lock:
+            self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        model._active.add(cancel)
+        try:
+            yield queue
+        finally:
+            model._active.discard(cancel)
+            with self._lock:
+                self._queues.pop(request_id, None)
+            if not ended():
+                cancel.cancel()
+                while not ended() and not model._closed:
+                    await asyncio.sleep(0.005)
+            if grammar is not None and (ended() or model._closed):
+                grammar.close()
+
+
+class EngineModel:
+    """What a loaded model does the same way over an engine with its own thread (torch, MLX): `score`
+    and `embed` run there as jobs between two steps, and unloading stops the engine and frees the
+    vocabulary. The model gives `_score(ids, result)` (fills the empty result, 2+ tokens) and
+    `_hidden_rows(ids)` (final-normed hidden states [n, dim] on the host)."""
+
+    engine: EngineThread
+    vocab: Any  # llamacpp.vocab.Vocab
+    context_length: int
+    n_vocab: int
+    eos_token_ids: Sequence[int]
+    _closed: bool
+    tokenize: Callable[[str], list[int]]  # the model's vocabulary (VocabMethods)
+    detokenize: Callable[[Sequence[int]], str]
+    capabilities: Capabilities
+
+    def _check(self, request: GenerateRequest, has_draft_model: bool, backend: str) -> str:
+        """Refuses what this model cannot run; returns the speculation method the request runs."""
+        check_loaded(self._closed)
+        check_speculative(request.speculative, self.capabilities.speculative, has_draft_model, backend)
+        check_prompt(request.prompt_tokens, self.context_length, self.n_vocab)
+        return speculative_method(
+            request.speculative, has_draft_model=has_draft_model, constrained=request.format is not None
+        )
+
+    def _grammar(self, request: GenerateRequest) -> Grammar | None:
+        """The request's `format` as a grammar (built before any work: a schema it cannot express fails
+        here); whoever gets it closes it."""
+        if request.format is None:
+            return None
+        return Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, request.format)
+
+    def _text_events(
+        self,
+        tokens: Sequence[int],
+        logprobs: Iterable[tuple[float, list[tuple[int, float]]] | None],
+        text: TextAssembler,
+        preserve: frozenset[int],
+    ) -> tuple[list[Event], int | None]:
+        """A step's tokens for one request -> text events, on the event loop (pieces and stop strings
+        never run on the engine thread). Second: None, or the tokens taken up to a stop string that
+        matched (the rest of the step's tokens are not the answer). `preserve`: special tokens whose
+        text stays in the output (thinking markers)."""
+        events: list[Event] = []
+        for taken, (token, lp) in enumerate(zip(tokens, logprobs), 1):
+            logprob = None if lp is None else token_logprob(token, *lp, self.detokenize)
+            event, stopped = text.add(token, self.vocab.piece(token, token in preserve), logprob)
+            if event is not None:
+                events.append(event)
+            if stopped:
+                return events, taken
+        return events, None
+
+    def _score(self, ids: list[int], result: ScoreResult) -> ScoreResult:
+        raise NotImplementedError
+
+    def _hidden_rows(self, ids: list[int]) -> np.ndarray:
+        raise NotImplementedError
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        """Run fn on the engine's thread, between two steps."""
+        check_loaded(self._closed)
+        return await asyncio.wrap_future(self.engine.call(fn))
+
+    async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
+        ids = list(tokens)
+        check_loaded(self._closed)
+        check_scored(ids, self.context_length, self.n_vocab)
+        result = empty_score(len(ids), self.n_vocab, return_logits)
+        if len(ids) < 2:  # nothing is predicted
+            return result
+        return await self._run(lambda: self._score(ids, result))
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        check_loaded(self._closed)
+        batches = [embedding_tokens(self.tokenize, t, self.context_length, self.eos_token_ids) for t in texts]
+        return await self._run(lambda: [self._embed(ids) for ids in batches])
+
+    def _embed(self, ids: list[int]) -> list[float]:
+        # mean over tokens of the final-normed hidden states, as llama.cpp's mean pooling
+        return unit_vector(np.asarray(self._hidden_rows(ids), dtype=np.float64).mean(0))
+
+    def _free(self) -> None:
+        self.engine.stop()  # the requests still running end (EngineThread._unload)
+        self.vocab.close()

@@ -1,0 +1,125 @@
+"""The engine thread shared by the torch and MLX engines (backends/engine_thread.py), on a small engine of
+its own: requests are countdowns, a step takes one from each."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from localrt.backends.engine_thread import EngineThread
+from localrt.errors import LocalrtError
+
+
+class Countdown(EngineThread):
+    thread_name = "countdown-engine"
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.running: dict[str, int] = {}
+        self.fail_at = fail_at  # a step fails when a countdown reaches this value
+        self.step_threads: set[str] = set()
+        self._init_thread()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[Any]:
+        self.step_threads.add(threading.current_thread().name)
+        out = []
+        for name in list(self.running):
+            self.running[name] -= 1
+            if self.running[name] == self.fail_at:
+                raise RuntimeError("bad step")
+            if self.running[name] == 0:
+                del self.running[name]
+                out.append((name, "done"))
+        return out
+
+    def _take(self, queued: list[Any]) -> None:
+        for name, n in queued:
+            self.running[name] = n
+
+    def _fail_step(self, error: Exception) -> list[Any]:
+        failed = [(name, f"error: {error}") for name in self.running]
+        self.running.clear()
+        return failed
+
+    def _unload(self, queued: list[Any]) -> list[Any]:
+        ended = [(name, "unloaded") for name in [*self.running, *(n for n, _ in queued)]]
+        self.running.clear()
+        return ended
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.outputs: list[Any] = []
+        self.changed = threading.Condition()
+
+    def __call__(self, outputs: list[Any]) -> None:
+        with self.changed:
+            self.outputs += outputs
+            self.changed.notify_all()
+
+    def wait_for(self, n: int) -> list[Any]:
+        with self.changed:
+            assert self.changed.wait_for(lambda: len(self.outputs) >= n, timeout=30)
+            return list(self.outputs)
+
+
+def test_requests_step_on_the_engine_thread_and_jobs_run_there_too() -> None:
+    engine, sink = Countdown(), Sink()
+    engine.start(sink)
+    try:
+        engine.submit(("a", 3))
+        engine.submit(("b", 1))
+        assert sorted(sink.wait_for(2)) == [("a", "done"), ("b", "done")]
+        assert engine.step_threads == {"countdown-engine"}
+        assert engine.call(lambda: threading.current_thread().name).result(timeout=30) == "countdown-engine"
+    finally:
+        engine.stop()
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on() -> None:
+    engine, sink = Countdown(fail_at=1), Sink()
+    engine.start(sink)
+    try:
+        engine.submit(("a", 2))
+        assert sink.wait_for(1) == [("a", "error: bad step")]
+        engine.submit(("b", 1))
+        assert sink.wait_for(2)[1] == ("b", "done")
+    finally:
+        engine.stop()
+
+
+def test_stopping_ends_the_requests_and_refuses_new_work() -> None:
+    engine, sink = Countdown(), Sink()
+    engine.start(sink)
+    started, gate = threading.Event(), threading.Event()
+    blocked = engine.call(lambda: started.set() or gate.wait())  # holds the thread: what follows stays queued
+    assert started.wait(timeout=30)
+    engine.submit(("a", 5))
+    queued_job = engine.call(lambda: "never")
+    stopper = threading.Thread(target=engine.stop)
+    stopper.start()
+    while not engine._stopping:  # the stop is asked for before the thread is free again
+        threading.Event().wait(0.01)
+    gate.set()
+    stopper.join(timeout=30)
+    assert blocked.result(timeout=30) is True
+    with pytest.raises(LocalrtError, match="unloaded"):
+        queued_job.result(timeout=30)
+    assert sink.wait_for(1) == [("a", "unloaded")]
+    with pytest.raises(LocalrtError, match="unloaded"):
+        engine.submit(("b", 1))
+    with pytest.raises(LocalrtError, match="unloaded"):
+        engine.call(lambda: None)
+
+
+def test_an_engine_never_started_ends_its_requests_on_stop() -> None:
+    engine, sink = Countdown(), Sink()
+    engine._sink = sink
+    engine.submit(("a", 2))
+    engine.stop()
+    assert sink.outputs == [("a", "unloaded")]
