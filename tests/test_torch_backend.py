@@ -266,9 +266,9 @@ def test_fidelity_through_score_against_llama_cpp_blas(
 ) -> None:
     """Issue 20's bar, measured as `localrt eval` measures (4,096 tokens of English, windows of 512,
     second halves scored: 2,040 tokens): top-1 agreement with llama.cpp at least 98%, perplexity
-    within 0.5%, for the exact fp32 path, and for the quantized one on the all-4-bit file (SmolLM2's
-    Q4_K_M and Q6_K conversions are mostly Q5_0 / Q8_0, their rows of 576 being no multiple of 256:
-    per-row int8 there, measured at 96.4% top-1 on Q6_K, below the bar; see README). The reference is llama.cpp built with OpenBLAS, whose batched matmuls compute the
+    within 0.5%, for the exact fp32 path and for the quantized one (the CPU default): SmolLM2's
+    Q4_K_M and Q6_K conversions are mostly Q5_0 / Q8_0 (rows of 576 are no multiple of 256), kept as
+    two exact int4 planes; the rest int4, or per-row int8 for Q6_K. The reference is llama.cpp built with OpenBLAS, whose batched matmuls compute the
     file's exact function; the default CPU build rounds every activation row to 8 bits first, which
     it does not reproduce itself (its batch-1 and batch-512 logits agree on only ~97% of top-1
     tokens, `tests/test_torch_model.py::test_smollm2_fidelity_2k_tokens`)."""
