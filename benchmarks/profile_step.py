@@ -148,6 +148,108 @@ def localrt_run(gguf: Path, prompt: list[int], n_new: int, threads: int, slots: 
     }
 
 
+def count_ubatches(seq_of_row: list[int], n_ubatch: int) -> int:
+    """How many micro-batches llama.cpp cuts a multi-stream batch into (its equal split, sequential seq ids:
+    each micro-batch takes the same number of rows from a run of consecutive seq ids)."""
+    left: dict[int, int] = {}
+    for s in seq_of_row:
+        left[s] = left.get(s, 0) + 1
+    count = 0
+    while left:
+        run: list[int] = []
+        for s in sorted(left):
+            if run and s != run[-1] + 1:
+                break
+            run.append(s)
+        run = run[: max(1, n_ubatch)]
+        size = max(1, min(min(left[s] for s in run), n_ubatch // len(run)))
+        for s in run:
+            left[s] -= size
+            if left[s] <= 0:
+                del left[s]
+        count += 1
+    return count
+
+
+def batch_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, clients: int, spec: str) -> dict:
+    """`clients` grounded requests at once (bench_serve's passages, ChatML-templated), in process: the step
+    thread's CPU time per generated token (with one llama.cpp thread it runs every decode itself), steps,
+    decodes and the greedy texts (to check them against another variant)."""
+    from localrt.backends.base import GenerateRequest, LoadOptions, SamplingParams, TextEvent
+    from localrt.backends.llamacpp.backend import LlamaCppModel
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_serve import grounded
+
+    model = LlamaCppModel(gguf, LoadOptions(num_thread=threads, num_ctx=n_ctx, num_parallel=slots))
+    engine = model.engine
+    assert engine is not None
+    prompts = [
+        model.tokenize(
+            f"<|im_start|>user\n{conv[0]['content']}<|im_end|>\n<|im_start|>assistant\n", True, True
+        )
+        for conv in grounded(clients)
+    ]
+    step_ns: list[int] = []
+    decode_ns: list[int] = []
+    rows: list[int] = []
+    orig_step, orig_decode = engine.step, engine.batch.decode
+
+    def timed_step():  # type: ignore[no-untyped-def]
+        t = time.thread_time_ns()
+        orig_step()
+        step_ns.append(time.thread_time_ns() - t)
+
+    def timed_decode(ctx):  # type: ignore[no-untyped-def]
+        t = time.thread_time_ns()
+        rows.append(engine.batch.n)
+        ubatches.append(
+            count_ubatches([engine.batch._seq_rows[i][0] for i in range(engine.batch.n)], n_ubatch)
+        )
+        ret = orig_decode(ctx)
+        decode_ns.append(time.thread_time_ns() - t)
+        return ret
+
+    n_ubatch = model.ctx_params.n_ubatch
+    ubatches: list[int] = []
+    engine.step = timed_step  # type: ignore[method-assign]
+    engine.batch.decode = timed_decode  # type: ignore[method-assign]
+
+    async def one(prompt: list[int]) -> list[int]:
+        req = GenerateRequest(
+            prompt_tokens=prompt, sampling=SamplingParams(temperature=0), num_predict=n_new, speculative=spec
+        )
+        ids: list[int] = []
+        async for event in model.generate(req):
+            if isinstance(event, TextEvent):
+                ids.extend(event.token_ids)
+        return ids
+
+    async def go() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    steps0 = engine.steps
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    outs = asyncio.run(go())
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    decodes = engine.steps - steps0
+    model.unload()
+    n_tok = sum(len(o) for o in outs)
+    return {
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "generated": n_tok,
+        "steps": len(step_ns),
+        "decodes": decodes,
+        "rows": sum(rows),
+        "ubatches": sum(ubatches),
+        "step_thread_cpu_s": sum(step_ns) / 1e9,
+        "decode_cpu_s": sum(decode_ns) / 1e9,
+        "process_cpu_s": cpu,
+        "wall_s": wall,
+        "outputs": outs,
+    }
+
+
 def http_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, repeat: int) -> None:
     """Through `localrt serve` (Ollama /api/chat, streamed): the client's time to first token and per token
     against the server's own prompt_eval / eval durations; the difference is the HTTP and runtime path."""
@@ -215,8 +317,29 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="new tokens")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--http", action="store_true", help="also through localrt serve: client vs server times")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="instead: this many grounded requests at once (bench_serve's passages), speculation off and lookup",
+    )
     a = p.parse_args()
     gguf = Path(a.gguf)
+    if a.batch:
+        runs: dict[str, list[dict]] = {}
+        for _ in range(a.repeat):
+            for spec in ("off", "lookup"):
+                runs.setdefault(spec, []).append(
+                    batch_run(gguf, a.threads, a.slots, a.ctx, a.tokens, a.batch, spec)
+                )
+        print(
+            f"load average {os.getloadavg()[0]:.1f}; {a.batch} grounded requests, {a.tokens} new, {a.threads} threads"
+        )
+        for spec, rs in runs.items():
+            same = all(r["outputs"] == runs["off"][0]["outputs"] for r in rs)
+            figures = {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0] if k != "outputs"}
+            print(f"{spec:>8}: outputs as speculation off: {same} {figures}")
+        return
     prompt = [1] + [(i * 37) % 4000 + 100 for i in range(a.prompt - 1)]
     rows: dict[str, list[dict]] = {}
     for _ in range(a.repeat):  # interleaved, so a load change hits every variant alike

@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face checkpoints of the families issue 21 adds: Gemma 3, Gemma 2, Phi-3, Qwen3-MoE.
+"""Tiny random Hugging Face checkpoints of the families issue 21 adds: Gemma 3, Gemma 2, Phi-3, Qwen3-MoE,
+OLMoE.
 
 Each is a real HF model directory (config.json that transformers' AutoConfig reads, safetensors,
 tokenizer files), written with numpy, so llama.cpp's converter, transformers and localrt can all
@@ -46,6 +47,7 @@ HF_ARCH = {
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "olmoe": ("OlmoeForCausalLM", "olmoe"),
 }
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # 6 layers: layers 0-4 use the sliding window, layer 5 is global (llama.cpp's default pattern)
@@ -54,7 +56,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": dict(hidden=256, ff=512, n_layer=4, n_head=4, n_kv=2, head_dim=64, vocab=512),
     # SmolLM2's GPT-2-style tokenizer (49,152 tokens): llama.cpp reads Qwen3-MoE's vocabulary as BPE only
     "qwen3moe": dict(hidden=256, ff=512, n_layer=2, n_head=2, n_kv=1, head_dim=128, vocab=49152),
+    # OLMoE: experts as wide as intermediate_size, q/k norms over the whole projection, n_kv = n_head
+    # (llama.cpp's olmoe graph assumes it); BPE only, like Qwen3-MoE
+    "olmoe": dict(hidden=256, ff=256, n_layer=2, n_head=2, n_kv=2, head_dim=128, vocab=49152),
 }
+BPE_FAMILIES = ("qwen3moe", "olmoe")  # llama.cpp reads their vocabulary as GPT-2 BPE only
 DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
@@ -245,7 +251,10 @@ def _norm(rng: np.random.Generator, n: int, shifted: bool) -> np.ndarray:
     return rng.standard_normal(n) * 0.05 + (0.0 if shifted else 1.0)
 
 
-def _attention(rng: np.random.Generator, p: str, d: dict[str, Any], qk_norm: bool, shifted: bool) -> dict:
+def _attention(
+    rng: np.random.Generator, p: str, d: dict[str, Any], qk_norm: bool, shifted: bool, whole: bool = False
+) -> dict:
+    """q/k/v/o projections; `qk_norm`: RMS norm weights per head (or, `whole`, over the projection)."""
     h, hd, nh, nkv = d["hidden"], d["head_dim"], d["n_head"], d["n_kv"]
     t = {
         p + "self_attn.q_proj.weight": _normal(rng, (nh * hd, h), 0.05),
@@ -254,8 +263,8 @@ def _attention(rng: np.random.Generator, p: str, d: dict[str, Any], qk_norm: boo
         p + "self_attn.o_proj.weight": _normal(rng, (h, nh * hd), 0.05),
     }
     if qk_norm:
-        t[p + "self_attn.q_norm.weight"] = _norm(rng, hd, shifted)
-        t[p + "self_attn.k_norm.weight"] = _norm(rng, hd, shifted)
+        t[p + "self_attn.q_norm.weight"] = _norm(rng, hd * nh if whole else hd, shifted)
+        t[p + "self_attn.k_norm.weight"] = _norm(rng, hd * nkv if whole else hd, shifted)
     return t
 
 
@@ -289,8 +298,9 @@ def _layer(rng: np.random.Generator, family: str, i: int, d: dict[str, Any]) -> 
             [mlp[p + "mlp.gate_proj.weight"], mlp[p + "mlp.up_proj.weight"]]
         )
         t[p + "mlp.down_proj.weight"] = mlp[p + "mlp.down_proj.weight"]
-    else:  # qwen3moe
-        t |= _attention(rng, p, d, qk_norm=True, shifted=False) | _experts(rng, p, d)
+    else:  # qwen3moe, olmoe
+        whole = family == "olmoe"
+        t |= _attention(rng, p, d, qk_norm=True, shifted=False, whole=whole) | _experts(rng, p, d)
     return t
 
 
@@ -344,7 +354,7 @@ def _config(family: str, d: dict[str, Any], dtype: str, special: dict[str, int])
         "torch_dtype": DTYPE_NAMES[dtype],
         **special,
     }
-    if family != "phi3":
+    if family not in ("phi3", "olmoe"):  # OlmoeConfig has no head_dim (hidden / heads)
         c["head_dim"] = d["head_dim"]
     if family.startswith("gemma"):
         c |= {
@@ -360,6 +370,14 @@ def _config(family: str, d: dict[str, Any], dtype: str, special: dict[str, int])
         c |= {"rope_theta": 10_000.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
     elif family == "phi3":
         c |= _phi3_rope(d)
+    elif family == "olmoe":
+        c |= {
+            "rope_theta": 10_000.0,
+            "num_experts": d["n_expert"],
+            "num_experts_per_tok": d["n_expert_used"],
+            "norm_topk_prob": False,
+            "hidden_act": "silu",
+        }
     else:
         c |= {
             "rope_theta": 1_000_000.0,
@@ -403,18 +421,18 @@ def write_family_model(
     tokenizer: Path | None = None,
     **dims: Any,
 ) -> Path:
-    """A random-weight checkpoint of `family` ("gemma3", "gemma2", "phi3", "qwen3moe").
+    """A random-weight checkpoint of `family` ("gemma3", "gemma2", "phi3", "qwen3moe", "olmoe").
 
     `dims` override FAMILY_DEFAULTS (hidden, ff, n_layer, n_head, n_kv, head_dim, vocab) and set the
     family's options: sliding_window, context (max_position_embeddings), rope_scaling (gemma3);
     longrope, partial_rotary_factor, original_context (phi3); n_expert, n_expert_used, moe_ff,
-    experts_3d (qwen3moe: 3-D expert tensors instead of one per expert).
-    `tokenizer`: for qwen3moe, a directory with the tokenizer.json to use (default: SmolLM2's).
+    experts_3d (qwen3moe: 3-D expert tensors instead of one per expert); olmoe's experts are `ff` wide.
+    `tokenizer`: for qwen3moe and olmoe, a directory with the tokenizer.json to use (default: SmolLM2's).
     """
     d: dict[str, Any] = {**FAMILY_DEFAULTS[family], **dims}
     d.setdefault("n_expert", 4)
     d.setdefault("n_expert_used", 2)
-    d.setdefault("moe_ff", 256)
+    d.setdefault("moe_ff", d["ff"] if family == "olmoe" else 256)
     # Gemma ties the output to the embedding; Phi-3 has its own lm_head (so has Qwen3-30B-A3B, but the
     # tiny one ties it: one 49,152-row matrix instead of two)
     d["tied"] = family != "phi3" if tied is None else tied
@@ -431,7 +449,7 @@ def write_family_model(
         t |= _layer(rng, family, i, d)
     _write_weights(out_dir, t, dtype, shards)
     n_pieces = min(d["vocab"] - 16, 400)
-    if family == "qwen3moe":
+    if family in BPE_FAMILIES:
         special = bpe_tokenizer(out_dir, tokenizer or smollm2_tokenizer_json())
     else:
         special = {"phi3": phi3_tokenizer}.get(family, gemma_tokenizer)(out_dir, n_pieces)
@@ -553,10 +571,28 @@ QWEN3MOE: dict[str, Any] = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+OLMOE: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 256,  # each expert's width
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": False,  # what llama.cpp always does for this family
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,  # llama.cpp's olmoe graph norms K over n_embd: n_kv = n_head
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,  # llama.cpp's converter writes 1e-5 whatever the config says
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 
 
 def tiny_hf(out_dir: Path, family: str, seed: int = 0) -> Path:
-    """A random checkpoint of `family` (gemma3, gemma2, phi3, qwen3moe) for llama.cpp's converter."""
+    """A random checkpoint of `family` (gemma3, gemma2, phi3, qwen3moe, olmoe) for llama.cpp's converter."""
     if family.startswith("gemma"):
         return tiny_gemma_hf(out_dir, family, seed)
     import torch
@@ -567,6 +603,7 @@ def tiny_hf(out_dir: Path, family: str, seed: int = 0) -> Path:
     config_class, model_class, options = {
         "phi3": ("Phi3Config", "Phi3ForCausalLM", PHI3),
         "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3MOE),
+        "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", OLMOE),
     }[family]
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**options)).float()
@@ -595,7 +632,7 @@ def tiny_hf(out_dir: Path, family: str, seed: int = 0) -> Path:
     return out_dir
 
 
-# llama.cpp's converter, with Qwen3-MoE's vocabulary read from the SentencePiece model as Qwen2's
+# llama.cpp's converter, with Qwen3-MoE's and OLMoE's vocabulary read from the SentencePiece model as Qwen2's
 # converter does (its own BPE path accepts only the tokenizers it knows by hash; the logit tests
 # need the weights, not a real vocabulary)
 FAMILY_DRIVER = """
@@ -603,8 +640,9 @@ import json, sys
 sys.argv = [sys.argv[1]]
 sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0])
 import convert_hf_to_gguf as c
-from conversion import qwen
+from conversion import olmo, qwen
 qwen.Qwen3MoeModel.set_vocab = qwen.Qwen2Model.set_vocab
+olmo.OlmoeModel.set_vocab = qwen.Qwen2Model.set_vocab
 for model, out, outtype in json.loads(sys.stdin.read()):
     sys.argv = ['convert_hf_to_gguf.py', model, '--outfile', out, '--outtype', outtype]
     c.main()

@@ -1,4 +1,4 @@
-"""`localrt convert` for Gemma 3, Gemma 2, Phi-3 and Qwen3-MoE against llama.cpp's own converter.
+"""`localrt convert` for Gemma 3, Gemma 2, Phi-3, Qwen3-MoE and OLMoE against llama.cpp's own converter.
 
 The oracle is llama.cpp's convert_hf_to_gguf.py (from the llama-cpp-python sdist, fetched into the test
 cache), followed for quantized types by `llama_model_quantize`. Every key (order, type, value) and
@@ -56,8 +56,11 @@ MODELS: dict[str, dict[str, Any]] = {
     # transformers 5's 3-D expert tensors, f16 in three shards
     "qwen3moe-3d": dict(family="qwen3moe", dtype="F16", shards=3, experts_3d=True),
     "qwen3moe-rows320": dict(family="qwen3moe", n_layer=2, moe_ff=160, **(ROWS320 | {"vocab": 49152})),
+    # OLMoE: q/k norms over the whole projection, experts intermediate_size wide, bf16
+    "olmoe": dict(family="olmoe", dtype="BF16"),
+    "olmoe-rows320": dict(family="olmoe", n_layer=2, **(ROWS320 | {"n_kv": 5, "vocab": 49152})),
 }
-SLOW_FULL = ("gemma3", "gemma2", "phi3", "qwen3moe")  # every file type under -m slow
+SLOW_FULL = ("gemma3", "gemma2", "phi3", "qwen3moe", "olmoe")  # every file type under -m slow
 QUANT_TYPES = [t for t in mixes.FILE_TYPES if t not in ("F32", "F16", "BF16")]
 
 

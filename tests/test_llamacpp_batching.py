@@ -283,3 +283,16 @@ def test_an_evicted_conversation_comes_back_from_the_ram_cache(smollm2_gguf: Pat
     assert scratch.done.timings.cached_count == 0
     assert again.ids == scratch.ids
     assert saved_after >= 1  # the "tree" conversation's seq was saved in turn when the first came back
+
+
+def test_drafts_of_a_step_are_evened_to_the_length_that_keeps_most_rows() -> None:
+    """Unequal draft lengths cost llama.cpp a micro-batch each (equal rows per KV stream): one length per step."""
+    from localrt.backends.llamacpp.step import Job, _even_drafts
+
+    jobs = [Job(GenerateRequest([1]), lambda _: None) for _ in range(4)]
+    for job, drafts in zip(jobs, ([5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6], [7, 8], [])):
+        job.drafts = drafts
+    _even_drafts(jobs)
+    # length 5 keeps 2 x 5 rows, length 2 keeps 3 x 2: the short draft goes, the long one is cut
+    assert [len(j.drafts) for j in jobs] == [5, 5, 0, 0]
+    assert jobs[1].drafts == [1, 2, 3, 4, 5]

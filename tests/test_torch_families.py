@@ -26,7 +26,7 @@ from localrt.backends.torch.model import DenseCausal  # noqa: E402
 from tests.fixtures_families import GEMMA3_WINDOW, family_gguf, tiny_hf  # noqa: E402
 
 N_TOKENS = 80  # past the window (24) three times over
-FAMILIES = ["gemma3", "gemma2", "phi3", "qwen3moe"]
+FAMILIES = ["gemma3", "gemma2", "phi3", "qwen3moe", "olmoe"]
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +85,7 @@ WINDOWS = {
     "gemma2": [GEMMA3_WINDOW, 0] * 3,  # alternating, the even layers sliding
     "phi3": [0] * 3,  # llama.cpp ignores Phi-3's sliding window
     "qwen3moe": [0] * 3,
+    "olmoe": [0] * 3,
 }
 
 
@@ -134,6 +135,29 @@ def test_logits_match_llama_cpp(
         # moves its logits by a few hundredths (more where a near-tie flips an expert choice); a wrong
         # layer moves them by about their own size
         assert np.abs(got - ref).mean() < 0.1 * np.abs(ref).mean()
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "olmoe"])
+def test_moe_scores_equal_on_the_llama_cpp_and_torch_backends(
+    family: str, family_files: Callable[[str, str], tuple[Path, Path]]
+) -> None:
+    """localrt's own backends load the mixture-of-experts file (llama.cpp knows both architectures):
+    `score` gives the same log-probabilities through either."""
+    from localrt.backends.base import LoadOptions
+    from localrt.backends.llamacpp.backend import LlamaCppBackend
+    from localrt.backends.torch import TorchModel
+
+    _, path = family_files(family, "F32")
+    opts = LoadOptions(num_ctx=256, num_thread=1)
+    tokens = tokens_for(512, 60, seed=3)
+    results = []
+    for backend in (LlamaCppBackend.load(path, opts), TorchModel(path, opts)):
+        try:
+            results.append(asyncio.run(backend.score(tokens)).logprobs)
+        finally:
+            backend.unload()
+    assert len(results[0]) == len(tokens) - 1
+    np.testing.assert_allclose(results[1], results[0], atol=0.02, rtol=0)
 
 
 # ---- the real Gemma 3 270M (Q4_K_M, from PyPI) ---------------------------------------------------------
@@ -194,3 +218,36 @@ def test_gemma3_270m_perplexity_matches_llama_cpp(gemma3_gguf: Path) -> None:
     )
     assert ours_result.tokens >= 2000
     assert abs(ours_result.perplexity / theirs.perplexity - 1) < 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_gemma3_270m_top1_against_exact_llama_cpp(gemma3_gguf: Path) -> None:
+    """Issue 21's bar on the real file, measured as `localrt eval` measures (4,096 tokens of English,
+    windows of 512, second halves scored): top-1 agreement with exact llama.cpp (the OpenBLAS build,
+    weight repacking off, so its batched matmuls are fp32 on the dequantized weights) at least 98%, and
+    perplexity within 1% of it. Windows of 512, not 1,024 as above: the KL between two sets of
+    262,144-wide logits of 1,024 rows needs about 15 GB (out of memory on a 24 GB machine shared by
+    several runs); the sliding window itself is covered by the perplexity test above."""
+    from localrt.backends.base import LoadOptions
+    from localrt.backends.torch import TorchModel
+    from localrt.eval import evaluate
+    from tests.fixtures_hf import LlamaCppBuildReference, llama_cpp_blas
+    from tests.test_torch_model import english_text
+
+    model = TorchModel(gemma3_gguf, LoadOptions(num_ctx=512, num_thread=2, num_batch=512))
+    try:
+        tokens = model.tokenize(english_text(), add_special=False)[:4096]
+        reference = LlamaCppBuildReference(llama_cpp_blas(), gemma3_gguf, model, threads=2, repack=False)
+        got = asyncio.run(evaluate(model, tokens, 512, reference))
+        reference_alone = asyncio.run(evaluate(reference, tokens, 512))
+    finally:
+        model.unload()
+    print(
+        f"\nGemma 3 270M Q4_K_M: top-1 {100 * (got.top1 or 0):.2f}%, KL {got.kl:.6f}, perplexity torch "
+        f"{got.perplexity:.4f} vs llama.cpp (OpenBLAS) {reference_alone.perplexity:.4f} over {got.tokens} tokens"
+    )
+    assert got.tokens >= 2000
+    assert got.top1 is not None, got
+    assert got.top1 >= 0.98, got
+    assert abs(got.perplexity / reference_alone.perplexity - 1) < 0.01, (got, reference_alone)

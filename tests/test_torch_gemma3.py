@@ -198,7 +198,7 @@ def test_preemption_under_a_tight_budget_is_invisible(model: Gemma3) -> None:
         assert seq.tokens[50:] == reference[49:]
 
 
-@pytest.mark.parametrize("mode", ["lookup", "draft"])
+@pytest.mark.parametrize("mode", ["lookup", "draft", "self"])
 def test_greedy_output_identical_with_speculation(model: Gemma3, mode: str) -> None:
     draft = tiny_gemma3(seed=8, layers=2) if mode == "draft" else None
     rng = np.random.default_rng(6)
@@ -222,7 +222,7 @@ def test_greedy_output_identical_with_speculation(model: Gemma3, mode: str) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["lookup", "draft"])
+@pytest.mark.parametrize("mode", ["lookup", "draft", "self"])
 def test_sampled_speculation_keeps_the_target_distribution(mode: str) -> None:
     """Monte Carlo, as for Llama (tests/test_torch_speculative.py): with guesses verified against a
     Gemma 3 whose window is shorter than the prompt, the two tokens after the first are distributed
@@ -242,7 +242,12 @@ def test_sampled_speculation_keeps_the_target_distribution(mode: str) -> None:
     engine = Engine(
         target,
         EngineConfig(
-            context_length=256, kv_cache_type="f32", max_seqs=64, kv_budget_seqs=40, max_batch_tokens=4096
+            context_length=256,
+            kv_cache_type="f32",
+            max_seqs=64,
+            kv_budget_seqs=40,
+            max_batch_tokens=4096,
+            self_spec_layers=1,  # self: the sliding layer alone drafts, through the window's blocks
         ),
         draft_model=draft,
     )

@@ -55,7 +55,7 @@ from .lib import (
     gpu_offload_supported,
     load_model,
 )
-from .step import BatchedContext, DraftContext, ExternalChunk, Job, PromptItem, copy_threshold
+from .step import EXACT_ROWS, BatchedContext, DraftContext, ExternalChunk, Job, PromptItem, copy_threshold
 from .vocab import Vocab, VocabMethods
 
 NAME = "llama.cpp"
@@ -63,10 +63,6 @@ PIP_HINT = "pip install 'localrt[llama]'  (or: pip install llama-cpp-python)"
 AUTO_MIN_PARALLEL = 4  # LOCALRT_NUM_PARALLEL=auto: at least this many sequences where they fit
 AUTO_MAX_PARALLEL = 8
 AUTO_MEMORY_SHARE = 0.25  # of the available memory, for the KV cache of the auto sequences
-# Rows per llama.cpp micro-batch. Under 64 query rows the CPU flash-attention kernel computes every row on
-# its own (a sequence's logits do not depend on what else is in the batch); from 64 on it switches to a
-# tiled kernel whose rounding depends on where the cells sit. Batching stays invisible below this.
-EXACT_UBATCH = 48
 
 
 class LlamaCppBackend:
@@ -177,7 +173,9 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             opts,
             n_ctx=-(-self.context_length // 256) * 256 * n_seq_max,  # llama.cpp pads each stream to 256
             n_batch=step_tokens,
-            n_ubatch=min(step_tokens, EXACT_UBATCH),
+            # one micro-batch per step: its rows share one pass over the weights (each sequence brings at
+            # most EXACT_ROWS of them, which keeps batching invisible: see step.py)
+            n_ubatch=step_tokens,
             n_seq_max=n_seq_max,
             threads=self.threads,
         )
@@ -361,7 +359,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         engine = self._require_engine()
 
         def run(ctx: Any, seq: int) -> None:
-            batch = Batch(engine.step_tokens)
+            batch = Batch(EXACT_ROWS)  # the rows a prompt's chunk has in generation: the same logits
             try:
                 for start in range(0, n, batch.capacity):
                     chunk = tokens[start : start + batch.capacity]

@@ -45,7 +45,14 @@ from localrt.errors import LocalrtError
 
 from .lib import Batch, Memory, _lib, logits_row, make_sampler, sample, token_piece
 
-MAX_VERIFY = 48  # draft tokens + 1 per sequence and step
+# Rows of one sequence in a step (prompt chunk, or last token + drafts). Under 64 query rows of a KV stream
+# in a micro-batch the CPU flash-attention kernel computes every row on its own (a sequence's logits do
+# not depend on what else is in the batch); from 64 on it switches to a tiled kernel with other rounding.
+# Capping each sequence's rows (not the micro-batch) keeps batching invisible while the micro-batch holds
+# every sequence's rows at once: llama.cpp splits a multi-stream batch into micro-batches of equal rows per
+# stream, so one step of many prefilling sequences is one pass over the weights, not one per 48 rows.
+EXACT_ROWS = 48
+MAX_VERIFY = EXACT_ROWS  # draft tokens + 1 per sequence and step
 # The shared-prefix length from which a prefix is copied when the caller gives no cost figures, and the
 # least a new request must share with a prompt still being evaluated to wait for it rather than start.
 COPY_MIN = 32
@@ -583,6 +590,7 @@ class BatchedContext:
                 self._context_full(job)
         decoding = [j for j in decoding if j in self.running and not j.pending]
         self._propose(decoding)
+        _even_drafts(decoding)
         for job in decoding:
             tokens = [job.last, *job.drafts]
             if len(tokens) > self.room:
@@ -639,8 +647,9 @@ class BatchedContext:
                 continue
             self._run_external(job)
             take: list[int] = []
+            limit = min(self.room, EXACT_ROWS)
             for item in job.pending:
-                if not isinstance(item, int) or len(take) >= self.room:
+                if not isinstance(item, int) or len(take) >= limit:
                     break
                 take.append(item)
             if not take:
@@ -813,6 +822,22 @@ class BatchedContext:
             if ret == 1 and self._evict_idle():
                 continue
             raise LocalrtError(f"llama.cpp decode failed (llama_decode returned {ret})")
+
+
+def _even_drafts(jobs: list[Job]) -> None:
+    """Give every drafting sequence of a step the same draft length.
+
+    llama.cpp cuts a batch over several KV streams into micro-batches that take the same number of rows
+    from each stream, and every micro-batch is a pass over the weights: drafts of unequal lengths cost a
+    pass per length (counted on 16 grounded requests with lookup: 2% more rows than without speculation,
+    but 235 micro-batches against 84; 209 with this). The common length n keeps the most draft rows,
+    n x (drafts at least n long); shorter drafts are dropped (their sequences decode one token)."""
+    lengths = sorted({len(j.drafts) for j in jobs if j.drafts})
+    if not lengths:
+        return
+    n = max(lengths, key=lambda k: k * sum(len(j.drafts) >= k for j in jobs))
+    for job in jobs:
+        job.drafts = job.drafts[:n] if len(job.drafts) >= n else []
 
 
 def _cells(prompt: Sequence[PromptItem]) -> list[Hashable]:

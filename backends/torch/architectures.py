@@ -2,7 +2,7 @@
 
 One model file per architecture family (`model.py`: the Llama family, `gemma3.py`: Gemma 3, `gemma2.py`: Gemma 2 on the same layer,
 `phi3.py`: Phi-3 on the Llama block,
-`qwen3moe.py`: Qwen3-MoE, Qwen3's attention with routed experts); each
+`qwen3moe.py`: Qwen3-MoE, Qwen3's attention with routed experts, and OLMoE on the same code); each
 class has `from_gguf(tensors, dtype, device, modules)` and the same forward contract (tokens and an
 attention context in, float32 logits out), so the engine never asks which one it runs.
 """
@@ -19,7 +19,7 @@ from .gemma2 import Gemma2
 from .gemma3 import Gemma3
 from .model import ModuleFactory, Transformer
 from .phi3 import Phi3
-from .qwen3moe import Qwen3MoE
+from .qwen3moe import OLMoE, Qwen3MoE
 
 MODELS: dict[str, Any] = {
     "llama": Transformer,
@@ -30,6 +30,7 @@ MODELS: dict[str, Any] = {
     "gemma3": Gemma3,
     "phi3": Phi3,
     "qwen3moe": Qwen3MoE,
+    "olmoe": OLMoE,
 }
 
 

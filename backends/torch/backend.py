@@ -148,6 +148,8 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         if opts.draft_model is not None:
             draft = self._load_draft(Path(opts.draft_model), dtype)
         self.context_length = loaded_context(opts.num_ctx, self.model.cfg.context_length)
+        if hasattr(self.model, "fit_context"):  # Phi-3's LongRoPE factors depend on the context length
+            self.model.fit_context(self.context_length)
         config = EngineConfig(
             context_length=self.context_length,
             kv_cache_type=opts.kv_cache_type,

@@ -154,8 +154,7 @@ class Engine(EngineThread):
         verify_cost = verify_cost_per_draft(self.device.type != "cpu")
         layers = config.self_spec_layers or max(1, cfg.block_count - cfg.block_count // 5)
         self.proposers: dict[str, Any] = {"lookup": LookupProposer()}
-        if not window:  # the shallow pass reads the target's cache through block tables only
-            self.proposers["self"] = SelfProposer(model, self.cache, self.device, layers)
+        self.proposers["self"] = SelfProposer(model, self.cache, self.device, layers)
         self.verify_cost = verify_cost
         self.draft_model = draft_model
         if draft_model is not None:

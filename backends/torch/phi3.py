@@ -3,10 +3,10 @@
 - Q, K and V come fused in `attn_qkv` (rows: Q, then K, then V), gate and up fused in `ffn_up`
   (rows: gate, then up), which is the Llama file's own fused layout, so the weights load as they are.
 - RoPE pairs halves (neox) over the first `rope.dimension_count` dims of each head (partial rotary).
-- LongRoPE: the frequencies are divided by `rope_factors_short` (`rope_factors_long` once the
-  context passes `rope.scaling.original_context_length`, as llama.cpp decides per context) and cos/sin
-  are scaled by `rope.scaling.attn_factor`. This engine keeps the context within the original length
-  when the file has long factors, so the short ones are always the right ones.
+- LongRoPE: the frequencies are divided by `rope_factors_short`, or by `rope_factors_long` when the
+  context the model is loaded with is longer than `rope.scaling.original_context_length`; the choice is
+  made once per context, for every position, as llama.cpp makes it (`fit_context`), not per sequence
+  length as transformers does. cos/sin are scaled by `rope.scaling.attn_factor` either way.
 - llama.cpp runs every layer with full attention (it ignores the file's sliding window), and so do we.
 """
 
@@ -22,6 +22,22 @@ ARCH = "phi3"
 
 
 class Phi3(Transformer):
+    factors: dict[str, torch.Tensor]  # "short" / "long": LongRoPE's frequency divisors (empty: none)
+    original_context: int  # the context the short factors serve
+    attn_factor: float
+    rope_factors: str  # the factors in use: "short", "long" or "none" (a file without LongRoPE)
+
+    def fit_context(self, context_length: int) -> None:
+        """Pick the RoPE factors for a context of `context_length` tokens (llama.cpp: the long ones iff
+        the context is longer than the original one); the short ones until this is called."""
+        if not self.factors:
+            return
+        kind = "long" if context_length > self.original_context else "short"
+        device = self.rotary.cos.device
+        # a file without long factors keeps none past the original context (llama.cpp's null tensor)
+        self.rotary = Rotary(self.cfg, self.factors.get(kind), self.attn_factor).to(device)
+        self.rope_factors = kind
+
     @classmethod
     def from_gguf(
         cls,
@@ -32,14 +48,20 @@ class Phi3(Transformer):
     ) -> Phi3:
         md = tensors.metadata
         cfg = llama_like_config(md, vocab_size_of(tensors), ARCH)
-        factors = None
-        if "rope_factors_short.weight" in tensors:
-            factors = tensors.get("rope_factors_short.weight")
-            original = int(md.get(f"{ARCH}.rope.scaling.original_context_length", cfg.context_length))
-            cfg.context_length = min(cfg.context_length, original)  # past it, llama.cpp uses the long factors
-        attn_factor = float(md.get(f"{ARCH}.rope.scaling.attn_factor", 1.0))
+        factors = {
+            kind: tensors.get(f"rope_factors_{kind}.weight")
+            for kind in ("short", "long")
+            if f"rope_factors_{kind}.weight" in tensors
+        }
         with torch.device("meta"):
             model = cls(cfg)
         load_weights(model, tensors, dtype, device, modules)
-        model.rotary = Rotary(cfg, factors, attn_factor).to(device)  # real buffers, off the meta device
+        model.factors = factors
+        model.original_context = int(
+            md.get(f"{ARCH}.rope.scaling.original_context_length", cfg.context_length)
+        )
+        model.attn_factor = float(md.get(f"{ARCH}.rope.scaling.attn_factor", 1.0))
+        model.rope_factors = "short" if factors else "none"
+        # real buffers, off the meta device
+        model.rotary = Rotary(cfg, factors.get("short"), model.attn_factor).to(device)
         return model

@@ -10,6 +10,11 @@ The experts are GGUF's 3-D tensors as stored (`ffn_gate_exps` [E, n_ff, dim], `f
 `ffn_down_exps` [E, dim, n_ff]). Dispatch is batched: the step's (token, slot) pairs are sorted by
 expert, each expert runs once on all of its tokens, and the results are scattered back weighted;
 the Python loop is over experts, never over tokens.
+
+OLMoE (GGUF architecture `olmoe`) is served by the same code: its graph in llama.cpp differs only in
+that the top-k weights are NOT renormalised (p[selected] as they are), the q/k RMS norms run over the
+whole projection (one weight of n_head * head_dim) before it is split into heads, and the experts
+are `feed_forward_length` wide.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from .model import (
     Block,
     LlamaConfig,
     ModuleFactory,
+    RMSNorm,
     Rotary,
     Transformer,
     llama_like_config,
@@ -45,12 +51,28 @@ class Experts(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_expert, rows, cols), requires_grad=False)
 
 
+class WholeProjectionRMSNorm(RMSNorm):
+    """OLMoE's q/k norm: one RMS norm over all heads of a token ([N, H, D] in, normalised over H * D)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(-2)).view_as(x)
+
+
 class MoEBlock(Block):
-    def __init__(self, cfg: LlamaConfig, layer: int, n_expert: int, n_used: int, n_ff_expert: int) -> None:
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        layer: int,
+        n_expert: int,
+        n_used: int,
+        n_ff_expert: int,
+        renormalise: bool = True,
+    ) -> None:
         super().__init__(cfg, layer, qkv_bias=False, qk_norm=True)
         del self.ffn_gate_up, self.ffn_down  # the dense MLP is not used by this family
         dim = cfg.embedding_length
         self.n_used = n_used
+        self.renormalise = renormalise  # the top-k weights divided by their sum (qwen3moe; not olmoe)
         self.ffn_gate_inp = nn.Linear(dim, n_expert, bias=False)  # the router
         self.ffn_gate_exps = Experts(n_expert, n_ff_expert, dim)
         self.ffn_up_exps = Experts(n_expert, n_ff_expert, dim)
@@ -60,7 +82,8 @@ class MoEBlock(Block):
         n, k = x.shape[0], self.n_used
         probs = torch.softmax(self.ffn_gate_inp(x).float(), -1)  # [N, E]
         weights, chosen = probs.topk(k, -1)  # [N, k] each
-        weights = weights / weights.sum(-1, keepdim=True).clamp(min=MIN_WEIGHT_SUM)
+        if self.renormalise:
+            weights = weights / weights.sum(-1, keepdim=True).clamp(min=MIN_WEIGHT_SUM)
         flat = chosen.reshape(-1)  # [N * k] expert of each (token, slot)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=probs.shape[1]).tolist()  # one host sync per layer
@@ -81,11 +104,17 @@ class MoEBlock(Block):
 
 
 class Qwen3MoE(Transformer):
+    arch = ARCH
+
     def __init__(self, cfg: LlamaConfig, n_expert: int, n_used: int, n_ff_expert: int) -> None:
         super().__init__(cfg, qk_norm=True)
         self.blk = nn.ModuleList(
             MoEBlock(cfg, i, n_expert, n_used, n_ff_expert) for i in range(cfg.block_count)
         )
+
+    @classmethod
+    def expert_width(cls, md: dict[str, Any], cfg: LlamaConfig, n_used: int) -> int:
+        return int(md.get(f"{cls.arch}.expert_feed_forward_length", cfg.feed_forward_length // n_used))
 
     @classmethod
     def from_gguf(
@@ -94,16 +123,34 @@ class Qwen3MoE(Transformer):
         dtype: torch.dtype,
         device: torch.device | str,
         modules: ModuleFactory | None = None,
-    ) -> Qwen3MoE:
-        md = tensors.metadata
-        cfg = llama_like_config(md, vocab_size_of(tensors), ARCH)
-        n_expert = int(md.get(f"{ARCH}.expert_count", 0))
-        n_used = int(md.get(f"{ARCH}.expert_used_count", 0))
+    ) -> Any:
+        md, arch = tensors.metadata, cls.arch
+        cfg = llama_like_config(md, vocab_size_of(tensors), arch)
+        n_expert = int(md.get(f"{arch}.expert_count", 0))
+        n_used = int(md.get(f"{arch}.expert_used_count", 0))
         if not 0 < n_used <= n_expert:
-            raise LocalrtError(f"GGUF metadata {ARCH}.expert_count / expert_used_count are missing or wrong")
-        n_ff = int(md.get(f"{ARCH}.expert_feed_forward_length", cfg.feed_forward_length // n_used))
+            raise LocalrtError(f"GGUF metadata {arch}.expert_count / expert_used_count are missing or wrong")
         with torch.device("meta"):
-            model = cls(cfg, n_expert, n_used, n_ff)
+            model = cls(cfg, n_expert, n_used, cls.expert_width(md, cfg, n_used))
         load_weights(model, tensors, dtype, device, modules)
         model.rotary = Rotary(cfg).to(device)  # real buffers, off the meta device
         return model
+
+
+class OLMoE(Qwen3MoE):
+    """OLMoE: the routed block without renormalisation, q/k norms over the whole projection."""
+
+    arch = "olmoe"
+
+    def __init__(self, cfg: LlamaConfig, n_expert: int, n_used: int, n_ff_expert: int) -> None:
+        super().__init__(cfg, n_expert, n_used, n_ff_expert)
+        eps, width = cfg.attention_layer_norm_rms_epsilon, cfg.attention_key_length
+        for i in range(cfg.block_count):
+            block = MoEBlock(cfg, i, n_expert, n_used, n_ff_expert, renormalise=False)
+            block.attn_q_norm = WholeProjectionRMSNorm(cfg.attention_head_count * width, eps)
+            block.attn_k_norm = WholeProjectionRMSNorm(cfg.attention_head_count_kv * width, eps)
+            self.blk[i] = block
+
+    @classmethod
+    def expert_width(cls, md: dict[str, Any], cfg: LlamaConfig, n_used: int) -> int:
+        return cfg.feed_forward_length  # llama.cpp's olmoe experts use n_ff

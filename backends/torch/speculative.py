@@ -107,9 +107,10 @@ class _ModelProposer:
         seqs: Sequence[Seq],
         ks: Sequence[int],
         cache: KVCache,
-        start: Callable[[Seq], tuple[list[int], int, Sequence[int]]],
+        start: Callable[[Seq], tuple[list[int], int, Sequence[int], Sequence[int] | None]],
     ) -> list[DraftTokens]:
-        """`start(seq)` -> (tokens to feed first, their first position, block table)."""
+        """`start(seq)` -> (tokens to feed first, their first position, block table, the sliding layers'
+        block table or None)."""
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         live = list(range(len(seqs)))
@@ -121,14 +122,15 @@ class _ModelProposer:
             chunks, feed, rows = [], [], []
             for i in live:
                 if step == 0:
-                    tokens, pos, table = first[i]
+                    tokens, pos, table, window_table = first[i]
                 else:
-                    tokens, pos, table = (
+                    tokens, pos, table, window_table = (
                         [drafts[i][-1]],
                         first[i][1] + len(first[i][0]) + step - 1,
                         first[i][2],
+                        first[i][3],
                     )
-                chunks.append(SeqChunk(len(tokens), pos + len(tokens), table))
+                chunks.append(SeqChunk(len(tokens), pos + len(tokens), table, window_table))
                 feed.extend(tokens)
                 rows.append(len(feed) - 1)
             logits = _draft_step(self.model, cache, chunks, feed, rows, self.device, self.num_layers)
@@ -157,7 +159,14 @@ class SelfProposer(_ModelProposer):
         self.cost_per_draft = num_layers / model.cfg.block_count
 
     def propose(self, seqs: Sequence[Seq], ks: Sequence[int]) -> list[DraftTokens]:
-        return self._run(seqs, ks, self.cache, lambda s: ([s.tokens[-1]], len(s.tokens) - 1, s.block_table))
+        # sliding-window layers (Gemma) read and write their own blocks through the window table, which
+        # the scheduler has already grown for the drafts
+        return self._run(
+            seqs,
+            ks,
+            self.cache,
+            lambda s: ([s.tokens[-1]], len(s.tokens) - 1, s.block_table, s.window_table),
+        )
 
     def release(self, seq: Seq) -> None:
         pass
@@ -189,14 +198,14 @@ class DraftModelProposer(_ModelProposer):
             self.fed[seq.seq_id] = seq.tokens + drafts[id(seq)].tokens[:-1]
         return [drafts.get(id(s), DraftTokens([])) for s in seqs]
 
-    def _catch_up(self, seq: Seq) -> tuple[list[int], int, Sequence[int]]:
+    def _catch_up(self, seq: Seq) -> tuple[list[int], int, Sequence[int], Sequence[int] | None]:
         done = 0  # tokens of the draft cache that still match the sequence
         for a, b in zip(self.fed.get(seq.seq_id, []), seq.tokens):
             if a != b:
                 break
             done += 1
         done = min(done, len(seq.tokens) - 1)  # refeed at least the last token, for its logits
-        return seq.tokens[done:], done, self.blocks[seq.seq_id]
+        return seq.tokens[done:], done, self.blocks[seq.seq_id], None
 
     def _reserve(self, seq: Seq, n_tokens: int) -> bool:
         blocks = self.blocks.setdefault(seq.seq_id, [])

@@ -102,10 +102,19 @@ GLOBAL = {
 
 def registry() -> dict[str, Arch]:
     """HF architecture name -> Arch."""
-    from localrt.converters.arch import gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe
+    from localrt.converters.arch import gemma2, gemma3, llama, olmoe, phi3, qwen2, qwen3, qwen3moe
 
     out: dict[str, Arch] = {}
-    for arch in (llama.ARCH, qwen2.ARCH, qwen3.ARCH, gemma3.ARCH, gemma2.ARCH, phi3.ARCH, qwen3moe.ARCH):
+    for arch in (
+        llama.ARCH,
+        qwen2.ARCH,
+        qwen3.ARCH,
+        gemma3.ARCH,
+        gemma2.ARCH,
+        phi3.ARCH,
+        qwen3moe.ARCH,
+        olmoe.ARCH,
+    ):
         for hf in arch.hf_architectures:
             out[hf] = arch
     return out

@@ -20,7 +20,7 @@ QUANT_HELP = "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K_S/M/L Q4_K_S/M Q5_
 CONVERT_ARCHITECTURES = (
     "Llama 2/3 and Mistral (LlamaForCausalLM, MistralForCausalLM), Qwen2 (Qwen2ForCausalLM), "
     "Qwen3 (Qwen3ForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM), Gemma 2 (Gemma2ForCausalLM), "
-    "Gemma 3 text (Gemma3ForCausalLM), Phi-3/Phi-4 (Phi3ForCausalLM)"
+    "Gemma 3 text (Gemma3ForCausalLM), Phi-3/Phi-4 (Phi3ForCausalLM), OLMoE (OlmoeForCausalLM)"
 )
 
 
