@@ -27,6 +27,11 @@ T = TypeVar("T")
 FinishReason = Literal["stop", "length", "cancel"]
 SPECULATIVE_MODES = ("off", "draft", "lookup", "self", "auto")
 KV_CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0", "fp8")
+# How the torch engine holds and multiplies weights (option `numerics`; other backends ignore it):
+# auto = quantized on the CPU where the file's types allow, dequantized on CUDA; quantized = kept packed
+# (torch's int4/int8 weight-only kernels); dequantized = dense fp32 on the CPU (bf16 on CUDA); exact =
+# dense fp32 everywhere; llama.cpp = fp32 rounded as llama.cpp's CPU kernels round (comparisons only).
+NUMERICS = ("auto", "quantized", "dequantized", "exact", "llama.cpp")
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class LoadOptions:
     embedding: bool = False  # also prepare for embed() at load (else created lazily)
     num_parallel: int = 0  # sequences decoded at once (LOCALRT_NUM_PARALLEL); 0 = the backend's default
     projector: Path | None = None  # a multimodal projector GGUF (mmproj) for images
+    numerics: str = "auto"  # the torch engine's weights and arithmetic (NUMERICS)
 
 
 @dataclass

@@ -7,7 +7,7 @@ For each GGUF, the first `--tokens` tokens of real English (CPython's license an
 as in the fidelity tests) are scored as one sequence through the backend protocol's `score`, and
 every position's logits are compared with llama.cpp's on the same file:
 
-- rows: our engines (`torch` default fp32, `torch-ggml` = `numerics="llama.cpp"`, `mlx`) and
+- rows: our engines (`torch` = `numerics="dequantized"` fp32, `torch-ggml` = `numerics="llama.cpp"`, `mlx`) and
   llama.cpp itself decoding token by token (batch 1), which shows how well llama.cpp agrees with
   its own batched logits;
 - columns: llama.cpp references at batch 512 (f16 KV cache, no flash attention), one per build:
@@ -73,7 +73,7 @@ def engine_logits(engine: str, gguf: Path, tokens: list[int], threads: int) -> n
         from localrt.backends.torch.backend import TorchModel
 
         model = TorchModel(
-            gguf, opts, device="cpu", numerics="llama.cpp" if engine == "torch-ggml" else "default"
+            gguf, opts, device="cpu", numerics="llama.cpp" if engine == "torch-ggml" else "dequantized"
         )
     try:
         result = asyncio.run(model.score(tokens, return_logits=True))

@@ -41,7 +41,10 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--ctx", type=int, default=2048, help="context per sequence")
     p.add_argument(
-        "--backend", action="append", default=[], help="localrt backends (default llama.cpp, torch)"
+        "--backend",
+        action="append",
+        default=[],
+        help="localrt backends (default llama.cpp, torch; torch:dequantized for the fp32 weights)",
     )
     p.add_argument("--no-llama-server", action="store_true")
     a = p.parse_args()

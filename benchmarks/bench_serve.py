@@ -126,6 +126,8 @@ def llama_server(
 
 @contextmanager
 def localrt_server(gguf: Path, threads: int, slots: int, ctx: int, backend: str) -> Iterator[str]:
+    """`backend` may carry the torch engine's numerics after a colon: `torch:dequantized`."""
+    backend, _, numerics = backend.partition(":")
     root = Path(tempfile.mkdtemp(prefix="localrt-bench-serve-"))
     env = {
         **os.environ,
@@ -139,7 +141,9 @@ def localrt_server(gguf: Path, threads: int, slots: int, ctx: int, backend: str)
     from localrt.store.importer import import_gguf
     from localrt.store.store import Store
 
-    params = {"num_thread": threads, "num_ctx": ctx, "temperature": 0}
+    params: dict[str, Any] = {"num_thread": threads, "num_ctx": ctx, "temperature": 0}
+    if numerics:
+        params["numerics"] = numerics
     import_gguf(Store(root / "models"), MODEL, gguf, params=params)
     port = free_port()
     env["LOCALRT_HOST"] = f"127.0.0.1:{port}"
@@ -389,7 +393,12 @@ def main() -> None:
         help="rounds per concurrency of the load run (one at 1 "
         "client is a single request: use 3 or more for its figures)",
     )
-    p.add_argument("--backend", action="append", default=[], help="extra localrt backend column (torch)")
+    p.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        help="extra localrt backend column (torch, or torch:NUMERICS, e.g. torch:dequantized)",
+    )
     p.add_argument("--server-spec", default="ngram-simple", help="llama-server --spec-type for grounded")
     p.add_argument("--skip", default="", help="comma list of load,prefix,grounded to skip")
     p.add_argument("--no-llama-server", action="store_true", help="localrt columns only")

@@ -1,7 +1,7 @@
 """Torch engine throughput, side by side with llama-cpp-python and HF transformers on the same GGUF.
 
     python benchmarks/bench_torch.py [--model PATH] [--device cpu|cuda] [--threads N] [--new 64]
-                                     [--numerics default|quantized|exact]
+                                     [--numerics auto|quantized|dequantized|exact]
 
 Prints, for concurrency 1 / 4 / 16: aggregate generated tokens per second of the torch engine
 (plain, and with each speculative proposer on an input-grounded copy task and on open chat), of
@@ -9,7 +9,7 @@ llama-cpp-python (one slot: requests run one after another) and of transformers 
 (one padded batch). On CUDA it first checks the GPU path against the CPU path (greedy tokens) and
 prints memory-bandwidth utilisation at batch 1 and 64 when --peak-gbps is given.
 It also prints the resident weight bytes beside the GGUF's tensor bytes (quantized weights stay
-within 1.5x; `--numerics exact` dequantizes to fp32). Not a test: numbers depend on the machine;
+within 1.5x; `--numerics dequantized` loads fp32 weights). Not a test: numbers depend on the machine;
 run it alone.
 """
 
@@ -173,7 +173,9 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of: llama,hf,spec")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per cell, best reported")
     ap.add_argument("--peak-gbps", type=float, default=0.0, help="memory bandwidth for utilisation (GPU)")
-    ap.add_argument("--numerics", default="default", help="default | quantized | exact (TorchModel numerics)")
+    ap.add_argument(
+        "--numerics", default="auto", help="auto | quantized | dequantized | exact (the load option numerics)"
+    )
     args = ap.parse_args()
     global REPEAT
     REPEAT = max(1, args.repeat)

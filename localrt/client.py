@@ -57,6 +57,7 @@ class LoadedRow:
     context_length: int
     expires_at: float | None  # epoch seconds; None = kept until stopped
     weight_bytes: int = 0  # the weights' share of size, where the backend reports it (torch); 0: unknown
+    numerics: str = ""  # the torch engine's weights: "quantized", "dequantized", ...; "": not reported
 
 
 @dataclass
@@ -260,6 +261,7 @@ class RuntimeClient:
                 context_length=row.context_length,
                 expires_at=row.expires_at,
                 weight_bytes=int(row.details.get("weight_bytes", 0)),
+                numerics=str(row.details.get("numerics", "")),
             )
             for row in self.runtime.ps()
         ]
@@ -540,6 +542,7 @@ class ServerClient:
                 context_length=m.context_length,
                 expires_at=_epoch(m.expires_at),
                 weight_bytes=int((m.details or {}).get("weight_bytes") or 0),
+                numerics=str((m.details or {}).get("numerics") or ""),
             )
             for m in loaded.models
         ]

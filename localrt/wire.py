@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
 
 from localrt.errors import LocalrtError
-from localrt.runtime.bridge import KV_CACHE_TYPES, SPECULATIVE_MODES
+from localrt.runtime.bridge import KV_CACHE_TYPES, NUMERICS, SPECULATIVE_MODES
 from localrt.runtime.generate import Metrics, TokenLogprob
 from localrt.runtime.options import (
     _RANGES,
@@ -60,6 +60,7 @@ def option_schema(name: str) -> dict[str, Any]:
         "speculative": {"type": "string", "enum": list(SPECULATIVE_MODES)},
         "draft_model": {"type": "string"},
         "flash_attn": {"type": "boolean"},
+        "numerics": {"type": "string", "enum": list(NUMERICS)},
         "grammar": {"type": "string", "maxLength": MAX_GRAMMAR_LENGTH, "pattern": "root"},
     }[name]
     return {"anyOf": [spec, {"type": "null"}]}
@@ -73,6 +74,7 @@ OPTION_KEYS = (
     "speculative",
     "draft_model",
     "flash_attn",
+    "numerics",
     "grammar",
 )
 OPTIONS_SCHEMA: dict[str, Any] = {

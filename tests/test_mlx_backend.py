@@ -181,7 +181,9 @@ def test_fidelity_against_llamacpp_and_the_exact_reference(
     path = smollm2_file(file_type)  # Q4_K_M: Q4_K, Q5_0, Q8_0 and (dequantized) Q6_K tensors
     model = ScoredOnce(registry.get("mlx").load(path, LoadOptions(num_ctx=512, num_batch=512)))
     llama = registry.get("llama.cpp").load(path, LoadOptions(num_ctx=512, num_thread=THREADS))
-    exact = registry.get("torch").load(path, LoadOptions(num_ctx=512, num_thread=THREADS))
+    exact = registry.get("torch").load(
+        path, LoadOptions(num_ctx=512, num_thread=THREADS, numerics="dequantized")
+    )
     try:
         tokens = model.tokenize(fidelity_text(), add_special=False)
         blas = LlamaCppBuildReference(llama_cpp_blas(), path, model, threads=THREADS, repack=False)

@@ -27,7 +27,10 @@ GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 
 @pytest.fixture(scope="module")
 def model(smollm2_gguf: Path) -> Iterator[TorchModel]:
-    loaded = TorchBackend.load(smollm2_gguf, LoadOptions(num_ctx=2048, num_thread=2, num_batch=512))
+    """The dequantized fp32 weights (the file's exact function), chosen by the load option."""
+    opts = LoadOptions(num_ctx=2048, num_thread=2, num_batch=512, numerics="dequantized")
+    loaded = TorchBackend.load(smollm2_gguf, opts)
+    assert loaded.numerics == "dequantized"
     yield loaded
     loaded.unload()
 
@@ -72,9 +75,9 @@ def test_tokens_are_llama_cpp_tokens(model: TorchModel, smollm2_gguf: Path) -> N
 
 @pytest.fixture(scope="module")
 def quantized(smollm2_gguf: Path) -> Iterator[TorchModel]:
-    loaded = TorchModel(
-        smollm2_gguf, LoadOptions(num_ctx=2048, num_thread=2, num_batch=512), numerics="quantized"
-    )
+    """The default load on the CPU: weights kept quantized."""
+    loaded = TorchBackend.load(smollm2_gguf, LoadOptions(num_ctx=2048, num_thread=2, num_batch=512))
+    assert loaded.numerics == "quantized"
     yield loaded
     loaded.unload()
 
@@ -216,8 +219,8 @@ def test_llama_cpp_numerics_option(tmp_path: Path) -> None:
 
 
 def test_weights_stay_quantized_in_memory(quantized: TorchModel, smollm2_gguf: Path) -> None:
-    """`numerics="quantized"` keeps SmolLM2 Q4_1's weights packed: at most 1.5x the file's tensor bytes
-    (fp32 would be 5.6x), and the reported memory is those weights plus the KV pool."""
+    """By default SmolLM2 Q4_1's weights stay packed: at most 1.5x the file's tensor bytes (fp32
+    would be 5.6x), and the reported memory is those weights plus the KV pool."""
     from localrt.backends.torch.gguf_load import GGUFTensors
 
     tensor_bytes = sum(t.n_bytes for t in GGUFTensors(smollm2_gguf).info.tensors)
@@ -245,20 +248,33 @@ def test_logprobs_come_with_the_batch(model: TorchModel) -> None:
     assert all(lp.top[0].token_id == lp.token_id for lp in logprobs)
 
 
+# measured once (loaded 2-core machine): Q4_K_M top-1 97.40%, perplexity 14.1115 (+0.92% vs the exact
+# build's 13.9826); Q6_K 97.25%, 12.0457 (+0.005%). Their Q6_K tensors go through per-row int8
+# (requantized, not exact); Q4_1 meets the bar (98.28%, +0.10%).
+BELOW_BAR = "issue 20's bar not met yet on the quantized path for this file (per-row int8 Q6_K tensors)"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize(
     ("file_type", "numerics"),
-    [("Q4_1", "exact"), ("Q4_K_M", "exact"), ("Q6_K", "exact"), ("Q4_1", "quantized")],
+    [
+        ("Q4_1", "exact"),
+        ("Q4_K_M", "exact"),
+        ("Q6_K", "exact"),
+        ("Q4_1", "quantized"),
+        pytest.param("Q4_K_M", "quantized", marks=pytest.mark.xfail(strict=True, reason=BELOW_BAR)),
+        pytest.param("Q6_K", "quantized", marks=pytest.mark.xfail(strict=True, reason=BELOW_BAR)),
+    ],
 )
 def test_fidelity_through_score_against_llama_cpp_blas(
     file_type: str, numerics: str, smollm2_file: Callable[[str], Path]
 ) -> None:
     """Issue 20's bar, measured as `localrt eval` measures (4,096 tokens of English, windows of 512,
     second halves scored: 2,040 tokens): top-1 agreement with llama.cpp at least 98%, perplexity
-    within 0.5%, for the exact fp32 path, and for the quantized one on the all-4-bit file (SmolLM2's
-    Q4_K_M and Q6_K conversions are mostly Q5_0 / Q8_0, their rows of 576 being no multiple of 256:
-    per-row int8 there, measured at 96.4% top-1 on Q6_K, below the bar; see README). The reference is llama.cpp built with OpenBLAS, whose batched matmuls compute the
+    within 0.5%, for the exact fp32 path and for the quantized one (the CPU default): SmolLM2's
+    Q4_K_M and Q6_K conversions are mostly Q5_0 / Q8_0 (rows of 576 are no multiple of 256), kept as
+    two exact int4 planes; the rest int4, or per-row int8 for Q6_K. The reference is llama.cpp built with OpenBLAS, whose batched matmuls compute the
     file's exact function; the default CPU build rounds every activation row to 8 bits first, which
     it does not reproduce itself (its batch-1 and batch-512 logits agree on only ~97% of top-1
     tokens, `tests/test_torch_model.py::test_smollm2_fidelity_2k_tokens`)."""

@@ -174,6 +174,7 @@ def test_gemma3_270m_answers_on_the_torch_backend(gemma3_gguf: Path, tmp_path: P
     modelfile = tmp_path / "Modelfile"
     modelfile.write_text(
         f"FROM {gemma3_gguf}\nTEMPLATE {{{{ .Prompt }}}}\nPARAMETER temperature 0\nPARAMETER num_predict 12\n"
+        "PARAMETER numerics dequantized\n"  # the torch engine's fp32 weights; llama.cpp ignores it
     )
     models = tmp_path / "models"
     created = run_cli("create", "gemma3-raw", "-f", str(modelfile), models=models)
@@ -200,7 +201,7 @@ def test_gemma3_270m_perplexity_matches_llama_cpp(gemma3_gguf: Path) -> None:
     from tests.test_torch_model import english_text
 
     opts = LoadOptions(num_ctx=1024, num_thread=2, num_batch=512)
-    model = TorchModel(gemma3_gguf, opts)
+    model = TorchModel(gemma3_gguf, opts, numerics="dequantized")
     try:
         tokens = model.tokenize(english_text(), add_special=False)[:4096]
         ours_result = asyncio.run(evaluate(model, tokens, 1024))

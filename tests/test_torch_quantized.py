@@ -19,8 +19,8 @@ from localrt.backends.torch.backend import TorchModel  # noqa: E402
 from localrt.backends.torch.gguf_load import DEQUANTIZERS, GGUFTensors  # noqa: E402
 from tests.test_torch_model import F16_FIELDS, write_kquant_llama  # noqa: E402
 
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
-BLOCK_ELEMS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, **quantized.PAIR_BLOCK_BYTES}
+BLOCK_ELEMS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32}
 
 
 def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -117,3 +117,110 @@ def test_kv_pool_is_num_ctx_times_parallel_sequences(tmp_path: Path) -> None:
         assert m.engine.pool.num_blocks == 3 * 96 // m.engine.pool.block_size
     finally:
         m.unload()
+
+
+@pytest.mark.parametrize("qtype", quantized.PAIR_TYPES)
+def test_pair_planes_are_the_dequantized_weights(qtype: str) -> None:
+    """Q8_0 / Q5_0 / Q5_1 blocks as two int4 planes: high (scale 16d, zero 0) + low (scale d, zero
+    8d + m) give back the file's weights, and the two-plane linear multiplies by them."""
+    rows, cols = 16, 256
+    raw = random_blocks(qtype, rows, cols, seed=7)
+    q, scale, zero = quantized.pair_groups(raw, qtype, rows, cols)
+    assert int(q.min()) >= 0
+    assert int(q.max()) <= 15
+    planes = ((q.float() - 8).view(2 * rows, -1, 32) * scale[..., None] + zero[..., None]).view(
+        2 * rows, cols
+    )
+    mapped = planes[:rows] + planes[rows:]
+    reference = DEQUANTIZERS[qtype](raw.view(-1, quantized.PAIR_BLOCK_BYTES[qtype])).reshape(rows, cols)
+    torch.testing.assert_close(mapped, reference, rtol=0, atol=1e-6 * float(reference.abs().max()))
+    linear = quantized.Int4Linear(q, scale, zero, None, planes=2)
+    x = torch.randn(4, cols, generator=torch.Generator().manual_seed(8))
+    want = x @ reference.T
+    torch.testing.assert_close(linear(x), want, rtol=0, atol=2e-2 * float(want.abs().max()))
+
+
+def test_cpu_default_keeps_q8_0_quantized(tmp_path: Path) -> None:
+    """The default load on the CPU keeps a Q8_0 file in two int4 planes (no dense linear left), within
+    1.5x the file's tensor bytes, and scores close to the dequantized fp32 weights."""
+    path = write_kquant_llama(tmp_path / "q8.gguf", {"": "Q8_0"}, seed=9)
+    tokens = [1, *np.random.default_rng(1).integers(5, 250, 40).tolist()]
+    logits = {}
+    for numerics in ("auto", "dequantized"):
+        opts = LoadOptions(num_ctx=128, num_thread=1, num_parallel=2, numerics=numerics)
+        m = TorchModel(path, opts)
+        try:
+            kinds = {type(module).__name__ for module in m.model.modules()}
+            if numerics == "auto":
+                assert m.numerics == "quantized"
+                assert "Int4Linear" in kinds
+                assert "Linear" not in kinds
+                assert m.weight_bytes() <= 1.5 * tensor_bytes(path)
+            else:
+                assert m.numerics == "dequantized"
+                assert "Int4Linear" not in kinds
+            logits[numerics] = asyncio.run(m.score(tokens, return_logits=True)).logits
+        finally:
+            m.unload()
+    diff = np.abs(logits["auto"] - logits["dequantized"]).max()
+    assert diff < 0.02 * np.abs(logits["dequantized"]).max(), diff
+
+
+def test_float_file_falls_back_to_dequantized(tmp_path: Path) -> None:
+    """An F32 file has nothing to keep quantized: the default load is the dequantized path, said so,
+    with the same logits as asking for it."""
+    path = write_kquant_llama(tmp_path / "f32.gguf", {}, seed=10, dequantized=True)
+    tokens = [1, *np.random.default_rng(2).integers(5, 250, 30).tolist()]
+    logits = []
+    for numerics in ("auto", "dequantized"):
+        m = TorchModel(path, LoadOptions(num_ctx=128, num_thread=1, num_parallel=1, numerics=numerics))
+        try:
+            assert m.numerics == "dequantized"
+            assert "Int4Linear" not in {type(module).__name__ for module in m.model.modules()}
+            logits.append(asyncio.run(m.score(tokens, return_logits=True)).logits)
+        finally:
+            m.unload()
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_numerics_is_a_load_option() -> None:
+    """`numerics` from a request or a Modelfile reaches the backend's load options; a bad value is
+    refused naming the option and its values."""
+    from localrt.errors import OptionError
+    from localrt.runtime.options import Options
+
+    assert Options.merge().load_options().numerics == "auto"
+    assert Options.merge({"numerics": "dequantized"}).load_options().numerics == "dequantized"
+    assert Options.merge({"numerics": "Exact"}, lenient=(True,)).load_options().numerics == "exact"
+    with pytest.raises(OptionError, match="option 'numerics' must be one of auto, quantized"):
+        Options.merge({"numerics": "fast"})
+
+
+def test_ps_reports_the_numerics_and_the_weights(models_dir: Path, smollm2_gguf: Path) -> None:
+    """The runtime's ps rows carry the torch engine's numerics and resident weight bytes; changing
+    the option reloads the model."""
+    from localrt.runtime.manager import Runtime
+    from localrt.store.store import Store
+    from tests.test_runtime import FRANCE, collect, import_model
+
+    store = Store(models_dir)
+    import_model(store, "smollm2:135m", smollm2_gguf)
+
+    async def scenario() -> list[dict]:
+        rt = Runtime(store)
+        seen = []
+        try:
+            for numerics in ("auto", "dequantized"):
+                options = {"backend": "torch", "num_predict": 2, "numerics": numerics}
+                await collect(rt.chat("smollm2:135m", FRANCE, options=options))
+                (row,) = rt.ps()
+                seen.append(row.details)
+        finally:
+            await rt.close()
+        return seen
+
+    quantized_row, dense_row = asyncio.run(scenario())
+    assert quantized_row["numerics"] == "quantized"
+    assert dense_row["numerics"] == "dequantized"
+    assert quantized_row["weight_bytes"] <= 1.5 * tensor_bytes(smollm2_gguf)
+    assert dense_row["weight_bytes"] > 4 * tensor_bytes(smollm2_gguf)

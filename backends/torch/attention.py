@@ -167,6 +167,36 @@ class PagedAttention:
         return out.to(dtype).transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
 
 
+class StoredKVCausal:
+    """One whole sequence without a cache (as `model.DenseCausal`), in `PagedAttention`'s CPU
+    arithmetic: keys and values rounded as the cache stores them, scores and sums in float64, so a
+    sequence scored at once gets the logits its paged prefill and decodes got (the quantized path's
+    bf16 kernel outputs would amplify the f16 rounding of the cache into other logprobs)."""
+
+    def __init__(self, cache: KVCache, n_tokens: int, device: torch.device | str = "cpu") -> None:
+        self.cache = cache
+        self.positions = torch.arange(n_tokens, device=device)
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
+        pos = self.positions
+        mask = pos[None, :] <= pos[:, None]  # [N, N] causal
+        if window > 0:
+            mask &= pos[None, :] > pos[:, None] - window
+        q, k, v = (
+            t.double().transpose(0, 1).unsqueeze(0) for t in (q, self.cache.stored(k), self.cache.stored(v))
+        )
+        out = attention(q, k, v, mask[None, None], softcap)  # [1, H, N, D]
+        return out.squeeze(0).transpose(0, 1).to(self.cache.compute_dtype)
+
+
 def _table(chunk: SeqChunk, own_table: bool) -> Sequence[int]:
     if not own_table:
         return chunk.block_table

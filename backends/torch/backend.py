@@ -1,7 +1,8 @@
 """The torch backend: the engine behind the runtime's backend protocol.
 
-Weights come from the GGUF itself, dequantized on load, or on the CPU with `numerics="quantized"` kept
-quantized (`quantized.py`, torch's int4/int8 weight-only kernels); tokens come from llama.cpp's vocab-only
+Weights come from the GGUF itself: on the CPU kept quantized by default (`quantized.py`, torch's
+int4/int8 weight-only kernels; float tensors load dense), dequantized with the load option `numerics`
+("dequantized", "exact") and on CUDA (no kept-quantized path there yet); tokens come from llama.cpp's vocab-only
 load of the same file, so tokenization is byte-identical to the llama.cpp backend's. Requests are
 submitted to one engine thread that batches them continuously; each `generate` stream is fed from
 that thread through the event loop, so no worker thread is held per request.
@@ -9,6 +10,7 @@ that thread through the event loop, so no worker thread is held per request.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from localrt.backends.base import (
+    NUMERICS,
     Capabilities,
     Event,
     GenerateRequest,
@@ -42,8 +45,8 @@ PIP_HINT = "pip install 'localrt[torch]'"
 KV_TYPES_CPU = ("f16", "bf16", "f32", "q8_0")
 MAX_SEQS = 16
 CPU_PARALLEL = 4  # sequences decoded together on the CPU when LOCALRT_NUM_PARALLEL is unset
-NUMERICS = ("default", "quantized", "exact", "llama.cpp")
 SCORE_HEAD_ROWS = 256  # logits computed this many rows at a time (the head is n x vocab)
+log = logging.getLogger("localrt.backends.torch")
 
 
 def _torch() -> Any:
@@ -94,14 +97,16 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         max_batch_tokens: int | None = None,
         self_spec_layers: int | None = None,
         device: str | None = None,
-        numerics: str = "default",
+        numerics: str | None = None,
     ) -> None:
-        """`numerics`: "default" is plain fp32 on the dequantized weights on the CPU (the file's exact
-        function; bf16 on CUDA); "exact" is fp32 everywhere; "quantized" keeps the weights quantized on
-        the CPU (`quantized.py`: about 1.3x the file instead of 5.6x, top-1 98.2% against exact on
-        SmolLM2 Q4_1, not the default because its bf16 kernel outputs flip near-tie greedy tokens);
-        "llama.cpp" (CPU comparisons only) is fp32 rounded as llama.cpp's CPU kernels round
-        activations and attention (`ggml_numerics.py`)."""
+        """`numerics` (None: the load option `opts.numerics`): "auto" is "quantized" on the CPU and
+        "dequantized" on CUDA; "quantized" keeps the weights quantized on the CPU (`quantized.py`:
+        about 1.3x the file instead of 5.6x, top-1 98.2% against exact on SmolLM2 Q4_1; float
+        tensors stay dense; on CUDA it is "dequantized"); "dequantized" is plain fp32 on the
+        dequantized weights on the CPU (the file's exact function; bf16 on CUDA); "exact" is fp32
+        everywhere; "llama.cpp" (CPU comparisons only) is fp32 rounded as llama.cpp's CPU kernels
+        round activations and attention (`ggml_numerics.py`). `self.numerics` is what was applied:
+        "dequantized" when no tensor of the file could stay quantized."""
         torch = _torch()
         from .engine import Engine, EngineConfig
         from .gguf_load import GGUFTensors
@@ -114,12 +119,15 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         self.device = torch.device(device)
         check_kv_cache_type(opts.kv_cache_type, self.capabilities.kv_cache_types, NAME)
         check_model_file(path)
+        numerics = opts.numerics if numerics is None else numerics
         if numerics not in NUMERICS:
             raise OptionError(f"numerics {numerics!r} is not one of: {', '.join(NUMERICS)}")
         if self.device.type == "cpu":
             torch.set_num_threads(opts.num_thread or default_threads())
+        if numerics in ("auto", "quantized"):  # no kept-quantized path on CUDA yet
+            numerics = "quantized" if self.device.type == "cpu" else "dequantized"
         # bf16 on GPUs that have it (fp16 otherwise), fp32 on the CPU, where half matmuls are slow
-        if self.device.type == "cuda" and numerics in ("default", "quantized"):  # no CUDA int4 path yet
+        if self.device.type == "cuda" and numerics == "dequantized":
             dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         else:
             dtype = torch.float32
@@ -128,7 +136,9 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         tensors = GGUFTensors(path)
         self.metadata: dict[str, str] = tensors.text_metadata()
         self._tokens = tensors.vocabulary()  # to check a draft model's against
-        self.model = self._build(tensors, dtype)
+        self.model, self.numerics, kept = self._build(tensors, dtype)
+        if kept:
+            log.info("%s: numerics %s; weights %s", path.name, self.numerics, kept)
         if numerics == "llama.cpp":
             from . import ggml_numerics
 
@@ -155,6 +165,12 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
             from .ggml_numerics import GGMLDenseCausal
 
             self.engine.dense_attention = GGMLDenseCausal  # score and embed see llama.cpp's f16 attention
+        if self.numerics == "quantized":
+            from .attention import StoredKVCausal
+
+            # score and embed in the paged path's arithmetic: its logprobs, not nearby ones
+            cache = self.engine.cache
+            self.engine.dense_attention = lambda n, device: StoredKVCausal(cache, n, device)
         self.memory_bytes = self.engine.weight_bytes() + self.engine.cache.nbytes
         self._active = set()
         self._streams = EngineStreams(lambda out: out.seq.seq_id)
@@ -165,14 +181,18 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         """Resident bytes of the weights (model and draft), as `localrt ps` reports them."""
         return self.engine.weight_bytes()
 
-    def _build(self, tensors: Any, dtype: Any) -> Any:
+    def _build(self, tensors: Any, dtype: Any) -> tuple[Any, str, str]:
+        """(the model with this load's numerics, the numerics applied, which tensors were kept how):
+        "quantized" becomes "dequantized" when no tensor could stay quantized (a float file)."""
         from . import quantized
         from .architectures import load_model
 
-        if self.device.type == "cpu" and self.numerics == "quantized":
-            modules = quantized.QuantizedModules(tensors, dtype)
-            return load_model(tensors, dtype, self.device, modules=modules)
-        return load_model(tensors, dtype, self.device)
+        if self.numerics != "quantized":
+            return load_model(tensors, dtype, self.device), self.numerics, ""
+        modules = quantized.QuantizedModules(tensors, dtype)
+        model = load_model(tensors, dtype, self.device, modules=modules)
+        dense = all(label.startswith("dense") for label in modules.counts)
+        return model, "dequantized" if dense else "quantized", modules.kept()
 
     def _load_draft(self, path: Path, dtype: Any) -> Any:
         from .gguf_load import GGUFTensors
@@ -184,7 +204,7 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
             check_draft_vocabulary(
                 path, len(self._tokens), len(draft_tokens), self._tokens.__getitem__, draft_tokens.__getitem__
             )
-            return self._build(tensors, dtype)
+            return self._build(tensors, dtype)[0]
         finally:
             tensors.close()
 

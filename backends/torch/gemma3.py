@@ -11,8 +11,9 @@ What differs from the Llama file (`model.py`), as llama.cpp's gemma3 graph compu
   file carries `output.weight`; an optional final soft-cap c * tanh(logits / c).
 - Norm weights are used as stored: llama.cpp's converter already added Gemma's "1 +" to them.
 
-Module names are GGUF's tensor names, fused like the Llama file's (`attn_qkv`, `ffn_gate_up`), so
-the same loader and the same quantized modules serve both.
+The model and its block are the Llama file's (`model.Transformer`, `model.Block`: the fused `attn_qkv`
+and `ffn_gate_up` projections, one matmul each) with the differences above as overrides, so the same
+loader and the same quantized modules serve both.
 """
 
 from __future__ import annotations
@@ -28,7 +29,18 @@ from torch import nn
 from localrt.backends.llama_config import llama_fields, metadata_getter
 from localrt.errors import LocalrtError
 
-from .model import AttentionContext, LlamaConfig, ModuleFactory, RMSNorm, Rotary, load_weights, vocab_size_of
+from .model import (
+    AttentionContext,
+    LlamaConfig,
+    ModuleFactory,
+    RMSNorm,
+    Rotary,
+    Transformer,
+    build,
+    random_model,
+    vocab_size_of,
+)
+from .model import Block as LlamaBlock
 
 ARCH = "gemma3"
 DEFAULT_SWA_PERIOD = 6  # llama.cpp's default; the converter never writes the pattern
@@ -107,108 +119,54 @@ def sliding_pattern(pattern: Any, n_layer: int) -> tuple[bool, ...]:
     return tuple(i % period < period - 1 for i in range(n_layer))
 
 
-class Block(nn.Module):
-    """Sandwich-normed attention and GELU-gated MLP. Attributes carry GGUF's names."""
+class Block(LlamaBlock):
+    """The Llama block's attention and gated MLP (`model.Block`), sandwich-normed, with a GELU gate,
+    the q scale, and the sliding window and score soft-cap handed to the attention context."""
 
     def __init__(self, cfg: Gemma3Config, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
+        super().__init__(cfg, layer, qkv_bias=False, qk_norm=cfg.qk_norm)
         self.window = cfg.sliding_window if cfg.sliding_layers[layer] else 0
-        self.n_head, self.n_kv = cfg.attention_head_count, cfg.attention_head_count_kv
-        self.head_dim = cfg.attention_key_length
-        dim, hidden, eps = cfg.embedding_length, cfg.feed_forward_length, cfg.attention_layer_norm_rms_epsilon
         # the attention context applies SDPA's 1/sqrt(head_dim): q carries the rest of the scale
         self.q_scale = cfg.attention_scale * math.sqrt(self.head_dim)
-        self.attn_norm = RMSNorm(dim, eps)
-        self.qkv_sizes = [self.n_head * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
-        self.attn_qkv = nn.Linear(dim, sum(self.qkv_sizes), bias=False)
-        self.attn_q_norm = RMSNorm(self.head_dim, eps) if cfg.qk_norm else None
-        self.attn_k_norm = RMSNorm(self.head_dim, eps) if cfg.qk_norm else None
-        self.attend_options: dict[str, Any] = {}  # what the attention context must honour
         if self.window:
             self.attend_options["window"] = self.window
         if cfg.attn_logit_softcapping > 0:
             self.attend_options["softcap"] = cfg.attn_logit_softcapping
-        self.attn_output = nn.Linear(self.n_head * self.head_dim, dim, bias=False)
+        dim, eps = cfg.embedding_length, cfg.attention_layer_norm_rms_epsilon
         self.post_attention_norm = RMSNorm(dim, eps)
-        self.ffn_norm = RMSNorm(dim, eps)
-        self.ffn_gate_up = nn.Linear(dim, 2 * hidden, bias=False)
-        self.ffn_down = nn.Linear(hidden, dim, bias=False)
         self.post_ffw_norm = RMSNorm(dim, eps)
 
-    def attention(self, x: torch.Tensor, rotary: Rotary, ctx: AttentionContext) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.attn_qkv(x).split(self.qkv_sizes, -1)
-        q = q.view(n, self.n_head, self.head_dim)  # [N, H, D]
-        k = k.view(n, self.n_kv, self.head_dim)  # [N, Hkv, D]
-        v = v.view(n, self.n_kv, self.head_dim)
-        if self.attn_q_norm is not None and self.attn_k_norm is not None:
-            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-        qk = rotary(torch.cat([q, k], 1), ctx.positions)  # one rotation for q and k: [N, H + Hkv, D]
-        q, k = qk[:, : self.n_head], qk[:, self.n_head :]
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
-        out = ctx.attend(self.layer, q, k, v, **self.attend_options)  # [N, H, D]
-        return self.attn_output(out.reshape(n, self.n_head * self.head_dim))
-
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.ffn_gate_up(x).chunk(2, -1)  # [N, hidden] each
-        return self.ffn_down(F.gelu(gate, approximate="tanh") * up)
+    def activation(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")
 
     def forward(self, x: torch.Tensor, rotary: Rotary, ctx: AttentionContext) -> torch.Tensor:
         x = x + self.post_attention_norm(self.attention(self.attn_norm(x), rotary, ctx))
         return x + self.post_ffw_norm(self.feed_forward(self.ffn_norm(x)))
 
 
-class Gemma3(nn.Module):
+class Gemma3(Transformer):
+    """The Llama model (`model.Transformer`: hidden, forward) with Gemma's blocks, a scaled
+    embedding, two RoPE tables and the optional final soft-cap."""
+
     config_from_gguf = staticmethod(Gemma3Config.from_gguf)
 
     def __init__(self, cfg: Gemma3Config) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.token_embd = nn.Embedding(cfg.vocab_size, cfg.embedding_length)
+        super().__init__(cfg, qk_norm=cfg.qk_norm)
         self.blk = nn.ModuleList(Block(cfg, i) for i in range(cfg.block_count))
-        self.output_norm = RMSNorm(cfg.embedding_length, cfg.attention_layer_norm_rms_epsilon)
-        self.output = nn.Linear(cfg.embedding_length, cfg.vocab_size, bias=False)
         self.embed_scale = math.sqrt(cfg.embedding_length)  # exact in fp32, as llama.cpp's sqrtf
         self.rotary, self.rotary_swa = _rotaries(cfg)
         _cap_logits(self)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.output_norm.weight.dtype
 
     @property
     def windows(self) -> list[int]:
         """Each layer's sliding window in tokens, 0 for the global layers."""
         return [block.window for block in self.blk]  # type: ignore[union-attr]
 
-    def hidden(
-        self,
-        tokens: torch.Tensor,
-        ctx: AttentionContext,
-        *,
-        num_layers: int | None = None,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """tokens [N] -> final-normed hidden states [R, dim] of `rows` (all N when None)."""
-        x = self.token_embd(tokens) * self.embed_scale  # [N, dim]
-        for block in self.blk[: num_layers or len(self.blk)]:
-            x = block(x, self.rotary_swa if block.window else self.rotary, ctx)
-        if rows is not None:
-            x = x[rows]  # [R, dim]
-        return self.output_norm(x)
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.token_embd(tokens) * self.embed_scale
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        ctx: AttentionContext,
-        *,
-        num_layers: int | None = None,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """tokens [N] -> logits [R, vocab] in float32 (soft-capped by `output` itself, see `_cap_logits`)."""
-        return self.output(self.hidden(tokens, ctx, num_layers=num_layers, rows=rows)).float()
+    def rotary_of(self, block: nn.Module) -> Rotary:
+        return self.rotary_swa if block.window else self.rotary  # type: ignore[union-attr]
 
     @classmethod
     def from_gguf(
@@ -219,9 +177,7 @@ class Gemma3(nn.Module):
         modules: ModuleFactory | None = None,
     ) -> Gemma3:
         cfg = cls.config_from_gguf(tensors.metadata, vocab_size_of(tensors))
-        with torch.device("meta"):
-            model = cls(cfg)
-        load_weights(model, tensors, dtype, device, modules)
+        model = build(lambda: cls(cfg), tensors, dtype, device, modules)
         model.rotary, model.rotary_swa = (r.to(device) for r in _rotaries(cfg))  # real buffers, off meta
         _cap_logits(model)  # again: `modules` may have swapped the head
         return model
@@ -245,7 +201,4 @@ def _rotaries(cfg: Gemma3Config) -> tuple[Rotary, Rotary]:
 
 def random_gemma3(cfg: Gemma3Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> Gemma3:
     """A randomly initialised model (engine tests): nn defaults, with a seeded generator."""
-    torch.manual_seed(seed)
-    model = Gemma3(cfg).to(dtype)
-    model.requires_grad_(False)
-    return model.eval()
+    return random_model(Gemma3, cfg, seed, dtype)

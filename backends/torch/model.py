@@ -14,7 +14,7 @@ are adjacent (x[2i], x[2i+1]) -- the "normal" rope mode; Qwen models keep HF's h
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -148,10 +148,13 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(dim, eps)
         self.ffn_gate_up = nn.Linear(dim, 2 * hidden, bias=False)
         self.ffn_down = nn.Linear(hidden, dim, bias=False)
+        # what other families change in the same computation (Gemma: q scale, windows, soft-caps)
+        self.q_scale = 1.0  # multiplies q after RoPE (the context applies SDPA's 1/sqrt(head_dim))
+        self.attend_options: dict[str, Any] = {}  # passed to `ctx.attend` (`window`, `softcap`)
 
     def attention(self, x: torch.Tensor, rotary: Rotary, ctx: AttentionContext) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.attn_qkv(x).split(self.qkv_sizes, -1)
+        q, k, v = self.attn_qkv(x).split(self.qkv_sizes, -1)  # one matmul for the three projections
         q = q.view(n, self.n_head, self.head_dim)  # [N, H, D]
         k = k.view(n, self.n_kv, self.head_dim)  # [N, Hkv, D]
         v = v.view(n, self.n_kv, self.head_dim)
@@ -159,12 +162,17 @@ class Block(nn.Module):
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         qk = rotary(torch.cat([q, k], 1), ctx.positions)  # one rotation for q and k: [N, H + Hkv, D]
         q, k = qk[:, : self.n_head], qk[:, self.n_head :]
-        out = ctx.attend(self.layer, q, k, v)  # [N, H, D]
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        out = ctx.attend(self.layer, q, k, v, **self.attend_options)  # [N, H, D]
         return self.attn_output(out.reshape(n, self.n_head * self.head_dim))
 
+    def activation(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate)  # SwiGLU
+
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.ffn_gate_up(x).chunk(2, -1)  # [N, hidden] each
-        return self.ffn_down(F.silu(gate) * up)  # SwiGLU
+        gate, up = self.ffn_gate_up(x).chunk(2, -1)  # one matmul for both: [N, hidden] each
+        return self.ffn_down(self.activation(gate) * up)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, ctx: AttentionContext) -> torch.Tensor:
         x = x + self.attention(self.attn_norm(x), rotary, ctx)
@@ -206,9 +214,9 @@ class Transformer(nn.Module):
         `num_layers` runs only the first blocks (self-speculative drafting); the final norm and
         head still apply, so the shallow model speaks the same vocabulary.
         """
-        x = self.token_embd(tokens)  # [N, dim]
+        x = self.embed(tokens)  # [N, dim]
         for block in self.blk[: num_layers or len(self.blk)]:
-            x = block(x, self.rotary, ctx)
+            x = block(x, self.rotary_of(block), ctx)
         if rows is not None:
             x = x[rows]  # [R, dim]: the head is the biggest matmul, so only where logits are needed
         return self.output_norm(x)
@@ -229,6 +237,14 @@ class Transformer(nn.Module):
         """Each layer's sliding window in tokens, 0 for full attention (every Llama layer is full)."""
         return [0] * self.cfg.block_count
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [N] -> the first hidden states [N, dim] (Gemma scales them)."""
+        return self.token_embd(tokens)
+
+    def rotary_of(self, block: nn.Module) -> Rotary:
+        """The RoPE tables a block rotates by (Gemma's sliding layers have their own)."""
+        return self.rotary
+
     @classmethod
     def from_gguf(
         cls,
@@ -245,11 +261,8 @@ class Transformer(nn.Module):
         md = tensors.metadata
         cfg = LlamaConfig.from_gguf(md, vocab_size_of(tensors))
         freq_factors = tensors.get("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
-        with torch.device("meta"):
-            model = cls(
-                cfg, qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors
-            )
-        load_weights(model, tensors, dtype, device, modules)
+        qkv_bias, qk_norm = "blk.0.attn_q.bias" in tensors, "blk.0.attn_q_norm.weight" in tensors
+        model = build(lambda: cls(cfg, qkv_bias=qkv_bias, qk_norm=qk_norm), tensors, dtype, device, modules)
         model.rotary = Rotary(cfg, freq_factors).to(device)  # buffers computed for real, off the meta device
         return model
 
@@ -267,6 +280,24 @@ def vocab_size_of(tensors: Any) -> int:
     """The vocabulary size: the tokenizer's list, else the embedding's rows."""
     vocab = tensors.metadata.get("tokenizer.ggml.tokens")
     return len(vocab) if vocab is not None else tensors.by_name["token_embd.weight"].shape[1]
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def build(
+    make: Callable[[], M],
+    tensors: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    modules: ModuleFactory | None = None,
+) -> M:
+    """`make()` on the meta device (no memory), then its weights from the GGUF (`load_weights`);
+    buffers computed at construction (RoPE tables) are the caller's to rebuild off the meta device."""
+    with torch.device("meta"):
+        model = make()
+    load_weights(model, tensors, dtype, device, modules)
+    return model
 
 
 def load_weights(
@@ -338,7 +369,12 @@ def weight_bytes(model: nn.Module) -> int:
 
 def random_transformer(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Transformer:
     """A randomly initialised model (tests, benchmarks): nn defaults, with a seeded generator."""
+    return random_model(Transformer, cfg, seed, dtype)
+
+
+def random_model(cls: Callable[[Any], M], cfg: Any, seed: int = 0, dtype: torch.dtype = torch.float32) -> M:
+    """`cls(cfg)` with nn's default initialisation from a seeded generator, in `dtype`, for inference."""
     torch.manual_seed(seed)
-    model = Transformer(cfg).to(dtype)
+    model = cls(cfg).to(dtype)
     model.requires_grad_(False)
     return model.eval()

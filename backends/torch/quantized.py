@@ -1,17 +1,24 @@
 """Weights that stay quantized in memory on the CPU, multiplied by torch's own weight-only kernels.
 
-Swapped into a `Transformer` from outside (`Transformer.from_gguf(..., modules=QuantizedModules(...))`);
-the model file stays the math. Two kernels, both with bf16 activations (the only fast CPU variants;
-their fp32 variants are reference loops, 15x slower than a dense fp32 matmul):
+Swapped into a model from outside (`load_model(..., modules=QuantizedModules(...))`); the model file
+stays the math. Two kernels, both with bf16 activations (the only fast CPU variants; their fp32
+variants are reference loops, 15x slower than a dense fp32 matmul):
 
 - 4-bit affine groups of 32 (Q4_0, Q4_1, Q4_K): `aten._weight_int4pack_mm_for_cpu`, which computes
   w = (q - 8) * scale + zero per group of 32 along K. GGUF's blocks map onto it without requantizing:
   Q4_0 scale d, zero 0; Q4_1 scale d, zero m + 8d; Q4_K sub-block j scale d*sc_j, zero
   8*d*sc_j - dmin*m_j. The nibbles are exact; the kernel keeps scales and zeros in bf16 (8 bits of
   mantissa), so a weight moves by at most a few hundredths of its quantization step.
-- everything else (Q5_*, Q6_K, Q8_0, Q2_K, Q3_K, F16, ...): `aten._weight_int8pack_mm`, int8 with one
-  scale per output row, requantized from the dequantized weights (round to nearest, amax / 127). Not
-  exact: groups of 16 or 32 with their own scales have no per-row int8 equivalent in torch's ops.
+- up to 8-bit affine groups of 32 (Q8_0, Q5_0, Q5_1): the same int4 kernel on two nibble planes. A
+  block's integers k (w = d*k + m) are shifted to u = k + 128 in 0..255 and split u = 16a + b; then
+  w = (a - 8) * 16d + (b - 8) * d + (8d + m): a "high" weight row with scale 16d and zero 0, a "low"
+  one with scale d and zero 8d + m, their outputs added. Exact integers again, 1.25 bytes a weight.
+- everything else (Q6_K's and the other K-types' groups of 16, Q2_K, Q3_K, Q5_K, IQ4_*):
+  `aten._weight_int8pack_mm`, int8 with one scale per output row, requantized from the dequantized
+  weights (round to nearest, amax / 127). Not exact: groups of 16 with their own scales have no
+  per-row int8 equivalent in torch's ops.
+- float tensors (F32, F16, BF16) are not quantized at all: they load dense, as the dequantized
+  numerics load them (`None` from the factory), and `kept()` says so.
 
 The activation of every matmul is split into a bf16 head and a bf16 remainder (x = hi + lo), stacked
 as twice the rows of one call: the weights are read once, and the product keeps about 16 bits of the
@@ -26,10 +33,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .gguf_load import GGUFTensors, _f16, _k4_scale_min, _nibbles, dequantize
+from .gguf_load import DEQUANTIZERS, GGUFTensors, _f16, _k4_scale_min, _nibbles, dequantize
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+PAIR_TYPES = ("Q8_0", "Q5_0", "Q5_1")  # up to 8-bit integers in groups of 32: two int4 planes
+FLOAT_TYPES = ("F32", "F16", "BF16")  # never quantized: loaded dense
 GROUP = 32
+REFINE_TOP = 8  # logits of each head row recomputed in fp32 (`RefinedHead`)
+PAIR_BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q5_1": 24}
 
 
 def int4_groups(raw: torch.Tensor, ggml_type: str, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
@@ -57,19 +68,74 @@ def int4_groups(raw: torch.Tensor, ggml_type: str, rows: int, cols: int) -> tupl
     return q.to(torch.int32).reshape(rows, cols), scale.reshape(rows, -1), zero.reshape(rows, -1)
 
 
+def pair_groups(raw: torch.Tensor, ggml_type: str, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+    """GGUF blocks of up-to-8-bit integers k (w = d*k + m) -> two int4 planes stacked by rows,
+    (q [2*rows, cols] int32 in 0..15, scale, zero [2*rows, cols/32] fp32): rows 0..rows-1 the high
+    nibbles of u = k + 128 (scale 16d, zero 0), then the low ones (scale d, zero 8d + m), so that
+    w = high + low exactly (the zero rounded once in fp32)."""
+    blocks = raw.view(-1, PAIR_BLOCK_BYTES[ggml_type])
+    w = DEQUANTIZERS[ggml_type](blocks).reshape(-1, GROUP)  # [nb, 32] fp32
+    d = _f16(blocks[:, :2])  # [nb, 1]
+    m = _f16(blocks[:, 2:4]) if ggml_type == "Q5_1" else torch.zeros_like(d)
+    # the integers back from the floats: d*k (+ m) is exact or within one rounding of it, so round()
+    # recovers k; a block with d = 0 holds only m
+    k = torch.where(d != 0, torch.round((w - m) / torch.where(d != 0, d, 1.0)), 0.0)
+    u = (k + 128).to(torch.int32)  # 0..255
+    q = torch.cat([(u >> 4).reshape(rows, cols), (u & 15).reshape(rows, cols)])
+    scale = torch.cat([(16 * d).reshape(rows, -1), d.reshape(rows, -1)])
+    zero = torch.cat([torch.zeros_like(d).reshape(rows, -1), (8 * d + m).reshape(rows, -1)])
+    return q, scale, zero
+
+
 def split_bf16(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 -> [2M, K] bf16: the rows of bf16(x), then of bf16(x - bf16(x))."""
     hi = x.to(torch.bfloat16)
     return torch.cat([hi, (x - hi.float()).to(torch.bfloat16)])
 
 
-class Int4Linear(nn.Module):
-    """y = x @ W.T (+ b) for W in 4-bit affine groups of 32, packed for torch's CPU int4 kernel."""
+class SplitLinear(nn.Module):
+    """y = x @ W.T (+ b) through a bf16-activation kernel (`matmul`): x goes in as its bf16 head and
+    remainder stacked by rows (`split_bf16`), and the two halves of the output are added in fp32."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None):
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """[2M, K] bf16 -> [2M, >= N] (the kernel's own output rows)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        m = flat.shape[0]
+        y = self.matmul(split_bf16(flat))
+        y = self.combine(y[:m].float() + y[m:].float())  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def combine(self, y: torch.Tensor) -> torch.Tensor:
+        """The kernel's output columns -> the N outputs (padding sliced off, planes added)."""
+        return y
+
+
+class Int4Linear(SplitLinear):
+    """W in 4-bit affine groups of 32, packed for torch's CPU int4 kernel.
+
+    `planes` 2: q holds two planes stacked by rows (`pair_groups`), W = the first + the second."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        bias: torch.Tensor | None,
+        planes: int = 1,
+    ):
         super().__init__()
-        self.out_features, self.in_features = q.shape
-        pad = -self.out_features % 16  # the packing wants rows in multiples of 16: zero rows, sliced off
+        self.planes = planes
+        self.out_features, self.in_features = q.shape[0] // planes, q.shape[1]
+        pad = -q.shape[0] % 16  # the packing wants rows in multiples of 16: zero rows, sliced off
         if pad:
             q = torch.cat([q, torch.full((pad, q.shape[1]), 8, dtype=q.dtype)])
             scale, zero = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, zero))
@@ -79,20 +145,16 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        m = flat.shape[0]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            split_bf16(flat), self.packed, GROUP, self.scales_and_zeros
-        )
-        y = y[:m, : self.out_features].float() + y[m:, : self.out_features].float()  # [M, N]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_and_zeros)
+
+    def combine(self, y: torch.Tensor) -> torch.Tensor:
+        n = self.out_features
+        return y[:, :n] + y[:, n : 2 * n] if self.planes == 2 else y[:, :n]
 
 
-class Int8Linear(nn.Module):
-    """y = x @ (q * scale).T (+ b) with int8 q [N, K] and one scale per output row."""
+class Int8Linear(SplitLinear):
+    """W = q * scale with int8 q [N, K] and one scale per output row."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -101,17 +163,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.to(torch.bfloat16))
         self.register_buffer("bias", bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        m = flat.shape[0]
-        y = torch.ops.aten._weight_int8pack_mm(split_bf16(flat), self.weight_int8, self.scale)
-        y = y[:m].float() + y[m:].float()
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scale)
 
 
-class BF16Linear(nn.Module):
+class BF16Linear(SplitLinear):
     """A dense bf16 weight (a head whose type has no torch kernel): rows double as the embedding."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -120,14 +176,8 @@ class BF16Linear(nn.Module):
         self.register_buffer("weight_bf16", weight.to(torch.bfloat16))
         self.register_buffer("bias", bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        m = flat.shape[0]
-        y = torch.nn.functional.linear(split_bf16(flat), self.weight_bf16)
-        y = y[:m].float() + y[m:].float()
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x2, self.weight_bf16)
 
 
 class Concat(nn.Module):
@@ -166,6 +216,29 @@ class RowsOf(nn.Module):
         return self.head.weight_bf16[ids].to(self.dtype)
 
 
+class RefinedHead(nn.Module):
+    """The head through a bf16-output kernel, then each row's `REFINE_TOP` best logits recomputed in
+    fp32 from the weight's own rows (`rows`: ids -> weight rows, exact from the GGUF's bytes, or the
+    bf16 weight's). The kernel rounds logits near 20 to about 0.06, enough to swap near-tied
+    candidates (SmolLM2 Q4_1, "What is the capital of France?": "The" 24.144 vs "La" 24.049 exactly,
+    "La" first after the kernel's rounding); the recomputed ones decide greedy picks and top logprobs
+    as the fp32 head would, for the cost of `REFINE_TOP` dot products a row."""
+
+    def __init__(self, kernel: SplitLinear, rows: nn.Module) -> None:
+        super().__init__()
+        self.kernel, self.rows = kernel, rows
+        self.out_features, self.in_features = kernel.out_features, kernel.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.kernel(x)
+        flat, hidden = logits.reshape(-1, self.out_features), x.reshape(-1, self.in_features).float()
+        top = flat.topk(min(REFINE_TOP, self.out_features), -1).indices  # [R, k]
+        exact = torch.bmm(self.rows(top).float(), hidden[:, :, None]).squeeze(-1)  # [R, k]
+        if self.kernel.bias is not None:
+            exact = exact + self.kernel.bias[top]
+        return flat.scatter(1, top, exact.to(flat.dtype)).reshape(logits.shape)
+
+
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] fp32 -> (int8 [N, K], scale [N]): symmetric, round to nearest, amax / 127 per row."""
     scale = w.abs().amax(-1).clamp(min=1e-30) / 127.0
@@ -175,61 +248,88 @@ def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class QuantizedModules:
     """A `model.ModuleFactory`: each linear and the embedding built from its GGUF tensors, kept packed.
 
-    - a linear part in a 4-bit affine type: `Int4Linear` (exact nibbles); any other type: `Int8Linear`
-      (per-row requantization). A fused linear with parts of both kinds is a `Concat`.
-    - the head (output, or the tied token_embd): `Int4Linear` for 4-bit types, else dense bf16,
-      because per-row int8 moves logits by enough to flip 3% of top-1 tokens (Q8_0 head, SmolLM2).
-    - the embedding: the GGUF's bytes, rows dequantized on lookup; a tied bf16 head lends its rows.
+    - a linear part in a 4-bit affine type: `Int4Linear` (exact nibbles); Q8_0, Q5_0, Q5_1: an
+      `Int4Linear` of two planes (exact integers); a float type: None (loaded dense); any other type:
+      `Int8Linear` (per-row requantization). A fused linear whose parts differ in kind is a `Concat`.
+    - the head (output, or the tied token_embd): `Int4Linear` (one or two planes) where the type
+      allows, else dense bf16, because per-row int8 moves logits by enough to flip 3% of top-1 tokens
+      (Q8_0 head, SmolLM2); its best logits refined in fp32 (`RefinedHead`) from the GGUF's bytes
+      (the bf16 weight's rows for a bf16 head).
+    - the embedding: the GGUF's bytes, rows dequantized on lookup (shared with a tied head's
+      refinement); a tied bf16 head lends its rows.
     """
 
     def __init__(self, tensors: GGUFTensors, dtype: torch.dtype = torch.float32) -> None:
         self.tensors = tensors
         self.dtype = dtype
         self.tied = "output.weight" not in tensors
-        self._heads: dict[str, nn.Module] = {}
+        self._heads: dict[str, RefinedHead] = {}
+        self.counts: dict[str, int] = {}  # "kind (GGUF type)" -> tensors, for `kept()`
 
     def __call__(self, name: str, parts: list[str]) -> nn.Module | None:
+        kinds = [self._kind(p) for p in parts]
+        for p, kind in zip(parts, kinds) if not (name == "output" and self.tied) else ():
+            label = f"{kind} ({self.tensors.by_name[p].ggml_type})"
+            self.counts[label] = self.counts.get(label, 0) + 1
+        if "dense" in kinds:
+            return None  # float weights: dense, as the dequantized numerics load them
         if name == "token_embd":
-            head = self._head(parts[0]) if self.tied else None
-            if isinstance(head, BF16Linear):
-                return RowsOf(head, self.dtype)
-            t = self.tensors.by_name[parts[0]]
-            return GGUFRows(
-                self.tensors.raw(parts[0]), t.ggml_type, int(t.shape[1]), int(t.shape[0]), self.dtype
-            )
+            return self._head(parts[0]).rows if self.tied else self._gguf_rows(parts[0])
         if name == "output":
             return self._head(parts[0])
-        modules = [self._linear(p) for p in parts]
-        if len(modules) == 1:
-            return modules[0]
-        if all(isinstance(m, Int4Linear) for m in modules):
-            return self._int4(parts)  # one kernel call for the fused weight
-        if all(isinstance(m, Int8Linear) for m in modules):
-            return self._int8(parts)
-        return Concat(modules)
+        if len(set(kinds)) == 1:
+            return self._module(parts, kinds[0])  # one kernel call for the fused weight
+        return Concat([self._module([p], kind) for p, kind in zip(parts, kinds)])
 
-    def _is_int4(self, name: str) -> bool:
+    def kept(self) -> str:
+        """What the factory did, for the load log: e.g. "int4 (Q4_1) x 211, bf16 (Q8_0) x 1"."""
+        return ", ".join(f"{label} x {n}" for label, n in sorted(self.counts.items()))
+
+    def _kind(self, name: str) -> str:
         t = self.tensors.by_name[name]
-        return t.ggml_type in INT4_TYPES and int(t.shape[0]) % GROUP == 0
+        if t.ggml_type in FLOAT_TYPES:
+            return "dense"
+        if int(t.shape[0]) % GROUP == 0 and t.ggml_type in INT4_TYPES:
+            return "int4"
+        if int(t.shape[0]) % GROUP == 0 and t.ggml_type in PAIR_TYPES:
+            return "int4x2"
+        return "int8"
 
-    def _linear(self, name: str) -> nn.Module:
-        return self._int4([name]) if self._is_int4(name) else self._int8([name])
+    def _module(self, parts: list[str], kind: str) -> nn.Module:
+        if kind == "int8":
+            return self._int8(parts)
+        return self._int4(parts)
 
-    def _head(self, name: str) -> nn.Module:
+    def _head(self, name: str) -> RefinedHead:
         if name not in self._heads:
-            if self._is_int4(name):
-                self._heads[name] = self._int4([name])
+            kernel: SplitLinear
+            if self._kind(name) in ("int4", "int4x2"):
+                kernel = self._int4([name])
+                rows: nn.Module = self._gguf_rows(name)
             else:
-                self._heads[name] = BF16Linear(self.tensors.get(name).float(), self._bias([name]))
+                kernel = BF16Linear(self.tensors.get(name).float(), self._bias([name]))
+                rows = RowsOf(kernel, self.dtype)
+            self._heads[name] = RefinedHead(kernel, rows)
         return self._heads[name]
 
+    def _gguf_rows(self, name: str) -> GGUFRows:
+        t = self.tensors.by_name[name]
+        return GGUFRows(self.tensors.raw(name), t.ggml_type, int(t.shape[1]), int(t.shape[0]), self.dtype)
+
     def _int4(self, parts: list[str]) -> Int4Linear:
+        """The parts (all 4-bit, or all two-plane) stacked by rows; two planes: every part's high
+        rows, then every part's low rows, so the module's two halves are the fused weight's planes."""
         groups = []
         for p in parts:
             t = self.tensors.by_name[p]
-            groups.append(int4_groups(self.tensors.raw(p), t.ggml_type, int(t.shape[1]), int(t.shape[0])))
-        q, scale, zero = (torch.cat([g[i] for g in groups]) for i in range(3))
-        return Int4Linear(q, scale, zero, self._bias(parts))
+            split = pair_groups if t.ggml_type in PAIR_TYPES else int4_groups
+            groups.append(split(self.tensors.raw(p), t.ggml_type, int(t.shape[1]), int(t.shape[0])))
+        planes = 2 if self.tensors.by_name[parts[0]].ggml_type in PAIR_TYPES else 1
+        stacked = []
+        for i in range(3):  # q, scale, zero
+            halves = [g[i].chunk(planes) for g in groups]  # per part: its planes
+            stacked.append(torch.cat([h[j] for j in range(planes) for h in halves]))
+        return Int4Linear(*stacked, self._bias(parts), planes=planes)
 
     def _int8(self, parts: list[str]) -> Int8Linear:
         pieces = [int8_rows(self.tensors.get(p).float()) for p in parts]

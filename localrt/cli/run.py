@@ -89,7 +89,8 @@ def add_ps(sub: Subparsers) -> argparse.ArgumentParser:
 def cmd_ps(args: argparse.Namespace) -> int:
     rows = [PS_HEADER]
     for m in with_client(lambda client: client.ps()):  # in-process: nothing is loaded yet
-        processor = f"{m.processor} ({m.backend})" if m.backend else m.processor
+        backend = ", ".join(part for part in (m.backend, m.numerics) if part)  # "torch, quantized"
+        processor = f"{m.processor} ({backend})" if backend else m.processor
         rows.append(
             [
                 m.name,

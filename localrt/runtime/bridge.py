@@ -7,9 +7,9 @@ contract in pyproject.toml): what they used to import from `localrt.backends` th
 from __future__ import annotations
 
 from localrt.backends import registry
-from localrt.backends.base import KV_CACHE_TYPES, SPECULATIVE_MODES, run_in_thread_stream
+from localrt.backends.base import KV_CACHE_TYPES, NUMERICS, SPECULATIVE_MODES, run_in_thread_stream
 
-__all__ = ["KV_CACHE_TYPES", "SPECULATIVE_MODES", "resolve_backend", "run_in_thread_stream"]
+__all__ = ["KV_CACHE_TYPES", "NUMERICS", "SPECULATIVE_MODES", "resolve_backend", "run_in_thread_stream"]
 
 
 def resolve_backend(name: str | None) -> str:

@@ -203,6 +203,7 @@ class ModelPool:
             opts.kv_cache_type,
             opts.flash_attn,
             opts.num_batch,
+            opts.numerics,
             num_parallel(),
             str(resolved.projector_path),
         )
@@ -344,6 +345,9 @@ def _loaded_info(e: Entry) -> LoadedInfo:
     weights = getattr(e.model, "weight_bytes", None)  # backends that report their resident weights
     if callable(weights):
         details["weight_bytes"] = int(weights())
+    numerics = getattr(e.model, "numerics", None)  # the torch engine: weights kept quantized or not
+    if isinstance(numerics, str):
+        details["numerics"] = numerics
     return LoadedInfo(
         name=e.key,
         digest=e.resolved.manifest_digest,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from localrt import config
-from localrt.backends.base import KV_CACHE_TYPES, SPECULATIVE_MODES, LoadOptions, SamplingParams
+from localrt.backends.base import KV_CACHE_TYPES, NUMERICS, SPECULATIVE_MODES, LoadOptions, SamplingParams
 from localrt.errors import OptionError
 
 DEFAULT_NUM_CTX = 4096
@@ -113,6 +113,7 @@ class Options:
     backend: str = field(default_factory=_default_backend)
     kv_cache_type: str = field(default_factory=_default_kv_cache_type)
     flash_attn: bool | None = None  # None = the backend decides (llama.cpp: on where supported)
+    numerics: str = "auto"  # torch engine only: weights kept quantized or dequantized (NUMERICS)
     # speculative decoding
     speculative: str = "auto"  # auto = use a draft model when one is configured, else off
     draft_model: str | None = None
@@ -189,6 +190,7 @@ class Options:
             seed=self.seed,
             draft_model=draft_path,
             num_parallel=num_parallel(),
+            numerics=self.numerics,
         )
 
     def max_new_tokens(self, prompt_tokens: int, context_length: int, shift: bool = False) -> int:
@@ -270,6 +272,12 @@ def _check_draft_model(value: Any) -> str | None:
     return value
 
 
+def _check_numerics(value: Any) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in NUMERICS:
+        raise OptionError(f"option 'numerics' must be one of {', '.join(NUMERICS)}, got {_describe(value)}")
+    return value.strip().lower()
+
+
 def _check_grammar(value: Any) -> str | None:
     if value is None or value == "":
         return None
@@ -290,6 +298,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "flash_attn": _check_flash_attn,
     "draft_model": _check_draft_model,
     "grammar": _check_grammar,
+    "numerics": _check_numerics,
 }
 
 

@@ -32,6 +32,7 @@ UNSUPPORTED = (
     "num_batch",
     "kv_cache_type",
     "flash_attn",
+    "numerics",
     "draft_model",
     "num_draft",
     "backend",
