@@ -96,28 +96,3 @@ def test_generation_shifts_past_the_context_or_stops_there(store: Store) -> None
             await rt.close()
 
     asyncio.run(scenario())
-
-
-def test_num_predict_minus_one_with_shift_generates_past_the_context(store: Store) -> None:
-    """Ollama's num_predict -1 with shift: no limit, the context shifts and the answer goes on."""
-
-    async def scenario() -> None:
-        rt = Runtime(store)
-        try:
-            count = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"  # greedy SmolLM2 goes on counting
-            stream = rt.generate("smollm2:135m", count, raw=True, options={"num_predict": -1})
-            pieces, done = 0, None
-            async for chunk in stream:
-                if chunk.done:
-                    done = chunk
-                    break
-                pieces += 1
-                if pieces > 2 * SMALL["num_ctx"]:  # twice past the context end and still going
-                    break
-            await stream.aclose()
-            assert done is None, f"ended after {pieces} pieces: {done and done.done_reason}"
-            assert pieces > 2 * SMALL["num_ctx"]
-        finally:
-            await rt.close()
-
-    asyncio.run(scenario())

@@ -18,8 +18,6 @@ from localrt.errors import OptionError
 
 DEFAULT_NUM_CTX = 4096
 MAX_NUM_CTX = 1 << 20
-# num_predict -1 with a context shift: no limit in effect (a backend still wants a number)
-ENDLESS_NUM_PREDICT = 10 * MAX_NUM_CTX
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1000
 MAX_GRAMMAR_LENGTH = 64 * 1024
@@ -63,7 +61,7 @@ _RANGES: dict[str, tuple[type, float | None, float | None]] = {
     "mirostat": (int, 0, 2),
     "mirostat_tau": (float, 0.0, 100.0),
     "mirostat_eta": (float, 0.0, 1.0),
-    "num_predict": (int, -2, ENDLESS_NUM_PREDICT),
+    "num_predict": (int, -2, 10 * MAX_NUM_CTX),
     "num_ctx": (int, 1, MAX_NUM_CTX),
     "num_keep": (int, -1, MAX_NUM_CTX),
     "num_thread": (int, 0, 1024),
@@ -194,14 +192,10 @@ class Options:
         )
 
     def max_new_tokens(self, prompt_tokens: int, context_length: int, shift: bool = False) -> int:
-        """num_predict bounded by the room left in the context; -2 means 'until full'.
+        """num_predict bounded by the room left in the context; -1 and -2 both mean 'until full'.
 
-        With `shift` (a backend that shifts the context) an explicit num_predict may go past the end, and
-        -1 means no limit (Ollama's endless generation: the context shifts until the model stops), given
-        to the backend as the largest num_predict the options accept; without shift -1 is 'until full'."""
+        With `shift` (a backend that shifts the context) an explicit num_predict may go past the end."""
         room = max(0, context_length - prompt_tokens)
-        if self.num_predict == -1 and shift:
-            return ENDLESS_NUM_PREDICT
         if self.num_predict < 0:
             return room
         return self.num_predict if shift else min(self.num_predict, room)
