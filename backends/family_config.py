@@ -1,6 +1,5 @@
 """Hyper-parameters of the families past Llama (Gemma 3, Gemma 2, Phi-3, Qwen3-MoE) from GGUF metadata,
-for any engine (MLX reads them here; the torch engine's `gemma3.py` holds the same rules and can import
-these).
+for both engines (the torch engine's and MLX's family files read them here).
 
 Gemma's sliding layers follow llama.cpp: layer i slides iff i % period < period - 1 (Gemma 3: period 6,
 five sliding layers for each global one; Gemma 2: period 2, the even layers sliding), unless the file

@@ -142,29 +142,6 @@ def test_logits_match_llama_cpp(family: str, family_files: Callable[[str, str], 
     )
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
-def test_the_shared_gemma_config_reads_as_torchs(
-    family: str, family_files: Callable[[str, str], Path]
-) -> None:
-    """`backends/family_config.py` (MLX's reader) gives the same hyper-parameters as the torch engine's
-    own reader of the same file, field by field (one set of rules until torch imports the shared one)."""
-    from dataclasses import asdict
-
-    from localrt.backends import family_config
-    from localrt.backends.torch import gemma2 as torch_gemma2
-    from localrt.backends.torch import gemma3 as torch_gemma3
-
-    tensors = GGUFTensors(family_files(family, "F32"))
-    md = tensors.metadata
-    tensors.close()
-    shared = family_config.GEMMA3 if family == "gemma3" else family_config.GEMMA2
-    theirs = torch_gemma3.GEMMA3 if family == "gemma3" else torch_gemma2.GEMMA2
-    assert asdict(shared) == asdict(theirs)  # the defaults llama.cpp assumes for the generation
-    assert asdict(family_config.gemma_config(md, 512, shared)) == asdict(
-        torch_gemma3.read_config(md, 512, theirs)
-    )
-
-
 def test_the_window_matters(family_files: Callable[[str, str], Path]) -> None:
     """Past the window a sliding layer's output differs from full attention's (else the tests above
     could not tell a window from none)."""

@@ -11,9 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from localrt.backends.base import SamplingParams  # noqa: E402
+from localrt.backends.family_config import GemmaConfig, sliding_pattern  # noqa: E402
 from localrt.backends.torch.attention import PagedAttention, SeqChunk  # noqa: E402
 from localrt.backends.torch.engine import Engine, EngineConfig  # noqa: E402
-from localrt.backends.torch.gemma3 import Gemma3, Gemma3Config, random_gemma3, sliding_pattern  # noqa: E402
+from localrt.backends.torch.gemma3 import Gemma3, random_gemma3  # noqa: E402
 from localrt.backends.torch.kv_cache import KVCache  # noqa: E402
 from localrt.backends.torch.model import DenseCausal  # noqa: E402
 from localrt.backends.torch.scheduler import Sequence  # noqa: E402
@@ -25,7 +26,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def tiny_gemma3(seed: int = 0, layers: int = 6, window: int = WINDOW) -> Gemma3:
-    cfg = Gemma3Config(
+    cfg = GemmaConfig(
         "gemma3",
         VOCAB,
         1024,
@@ -231,7 +232,7 @@ def test_sampled_speculation_keeps_the_target_distribution(mode: str) -> None:
     from tests.test_torch_speculative import MC_VOCAB, target_pair_distribution
 
     def mc_gemma(seed: int) -> Gemma3:
-        cfg = Gemma3Config(
+        cfg = GemmaConfig(
             "gemma3", MC_VOCAB, 256, 32, 64, 2, 2, 1, 16, 1e-6, rope_neox=True, sliding_window=6,
             sliding_layers=(True, False), attention_scale=0.25,
         )  # fmt: skip

@@ -11,22 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .gemma3 import Family, Gemma3, Gemma3Config, read_config
+from localrt.backends.family_config import GEMMA2, GemmaConfig, gemma_config
 
-GEMMA2 = Family(
-    "gemma2",
-    swa_period=2,
-    window=4096,
-    layers_27b=46,
-    attn_softcap=50.0,
-    final_softcap=30.0,
-    qk_norm=False,
-    swa_base=None,
-)
+from .gemma3 import Gemma3
 
 
-def config_from_gguf(metadata: dict[str, Any], vocab_size: int) -> Gemma3Config:
-    return read_config(metadata, vocab_size, GEMMA2)
+def config_from_gguf(metadata: dict[str, Any], vocab_size: int) -> GemmaConfig:
+    return gemma_config(metadata, vocab_size, GEMMA2)
 
 
 class Gemma2(Gemma3):

@@ -19,19 +19,17 @@ loader and the same quantized modules serve both.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localrt.backends.llama_config import llama_fields, metadata_getter
-from localrt.errors import LocalrtError
+from localrt.backends.family_config import GEMMA3, GemmaConfig, gemma_config
 
 from .model import (
     AttentionContext,
-    LlamaConfig,
     ModuleFactory,
     RMSNorm,
     Rotary,
@@ -42,88 +40,16 @@ from .model import (
 )
 from .model import Block as LlamaBlock
 
-ARCH = "gemma3"
-DEFAULT_SWA_PERIOD = 6  # llama.cpp's default; the converter never writes the pattern
-SIZE_27B_LAYERS = 62  # the one size whose attention scale is 1/sqrt(dim / heads)
 
-
-@dataclass
-class Gemma3Config(LlamaConfig):
-    sliding_window: int = 0  # tokens a sliding layer's query sees (itself included); 0: no sliding layers
-    sliding_layers: tuple[bool, ...] = ()  # per layer: True = sliding window
-    rope_freq_base_swa: float = 10000.0
-    attention_scale: float = 0.0  # multiplies q.k
-    final_logit_softcapping: float = 0.0  # 0: off
-    attn_logit_softcapping: float = 0.0  # 0: off (Gemma 2 caps attention scores)
-    qk_norm: bool = True  # per-head RMSNorm of q and k (Gemma 2 has none)
-
-    @classmethod
-    def from_gguf(cls, metadata: dict[str, Any], vocab_size: int) -> Gemma3Config:  # type: ignore[override]
-        return read_config(metadata, vocab_size, GEMMA3)
-
-
-@dataclass(frozen=True)
-class Family:
-    """What llama.cpp assumes for a Gemma generation when the file is silent."""
-
-    arch: str
-    swa_period: int  # layer i slides iff i % period < period - 1
-    window: int  # sliding window when the file has none (0: no sliding layers)
-    layers_27b: int  # the 27B size scales attention by 1/sqrt(dim / heads)
-    attn_softcap: float
-    final_softcap: float
-    qk_norm: bool
-    swa_base: float | None  # sliding layers' RoPE base when the file has none (None: the global one)
-
-
-GEMMA3 = Family(ARCH, DEFAULT_SWA_PERIOD, 0, SIZE_27B_LAYERS, 0.0, 0.0, True, 10000.0)
-
-
-def read_config(metadata: dict[str, Any], vocab_size: int, family: Family) -> Gemma3Config:
-    arch = family.arch
-    get = metadata_getter(metadata, arch)
-    fields = llama_fields(metadata, arch, vocab_size, context_length=131072, eps=None)
-    n_layer, n_embd = fields["block_count"], fields["embedding_length"]
-    n_head, head_dim = fields["attention_head_count"], fields["attention_key_length"]
-    window = int(get("attention.sliding_window", family.window))
-    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", family.swa_period)
-    base = fields["rope_freq_base"]
-    return Gemma3Config(
-        **fields,
-        rope_neox=True,
-        sliding_window=window,
-        sliding_layers=sliding_pattern(pattern, n_layer) if window > 0 else (False,) * n_layer,
-        rope_freq_base_swa=float(
-            get("rope.freq_base_swa", base if family.swa_base is None else family.swa_base)
-        ),
-        attention_scale=1 / math.sqrt(n_embd / n_head if n_layer == family.layers_27b else head_dim),
-        final_logit_softcapping=float(get("final_logit_softcapping", family.final_softcap)),
-        attn_logit_softcapping=float(get("attn_logit_softcapping", family.attn_softcap)),
-        qk_norm=family.qk_norm,
-    )
-
-
-def sliding_pattern(pattern: Any, n_layer: int) -> tuple[bool, ...]:
-    """Which layers slide: a per-layer bool array as given, else a period n (layer i slides iff
-    i % n < n - 1; n = 0: every layer slides, n = 1: none)."""
-    if isinstance(pattern, (list, tuple)) or hasattr(pattern, "tolist"):
-        flags = [bool(x) for x in (pattern.tolist() if hasattr(pattern, "tolist") else pattern)]
-        if len(flags) != n_layer:
-            raise LocalrtError(
-                f"{ARCH}.attention.sliding_window_pattern has {len(flags)} entries, not {n_layer}"
-            )
-        return tuple(flags)
-    period = DEFAULT_SWA_PERIOD if pattern is None else int(pattern)
-    if period == 0:
-        return (True,) * n_layer
-    return tuple(i % period < period - 1 for i in range(n_layer))
+def config_from_gguf(metadata: dict[str, Any], vocab_size: int) -> GemmaConfig:
+    return gemma_config(metadata, vocab_size, GEMMA3)
 
 
 class Block(LlamaBlock):
     """The Llama block's attention and gated MLP (`model.Block`), sandwich-normed, with a GELU gate,
     the q scale, and the sliding window and score soft-cap handed to the attention context."""
 
-    def __init__(self, cfg: Gemma3Config, layer: int) -> None:
+    def __init__(self, cfg: GemmaConfig, layer: int) -> None:
         super().__init__(cfg, layer, qkv_bias=False, qk_norm=cfg.qk_norm)
         self.window = cfg.sliding_window if cfg.sliding_layers[layer] else 0
         # the attention context applies SDPA's 1/sqrt(head_dim): q carries the rest of the scale
@@ -148,9 +74,9 @@ class Gemma3(Transformer):
     """The Llama model (`model.Transformer`: hidden, forward) with Gemma's blocks, a scaled
     embedding, two RoPE tables and the optional final soft-cap."""
 
-    config_from_gguf = staticmethod(Gemma3Config.from_gguf)
+    config_from_gguf = staticmethod(config_from_gguf)
 
-    def __init__(self, cfg: Gemma3Config) -> None:
+    def __init__(self, cfg: GemmaConfig) -> None:
         super().__init__(cfg, qk_norm=cfg.qk_norm)
         self.blk = nn.ModuleList(Block(cfg, i) for i in range(cfg.block_count))
         self.embed_scale = math.sqrt(cfg.embedding_length)  # exact in fp32, as llama.cpp's sqrtf
@@ -193,12 +119,12 @@ def _cap_logits(model: Gemma3) -> None:
         head.soft_capped = True  # type: ignore[assignment]
 
 
-def _rotaries(cfg: Gemma3Config) -> tuple[Rotary, Rotary]:
+def _rotaries(cfg: GemmaConfig) -> tuple[Rotary, Rotary]:
     """RoPE tables of the global layers and of the sliding ones (their own base, never scaled)."""
     local = replace(cfg, rope_freq_base=cfg.rope_freq_base_swa, rope_scaling_factor=1.0)
     return Rotary(cfg), Rotary(local)
 
 
-def random_gemma3(cfg: Gemma3Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> Gemma3:
+def random_gemma3(cfg: GemmaConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Gemma3:
     """A randomly initialised model (engine tests): nn defaults, with a seeded generator."""
     return random_model(Gemma3, cfg, seed, dtype)

@@ -267,15 +267,6 @@ class Transformer(nn.Module):
         return model
 
 
-def llama_like_config(metadata: dict[str, Any], vocab_size: int, arch: str) -> LlamaConfig:
-    """The Llama-family hyper-parameters of another architecture's keys (`phi3.*`, `qwen3moe.*`), read
-    as the shared reader reads Qwen3's (neox RoPE, head dim from key_length)."""
-    keys = {f"qwen3.{k[len(arch) + 1 :]}": v for k, v in metadata.items() if k.startswith(f"{arch}.")}
-    cfg = LlamaConfig.from_gguf({**keys, "general.architecture": "qwen3"}, vocab_size)
-    cfg.architecture = arch
-    return cfg
-
-
 def vocab_size_of(tensors: Any) -> int:
     """The vocabulary size: the tokenizer's list, else the embedding's rows."""
     vocab = tensors.metadata.get("tokenizer.ggml.tokens")

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-from .model import ModuleFactory, Rotary, Transformer, llama_like_config, load_weights, vocab_size_of
+from localrt.backends.family_config import llama_like_config
+
+from .model import ModuleFactory, Rotary, Transformer, load_weights, vocab_size_of
 
 ARCH = "phi3"
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localrt.backends.family_config import llama_like_config
 from localrt.errors import LocalrtError
 
 from .model import (
@@ -34,7 +35,6 @@ from .model import (
     RMSNorm,
     Rotary,
     Transformer,
-    llama_like_config,
     load_weights,
     vocab_size_of,
 )
