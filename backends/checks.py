@@ -7,8 +7,9 @@ engine has. Every check raises a `LocalrtError` (the API's 400) or an `OptionErr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from localrt.errors import LocalrtError, OptionError
 
@@ -93,3 +94,19 @@ def check_draft_vocabulary(
     same = draft_n_vocab == n_vocab and all(entry(t) == draft_entry(t) for t in range(0, n_vocab, step))
     if not same:
         raise LocalrtError(f"draft model {Path(draft).name} does not share the model's vocabulary")
+
+
+M = TypeVar("M")
+
+
+def model_for_architecture(metadata: Mapping[str, Any], models: Mapping[str, M], backend: str) -> M:
+    """The model class an engine builds for the file's `general.architecture`, or a refusal naming the
+    architecture, what this engine runs instead and the backend that runs it."""
+    arch = str(metadata.get("general.architecture", "llama"))
+    cls = models.get(arch)
+    if cls is None:
+        raise LocalrtError(
+            f"the {backend} backend does not support the {arch!r} architecture yet "
+            f"(supported: {', '.join(sorted(models))}); the llama.cpp backend runs it"
+        )
+    return cls

@@ -8,11 +8,9 @@ experts); each class is built as `cls(tensors, dtype)` and has the same forward 
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
-from localrt.errors import LocalrtError
+from localrt.backends.checks import model_for_architecture
 
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
@@ -33,17 +31,6 @@ MODELS: dict[str, type[Transformer]] = {
 }
 
 
-def model_class(metadata: dict[str, Any]) -> type[Transformer]:
-    arch = str(metadata.get("general.architecture", "llama"))
-    cls = MODELS.get(arch)
-    if cls is None:
-        raise LocalrtError(
-            f"the MLX backend does not support the {arch!r} architecture yet "
-            f"(supported: {', '.join(sorted(MODELS))}); the llama.cpp backend runs it"
-        )
-    return cls
-
-
 def load_model(tensors: GGUFTensors, dtype: mx.Dtype) -> Transformer:
     """The model a GGUF describes, its weights in MLX (quantized where exact) in `dtype`."""
-    return model_class(tensors.metadata)(tensors, dtype)
+    return model_for_architecture(tensors.metadata, MODELS, "MLX")(tensors, dtype)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from localrt.errors import LocalrtError
+from localrt.backends.checks import model_for_architecture
 
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
@@ -34,20 +34,11 @@ MODELS: dict[str, Any] = {
 }
 
 
-def model_class(metadata: dict[str, Any]) -> Any:
-    arch = str(metadata.get("general.architecture", "llama"))
-    cls = MODELS.get(arch)
-    if cls is None:
-        raise LocalrtError(
-            f"the torch backend does not support the {arch!r} architecture yet "
-            f"(supported: {', '.join(sorted(MODELS))}); the llama.cpp backend runs it"
-        )
-    return cls
-
-
 def load_model(
     tensors: Any, dtype: torch.dtype, device: torch.device | str, modules: ModuleFactory | None = None
 ) -> Any:
     """The model a GGUF describes, its weights dequantized into `dtype` on `device` (or supplied by
     `modules`, e.g. kept quantized)."""
-    return model_class(tensors.metadata).from_gguf(tensors, dtype, device, modules=modules)
+    return model_for_architecture(tensors.metadata, MODELS, "torch").from_gguf(
+        tensors, dtype, device, modules=modules
+    )

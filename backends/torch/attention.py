@@ -186,15 +186,19 @@ class StoredKVCausal:
         window: int = 0,
         softcap: float = 0.0,
     ) -> torch.Tensor:
-        pos = self.positions
-        mask = pos[None, :] <= pos[:, None]  # [N, N] causal
-        if window > 0:
-            mask &= pos[None, :] > pos[:, None] - window
         q, k, v = (
             t.double().transpose(0, 1).unsqueeze(0) for t in (q, self.cache.stored(k), self.cache.stored(v))
         )
-        out = attention(q, k, v, mask[None, None], softcap)  # [1, H, N, D]
+        out = attention(q, k, v, causal_mask(self.positions, window)[None, None], softcap)  # [1, H, N, D]
         return out.squeeze(0).transpose(0, 1).to(self.cache.compute_dtype)
+
+
+def causal_mask(positions: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """[N, N] for one sequence at `positions`: causal, and within the query's window when one is given."""
+    mask = positions[None, :] <= positions[:, None]
+    if window > 0:
+        mask &= positions[None, :] > positions[:, None] - window  # the key is within the query's window
+    return mask
 
 
 def _table(chunk: SeqChunk, own_table: bool) -> Sequence[int]:

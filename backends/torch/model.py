@@ -64,13 +64,9 @@ class DenseCausal:
         # [N, H, D] -> [1, H, N, D] for SDPA; GQA heads are shared inside SDPA
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         if window > 0 or softcap > 0:
-            from .attention import attention
+            from .attention import attention, causal_mask
 
-            pos = self.positions
-            mask = pos[None, :] <= pos[:, None]  # [N, N] causal
-            if window > 0:
-                mask &= pos[None, :] > pos[:, None] - window  # the key is within the query's window
-            out = attention(q, k, v, mask, softcap)
+            out = attention(q, k, v, causal_mask(self.positions, window), softcap)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)  # [N, H, D]
