@@ -26,7 +26,7 @@ from localrt.store.names import parse_name
 from localrt.store.remote import create_remote
 from localrt.store.store import Store
 from tests.conftest import CACHE
-from tests.servers.serve import LocalrtServer, free_port
+from tests.servers.serve import LocalrtServer, ctrl_c_reaches_the_child, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -228,7 +228,13 @@ def test_vllm_through_serve_engine(smollm2_gguf: Path, tmp_path: Path) -> None:
         "--engine-python",
         str(python),
     ]
-    proc = subprocess.Popen([*cmd, "--", *engine_args], env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*cmd, "--", *engine_args],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=ctrl_c_reaches_the_child,
+    )
     try:
         line = serving_line(proc)  # "serving ... as 'tiny-llama:vllm' at ..." once /health answers
         assert "tiny-llama:vllm" in line

@@ -22,6 +22,7 @@ from localrt.store.importer import import_gguf
 from localrt.store.names import parse_name
 from localrt.store.store import Store
 from tests.gguf_factory import write_tiny_llama
+from tests.servers.serve import ctrl_c_reaches_the_child
 
 STANDIN = Path(__file__).parent / "servers" / "engine_standin.py"
 
@@ -42,6 +43,7 @@ def serve_engine(models_dir: Path, record: Path, *args: str, **env: str) -> subp
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=ctrl_c_reaches_the_child,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -65,3 +66,10 @@ class LocalrtServer:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def ctrl_c_reaches_the_child() -> None:
+    """Before exec: SIGINT back to its default. A suite started in the background (`cmd &` in a
+    non-interactive shell) runs with SIGINT ignored, and a child would inherit that and ignore the
+    Ctrl-C these tests send it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
