@@ -153,13 +153,16 @@ class PagedAttention:
             scales = (c.k_scale[layer], c.v_scale[layer]) if c.quantized else (None, None)
             return paged_decode(q, c.k[layer], c.v[layer], group.tables, group.lens, *scales)
         b, n_head, head_dim = group.tables.shape[0], q.shape[1], q.shape[2]
-        keys, values = self.cache.gather(layer, group.tables)  # [B, L, Hkv, D]
         dtype = q.dtype
-        if q.device.type == "cpu":
-            # in float64, rounded back: how the CPU's SDPA blocks its sums (a context padded to the
-            # batch's longest, a prompt split in other chunks) no longer shows in the fp32 result,
-            # which the quantized path's bf16 kernel outputs would amplify into other tokens
-            q, keys, values = q.double(), keys.double(), values.double()
+        cpu = q.device.type == "cpu"
+        # on the CPU in float64, rounded back: how the CPU's SDPA blocks its sums (a context padded
+        # to the batch's longest, a prompt split in other chunks) no longer shows in the fp32
+        # result, which the quantized path's bf16 kernel outputs would amplify into other tokens
+        keys, values = self.cache.gather(
+            layer, group.tables, torch.float64 if cpu else None
+        )  # [B, L, Hkv, D]
+        if cpu:
+            q = q.double()
         q = q.view(b, group.q_len, n_head, head_dim).transpose(1, 2)  # [B, H, q_len, D]
         out = attention(
             q, keys.transpose(1, 2), values.transpose(1, 2), group.mask, softcap

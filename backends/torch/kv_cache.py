@@ -142,6 +142,9 @@ class KVCache:
         self.storage = KV_STORAGE[kv_type]
         self.quantized = kv_type in QUANTIZED_KV
         self.compute_dtype = compute_dtype
+        self._exact_in_compute = self.storage == compute_dtype or (
+            compute_dtype == torch.float32 and self.storage in (torch.float16, torch.bfloat16)
+        )
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.windowed = list(windowed) if windowed is not None else [False] * num_layers
@@ -201,9 +204,16 @@ class KVCache:
             else:
                 flat.index_copy_(0, slots, x.to(self.storage))
 
-    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """tables [B, n_blocks] -> k, v [B, n_blocks * block_size, Hkv, D] in the compute dtype."""
+    def gather(
+        self, layer: int, tables: torch.Tensor, wider: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tables [B, n_blocks] -> k, v [B, n_blocks * block_size, Hkv, D] in the compute dtype, or
+        in `wider` (a dtype holding every compute-dtype value exactly), converted once: the values
+        are those of the compute dtype's gather either way."""
         out = []
+        # a store whose values the compute dtype holds exactly (f16 or bf16 under f32) widens in one
+        # copy; otherwise (quantized: scaled in the compute dtype) the compute dtype's rounding first
+        target = wider if wider is not None and self._exact_in_compute else self.compute_dtype
         b, n_blocks = tables.shape
         flat = tables.reshape(-1)  # index_select on dim 0 copies whole blocks, ~3x faster than store[tables]
         for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
@@ -212,9 +222,11 @@ class KVCache:
                 x = store.view(torch.uint8).index_select(0, flat).view(store.dtype)
             else:
                 x = store.index_select(0, flat)  # [B * n_blocks, block_size, Hkv, D]
-            x = x.to(self.compute_dtype)
+            x = x.to(target)
             if self.quantized:
                 x = x * scales[layer].index_select(0, flat).unsqueeze(-1).to(self.compute_dtype)
+            if target != wider and wider is not None:
+                x = x.to(wider)
             out.append(
                 x.view(b, n_blocks * self.block_size, *x.shape[2:])
             )  # [B, n_blocks * block_size, Hkv, D]

@@ -20,9 +20,10 @@ variants are reference loops, 15x slower than a dense fp32 matmul):
 - float tensors (F32, F16, BF16) are not quantized at all: they load dense, as the dequantized
   numerics load them (`None` from the factory), and `kept()` says so.
 
-The activation of every matmul is split into a bf16 head and a bf16 remainder (x = hi + lo), stacked
-as twice the rows of one call: the weights are read once, and the product keeps about 16 bits of the
-activation instead of bf16's 8. The kernels' outputs are bf16 all the same (there is no fp32-output
+The activation of every matmul but the head's is split into a bf16 head and a bf16 remainder
+(x = hi + lo), stacked as twice the rows of one call: the weights are read once, and the product
+keeps about 16 bits of the activation instead of bf16's 8 (the head takes bf16 rows alone: its best
+logits are recomputed in fp32, `RefinedHead`). The kernels' outputs are bf16 all the same (there is no fp32-output
 variant on the CPU in torch 2.13, nor `mm(out_dtype=)`), which is the main error left: the head
 (the logits) in bf16 costs about 1% top-1 agreement against an fp32 head (SmolLM2 Q4_1, 2,048 tokens:
 98.2% vs 99.3%), an fp32 head would not fit 1.5x the file's bytes.
@@ -89,8 +90,11 @@ def pair_groups(raw: torch.Tensor, ggml_type: str, rows: int, cols: int) -> tupl
 
 def split_bf16(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 -> [2M, K] bf16: the rows of bf16(x), then of bf16(x - bf16(x))."""
-    hi = x.to(torch.bfloat16)
-    return torch.cat([hi, (x - hi.float()).to(torch.bfloat16)])
+    m = x.shape[0]
+    out = torch.empty(2 * m, x.shape[1], dtype=torch.bfloat16, device=x.device)
+    hi = out[:m].copy_(x)
+    out[m:].copy_(x - hi)  # the difference in fp32 (hi is promoted), rounded once: four ops, no cat
+    return out
 
 
 class SplitLinear(nn.Module):
@@ -105,14 +109,22 @@ class SplitLinear(nn.Module):
         """[2M, K] bf16 -> [2M, >= N] (the kernel's own output rows)."""
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
+        """`split` False: x goes in as bf16 alone (one row each; `RefinedHead`, whose best logits
+        are recomputed in fp32 anyway)."""
         flat = x.reshape(-1, self.in_features).float()
         m = flat.shape[0]
-        y = self.matmul(split_bf16(flat))
-        y = self.combine(y[:m].float() + y[m:].float())  # [M, N]
+        if split:
+            y = self.matmul(split_bf16(flat))
+            y = y[:m].float().add_(y[m:])  # the halves added in fp32
+        else:
+            y = self.matmul(flat.to(torch.bfloat16)).float()
+        y = self.combine(y)  # [M, N]
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def combine(self, y: torch.Tensor) -> torch.Tensor:
         """The kernel's output columns -> the N outputs (padding sliced off, planes added)."""
@@ -150,7 +162,9 @@ class Int4Linear(SplitLinear):
 
     def combine(self, y: torch.Tensor) -> torch.Tensor:
         n = self.out_features
-        return y[:, :n] + y[:, n : 2 * n] if self.planes == 2 else y[:, :n]
+        if self.planes == 2:
+            return y[:, :n] + y[:, n : 2 * n]
+        return y if y.shape[1] == n else y[:, :n]
 
 
 class Int8Linear(SplitLinear):
@@ -230,7 +244,10 @@ class RefinedHead(nn.Module):
         self.out_features, self.in_features = kernel.out_features, kernel.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.kernel(x)
+        # the activation in bf16 alone: its ~2^-9 relative error moves a logit about as much as the
+        # kernel's bf16 output does, and the best ones are recomputed below; half the kernel's rows,
+        # which at 16 sequences saves about a tenth of a step (the head is the largest matmul)
+        logits = self.kernel(x, split=False)
         flat, hidden = logits.reshape(-1, self.out_features), x.reshape(-1, self.in_features).float()
         top = flat.topk(min(REFINE_TOP, self.out_features), -1).indices  # [R, k]
         exact = torch.bmm(self.rows(top).float(), hidden[:, :, None]).squeeze(-1)  # [R, k]
