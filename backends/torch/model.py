@@ -79,10 +79,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 (as llama.cpp does), scale in the compute dtype
-        return (
-            F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
-        )  # one fused kernel
+        # normalise in fp32 (as llama.cpp does), scale in the compute dtype; casts only where the
+        # dtype differs (a no-op cast still costs a dispatch, and a decode step is mostly dispatches)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight  # one fused kernel
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
 
 
 class Rotary(nn.Module):
@@ -107,14 +108,33 @@ class Rotary(nn.Module):
         self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # every layer of a step rotates by the same positions tensor: look the tables up once
+        """[N, 1, n_rot] each: cos of each pair's angle at both of its places, and sin with the sign
+        its partner's product takes (-sin first), in the rope mode's pairing; looked up once per step
+        (every layer of a step rotates by the same positions tensor)."""
         if self._tables is None or self._tables[0] is not positions:
-            self._tables = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
-        return self._tables[1], self._tables[2]  # [N, 1, n_rot/2] each
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [N, 1, n_rot/2]
+            if self.neox:  # pairs (i, i + n_rot/2)
+                wide = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+            else:  # pairs (2i, 2i+1)
+                wide = cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)
+            self._tables = (positions, *wide)
+        return self._tables[1], self._tables[2]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [N, heads, head_dim] rotated by each token's position."""
+        """x [N, heads, head_dim] rotated by each token's position: x * cos + partner(x) * (-+sin),
+        the products and sum of the pairwise formula (o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin), in
+        four whole-row ops instead of a dozen on halves."""
         cos, sin = self._cos_sin(positions)
+        if self.n_rot == x.shape[-1]:
+            rot = x if x.dtype == torch.float32 else x.float()
+            n, h, d = rot.shape
+            # each element's pair partner: the other half (neox) or the neighbour (normal mode)
+            shape = (n, h, 2, d // 2) if self.neox else (n, h, d // 2, 2)
+            partner = rot.reshape(shape).flip(2 if self.neox else 3).view(n, h, d)
+            out = rot * cos + partner * sin
+            return out if out.dtype == x.dtype else out.to(x.dtype)
+        # partial rotation (the rest of each head passes through): the pairwise formula on halves
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         rot, rest = x[..., : self.n_rot].float(), x[..., self.n_rot :]
         if self.neox:
             x1, x2 = rot.chunk(2, dim=-1)  # pairs (i, i + n_rot/2)

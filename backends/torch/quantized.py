@@ -112,7 +112,9 @@ class SplitLinear(nn.Module):
     def forward(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
         """`split` False: x goes in as bf16 alone (one row each; `RefinedHead`, whose best logits
         are recomputed in fp32 anyway)."""
-        flat = x.reshape(-1, self.in_features).float()
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
         m = flat.shape[0]
         if split:
             y = self.matmul(split_bf16(flat))
