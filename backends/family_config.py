@@ -5,6 +5,17 @@ Gemma's sliding layers follow llama.cpp: layer i slides iff i % period < period 
 five sliding layers for each global one; Gemma 2: period 2, the even layers sliding), unless the file
 carries a per-layer `attention.sliding_window_pattern`. A sliding layer's query at p sees keys
 p - window + 1 .. p.
+
+What Gemma 3's graph does differently from the Llama one, as llama.cpp computes it (both engines'
+`gemma3.py` build it; Gemma 2's differences from it are in their `gemma2.py`):
+- Five sliding-window layers for each global one (above).
+- Two RoPE bases: `rope.freq_base` for global layers (with the file's linear scaling, if any),
+  `rope.freq_base_swa` for sliding ones (never scaled). Rotation pairs are halves (neox).
+- q and k are RMS-normed per head before RoPE; attention scale 1/sqrt(head_dim) (27B: 1/sqrt(dim/heads)).
+- Sandwich norms: RMSNorm before and after attention and before and after the MLP.
+- The embedding is scaled by sqrt(dim); the MLP is GELU(tanh) gated; the head is tied unless the
+  file carries `output.weight`; an optional final soft-cap c * tanh(logits / c).
+- Norm weights are used as stored: llama.cpp's converter already added Gemma's "1 +" to them.
 """
 
 from __future__ import annotations

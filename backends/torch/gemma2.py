@@ -9,16 +9,10 @@ what llama.cpp's gemma2 graph does differently:
 
 from __future__ import annotations
 
-from typing import Any
-
-from localrt.backends.family_config import GEMMA2, GemmaConfig, gemma_config
+from localrt.backends.family_config import GEMMA2
 
 from .gemma3 import Gemma3
 
 
-def config_from_gguf(metadata: dict[str, Any], vocab_size: int) -> GemmaConfig:
-    return gemma_config(metadata, vocab_size, GEMMA2)
-
-
 class Gemma2(Gemma3):
-    config_from_gguf = staticmethod(config_from_gguf)
+    family = GEMMA2

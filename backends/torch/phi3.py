@@ -18,7 +18,7 @@ import torch
 
 from localrt.backends.family_config import llama_like_config
 
-from .model import ModuleFactory, Rotary, Transformer, load_weights, vocab_size_of
+from .model import Rotary, Transformer, vocab_size_of
 
 ARCH = "phi3"
 
@@ -41,29 +41,21 @@ class Phi3(Transformer):
         self.rope_factors = kind
 
     @classmethod
-    def from_gguf(
-        cls,
-        tensors: Any,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        modules: ModuleFactory | None = None,
-    ) -> Phi3:
+    def of_file(cls, tensors: Any) -> Phi3:
+        return cls(llama_like_config(tensors.metadata, vocab_size_of(tensors), ARCH))
+
+    def finish(self, tensors: Any, device: torch.device | str) -> None:
+        """LongRoPE's factors and scales from the file, the short factors' tables until `fit_context`."""
         md = tensors.metadata
-        cfg = llama_like_config(md, vocab_size_of(tensors), ARCH)
-        factors = {
+        self.factors = {
             kind: tensors.get(f"rope_factors_{kind}.weight")
             for kind in ("short", "long")
             if f"rope_factors_{kind}.weight" in tensors
         }
-        with torch.device("meta"):
-            model = cls(cfg)
-        load_weights(model, tensors, dtype, device, modules)
-        model.factors = factors
-        model.original_context = int(
-            md.get(f"{ARCH}.rope.scaling.original_context_length", cfg.context_length)
+        self.original_context = int(
+            md.get(f"{ARCH}.rope.scaling.original_context_length", self.cfg.context_length)
         )
-        model.attn_factor = float(md.get(f"{ARCH}.rope.scaling.attn_factor", 1.0))
-        model.rope_factors = "short" if factors else "none"
+        self.attn_factor = float(md.get(f"{ARCH}.rope.scaling.attn_factor", 1.0))
+        self.rope_factors = "short" if self.factors else "none"
         # real buffers, off the meta device
-        model.rotary = Rotary(cfg, factors.get("short"), model.attn_factor).to(device)
-        return model
+        self.rotary = Rotary(self.cfg, self.factors.get("short"), self.attn_factor).to(device)
