@@ -16,6 +16,14 @@ What Gemma 3's graph does differently from the Llama one, as llama.cpp computes 
 - The embedding is scaled by sqrt(dim); the MLP is GELU(tanh) gated; the head is tied unless the
   file carries `output.weight`; an optional final soft-cap c * tanh(logits / c).
 - Norm weights are used as stored: llama.cpp's converter already added Gemma's "1 +" to them.
+
+What Gemma 2's graph does differently from Gemma 3's (both engines' `gemma2.py`: Gemma 3's layer with
+`GEMMA2` below):
+- sliding and global layers alternate, the even ones sliding (window 4096 unless the file says);
+- attention scores are soft-capped, s -> c * tanh(s / c) with c = 50 unless the file says, before
+  the mask and the softmax; the logits too, with c = 30;
+- no q/k norms; one RoPE base for both kinds of layer (10000: the converter writes none);
+- the head is always the embedding (llama.cpp never loads an `output.weight` for Gemma 2).
 """
 
 from __future__ import annotations

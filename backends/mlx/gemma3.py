@@ -66,10 +66,6 @@ class Gemma3(Transformer):
         rope = self.rope_swa if self.cfg.sliding_layers[i] else self.rope
         return self.block_class(self.cfg, t, i, self.dtype, rope)
 
-    @property
-    def windows(self) -> list[int]:
-        return self.cfg.windows
-
     def embed(self, tokens: mx.array) -> mx.array:
         return super().embed(tokens) * math.sqrt(self.cfg.embedding_length)  # fp32, as llama.cpp's sqrtf
 

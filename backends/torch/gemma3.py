@@ -69,11 +69,6 @@ class Gemma3(Transformer):
         self.rotary, self.rotary_swa = _rotaries(cfg)
         _cap_logits(self)
 
-    @property
-    def windows(self) -> list[int]:
-        """Each layer's sliding window in tokens, 0 for the global layers."""
-        return [block.window for block in self.blk]  # type: ignore[union-attr]
-
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.token_embd(tokens) * self.embed_scale
 

@@ -194,6 +194,7 @@ class Transformer(nn.Module):
         self.output_norm = RMSNorm(cfg.embedding_length, cfg.attention_layer_norm_rms_epsilon)
         self.output = nn.Linear(cfg.embedding_length, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, freq_factors)
+        self.windows = cfg.windows  # each layer's sliding window in tokens, 0 for full attention
 
     @property
     def dtype(self) -> torch.dtype:
@@ -230,11 +231,6 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """tokens [N] -> logits [R, vocab] in float32."""
         return self.output(self.hidden(tokens, ctx, num_layers=num_layers, rows=rows)).float()
-
-    @property
-    def windows(self) -> list[int]:
-        """Each layer's sliding window in tokens, 0 for full attention (every Llama layer is full)."""
-        return [0] * self.cfg.block_count
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> the first hidden states [N, dim] (Gemma scales them)."""
