@@ -24,6 +24,15 @@ What Gemma 2's graph does differently from Gemma 3's (both engines' `gemma2.py`:
   the mask and the softmax; the logits too, with c = 30;
 - no q/k norms; one RoPE base for both kinds of layer (10000: the converter writes none);
 - the head is always the embedding (llama.cpp never loads an `output.weight` for Gemma 2).
+
+Phi-3 / Phi-3.5 / Phi-4 (both engines' `phi3.py`: the Llama block as the file stores it):
+- Q, K and V come fused in `attn_qkv` (rows: Q, then K, then V), gate and up fused in `ffn_up`
+  (rows: gate, then up).
+- RoPE pairs halves (neox) over the first `rope.dimension_count` dims of each head (partial rotary).
+- LongRoPE (`longrope_scaling`): llama.cpp divides the frequencies by `rope_factors_short`, or by
+  `rope_factors_long` when the context is longer than `rope.scaling.original_context_length`; cos
+  and sin are scaled by `rope.scaling.attn_factor` either way.
+- llama.cpp runs every layer with full attention (it ignores the file's sliding window), and so do we.
 """
 
 from __future__ import annotations
@@ -120,3 +129,11 @@ def llama_like_config(metadata: dict[str, Any], vocab_size: int, arch: str) -> L
     cfg = LlamaConfig.from_gguf({**keys, "general.architecture": "qwen3"}, vocab_size)
     cfg.architecture = arch
     return cfg
+
+
+def longrope_scaling(metadata: dict[str, Any], arch: str, context_length: int) -> tuple[int, float]:
+    """Phi-3's LongRoPE keys: (the context its short factors serve, the scale of cos and sin)."""
+    get = metadata_getter(metadata, arch)
+    return int(get("rope.scaling.original_context_length", context_length)), float(
+        get("rope.scaling.attn_factor", 1.0)
+    )
