@@ -77,6 +77,20 @@ class EngineThread:
         """Entered by the thread around its whole life (torch: inference mode)."""
         return contextlib.nullcontext()
 
+    def add(self, request: Any) -> None:
+        """Queue a request in the engine itself (synchronous use, on the caller's thread: `run`)."""
+        raise NotImplementedError
+
+    # ---- synchronous use (tests, benchmarks): no thread -------------------------------------------
+    def run(self, requests: Iterable[Any] = ()) -> list[Any]:
+        """Queue `requests` (`add`) and step until nothing is left; returns every step's outputs."""
+        for request in requests:
+            self.add(request)
+        outputs: list[Any] = []
+        while self.has_work:
+            outputs.extend(self.step())
+        return outputs
+
     # ---- from any thread ------------------------------------------------------------------------
     def start(self, sink: Sink | None = None) -> None:
         """Step on the engine's thread; `sink` receives each step's outputs there (keep it quick)."""
