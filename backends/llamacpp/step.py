@@ -33,6 +33,7 @@ from localrt.backends.base import (
     Timings,
     TokenLogprob,
     common_prefix,
+    longest_prefix,
 )
 from localrt.backends.engine_thread import EngineThread
 from localrt.backends.outputs import logprob_from_logits
@@ -469,12 +470,7 @@ class BatchedContext(EngineThread):
             self.saved.pop(0)
 
     def _best_saved(self, cells: list[Hashable]) -> tuple[SavedSeq | None, int]:
-        best, best_n = None, 0
-        for saved in self.saved:
-            n = common_prefix(saved.cells, cells)
-            if n > best_n:
-                best, best_n = saved, n
-        return best, best_n
+        return longest_prefix(((saved, saved.cells) for saved in self.saved), cells, None)
 
     def _restore(self, saved: SavedSeq, seq: int) -> bool:
         """Load a saved state into seq (whatever it held is saved or dropped first); False if llama.cpp
@@ -490,12 +486,7 @@ class BatchedContext(EngineThread):
         return True
 
     def _best_prefix(self, cells: list[Hashable]) -> tuple[int, int]:
-        best, best_n = -1, 0
-        for seq in range(self.n_seq_max):
-            n = common_prefix(self.cells[seq], cells)
-            if n > best_n:
-                best, best_n = seq, n
-        return best, best_n
+        return longest_prefix(enumerate(self.cells), cells, -1)
 
     def _free_seq(self, src: int, n: int, prompt_len: int) -> int:
         """A seq id for a new request whose best cached prefix is n cells of seq `src`.
