@@ -33,7 +33,7 @@ from localrt.backends.base import (
     modules_installed,
 )
 from localrt.backends.checks import (
-    check_draft_vocabulary,
+    check_draft_tokens,
     check_kv_cache_type,
     check_model_file,
 )
@@ -173,10 +173,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         self.draft_model: Transformer | None = None
         if opts.draft_model is not None:
             dt = GGUFTensors(Path(opts.draft_model))
-            draft_tokens = dt.vocabulary()
-            check_draft_vocabulary(
-                opts.draft_model, len(tokens), len(draft_tokens), tokens.__getitem__, draft_tokens.__getitem__
-            )
+            check_draft_tokens(opts.draft_model, tokens, dt.vocabulary())
             draft_model = load_model(dt, self.dtype)
             dt.close()
             self.memory_bytes += draft_model.nbytes

@@ -14,7 +14,7 @@ can still be trimmed or cut; the prompt cache and the runners respect it.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 
@@ -119,8 +119,40 @@ class _Positions:
             self._drop(drop)
             self.start += drop
 
-    def _drop(self, n: int) -> None:
+    # ---- the buffers: one array each (`KVCache`), or a tuple of packed arrays (`QuantizedKVCache`) ----
+    keys: Any
+    values: Any
+
+    def _cut(self, buf: Any, lo: int, hi: int) -> Any:
+        """Buffer indices lo..hi-1 of one of the cache's buffers (keys or values)."""
         raise NotImplementedError
+
+    def _empty(self: P) -> P:
+        """A new empty cache of the same kind, window and slack."""
+        raise NotImplementedError
+
+    def _drop(self, n: int) -> None:
+        assert self.keys is not None and self.values is not None
+        held = self.held
+        self.keys, self.values = self._cut(self.keys, n, held), self._cut(self.values, n, held)
+
+    def prefix(self: P, n: int) -> P:
+        out = self._empty()
+        n = min(n, self.offset)
+        if n > 0 and self.keys is not None and self.values is not None:
+            assert n >= self.min_prefix, "the prompt cache asks only for prefixes a cache can give"
+            end = n - self.start
+            out.keys, out.values = self._cut(self.keys, 0, end), self._cut(self.values, 0, end)
+            out.offset, out.start = n, self.start
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        bufs = [b for b in (self.keys, self.values) if b is not None]
+        return sum(a.nbytes for b in bufs for a in (b if isinstance(b, tuple) else (b,)))
+
+
+P = TypeVar("P", bound=_Positions)
 
 
 class KVCache(_Positions):
@@ -154,22 +186,11 @@ class KVCache(_Positions):
         self._rotate()
         return out
 
-    def _drop(self, n: int) -> None:
-        assert self.keys is not None and self.values is not None
-        self.keys, self.values = self.keys[:, :, n : self.held], self.values[:, :, n : self.held]
+    def _cut(self, buf: mx.array, lo: int, hi: int) -> mx.array:
+        return buf[:, :, lo:hi]
 
-    def prefix(self, n: int) -> KVCache:
-        out = KVCache(self.dtype, self.window, self.slack)
-        n = min(n, self.offset)
-        if n > 0 and self.keys is not None and self.values is not None:
-            assert n >= self.min_prefix, "the prompt cache asks only for prefixes a cache can give"
-            out.keys, out.values = self.keys[:, :, : n - self.start], self.values[:, :, : n - self.start]
-            out.offset, out.start = n, self.start
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.keys, self.values) if a is not None)
+    def _empty(self) -> KVCache:
+        return KVCache(self.dtype, self.window, self.slack)
 
 
 def _capped_attention(
@@ -242,25 +263,11 @@ class QuantizedKVCache(_Positions):
         self._rotate()
         return out.reshape(1, n_head, n, d)
 
-    def _drop(self, n: int) -> None:
-        assert self.keys is not None and self.values is not None
-        held = self.held
-        self.keys = tuple(a[:, :, n:held] for a in self.keys)  # type: ignore[assignment]
-        self.values = tuple(a[:, :, n:held] for a in self.values)  # type: ignore[assignment]
+    def _cut(self, buf: tuple[mx.array, ...], lo: int, hi: int) -> tuple[mx.array, ...]:
+        return tuple(a[:, :, lo:hi] for a in buf)
 
-    def prefix(self, n: int) -> QuantizedKVCache:
-        out = QuantizedKVCache(self.bits, self.group_size, self.window, self.slack)
-        n = min(n, self.offset)
-        if n > 0 and self.keys is not None and self.values is not None:
-            assert n >= self.min_prefix, "the prompt cache asks only for prefixes a cache can give"
-            out.keys = tuple(a[:, :, : n - self.start] for a in self.keys)  # type: ignore[assignment]
-            out.values = tuple(a[:, :, : n - self.start] for a in self.values)  # type: ignore[assignment]
-            out.offset, out.start = n, self.start
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for buf in (self.keys, self.values) if buf is not None for a in buf)
+    def _empty(self) -> QuantizedKVCache:
+        return QuantizedKVCache(self.bits, self.group_size, self.window, self.slack)
 
 
 KV_DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}
