@@ -44,6 +44,9 @@ from localrt.backends.outputs import fill_score
 from localrt.backends.speculation import SpecState, verify_cost_per_draft
 from localrt.errors import OptionError
 
+from .blas import active as blas_active
+from .blas import install as install_blas
+
 NAME = "mlx"
 PIP_HINT = "pip install 'localrt[mlx]' (on Linux that installs mlx[cpu])"
 KV_CACHE_TYPES = ("f16", "bf16", "f32", "q8_0")
@@ -59,7 +62,10 @@ def mlx_status() -> tuple[bool, str]:
     if not installed:
         return False, why_not
     try:
+        install_blas()  # before MLX's first import, or never (blas.py)
         import mlx.core  # noqa: F401
+    except OptionError as e:
+        return False, str(e)
     except ImportError as e:
         return False, f"mlx is installed but cannot load ({e}); {PIP_HINT}"
     return True, ""
@@ -106,6 +112,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
     ) -> None:
         """`prompt_cache_bytes`: the budget of finished conversations' caches kept for reuse (None: the
         KV of `parallel_slots` full contexts)."""
+        install_blas()  # before `batch` imports MLX (blas.py)
         from .batch import BatchEngine
 
         t0 = time.perf_counter_ns()
@@ -149,6 +156,8 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         tokens = tensors.vocabulary()  # to check a draft model's against
         self.model = load_model(tensors, self.dtype)
         tensors.close()
+        if blas_active():  # the quantized matmul is MLX's own kernel: only dense products reach the BLAS
+            self.model.dense_weights()
         cfg = self.model.cfg
         self.context_length = loaded_context(opts.num_ctx, cfg.context_length)
         if opts.kv_cache_type == "q8_0" and cfg.attention_key_length % KV_GROUP:
@@ -179,6 +188,8 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
             )
             draft_model = load_model(dt, self.dtype)
             dt.close()
+            if blas_active():
+                draft_model.dense_weights()
             self.memory_bytes += draft_model.nbytes
             self.draft_model = draft_model
         self.draft_cost = 0.0 if self.draft_model is None else self.draft_model.nbytes / self.model.nbytes

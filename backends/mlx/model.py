@@ -246,6 +246,17 @@ class Transformer:
     def __call__(self, tokens: mx.array, caches: list[Any], num_layers: int | None = None) -> mx.array:
         return self.logits(self.hidden(tokens, caches, num_layers))
 
+    def dense_weights(self) -> None:
+        """Dequantize every matrix `Linear` multiplies by, once, into the compute dtype (a tied head stays
+        shared): with an optimized BLAS under MLX (blas.py) a dense product over a batch costs about
+        one row, the quantized one a row per row."""
+        done: dict[int, mx.array] = {}
+        for obj in [self.token_embd, self.output, *(v for b in self.blk for v in vars(b).values())]:
+            if isinstance(obj, Linear) and isinstance(obj.weight, QuantizedWeight):
+                w = obj.weight
+                obj.weight = done.setdefault(id(w), w.dequantize().astype(self.dtype))
+        mx.eval(self.arrays())
+
     def arrays(self) -> list[mx.array]:
         """Every weight array (quantized triplets expanded), each once."""
         out: dict[int, mx.array] = {}
