@@ -11,6 +11,7 @@ assembled.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -54,6 +55,7 @@ SCORE_HEAD_ROWS = 256  # logits computed this many rows at a time (the head is n
 MAX_SLOTS = 16
 DEFAULT_SLOTS = {"cpu": 4, "gpu": 8}  # sequences decoded together when LOCALRT_NUM_PARALLEL is unset
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def mlx_status() -> tuple[bool, str]:
@@ -75,6 +77,18 @@ def _on_gpu() -> bool:
     import mlx.core as mx
 
     return mx.default_device().type == mx.DeviceType.gpu
+
+
+def _lay_out_rows() -> None:
+    """On an optimized BLAS, find the row layout that keeps batching invisible (rows.py), once."""
+    from . import rows
+
+    if rows.LAYOUT is None:
+        rows.LAYOUT = rows.probe()
+        if rows.LAYOUT is None:
+            log.warning(
+                "no row layout keeps this BLAS's products row-invariant: batching is not bit-invisible"
+            )
 
 
 class MLXBackend:
@@ -158,6 +172,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         tensors.close()
         if blas_active():  # the quantized matmul is MLX's own kernel: only dense products reach the BLAS
             self.model.dense_weights()
+            _lay_out_rows()
         cfg = self.model.cfg
         self.context_length = loaded_context(opts.num_ctx, cfg.context_length)
         if opts.kv_cache_type == "q8_0" and cfg.attention_key_length % KV_GROUP:

@@ -18,6 +18,8 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from . import rows
+
 STEP = 256  # tokens added per growth: few reallocations, little waste
 KV_GROUP = 32  # quantization group along head_dim for the 8-bit cache
 KV_BITS = 8
@@ -147,7 +149,9 @@ class KVCache(_Positions):
         keys, values = self.keys[:, :, lo:end], self.values[:, :, lo:end]
         if keys.dtype != q.dtype:  # a half cache under fp32 compute (only when asked for explicitly)
             keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-        if softcap > 0:
+        if rows.LAYOUT is not None and not self.window and not softcap and keys.dtype == q.dtype:
+            out = _laid_out_attention(q, self.keys, self.values, self.offset - n, scale, rows.LAYOUT)
+        elif softcap > 0:
             out = _capped_attention(q, keys, values, scale, mask, softcap)
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
@@ -170,6 +174,29 @@ class KVCache(_Positions):
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.keys, self.values) if a is not None)
+
+
+def _laid_out_attention(
+    q: mx.array, keys: mx.array, values: mx.array, first: int, scale: float, layout: rows.RowLayout
+) -> mx.array:
+    """Attention on an optimized BLAS, each query's products the same whatever the step around it: the
+    queries laid out as alone (`rows.RowLayout`), each over `rows.key_span` keys of the buffer (the
+    keys after it masked; the buffer always holds them: it grows 256 at a time). q [1, H, L, D] for
+    positions first.., keys/values the whole buffers [1, Hkv, capacity, D]."""
+    n = q.shape[2]
+    outs = []
+    i = 0
+    while i < n:
+        span = rows.key_span(first + i)
+        j = min(n, span - first)  # the queries sharing this span
+        hidden = mx.arange(first + i, first + j)[:, None] < mx.arange(span)[None]  # [L, span]: later keys
+        mask = ~layout.pack(hidden)  # the padding rows see every key (no empty softmax)
+        out = mx.fast.scaled_dot_product_attention(
+            layout.pack(q[:, :, i:j]), keys[:, :, :span], values[:, :, :span], scale=scale, mask=mask
+        )
+        outs.append(layout.unpack(out, j - i))
+        i = j
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
 def _capped_attention(

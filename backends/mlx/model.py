@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from localrt.backends.llama_config import LlamaConfig
 
+from . import rows
 from .cache import SLACK, Cache, make_caches
 from .gguf_load import GGUFTensors, QuantizedWeight
 
@@ -40,6 +41,8 @@ class Linear:
             y = mx.quantized_matmul(
                 x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
             )
+        elif rows.LAYOUT is not None:  # an optimized BLAS: rows laid out as alone (rows.py)
+            y = rows.LAYOUT.matmul_t(x, w)
         else:
             y = x @ w.T
         return y if self.bias is None else y + self.bias
