@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from . import rows
 
@@ -189,8 +190,7 @@ def _laid_out_attention(
     while i < n:
         span = rows.key_span(first + i)
         j = min(n, span - first)  # the queries sharing this span
-        hidden = mx.arange(first + i, first + j)[:, None] < mx.arange(span)[None]  # [L, span]: later keys
-        mask = ~layout.pack(hidden)  # the padding rows see every key (no empty softmax)
+        mask = layout.pack_mask(np.arange(first + i, first + j)[:, None] >= np.arange(span)[None])
         out = mx.fast.scaled_dot_product_attention(
             layout.pack(q[:, :, i:j]), keys[:, :, :span], values[:, :, :span], scale=scale, mask=mask
         )

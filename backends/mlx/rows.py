@@ -52,6 +52,16 @@ class RowLayout:
     def unpack(self, y: mx.array, n: int) -> mx.array:
         return mx.take(y, self._indexes(n)[1], axis=-2)
 
+    def pack_mask(self, seen: np.ndarray) -> mx.array:
+        """A boolean mask [n, keys] laid out as its queries, the padding rows seeing every key (so no
+        softmax is empty), built on the host: one array instead of a chain of small device ops."""
+        n = seen.shape[0]
+        blocks = -(-n // self.slots)
+        out = np.ones((blocks * self.block, seen.shape[1]), dtype=bool)
+        places = np.arange(n)
+        out[places // self.slots * self.block + places % self.slots] = seen
+        return mx.array(out)
+
     def matmul_t(self, x: mx.array, w: mx.array) -> mx.array:
         """x @ w.T with x's rows laid out."""
         return self.unpack(self.pack(x) @ w.T, x.shape[-2])
