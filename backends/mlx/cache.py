@@ -150,7 +150,8 @@ class KVCache(_Positions):
         keys, values = self.keys[:, :, lo:end], self.values[:, :, lo:end]
         if keys.dtype != q.dtype:  # a half cache under fp32 compute (only when asked for explicitly)
             keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-        if rows.LAYOUT is not None and not self.window and not softcap and keys.dtype == q.dtype:
+        # (a half cache cast for fp32 compute keeps the plain path: the layout reads the whole buffer)
+        if rows.LAYOUT is not None and not self.window and not softcap and self.keys.dtype == q.dtype:
             out = _laid_out_attention(q, self.keys, self.values, self.offset - n, scale, rows.LAYOUT)
         elif softcap > 0:
             out = _capped_attention(q, keys, values, scale, mask, softcap)
