@@ -17,6 +17,9 @@ from __future__ import annotations
 from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
+import numpy as np
+
+from . import rows
 
 STEP = 256  # tokens added per growth: few reallocations, little waste
 KV_GROUP = 32  # quantization group along head_dim for the 8-bit cache
@@ -179,7 +182,10 @@ class KVCache(_Positions):
         keys, values = self.keys[:, :, lo:end], self.values[:, :, lo:end]
         if keys.dtype != q.dtype:  # a half cache under fp32 compute (only when asked for explicitly)
             keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-        if softcap > 0:
+        # (a half cache cast for fp32 compute keeps the plain path: the layout reads the whole buffer)
+        if rows.LAYOUT is not None and not self.window and not softcap and self.keys.dtype == q.dtype:
+            out = _laid_out_attention(q, self.keys, self.values, self.offset - n, scale, rows.LAYOUT)
+        elif softcap > 0:
             out = _capped_attention(q, keys, values, scale, mask, softcap)
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
@@ -191,6 +197,28 @@ class KVCache(_Positions):
 
     def _empty(self) -> KVCache:
         return KVCache(self.dtype, self.window, self.slack)
+
+
+def _laid_out_attention(
+    q: mx.array, keys: mx.array, values: mx.array, first: int, scale: float, layout: rows.RowLayout
+) -> mx.array:
+    """Attention on an optimized BLAS, each query's products the same whatever the step around it: the
+    queries laid out as alone (`rows.RowLayout`), each over `rows.key_span` keys of the buffer (the
+    keys after it masked; the buffer always holds them: it grows 256 at a time). q [1, H, L, D] for
+    positions first.., keys/values the whole buffers [1, Hkv, capacity, D]."""
+    n = q.shape[2]
+    outs = []
+    i = 0
+    while i < n:
+        span = rows.key_span(first + i)
+        j = min(n, span - first)  # the queries sharing this span
+        mask = layout.pack_mask(np.arange(first + i, first + j)[:, None] >= np.arange(span)[None])
+        out = mx.fast.scaled_dot_product_attention(
+            layout.pack(q[:, :, i:j]), keys[:, :, :span], values[:, :, :span], scale=scale, mask=mask
+        )
+        outs.append(layout.unpack(out, j - i))
+        i = j
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
 def _capped_attention(
