@@ -29,6 +29,7 @@ import logging
 import os
 import sys
 
+from localrt import config
 from localrt.errors import OptionError
 
 ENV = "LOCALRT_MLX_BLAS"
@@ -42,7 +43,7 @@ def install() -> str | None:
     global _installed, _tried
     if _tried:
         return _installed
-    spec = os.environ.get(ENV, "").strip()
+    spec = config.mlx_blas()
     if not spec or spec.lower() in ("0", "off", "no", "reference"):
         _tried = True
         return None
