@@ -19,8 +19,8 @@ from localrt.backends.torch.backend import TorchModel  # noqa: E402
 from localrt.backends.torch.gguf_load import DEQUANTIZERS, GGUFTensors  # noqa: E402
 from tests.test_torch_model import F16_FIELDS, write_kquant_llama  # noqa: E402
 
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, **quantized.PAIR_BLOCK_BYTES}
-BLOCK_ELEMS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210, **quantized.PAIR_BLOCK_BYTES}
+BLOCK_ELEMS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32}
 
 
 def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -101,11 +101,13 @@ def test_q4_k_model_stays_quantized_close_and_small(tmp_path: Path) -> None:
 
 
 def test_mixed_fused_linears_are_concatenated(tmp_path: Path) -> None:
-    """Q4_K_M-style attn_v in Q6_K: q and k stay int4, v goes to int8, one module runs both."""
+    """Q4_K_M-style attn_v in Q6_K: q and k stay int4, v goes to four int4 planes, one module runs both."""
     path = write_kquant_llama(tmp_path / "mixed.gguf", {"attn_v": "Q6_K"}, seed=5)
     forced = TorchModel(path, LoadOptions(num_ctx=128, num_thread=1, num_parallel=1), numerics="quantized")
     try:
-        assert "Concat" in {type(module).__name__ for module in forced.model.modules()}
+        modules = list(forced.model.modules())
+        assert "Concat" in {type(module).__name__ for module in modules}
+        assert {m.planes for m in modules if isinstance(m, quantized.Int4Linear)} == {1, 4}
     finally:
         forced.unload()
 
@@ -138,6 +140,39 @@ def test_pair_planes_are_the_dequantized_weights(qtype: str) -> None:
     x = torch.randn(4, cols, generator=torch.Generator().manual_seed(8))
     want = x @ reference.T
     torch.testing.assert_close(linear(x), want, rtol=0, atol=2e-2 * float(want.abs().max()))
+
+
+def test_q6_k_planes_are_the_dequantized_weights() -> None:
+    """Q6_K's sub-blocks of 16 as four int4 planes (each 32-group's halves apart, high 2a + 5 with
+    scale 8s + low b with scale s): their sum is the file's weights exactly, every q a nibble."""
+    rows, cols = 16, 512
+    raw = random_blocks("Q6_K", rows, cols, seed=9)
+    q, scale, zero = quantized.q6_k_groups(raw, rows, cols)
+    assert int(q.min()) >= 0
+    assert int(q.max()) <= 15
+    planes = (q.float() - 8).view(4 * rows, -1, 32) * scale[..., None] + zero[..., None]
+    reference = DEQUANTIZERS["Q6_K"](raw.view(-1, 210)).reshape(rows, cols)
+    assert torch.equal(planes.view(4, rows, cols).sum(0), reference)
+
+
+def test_q6_k_linear_multiplies_by_those_weights() -> None:
+    """The four-plane linear against the planes' own weights (the kernel's bf16 scales), and
+    its rounding stays far below the per-row int8 requantization it replaces."""
+    rows, cols = 48, 512
+    raw = random_blocks("Q6_K", rows, cols, seed=10)
+    q, scale, zero = quantized.q6_k_groups(raw, rows, cols)
+    linear = quantized.Int4Linear(q, scale, zero, None, planes=4)
+    w = (
+        ((q.float() - 8).view(4 * rows, -1, 32) * scale.bfloat16().float()[..., None])
+        .view(4, rows, cols)
+        .sum(0)
+    )
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(11))
+    got, want = linear(x), x @ w.T
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * float(want.abs().max()))  # bf16 outputs
+    weights = DEQUANTIZERS["Q6_K"](raw.view(-1, 210)).reshape(rows, cols)
+    exact, int8 = x @ weights.T, quantized.Int8Linear(*quantized.int8_rows(weights), None)(x)
+    assert float((got - exact).norm()) < 0.5 * float((int8 - exact).norm())
 
 
 def test_cpu_default_keeps_q8_0_quantized(tmp_path: Path) -> None:

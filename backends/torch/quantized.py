@@ -13,10 +13,15 @@ variants are reference loops, 15x slower than a dense fp32 matmul):
   block's integers k (w = d*k + m) are shifted to u = k + 128 in 0..255 and split u = 16a + b; then
   w = (a - 8) * 16d + (b - 8) * d + (8d + m): a "high" weight row with scale 16d and zero 0, a "low"
   one with scale d and zero 8d + m, their outputs added. Exact integers again, 1.25 bytes a weight.
-- everything else (Q6_K's and the other K-types' groups of 16, Q2_K, Q3_K, Q5_K, IQ4_*):
+- Q6_K (6-bit integers in sub-blocks of 16, w = d * sc_j * (u - 32)): the same kernel on four
+  planes (`q6_k_groups`): each 32-group's first and second halves in their own pair of planes (the
+  other half held at the kernel's neutral 8, weight 0), u = 16a + b as a high plane 2a + 5 with scale
+  8 d sc_j plus a low plane b with scale d sc_j. Exact integers, 2.5 bytes a weight with the bf16
+  scales (Q6_K: 0.82); the per-row int8 requantization these tensors had before cost SmolLM2's Q6_K
+  file 1.5% top-1 agreement and its Q4_K_M file 0.9% perplexity.
+- everything else (the other K-types' groups of 16, Q2_K, Q3_K, Q5_K, IQ4_*):
   `aten._weight_int8pack_mm`, int8 with one scale per output row, requantized from the dequantized
-  weights (round to nearest, amax / 127). Not exact: groups of 16 with their own scales have no
-  per-row int8 equivalent in torch's ops.
+  weights (round to nearest, amax / 127). Not exact.
 - float tensors (F32, F16, BF16) are not quantized at all: they load dense, as the dequantized
   numerics load them (`None` from the factory), and `kept()` says so.
 
@@ -33,10 +38,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .gguf_load import DEQUANTIZERS, GGUFTensors, _f16, _k4_scale_min, _nibbles, dequantize
+from .gguf_load import DEQUANTIZERS, GGUFTensors, _f16, _k4_scale_min, _nibbles, dequantize, q6_k_parts
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 PAIR_TYPES = ("Q8_0", "Q5_0", "Q5_1")  # up to 8-bit integers in groups of 32: two int4 planes
+SIXTEEN_TYPES = ("Q6_K",)  # 6-bit integers in sub-blocks of 16: four int4 planes
 FLOAT_TYPES = ("F32", "F16", "BF16")  # never quantized: loaded dense
 GROUP = 32
 REFINE_TOP = 8  # logits of each head row recomputed in fp32 (`RefinedHead`)
@@ -87,6 +93,30 @@ def pair_groups(raw: torch.Tensor, ggml_type: str, rows: int, cols: int) -> tupl
     return q, scale, zero
 
 
+def q6_k_groups(raw: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+    """Q6_K blocks -> four int4 planes stacked by rows, (q [4*rows, cols] int32 in 0..15, scale,
+    zero [4*rows, cols/32] fp32), whose sum is the weight exactly (but for the scales' rounding).
+
+    Q6_K's sub-blocks of 16 each have their own scale s = d * sc, finer than the kernel's groups of
+    32, so each 32-group's two halves go to different planes: plane pair p (0: first halves, 1:
+    second halves) holds its half's integers and the kernel's neutral value 8 (weight 0 with zero 0)
+    in the other half. A 6-bit u = 16a + b (w = s * (u - 32)) is the sum of a high plane
+    q = 2a + 5 with scale 8s and a low plane q = b with scale s: 8s(2a - 3) + s(b - 8) = s(u - 32)."""
+    d, sc, u = q6_k_parts(raw.view(-1, 210))  # [nb, 1], [nb, 16], [nb, 16, 16]
+    s = (d * sc).reshape(-1, 2)  # [groups of 32, halves]
+    u = u.to(torch.int32).reshape(-1, 2, 16)  # [groups, half, 16]
+    a, b = u >> 4, u & 15
+    q, scale = [], []
+    for half in range(2):
+        mine = torch.zeros(1, 2, 1, dtype=torch.bool)
+        mine[0, half] = True
+        for plane, mult in ((2 * a + 5, 8.0), (b, 1.0)):
+            q.append(torch.where(mine, plane, 8).reshape(rows, cols))
+            scale.append((mult * s[:, half]).reshape(rows, -1))
+    scales = torch.cat(scale)
+    return torch.cat(q), scales, torch.zeros_like(scales)
+
+
 def split_bf16(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 -> [2M, K] bf16: the rows of bf16(x), then of bf16(x - bf16(x))."""
     hi = x.to(torch.bfloat16)
@@ -122,7 +152,8 @@ class SplitLinear(nn.Module):
 class Int4Linear(SplitLinear):
     """W in 4-bit affine groups of 32, packed for torch's CPU int4 kernel.
 
-    `planes` 2: q holds two planes stacked by rows (`pair_groups`), W = the first + the second."""
+    `planes` > 1: q holds that many planes stacked by rows (`pair_groups`: 2, `q6_k_groups`: 4), W
+    their sum."""
 
     def __init__(
         self,
@@ -150,7 +181,7 @@ class Int4Linear(SplitLinear):
 
     def combine(self, y: torch.Tensor) -> torch.Tensor:
         n = self.out_features
-        return y[:, :n] + y[:, n : 2 * n] if self.planes == 2 else y[:, :n]
+        return y[:, :n] if self.planes == 1 else y[:, : n * self.planes].unflatten(1, (self.planes, n)).sum(1)
 
 
 class Int8Linear(SplitLinear):
@@ -181,7 +212,8 @@ class BF16Linear(SplitLinear):
 
 
 class Concat(nn.Module):
-    """A fused linear whose parts have different kernels (Q4_K_M: attn_q, attn_k Q4_K, attn_v Q6_K)."""
+    """A fused linear whose parts have different kernels or plane counts (Q4_K_M: attn_q, attn_k Q4_K,
+    attn_v Q6_K)."""
 
     def __init__(self, parts: list[nn.Module]) -> None:
         super().__init__()
@@ -249,9 +281,9 @@ class QuantizedModules:
     """A `model.ModuleFactory`: each linear and the embedding built from its GGUF tensors, kept packed.
 
     - a linear part in a 4-bit affine type: `Int4Linear` (exact nibbles); Q8_0, Q5_0, Q5_1: an
-      `Int4Linear` of two planes (exact integers); a float type: None (loaded dense); any other type:
+      `Int4Linear` of two planes, Q6_K of four (exact integers); a float type: None (loaded dense); any other type:
       `Int8Linear` (per-row requantization). A fused linear whose parts differ in kind is a `Concat`.
-    - the head (output, or the tied token_embd): `Int4Linear` (one or two planes) where the type
+    - the head (output, or the tied token_embd): `Int4Linear` (one, two or four planes) where the type
       allows, else dense bf16, because per-row int8 moves logits by enough to flip 3% of top-1 tokens
       (Q8_0 head, SmolLM2); its best logits refined in fp32 (`RefinedHead`) from the GGUF's bytes
       (the bf16 weight's rows for a bf16 head).
@@ -293,6 +325,8 @@ class QuantizedModules:
             return "int4"
         if int(t.shape[0]) % GROUP == 0 and t.ggml_type in PAIR_TYPES:
             return "int4x2"
+        if t.ggml_type in SIXTEEN_TYPES:
+            return "int4x4"
         return "int8"
 
     def _module(self, parts: list[str], kind: str) -> nn.Module:
@@ -303,7 +337,7 @@ class QuantizedModules:
     def _head(self, name: str) -> RefinedHead:
         if name not in self._heads:
             kernel: SplitLinear
-            if self._kind(name) in ("int4", "int4x2"):
+            if self._kind(name) in ("int4", "int4x2", "int4x4"):
                 kernel = self._int4([name])
                 rows: nn.Module = self._gguf_rows(name)
             else:
@@ -317,14 +351,19 @@ class QuantizedModules:
         return GGUFRows(self.tensors.raw(name), t.ggml_type, int(t.shape[1]), int(t.shape[0]), self.dtype)
 
     def _int4(self, parts: list[str]) -> Int4Linear:
-        """The parts (all 4-bit, or all two-plane) stacked by rows; two planes: every part's high
-        rows, then every part's low rows, so the module's two halves are the fused weight's planes."""
+        """The parts (all of one plane count) stacked by rows; several planes: every part's first
+        plane, then every part's second, ..., so the module's planes are the fused weight's."""
         groups = []
         for p in parts:
             t = self.tensors.by_name[p]
-            split = pair_groups if t.ggml_type in PAIR_TYPES else int4_groups
-            groups.append(split(self.tensors.raw(p), t.ggml_type, int(t.shape[1]), int(t.shape[0])))
-        planes = 2 if self.tensors.by_name[parts[0]].ggml_type in PAIR_TYPES else 1
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            if t.ggml_type in SIXTEEN_TYPES:
+                groups.append(q6_k_groups(self.tensors.raw(p), rows, cols))
+            elif t.ggml_type in PAIR_TYPES:
+                groups.append(pair_groups(self.tensors.raw(p), t.ggml_type, rows, cols))
+            else:
+                groups.append(int4_groups(self.tensors.raw(p), t.ggml_type, rows, cols))
+        planes = {"int4": 1, "int4x2": 2, "int4x4": 4}[self._kind(parts[0])]
         stacked = []
         for i in range(3):  # q, scale, zero
             halves = [g[i].chunk(planes) for g in groups]  # per part: its planes
