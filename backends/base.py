@@ -15,7 +15,7 @@ import asyncio
 import codecs
 import concurrent.futures
 import threading
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
@@ -411,6 +411,19 @@ def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
             break
         n += 1
     return n
+
+
+def longest_prefix(
+    candidates: Iterable[tuple[T, Sequence[Hashable]]], items: Sequence[Hashable], none: T
+) -> tuple[T, int]:
+    """Of `(candidate, what it holds)` pairs, the candidate sharing the longest start with `items` and
+    that length (the first of equals); `(none, 0)` when none shares any."""
+    best, best_n = none, 0
+    for candidate, held in candidates:
+        n = common_prefix(held, items)
+        if n > best_n:
+            best, best_n = candidate, n
+    return best, best_n
 
 
 def loaded_context(num_ctx: int, trained: int) -> int:

@@ -96,6 +96,15 @@ def check_draft_vocabulary(
         raise LocalrtError(f"draft model {Path(draft).name} does not share the model's vocabulary")
 
 
+def check_draft_tokens(
+    draft: Path | str, tokens: Sequence[Hashable], draft_tokens: Sequence[Hashable]
+) -> None:
+    """`check_draft_vocabulary` over two files' token lists (`tokenizer.ggml.tokens`: torch, MLX)."""
+    check_draft_vocabulary(
+        draft, len(tokens), len(draft_tokens), tokens.__getitem__, draft_tokens.__getitem__
+    )
+
+
 M = TypeVar("M")
 
 

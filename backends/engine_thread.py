@@ -1,8 +1,9 @@
-"""An engine's own thread and the streams of its outputs, written once for the torch and MLX engines.
+"""An engine's own thread and the streams of its outputs, written once for the torch, MLX and llama.cpp
+engines.
 
 `EngineThread`: an engine steps on a thread of its own; requests (`submit`) and jobs (`call`: load,
 score, embed) come from any thread and are taken between two steps; each step's outputs go to a sink
-on that thread. `EngineStreams`: the adapter's side, that sink: every output goes to its request's
+on that thread (llama.cpp's step loop gives none: its events go out through its own hand-over thread). `EngineStreams`: the adapter's side, that sink: every output goes to its request's
 asyncio queue on the request's event loop, where the text is assembled (never on the engine thread).
 `EngineModel`: what the torch and MLX adapters do the same way over such an engine (request checks,
 a step's text events, score and embed as jobs on its thread, unload).
@@ -75,6 +76,20 @@ class EngineThread:
     def _thread_context(self) -> contextlib.AbstractContextManager[Any]:
         """Entered by the thread around its whole life (torch: inference mode)."""
         return contextlib.nullcontext()
+
+    def add(self, request: Any) -> None:
+        """Queue a request in the engine itself (synchronous use, on the caller's thread: `run`)."""
+        raise NotImplementedError
+
+    # ---- synchronous use (tests, benchmarks): no thread -------------------------------------------
+    def run(self, requests: Iterable[Any] = ()) -> list[Any]:
+        """Queue `requests` (`add`) and step until nothing is left; returns every step's outputs."""
+        for request in requests:
+            self.add(request)
+        outputs: list[Any] = []
+        while self.has_work:
+            outputs.extend(self.step())
+        return outputs
 
     # ---- from any thread ------------------------------------------------------------------------
     def start(self, sink: Sink | None = None) -> None:

@@ -5,6 +5,34 @@ Gemma's sliding layers follow llama.cpp: layer i slides iff i % period < period 
 five sliding layers for each global one; Gemma 2: period 2, the even layers sliding), unless the file
 carries a per-layer `attention.sliding_window_pattern`. A sliding layer's query at p sees keys
 p - window + 1 .. p.
+
+What Gemma 3's graph does differently from the Llama one, as llama.cpp computes it (both engines'
+`gemma3.py` build it; Gemma 2's differences from it are in their `gemma2.py`):
+- Five sliding-window layers for each global one (above).
+- Two RoPE bases: `rope.freq_base` for global layers (with the file's linear scaling, if any),
+  `rope.freq_base_swa` for sliding ones (never scaled). Rotation pairs are halves (neox).
+- q and k are RMS-normed per head before RoPE; attention scale 1/sqrt(head_dim) (27B: 1/sqrt(dim/heads)).
+- Sandwich norms: RMSNorm before and after attention and before and after the MLP.
+- The embedding is scaled by sqrt(dim); the MLP is GELU(tanh) gated; the head is tied unless the
+  file carries `output.weight`; an optional final soft-cap c * tanh(logits / c).
+- Norm weights are used as stored: llama.cpp's converter already added Gemma's "1 +" to them.
+
+What Gemma 2's graph does differently from Gemma 3's (both engines' `gemma2.py`: Gemma 3's layer with
+`GEMMA2` below):
+- sliding and global layers alternate, the even ones sliding (window 4096 unless the file says);
+- attention scores are soft-capped, s -> c * tanh(s / c) with c = 50 unless the file says, before
+  the mask and the softmax; the logits too, with c = 30;
+- no q/k norms; one RoPE base for both kinds of layer (10000: the converter writes none);
+- the head is always the embedding (llama.cpp never loads an `output.weight` for Gemma 2).
+
+Phi-3 / Phi-3.5 / Phi-4 (both engines' `phi3.py`: the Llama block as the file stores it):
+- Q, K and V come fused in `attn_qkv` (rows: Q, then K, then V), gate and up fused in `ffn_up`
+  (rows: gate, then up).
+- RoPE pairs halves (neox) over the first `rope.dimension_count` dims of each head (partial rotary).
+- LongRoPE (`longrope_scaling`): llama.cpp divides the frequencies by `rope_factors_short`, or by
+  `rope_factors_long` when the context is longer than `rope.scaling.original_context_length`; cos
+  and sin are scaled by `rope.scaling.attn_factor` either way.
+- llama.cpp runs every layer with full attention (it ignores the file's sliding window), and so do we.
 """
 
 from __future__ import annotations
@@ -101,3 +129,11 @@ def llama_like_config(metadata: dict[str, Any], vocab_size: int, arch: str) -> L
     cfg = LlamaConfig.from_gguf({**keys, "general.architecture": "qwen3"}, vocab_size)
     cfg.architecture = arch
     return cfg
+
+
+def longrope_scaling(metadata: dict[str, Any], arch: str, context_length: int) -> tuple[int, float]:
+    """Phi-3's LongRoPE keys: (the context its short factors serve, the scale of cos and sin)."""
+    get = metadata_getter(metadata, arch)
+    return int(get("rope.scaling.original_context_length", context_length)), float(
+        get("rope.scaling.attn_factor", 1.0)
+    )

@@ -37,6 +37,11 @@ class LlamaConfig:
     rope_scaling_factor: float = 1.0  # linear position scaling
     rope_neox: bool = False  # half-split pairs instead of adjacent pairs
 
+    @property
+    def windows(self) -> list[int]:
+        """Each layer's sliding window in tokens, 0 for full attention (every Llama layer is full)."""
+        return [0] * self.block_count
+
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any], vocab_size: int) -> LlamaConfig:
         arch = str(metadata.get("general.architecture", "llama"))

@@ -63,22 +63,18 @@ class Reranker:
             text = self.template.replace("{query}", query).replace("{document}", document)
             return self.model.tokenize(text.encode("utf-8"), False, True)
 
-        def tok(text: str) -> list[int]:
-            return self.model.tokenize(text.encode("utf-8"), False, False) if text else []
-
         bos, eos, sep = lib.llama_vocab_bos(vocab), lib.llama_vocab_eos(vocab), lib.llama_vocab_sep(vocab)
         eos = eos if eos >= 0 else sep
-        add_eos = lib.llama_vocab_get_add_eos(vocab) and eos >= 0
+        end = [eos] if lib.llama_vocab_get_add_eos(vocab) and eos >= 0 else []
+
+        def segment(text: str) -> list[int]:  # a text's tokens, then the end token where the vocab adds one
+            return (self.model.tokenize(text.encode("utf-8"), False, False) if text else []) + end
+
         out: list[int] = [bos] if lib.llama_vocab_get_add_bos(vocab) and bos >= 0 else []
-        out += tok(query)
-        if add_eos:
-            out.append(eos)
+        out += segment(query)
         if lib.llama_vocab_get_add_sep(vocab) and sep >= 0:
             out.append(sep)
-        out += tok(document)
-        if add_eos:
-            out.append(eos)
-        return out
+        return out + segment(document)
 
     def scores(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
         """Relevance score per document (in order) and the number of tokens evaluated."""

@@ -17,6 +17,10 @@ greedy, `--new` tokens each) through localrt's MLX backend (`num_parallel` = the
 prompts through mlx-lm's `BatchGenerator` on the same 4-bit conversion where mlx-lm is installed.
 It prints aggregate generated tokens/s (wall clock from the first request to the last token,
 prefill included) and each engine's ratio to its own single stream.
+
+`--blas openblas` (or a path) runs MLX's fp32 products on that library instead of the wheel's reference
+BLAS, with localrt's weights dense (`LOCALRT_MLX_BLAS`, see backends/mlx/blas.py); mlx-lm's quantized
+products are MLX's own kernels either way.
 """
 
 from __future__ import annotations
@@ -216,7 +220,15 @@ def main() -> None:
     ap.add_argument(
         "--no-mlx-lm", action="store_true", help="skip mlx-lm (its conversion needs transformers)"
     )
+    ap.add_argument("--blas", default=None, help="e.g. openblas: MLX's fp32 products on that BLAS")
     args = ap.parse_args()
+    if args.blas:
+        import os
+
+        from localrt.backends.mlx import blas
+
+        os.environ[blas.ENV] = args.blas
+        print(f"MLX's BLAS: {blas.install()}")  # before anything imports MLX
     if args.concurrency:
         concurrency_table(args)
         return

@@ -263,6 +263,7 @@ class Config:
     with_llama_server: bool = True
     rounds: int = 1  # rounds per concurrency (one round = N requests at once); more rounds, steadier figures
     scale: float = 1.0  # of the prefix and passage lengths (smoke runs use a tenth)
+    grounded_tokens: int = 0  # new tokens per grounded request; 0: --max-tokens
 
 
 def servers(cfg: Config) -> list[tuple[str, Any]]:
@@ -314,18 +315,19 @@ def run_prefix(cfg: Config, clients: int) -> dict[str, dict[str, Row]]:
 
 def run_grounded(cfg: Config, clients: int) -> dict[str, Row]:
     work = grounded(clients, max(10, int(150 * cfg.scale)))
+    n_new = cfg.grounded_tokens or cfg.max_tokens
     spec = ["--spec-type", cfg.server_spec] if cfg.server_spec else []
     results: dict[str, Row] = {}
     if cfg.with_llama_server:
         with llama_server(cfg.gguf, cfg.threads, cfg.slots, cfg.ctx, spec) as url:
-            wall, samples = asyncio.run(drive(url, "default", work, cfg.max_tokens))
+            wall, samples = asyncio.run(drive(url, "default", work, n_new))
             results[f"llama-server {cfg.server_spec or 'no spec'}"] = Row(
                 "llama-server", clients, wall, samples
             )
     for label, mode in (("localrt lookup", "lookup"), ("localrt off", "off")):
         # a fresh server per mode: on one server the second run would find every prompt cached
         with localrt_server(cfg.gguf, cfg.threads, cfg.slots, cfg.ctx, "llama.cpp") as url:
-            wall, samples = asyncio.run(drive(url, MODEL, work, cfg.max_tokens, {"speculative": mode}))
+            wall, samples = asyncio.run(drive(url, MODEL, work, n_new, {"speculative": mode}))
             results[label] = Row(label, clients, wall, samples)
     same = [
         a.text == b.text for a, b in zip(results["localrt lookup"].samples, results["localrt off"].samples)
@@ -400,6 +402,12 @@ def main() -> None:
         help="extra localrt backend column (torch, or torch:NUMERICS, e.g. torch:dequantized)",
     )
     p.add_argument("--server-spec", default="ngram-simple", help="llama-server --spec-type for grounded")
+    p.add_argument(
+        "--grounded-tokens",
+        type=int,
+        default=0,
+        help="new tokens per grounded request (default: --max-tokens; 200 lets each client repeat its whole passage)",
+    )
     p.add_argument("--skip", default="", help="comma list of load,prefix,grounded to skip")
     p.add_argument("--no-llama-server", action="store_true", help="localrt columns only")
     p.add_argument("--smoke", action="store_true", help="tiny settings: check that every part runs")
@@ -419,6 +427,7 @@ def main() -> None:
         skip={s for s in a.skip.split(",") if s},
         with_llama_server=not a.no_llama_server,
         rounds=max(1, a.rounds),
+        grounded_tokens=a.grounded_tokens,
     )
     clients = a.clients
     if a.smoke:

@@ -134,6 +134,11 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def mlx_blas() -> str:
+    """`LOCALRT_MLX_BLAS`: the BLAS library to put under MLX's fp32 products on Linux ("" = MLX's own)."""
+    return setting("LOCALRT_MLX_BLAS")
+
+
 def fetch_images() -> bool:
     """`LOCALRT_FETCH_IMAGES=1`: OpenAI `image_url` parts may name http(s) URLs (off by default: a request
     must not make the server reach out to the network)."""

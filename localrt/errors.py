@@ -35,3 +35,9 @@ class OptionError(LocalrtError):
 
 class BackendUnavailable(LocalrtError):
     status = 501
+
+
+class ClientClosed(LocalrtError):
+    """The client hung up before its answer was ready; the status is nginx's 499, which nobody reads."""
+
+    status = 499

@@ -32,6 +32,10 @@ from tests.servers.serve import LocalrtServer, free_port
 
 MODEL = "tiny:latest"
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
+# Answers the fuzz asks for, at most: an open-ended one (num_predict -1, the default) would run to
+# 10 x num_ctx on a model that never ends, and a schema check needs only a few tokens.
+MAX_ANSWER = 32
+ANSWER_LIMITS = ("num_predict", "max_tokens", "max_completion_tokens", "max_output_tokens")
 # Operations that load the model: their positive cases are pointed at the fixture model so
 # generation runs for real instead of stopping at "model not found".
 USES_MODEL = (
@@ -67,7 +71,8 @@ STATEFUL = (
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalrtServer]:
     root = tmp_path_factory.mktemp("api-schema")
     gguf = write_tiny_llama(root / "tiny.gguf", context_length=128)
-    import_gguf(Store(root / "models"), MODEL, gguf)
+    # the model's own num_predict bounds the answers of requests that leave it unset
+    import_gguf(Store(root / "models"), MODEL, gguf, params={"num_predict": MAX_ANSWER})
     # Nothing listens there: every registry, Hub, index and proxy the server could use is a closed local
     # port, so no generated name can make it reach the network.
     dead = f"http://127.0.0.1:{free_port()}"
@@ -133,6 +138,18 @@ def steer(case: Any, server: LocalrtServer) -> None:
     options = body.get("options")
     if isinstance(options, dict) and isinstance(options.get("num_thread"), int):
         options["num_thread"] = THREADS  # a thousand threads on a 2-core machine is valid, just slow
+    for fields in (body, options):
+        if isinstance(fields, dict):
+            bound_answer(fields)
+
+
+def bound_answer(fields: dict[str, Any]) -> None:
+    """An answer length the fuzz picked (often its schema's largest, or -1: open-ended) cut to
+    MAX_ANSWER: still valid, and the run stays short."""
+    for name in ANSWER_LIMITS:
+        value = fields.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and (value < 0 or value > MAX_ANSWER):
+            fields[name] = MAX_ANSWER
 
 
 @schema.parametrize()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from localrt.errors import OptionError
-from localrt.runtime.options import OPTION_NAMES, Options, parse_option_value
+from localrt.runtime.options import OPEN_ENDED_CONTEXTS, OPTION_NAMES, Options, parse_option_value
 
 
 def test_ollama_defaults() -> None:
@@ -118,13 +118,23 @@ def test_ollama_only_options_are_accepted_and_ignored() -> None:
     assert o.as_dict() == Options.merge().as_dict()
 
 
-def test_num_predict_is_bounded_by_the_context() -> None:
+def test_num_predict_without_shift_is_bounded_by_the_context() -> None:
     o = Options.merge({"num_predict": -1})
     assert o.max_new_tokens(prompt_tokens=100, context_length=512) == 412
     assert Options.merge({"num_predict": -2}).max_new_tokens(100, 512) == 412
     assert Options.merge({"num_predict": 50}).max_new_tokens(100, 512) == 50
     assert Options.merge({"num_predict": 5000}).max_new_tokens(100, 512) == 412
     assert Options.merge({"num_predict": 0}).max_new_tokens(100, 512) == 0
+
+
+def test_num_predict_with_shift_is_ollamas_open_ended_cap() -> None:
+    """Ollama's rule where the context shifts: -1 (the default too) and anything above 10 x num_ctx
+    mean 10 x num_ctx new tokens; -2 still fills the context; an explicit count may pass its end."""
+    assert Options.merge().max_new_tokens(100, 512, shift=True) == OPEN_ENDED_CONTEXTS * 512
+    assert Options.merge({"num_predict": -1}).max_new_tokens(100, 512, shift=True) == 5120
+    assert Options.merge({"num_predict": 9000}).max_new_tokens(100, 512, shift=True) == 5120
+    assert Options.merge({"num_predict": 2000}).max_new_tokens(100, 512, shift=True) == 2000
+    assert Options.merge({"num_predict": -2}).max_new_tokens(100, 512, shift=True) == 412
 
 
 def test_text_values_from_modelfile_and_set_parameter() -> None:

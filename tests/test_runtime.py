@@ -233,6 +233,35 @@ def test_keep_alive_expiry_and_unload(store: Store) -> None:
     asyncio.run(scenario())
 
 
+def test_a_request_cancelled_mid_load_leaves_the_model_loaded(store: Store) -> None:
+    """A caller that goes away while its model loads (the server cancels it when its client hangs up):
+    the load, a thread that cannot stop halfway, finishes and the pool keeps the model instead of
+    leaking it, so the next request finds it loaded."""
+
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            task = asyncio.ensure_future(collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 2})))
+            while not rt.models._loading:  # the load has started (in its thread)
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert rt.queue_depth() == {}  # the caller is gone at once, the load still running
+            for _ in range(6000):  # a liveness bound (a load takes well under a second), not a speed target
+                if rt.ps():
+                    break
+                await asyncio.sleep(0.01)
+            assert [row.name for row in rt.ps()] == ["smollm2:135m"]
+            _, final = await collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 2}))
+            assert final.metrics is not None
+            assert final.metrics.load_ns == 0
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
 def test_lru_unload_beyond_max_loaded(store: Store, smollm2_gguf: Path) -> None:
     import_model(store, "second:latest", smollm2_gguf)
 

@@ -19,8 +19,8 @@ from localrt.backends.torch.backend import TorchModel  # noqa: E402
 from localrt.backends.torch.gguf_load import DEQUANTIZERS, GGUFTensors  # noqa: E402
 from tests.test_torch_model import F16_FIELDS, write_kquant_llama  # noqa: E402
 
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, **quantized.PAIR_BLOCK_BYTES}
-BLOCK_ELEMS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210, **quantized.PAIR_BLOCK_BYTES}
+BLOCK_ELEMS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32}
 
 
 def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -101,11 +101,14 @@ def test_q4_k_model_stays_quantized_close_and_small(tmp_path: Path) -> None:
 
 
 def test_mixed_fused_linears_are_concatenated(tmp_path: Path) -> None:
-    """Q4_K_M-style attn_v in Q6_K: q and k stay int4, v goes to int8, one module runs both."""
+    """Q4_K_M-style attn_v in Q6_K: q and k stay int4, v goes to two int4 planes with scales per
+    half-group, one module runs both."""
     path = write_kquant_llama(tmp_path / "mixed.gguf", {"attn_v": "Q6_K"}, seed=5)
     forced = TorchModel(path, LoadOptions(num_ctx=128, num_thread=1, num_parallel=1), numerics="quantized")
     try:
-        assert "Concat" in {type(module).__name__ for module in forced.model.modules()}
+        modules = list(forced.model.modules())
+        assert "Concat" in {type(module).__name__ for module in modules}
+        assert {m.halves for m in modules if isinstance(m, quantized.Int4Linear)} == {False, True}
     finally:
         forced.unload()
 
@@ -138,6 +141,38 @@ def test_pair_planes_are_the_dequantized_weights(qtype: str) -> None:
     x = torch.randn(4, cols, generator=torch.Generator().manual_seed(8))
     want = x @ reference.T
     torch.testing.assert_close(linear(x), want, rtol=0, atol=2e-2 * float(want.abs().max()))
+
+
+def test_q6_k_planes_are_the_dequantized_weights() -> None:
+    """Q6_K's sub-blocks of 16 as two int4 planes (high 2a + 5 under 8s + low b under s) with a
+    scale set per half of each 32-group: every q a nibble, and each half's weights are exactly the
+    file's under its own scales."""
+    rows, cols = 16, 512
+    raw = random_blocks("Q6_K", rows, cols, seed=9)
+    q, scale, zero = quantized.q6_k_groups(raw, rows, cols)
+    assert int(q.min()) >= 0
+    assert int(q.max()) <= 15
+    planes = (q.float() - 8).view(2 * rows, -1, 2, 16) * scale.permute(1, 2, 0)[..., None]
+    planes = planes + zero.permute(1, 2, 0)[..., None]  # [2 * rows, groups, half, 16]
+    mapped = (planes[:rows] + planes[rows:]).reshape(rows, cols)
+    assert torch.equal(mapped, DEQUANTIZERS["Q6_K"](raw.view(-1, 210)).reshape(rows, cols))
+
+
+def test_q6_k_linear_multiplies_by_those_weights() -> None:
+    """The halves-wise linear against the planes' own weights (the kernel's bf16 scales), and its
+    rounding stays far below that of the per-row int8 requantization it replaces."""
+    rows, cols = 48, 512
+    raw = random_blocks("Q6_K", rows, cols, seed=10)
+    q, scale, zero = quantized.q6_k_groups(raw, rows, cols)
+    linear = quantized.Int4Linear(q, scale, zero, None, planes=2)
+    halves = (q.float() - 8).view(2 * rows, -1, 2, 16) * scale.bfloat16().float().permute(1, 2, 0)[..., None]
+    w = (halves[:rows] + halves[rows:]).reshape(rows, cols)
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(11))
+    got, want = linear(x), x @ w.T
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * float(want.abs().max()))  # bf16 outputs
+    weights = DEQUANTIZERS["Q6_K"](raw.view(-1, 210)).reshape(rows, cols)
+    exact, int8 = x @ weights.T, quantized.Int8Linear(*quantized.int8_rows(weights), None)(x)
+    assert float((got - exact).norm()) < 0.5 * float((int8 - exact).norm())
 
 
 def test_cpu_default_keeps_q8_0_quantized(tmp_path: Path) -> None:

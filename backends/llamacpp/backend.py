@@ -325,9 +325,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         engine = self.engine
         if engine is None:
             return
-        with engine.cond:
-            jobs = [*engine.running, *engine.waiting]
-        for job in jobs:
+        for job in engine.jobs():
             job.cancel.cancel()
 
     def _require_engine(self) -> BatchedContext:

@@ -232,6 +232,15 @@ class Memory:
     def remove(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         return bool(self.lib.llama_memory_seq_rm(self.mem, seq_id, p0, p1))
 
+    def keep(self, seq_id: int, n: int, cells: list[Any]) -> int:
+        """Keep seq_id's first n cells and cut `cells` (the caller's record of them) to match; how many
+        are kept: none when the memory cannot cut a sequence partway (it is cleared then)."""
+        if not self.remove(seq_id, n, -1):
+            self.remove(seq_id)
+            n = 0
+        del cells[n:]
+        return n
+
     def copy(self, src: int, dst: int, p0: int, p1: int) -> None:
         self.lib.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
 

@@ -33,7 +33,9 @@ from localrt.backends.base import (
     Timings,
     TokenLogprob,
     common_prefix,
+    longest_prefix,
 )
+from localrt.backends.engine_thread import EngineThread
 from localrt.backends.outputs import logprob_from_logits
 from localrt.backends.speculation import (
     DEFAULT_NUM_DRAFT,
@@ -136,16 +138,6 @@ class Job:
         return self.req.cancel
 
 
-@dataclass
-class Task:
-    """Exclusive work on the context between steps (scoring): `run(ctx, seq_id)` on a free sequence."""
-
-    run: Callable[[Any, int], Any]
-    result: Any = None
-    error: BaseException | None = None
-    finished: threading.Event = field(default_factory=threading.Event)
-
-
 class DraftContext:
     """The draft model's context: the same seq ids as the target, greedy draft tokens for many sequences at once."""
 
@@ -162,10 +154,7 @@ class DraftContext:
         remaining: list[list[int]] = []
         for seq, history, _ in wants:
             keep = min(common_prefix(self.cells[seq], history), len(history) - 1)
-            if not self.memory.remove(seq, keep, -1):
-                self.memory.remove(seq)
-                keep = 0
-            del self.cells[seq][keep:]
+            keep = self.memory.keep(seq, keep, self.cells[seq])
             remaining.append(history[keep:])
         out: list[list[int]] = [[] for _ in wants]
         live = self._catch_up(wants, remaining, out)
@@ -226,8 +215,12 @@ class DraftContext:
         self.ctx.close()
 
 
-class BatchedContext:
-    """The loaded model's one context, driven by one thread; `submit` jobs, `run_task` exclusive work."""
+class BatchedContext(EngineThread):
+    """The loaded model's one context, driven by one thread (`EngineThread`: requests and jobs queued from
+    any thread, taken between steps); `submit` jobs, `run_task` exclusive work. Events go out through a
+    hand-over thread of its own (`_flush`), not the engine thread's sink."""
+
+    thread_name = "localrt-llamacpp-step"
 
     def __init__(
         self,
@@ -267,11 +260,9 @@ class BatchedContext:
         self.pieces: dict[tuple[int, bool], bytes] = {}
         self.plan: list[tuple[int, list[int], int, bool | list[bool], Job]] = []  # this step's rows
         self.planned = 0
-        self.waiting: list[Job] = []
+        self.waiting: list[Job] = []  # taken from the inbox, not yet admitted (owned by the step thread)
         self.running: list[Job] = []
-        self.tasks: list[Task] = []
-        self.cond = threading.Condition()
-        self.closed = False
+        self._init_thread()
         self.steps = 0  # decodes run (for tests and benchmarks)
         self.outbox: list[Callable[[], None]] = []  # events of the last step, handed over by _flush
         self.handing: list[Callable[[], None]] = []  # flushed, for the hand-over thread
@@ -279,64 +270,43 @@ class BatchedContext:
         self.hand_closed = False
         self.hand_thread = threading.Thread(target=self._hand_over, daemon=True, name="localrt-llamacpp-emit")
         self.hand_thread.start()
-        self.thread = threading.Thread(target=self._loop, daemon=True, name="localrt-llamacpp-step")
-        self.thread.start()
+        self.start()
 
-    # ---- requests from other threads -----------------------------------------------------------
-    def submit(self, job: Job) -> None:
-        with self.cond:
-            if self.closed:
-                raise LocalrtError("the model was unloaded")
-            self.waiting.append(job)
-            self.cond.notify_all()
-
+    # ---- requests from other threads (`submit`: EngineThread's) ------------------------------------
     def run_task(self, fn: Callable[[Any, int], Any]) -> Any:
-        task = Task(fn)
-        with self.cond:
-            if self.closed:
-                raise LocalrtError("the model was unloaded")
-            self.tasks.append(task)
-            self.cond.notify_all()
-        task.finished.wait()
-        if task.error is not None:
-            raise task.error
-        return task.result
+        """Exclusive work on the context between steps (scoring): `fn(ctx, seq_id)` on a free sequence."""
+        return self.call(lambda: self._run_task(fn)).result()
+
+    def jobs(self) -> list[Job]:
+        """The requests not finished: running, waiting for admission, and queued."""
+        with self._cv:
+            return [*self.running, *self.waiting, *self._inbox]
 
     def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-        self.thread.join()
+        self.stop()
         with self.hand_cond:
             self.hand_closed = True
             self.hand_cond.notify_all()
         self.hand_thread.join()
 
-    # ---- the loop ------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self.cond:
-                if not (self.closed or self.waiting or self.running or self.tasks):
-                    self._flush()
-                while not (self.closed or self.waiting or self.running or self.tasks):
-                    self.cond.wait()
-                if self.closed:
-                    break
-                tasks, self.tasks = self.tasks, []
-            for task in tasks:
-                self._run_task(task)
-            try:
-                self.step()
-            except Exception as e:  # a failed decode: every running request gets the error
-                for job in list(self.running):
-                    self._fail(job, e)
-        self._shutdown()
+    # ---- EngineThread's hooks, on the step thread ------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
 
-    def _shutdown(self) -> None:
+    def _take(self, queued: list[Job]) -> None:
+        self.waiting.extend(queued)
+
+    def _fail_step(self, error: Exception) -> list[Any]:
+        """A failed decode: every running request gets the error."""
+        for job in list(self.running):
+            self._fail(job, error)
+        self._flush()
+        return []
+
+    def _unload(self, queued: list[Job]) -> list[Any]:
         gone = LocalrtError("the model was unloaded")
-        with self.cond:
-            pending, self.waiting = self.waiting, []
-            tasks, self.tasks = self.tasks, []
+        pending, self.waiting = [*self.waiting, *queued], []
         for job in [*self.running, *pending]:
             if job.cancel.cancelled:  # model.cancel() before the unload: a clean end, not an error
                 if job in self.running:
@@ -347,32 +317,32 @@ class BatchedContext:
             else:
                 self._fail(job, gone)
         self._flush()
-        for task in tasks:
-            task.error = gone
-            task.finished.set()
+        return []
 
-    def step(self) -> None:
-        """One iteration: drop cancelled requests, admit new ones, decode one batch, sample."""
+    def step(self) -> list[Any]:
+        """One iteration: drop cancelled requests, admit new ones, decode one batch, sample. The events go
+        out through `_flush` (none through the engine thread's sink): before the next decode, or at once
+        when no request is left running."""
         for job in [j for j in self.running if j.cancel.cancelled]:
             self._finish(job, "cancel")
         if self.waiting:
             self._flush()  # admission may take a while (a grammar to compile): tokens go out first
         self._admit()
-        if not self.running:
+        if self.running:
+            self._add_decodes()
+            self._add_prefills()
+            self._fill_batch()
             self._flush()
-            return
-        self._add_decodes()
-        self._add_prefills()
-        self._fill_batch()
-        self._flush()
-        if self.batch.n == 0:
-            return
-        self._decode()
-        for job in list(self.running):
-            if job.rows:
-                rows, drafts = job.rows, job.drafts
-                job.rows, job.drafts = [], []
-                self._consume(job, rows, drafts)
+            if self.batch.n:
+                self._decode()
+                for job in list(self.running):
+                    if job.rows:
+                        rows, drafts = job.rows, job.drafts
+                        job.rows, job.drafts = [], []
+                        self._consume(job, rows, drafts)
+        if not self.running:
+            self._flush()  # nothing left to step: the last events go out now
+        return []
 
     def _emit(self, job: Job, event: Event) -> None:
         self.outbox.append(lambda: job.emit(event))
@@ -408,7 +378,7 @@ class BatchedContext:
 
     # ---- admission and prefix reuse ------------------------------------------------------------
     def _admit(self) -> None:
-        with self.cond:
+        with self._cv:  # `jobs` sees each request waiting or running, never between the two
             held: list[Job] = []
             while self.waiting and len(self.running) < self.n_parallel:
                 job = self.waiting.pop(0)
@@ -480,11 +450,7 @@ class BatchedContext:
             self.cells[seq] = list(self.cells[src])
         elif seq != src:
             n = 0
-        if not self.memory.remove(seq, n, -1):
-            self.memory.remove(seq)
-            n = 0
-        del self.cells[seq][n:]
-        return seq, n
+        return seq, self.memory.keep(seq, n, self.cells[seq])
 
     # ---- the RAM prompt cache: states of idle sequences that lost their cells ---------------------
     def _save(self, seq: int) -> None:
@@ -504,12 +470,7 @@ class BatchedContext:
             self.saved.pop(0)
 
     def _best_saved(self, cells: list[Hashable]) -> tuple[SavedSeq | None, int]:
-        best, best_n = None, 0
-        for saved in self.saved:
-            n = common_prefix(saved.cells, cells)
-            if n > best_n:
-                best, best_n = saved, n
-        return best, best_n
+        return longest_prefix(((saved, saved.cells) for saved in self.saved), cells, None)
 
     def _restore(self, saved: SavedSeq, seq: int) -> bool:
         """Load a saved state into seq (whatever it held is saved or dropped first); False if llama.cpp
@@ -525,12 +486,7 @@ class BatchedContext:
         return True
 
     def _best_prefix(self, cells: list[Hashable]) -> tuple[int, int]:
-        best, best_n = -1, 0
-        for seq in range(self.n_seq_max):
-            n = common_prefix(self.cells[seq], cells)
-            if n > best_n:
-                best, best_n = seq, n
-        return best, best_n
+        return longest_prefix(enumerate(self.cells), cells, -1)
 
     def _free_seq(self, src: int, n: int, prompt_len: int) -> int:
         """A seq id for a new request whose best cached prefix is n cells of seq `src`.
@@ -798,20 +754,16 @@ class BatchedContext:
         self.outbox.append(job.finished.set)  # after the job's last event
 
     # ---- exclusive tasks -----------------------------------------------------------------------
-    def _run_task(self, task: Task) -> None:
+    def _run_task(self, fn: Callable[[Any, int], Any]) -> Any:
         idle = [s for s in range(self.n_seq_max) if self.owner[s] is None]
+        if not idle:
+            raise LocalrtError("no free sequence for this request")
+        seq = min(idle, key=lambda s: (bool(self.cells[s]), self.last_used[s]))
+        self._evict(seq)
         try:
-            if not idle:
-                raise LocalrtError("no free sequence for this request")
-            seq = min(idle, key=lambda s: (bool(self.cells[s]), self.last_used[s]))
+            return fn(self.ctx.ctx, seq)
+        finally:
             self._evict(seq)
-            try:
-                task.result = task.run(self.ctx.ctx, seq)
-            finally:
-                self._evict(seq)
-        except Exception as e:
-            task.error = e
-        task.finished.set()
 
     def decode_exclusive(self, batch: Batch) -> None:
         """For tasks: decode `batch`, dropping idle sequences when the cache is full."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from localrt.backends.checks import model_for_architecture
+from localrt.backends.llama_config import SUPPORTED_ARCHS
 
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
@@ -20,10 +21,7 @@ from .phi3 import Phi3
 from .qwen3moe import Qwen3MoE
 
 MODELS: dict[str, type[Transformer]] = {
-    "llama": Transformer,
-    "mistral": Transformer,
-    "qwen2": Transformer,
-    "qwen3": Transformer,
+    **dict.fromkeys(sorted(SUPPORTED_ARCHS), Transformer),  # the Llama family (`llama_config.py`)
     "gemma2": Gemma2,
     "gemma3": Gemma3,
     "phi3": Phi3,

@@ -11,6 +11,7 @@ assembled.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -33,7 +34,7 @@ from localrt.backends.base import (
     modules_installed,
 )
 from localrt.backends.checks import (
-    check_draft_vocabulary,
+    check_draft_tokens,
     check_kv_cache_type,
     check_model_file,
 )
@@ -44,6 +45,9 @@ from localrt.backends.outputs import fill_score
 from localrt.backends.speculation import SpecState, verify_cost_per_draft
 from localrt.errors import OptionError
 
+from .blas import active as blas_active
+from .blas import install as install_blas
+
 NAME = "mlx"
 PIP_HINT = "pip install 'localrt[mlx]' (on Linux that installs mlx[cpu])"
 KV_CACHE_TYPES = ("f16", "bf16", "f32", "q8_0")
@@ -51,6 +55,7 @@ SCORE_HEAD_ROWS = 256  # logits computed this many rows at a time (the head is n
 MAX_SLOTS = 16
 DEFAULT_SLOTS = {"cpu": 4, "gpu": 8}  # sequences decoded together when LOCALRT_NUM_PARALLEL is unset
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def mlx_status() -> tuple[bool, str]:
@@ -59,7 +64,10 @@ def mlx_status() -> tuple[bool, str]:
     if not installed:
         return False, why_not
     try:
+        install_blas()  # before MLX's first import, or never (blas.py)
         import mlx.core  # noqa: F401
+    except OptionError as e:
+        return False, str(e)
     except ImportError as e:
         return False, f"mlx is installed but cannot load ({e}); {PIP_HINT}"
     return True, ""
@@ -69,6 +77,18 @@ def _on_gpu() -> bool:
     import mlx.core as mx
 
     return mx.default_device().type == mx.DeviceType.gpu
+
+
+def _lay_out_rows() -> None:
+    """On an optimized BLAS, find the row layout that keeps batching invisible (rows.py), once."""
+    from . import rows
+
+    if rows.LAYOUT is None:
+        rows.LAYOUT = rows.probe()
+        if rows.LAYOUT is None:
+            log.warning(
+                "no row layout keeps this BLAS's products row-invariant: batching is not bit-invisible"
+            )
 
 
 class MLXBackend:
@@ -106,6 +126,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
     ) -> None:
         """`prompt_cache_bytes`: the budget of finished conversations' caches kept for reuse (None: the
         KV of `parallel_slots` full contexts)."""
+        install_blas()  # before `batch` imports MLX (blas.py)
         from .batch import BatchEngine
 
         t0 = time.perf_counter_ns()
@@ -149,6 +170,9 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         tokens = tensors.vocabulary()  # to check a draft model's against
         self.model = load_model(tensors, self.dtype)
         tensors.close()
+        if blas_active():  # the quantized matmul is MLX's own kernel: only dense products reach the BLAS
+            self.model.dense_weights()
+            _lay_out_rows()
         cfg = self.model.cfg
         self.context_length = loaded_context(opts.num_ctx, cfg.context_length)
         if opts.kv_cache_type == "q8_0" and cfg.attention_key_length % KV_GROUP:
@@ -173,12 +197,11 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         self.draft_model: Transformer | None = None
         if opts.draft_model is not None:
             dt = GGUFTensors(Path(opts.draft_model))
-            draft_tokens = dt.vocabulary()
-            check_draft_vocabulary(
-                opts.draft_model, len(tokens), len(draft_tokens), tokens.__getitem__, draft_tokens.__getitem__
-            )
+            check_draft_tokens(opts.draft_model, tokens, dt.vocabulary())
             draft_model = load_model(dt, self.dtype)
             dt.close()
+            if blas_active():
+                draft_model.dense_weights()
             self.memory_bytes += draft_model.nbytes
             self.draft_model = draft_model
         self.draft_cost = 0.0 if self.draft_model is None else self.draft_model.nbytes / self.model.nbytes

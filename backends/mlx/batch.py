@@ -166,15 +166,6 @@ class BatchEngine(EngineThread):
     def has_work(self) -> bool:
         return bool(self.waiting or self.active or self._inflight)
 
-    def run(self, rows: Iterable[Row] = ()) -> list[RowOutput]:
-        """Step until every row has ended (synchronous use: tests, benchmarks)."""
-        for row in rows:
-            self.add(row)
-        outputs: list[RowOutput] = []
-        while self.has_work:
-            outputs += self.step()
-        return outputs
-
     # ---- a step -----------------------------------------------------------------------------
     def step(self) -> list[RowOutput]:
         self.steps += 1

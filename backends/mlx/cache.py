@@ -14,9 +14,12 @@ can still be trimmed or cut; the prompt cache and the runners respect it.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
+import numpy as np
+
+from . import rows
 
 STEP = 256  # tokens added per growth: few reallocations, little waste
 KV_GROUP = 32  # quantization group along head_dim for the 8-bit cache
@@ -119,8 +122,40 @@ class _Positions:
             self._drop(drop)
             self.start += drop
 
-    def _drop(self, n: int) -> None:
+    # ---- the buffers: one array each (`KVCache`), or a tuple of packed arrays (`QuantizedKVCache`) ----
+    keys: Any
+    values: Any
+
+    def _cut(self, buf: Any, lo: int, hi: int) -> Any:
+        """Buffer indices lo..hi-1 of one of the cache's buffers (keys or values)."""
         raise NotImplementedError
+
+    def _empty(self: P) -> P:
+        """A new empty cache of the same kind, window and slack."""
+        raise NotImplementedError
+
+    def _drop(self, n: int) -> None:
+        assert self.keys is not None and self.values is not None
+        held = self.held
+        self.keys, self.values = self._cut(self.keys, n, held), self._cut(self.values, n, held)
+
+    def prefix(self: P, n: int) -> P:
+        out = self._empty()
+        n = min(n, self.offset)
+        if n > 0 and self.keys is not None and self.values is not None:
+            assert n >= self.min_prefix, "the prompt cache asks only for prefixes a cache can give"
+            end = n - self.start
+            out.keys, out.values = self._cut(self.keys, 0, end), self._cut(self.values, 0, end)
+            out.offset, out.start = n, self.start
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        bufs = [b for b in (self.keys, self.values) if b is not None]
+        return sum(a.nbytes for b in bufs for a in (b if isinstance(b, tuple) else (b,)))
+
+
+P = TypeVar("P", bound=_Positions)
 
 
 class KVCache(_Positions):
@@ -147,29 +182,43 @@ class KVCache(_Positions):
         keys, values = self.keys[:, :, lo:end], self.values[:, :, lo:end]
         if keys.dtype != q.dtype:  # a half cache under fp32 compute (only when asked for explicitly)
             keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-        if softcap > 0:
+        # (a half cache cast for fp32 compute keeps the plain path: the layout reads the whole buffer)
+        if rows.LAYOUT is not None and not self.window and not softcap and self.keys.dtype == q.dtype:
+            out = _laid_out_attention(q, self.keys, self.values, self.offset - n, scale, rows.LAYOUT)
+        elif softcap > 0:
             out = _capped_attention(q, keys, values, scale, mask, softcap)
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
         self._rotate()
         return out
 
-    def _drop(self, n: int) -> None:
-        assert self.keys is not None and self.values is not None
-        self.keys, self.values = self.keys[:, :, n : self.held], self.values[:, :, n : self.held]
+    def _cut(self, buf: mx.array, lo: int, hi: int) -> mx.array:
+        return buf[:, :, lo:hi]
 
-    def prefix(self, n: int) -> KVCache:
-        out = KVCache(self.dtype, self.window, self.slack)
-        n = min(n, self.offset)
-        if n > 0 and self.keys is not None and self.values is not None:
-            assert n >= self.min_prefix, "the prompt cache asks only for prefixes a cache can give"
-            out.keys, out.values = self.keys[:, :, : n - self.start], self.values[:, :, : n - self.start]
-            out.offset, out.start = n, self.start
-        return out
+    def _empty(self) -> KVCache:
+        return KVCache(self.dtype, self.window, self.slack)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.keys, self.values) if a is not None)
+
+def _laid_out_attention(
+    q: mx.array, keys: mx.array, values: mx.array, first: int, scale: float, layout: rows.RowLayout
+) -> mx.array:
+    """Attention on an optimized BLAS, each query's products the same whatever the step around it: the
+    queries laid out as alone (`rows.RowLayout`), each over `rows.key_span` keys of the buffer (the
+    keys after it masked; the buffer always holds them: it grows 256 at a time). q [1, H, L, D] for
+    positions first.., keys/values the whole buffers [1, Hkv, capacity, D]."""
+    n = q.shape[2]
+    outs = []
+    i = 0
+    while i < n:
+        span = rows.key_span(first + i)
+        j = min(n, span - first)  # the queries sharing this span
+        mask = layout.pack_mask(np.arange(first + i, first + j)[:, None] >= np.arange(span)[None])
+        out = mx.fast.scaled_dot_product_attention(
+            layout.pack(q[:, :, i:j]), keys[:, :, :span], values[:, :, :span], scale=scale, mask=mask
+        )
+        outs.append(layout.unpack(out, j - i))
+        i = j
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
 def _capped_attention(
@@ -242,25 +291,11 @@ class QuantizedKVCache(_Positions):
         self._rotate()
         return out.reshape(1, n_head, n, d)
 
-    def _drop(self, n: int) -> None:
-        assert self.keys is not None and self.values is not None
-        held = self.held
-        self.keys = tuple(a[:, :, n:held] for a in self.keys)  # type: ignore[assignment]
-        self.values = tuple(a[:, :, n:held] for a in self.values)  # type: ignore[assignment]
+    def _cut(self, buf: tuple[mx.array, ...], lo: int, hi: int) -> tuple[mx.array, ...]:
+        return tuple(a[:, :, lo:hi] for a in buf)
 
-    def prefix(self, n: int) -> QuantizedKVCache:
-        out = QuantizedKVCache(self.bits, self.group_size, self.window, self.slack)
-        n = min(n, self.offset)
-        if n > 0 and self.keys is not None and self.values is not None:
-            assert n >= self.min_prefix, "the prompt cache asks only for prefixes a cache can give"
-            out.keys = tuple(a[:, :, : n - self.start] for a in self.keys)  # type: ignore[assignment]
-            out.values = tuple(a[:, :, : n - self.start] for a in self.values)  # type: ignore[assignment]
-            out.offset, out.start = n, self.start
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for buf in (self.keys, self.values) if buf is not None for a in buf)
+    def _empty(self) -> QuantizedKVCache:
+        return QuantizedKVCache(self.bits, self.group_size, self.window, self.slack)
 
 
 KV_DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}

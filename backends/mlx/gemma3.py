@@ -1,17 +1,9 @@
 """Gemma 3 (text) in MLX, read straight from GGUF (GGUF architecture `gemma3`).
 
-What differs from the Llama file (`model.py`), as llama.cpp's gemma3 graph computes it (the
-hyper-parameters and the layer pattern are read by `backends/family_config.py`, shared with torch):
-- Five sliding-window layers for each global one (layer i slides iff i % 6 < 5 unless the file says
-  otherwise); a sliding layer's query at p sees keys p - window + 1 .. p. Those layers get rotating
-  caches (`cache.py`: their memory stays bounded however long the sequence grows).
-- Two RoPE bases: `rope.freq_base` for global layers (with the file's linear scaling, if any),
-  `rope.freq_base_swa` for sliding ones (never scaled). Rotation pairs are halves (neox).
-- q and k are RMS-normed per head before RoPE; attention scale 1/sqrt(head_dim) (27B: 1/sqrt(dim/heads)).
-- Sandwich norms: RMSNorm before and after attention and before and after the MLP.
-- The embedding is scaled by sqrt(dim); the MLP is GELU(tanh) gated; the head is tied unless the
-  file carries `output.weight`; an optional final soft-cap c * tanh(logits / c).
-- Norm weights are used as stored: llama.cpp's converter already added Gemma's "1 +" to them.
+What differs from the Llama file (`model.py`), as llama.cpp's gemma3 graph computes it, is listed in
+`backends/family_config.py` (which also reads the hyper-parameters and the layer pattern, for this file
+and torch's `gemma3.py`). Here the sliding layers get rotating caches (`cache.py`: their memory stays
+bounded however long the sequence grows).
 """
 
 from __future__ import annotations
@@ -73,10 +65,6 @@ class Gemma3(Transformer):
             )
         rope = self.rope_swa if self.cfg.sliding_layers[i] else self.rope
         return self.block_class(self.cfg, t, i, self.dtype, rope)
-
-    @property
-    def windows(self) -> list[int]:
-        return self.cfg.windows
 
     def embed(self, tokens: mx.array) -> mx.array:
         return super().embed(tokens) * math.sqrt(self.cfg.embedding_length)  # fp32, as llama.cpp's sqrtf

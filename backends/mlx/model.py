@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from localrt.backends.llama_config import LlamaConfig
 
+from . import rows
 from .cache import SLACK, Cache, make_caches
 from .gguf_load import GGUFTensors, QuantizedWeight
 
@@ -33,6 +34,9 @@ class Linear:
     def __init__(self, weight: QuantizedWeight | mx.array, bias: mx.array | None = None) -> None:
         self.weight = weight
         self.bias = bias
+        # lays its rows out itself on an optimized BLAS (the head); the blocks' products get the forward's
+        # rows already laid out (`Transformer.hidden_batch`)
+        self.lays_out = False
 
     def __call__(self, x: mx.array) -> mx.array:
         w = self.weight
@@ -40,6 +44,8 @@ class Linear:
             y = mx.quantized_matmul(
                 x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
             )
+        elif self.lays_out and rows.LAYOUT is not None:  # an optimized BLAS: rows laid out (rows.py)
+            y = rows.LAYOUT.matmul_t(x, w)
         else:
             y = x @ w.T
         return y if self.bias is None else y + self.bias
@@ -101,6 +107,10 @@ class Block:
         """x [1, L_total, dim] holding segments of `lengths` tokens, segment i appended to caches[i]."""
         _, n, _ = x.shape
         q, k, v = self.qkv(x)
+        layout = rows.LAYOUT
+        if layout is not None:  # x's rows are laid out (hidden_batch): the segments are the real rows
+            n = sum(lengths)
+            q, k, v = (layout.unpack(a, n) for a in (q, k, v))
         q = q.reshape(1, n, self.n_head, self.head_dim)  # [1, L, H, D]
         k = k.reshape(1, n, self.n_kv, self.head_dim)  # [1, L, Hkv, D]
         v = v.reshape(1, n, self.n_kv, self.head_dim)
@@ -115,7 +125,8 @@ class Block:
             outs.append(cache.attend(qs, ks, vs, scale=self.scale, softcap=self.softcap))  # [1, H, l, D]
             start += length
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-        return self.attn_output(out.transpose(0, 2, 1, 3).reshape(1, n, self.n_head * self.head_dim))
+        out = out.transpose(0, 2, 1, 3).reshape(1, n, self.n_head * self.head_dim)
+        return self.attn_output(out if layout is None else layout.pack(out))
 
     def feed_forward(self, h: mx.array) -> mx.array:
         return self.ffn_down(silu(self.ffn_gate(h)) * self.ffn_up(h))  # SwiGLU
@@ -194,6 +205,7 @@ class Transformer:
         self.output_norm = t.dense("output_norm.weight", dtype)
         # tied embeddings (SmolLM2): the head reuses token_embd
         self.output = Linear(t.matrix("output.weight", dtype)) if self.has_head(t) else self.token_embd
+        self.output.lays_out = True
         mx.eval(self.arrays())
 
     def read_config(self, metadata: dict[str, Any], vocab_size: int) -> LlamaConfig:
@@ -211,7 +223,7 @@ class Transformer:
 
     @property
     def windows(self) -> list[int]:
-        return [0] * self.cfg.block_count
+        return self.cfg.windows  # the config's, as it is now (a test turns the windows off after loading)
 
     def make_caches(self, kv_cache_type: str) -> list[Any]:
         """Fresh per-layer caches for one sequence."""
@@ -235,8 +247,13 @@ class Transformer:
         """Several sequences in one forward: tokens [L_total] = segments of `lengths` tokens laid end to
         end, segment i appended to the per-layer caches `caches[i]`; hidden states [L_total, dim]."""
         x = self.embed(tokens)  # [1, L, dim]
+        layout = rows.LAYOUT
+        if layout is not None:  # an optimized BLAS: the rows laid out once for every product (rows.py)
+            x = layout.pack(x)
         for i, block in enumerate(self.blk[: num_layers or len(self.blk)]):
             x = block(x, [c[i] for c in caches], lengths)
+        if layout is not None:
+            x = layout.unpack(x, tokens.shape[0])
         return rms_norm(x[0], self.output_norm, self.cfg.attention_layer_norm_rms_epsilon)
 
     def logits(self, hidden: mx.array) -> mx.array:
@@ -245,6 +262,17 @@ class Transformer:
 
     def __call__(self, tokens: mx.array, caches: list[Any], num_layers: int | None = None) -> mx.array:
         return self.logits(self.hidden(tokens, caches, num_layers))
+
+    def dense_weights(self) -> None:
+        """Dequantize every matrix `Linear` multiplies by, once, into the compute dtype (a tied head stays
+        shared): with an optimized BLAS under MLX (blas.py) a dense product over a batch costs about
+        one row, the quantized one a row per row."""
+        done: dict[int, mx.array] = {}
+        for obj in [self.token_embd, self.output, *(v for b in self.blk for v in vars(b).values())]:
+            if isinstance(obj, Linear) and isinstance(obj.weight, QuantizedWeight):
+                w = obj.weight
+                obj.weight = done.setdefault(id(w), w.dequantize().astype(self.dtype))
+        mx.eval(self.arrays())
 
     def arrays(self) -> list[mx.array]:
         """Every weight array (quantized triplets expanded), each once."""

@@ -1,14 +1,10 @@
 """Phi-3 / Phi-3.5 / Phi-4 in MLX (GGUF architecture `phi3`): the Llama block (`model.py`) as the file
-stores it.
+stores it; what Phi-3's graph is in llama.cpp is listed in `backends/family_config.py` (one list with
+torch's `phi3.py`).
 
-- Q, K and V come fused in `attn_qkv` (rows: Q, then K, then V), gate and up fused in `ffn_up`
-  (rows: gate, then up): one matrix product each, split after.
-- RoPE pairs halves (neox) over the first `rope.dimension_count` dims of each head (partial rotary).
-- LongRoPE: the wavelengths are stretched by `rope_factors_short` and the rotated dims scaled by
-  `rope.scaling.attn_factor`. llama.cpp switches to `rope_factors_long` once the context passes
-  `rope.scaling.original_context_length`; this engine (as the torch one) keeps the context within
-  that length when the file has long factors, so the short ones are always the right ones.
-- llama.cpp runs every layer with full attention (it ignores the file's sliding window), and so do we.
+The fused projections are one matrix product each, split after. LongRoPE: this engine keeps the
+context within `rope.scaling.original_context_length` when the file has LongRoPE factors, so the
+short ones are always the right ones (torch's switches to the long ones instead, `fit_context`).
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from localrt.backends.family_config import llama_like_config
+from localrt.backends.family_config import llama_like_config, longrope_scaling
 from localrt.backends.llama_config import LlamaConfig
 
 from .gguf_load import GGUFTensors
@@ -55,10 +51,9 @@ class Phi3(Transformer):
 
     def read_config(self, metadata: dict[str, Any], vocab_size: int) -> LlamaConfig:  # type: ignore[override]
         cfg = llama_like_config(metadata, vocab_size, ARCH)
+        original, self._attn_factor = longrope_scaling(metadata, ARCH, cfg.context_length)
         if self._factors is not None:  # past the original length llama.cpp uses the long factors
-            original = int(metadata.get(f"{ARCH}.rope.scaling.original_context_length", cfg.context_length))
             cfg.context_length = min(cfg.context_length, original)
-        self._attn_factor = float(metadata.get(f"{ARCH}.rope.scaling.attn_factor", 1.0))
         return cfg
 
     def make_block(self, t: GGUFTensors, i: int) -> Block:

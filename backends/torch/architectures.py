@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from localrt.backends.checks import model_for_architecture
+from localrt.backends.llama_config import SUPPORTED_ARCHS
 
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
@@ -22,10 +23,7 @@ from .phi3 import Phi3
 from .qwen3moe import OLMoE, Qwen3MoE
 
 MODELS: dict[str, Any] = {
-    "llama": Transformer,
-    "mistral": Transformer,
-    "qwen2": Transformer,
-    "qwen3": Transformer,
+    **dict.fromkeys(sorted(SUPPORTED_ARCHS), Transformer),  # the Llama family (`llama_config.py`)
     "gemma2": Gemma2,
     "gemma3": Gemma3,
     "phi3": Phi3,

@@ -30,7 +30,7 @@ from localrt.backends.base import (
     modules_installed,
 )
 from localrt.backends.checks import (
-    check_draft_vocabulary,
+    check_draft_tokens,
     check_kv_cache_type,
     check_model_file,
 )
@@ -200,10 +200,7 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         check_model_file(path, "draft model")
         tensors = GGUFTensors(path)
         try:
-            draft_tokens = tensors.vocabulary()
-            check_draft_vocabulary(
-                path, len(self._tokens), len(draft_tokens), self._tokens.__getitem__, draft_tokens.__getitem__
-            )
+            check_draft_tokens(path, self._tokens, tensors.vocabulary())
             return self._build(tensors, dtype)[0]
         finally:
             tensors.close()

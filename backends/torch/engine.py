@@ -355,15 +355,6 @@ class Engine(EngineThread):
                 self.proposers[seq.spec.mode].release(seq)
         self.scheduler.released.clear()
 
-    def run(self, seqs: Iterable[Sequence] = ()) -> list[StepOutput]:
-        """Synchronous: queue seqs and step until nothing is left; returns every step's outputs."""
-        for seq in seqs:
-            self.add(seq)
-        outputs: list[StepOutput] = []
-        while self.has_work:
-            outputs.extend(self.step())
-        return outputs
-
     # ---- whole-sequence passes (score, embed) -------------------------------------------------
     @torch.inference_mode()
     def hidden_states(self, tokens: list[int]) -> torch.Tensor:

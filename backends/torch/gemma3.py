@@ -1,18 +1,10 @@
 """Gemma 3 (text), read straight from GGUF (GGUF architecture `gemma3`).
 
-What differs from the Llama file (`model.py`), as llama.cpp's gemma3 graph computes it:
-- Five sliding-window layers for each global one: layer i slides iff i % period < period - 1 (period
-  6 unless the file says otherwise); a sliding layer's query at p sees keys p - window + 1 .. p.
-- Two RoPE bases: `rope.freq_base` for global layers (with the file's linear scaling, if any),
-  `rope.freq_base_swa` for sliding ones (never scaled). Rotation pairs are halves (neox).
-- q and k are RMS-normed per head before RoPE; attention scale 1/sqrt(head_dim) (27B: 1/sqrt(dim/heads)).
-- Sandwich norms: RMSNorm before and after attention and before and after the MLP.
-- The embedding is scaled by sqrt(dim); the MLP is GELU(tanh) gated; the head is tied unless the
-  file carries `output.weight`; an optional final soft-cap c * tanh(logits / c).
-- Norm weights are used as stored: llama.cpp's converter already added Gemma's "1 +" to them.
+What differs from the Llama file (`model.py`), as llama.cpp's gemma3 graph computes it, is listed in
+`backends/family_config.py` (one list for this file and MLX's `gemma3.py`).
 
 The model and its block are the Llama file's (`model.Transformer`, `model.Block`: the fused `attn_qkv`
-and `ffn_gate_up` projections, one matmul each) with the differences above as overrides, so the same
+and `ffn_gate_up` projections, one matmul each) with those differences as overrides, so the same
 loader and the same quantized modules serve both.
 """
 
@@ -26,23 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localrt.backends.family_config import GEMMA3, GemmaConfig, gemma_config
+from localrt.backends.family_config import GEMMA3, GemmaConfig, GemmaFamily, gemma_config
 
 from .model import (
     AttentionContext,
-    ModuleFactory,
     RMSNorm,
     Rotary,
     Transformer,
-    build,
     random_model,
     vocab_size_of,
 )
 from .model import Block as LlamaBlock
-
-
-def config_from_gguf(metadata: dict[str, Any], vocab_size: int) -> GemmaConfig:
-    return gemma_config(metadata, vocab_size, GEMMA3)
 
 
 class Block(LlamaBlock):
@@ -74,7 +60,7 @@ class Gemma3(Transformer):
     """The Llama model (`model.Transformer`: hidden, forward) with Gemma's blocks, a scaled
     embedding, two RoPE tables and the optional final soft-cap."""
 
-    config_from_gguf = staticmethod(config_from_gguf)
+    family: GemmaFamily = GEMMA3  # the hyper-parameters' defaults and layer pattern (`family_config.py`)
 
     def __init__(self, cfg: GemmaConfig) -> None:
         super().__init__(cfg, qk_norm=cfg.qk_norm)
@@ -83,11 +69,6 @@ class Gemma3(Transformer):
         self.rotary, self.rotary_swa = _rotaries(cfg)
         _cap_logits(self)
 
-    @property
-    def windows(self) -> list[int]:
-        """Each layer's sliding window in tokens, 0 for the global layers."""
-        return [block.window for block in self.blk]  # type: ignore[union-attr]
-
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.token_embd(tokens) * self.embed_scale
 
@@ -95,18 +76,12 @@ class Gemma3(Transformer):
         return self.rotary_swa if block.window else self.rotary  # type: ignore[union-attr]
 
     @classmethod
-    def from_gguf(
-        cls,
-        tensors: Any,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        modules: ModuleFactory | None = None,
-    ) -> Gemma3:
-        cfg = cls.config_from_gguf(tensors.metadata, vocab_size_of(tensors))
-        model = build(lambda: cls(cfg), tensors, dtype, device, modules)
-        model.rotary, model.rotary_swa = (r.to(device) for r in _rotaries(cfg))  # real buffers, off meta
-        _cap_logits(model)  # again: `modules` may have swapped the head
-        return model
+    def of_file(cls, tensors: Any) -> Gemma3:
+        return cls(gemma_config(tensors.metadata, vocab_size_of(tensors), cls.family))
+
+    def finish(self, tensors: Any, device: torch.device | str) -> None:
+        self.rotary, self.rotary_swa = (r.to(device) for r in _rotaries(self.cfg))  # real buffers, off meta
+        _cap_logits(self)  # again: `modules` may have swapped the head
 
 
 def _cap_logits(model: Gemma3) -> None:

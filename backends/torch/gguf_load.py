@@ -135,16 +135,21 @@ def dequant_q5_k(b: torch.Tensor) -> torch.Tensor:
     return _k4_scaled(b, (_k4_nibbles(b[:, 48:176]) | (high << 4)).float())
 
 
-def dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
+def q6_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K blocks [nb, 210] -> (d [nb, 1] fp32, scales [nb, 16] fp32 (int8 values), u [nb, 16, 16]
+    uint8 in 0..63): element i of sub-block j is d * scales[j] * (u[j, i] - 32)."""
     nb = b.shape[0]
     ql, qh = b[:, :128].view(nb, 2, 2, 32), b[:, 128:192].view(nb, 2, 1, 32)
     scales = b[:, 192:208].contiguous().view(torch.int8).float()
-    d = _f16(b[:, 208:210])
     low = torch.cat([ql & 0x0F, ql >> 4], dim=2)  # [nb, half, quarter r, 32]: r = 0,1 low nibbles, 2,3 high
     high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
-    q = (low | (high << 4)).to(torch.int16) - 32
-    q = q.reshape(nb, 16, 16).float()
-    return (d.unsqueeze(-1) * scales.unsqueeze(-1) * q).reshape(nb, QK_K)
+    return _f16(b[:, 208:210]), scales, (low | (high << 4)).reshape(nb, 16, 16)
+
+
+def dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
+    d, scales, u = q6_k_parts(b)
+    q = u.float() - 32
+    return (d.unsqueeze(-1) * scales.unsqueeze(-1) * q).reshape(b.shape[0], QK_K)
 
 
 IQ4_GRID = torch.tensor(

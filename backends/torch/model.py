@@ -195,6 +195,9 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+TM = TypeVar("TM", bound="Transformer")
+
+
 class Transformer(nn.Module):
     def __init__(
         self,
@@ -211,6 +214,7 @@ class Transformer(nn.Module):
         self.output_norm = RMSNorm(cfg.embedding_length, cfg.attention_layer_norm_rms_epsilon)
         self.output = nn.Linear(cfg.embedding_length, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, freq_factors)
+        self.windows = cfg.windows  # each layer's sliding window in tokens, 0 for full attention
 
     @property
     def dtype(self) -> torch.dtype:
@@ -248,11 +252,6 @@ class Transformer(nn.Module):
         """tokens [N] -> logits [R, vocab] in float32."""
         return self.output(self.hidden(tokens, ctx, num_layers=num_layers, rows=rows)).float()
 
-    @property
-    def windows(self) -> list[int]:
-        """Each layer's sliding window in tokens, 0 for full attention (every Llama layer is full)."""
-        return [0] * self.cfg.block_count
-
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> the first hidden states [N, dim] (Gemma scales them)."""
         return self.token_embd(tokens)
@@ -263,24 +262,35 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_gguf(
-        cls,
+        cls: type[TM],
         tensors: Any,
         dtype: torch.dtype,
         device: torch.device | str,
         modules: ModuleFactory | None = None,
-    ) -> Transformer:
+    ) -> TM:
         """Build from a `gguf_load.GGUFTensors`, dequantizing tensor by tensor into `dtype` on `device`.
 
         `modules` (speed from outside, e.g. `quantized.QuantizedModules`) may supply each linear and the
-        embedding itself, from the GGUF tensors named; those are never dequantized here.
+        embedding itself, from the GGUF tensors named; those are never dequantized here. Every family
+        builds this way; what differs is its `of_file` (the empty model the file describes) and
+        `finish` (what is read after the weights).
         """
-        md = tensors.metadata
-        cfg = LlamaConfig.from_gguf(md, vocab_size_of(tensors))
-        freq_factors = tensors.get("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
-        qkv_bias, qk_norm = "blk.0.attn_q.bias" in tensors, "blk.0.attn_q_norm.weight" in tensors
-        model = build(lambda: cls(cfg, qkv_bias=qkv_bias, qk_norm=qk_norm), tensors, dtype, device, modules)
-        model.rotary = Rotary(cfg, freq_factors).to(device)  # buffers computed for real, off the meta device
+        model = build(lambda: cls.of_file(tensors), tensors, dtype, device, modules)
+        model.finish(tensors, device)
         return model
+
+    @classmethod
+    def of_file(cls: type[TM], tensors: Any) -> TM:
+        """The model a GGUF's metadata and tensor names describe, its weights not yet loaded."""
+        cfg = LlamaConfig.from_gguf(tensors.metadata, vocab_size_of(tensors))
+        qkv_bias, qk_norm = "blk.0.attn_q.bias" in tensors, "blk.0.attn_q_norm.weight" in tensors
+        return cls(cfg, qkv_bias=qkv_bias, qk_norm=qk_norm)
+
+    def finish(self, tensors: Any, device: torch.device | str) -> None:
+        """After the weights: the RoPE tables computed for real, off the meta device (with the file's
+        frequency factors, Llama 3.1's `rope_freqs.weight`)."""
+        freq_factors = tensors.get("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
+        self.rotary = Rotary(self.cfg, freq_factors).to(device)
 
 
 def vocab_size_of(tensors: Any) -> int:

@@ -1,13 +1,9 @@
-"""Phi-3 / Phi-3.5 / Phi-4 (GGUF architecture `phi3`): the Llama block (`model.py`) as the file stores it.
+"""Phi-3 / Phi-3.5 / Phi-4 (GGUF architecture `phi3`): the Llama block (`model.py`) as the file stores it;
+what Phi-3's graph is in llama.cpp is listed in `backends/family_config.py` (one list with MLX's `phi3.py`).
 
-- Q, K and V come fused in `attn_qkv` (rows: Q, then K, then V), gate and up fused in `ffn_up`
-  (rows: gate, then up), which is the Llama file's own fused layout, so the weights load as they are.
-- RoPE pairs halves (neox) over the first `rope.dimension_count` dims of each head (partial rotary).
-- LongRoPE: the frequencies are divided by `rope_factors_short`, or by `rope_factors_long` when the
-  context the model is loaded with is longer than `rope.scaling.original_context_length`; the choice is
-  made once per context, for every position, as llama.cpp makes it (`fit_context`), not per sequence
-  length as transformers does. cos/sin are scaled by `rope.scaling.attn_factor` either way.
-- llama.cpp runs every layer with full attention (it ignores the file's sliding window), and so do we.
+Its fused projections are the Llama file's own fused layout, so the weights load as they are. The
+LongRoPE factors are chosen once per context, for every position, as llama.cpp chooses them
+(`fit_context`), not per sequence length as transformers does.
 """
 
 from __future__ import annotations
@@ -16,9 +12,9 @@ from typing import Any
 
 import torch
 
-from localrt.backends.family_config import llama_like_config
+from localrt.backends.family_config import llama_like_config, longrope_scaling
 
-from .model import ModuleFactory, Rotary, Transformer, load_weights, vocab_size_of
+from .model import Rotary, Transformer, vocab_size_of
 
 ARCH = "phi3"
 
@@ -41,29 +37,19 @@ class Phi3(Transformer):
         self.rope_factors = kind
 
     @classmethod
-    def from_gguf(
-        cls,
-        tensors: Any,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        modules: ModuleFactory | None = None,
-    ) -> Phi3:
-        md = tensors.metadata
-        cfg = llama_like_config(md, vocab_size_of(tensors), ARCH)
-        factors = {
+    def of_file(cls, tensors: Any) -> Phi3:
+        return cls(llama_like_config(tensors.metadata, vocab_size_of(tensors), ARCH))
+
+    def finish(self, tensors: Any, device: torch.device | str) -> None:
+        """LongRoPE's factors and scales from the file, the short factors' tables until `fit_context`."""
+        self.factors = {
             kind: tensors.get(f"rope_factors_{kind}.weight")
             for kind in ("short", "long")
             if f"rope_factors_{kind}.weight" in tensors
         }
-        with torch.device("meta"):
-            model = cls(cfg)
-        load_weights(model, tensors, dtype, device, modules)
-        model.factors = factors
-        model.original_context = int(
-            md.get(f"{ARCH}.rope.scaling.original_context_length", cfg.context_length)
+        self.original_context, self.attn_factor = longrope_scaling(
+            tensors.metadata, ARCH, self.cfg.context_length
         )
-        model.attn_factor = float(md.get(f"{ARCH}.rope.scaling.attn_factor", 1.0))
-        model.rope_factors = "short" if factors else "none"
+        self.rope_factors = "short" if self.factors else "none"
         # real buffers, off the meta device
-        model.rotary = Rotary(cfg, factors.get("short"), model.attn_factor).to(device)
-        return model
+        self.rotary = Rotary(self.cfg, self.factors.get("short"), self.attn_factor).to(device)

@@ -18,7 +18,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from localrt.backends.base import common_prefix
+from localrt.backends.base import longest_prefix
 
 from .kv_cache import BlockPool
 
@@ -90,12 +90,8 @@ class PrefixCache:
     def find_partial(self, parent: bytes, rest: Sequence[int]) -> tuple[int | None, int]:
         """The cached block (full or partial) under `parent` sharing the longest start with `rest`:
         (block, tokens shared), or (None, 0)."""
-        best, best_len = None, 0
-        for cached_tokens, block in self._children.get(parent, {}).items():
-            n = common_prefix(cached_tokens, rest)
-            if n > best_len:
-                best, best_len = block, n
-        return best, best_len
+        children = self._children.get(parent, {})
+        return longest_prefix(((block, tokens) for tokens, block in children.items()), rest, None)
 
     def _holds(self, block: int, parent: bytes, tokens: tuple[int, ...]) -> bool:
         """The block was cached for exactly these tokens after exactly this parent."""

@@ -13,10 +13,17 @@ variants are reference loops, 15x slower than a dense fp32 matmul):
   block's integers k (w = d*k + m) are shifted to u = k + 128 in 0..255 and split u = 16a + b; then
   w = (a - 8) * 16d + (b - 8) * d + (8d + m): a "high" weight row with scale 16d and zero 0, a "low"
   one with scale d and zero 8d + m, their outputs added. Exact integers again, 1.25 bytes a weight.
-- everything else (Q6_K's and the other K-types' groups of 16, Q2_K, Q3_K, Q5_K, IQ4_*):
+- Q6_K (6-bit integers in sub-blocks of 16, w = d * sc_j * (u - 32)): the same kernel on two
+  planes (`q6_k_groups`), u = 16a + b as a high plane 2a + 5 with scale 8 d sc_j plus a low plane b
+  with scale d sc_j: 8s(2a - 3) + s(b - 8) = s(u - 32). The kernel's groups of 32 hold two
+  sub-blocks with different scales, so the planes are multiplied twice, with each half's scales and
+  the activation's other half zeroed (`Int4Linear` with halves). Exact integers, 1.25 bytes a
+  weight with the bf16 scales (Q6_K: 0.82), four planes' work; the per-row int8 requantization these
+  tensors had before cost SmolLM2's Q6_K file 1.5% top-1 agreement and its Q4_K_M file 0.9%
+  perplexity.
+- everything else (the other K-types' groups of 16, Q2_K, Q3_K, Q5_K, IQ4_*):
   `aten._weight_int8pack_mm`, int8 with one scale per output row, requantized from the dequantized
-  weights (round to nearest, amax / 127). Not exact: groups of 16 with their own scales have no
-  per-row int8 equivalent in torch's ops.
+  weights (round to nearest, amax / 127). Not exact.
 - float tensors (F32, F16, BF16) are not quantized at all: they load dense, as the dequantized
   numerics load them (`None` from the factory), and `kept()` says so.
 
@@ -34,10 +41,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .gguf_load import DEQUANTIZERS, GGUFTensors, _f16, _k4_scale_min, _nibbles, dequantize
+from .gguf_load import DEQUANTIZERS, GGUFTensors, _f16, _k4_scale_min, _nibbles, dequantize, q6_k_parts
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 PAIR_TYPES = ("Q8_0", "Q5_0", "Q5_1")  # up to 8-bit integers in groups of 32: two int4 planes
+SIXTEEN_TYPES = ("Q6_K",)  # 6-bit integers in sub-blocks of 16: two int4 planes, run once per half
+PLANES = {"int4": 1, "int4x2": 2, "int4x2/16": 2}  # the kinds `Int4Linear` takes, and their planes
 FLOAT_TYPES = ("F32", "F16", "BF16")  # never quantized: loaded dense
 GROUP = 32
 REFINE_TOP = 8  # logits of each head row recomputed in fp32 (`RefinedHead`)
@@ -88,6 +97,19 @@ def pair_groups(raw: torch.Tensor, ggml_type: str, rows: int, cols: int) -> tupl
     return q, scale, zero
 
 
+def q6_k_groups(raw: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+    """Q6_K blocks -> two int4 planes stacked by rows, q [2*rows, cols] int32 in 0..15, and their
+    scales and zeros per half, [2, 2*rows, cols/32] fp32: half h's (h = 0: each 32-group's first 16
+    columns, 1: its last 16) weights are the planes' sum under scale[h], zero[h] (zeros all 0):
+    w = s(u - 32) with u = 16a + b, high plane 2a + 5 under 8s, low plane b under s."""
+    d, sc, u = q6_k_parts(raw.view(-1, 210))  # [nb, 1], [nb, 16], [nb, 16, 16]
+    s = (d * sc).reshape(rows, -1, 2)  # [rows, groups of 32, half]
+    u = u.to(torch.int32).reshape(rows, cols)
+    q = torch.cat([2 * (u >> 4) + 5, u & 15])
+    scale = torch.stack([torch.cat([8 * s[..., h], s[..., h]]) for h in range(2)])
+    return q, scale, torch.zeros_like(scale)
+
+
 def split_bf16(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 -> [2M, K] bf16: the rows of bf16(x), then of bf16(x - bf16(x))."""
     m = x.shape[0]
@@ -136,7 +158,9 @@ class SplitLinear(nn.Module):
 class Int4Linear(SplitLinear):
     """W in 4-bit affine groups of 32, packed for torch's CPU int4 kernel.
 
-    `planes` 2: q holds two planes stacked by rows (`pair_groups`), W = the first + the second."""
+    `planes` 2: q holds two planes stacked by rows (`pair_groups`, `q6_k_groups`), W their sum.
+    scale and zero [2, rows, K/32] (`q6_k_groups`): one set for each half of every 32-group (groups
+    of 16), the kernel run once per half on the activation with the other half zeroed."""
 
     def __init__(
         self,
@@ -149,18 +173,32 @@ class Int4Linear(SplitLinear):
         super().__init__()
         self.planes = planes
         self.out_features, self.in_features = q.shape[0] // planes, q.shape[1]
+        self.halves = scale.dim() == 3
+        scale, zero = (t if self.halves else t[None] for t in (scale, zero))
         pad = -q.shape[0] % 16  # the packing wants rows in multiples of 16: zero rows, sliced off
         if pad:
             q = torch.cat([q, torch.full((pad, q.shape[1]), 8, dtype=q.dtype)])
-            scale, zero = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, zero))
+            scale, zero = (torch.cat([t, t.new_zeros(t.shape[0], pad, t.shape[2])], 1) for t in (scale, zero))
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        # [K/32, N, 2]: the kernel's layout of (scale, zero) per group and output row
-        sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self.register_buffer("scales_and_zeros", sz)
+        # [K/32, N, 2]: the kernel's layout of (scale, zero) per group and output row (one per half)
+        sz = torch.stack([scale, zero], -1).transpose(1, 2).contiguous().to(torch.bfloat16)
+        self.register_buffer("scales_and_zeros", sz if self.halves else sz[0])
+        # the columns of each group's first half (groups of 16)
+        first = torch.arange(self.in_features) % GROUP < GROUP // 2 if self.halves else None
+        self.register_buffer("first_half", first)
         self.register_buffer("bias", bias)
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_and_zeros)
+        if self.first_half is None:
+            return self._kernel(x2, self.scales_and_zeros)
+        first = torch.where(self.first_half, x2, 0)  # exact: the other half zeroed, not rounded
+        return (
+            self._kernel(first, self.scales_and_zeros[0]).float()
+            + self._kernel(x2 - first, self.scales_and_zeros[1]).float()
+        )
+
+    def _kernel(self, x2: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, sz)
 
     def combine(self, y: torch.Tensor) -> torch.Tensor:
         n = self.out_features
@@ -197,7 +235,8 @@ class BF16Linear(SplitLinear):
 
 
 class Concat(nn.Module):
-    """A fused linear whose parts have different kernels (Q4_K_M: attn_q, attn_k Q4_K, attn_v Q6_K)."""
+    """A fused linear whose parts have different kernels or plane counts (Q4_K_M: attn_q, attn_k Q4_K,
+    attn_v Q6_K)."""
 
     def __init__(self, parts: list[nn.Module]) -> None:
         super().__init__()
@@ -268,7 +307,7 @@ class QuantizedModules:
     """A `model.ModuleFactory`: each linear and the embedding built from its GGUF tensors, kept packed.
 
     - a linear part in a 4-bit affine type: `Int4Linear` (exact nibbles); Q8_0, Q5_0, Q5_1: an
-      `Int4Linear` of two planes (exact integers); a float type: None (loaded dense); any other type:
+      `Int4Linear` of two planes, Q6_K of two with a scale set per half-group (exact integers); a float type: None (loaded dense); any other type:
       `Int8Linear` (per-row requantization). A fused linear whose parts differ in kind is a `Concat`.
     - the head (output, or the tied token_embd): `Int4Linear` (one or two planes) where the type
       allows, else dense bf16, because per-row int8 moves logits by enough to flip 3% of top-1 tokens
@@ -312,6 +351,8 @@ class QuantizedModules:
             return "int4"
         if int(t.shape[0]) % GROUP == 0 and t.ggml_type in PAIR_TYPES:
             return "int4x2"
+        if t.ggml_type in SIXTEEN_TYPES:
+            return "int4x2/16"
         return "int8"
 
     def _module(self, parts: list[str], kind: str) -> nn.Module:
@@ -322,7 +363,7 @@ class QuantizedModules:
     def _head(self, name: str) -> RefinedHead:
         if name not in self._heads:
             kernel: SplitLinear
-            if self._kind(name) in ("int4", "int4x2"):
+            if self._kind(name) in PLANES:
                 kernel = self._int4([name])
                 rows: nn.Module = self._gguf_rows(name)
             else:
@@ -336,18 +377,23 @@ class QuantizedModules:
         return GGUFRows(self.tensors.raw(name), t.ggml_type, int(t.shape[1]), int(t.shape[0]), self.dtype)
 
     def _int4(self, parts: list[str]) -> Int4Linear:
-        """The parts (all 4-bit, or all two-plane) stacked by rows; two planes: every part's high
-        rows, then every part's low rows, so the module's two halves are the fused weight's planes."""
+        """The parts (all of one plane count) stacked by rows; several planes: every part's first
+        plane, then every part's second, ..., so the module's planes are the fused weight's."""
         groups = []
         for p in parts:
             t = self.tensors.by_name[p]
-            split = pair_groups if t.ggml_type in PAIR_TYPES else int4_groups
-            groups.append(split(self.tensors.raw(p), t.ggml_type, int(t.shape[1]), int(t.shape[0])))
-        planes = 2 if self.tensors.by_name[parts[0]].ggml_type in PAIR_TYPES else 1
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            if t.ggml_type in SIXTEEN_TYPES:
+                groups.append(q6_k_groups(self.tensors.raw(p), rows, cols))
+            elif t.ggml_type in PAIR_TYPES:
+                groups.append(pair_groups(self.tensors.raw(p), t.ggml_type, rows, cols))
+            else:
+                groups.append(int4_groups(self.tensors.raw(p), t.ggml_type, rows, cols))
+        planes = PLANES[self._kind(parts[0])]
         stacked = []
-        for i in range(3):  # q, scale, zero
-            halves = [g[i].chunk(planes) for g in groups]  # per part: its planes
-            stacked.append(torch.cat([h[j] for j in range(planes) for h in halves]))
+        for i in range(3):  # q, scale, zero (scale and zero [2, rows, groups] for groups of 16)
+            split = [g[i].chunk(planes, -2) for g in groups]  # per part: its planes
+            stacked.append(torch.cat([h[j] for j in range(planes) for h in split], -2))
         return Int4Linear(*stacked, self._bias(parts), planes=planes)
 
     def _int8(self, parts: list[str]) -> Int8Linear:

@@ -31,11 +31,9 @@ from localrt.errors import LocalrtError
 from .model import (
     Block,
     LlamaConfig,
-    ModuleFactory,
     RMSNorm,
     Rotary,
     Transformer,
-    load_weights,
     vocab_size_of,
 )
 
@@ -117,24 +115,17 @@ class Qwen3MoE(Transformer):
         return int(md.get(f"{cls.arch}.expert_feed_forward_length", cfg.feed_forward_length // n_used))
 
     @classmethod
-    def from_gguf(
-        cls,
-        tensors: Any,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        modules: ModuleFactory | None = None,
-    ) -> Any:
+    def of_file(cls, tensors: Any) -> Qwen3MoE:
         md, arch = tensors.metadata, cls.arch
         cfg = llama_like_config(md, vocab_size_of(tensors), arch)
         n_expert = int(md.get(f"{arch}.expert_count", 0))
         n_used = int(md.get(f"{arch}.expert_used_count", 0))
         if not 0 < n_used <= n_expert:
             raise LocalrtError(f"GGUF metadata {arch}.expert_count / expert_used_count are missing or wrong")
-        with torch.device("meta"):
-            model = cls(cfg, n_expert, n_used, cls.expert_width(md, cfg, n_used))
-        load_weights(model, tensors, dtype, device, modules)
-        model.rotary = Rotary(cfg).to(device)  # real buffers, off the meta device
-        return model
+        return cls(cfg, n_expert, n_used, cls.expert_width(md, cfg, n_used))
+
+    def finish(self, tensors: Any, device: torch.device | str) -> None:
+        self.rotary = Rotary(self.cfg).to(device)  # real buffers, off the meta device (no frequency factors)
 
 
 class OLMoE(Qwen3MoE):

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 from localrt.api import schemas as wire
 from localrt.api.ollama import observe, runtime_of
 from localrt.api.security import error_body
-from localrt.api.streaming import typed_sse_response
+from localrt.api.streaming import typed_sse_response, unless_client_leaves
 from localrt.api.translate import (
     Assembler,
     Block,
@@ -375,12 +375,16 @@ async def create_message(request: Request) -> Response:
     f = await wire.read_json(request, MessagesRequest)
     call = chat_call(f)
     message_id = f"msg_{new_id()}"
-    chunks = await call.start(runtime_of(request))
+    chunks = await unless_client_leaves(request, call.start(runtime_of(request)))
     answer = Assembler()
     if not call.stream:
-        async for chunk in chunks:
-            observe(request, chunk)
-            answer.feed(chunk)
+
+        async def whole() -> None:
+            async for chunk in chunks:
+                observe(request, chunk)
+                answer.feed(chunk)
+
+        await unless_client_leaves(request, whole())
         return JSONResponse(message(message_id, call.model, answer))
 
     async def events() -> AsyncIterator[dict[str, Any]]:

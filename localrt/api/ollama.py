@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from localrt import __version__, wire
 from localrt.api import schemas
-from localrt.api.streaming import first_and_rest, ndjson_response
+from localrt.api.streaming import first_and_rest, ndjson_response, unless_client_leaves
 from localrt.errors import LocalrtError
 from localrt.runtime.bridge import run_in_thread_stream
 from localrt.runtime.generate import Chunk, Runtime, Settings
@@ -437,12 +437,15 @@ async def generation_response(
             observe(request, chunk)
             yield to_wire(chunk)
 
-    if not stream:
+    async def whole() -> dict[str, Any]:
         last: dict[str, Any] = {}
         async for item in wire():
             last = item
-        return JSONResponse(last)
-    _, items = await first_and_rest(wire())
+        return last
+
+    if not stream:
+        return JSONResponse(await unless_client_leaves(request, whole()))
+    _, items = await unless_client_leaves(request, first_and_rest(wire()))
     return ndjson_response(items)
 
 

@@ -17,7 +17,7 @@ from localrt import wire
 from localrt.api import schemas
 from localrt.api.ollama import observe, runtime_of
 from localrt.api.security import error_body
-from localrt.api.streaming import first_and_rest, sse_response
+from localrt.api.streaming import first_and_rest, sse_response, unless_client_leaves
 from localrt.errors import LocalrtError, ModelNotFound
 from localrt.runtime import images as image_input
 from localrt.runtime.generate import Chunk, Metrics, TokenLogprob
@@ -271,11 +271,16 @@ async def answer(
         "system_fingerprint": "fp_localrt",
     }
     if body.stream is not True:
-        final: Chunk | None = None
-        async for chunk in chunks:
-            observe(request, chunk)
-            final = chunk
-        assert final is not None
+
+        async def last() -> Chunk:
+            final: Chunk | None = None
+            async for chunk in chunks:
+                observe(request, chunk)
+                final = chunk
+            assert final is not None
+            return final
+
+        final = await unless_client_leaves(request, last())
         return JSONResponse(
             {**base, "object": objects[0], "choices": [whole(final)], "usage": usage_of(final)}
         )
@@ -291,7 +296,7 @@ async def answer(
             if chunk.done and include_usage(body):
                 yield {**base, "object": objects[1], "choices": [], "usage": usage_of(chunk)}
 
-    _, items = await first_and_rest(events())
+    _, items = await unless_client_leaves(request, first_and_rest(events()))
     return sse_response(items, sse_error)
 
 

@@ -25,7 +25,7 @@ from localrt import config
 from localrt.api import schemas as wire
 from localrt.api.ollama import observe, runtime_of
 from localrt.api.security import error_body
-from localrt.api.streaming import typed_sse_response
+from localrt.api.streaming import typed_sse_response, unless_client_leaves
 from localrt.api.translate import (
     Assembler,
     Block,
@@ -571,12 +571,16 @@ async def create_response(request: Request) -> Response:
     f = await wire.read_json(request, ResponsesRequest)
     call = chat_call(f, history_for(request, f))
     envelope = Envelope(f"resp_{new_id()}", int(time.time()), f)
-    chunks = await call.start(runtime_of(request))
+    chunks = await unless_client_leaves(request, call.start(runtime_of(request)))
     answer = Assembler()
     if not call.stream:
-        async for chunk in chunks:
-            observe(request, chunk)
-            answer.feed(chunk)
+
+        async def whole() -> None:
+            async for chunk in chunks:
+                observe(request, chunk)
+                answer.feed(chunk)
+
+        await unless_client_leaves(request, whole())
         response = finished(envelope, answer)
         remember(request, envelope, call, answer, response)
         return JSONResponse(response)

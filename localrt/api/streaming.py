@@ -6,13 +6,46 @@ mid-stream is one more line (`{"error": ...}`) and the status stays 200.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from localrt.errors import LocalrtError
+from localrt.errors import ClientClosed, LocalrtError
+
+T = TypeVar("T")
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """`work` (what a route computes before the first byte of its answer: a whole non-streamed reply, or
+    a stream's first item), cancelled as soon as the client hangs up, so its generation stops and frees
+    its sequence instead of running to its token cap for nobody; then ClientClosed (a 499 nobody reads).
+    A streamed answer is watched by Starlette's StreamingResponse once it starts. The request body must
+    have been read: the only message left to receive is the disconnect."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the server shuts down: nothing waits for the answer either
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task  # the generation unwinds (its sequence freed) before the route returns
+    raise ClientClosed("the client closed the connection before the answer was ready")
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def first_and_rest(items: AsyncIterator[Any]) -> tuple[Any, AsyncIterator[Any]]:

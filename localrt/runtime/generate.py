@@ -325,7 +325,7 @@ class Runtime:
             constraint = GBNF(turn.grammar())
         if constraint is not None and not m.capabilities.grammar:
             raise LocalrtError(f"the {entry.backend} backend does not support format (JSON output)")
-        # with a context shift an explicit num_predict may go past the context end
+        # with a context shift an answer may go past the context end (-1: up to 10 contexts, as Ollama)
         shifting = call.shift and m.capabilities.context_shift
         return GenerateRequest(
             prompt_tokens=tokens,

@@ -235,8 +235,16 @@ class ModelPool:
                 self._loading.add(key)
                 break
         # load outside the lock, so requests for other (loaded) models keep flowing
+        load = asyncio.ensure_future(self._load(key, resolved, opts, backend, load_key, draft))
         try:
-            entry = await self._load(key, resolved, opts, backend, load_key, draft)
+            await asyncio.wait((load,))  # a cancelled wait leaves the load running
+        except asyncio.CancelledError:
+            # the caller left (its client hung up) mid-load; a loading thread cannot stop halfway, so the
+            # pool adopts the model rather than leak it, and the caller is free at once
+            self._keep(self._adopt(key, load))
+            raise
+        try:
+            entry = load.result()
         finally:
             async with self._cond:
                 self._loading.discard(key)
@@ -245,6 +253,28 @@ class ModelPool:
             self._entries[key] = entry
             self._grab(entry)
         return entry, True
+
+    async def _adopt(self, key: str, load: asyncio.Future[Entry]) -> None:
+        """A load whose caller left: registered idle under the default keep-alive once it is done."""
+        try:
+            await asyncio.wait((load,))
+        finally:
+            async with self._cond:
+                self._loading.discard(key)
+                self._cond.notify_all()
+        if load.cancelled() or load.exception() is not None:
+            return  # a failed load has nobody left to tell
+        entry = load.result()
+        async with self._cond:
+            self._entries[key] = entry
+            self._grab(entry)
+        await self._release(entry, self.default_keep_alive)
+
+    def _keep(self, work: Any) -> None:
+        """Run `work` as a task the pool holds a reference to until it finishes."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _grab(self, entry: Entry) -> None:
         entry.refs += 1
@@ -273,9 +303,7 @@ class ModelPool:
                 entry.timer = loop.call_later(entry.keep_alive, self._spawn_expire, entry)
 
     def _spawn_expire(self, entry: Entry) -> None:
-        task = asyncio.ensure_future(self._expire(entry))
-        self._tasks.add(task)  # keep a reference until it finishes
-        task.add_done_callback(self._tasks.discard)
+        self._keep(self._expire(entry))
 
     async def _expire(self, entry: Entry) -> None:
         async with self._cond:

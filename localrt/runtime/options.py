@@ -18,6 +18,10 @@ from localrt.errors import OptionError
 
 DEFAULT_NUM_CTX = 4096
 MAX_NUM_CTX = 1 << 20
+# An open-ended answer (num_predict -1, the default) on a backend that shifts the context stops after
+# this many contexts' worth of tokens, as Ollama's (its openEndedGenerationContextMultiplier): a model
+# that never emits its end token would otherwise generate forever.
+OPEN_ENDED_CONTEXTS = 10
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1000
 MAX_GRAMMAR_LENGTH = 64 * 1024
@@ -61,7 +65,7 @@ _RANGES: dict[str, tuple[type, float | None, float | None]] = {
     "mirostat": (int, 0, 2),
     "mirostat_tau": (float, 0.0, 100.0),
     "mirostat_eta": (float, 0.0, 1.0),
-    "num_predict": (int, -2, 10 * MAX_NUM_CTX),
+    "num_predict": (int, -2, OPEN_ENDED_CONTEXTS * MAX_NUM_CTX),
     "num_ctx": (int, 1, MAX_NUM_CTX),
     "num_keep": (int, -1, MAX_NUM_CTX),
     "num_thread": (int, 0, 1024),
@@ -192,13 +196,17 @@ class Options:
         )
 
     def max_new_tokens(self, prompt_tokens: int, context_length: int, shift: bool = False) -> int:
-        """num_predict bounded by the room left in the context; -1 and -2 both mean 'until full'.
-
-        With `shift` (a backend that shifts the context) an explicit num_predict may go past the end."""
+        """The most tokens an answer may have, Ollama's rule: -2 fills the context; with `shift` (a
+        backend that shifts the context and a request that lets it) -1 and anything above
+        OPEN_ENDED_CONTEXTS x the context mean that cap, past the context end; without shift every
+        answer stops at the context end."""
         room = max(0, context_length - prompt_tokens)
-        if self.num_predict < 0:
+        if self.num_predict == -2 or (self.num_predict == -1 and not shift):
             return room
-        return self.num_predict if shift else min(self.num_predict, room)
+        if not shift:
+            return min(self.num_predict, room)
+        cap = OPEN_ENDED_CONTEXTS * context_length
+        return cap if self.num_predict == -1 else min(self.num_predict, cap)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -225,7 +233,7 @@ def _check_number(name: str, value: Any) -> int | float:
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise OptionError(f"option {name!r} is out of range: {value!r} (allowed {_fmt(lo)} to {_fmt(hi)})")
     if name == "num_predict" and value < -2:
-        raise OptionError("option 'num_predict' must be -1 (no limit), -2 (fill the context) or >= 0")
+        raise OptionError("option 'num_predict' must be -1 (open-ended), -2 (fill the context) or >= 0")
     return value
 
 
