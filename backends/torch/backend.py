@@ -11,8 +11,9 @@ that thread through the event loop, so no worker thread is held per request.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -85,6 +86,23 @@ class TorchBackend:
         return TorchModel(Path(path), opts)
 
 
+def on_a_thread_of_its_own(fn: Callable[[], None]) -> None:
+    """Run fn on a new thread and wait for it; its exception is raised here."""
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:  # re-raised on the caller's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=target, name="localrt-torch-load")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
 class TorchModel(VocabMethods, EngineModel, ModelLifetime):
     backend_name = NAME
 
@@ -107,6 +125,35 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         everywhere; "llama.cpp" (CPU comparisons only) is fp32 rounded as llama.cpp's CPU kernels
         round activations and attention (`ggml_numerics.py`). `self.numerics` is what was applied:
         "dequantized" when no tensor of the file could stay quantized."""
+        # Built on a thread of its own that ends when the model is built. libgomp keeps one pool of
+        # workers per thread that ever ran a parallel torch op, and once more OpenMP threads exist
+        # than CPUs it cuts their spinning to a few hundred turns, so every parallel region of the
+        # engine thread would wait for its workers to wake: a 2-thread decode step at batch 1 took
+        # 21-25 ms instead of 13. Loading on the caller's thread (often a pool thread that lives on)
+        # left such a second pool behind; a loader thread that exits takes its pool with it.
+        on_a_thread_of_its_own(
+            lambda: self._load(
+                path,
+                opts,
+                kv_budget_bytes=kv_budget_bytes,
+                max_batch_tokens=max_batch_tokens,
+                self_spec_layers=self_spec_layers,
+                device=device,
+                numerics=numerics,
+            )
+        )
+
+    def _load(
+        self,
+        path: Path,
+        opts: LoadOptions,
+        *,
+        kv_budget_bytes: int | None,
+        max_batch_tokens: int | None,
+        self_spec_layers: int | None,
+        device: str | None,
+        numerics: str | None,
+    ) -> None:
         torch = _torch()
         from .engine import Engine, EngineConfig
         from .gguf_load import GGUFTensors
