@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,7 @@ from localrt.runtime.manager import ContextLengthError, Runtime  # noqa: E402
 from localrt.runtime.options import OPEN_ENDED_CONTEXTS  # noqa: E402
 from localrt.runtime.truncate import fit_messages, fit_tokens  # noqa: E402
 from localrt.store.store import Store  # noqa: E402
+from tests.conftest import async_test  # noqa: E402
 from tests.test_runtime import PARAMS, collect, import_model  # noqa: E402
 
 SYSTEM = "You are a helpful assistant."
@@ -74,52 +76,37 @@ def test_chat_truncation_keeps_the_system_prompt_and_the_newest_turns(store: Sto
     asyncio.run(scenario())
 
 
-def test_generation_shifts_past_the_context_or_stops_there(store: Store) -> None:
-    async def scenario() -> None:
-        rt = Runtime(store)
-        try:
-            opts = {"num_predict": 240}
-            count = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"  # greedy SmolLM2 goes on counting
-            _, shifted = await collect(rt.generate("smollm2:135m", count, raw=True, options=opts))
-            _, stopped = await collect(
-                rt.generate("smollm2:135m", count, raw=True, options=opts, shift=False)
-            )
-            assert shifted.metrics is not None
-            assert stopped.metrics is not None
-            assert stopped.done_reason == "length"
-            assert (
-                stopped.metrics.prompt_eval_count + stopped.metrics.cached_count + stopped.metrics.eval_count
-                == (SMALL["num_ctx"])
-            )
-            assert shifted.done_reason == "length"
-            assert shifted.metrics.eval_count == 240  # past the 160-token context
-        finally:
-            await rt.close()
-
-    asyncio.run(scenario())
+async def counted_past_the_end(store: Store, opts: dict[str, int]) -> tuple[Any, Any]:
+    """The final chunks of one counting prompt answered with `shift` on and with it off."""
+    rt = Runtime(store)
+    try:
+        count = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"  # greedy SmolLM2 goes on counting
+        _, shifted = await collect(rt.generate("smollm2:135m", count, raw=True, options=opts))
+        _, stopped = await collect(rt.generate("smollm2:135m", count, raw=True, options=opts, shift=False))
+        return shifted, stopped
+    finally:
+        await rt.close()
 
 
-def test_a_default_answer_shifts_past_the_context_and_stops_at_ten_contexts(store: Store) -> None:
+@async_test
+async def test_generation_shifts_past_the_context_or_stops_there(store: Store) -> None:
+    shifted, stopped = await counted_past_the_end(store, {"num_predict": 240})
+    assert stopped.done_reason == "length"
+    assert (
+        stopped.metrics.prompt_eval_count + stopped.metrics.cached_count + stopped.metrics.eval_count
+        == (SMALL["num_ctx"])
+    )
+    assert shifted.done_reason == "length"
+    assert shifted.metrics.eval_count == 240  # past the 160-token context
+
+
+@async_test
+async def test_a_default_answer_shifts_past_the_context_and_stops_at_ten_contexts(store: Store) -> None:
     """num_predict -1 (the default): Ollama's open-ended answer goes past the context end, shifting it,
     and stops at 10 x num_ctx new tokens; with shift off it stops at the context end. A 64-token
     context keeps the 640 tokens quick."""
-
-    async def scenario() -> None:
-        rt = Runtime(store)
-        try:
-            opts = {"num_ctx": 64}
-            count = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"  # greedy SmolLM2 goes on counting
-            _, shifted = await collect(rt.generate("smollm2:135m", count, raw=True, options=opts))
-            _, stopped = await collect(
-                rt.generate("smollm2:135m", count, raw=True, options=opts, shift=False)
-            )
-            assert shifted.metrics is not None
-            assert stopped.metrics is not None
-            assert shifted.done_reason == "length"
-            assert shifted.metrics.eval_count == OPEN_ENDED_CONTEXTS * 64
-            assert stopped.done_reason == "length"
-            assert stopped.metrics.prompt_tokens + stopped.metrics.eval_count == 64
-        finally:
-            await rt.close()
-
-    asyncio.run(scenario())
+    shifted, stopped = await counted_past_the_end(store, {"num_ctx": 64})
+    assert shifted.done_reason == "length"
+    assert shifted.metrics.eval_count == OPEN_ENDED_CONTEXTS * 64
+    assert stopped.done_reason == "length"
+    assert stopped.metrics.prompt_tokens + stopped.metrics.eval_count == 64
