@@ -201,12 +201,9 @@ class Options:
         OPEN_ENDED_CONTEXTS x the context mean that cap, past the context end; without shift every
         answer stops at the context end."""
         room = max(0, context_length - prompt_tokens)
-        if self.num_predict == -2 or (self.num_predict == -1 and not shift):
-            return room
-        if not shift:
-            return min(self.num_predict, room)
-        cap = OPEN_ENDED_CONTEXTS * context_length
-        return cap if self.num_predict == -1 else min(self.num_predict, cap)
+        # the limit a negative num_predict means, and the bound on an explicit one
+        limit = room if not shift or self.num_predict == -2 else OPEN_ENDED_CONTEXTS * context_length
+        return limit if self.num_predict < 0 else min(self.num_predict, limit)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
