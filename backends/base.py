@@ -15,10 +15,21 @@ import asyncio
 import codecs
 import concurrent.futures
 import threading
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Iterable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import ClassVar
+from typing import Literal
+from typing import Protocol
+from typing import TypeVar
+from typing import runtime_checkable
 
 if TYPE_CHECKING:  # numpy comes with the backends' extras, not with the base install
     import numpy as np

@@ -7,11 +7,17 @@ engine has. Every check raises a `LocalrtError` (the API's 400) or an `OptionErr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from collections.abc import Callable
+from collections.abc import Collection
+from collections.abc import Hashable
+from collections.abc import Mapping
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
-from localrt.errors import LocalrtError, OptionError
+from localrt.errors import LocalrtError
+from localrt.errors import OptionError
 
 
 def check_loaded(closed: bool) -> None:

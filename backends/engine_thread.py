@@ -16,23 +16,32 @@ import concurrent.futures
 import contextlib
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
+from typing import Protocol
+from typing import TypeVar
 
 import numpy as np
 
-from localrt.backends.base import (
-    CancelToken,
-    Capabilities,
-    Event,
-    GenerateRequest,
-    ModelLifetime,
-    ScoreResult,
-    TextAssembler,
-)
-from localrt.backends.checks import check_loaded, check_prompt, check_scored, check_speculative
+from localrt.backends.base import CancelToken
+from localrt.backends.base import Capabilities
+from localrt.backends.base import Event
+from localrt.backends.base import GenerateRequest
+from localrt.backends.base import ModelLifetime
+from localrt.backends.base import ScoreResult
+from localrt.backends.base import TextAssembler
+from localrt.backends.checks import check_loaded
+from localrt.backends.checks import check_prompt
+from localrt.backends.checks import check_scored
+from localrt.backends.checks import check_speculative
 from localrt.backends.grammar import Grammar
-from localrt.backends.outputs import embedding_tokens, empty_score, token_logprob, unit_vector
+from localrt.backends.outputs import embedding_tokens
+from localrt.backends.outputs import empty_score
+from localrt.backends.outputs import token_logprob
+from localrt.backends.outputs import unit_vector
 from localrt.backends.speculation import speculative_method
 from localrt.errors import LocalrtError
 

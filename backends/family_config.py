@@ -43,7 +43,9 @@ from typing import Any
 
 from localrt.errors import LocalrtError
 
-from .llama_config import LlamaConfig, llama_fields, metadata_getter
+from .llama_config import LlamaConfig
+from .llama_config import llama_fields
+from .llama_config import metadata_getter
 
 DEFAULT_SWA_PERIOD = 6  # llama.cpp's Gemma 3 default; the converter never writes the pattern
 

@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 
 from localrt.errors import LocalrtError
-from localrt.store.gguf import GGUFInfo, TensorInfo, read_gguf
+from localrt.store.gguf import GGUFInfo
+from localrt.store.gguf import TensorInfo
+from localrt.store.gguf import read_gguf
 
 
 class GGUFTensorSource:

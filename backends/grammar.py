@@ -23,7 +23,8 @@ _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float3
 
 def grammar_for(fmt: str | dict[str, Any] | GBNF) -> str:
     """GBNF for Ollama's `format`: "json" (any JSON value) or a JSON schema object; GBNF as it is."""
-    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+    from llama_cpp.llama_grammar import JSON_GBNF
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     if isinstance(fmt, GBNF):
         return fmt.text

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from localrt.backends.base import IMAGE_TOKEN, ImageInput
+from localrt.backends.base import IMAGE_TOKEN
+from localrt.backends.base import ImageInput
 from localrt.errors import LocalrtError
 
 CHUNK_TEXT, CHUNK_IMAGE = 0, 1

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 
 import numpy as np
 
-from localrt.backends.base import ScoreResult, TokenLogprob, TopLogprob, log_softmax
+from localrt.backends.base import ScoreResult
+from localrt.backends.base import TokenLogprob
+from localrt.backends.base import TopLogprob
+from localrt.backends.base import log_softmax
 
 TextOf = Callable[[Sequence[int]], str]  # token ids -> their text (the model's detokenize)
 

@@ -14,7 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from localrt.errors import BackendUnavailable, OptionError
+from localrt.errors import BackendUnavailable
+from localrt.errors import OptionError
 
 ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "llama-cpp": "llama.cpp", "llama": "llama.cpp"}
 

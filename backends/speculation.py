@@ -16,8 +16,10 @@ the torch engine runs it on device tensors and the MLX engine on numpy rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import Protocol
 
 from localrt.backends.lookup import NgramProposer
 

@@ -52,7 +52,8 @@ def english_tokens(gguf: Path, n: int) -> list[int]:
 
 
 def llama_cpp_logits(build: str, gguf: Path, tokens: list[int], n_batch: int, threads: int) -> np.ndarray:
-    from tests.fixtures_hf import llama_cpp_blas, llama_cpp_logits_of_build
+    from tests.fixtures_hf import llama_cpp_blas
+    from tests.fixtures_hf import llama_cpp_logits_of_build
 
     where = None if build == "default" else llama_cpp_blas() if build == "blas" else Path(build)
     # a BLAS build runs without repacked weights: their matmuls would stay on the 8-bit CPU kernels

@@ -37,7 +37,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from localrt.backends import registry  # noqa: E402
-from localrt.backends.base import DoneEvent, GenerateRequest, LoadOptions, SamplingParams  # noqa: E402
+from localrt.backends.base import DoneEvent  # noqa: E402
+from localrt.backends.base import GenerateRequest  # noqa: E402
+from localrt.backends.base import LoadOptions  # noqa: E402
+from localrt.backends.base import SamplingParams  # noqa: E402
 
 DEFAULT_GGUF = Path.home() / ".cache" / "localrt-tests" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
@@ -75,7 +78,9 @@ def localrt_rates(backend: str, gguf: Path, threads: int, new: int, rounds: int)
 
 def mlx_lm_rates(hf_dir: Path, new: int, rounds: int) -> tuple[float, float, int] | None:
     try:
-        from mlx_lm import convert, load, stream_generate
+        from mlx_lm import convert
+        from mlx_lm import load
+        from mlx_lm import stream_generate
     except ImportError:
         return None
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,7 +154,8 @@ def localrt_concurrent(gguf: Path, levels: list[int], threads: int, new: int) ->
 def mlx_lm_concurrent(hf_dir: Path, levels: list[int], new: int) -> dict[int, float] | None:
     """Aggregate tokens/s of mlx-lm's BatchGenerator on N prompts, per N (None: not installed)."""
     try:
-        from mlx_lm import convert, load
+        from mlx_lm import convert
+        from mlx_lm import load
         from mlx_lm.generate import BatchGenerator
     except ImportError:
         return None

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -96,7 +97,9 @@ def bench_encoders(types: list[str], mb: float, repeats: int) -> None:
 
 def bench_convert(model: Path, quant: str) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    from fixtures_hf import auto_outtype, llama_cpp_src, oracle_quantize
+    from fixtures_hf import auto_outtype
+    from fixtures_hf import llama_cpp_src
+    from fixtures_hf import oracle_quantize
 
     from localrt.converters.convert import convert
 
@@ -138,7 +141,8 @@ def quality_table(model: Path, text: Path, ctx: int, types: list[str]) -> None:
 
     from localrt.converters import mixes
     from localrt.converters.convert import convert
-    from localrt.eval import evaluate, load
+    from localrt.eval import evaluate
+    from localrt.eval import load
 
     sys.path.insert(0, str(ROOT / "tests"))
     from fixtures_hf import auto_outtype

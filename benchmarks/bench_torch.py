@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-from localrt.backends.base import GenerateRequest, LoadOptions, SamplingParams
+from localrt.backends.base import GenerateRequest
+from localrt.backends.base import LoadOptions
+from localrt.backends.base import SamplingParams
 from localrt.backends.torch import TorchBackend
 from localrt.backends.torch.gguf_load import GGUFTensors
 from localrt.backends.torch.model import weight_bytes

@@ -37,8 +37,14 @@ CACHED_GGUF = (
 def raw_loop(
     gguf: Path, prompt: list[int], n_new: int, threads: int, *, streams: int, n_ubatch: int, n_ctx: int
 ) -> dict[str, float]:
-    from localrt.backends.base import LoadOptions, SamplingParams
-    from localrt.backends.llamacpp.lib import Batch, _lib, create_context, load_model, make_sampler, sample
+    from localrt.backends.base import LoadOptions
+    from localrt.backends.base import SamplingParams
+    from localrt.backends.llamacpp.lib import Batch
+    from localrt.backends.llamacpp.lib import _lib
+    from localrt.backends.llamacpp.lib import create_context
+    from localrt.backends.llamacpp.lib import load_model
+    from localrt.backends.llamacpp.lib import make_sampler
+    from localrt.backends.llamacpp.lib import sample
 
     lib = _lib()
     opts = LoadOptions(num_thread=threads, num_ctx=n_ctx)
@@ -89,7 +95,10 @@ def raw_loop(
 
 
 def localrt_run(gguf: Path, prompt: list[int], n_new: int, threads: int, slots: int, n_ctx: int) -> dict:
-    from localrt.backends.base import GenerateRequest, LoadOptions, SamplingParams, TextEvent
+    from localrt.backends.base import GenerateRequest
+    from localrt.backends.base import LoadOptions
+    from localrt.backends.base import SamplingParams
+    from localrt.backends.base import TextEvent
     from localrt.backends.llamacpp.backend import LlamaCppModel
 
     model = LlamaCppModel(gguf, LoadOptions(num_thread=threads, num_ctx=n_ctx, num_parallel=slots))
@@ -175,7 +184,10 @@ def batch_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, clie
     """`clients` grounded requests at once (bench_serve's passages, ChatML-templated), in process: the step
     thread's CPU time per generated token (with one llama.cpp thread it runs every decode itself), steps,
     decodes and the greedy texts (to check them against another variant)."""
-    from localrt.backends.base import GenerateRequest, LoadOptions, SamplingParams, TextEvent
+    from localrt.backends.base import GenerateRequest
+    from localrt.backends.base import LoadOptions
+    from localrt.backends.base import SamplingParams
+    from localrt.backends.base import TextEvent
     from localrt.backends.llamacpp.backend import LlamaCppModel
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -257,7 +269,8 @@ def http_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, repea
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import psutil
-    from bench_serve import MODEL, localrt_server
+    from bench_serve import MODEL
+    from bench_serve import localrt_server
 
     def cpu_by_thread(pid: int) -> tuple[float, float]:
         """(the server's main thread — the event loop: HTTP, runtime, SSE —, the whole process) CPU seconds."""

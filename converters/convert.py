@@ -23,17 +23,20 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from localrt.converters import imatrix as imatrix_io
-from localrt.converters import mixes, quants, writer
-from localrt.converters.arch import KV, Arch, find_arch
-from localrt.converters.hf import (
-    ConvertError,
-    SafeTensor,
-    index_tensors,
-    read_config,
-    read_json,
-    resolve_source,
-)
-from localrt.converters.tokenizer import KVMap, vocab_kv
+from localrt.converters import mixes
+from localrt.converters import quants
+from localrt.converters import writer
+from localrt.converters.arch import KV
+from localrt.converters.arch import Arch
+from localrt.converters.arch import find_arch
+from localrt.converters.hf import ConvertError
+from localrt.converters.hf import SafeTensor
+from localrt.converters.hf import index_tensors
+from localrt.converters.hf import read_config
+from localrt.converters.hf import read_json
+from localrt.converters.hf import resolve_source
+from localrt.converters.tokenizer import KVMap
+from localrt.converters.tokenizer import vocab_kv
 
 QT = GGMLQuantizationType
 FLOAT_FILE_TYPES = {"F32": QT.F32, "F16": QT.F16, "BF16": QT.BF16}

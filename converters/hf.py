@@ -173,7 +173,8 @@ def resolve_source(src: str) -> tuple[Path, str | None]:
     if src.count("/") != 1 or src.startswith((".", "/")):
         raise ConvertError(f"{src}: no such directory (and not an HF repo id like 'org/name')")
     try:
-        from huggingface_hub import HfApi, hf_hub_download
+        from huggingface_hub import HfApi
+        from huggingface_hub import hf_hub_download
     except ImportError:  # pragma: no cover - a dependency of localrt
         raise ConvertError("fetching from the Hugging Face Hub needs huggingface_hub") from None
     patterns = ("*.json", "*.safetensors", "tokenizer.model", "*.jinja", "README.md", "LICENSE*")

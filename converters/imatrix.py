@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,8 @@ def read(path: str | Path) -> Imatrix:
 
 
 def _read_gguf(path: Path) -> Imatrix:
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
+    from gguf import GGUFReader
 
     try:
         reader = GGUFReader(path)

@@ -11,10 +11,13 @@ because the attn_v / ffn_down counters follow that order.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType
+from gguf import LlamaFileType
 
 from localrt.errors import LocalrtError
 

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType
 
 QT = GGMLQuantizationType
 F32 = np.float32

@@ -12,10 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType
+from gguf import GGUFReader
+from gguf import GGUFValueType
 
 from localrt.converters import imatrix as imatrix_io
-from localrt.converters import mixes, quants, writer
+from localrt.converters import mixes
+from localrt.converters import quants
+from localrt.converters import writer
 from localrt.converters.hf import ConvertError
 
 QT = GGMLQuantizationType

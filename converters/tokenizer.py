@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from localrt.converters.hf import ConvertError, read_json
-from localrt.converters.pretok import CHECK_TEXT, PRE_TOKENIZERS
+from localrt.converters.hf import ConvertError
+from localrt.converters.hf import read_json
+from localrt.converters.pretok import CHECK_TEXT
+from localrt.converters.pretok import PRE_TOKENIZERS
 
 # GGUF token types (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -11,16 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+from typing import Protocol
 
 import httpx
 
-from localrt import config, wire
-from localrt.errors import BackendUnavailable, LocalrtError, ModelNotFound, PullError
+from localrt import config
+from localrt import wire
+from localrt.errors import BackendUnavailable
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
+from localrt.errors import PullError
 from localrt.runtime.bridge import run_in_thread_stream
 from localrt.runtime.generate import Chunk
 from localrt.store.sources.common import Progress
@@ -187,7 +196,9 @@ def _remote_fields(spec: CreateSpec, mf: Any) -> dict[str, Any]:
 
 def _remote_details(resolved: Any) -> ModelDetails:
     """`show` of a remote model: no GGUF; its endpoints probed now."""
-    from localrt.show import parameter_lines, remote_health, remote_modelfile_text
+    from localrt.show import parameter_lines
+    from localrt.show import remote_health
+    from localrt.show import remote_modelfile_text
 
     return ModelDetails(
         architecture="remote",
@@ -273,7 +284,8 @@ class RuntimeClient:
     async def show(self, model: str, options: Mapping[str, Any] | None = None) -> ModelInfo:
         from localrt.runtime.bridge import resolve_backend
         from localrt.runtime.options import Options
-        from localrt.store.gguf import format_parameter_count, read_gguf
+        from localrt.store.gguf import format_parameter_count
+        from localrt.store.gguf import read_gguf
 
         resolved = await asyncio.to_thread(self.store.resolve, model)
         loaded = [row for row in self.runtime.ps() if row.name == resolved.name.display]
@@ -313,16 +325,15 @@ class RuntimeClient:
         return await asyncio.to_thread(self._details, model)
 
     def _details(self, model: str) -> ModelDetails:
-        from localrt.show import (
-            model_capabilities,
-            modelfile_text,
-            parameter_lines,
-            projector_rows,
-            template_choice,
-            template_of,
-            template_origin,
-        )
-        from localrt.store.gguf import format_parameter_count, read_gguf
+        from localrt.show import model_capabilities
+        from localrt.show import modelfile_text
+        from localrt.show import parameter_lines
+        from localrt.show import projector_rows
+        from localrt.show import template_choice
+        from localrt.show import template_of
+        from localrt.show import template_origin
+        from localrt.store.gguf import format_parameter_count
+        from localrt.store.gguf import read_gguf
         from localrt.store.names import parse_name
 
         resolved = self.store.resolve(parse_name(model))
@@ -637,7 +648,8 @@ class ServerClient:
         """As `ollama create`: the Modelfile is read here, local GGUFs (FROM, DRAFT, a projector) are
         uploaded as blobs, and the server builds the model from `files` or `from` (it never reads a path
         of ours). A projector (`projector_path`, or a second FROM) is uploaded beside the model's GGUF."""
-        from localrt.store.modelfile import Modelfile, parse_modelfile
+        from localrt.store.modelfile import Modelfile
+        from localrt.store.modelfile import parse_modelfile
         from localrt.store.names import parse_name
 
         emit = status or _ignore_status

@@ -13,7 +13,8 @@ import asyncio
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

@@ -20,7 +20,8 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -423,7 +424,11 @@ def _compute_with_progress(
     path: Path, text: str, dataset: str, ctx: int, chunks: int, threads: int
 ) -> Result:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn
+    from rich.progress import MofNCompleteColumn
+    from rich.progress import Progress
+    from rich.progress import TextColumn
+    from rich.progress import TimeRemainingColumn
 
     console = Console(stderr=True)
     if not console.is_terminal:

@@ -8,7 +8,8 @@ from typing import Any
 
 from localrt.errors import LocalrtError
 from localrt.runtime.family_templates import TemplateChoice
-from localrt.runtime.templates import is_go_template, select_template
+from localrt.runtime.templates import is_go_template
+from localrt.runtime.templates import select_template
 from localrt.store.gguf import GGUFInfo
 from localrt.store.store import ResolvedModel
 
@@ -58,7 +59,8 @@ def media_capabilities(model: ResolvedModel, info: GGUFInfo, capabilities: list[
 def model_capabilities(model: ResolvedModel, info: GGUFInfo) -> list[str]:
     """`capabilities` of /api/show and `localrt show`: completion (or embedding), tools and thinking
     from the template the runtime renders with (issue 17), then issue 19's vision/rerank."""
-    from localrt.runtime.thinking import capabilities, model_format
+    from localrt.runtime.thinking import capabilities
+    from localrt.runtime.thinking import model_format
 
     tokens = info.metadata.get("tokenizer.ggml.tokens") or []
     types = info.metadata.get("tokenizer.ggml.token_type") or []
@@ -148,7 +150,8 @@ def remote_modelfile_text(model: ResolvedModel) -> str:
 
 def remote_health(model: ResolvedModel) -> list[tuple[str, str]]:
     """(endpoint, "ok" or why it is down) of a remote model, probed now."""
-    from localrt.store.remote import api_key, probe
+    from localrt.store.remote import api_key
+    from localrt.store.remote import probe
 
     remote = model.remote or {}
     try:

@@ -11,24 +11,33 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated
+from typing import Any
+from typing import Literal
+from typing import TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic import BaseModel
+from pydantic import BeforeValidator
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import ValidationError
+from pydantic import WithJsonSchema
 
 from localrt.errors import LocalrtError
-from localrt.runtime.bridge import KV_CACHE_TYPES, NUMERICS, SPECULATIVE_MODES
-from localrt.runtime.generate import Metrics, TokenLogprob
-from localrt.runtime.options import (
-    _RANGES,
-    BACKEND_ALIASES,
-    BACKEND_NAMES,
-    IGNORED_OPTIONS,
-    KV_ALIASES,
-    MAX_GRAMMAR_LENGTH,
-    MAX_NUM_CTX,
-    MAX_STOP_LENGTH,
-    MAX_STOP_STRINGS,
-)
+from localrt.runtime.bridge import KV_CACHE_TYPES
+from localrt.runtime.bridge import NUMERICS
+from localrt.runtime.bridge import SPECULATIVE_MODES
+from localrt.runtime.generate import Metrics
+from localrt.runtime.generate import TokenLogprob
+from localrt.runtime.options import _RANGES
+from localrt.runtime.options import BACKEND_ALIASES
+from localrt.runtime.options import BACKEND_NAMES
+from localrt.runtime.options import IGNORED_OPTIONS
+from localrt.runtime.options import KV_ALIASES
+from localrt.runtime.options import MAX_GRAMMAR_LENGTH
+from localrt.runtime.options import MAX_NUM_CTX
+from localrt.runtime.options import MAX_STOP_LENGTH
+from localrt.runtime.options import MAX_STOP_STRINGS
 from localrt.store import names
 
 M = TypeVar("M", bound=BaseModel)

@@ -14,7 +14,8 @@ import socket
 import subprocess
 import sys
 import zipfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 

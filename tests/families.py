@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.gguf_factory import TOKEN_CONTROL, TOKEN_USER_DEFINED, write_tiny_llama
+from tests.gguf_factory import TOKEN_CONTROL
+from tests.gguf_factory import TOKEN_USER_DEFINED
+from tests.gguf_factory import write_tiny_llama
 
 
 @dataclass(frozen=True)

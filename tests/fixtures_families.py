@@ -26,7 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from tests.fixtures_hf import CORPUS, oracle_quantize, train_sentencepiece, write_safetensors
+from tests.fixtures_hf import CORPUS
+from tests.fixtures_hf import oracle_quantize
+from tests.fixtures_hf import train_sentencepiece
+from tests.fixtures_hf import write_safetensors
 
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"

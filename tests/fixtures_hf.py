@@ -197,7 +197,10 @@ def smollm2_hf_dir(gguf_path: Path, dtype: str = "bfloat16") -> Path:
     if (target / "model.safetensors").is_file():
         return target
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
+    from transformers import AutoTokenizer
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     loaded = AutoModelForCausalLM.from_pretrained(
@@ -228,7 +231,8 @@ class LlamaCppBuildReference:
         self.n_vocab, self.add_bos, self.bos_token_id = like.n_vocab, like.add_bos, like.bos_token_id
 
     async def score(self, tokens: list[int], return_logits: bool = False) -> Any:
-        from localrt.backends.base import ScoreResult, log_softmax
+        from localrt.backends.base import ScoreResult
+        from localrt.backends.base import log_softmax
 
         logits = llama_cpp_logits_of_build(
             self.build, self.gguf, list(tokens), 512, self.threads, self.repack

@@ -18,7 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.fixtures_hf import CACHE, CORPUS, llama_cpp_src
+from tests.fixtures_hf import CACHE
+from tests.fixtures_hf import CORPUS
+from tests.fixtures_hf import llama_cpp_src
 
 VLM_VERSION = "v1"  # bump when the recipe below changes, so the cache is rebuilt
 # Idefics3 wraps each image in these (llama.cpp's mtmd looks them up in the vocabulary)
@@ -80,7 +82,8 @@ def _spm_vocab(out_dir: Path, symbols: list[str], vocab_size: int = 400) -> None
 def _write_vlm(hf: Path) -> None:
     import sentencepiece as spm
     import torch
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+    from transformers import Idefics3Config
+    from transformers import Idefics3ForConditionalGeneration
 
     hf.mkdir(parents=True)
     _spm_vocab(hf, IMAGE_TOKENS)
@@ -212,7 +215,8 @@ RERANKER_VERSION = "v3"
 def _write_reranker(hf: Path) -> None:
     import sentencepiece as spm
     import torch
-    from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
+    from transformers import XLMRobertaConfig
+    from transformers import XLMRobertaForSequenceClassification
 
     hf.mkdir(parents=True)
     spm.SentencePieceTrainer.train(

@@ -10,14 +10,16 @@ Two kinds:
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

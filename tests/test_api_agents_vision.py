@@ -13,7 +13,8 @@ import pytest
 
 from localrt.store.modelfile import create
 from localrt.store.store import Store
-from tests.fixtures_vision import png_bytes, tiny_vlm
+from tests.fixtures_vision import png_bytes
+from tests.fixtures_vision import tiny_vlm
 from tests.servers.serve import LocalrtServer
 
 MODEL = "tiny-vlm:latest"

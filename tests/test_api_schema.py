@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck
+from hypothesis import settings
 from schemathesis.config import SchemathesisConfig
 from schemathesis.generation.modes import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
@@ -28,7 +29,8 @@ from localrt.store.importer import import_gguf
 from localrt.store.names import parse_name
 from localrt.store.store import Store
 from tests.gguf_factory import write_tiny_llama
-from tests.servers.serve import LocalrtServer, free_port
+from tests.servers.serve import LocalrtServer
+from tests.servers.serve import free_port
 
 MODEL = "tiny:latest"
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))

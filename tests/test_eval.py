@@ -13,9 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localrt.backends.base import ScoreResult, log_softmax
+from localrt.backends.base import ScoreResult
+from localrt.backends.base import log_softmax
 from localrt.errors import LocalrtError
-from localrt.eval import eval_command, evaluate, windows
+from localrt.eval import eval_command
+from localrt.eval import evaluate
+from localrt.eval import windows
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg developed "

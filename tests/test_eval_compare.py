@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from localrt.errors import LocalrtError
-from localrt.eval import compare, evaluate
+from localrt.eval import compare
+from localrt.eval import evaluate
 from tests.test_eval import FakeModel
 
 
@@ -62,7 +63,9 @@ def test_compare_refuses_another_vocabulary() -> None:
 
 
 def test_table_and_plot(tmp_path: Path) -> None:
-    from localrt.eval import CompareRow, plot_compare, print_compare
+    from localrt.eval import CompareRow
+    from localrt.eval import plot_compare
+    from localrt.eval import print_compare
 
     pytest.importorskip("matplotlib")
     rows = [

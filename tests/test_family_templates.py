@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from localrt.runtime.family_templates import (
-    CHATML_TEMPLATE,
-    FAMILY_TEMPLATES,
-    detect_family,
-)
-from localrt.runtime.templates import ChatTemplate, select_template
+from localrt.runtime.family_templates import CHATML_TEMPLATE
+from localrt.runtime.family_templates import FAMILY_TEMPLATES
+from localrt.runtime.family_templates import detect_family
+from localrt.runtime.templates import ChatTemplate
+from localrt.runtime.templates import select_template
 from tests.gguf_factory import write_tiny_llama
 
 CONVERSATION = [

@@ -7,7 +7,12 @@ import io
 import pytest
 
 from localrt.client import _epoch
-from localrt.format import format_bytes, go_duration, human_ago, human_size, human_until, print_table
+from localrt.format import format_bytes
+from localrt.format import go_duration
+from localrt.format import human_ago
+from localrt.format import human_size
+from localrt.format import human_until
+from localrt.format import print_table
 
 NOW = 1_700_000_000.0
 

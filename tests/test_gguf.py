@@ -17,35 +17,31 @@ import pytest
 
 from localrt.errors import LocalrtError
 from localrt.store import gguf as gguf_module
-from localrt.store.gguf import (
-    GGML_TYPES,
-    GGUFError,
-    GGUFInfo,
-    format_parameter_count,
-    read_gguf,
-    read_gguf_bytes,
-)
-from tests.gguf_factory import (
-    ARRAY,
-    BOOL,
-    FILE_TYPES,
-    FLOAT32,
-    FLOAT64,
-    INT8,
-    INT16,
-    INT32,
-    INT64,
-    STRING,
-    UINT8,
-    UINT16,
-    UINT32,
-    UINT64,
-    RawTensor,
-    build_gguf,
-    encode_string,
-    small_valid_gguf,
-    write_tiny_llama,
-)
+from localrt.store.gguf import GGML_TYPES
+from localrt.store.gguf import GGUFError
+from localrt.store.gguf import GGUFInfo
+from localrt.store.gguf import format_parameter_count
+from localrt.store.gguf import read_gguf
+from localrt.store.gguf import read_gguf_bytes
+from tests.gguf_factory import ARRAY
+from tests.gguf_factory import BOOL
+from tests.gguf_factory import FILE_TYPES
+from tests.gguf_factory import FLOAT32
+from tests.gguf_factory import FLOAT64
+from tests.gguf_factory import INT8
+from tests.gguf_factory import INT16
+from tests.gguf_factory import INT32
+from tests.gguf_factory import INT64
+from tests.gguf_factory import STRING
+from tests.gguf_factory import UINT8
+from tests.gguf_factory import UINT16
+from tests.gguf_factory import UINT32
+from tests.gguf_factory import UINT64
+from tests.gguf_factory import RawTensor
+from tests.gguf_factory import build_gguf
+from tests.gguf_factory import encode_string
+from tests.gguf_factory import small_valid_gguf
+from tests.gguf_factory import write_tiny_llama
 
 U64_MAX = (1 << 64) - 1
 INT64_MAX = (1 << 63) - 1

@@ -26,21 +26,24 @@ from typing import Any
 
 import gguf
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
-from localrt.store.gguf import GGUFError, GGUFInfo, read_gguf, read_gguf_bytes
-from tests.gguf_factory import (
-    ARRAY,
-    BOOL,
-    STRING,
-    UINT8,
-    UINT32,
-    RawTensor,
-    build_gguf,
-    small_valid_gguf,
-    write_tiny_llama,
-)
+from localrt.store.gguf import GGUFError
+from localrt.store.gguf import GGUFInfo
+from localrt.store.gguf import read_gguf
+from localrt.store.gguf import read_gguf_bytes
+from tests.gguf_factory import ARRAY
+from tests.gguf_factory import BOOL
+from tests.gguf_factory import STRING
+from tests.gguf_factory import UINT8
+from tests.gguf_factory import UINT32
+from tests.gguf_factory import RawTensor
+from tests.gguf_factory import build_gguf
+from tests.gguf_factory import small_valid_gguf
+from tests.gguf_factory import write_tiny_llama
 
 REAL_HEAD_BYTES = 64 << 10
 MEMORY_SLACK = 1 << 20  # tracemalloc also sees the interpreter's own small allocations

@@ -16,12 +16,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType
+from gguf import GGUFReader
 
 from localrt.converters import imatrix as imx
-from localrt.converters import mixes, quants
+from localrt.converters import mixes
+from localrt.converters import quants
 from localrt.converters.requantize import requantize
-from tests.test_quants import MODELS, _ggml, distributions, write_tiny_gguf
+from tests.test_quants import MODELS
+from tests.test_quants import _ggml
+from tests.test_quants import distributions
+from tests.test_quants import write_tiny_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp")
 QT = GGMLQuantizationType

@@ -17,7 +17,11 @@ from localrt.converters import imatrix as imx
 from localrt.converters import mixes
 from localrt.converters.convert import convert
 from localrt.converters.requantize import requantize
-from tests.fixtures_hf import CORPUS, compare_gguf, llama_cpp_tools, oracle_float, write_tiny_model
+from tests.fixtures_hf import CORPUS
+from tests.fixtures_hf import compare_gguf
+from tests.fixtures_hf import llama_cpp_tools
+from tests.fixtures_hf import oracle_float
+from tests.fixtures_hf import write_tiny_model
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("llama_cpp")

@@ -12,9 +12,16 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from localrt.backends.base import DoneEvent, GenerateRequest, LoadOptions, SamplingParams, TextEvent  # noqa: E402
-from localrt.backends.llamacpp import LlamaCppBackend, LlamaCppModel, NgramProposer  # noqa: E402
-from localrt.errors import LocalrtError, OptionError  # noqa: E402
+from localrt.backends.base import DoneEvent  # noqa: E402
+from localrt.backends.base import GenerateRequest  # noqa: E402
+from localrt.backends.base import LoadOptions  # noqa: E402
+from localrt.backends.base import SamplingParams  # noqa: E402
+from localrt.backends.base import TextEvent  # noqa: E402
+from localrt.backends.llamacpp import LlamaCppBackend  # noqa: E402
+from localrt.backends.llamacpp import LlamaCppModel  # noqa: E402
+from localrt.backends.llamacpp import NgramProposer  # noqa: E402
+from localrt.errors import LocalrtError  # noqa: E402
+from localrt.errors import OptionError  # noqa: E402
 
 CHAT = (
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"

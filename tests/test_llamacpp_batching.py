@@ -6,22 +6,22 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("llama_cpp")
 
-from localrt.backends.base import (  # noqa: E402
-    CancelToken,
-    DoneEvent,
-    GenerateRequest,
-    LoadOptions,
-    SamplingParams,
-    TextEvent,
-)
-from localrt.backends.llamacpp import LlamaCppBackend, LlamaCppModel  # noqa: E402
+from localrt.backends.base import CancelToken  # noqa: E402
+from localrt.backends.base import DoneEvent  # noqa: E402
+from localrt.backends.base import GenerateRequest  # noqa: E402
+from localrt.backends.base import LoadOptions  # noqa: E402
+from localrt.backends.base import SamplingParams  # noqa: E402
+from localrt.backends.base import TextEvent  # noqa: E402
+from localrt.backends.llamacpp import LlamaCppBackend  # noqa: E402
+from localrt.backends.llamacpp import LlamaCppModel  # noqa: E402
 
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
 CHAT = (
@@ -287,7 +287,8 @@ def test_an_evicted_conversation_comes_back_from_the_ram_cache(smollm2_gguf: Pat
 
 def test_drafts_of_a_step_are_evened_to_the_length_that_keeps_most_rows() -> None:
     """Unequal draft lengths cost llama.cpp a micro-batch each (equal rows per KV stream): one length per step."""
-    from localrt.backends.llamacpp.step import Job, _even_drafts
+    from localrt.backends.llamacpp.step import Job
+    from localrt.backends.llamacpp.step import _even_drafts
 
     jobs = [Job(GenerateRequest([1]), lambda _: None) for _ in range(4)]
     for job, drafts in zip(jobs, ([5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6], [7, 8], [])):

@@ -20,8 +20,13 @@ import pytest
 pytest.importorskip("mlx.core")
 
 from localrt.backends import registry  # noqa: E402
-from localrt.backends.base import DoneEvent, GenerateRequest, LoadOptions, SamplingParams, TextEvent  # noqa: E402
-from localrt.errors import LocalrtError, OptionError  # noqa: E402
+from localrt.backends.base import DoneEvent  # noqa: E402
+from localrt.backends.base import GenerateRequest  # noqa: E402
+from localrt.backends.base import LoadOptions  # noqa: E402
+from localrt.backends.base import SamplingParams  # noqa: E402
+from localrt.backends.base import TextEvent  # noqa: E402
+from localrt.errors import LocalrtError  # noqa: E402
+from localrt.errors import OptionError  # noqa: E402
 from localrt.eval import evaluate  # noqa: E402
 from tests.gguf_factory import write_tiny_llama  # noqa: E402
 
@@ -176,7 +181,8 @@ def test_fidelity_against_llamacpp_and_the_exact_reference(
     function. The default CPU build of llama.cpp rounds activations to 8 bits before each quantized
     dot product, noise that it does not reproduce itself (batch 1 vs 512: ~97% top-1); against it MLX
     agrees as well as llama.cpp agrees with itself. And MLX equals the torch engine's fp32 reference."""
-    from tests.fixtures_hf import LlamaCppBuildReference, llama_cpp_blas
+    from tests.fixtures_hf import LlamaCppBuildReference
+    from tests.fixtures_hf import llama_cpp_blas
 
     path = smollm2_file(file_type)  # Q4_K_M: Q4_K, Q5_0, Q8_0 and (dequantized) Q6_K tensors
     model = ScoredOnce(registry.get("mlx").load(path, LoadOptions(num_ctx=512, num_batch=512)))

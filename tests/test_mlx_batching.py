@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,23 +15,25 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from localrt.backends import registry  # noqa: E402
-from localrt.backends.base import (  # noqa: E402
-    CancelToken,
-    DoneEvent,
-    GenerateRequest,
-    LoadOptions,
-    SamplingParams,
-    TextEvent,
-)
-from localrt.backends.mlx.batch import BatchEngine, Row  # noqa: E402
+from localrt.backends.base import CancelToken  # noqa: E402
+from localrt.backends.base import DoneEvent  # noqa: E402
+from localrt.backends.base import GenerateRequest  # noqa: E402
+from localrt.backends.base import LoadOptions  # noqa: E402
+from localrt.backends.base import SamplingParams  # noqa: E402
+from localrt.backends.base import TextEvent  # noqa: E402
+from localrt.backends.mlx.batch import BatchEngine  # noqa: E402
+from localrt.backends.mlx.batch import Row  # noqa: E402
 from localrt.backends.mlx.engine import LookupProposer  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.model import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
-from localrt.backends.mlx.sampling import RowSampler, sample_rows, window_of  # noqa: E402
+from localrt.backends.mlx.sampling import RowSampler  # noqa: E402
+from localrt.backends.mlx.sampling import sample_rows  # noqa: E402
+from localrt.backends.mlx.sampling import window_of  # noqa: E402
 from localrt.backends.sampler import Sampler  # noqa: E402
 from localrt.backends.speculation import SpecState  # noqa: E402
-from tests.gguf_factory import write_random_model, write_tiny_llama  # noqa: E402
+from tests.gguf_factory import write_random_model  # noqa: E402
+from tests.gguf_factory import write_tiny_llama  # noqa: E402
 from tests.stats import assert_same_distribution  # noqa: E402
 
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))

@@ -20,25 +20,30 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("llama_cpp")
 
-from localrt.backends.base import CancelToken, LoadOptions, SamplingParams  # noqa: E402
+from localrt.backends.base import CancelToken  # noqa: E402
+from localrt.backends.base import LoadOptions  # noqa: E402
+from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.mlx.architectures import load_model  # noqa: E402
-from localrt.backends.mlx.batch import BatchEngine, Row  # noqa: E402
+from localrt.backends.mlx.batch import BatchEngine  # noqa: E402
+from localrt.backends.mlx.batch import Row  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
-from localrt.backends.mlx.engine import (  # noqa: E402
-    DraftModelProposer,
-    LookupProposer,
-    Runner,
-    SelfProposer,
-    generate,
-)
+from localrt.backends.mlx.engine import DraftModelProposer  # noqa: E402
+from localrt.backends.mlx.engine import LookupProposer  # noqa: E402
+from localrt.backends.mlx.engine import Runner  # noqa: E402
+from localrt.backends.mlx.engine import SelfProposer  # noqa: E402
+from localrt.backends.mlx.engine import generate  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.model import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
 from localrt.backends.mlx.sampling import RowSampler  # noqa: E402
 from localrt.backends.sampler import Sampler  # noqa: E402
 from localrt.backends.speculation import SpecState  # noqa: E402
-from tests.fixtures_families import GEMMA3_WINDOW, family_gguf, tiny_hf  # noqa: E402
-from tests.test_torch_families import llama_cpp_logits, run_cli, tokens_for  # noqa: E402
+from tests.fixtures_families import GEMMA3_WINDOW  # noqa: E402
+from tests.fixtures_families import family_gguf  # noqa: E402
+from tests.fixtures_families import tiny_hf  # noqa: E402
+from tests.test_torch_families import llama_cpp_logits  # noqa: E402
+from tests.test_torch_families import run_cli  # noqa: E402
+from tests.test_torch_families import tokens_for  # noqa: E402
 
 FAMILIES = ["gemma3", "gemma2", "phi3", "qwen3moe"]
 SMALL_SLACK = 8  # rotating caches drop old positions every few tokens (the default keeps 256); >= k below
@@ -118,7 +123,8 @@ def test_logits_match_exact_llama_cpp(family: str, family_files: Callable[[str, 
     the dequantized weights, the file's exact function. Its expert products (`MUL_MAT_ID`) are not
     offloaded to BLAS, so for the MoE they keep the CPU kernels' 8-bit activations, which flip near-tie
     expert choices: there the bar is the torch tests' (mean difference under a tenth of the logits)."""
-    from tests.fixtures_hf import llama_cpp_blas, llama_cpp_logits_of_build
+    from tests.fixtures_hf import llama_cpp_blas
+    from tests.fixtures_hf import llama_cpp_logits_of_build
 
     path = family_files(family, "Q4_K_M")
     model = load(path)
@@ -387,7 +393,8 @@ def test_gemma3_270m_matches_llama_cpp(gemma3_gguf: Path) -> None:
     exact OpenBLAS build), top-1 agreement with the exact build at least 98%."""
     from localrt.backends import registry
     from localrt.eval import evaluate
-    from tests.fixtures_hf import LlamaCppBuildReference, llama_cpp_blas
+    from tests.fixtures_hf import LlamaCppBuildReference
+    from tests.fixtures_hf import llama_cpp_blas
     from tests.test_torch_model import english_text
 
     opts = LoadOptions(num_ctx=1024, num_thread=2, num_batch=512)

@@ -15,12 +15,18 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from localrt.backends.base import SamplingParams  # noqa: E402
-from localrt.backends.mlx.cache import STEP, make_caches  # noqa: E402
-from localrt.backends.mlx.engine import Runner, generate  # noqa: E402
-from localrt.backends.mlx.gguf_load import EXACT, GGUFTensors, QuantizedWeight, repack  # noqa: E402
+from localrt.backends.mlx.cache import STEP  # noqa: E402
+from localrt.backends.mlx.cache import make_caches  # noqa: E402
+from localrt.backends.mlx.engine import Runner  # noqa: E402
+from localrt.backends.mlx.engine import generate  # noqa: E402
+from localrt.backends.mlx.gguf_load import EXACT  # noqa: E402
+from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
+from localrt.backends.mlx.gguf_load import QuantizedWeight  # noqa: E402
+from localrt.backends.mlx.gguf_load import repack  # noqa: E402
 from localrt.backends.mlx.model import Transformer  # noqa: E402
 from localrt.backends.sampler import Sampler  # noqa: E402
-from localrt.converters.quants import bf16_to_f32, quantize  # noqa: E402
+from localrt.converters.quants import bf16_to_f32  # noqa: E402
+from localrt.converters.quants import quantize  # noqa: E402
 from tests.gguf_factory import write_random_model  # noqa: E402
 
 EXACT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"]

@@ -13,19 +13,21 @@ mx = pytest.importorskip("mlx.core")
 
 from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
-from localrt.backends.mlx.engine import (  # noqa: E402
-    DraftModelProposer,
-    LookupProposer,
-    Runner,
-    SelfProposer,
-    generate,
-)
+from localrt.backends.mlx.engine import DraftModelProposer  # noqa: E402
+from localrt.backends.mlx.engine import LookupProposer  # noqa: E402
+from localrt.backends.mlx.engine import Runner  # noqa: E402
+from localrt.backends.mlx.engine import SelfProposer  # noqa: E402
+from localrt.backends.mlx.engine import generate  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.model import Transformer  # noqa: E402
 from localrt.backends.sampler import Sampler  # noqa: E402
-from localrt.backends.speculation import SpecState, break_even_acceptance, verify  # noqa: E402
+from localrt.backends.speculation import SpecState  # noqa: E402
+from localrt.backends.speculation import break_even_acceptance  # noqa: E402
+from localrt.backends.speculation import verify  # noqa: E402
 from tests.gguf_factory import write_random_model  # noqa: E402
-from tests.stats import assert_same_distribution, de_bruijn_prompt, exact_pair_distribution  # noqa: E402
+from tests.stats import assert_same_distribution  # noqa: E402
+from tests.stats import de_bruijn_prompt  # noqa: E402
+from tests.stats import exact_pair_distribution  # noqa: E402
 
 
 def load(tmp: Path, name: str, **kwargs: object) -> Transformer:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from localrt.errors import InvalidName
-from localrt.store.names import DEFAULT_HOST, normalize_digest, parse_name
+from localrt.store.names import DEFAULT_HOST
+from localrt.store.names import normalize_digest
+from localrt.store.names import parse_name
 
 HEX = "a" * 64
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from localrt.errors import OptionError
-from localrt.runtime.options import OPEN_ENDED_CONTEXTS, OPTION_NAMES, Options, parse_option_value
+from localrt.runtime.options import OPEN_ENDED_CONTEXTS
+from localrt.runtime.options import OPTION_NAMES
+from localrt.runtime.options import Options
+from localrt.runtime.options import parse_option_value
 
 
 def test_ollama_defaults() -> None:

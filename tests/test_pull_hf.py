@@ -8,9 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from localrt.errors import DigestMismatch, LocalrtError, ModelNotFound, PullError
+from localrt.errors import DigestMismatch
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
+from localrt.errors import PullError
 from localrt.store.gguf import read_gguf
-from localrt.store.pull import Progress, pull
+from localrt.store.pull import Progress
+from localrt.store.pull import pull
 from localrt.store.sources.hf import pick_gguf
 from localrt.store.store import Store
 from tests.gguf_factory import write_tiny_llama

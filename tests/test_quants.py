@@ -14,9 +14,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType
+from gguf import GGUFReader
 
-from localrt.converters import mixes, quants
+from localrt.converters import mixes
+from localrt.converters import quants
 
 llama_cpp = pytest.importorskip("llama_cpp")
 QT = GGMLQuantizationType

@@ -13,7 +13,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -32,7 +33,9 @@ UPSTREAM_MODEL = "smollm2:135m"
 UPSTREAM_KEY = "upstream-secret-4f9a"  # the upstream's LOCALRT_API_KEY; the front reads it from FAR_KEY
 GREEDY = {"temperature": 0, "seed": 1, "num_predict": 16}
 # the same schemas and tool as the local-model client tests, so both paths answer one question
-from tests.test_api_clients import CALL_SCHEMA, CITY_SCHEMA, WEATHER_TOOL  # noqa: E402
+from tests.test_api_clients import CALL_SCHEMA  # noqa: E402
+from tests.test_api_clients import CITY_SCHEMA  # noqa: E402
+from tests.test_api_clients import WEATHER_TOOL  # noqa: E402
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 COUNTING = "Count from one to ten thousand, one number per line."  # far longer than any test waits

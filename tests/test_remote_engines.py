@@ -26,7 +26,9 @@ from localrt.store.names import parse_name
 from localrt.store.remote import create_remote
 from localrt.store.store import Store
 from tests.conftest import CACHE
-from tests.servers.serve import LocalrtServer, ctrl_c_reaches_the_child, free_port
+from tests.servers.serve import LocalrtServer
+from tests.servers.serve import ctrl_c_reaches_the_child
+from tests.servers.serve import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -166,7 +168,9 @@ def tiny_random_llama(smollm2_gguf: Path, out: Path) -> Path:
     """A random Llama saved with transformers as HF safetensors, head_dim 64 (vLLM's CPU attention
     needs >= 64), with SmolLM2's tokenizer so the chat template and vocabulary are real."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM
 
     from tests.fixtures_hf import smollm2_hf_dir
 

@@ -11,10 +11,14 @@ from pathlib import Path
 import pytest
 
 from localrt.errors import LocalrtError
-from localrt.store.modelfile import ModelfileError, create, parse_modelfile
+from localrt.store.modelfile import ModelfileError
+from localrt.store.modelfile import create
+from localrt.store.modelfile import parse_modelfile
 from localrt.store.names import parse_name
-from localrt.store.remote import check_endpoint, create_remote
-from localrt.store.store import MEDIA_MODEL, Store
+from localrt.store.remote import check_endpoint
+from localrt.store.remote import create_remote
+from localrt.store.store import MEDIA_MODEL
+from localrt.store.store import Store
 from tests.gguf_factory import write_tiny_llama
 
 SECRET = "sk-never-in-the-store-7d1c"

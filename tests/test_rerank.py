@@ -22,7 +22,8 @@ import pytest
 from localrt.backends.base import LoadOptions
 from localrt.store.modelfile import create
 from localrt.store.store import Store
-from tests.fixtures_vision import tiny_reranker, tiny_vlm
+from tests.fixtures_vision import tiny_reranker
+from tests.fixtures_vision import tiny_vlm
 from tests.servers.serve import LocalrtServer
 
 MODEL = "tiny-rerank:latest"

@@ -9,9 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from localrt.errors import DigestMismatch, InvalidName, LocalrtError, ModelNotFound
+from localrt.errors import DigestMismatch
+from localrt.errors import InvalidName
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
 from localrt.store.names import parse_name
-from localrt.store.store import MEDIA_MODEL, MEDIA_PARAMS, MEDIA_TEMPLATE, Store
+from localrt.store.store import MEDIA_MODEL
+from localrt.store.store import MEDIA_PARAMS
+from localrt.store.store import MEDIA_TEMPLATE
+from localrt.store.store import Store
 
 
 def digest_of(data: bytes) -> str:

@@ -11,16 +11,15 @@ from pathlib import Path
 import pytest
 
 from localrt.runtime.family_templates import CHATML_TEMPLATE
-from localrt.runtime.templates import (
-    MAX_TEMPLATE_CHARS,
-    ChatTemplate,
-    RenderedPrompt,
-    TemplateError,
-    is_go_template,
-    select_template,
-    tokenize_rendered,
-)
-from localrt.runtime.toolcalls import could_be_tool_call, parse_tool_calls
+from localrt.runtime.templates import MAX_TEMPLATE_CHARS
+from localrt.runtime.templates import ChatTemplate
+from localrt.runtime.templates import RenderedPrompt
+from localrt.runtime.templates import TemplateError
+from localrt.runtime.templates import is_go_template
+from localrt.runtime.templates import select_template
+from localrt.runtime.templates import tokenize_rendered
+from localrt.runtime.toolcalls import could_be_tool_call
+from localrt.runtime.toolcalls import parse_tool_calls
 
 USER = [{"role": "user", "content": "hi"}]
 CHATML_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]

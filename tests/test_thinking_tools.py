@@ -22,11 +22,15 @@ import openai
 import pytest
 
 from localrt.errors import LocalrtError
-from localrt.runtime.manager import Chunk, Runtime
-from localrt.runtime.thinking import ThinkError, model_format
+from localrt.runtime.manager import Chunk
+from localrt.runtime.manager import Runtime
+from localrt.runtime.thinking import ThinkError
+from localrt.runtime.thinking import model_format
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
-from tests.families import FAMILIES, FIRST_SPECIAL_ID, forced
+from tests.families import FAMILIES
+from tests.families import FIRST_SPECIAL_ID
+from tests.families import forced
 from tests.servers.serve import LocalrtServer
 
 WEATHER = {

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,12 @@ import pytest
 torch = pytest.importorskip("torch")
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from localrt.backends.base import DoneEvent, GenerateRequest, LoadOptions, SamplingParams  # noqa: E402
-from localrt.backends.torch import TorchBackend, TorchModel  # noqa: E402
+from localrt.backends.base import DoneEvent  # noqa: E402
+from localrt.backends.base import GenerateRequest  # noqa: E402
+from localrt.backends.base import LoadOptions  # noqa: E402
+from localrt.backends.base import SamplingParams  # noqa: E402
+from localrt.backends.torch import TorchBackend  # noqa: E402
+from localrt.backends.torch import TorchModel  # noqa: E402
 from localrt.errors import LocalrtError  # noqa: E402
 from tests.test_torch_model import english_text  # noqa: E402
 
@@ -274,7 +279,8 @@ def test_fidelity_through_score_against_llama_cpp_blas(
     it does not reproduce itself (its batch-1 and batch-512 logits agree on only ~97% of top-1
     tokens, `tests/test_torch_model.py::test_smollm2_fidelity_2k_tokens`)."""
     from localrt.eval import evaluate
-    from tests.fixtures_hf import LlamaCppBuildReference, llama_cpp_blas
+    from tests.fixtures_hf import LlamaCppBuildReference
+    from tests.fixtures_hf import llama_cpp_blas
 
     path = smollm2_file(file_type)
     model = TorchModel(path, LoadOptions(num_ctx=512, num_thread=2), numerics=numerics)

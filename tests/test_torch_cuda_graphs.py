@@ -17,11 +17,15 @@ torch = pytest.importorskip("torch")
 from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.torch import engine as engine_module  # noqa: E402
 from localrt.backends.torch import runner as runner_module  # noqa: E402
-from localrt.backends.torch.attention import PagedAttention, SeqChunk  # noqa: E402
+from localrt.backends.torch.attention import PagedAttention  # noqa: E402
+from localrt.backends.torch.attention import SeqChunk  # noqa: E402
 from localrt.backends.torch.cuda_graphs import DecodeGraphs  # noqa: E402
-from localrt.backends.torch.engine import Engine, EngineConfig  # noqa: E402
+from localrt.backends.torch.engine import Engine  # noqa: E402
+from localrt.backends.torch.engine import EngineConfig  # noqa: E402
 from localrt.backends.torch.kv_cache import KVCache  # noqa: E402
-from localrt.backends.torch.model import LlamaConfig, Transformer, random_transformer  # noqa: E402
+from localrt.backends.torch.model import LlamaConfig  # noqa: E402
+from localrt.backends.torch.model import Transformer  # noqa: E402
+from localrt.backends.torch.model import random_transformer  # noqa: E402
 from localrt.backends.torch.sampling import RequestSampler  # noqa: E402
 
 needs_triton = pytest.mark.skipif(

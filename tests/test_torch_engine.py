@@ -11,12 +11,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from localrt.backends.base import CancelToken, SamplingParams  # noqa: E402
+from localrt.backends.base import CancelToken  # noqa: E402
+from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.torch import prefix_cache  # noqa: E402
-from localrt.backends.torch.attention import PagedAttention, SeqChunk  # noqa: E402
-from localrt.backends.torch.engine import Engine, EngineConfig  # noqa: E402
-from localrt.backends.torch.kv_cache import BlockPool, KVCache, OutOfBlocks  # noqa: E402
-from localrt.backends.torch.model import LlamaConfig, Transformer, random_transformer  # noqa: E402
+from localrt.backends.torch.attention import PagedAttention  # noqa: E402
+from localrt.backends.torch.attention import SeqChunk  # noqa: E402
+from localrt.backends.torch.engine import Engine  # noqa: E402
+from localrt.backends.torch.engine import EngineConfig  # noqa: E402
+from localrt.backends.torch.kv_cache import BlockPool  # noqa: E402
+from localrt.backends.torch.kv_cache import KVCache  # noqa: E402
+from localrt.backends.torch.kv_cache import OutOfBlocks  # noqa: E402
+from localrt.backends.torch.model import LlamaConfig  # noqa: E402
+from localrt.backends.torch.model import Transformer  # noqa: E402
+from localrt.backends.torch.model import random_transformer  # noqa: E402
 from localrt.backends.torch.scheduler import Sequence  # noqa: E402
 from localrt.errors import LocalrtError  # noqa: E402
 

@@ -20,10 +20,13 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.torch.architectures import load_model  # noqa: E402
-from localrt.backends.torch.engine import Engine, EngineConfig  # noqa: E402
+from localrt.backends.torch.engine import Engine  # noqa: E402
+from localrt.backends.torch.engine import EngineConfig  # noqa: E402
 from localrt.backends.torch.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.torch.model import DenseCausal  # noqa: E402
-from tests.fixtures_families import GEMMA3_WINDOW, family_gguf, tiny_hf  # noqa: E402
+from tests.fixtures_families import GEMMA3_WINDOW  # noqa: E402
+from tests.fixtures_families import family_gguf  # noqa: E402
+from tests.fixtures_families import tiny_hf  # noqa: E402
 
 N_TOKENS = 80  # past the window (24) three times over
 FAMILIES = ["gemma3", "gemma2", "phi3", "qwen3moe", "olmoe"]
@@ -232,7 +235,8 @@ def test_gemma3_270m_top1_against_exact_llama_cpp(gemma3_gguf: Path) -> None:
     from localrt.backends.base import LoadOptions
     from localrt.backends.torch import TorchModel
     from localrt.eval import evaluate
-    from tests.fixtures_hf import LlamaCppBuildReference, llama_cpp_blas
+    from tests.fixtures_hf import LlamaCppBuildReference
+    from tests.fixtures_hf import llama_cpp_blas
     from tests.test_torch_model import english_text
 
     model = TorchModel(gemma3_gguf, LoadOptions(num_ctx=512, num_thread=2, num_batch=512))

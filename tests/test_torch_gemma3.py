@@ -11,14 +11,20 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from localrt.backends.base import SamplingParams  # noqa: E402
-from localrt.backends.family_config import GemmaConfig, sliding_pattern  # noqa: E402
-from localrt.backends.torch.attention import PagedAttention, SeqChunk  # noqa: E402
-from localrt.backends.torch.engine import Engine, EngineConfig  # noqa: E402
-from localrt.backends.torch.gemma3 import Gemma3, random_gemma3  # noqa: E402
+from localrt.backends.family_config import GemmaConfig  # noqa: E402
+from localrt.backends.family_config import sliding_pattern  # noqa: E402
+from localrt.backends.torch.attention import PagedAttention  # noqa: E402
+from localrt.backends.torch.attention import SeqChunk  # noqa: E402
+from localrt.backends.torch.engine import Engine  # noqa: E402
+from localrt.backends.torch.engine import EngineConfig  # noqa: E402
+from localrt.backends.torch.gemma3 import Gemma3  # noqa: E402
+from localrt.backends.torch.gemma3 import random_gemma3  # noqa: E402
 from localrt.backends.torch.kv_cache import KVCache  # noqa: E402
 from localrt.backends.torch.model import DenseCausal  # noqa: E402
 from localrt.backends.torch.scheduler import Sequence  # noqa: E402
-from tests.test_torch_engine import Req, random_requests, run_workload  # noqa: E402
+from tests.test_torch_engine import Req  # noqa: E402
+from tests.test_torch_engine import random_requests  # noqa: E402
+from tests.test_torch_engine import run_workload  # noqa: E402
 
 VOCAB = 96
 WINDOW = 20  # not a multiple of the block size (16): a window straddles blocks
@@ -228,8 +234,10 @@ def test_sampled_speculation_keeps_the_target_distribution(mode: str) -> None:
     """Monte Carlo, as for Llama (tests/test_torch_speculative.py): with guesses verified against a
     Gemma 3 whose window is shorter than the prompt, the two tokens after the first are distributed
     exactly as the target's own P(t2, t3)."""
-    from tests.stats import assert_same_distribution, de_bruijn_prompt
-    from tests.test_torch_speculative import MC_VOCAB, target_pair_distribution
+    from tests.stats import assert_same_distribution
+    from tests.stats import de_bruijn_prompt
+    from tests.test_torch_speculative import MC_VOCAB
+    from tests.test_torch_speculative import target_pair_distribution
 
     def mc_gemma(seed: int) -> Gemma3:
         cfg = GemmaConfig(

@@ -13,14 +13,20 @@ import pytest
 torch = pytest.importorskip("torch")
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
+from gguf.constants import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from localrt.backends.base import log_softmax  # noqa: E402
-from localrt.backends.torch.attention import PagedAttention, SeqChunk  # noqa: E402
-from localrt.backends.torch.gguf_load import GGUFTensors, dequantize  # noqa: E402
+from localrt.backends.torch.attention import PagedAttention  # noqa: E402
+from localrt.backends.torch.attention import SeqChunk  # noqa: E402
+from localrt.backends.torch.gguf_load import GGUFTensors  # noqa: E402
+from localrt.backends.torch.gguf_load import dequantize  # noqa: E402
 from localrt.backends.torch.kv_cache import KVCache  # noqa: E402
-from localrt.backends.torch.model import DenseCausal, LlamaConfig, Transformer, random_transformer  # noqa: E402
+from localrt.backends.torch.model import DenseCausal  # noqa: E402
+from localrt.backends.torch.model import LlamaConfig  # noqa: E402
+from localrt.backends.torch.model import Transformer  # noqa: E402
+from localrt.backends.torch.model import random_transformer  # noqa: E402
 from tests.gguf_factory import write_tiny_llama  # noqa: E402
 
 # byte offsets of the fp16 scale fields in each block (random bytes there could be NaN or inf)

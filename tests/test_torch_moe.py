@@ -10,10 +10,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from localrt.backends.base import SamplingParams  # noqa: E402
-from localrt.backends.torch.engine import Engine, EngineConfig  # noqa: E402
+from localrt.backends.torch.engine import Engine  # noqa: E402
+from localrt.backends.torch.engine import EngineConfig  # noqa: E402
 from localrt.backends.torch.model import LlamaConfig  # noqa: E402
-from localrt.backends.torch.qwen3moe import MIN_WEIGHT_SUM, Qwen3MoE  # noqa: E402
-from tests.test_torch_engine import Req, random_requests, run_workload  # noqa: E402
+from localrt.backends.torch.qwen3moe import MIN_WEIGHT_SUM  # noqa: E402
+from localrt.backends.torch.qwen3moe import Qwen3MoE  # noqa: E402
+from tests.test_torch_engine import Req  # noqa: E402
+from tests.test_torch_engine import random_requests  # noqa: E402
+from tests.test_torch_engine import run_workload  # noqa: E402
 
 VOCAB = 96
 GREEDY = SamplingParams(temperature=0.0)

@@ -15,10 +15,17 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from localrt.backends.base import LoadOptions, SamplingParams  # noqa: E402
-from localrt.backends.torch.engine import Engine, EngineConfig  # noqa: E402
-from tests.fixtures_families import PHI3, family_gguf, tiny_hf  # noqa: E402
-from tests.test_torch_families import load, ours, tokens_for, transformers_logits  # noqa: E402
+from localrt.backends.base import LoadOptions  # noqa: E402
+from localrt.backends.base import SamplingParams  # noqa: E402
+from localrt.backends.torch.engine import Engine  # noqa: E402
+from localrt.backends.torch.engine import EngineConfig  # noqa: E402
+from tests.fixtures_families import PHI3  # noqa: E402
+from tests.fixtures_families import family_gguf  # noqa: E402
+from tests.fixtures_families import tiny_hf  # noqa: E402
+from tests.test_torch_families import load  # noqa: E402
+from tests.test_torch_families import ours  # noqa: E402
+from tests.test_torch_families import tokens_for  # noqa: E402
+from tests.test_torch_families import transformers_logits  # noqa: E402
 
 ORIGINAL = PHI3["original_max_position_embeddings"]  # 512
 CONTEXT = PHI3["max_position_embeddings"]  # 1024

@@ -16,8 +16,10 @@ pytest.importorskip("llama_cpp")
 from localrt.backends.base import LoadOptions  # noqa: E402
 from localrt.backends.torch import quantized  # noqa: E402
 from localrt.backends.torch.backend import TorchModel  # noqa: E402
-from localrt.backends.torch.gguf_load import DEQUANTIZERS, GGUFTensors  # noqa: E402
-from tests.test_torch_model import F16_FIELDS, write_kquant_llama  # noqa: E402
+from localrt.backends.torch.gguf_load import DEQUANTIZERS  # noqa: E402
+from localrt.backends.torch.gguf_load import GGUFTensors  # noqa: E402
+from tests.test_torch_model import F16_FIELDS  # noqa: E402
+from tests.test_torch_model import write_kquant_llama  # noqa: E402
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210, **quantized.PAIR_BLOCK_BYTES}
 BLOCK_ELEMS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32}
@@ -236,7 +238,9 @@ def test_ps_reports_the_numerics_and_the_weights(models_dir: Path, smollm2_gguf:
     the option reloads the model."""
     from localrt.runtime.manager import Runtime
     from localrt.store.store import Store
-    from tests.test_runtime import FRANCE, collect, import_model
+    from tests.test_runtime import FRANCE
+    from tests.test_runtime import collect
+    from tests.test_runtime import import_model
 
     store = Store(models_dir)
     import_model(store, "smollm2:135m", smollm2_gguf)

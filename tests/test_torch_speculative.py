@@ -9,11 +9,19 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from localrt.backends.base import SamplingParams  # noqa: E402
-from localrt.backends.torch.engine import Engine, EngineConfig  # noqa: E402
-from localrt.backends.torch.model import DenseCausal, LlamaConfig, Transformer, random_transformer  # noqa: E402
+from localrt.backends.torch.engine import Engine  # noqa: E402
+from localrt.backends.torch.engine import EngineConfig  # noqa: E402
+from localrt.backends.torch.model import DenseCausal  # noqa: E402
+from localrt.backends.torch.model import LlamaConfig  # noqa: E402
+from localrt.backends.torch.model import Transformer  # noqa: E402
+from localrt.backends.torch.model import random_transformer  # noqa: E402
 from localrt.backends.torch.sampling import RequestSampler  # noqa: E402
-from localrt.backends.torch.speculative import break_even_acceptance, expected_tokens, verify  # noqa: E402
-from tests.stats import assert_same_distribution, de_bruijn_prompt, exact_pair_distribution  # noqa: E402
+from localrt.backends.torch.speculative import break_even_acceptance  # noqa: E402
+from localrt.backends.torch.speculative import expected_tokens  # noqa: E402
+from localrt.backends.torch.speculative import verify  # noqa: E402
+from tests.stats import assert_same_distribution  # noqa: E402
+from tests.stats import de_bruijn_prompt  # noqa: E402
+from tests.stats import exact_pair_distribution  # noqa: E402
 
 # ---- the verifier alone, on synthetic distributions -------------------------------------------------
 SAMPLED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11)

@@ -12,18 +12,18 @@ import json
 
 import pytest
 
-from localrt.api import anthropic, responses
-from localrt.api.translate import (
-    Assembler,
-    ParamError,
-    budget_from_anthropic,
-    call_schema,
-    constrain_tools,
-    function_tool,
-    think_from_anthropic,
-    think_from_effort,
-)
-from localrt.runtime.manager import Chunk, Metrics
+from localrt.api import anthropic
+from localrt.api import responses
+from localrt.api.translate import Assembler
+from localrt.api.translate import ParamError
+from localrt.api.translate import budget_from_anthropic
+from localrt.api.translate import call_schema
+from localrt.api.translate import constrain_tools
+from localrt.api.translate import function_tool
+from localrt.api.translate import think_from_anthropic
+from localrt.api.translate import think_from_effort
+from localrt.runtime.manager import Chunk
+from localrt.runtime.manager import Metrics
 
 WEATHER = function_tool(
     "get_weather", "weather", {"type": "object", "properties": {"city": {"type": "string"}}}, "tools"

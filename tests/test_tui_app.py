@@ -12,7 +12,10 @@ import importlib.util
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,26 +23,40 @@ import pytest
 
 pytest.importorskip("textual")
 
-from textual.widgets import Checkbox, Input, ListView, OptionList, ProgressBar, Select, TextArea  # noqa: E402
+from textual.widgets import Checkbox  # noqa: E402
+from textual.widgets import Input  # noqa: E402
+from textual.widgets import ListView  # noqa: E402
+from textual.widgets import OptionList  # noqa: E402
+from textual.widgets import ProgressBar  # noqa: E402
+from textual.widgets import Select  # noqa: E402
+from textual.widgets import TextArea  # noqa: E402
 
-from localrt.client import ModelInfo, ModelRow, RuntimeClient, ServerClient, connect  # noqa: E402
-from localrt.runtime.manager import Chunk, Metrics  # noqa: E402
+from localrt.client import ModelInfo  # noqa: E402
+from localrt.client import ModelRow  # noqa: E402
+from localrt.client import RuntimeClient  # noqa: E402
+from localrt.client import ServerClient  # noqa: E402
+from localrt.client import connect  # noqa: E402
+from localrt.runtime.manager import Chunk  # noqa: E402
+from localrt.runtime.manager import Metrics  # noqa: E402
 from localrt.store.importer import import_gguf  # noqa: E402
 from localrt.store.names import parse_name  # noqa: E402
 from localrt.store.pull import Progress  # noqa: E402
 from localrt.store.store import Store  # noqa: E402
-from localrt.tui.app import ACTIONS, INPUT_KEYS, ChatApp, key_label  # noqa: E402
-from localrt.tui.screens import (  # noqa: E402
-    ConfirmScreen,
-    HelpScreen,
-    ModelInfoScreen,
-    ModelPickerScreen,
-    PromptScreen,
-    PullScreen,
-    SettingsScreen,
-)
-from localrt.tui.store import ConversationStore, Settings  # noqa: E402
-from localrt.tui.widgets import ChatInput, MessageView  # noqa: E402
+from localrt.tui.app import ACTIONS  # noqa: E402
+from localrt.tui.app import INPUT_KEYS  # noqa: E402
+from localrt.tui.app import ChatApp  # noqa: E402
+from localrt.tui.app import key_label  # noqa: E402
+from localrt.tui.screens import ConfirmScreen  # noqa: E402
+from localrt.tui.screens import HelpScreen  # noqa: E402
+from localrt.tui.screens import ModelInfoScreen  # noqa: E402
+from localrt.tui.screens import ModelPickerScreen  # noqa: E402
+from localrt.tui.screens import PromptScreen  # noqa: E402
+from localrt.tui.screens import PullScreen  # noqa: E402
+from localrt.tui.screens import SettingsScreen  # noqa: E402
+from localrt.tui.store import ConversationStore  # noqa: E402
+from localrt.tui.store import Settings  # noqa: E402
+from localrt.tui.widgets import ChatInput  # noqa: E402
+from localrt.tui.widgets import MessageView  # noqa: E402
 from tests.conftest import async_test  # noqa: E402
 
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))

@@ -7,7 +7,8 @@ after an intended change, review and refresh them with `pytest tests/test_tui_sn
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,12 @@ pytest_textual_snapshot = pytest.importorskip("pytest_textual_snapshot")
 
 from localrt.tui.app import ChatApp  # noqa: E402
 from localrt.tui.screens import ModelInfoScreen  # noqa: E402
-from localrt.tui.store import ConversationStore, Message, Settings  # noqa: E402
-from tests.test_tui_app import MODEL, T0, FakeClient  # noqa: E402
+from localrt.tui.store import ConversationStore  # noqa: E402
+from localrt.tui.store import Message  # noqa: E402
+from localrt.tui.store import Settings  # noqa: E402
+from tests.test_tui_app import MODEL  # noqa: E402
+from tests.test_tui_app import T0  # noqa: E402
+from tests.test_tui_app import FakeClient  # noqa: E402
 
 SIZES = [(80, 24), (120, 40)]
 NOW = T0 + 2 * 3600  # "2h ago" in the sidebar, whatever the real date

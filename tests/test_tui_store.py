@@ -8,20 +8,25 @@ from pathlib import Path
 
 import pytest
 
-from localrt.client import ServerUnreachable, _error_from, server_address
-from localrt.errors import BackendUnavailable, LocalrtError, ModelNotFound, OptionError
-from localrt.runtime.options import Options, validate_option
-from localrt.tui.settings import parse_fields, summary
-from localrt.tui.store import (
-    SCHEMA_VERSION,
-    ConversationStore,
-    Message,
-    Settings,
-    default_path,
-    make_title,
-    slug,
-    to_markdown,
-)
+from localrt.client import ServerUnreachable
+from localrt.client import _error_from
+from localrt.client import server_address
+from localrt.errors import BackendUnavailable
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
+from localrt.errors import OptionError
+from localrt.runtime.options import Options
+from localrt.runtime.options import validate_option
+from localrt.tui.settings import parse_fields
+from localrt.tui.settings import summary
+from localrt.tui.store import SCHEMA_VERSION
+from localrt.tui.store import ConversationStore
+from localrt.tui.store import Message
+from localrt.tui.store import Settings
+from localrt.tui.store import default_path
+from localrt.tui.store import make_title
+from localrt.tui.store import slug
+from localrt.tui.store import to_markdown
 
 T0 = 1_700_000_000.0
 

@@ -28,7 +28,12 @@ if importlib.util.find_spec("llama_cpp") is None:
 from localrt.store.importer import import_gguf  # noqa: E402
 from localrt.store.store import Store  # noqa: E402
 from localrt.tui.store import ConversationStore  # noqa: E402
-from tests.test_tui_app import FRANCE, MODEL, PARAMS, SYSTEM, FakeClient, free_port  # noqa: E402
+from tests.test_tui_app import FRANCE  # noqa: E402
+from tests.test_tui_app import MODEL  # noqa: E402
+from tests.test_tui_app import PARAMS  # noqa: E402
+from tests.test_tui_app import SYSTEM  # noqa: E402
+from tests.test_tui_app import FakeClient  # noqa: E402
+from tests.test_tui_app import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOT = ROOT / "docs" / "tui.svg"

@@ -20,13 +20,17 @@ import ollama
 import openai
 import pytest
 
-from localrt.backends.base import IMAGE_TOKEN, GenerateRequest, LoadOptions
+from localrt.backends.base import IMAGE_TOKEN
+from localrt.backends.base import GenerateRequest
+from localrt.backends.base import LoadOptions
 from localrt.errors import LocalrtError
 from localrt.runtime.images import decode_image
 from localrt.runtime.manager import Runtime
 from localrt.store.modelfile import create
-from localrt.store.store import MEDIA_PROJECTOR, Store
-from tests.fixtures_vision import png_bytes, tiny_vlm
+from localrt.store.store import MEDIA_PROJECTOR
+from localrt.store.store import Store
+from tests.fixtures_vision import png_bytes
+from tests.fixtures_vision import tiny_vlm
 from tests.servers.serve import LocalrtServer
 
 MODEL = "tiny-vlm:latest"
@@ -265,7 +269,8 @@ def test_bad_images_are_clear_400s(
 
 
 def test_the_byte_limit_comes_before_decoding() -> None:
-    from localrt.runtime.images import MAX_IMAGE_BYTES, ImageError
+    from localrt.runtime.images import MAX_IMAGE_BYTES
+    from localrt.runtime.images import ImageError
 
     with pytest.raises(ImageError, match=f"more than the limit of {MAX_IMAGE_BYTES} bytes"):
         decode_image(png_bytes(0) + b"\0" * MAX_IMAGE_BYTES)

@@ -22,7 +22,8 @@ from localrt.runtime import images
 from localrt.runtime.manager import Runtime
 from localrt.store.pull import pull
 from localrt.store.store import Store
-from tests.fixtures_vision import png_bytes, tiny_vlm
+from tests.fixtures_vision import png_bytes
+from tests.fixtures_vision import tiny_vlm
 from tests.servers.hub import Hub
 
 PARAMS = "PARAMETER temperature 0\nPARAMETER num_predict 6\nPARAMETER num_ctx 512\nPARAMETER num_thread 1\n"

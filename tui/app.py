@@ -11,35 +11,55 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.text import Text
 from textual import on
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import App
+from textual.app import ComposeResult
+from textual.app import SystemCommand
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.screen import ModalScreen, Screen
-from textual.widgets import Footer, Header, Label, ListView, Markdown, Static
+from textual.containers import Horizontal
+from textual.containers import Vertical
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.screen import Screen
+from textual.widgets import Footer
+from textual.widgets import Header
+from textual.widgets import Label
+from textual.widgets import ListView
+from textual.widgets import Markdown
+from textual.widgets import Static
 from textual.worker import Worker
 
-from localrt.client import Client, ModelRow, connect
+from localrt.client import Client
+from localrt.client import ModelRow
+from localrt.client import connect
 from localrt.errors import LocalrtError
 from localrt.format import human_size
-from localrt.tui.screens import (
-    ConfirmScreen,
-    HelpScreen,
-    ModelInfoScreen,
-    ModelPickerScreen,
-    PromptScreen,
-    PullScreen,
-    SettingsScreen,
-)
+from localrt.tui.screens import ConfirmScreen
+from localrt.tui.screens import HelpScreen
+from localrt.tui.screens import ModelInfoScreen
+from localrt.tui.screens import ModelPickerScreen
+from localrt.tui.screens import PromptScreen
+from localrt.tui.screens import PullScreen
+from localrt.tui.screens import SettingsScreen
 from localrt.tui.settings import summary
-from localrt.tui.store import Conversation, ConversationStore, Message, Settings, slug, to_markdown
-from localrt.tui.widgets import ChatInput, ConversationItem, MessageView, ModelItem, StatusBar
+from localrt.tui.store import Conversation
+from localrt.tui.store import ConversationStore
+from localrt.tui.store import Message
+from localrt.tui.store import Settings
+from localrt.tui.store import slug
+from localrt.tui.store import to_markdown
+from localrt.tui.widgets import ChatInput
+from localrt.tui.widgets import ConversationItem
+from localrt.tui.widgets import MessageView
+from localrt.tui.widgets import ModelItem
+from localrt.tui.widgets import StatusBar
 
 
 @dataclass(frozen=True)

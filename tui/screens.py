@@ -3,36 +3,43 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+from typing import Any
 
 from rich.table import Table
-from textual import on, work
+from textual import on
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.containers import Grid
+from textual.containers import Horizontal
+from textual.containers import Vertical
+from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import (
-    Button,
-    Checkbox,
-    DataTable,
-    Input,
-    Label,
-    OptionList,
-    ProgressBar,
-    Select,
-    Static,
-    Switch,
-    TextArea,
-)
+from textual.widgets import Button
+from textual.widgets import Checkbox
+from textual.widgets import DataTable
+from textual.widgets import Input
+from textual.widgets import Label
+from textual.widgets import OptionList
+from textual.widgets import ProgressBar
+from textual.widgets import Select
+from textual.widgets import Static
+from textual.widgets import Switch
+from textual.widgets import TextArea
 from textual.widgets.option_list import Option
 
 from localrt.errors import LocalrtError
 from localrt.format import human_size
-from localrt.tui.settings import CHOICE_FIELDS, TEXT_FIELDS, field_text, parse_fields
+from localrt.tui.settings import CHOICE_FIELDS
+from localrt.tui.settings import TEXT_FIELDS
+from localrt.tui.settings import field_text
+from localrt.tui.settings import parse_fields
 from localrt.tui.store import Settings
 
 if TYPE_CHECKING:
-    from localrt.client import Client, ModelInfo
+    from localrt.client import Client
+    from localrt.client import ModelInfo
 
 
 class Dialog(ModalScreen[Any]):

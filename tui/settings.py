@@ -12,7 +12,10 @@ from typing import Any
 
 from localrt.errors import OptionError
 from localrt.runtime.bridge import SPECULATIVE_MODES
-from localrt.runtime.options import BACKEND_NAMES, Options, parse_option_value, validate_option
+from localrt.runtime.options import BACKEND_NAMES
+from localrt.runtime.options import Options
+from localrt.runtime.options import parse_option_value
+from localrt.runtime.options import validate_option
 
 # (option, label, placeholder) for the free-text fields, in dialog order
 TEXT_FIELDS: list[tuple[str, str, str]] = [

@@ -13,8 +13,10 @@ import json
 import re
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Iterator
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +129,8 @@ def attach_images(role: str, content: str) -> dict[str, Any]:
     """A chat message; a user's text naming image files (typed, or dropped in) carries them as images."""
     if role != "user":
         return {"role": role, "content": content}
-    from localrt.runtime.images import images_in_prompt, read_image_file
+    from localrt.runtime.images import images_in_prompt
+    from localrt.runtime.images import read_image_file
 
     text, paths = images_in_prompt(content)
     if not paths:

@@ -11,7 +11,12 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.events import Key
 from textual.message import Message
-from textual.widgets import Collapsible, Label, ListItem, Markdown, Static, TextArea
+from textual.widgets import Collapsible
+from textual.widgets import Label
+from textual.widgets import ListItem
+from textual.widgets import Markdown
+from textual.widgets import Static
+from textual.widgets import TextArea
 
 CONTEXT_WARNING = 0.8  # warn when this share of the context is used: the next turns may not fit
 

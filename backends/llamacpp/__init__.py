@@ -7,9 +7,16 @@ speculation inside the batch) on llama-cpp-python's low-level API.
 
 from localrt.backends.lookup import NgramProposer
 
-from .backend import NAME, PIP_HINT, LlamaCppBackend, LlamaCppModel
-from .lib import KV_TYPES, _lib, default_threads, gpu_offload_supported
-from .step import BatchedContext, ExternalChunk
+from .backend import NAME
+from .backend import PIP_HINT
+from .backend import LlamaCppBackend
+from .backend import LlamaCppModel
+from .lib import KV_TYPES
+from .lib import _lib
+from .lib import default_threads
+from .lib import gpu_offload_supported
+from .step import BatchedContext
+from .step import ExternalChunk
 
 __all__ = [
     "KV_TYPES",

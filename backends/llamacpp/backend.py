@@ -11,52 +11,61 @@ import os
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
+from typing import ClassVar
 
 import numpy as np
 
-from localrt.backends.base import (
-    IMAGE_TOKEN,
-    Capabilities,
-    Event,
-    GenerateRequest,
-    LoadOptions,
-    ModelLifetime,
-    ScoreResult,
-    loaded_context,
-    run_in_thread_stream,
-)
-from localrt.backends.checks import (
-    check_draft_vocabulary,
-    check_loaded,
-    check_prompt,
-    check_prompt_fits,
-    check_scored,
-    check_speculative,
-)
-from localrt.backends.mtmd import MediaPrompt, Projector  # issue 19: images through libmtmd
-from localrt.backends.outputs import embedding_tokens, empty_score, fill_score, unit_vector
-from localrt.backends.rerank import Reranker, is_reranker  # issue 19: rank pooling
+from localrt.backends.base import IMAGE_TOKEN
+from localrt.backends.base import Capabilities
+from localrt.backends.base import Event
+from localrt.backends.base import GenerateRequest
+from localrt.backends.base import LoadOptions
+from localrt.backends.base import ModelLifetime
+from localrt.backends.base import ScoreResult
+from localrt.backends.base import loaded_context
+from localrt.backends.base import run_in_thread_stream
+from localrt.backends.checks import check_draft_vocabulary
+from localrt.backends.checks import check_loaded
+from localrt.backends.checks import check_prompt
+from localrt.backends.checks import check_prompt_fits
+from localrt.backends.checks import check_scored
+from localrt.backends.checks import check_speculative
+from localrt.backends.mtmd import MediaPrompt  # issue 19: images through libmtmd
+from localrt.backends.mtmd import Projector  # issue 19: images through libmtmd
+from localrt.backends.outputs import embedding_tokens
+from localrt.backends.outputs import empty_score
+from localrt.backends.outputs import fill_score
+from localrt.backends.outputs import unit_vector
+from localrt.backends.rerank import Reranker  # issue 19: rank pooling
+from localrt.backends.rerank import is_reranker  # issue 19: rank pooling
 from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
 
-from .lib import (
-    KV_BYTES,
-    KV_TYPES,
-    Batch,
-    _lib,
-    check_kv_options,
-    context_params,
-    create_context,
-    default_threads,
-    gpu_offload_supported,
-    load_model,
-)
-from .step import EXACT_ROWS, BatchedContext, DraftContext, ExternalChunk, Job, PromptItem, copy_threshold
-from .vocab import Vocab, VocabMethods
+from .lib import KV_BYTES
+from .lib import KV_TYPES
+from .lib import Batch
+from .lib import _lib
+from .lib import check_kv_options
+from .lib import context_params
+from .lib import create_context
+from .lib import default_threads
+from .lib import gpu_offload_supported
+from .lib import load_model
+from .step import EXACT_ROWS
+from .step import BatchedContext
+from .step import DraftContext
+from .step import ExternalChunk
+from .step import Job
+from .step import PromptItem
+from .step import copy_threshold
+from .vocab import Vocab
+from .vocab import VocabMethods
 
 NAME = "llama.cpp"
 PIP_HINT = "pip install 'localrt[llama]'  (or: pip install llama-cpp-python)"

@@ -12,10 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from localrt.backends.base import LoadOptions, SamplingParams
-from localrt.backends.checks import check_kv_cache_type, check_model_file
+from localrt.backends.base import LoadOptions
+from localrt.backends.base import SamplingParams
+from localrt.backends.checks import check_kv_cache_type
+from localrt.backends.checks import check_model_file
 from localrt.backends.grammar import grammar_sampler
-from localrt.errors import LocalrtError, OptionError
+from localrt.errors import LocalrtError
+from localrt.errors import OptionError
 
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 QUANTIZED_KV = {"q4_0", "q8_0"}

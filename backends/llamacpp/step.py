@@ -18,34 +18,39 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import numpy as np
 
-from localrt.backends.base import (
-    CancelToken,
-    DoneEvent,
-    Event,
-    GenerateRequest,
-    TextAssembler,
-    Timings,
-    TokenLogprob,
-    common_prefix,
-    longest_prefix,
-)
+from localrt.backends.base import CancelToken
+from localrt.backends.base import DoneEvent
+from localrt.backends.base import Event
+from localrt.backends.base import GenerateRequest
+from localrt.backends.base import TextAssembler
+from localrt.backends.base import Timings
+from localrt.backends.base import TokenLogprob
+from localrt.backends.base import common_prefix
+from localrt.backends.base import longest_prefix
 from localrt.backends.engine_thread import EngineThread
 from localrt.backends.outputs import logprob_from_logits
-from localrt.backends.speculation import (
-    DEFAULT_NUM_DRAFT,
-    VERIFY_COST_PER_DRAFT,
-    SpecState,
-    speculative_method,
-)
+from localrt.backends.speculation import DEFAULT_NUM_DRAFT
+from localrt.backends.speculation import VERIFY_COST_PER_DRAFT
+from localrt.backends.speculation import SpecState
+from localrt.backends.speculation import speculative_method
 from localrt.errors import LocalrtError
 
-from .lib import Batch, Memory, _lib, logits_row, make_sampler, sample, token_piece
+from .lib import Batch
+from .lib import Memory
+from .lib import _lib
+from .lib import logits_row
+from .lib import make_sampler
+from .lib import sample
+from .lib import token_piece
 
 # Rows of one sequence in a step (prompt chunk, or last token + drafts). Under 64 query rows of a KV stream
 # in a micro-batch the CPU flash-attention kernel computes every row on its own (a sequence's logits do

@@ -4,6 +4,7 @@
 is loaded, so listing backends stays cheap (and works where `mlx` is installed without its CPU library).
 """
 
-from .backend import MLXBackend, MLXModel
+from .backend import MLXBackend
+from .backend import MLXModel
 
 __all__ = ["MLXBackend", "MLXModel"]

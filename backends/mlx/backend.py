@@ -13,36 +13,38 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any
+from typing import ClassVar
+from typing import TypeVar
 
 import numpy as np
 
-from localrt.backends.base import (
-    Capabilities,
-    DoneEvent,
-    Event,
-    GenerateRequest,
-    LoadOptions,
-    ModelLifetime,
-    ScoreResult,
-    TextAssembler,
-    Timings,
-    loaded_context,
-    modules_installed,
-)
-from localrt.backends.checks import (
-    check_draft_tokens,
-    check_kv_cache_type,
-    check_model_file,
-)
-from localrt.backends.engine_thread import EngineModel, EngineStreams
+from localrt.backends.base import Capabilities
+from localrt.backends.base import DoneEvent
+from localrt.backends.base import Event
+from localrt.backends.base import GenerateRequest
+from localrt.backends.base import LoadOptions
+from localrt.backends.base import ModelLifetime
+from localrt.backends.base import ScoreResult
+from localrt.backends.base import TextAssembler
+from localrt.backends.base import Timings
+from localrt.backends.base import loaded_context
+from localrt.backends.base import modules_installed
+from localrt.backends.checks import check_draft_tokens
+from localrt.backends.checks import check_kv_cache_type
+from localrt.backends.checks import check_model_file
+from localrt.backends.engine_thread import EngineModel
+from localrt.backends.engine_thread import EngineStreams
 from localrt.backends.grammar import Grammar
-from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
+from localrt.backends.llamacpp.vocab import Vocab
+from localrt.backends.llamacpp.vocab import VocabMethods
 from localrt.backends.outputs import fill_score
-from localrt.backends.speculation import SpecState, verify_cost_per_draft
+from localrt.backends.speculation import SpecState
+from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import OptionError
 
 from .blas import active as blas_active
@@ -156,7 +158,9 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         import mlx.core as mx
 
         from .architectures import load_model
-        from .cache import KV_GROUP, SLACK, kv_dtype
+        from .cache import KV_GROUP
+        from .cache import SLACK
+        from .cache import kv_dtype
         from .engine import Runner
         from .gguf_load import GGUFTensors
         from .model import Transformer
@@ -214,7 +218,9 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
     # ---- generation -------------------------------------------------------------------------
     def _row(self, req: GenerateRequest, mode: str, grammar: Grammar | None) -> Any:
         """The engine row of a request: sampler, limits, its own proposer (on its own caches)."""
-        from .engine import DraftModelProposer, LookupProposer, SelfProposer
+        from .engine import DraftModelProposer
+        from .engine import LookupProposer
+        from .engine import SelfProposer
         from .sampling import RowSampler
 
         prompt = list(req.prompt_tokens)

@@ -22,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Iterable
+from dataclasses import dataclass
+from dataclasses import field
 from itertools import count
 from typing import Any
 
@@ -33,12 +35,18 @@ import numpy as np
 from localrt.backends.base import CancelToken
 from localrt.backends.engine_thread import EngineThread
 from localrt.backends.outputs import logprob_values
-from localrt.backends.speculation import SpecState, verify
+from localrt.backends.speculation import SpecState
+from localrt.backends.speculation import verify
 
-from .engine import Proposer, Runner
+from .engine import Proposer
+from .engine import Runner
 from .model import Transformer
 from .prompt_cache import PromptCache
-from .sampling import Logprobs, RowSampler, logprobs_of, sample_rows, window_of
+from .sampling import Logprobs
+from .sampling import RowSampler
+from .sampling import logprobs_of
+from .sampling import sample_rows
+from .sampling import window_of
 
 
 class Row:

@@ -14,7 +14,9 @@ can still be trimmed or cut; the prompt cache and the runners respect it.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar
+from typing import Any
+from typing import Protocol
+from typing import TypeVar
 
 import mlx.core as mx
 import numpy as np

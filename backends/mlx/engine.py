@@ -10,9 +10,11 @@ Invariant: before a step the caches hold every token but the last.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -20,7 +22,8 @@ import numpy as np
 from localrt.backends.base import common_prefix
 from localrt.backends.lookup import NgramProposer
 from localrt.backends.sampler import Sampler
-from localrt.backends.speculation import SpecState, verify
+from localrt.backends.speculation import SpecState
+from localrt.backends.speculation import verify
 
 from .cache import trim_caches
 from .model import Transformer

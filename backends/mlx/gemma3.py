@@ -14,11 +14,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from localrt.backends.family_config import GEMMA3, GemmaConfig, GemmaFamily, gemma_config
+from localrt.backends.family_config import GEMMA3
+from localrt.backends.family_config import GemmaConfig
+from localrt.backends.family_config import GemmaFamily
+from localrt.backends.family_config import gemma_config
 
 from .cache import Cache
 from .gguf_load import GGUFTensors
-from .model import Block, Rope, Transformer, rms_norm
+from .model import Block
+from .model import Rope
+from .model import Transformer
+from .model import rms_norm
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 

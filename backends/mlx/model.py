@@ -24,8 +24,11 @@ import mlx.core as mx
 from localrt.backends.llama_config import LlamaConfig
 
 from . import rows
-from .cache import SLACK, Cache, make_caches
-from .gguf_load import GGUFTensors, QuantizedWeight
+from .cache import SLACK
+from .cache import Cache
+from .cache import make_caches
+from .gguf_load import GGUFTensors
+from .gguf_load import QuantizedWeight
 
 
 class Linear:

@@ -13,11 +13,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from localrt.backends.family_config import llama_like_config, longrope_scaling
+from localrt.backends.family_config import llama_like_config
+from localrt.backends.family_config import longrope_scaling
 from localrt.backends.llama_config import LlamaConfig
 
 from .gguf_load import GGUFTensors
-from .model import Block, Rope, Transformer, linear, silu
+from .model import Block
+from .model import Rope
+from .model import Transformer
+from .model import linear
+from .model import silu
 
 ARCH = "phi3"
 

@@ -22,8 +22,12 @@ from localrt.backends.family_config import llama_like_config
 from localrt.backends.llama_config import LlamaConfig
 from localrt.errors import LocalrtError
 
-from .gguf_load import GGUFTensors, QuantizedWeight
-from .model import Block, Linear, Transformer, silu
+from .gguf_load import GGUFTensors
+from .gguf_load import QuantizedWeight
+from .model import Block
+from .model import Linear
+from .model import Transformer
+from .model import silu
 
 ARCH = "qwen3moe"
 MIN_WEIGHT_SUM = 6.103515625e-5  # llama.cpp's floor for the renormalising sum (the smallest normal f16)

@@ -21,25 +21,27 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
+from typing import ClassVar
 
 import httpx
 
-from localrt.backends.base import (
-    Capabilities,
-    DoneEvent,
-    Event,
-    GenerateRequest,
-    LoadOptions,
-    ScoreResult,
-    TextEvent,
-    Timings,
-)
+from localrt.backends.base import Capabilities
+from localrt.backends.base import DoneEvent
+from localrt.backends.base import Event
+from localrt.backends.base import GenerateRequest
+from localrt.backends.base import LoadOptions
+from localrt.backends.base import ScoreResult
+from localrt.backends.base import TextEvent
+from localrt.backends.base import Timings
 from localrt.backends.remote import wire
-from localrt.backends.remote.pool import Endpoint, Pool
-from localrt.errors import LocalrtError, ServerBusy
+from localrt.backends.remote.pool import Endpoint
+from localrt.backends.remote.pool import Pool
+from localrt.errors import LocalrtError
+from localrt.errors import ServerBusy
 
 # httpx logs every request at INFO: with a health check per endpoint every few seconds that would
 # bury the server's own log lines

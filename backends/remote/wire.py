@@ -6,17 +6,16 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
-from localrt.backends.base import (
-    GenerateRequest,
-    SamplingParams,
-    TextEvent,
-    Timings,
-    TokenLogprob,
-    TopLogprob,
-)
+from localrt.backends.base import GenerateRequest
+from localrt.backends.base import SamplingParams
+from localrt.backends.base import TextEvent
+from localrt.backends.base import Timings
+from localrt.backends.base import TokenLogprob
+from localrt.backends.base import TopLogprob
 from localrt.errors import OptionError
 
 MAX_ERROR_TEXT = 300

@@ -4,6 +4,7 @@
 model is loaded, so listing backends stays cheap.
 """
 
-from .backend import TorchBackend, TorchModel
+from .backend import TorchBackend
+from .backend import TorchModel
 
 __all__ = ["TorchBackend", "TorchModel"]

@@ -18,9 +18,11 @@ from localrt.backends.llama_config import SUPPORTED_ARCHS
 
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
-from .model import ModuleFactory, Transformer
+from .model import ModuleFactory
+from .model import Transformer
 from .phi3 import Phi3
-from .qwen3moe import OLMoE, Qwen3MoE
+from .qwen3moe import OLMoE
+from .qwen3moe import Qwen3MoE
 
 MODELS: dict[str, Any] = {
     **dict.fromkeys(sorted(SUPPORTED_ARCHS), Transformer),  # the Llama family (`llama_config.py`)

@@ -13,32 +13,32 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
+from typing import ClassVar
 
-from localrt.backends.base import (
-    NUMERICS,
-    Capabilities,
-    Event,
-    GenerateRequest,
-    LoadOptions,
-    ModelLifetime,
-    ScoreResult,
-    TextAssembler,
-    loaded_context,
-    modules_installed,
-)
-from localrt.backends.checks import (
-    check_draft_tokens,
-    check_kv_cache_type,
-    check_model_file,
-)
-from localrt.backends.engine_thread import EngineModel, EngineStreams
+from localrt.backends.base import NUMERICS
+from localrt.backends.base import Capabilities
+from localrt.backends.base import Event
+from localrt.backends.base import GenerateRequest
+from localrt.backends.base import LoadOptions
+from localrt.backends.base import ModelLifetime
+from localrt.backends.base import ScoreResult
+from localrt.backends.base import TextAssembler
+from localrt.backends.base import loaded_context
+from localrt.backends.base import modules_installed
+from localrt.backends.checks import check_draft_tokens
+from localrt.backends.checks import check_kv_cache_type
+from localrt.backends.checks import check_model_file
+from localrt.backends.engine_thread import EngineModel
+from localrt.backends.engine_thread import EngineStreams
 from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.lib import default_threads
-from localrt.backends.llamacpp.vocab import Vocab, VocabMethods
+from localrt.backends.llamacpp.vocab import Vocab
+from localrt.backends.llamacpp.vocab import VocabMethods
 from localrt.errors import OptionError
 
 NAME = "torch"
@@ -155,7 +155,8 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         numerics: str | None,
     ) -> None:
         torch = _torch()
-        from .engine import Engine, EngineConfig
+        from .engine import Engine
+        from .engine import EngineConfig
         from .gguf_load import GGUFTensors
 
         t0 = time.perf_counter_ns()

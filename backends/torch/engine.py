@@ -12,14 +12,17 @@ and executes jobs (`call`, for score/embed) between steps.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Iterable
+from dataclasses import dataclass
+from dataclasses import field
 from itertools import count
 from typing import Any
 
 import torch
 
-from localrt.backends.base import CancelToken, SamplingParams
+from localrt.backends.base import CancelToken
+from localrt.backends.base import SamplingParams
 from localrt.backends.checks import check_prompt
 from localrt.backends.engine_thread import EngineThread
 from localrt.backends.grammar import Grammar
@@ -28,21 +31,30 @@ from localrt.errors import LocalrtError
 
 from .attention import fused_available
 from .cuda_graphs import DecodeGraphs
-from .kv_cache import BLOCK_SIZE, BlockPool, KVCache, num_blocks_for
-from .model import DenseCausal, Transformer, weight_bytes
+from .kv_cache import BLOCK_SIZE
+from .kv_cache import BlockPool
+from .kv_cache import KVCache
+from .kv_cache import num_blocks_for
+from .model import DenseCausal
+from .model import Transformer
+from .model import weight_bytes
 from .prefix_cache import PrefixCache
-from .runner import ModelRunner, StepBatch, logprobs_of
-from .sampling import RequestSampler, Sampled
-from .scheduler import Scheduled, Scheduler, Sequence
-from .sliding import WindowBlocks, window_pool_blocks
-from .speculative import (
-    DraftModelProposer,
-    DraftTokens,
-    LookupProposer,
-    SelfProposer,
-    SpecState,
-    verify,
-)
+from .runner import ModelRunner
+from .runner import StepBatch
+from .runner import logprobs_of
+from .sampling import RequestSampler
+from .sampling import Sampled
+from .scheduler import Scheduled
+from .scheduler import Scheduler
+from .scheduler import Sequence
+from .sliding import WindowBlocks
+from .sliding import window_pool_blocks
+from .speculative import DraftModelProposer
+from .speculative import DraftTokens
+from .speculative import LookupProposer
+from .speculative import SelfProposer
+from .speculative import SpecState
+from .speculative import verify
 
 
 @dataclass

@@ -18,17 +18,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localrt.backends.family_config import GEMMA3, GemmaConfig, GemmaFamily, gemma_config
+from localrt.backends.family_config import GEMMA3
+from localrt.backends.family_config import GemmaConfig
+from localrt.backends.family_config import GemmaFamily
+from localrt.backends.family_config import gemma_config
 
-from .model import (
-    AttentionContext,
-    RMSNorm,
-    Rotary,
-    Transformer,
-    random_model,
-    vocab_size_of,
-)
+from .model import AttentionContext
 from .model import Block as LlamaBlock
+from .model import RMSNorm
+from .model import Rotary
+from .model import Transformer
+from .model import random_model
+from .model import vocab_size_of
 
 
 class Block(LlamaBlock):

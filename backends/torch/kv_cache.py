@@ -10,12 +10,15 @@ it is reused by a cache hit or evicted by an allocation.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Iterable
 
 import torch
 
-from localrt.errors import LocalrtError, OptionError
+from localrt.errors import LocalrtError
+from localrt.errors import OptionError
 
 BLOCK_SIZE = 16
 

@@ -14,7 +14,9 @@ are adjacent (x[2i], x[2i+1]) -- the "normal" rope mode; Qwen models keep HF's h
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any
+from typing import Protocol
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +66,8 @@ class DenseCausal:
         # [N, H, D] -> [1, H, N, D] for SDPA; GQA heads are shared inside SDPA
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         if window > 0 or softcap > 0:
-            from .attention import attention, causal_mask
+            from .attention import attention
+            from .attention import causal_mask
 
             out = attention(q, k, v, causal_mask(self.positions, window), softcap)
         else:

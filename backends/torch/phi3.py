@@ -12,9 +12,12 @@ from typing import Any
 
 import torch
 
-from localrt.backends.family_config import llama_like_config, longrope_scaling
+from localrt.backends.family_config import llama_like_config
+from localrt.backends.family_config import longrope_scaling
 
-from .model import Rotary, Transformer, vocab_size_of
+from .model import Rotary
+from .model import Transformer
+from .model import vocab_size_of
 
 ARCH = "phi3"
 

@@ -41,7 +41,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .gguf_load import DEQUANTIZERS, GGUFTensors, _f16, _k4_scale_min, _nibbles, dequantize, q6_k_parts
+from .gguf_load import DEQUANTIZERS
+from .gguf_load import GGUFTensors
+from .gguf_load import _f16
+from .gguf_load import _k4_scale_min
+from .gguf_load import _nibbles
+from .gguf_load import dequantize
+from .gguf_load import q6_k_parts
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 PAIR_TYPES = ("Q8_0", "Q5_0", "Q5_1")  # up to 8-bit integers in groups of 32: two int4 planes

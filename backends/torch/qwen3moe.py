@@ -28,14 +28,12 @@ from torch import nn
 from localrt.backends.family_config import llama_like_config
 from localrt.errors import LocalrtError
 
-from .model import (
-    Block,
-    LlamaConfig,
-    RMSNorm,
-    Rotary,
-    Transformer,
-    vocab_size_of,
-)
+from .model import Block
+from .model import LlamaConfig
+from .model import RMSNorm
+from .model import Rotary
+from .model import Transformer
+from .model import vocab_size_of
 
 ARCH = "qwen3moe"
 MIN_WEIGHT_SUM = 6.103515625e-5  # llama.cpp's floor for the renormalising sum (the smallest normal f16)

@@ -9,15 +9,19 @@ and samples every plain decode with one batched sampler, logprobs included, with
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 import torch
 
-from .attention import PagedAttention, SeqChunk, upload
+from .attention import PagedAttention
+from .attention import SeqChunk
+from .attention import upload
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache
 from .model import Transformer
-from .sampling import Sampled, sample_batch
+from .sampling import Sampled
+from .sampling import sample_batch
 from .scheduler import Scheduled
 
 

@@ -18,7 +18,10 @@ import torch
 
 from localrt.backends.base import SamplingParams
 from localrt.backends.grammar import Grammar
-from localrt.backends.sampler import SamplerBase, chain_knobs, penalty_knobs, truncates
+from localrt.backends.sampler import SamplerBase
+from localrt.backends.sampler import chain_knobs
+from localrt.backends.sampler import penalty_knobs
+from localrt.backends.sampler import truncates
 
 
 class RequestSampler(SamplerBase):

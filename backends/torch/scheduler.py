@@ -14,12 +14,17 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
-from localrt.backends.base import CancelToken, Timings
+from localrt.backends.base import CancelToken
+from localrt.backends.base import Timings
 
-from .kv_cache import BlockPool, KVCache, blocks_needed
-from .prefix_cache import ROOT_KEY, PrefixCache
+from .kv_cache import BlockPool
+from .kv_cache import KVCache
+from .kv_cache import blocks_needed
+from .prefix_cache import ROOT_KEY
+from .prefix_cache import PrefixCache
 from .sampling import RequestSampler
 from .sliding import WindowBlocks
 from .speculative import SpecState

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .kv_cache import BlockPool, KVCache, blocks_needed
-from .prefix_cache import ROOT_KEY, PrefixCache, PrefixMatch
+from .kv_cache import BlockPool
+from .kv_cache import KVCache
+from .kv_cache import blocks_needed
+from .prefix_cache import ROOT_KEY
+from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixMatch
 
 
 class Sequence(Protocol):

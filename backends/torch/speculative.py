@@ -12,21 +12,25 @@ first layers + its final norm and head, sharing the target's KV cache for those 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from localrt.backends.speculation import (  # noqa: F401  (re-exported for the engine and tests)
-    SpecState,
-    break_even_acceptance,
-    expected_tokens,
-    verify,
-)
+from localrt.backends.speculation import SpecState  # noqa: F401  (re-exported for the engine and tests)
+from localrt.backends.speculation import break_even_acceptance  # noqa: F401  (re-exported for the engine and tests)
+from localrt.backends.speculation import expected_tokens  # noqa: F401  (re-exported for the engine and tests)
+from localrt.backends.speculation import verify  # noqa: F401  (re-exported for the engine and tests)
 
-from .attention import PagedAttention, SeqChunk
-from .kv_cache import BlockPool, KVCache, OutOfBlocks, blocks_needed
+from .attention import PagedAttention
+from .attention import SeqChunk
+from .kv_cache import BlockPool
+from .kv_cache import KVCache
+from .kv_cache import OutOfBlocks
+from .kv_cache import blocks_needed
 
 if TYPE_CHECKING:
     from .model import Transformer

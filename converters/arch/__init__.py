@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,14 @@ GLOBAL = {
 
 def registry() -> dict[str, Arch]:
     """HF architecture name -> Arch."""
-    from localrt.converters.arch import gemma2, gemma3, llama, olmoe, phi3, qwen2, qwen3, qwen3moe
+    from localrt.converters.arch import gemma2
+    from localrt.converters.arch import gemma3
+    from localrt.converters.arch import llama
+    from localrt.converters.arch import olmoe
+    from localrt.converters.arch import phi3
+    from localrt.converters.arch import qwen2
+    from localrt.converters.arch import qwen3
+    from localrt.converters.arch import qwen3moe
 
     out: dict[str, Arch] = {}
     for arch in (

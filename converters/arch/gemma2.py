@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from localrt.converters.arch import GLOBAL, KV, Arch
+from localrt.converters.arch import GLOBAL
+from localrt.converters.arch import KV
+from localrt.converters.arch import Arch
 from localrt.converters.arch.gemma3 import LAYER
 from localrt.converters.hf import ConvertError
 

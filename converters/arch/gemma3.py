@@ -13,7 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from localrt.converters.arch import GLOBAL, KV, LLAMA_LAYER, Arch
+from localrt.converters.arch import GLOBAL
+from localrt.converters.arch import KV
+from localrt.converters.arch import LLAMA_LAYER
+from localrt.converters.arch import Arch
 from localrt.converters.hf import ConvertError
 
 NORMS = {

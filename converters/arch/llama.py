@@ -11,7 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from localrt.converters.arch import GLOBAL, KV, LLAMA_LAYER, Arch
+from localrt.converters.arch import GLOBAL
+from localrt.converters.arch import KV
+from localrt.converters.arch import LLAMA_LAYER
+from localrt.converters.arch import Arch
 
 
 def defaults(config: dict[str, Any]) -> dict[str, Any]:

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from localrt.converters.arch import GLOBAL, KV, Arch
+from localrt.converters.arch import GLOBAL
+from localrt.converters.arch import KV
+from localrt.converters.arch import Arch
 from localrt.converters.arch.qwen3 import QK_NORMS
-from localrt.converters.arch.qwen3moe import ATTENTION, MOE, n_experts
+from localrt.converters.arch.qwen3moe import ATTENTION
+from localrt.converters.arch.qwen3moe import MOE
+from localrt.converters.arch.qwen3moe import n_experts
 
 
 def defaults(config: dict[str, Any]) -> dict[str, Any]:

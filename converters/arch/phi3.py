@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from localrt.converters.arch import GLOBAL, KV, Arch
+from localrt.converters.arch import GLOBAL
+from localrt.converters.arch import KV
+from localrt.converters.arch import Arch
 from localrt.converters.hf import ConvertError
 
 LAYER = {

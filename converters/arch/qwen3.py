@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from localrt.converters.arch import GLOBAL, LLAMA_LAYER, Arch
+from localrt.converters.arch import GLOBAL
+from localrt.converters.arch import LLAMA_LAYER
+from localrt.converters.arch import Arch
 
 QK_NORMS = {
     "model.layers.{bid}.self_attn.q_norm.weight": "blk.{bid}.attn_q_norm.weight",

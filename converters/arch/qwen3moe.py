@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from localrt.converters.arch import GLOBAL, KV, LLAMA_LAYER, Arch
+from localrt.converters.arch import GLOBAL
+from localrt.converters.arch import KV
+from localrt.converters.arch import LLAMA_LAYER
+from localrt.converters.arch import Arch
 from localrt.converters.arch.qwen3 import QK_NORMS
 
 MOE = {

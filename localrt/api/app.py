@@ -5,16 +5,22 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from localrt import __version__, config
+from localrt import __version__
+from localrt import config
 from localrt.api.metrics import Metrics as ServerMetrics
 from localrt.api.metrics import RequestCounter
-from localrt.api.schemas import error_text, openapi_schema
-from localrt.api.security import DEFAULT_MAX_BODY, SecurityMiddleware, error_body, error_style
+from localrt.api.schemas import error_text
+from localrt.api.schemas import openapi_schema
+from localrt.api.security import DEFAULT_MAX_BODY
+from localrt.api.security import SecurityMiddleware
+from localrt.api.security import error_body
+from localrt.api.security import error_style
 from localrt.errors import LocalrtError
 from localrt.store.store import Store
 
@@ -72,7 +78,10 @@ def create_app(
         log.exception("internal error on %s", request.url.path)
         return error_response(request, 500, f"internal error: {type(exc).__name__}")
 
-    from localrt.api import anthropic, ollama, openai, responses
+    from localrt.api import anthropic
+    from localrt.api import ollama
+    from localrt.api import openai
+    from localrt.api import responses
 
     app.state.responses = responses.ResponseStore()
     app.include_router(ollama.router)

@@ -4,20 +4,34 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from typing import Annotated
+from typing import Any
 
-from fastapi import APIRouter, Path, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi import APIRouter
+from fastapi import Path
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
 
-from localrt import __version__, wire
+from localrt import __version__
+from localrt import wire
 from localrt.api import schemas
-from localrt.api.streaming import first_and_rest, ndjson_response, unless_client_leaves
+from localrt.api.streaming import first_and_rest
+from localrt.api.streaming import ndjson_response
+from localrt.api.streaming import unless_client_leaves
 from localrt.errors import LocalrtError
 from localrt.runtime.bridge import run_in_thread_stream
-from localrt.runtime.generate import Chunk, Runtime, Settings
-from localrt.store.names import DIGEST_RE, normalize_digest, parse_name
-from localrt.store.store import ResolvedModel, Store
+from localrt.runtime.generate import Chunk
+from localrt.runtime.generate import Runtime
+from localrt.runtime.generate import Settings
+from localrt.store.names import DIGEST_RE
+from localrt.store.names import normalize_digest
+from localrt.store.names import parse_name
+from localrt.store.store import ResolvedModel
+from localrt.store.store import Store
 
 router = APIRouter()
 
@@ -45,7 +59,8 @@ def model_details(store: Store, resolved: ResolvedModel) -> dict[str, Any]:
     """`details` as Ollama fills it, from the config blob (written at import) or the GGUF header."""
     cfg = resolved.config
     if not cfg.get("model_family"):
-        from localrt.store.gguf import format_parameter_count, read_gguf
+        from localrt.store.gguf import format_parameter_count
+        from localrt.store.gguf import read_gguf
 
         info = read_gguf(resolved.model_path)
         cfg = {
@@ -128,14 +143,12 @@ def given(value: str, key: str) -> str:
     responses={200: schemas.ok(wire.ShowResponse), **MODEL_ERRORS},
 )
 async def show(request: Request) -> dict[str, Any]:
-    from localrt.show import (
-        model_capabilities,
-        modelfile_text,
-        parameter_lines,
-        template_choice,
-        template_of,
-        template_origin,
-    )
+    from localrt.show import model_capabilities
+    from localrt.show import modelfile_text
+    from localrt.show import parameter_lines
+    from localrt.show import template_choice
+    from localrt.show import template_of
+    from localrt.show import template_origin
     from localrt.store.gguf import read_gguf
 
     body = await schemas.read_body(request, wire.ModelRequest)
@@ -171,7 +184,9 @@ async def show_remote(store: Store, resolved: ResolvedModel) -> dict[str, Any]:
     """`/api/show` for a remote model: its endpoints (probed now) and upstream model id."""
     import asyncio
 
-    from localrt.show import parameter_lines, remote_health, remote_modelfile_text
+    from localrt.show import parameter_lines
+    from localrt.show import remote_health
+    from localrt.show import remote_modelfile_text
 
     health = await asyncio.to_thread(remote_health, resolved)
     remote = resolved.remote or {}

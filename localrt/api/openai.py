@@ -7,20 +7,31 @@ import json
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from typing import Annotated
+from typing import Any
 
-from fastapi import APIRouter, Path, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter
+from fastapi import Path
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from localrt import wire
 from localrt.api import schemas
-from localrt.api.ollama import observe, runtime_of
+from localrt.api.ollama import observe
+from localrt.api.ollama import runtime_of
 from localrt.api.security import error_body
-from localrt.api.streaming import first_and_rest, sse_response, unless_client_leaves
-from localrt.errors import LocalrtError, ModelNotFound
+from localrt.api.streaming import first_and_rest
+from localrt.api.streaming import sse_response
+from localrt.api.streaming import unless_client_leaves
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
 from localrt.runtime import images as image_input
-from localrt.runtime.generate import Chunk, Metrics, TokenLogprob
+from localrt.runtime.generate import Chunk
+from localrt.runtime.generate import Metrics
+from localrt.runtime.generate import TokenLogprob
 from localrt.runtime.thinking import think_from_effort
 from localrt.store.names import parse_name
 

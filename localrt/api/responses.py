@@ -13,37 +13,45 @@ import copy
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Annotated
+from typing import Any
+from typing import Literal
 
-from fastapi import APIRouter, Path, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter
+from fastapi import Path
+from fastapi import Query
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from pydantic import Field
 from starlette.exceptions import HTTPException
 
 from localrt import config
 from localrt.api import schemas as wire
-from localrt.api.ollama import observe, runtime_of
+from localrt.api.ollama import observe
+from localrt.api.ollama import runtime_of
 from localrt.api.security import error_body
-from localrt.api.streaming import typed_sse_response, unless_client_leaves
-from localrt.api.translate import (
-    Assembler,
-    Block,
-    BlockEvent,
-    ChatCall,
-    ParamError,
-    ToolChoice,
-    assistant_message,
-    function_tool,
-    image_source,
-    new_id,
-    parse_arguments,
-    resolve_images,
-    sampling_options,
-    think_from_effort,
-    tool_message,
-)
-from localrt.errors import LocalrtError, ModelNotFound
+from localrt.api.streaming import typed_sse_response
+from localrt.api.streaming import unless_client_leaves
+from localrt.api.translate import Assembler
+from localrt.api.translate import Block
+from localrt.api.translate import BlockEvent
+from localrt.api.translate import ChatCall
+from localrt.api.translate import ParamError
+from localrt.api.translate import ToolChoice
+from localrt.api.translate import assistant_message
+from localrt.api.translate import function_tool
+from localrt.api.translate import image_source
+from localrt.api.translate import new_id
+from localrt.api.translate import parse_arguments
+from localrt.api.translate import resolve_images
+from localrt.api.translate import sampling_options
+from localrt.api.translate import think_from_effort
+from localrt.api.translate import tool_message
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
 
 router = APIRouter(prefix="/v1")
 DEFAULT_STORED = 1000

@@ -9,16 +9,21 @@ themselves live in `localrt.wire` (shared with the client); names not defined he
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
+from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 
 from localrt import wire
 from localrt.errors import LocalrtError
-from localrt.wire import OllamaError, OpenAIError, error_text
+from localrt.wire import OllamaError
+from localrt.wire import OpenAIError
+from localrt.wire import error_text
 
 Body = TypeVar("Body", bound=BaseModel)
 

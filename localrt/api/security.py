@@ -12,7 +12,9 @@ import hmac
 import ipaddress
 import json
 import socket
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import MutableMapping
 from typing import Any
 
 from starlette.exceptions import HTTPException

@@ -9,13 +9,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from typing import Any
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from localrt.errors import ClientClosed, LocalrtError
+from localrt.errors import ClientClosed
+from localrt.errors import LocalrtError
 
 T = TypeVar("T")
 

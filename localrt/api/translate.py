@@ -14,15 +14,21 @@ import asyncio
 import inspect
 import json
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import AsyncIterator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import Literal
 
-from localrt.api.openai import EXTRA_OPTIONS, OpenAIParamError
+from localrt.api.openai import EXTRA_OPTIONS
+from localrt.api.openai import OpenAIParamError
 from localrt.errors import LocalrtError
 from localrt.runtime import images as image_input
 from localrt.runtime import thinking
-from localrt.runtime.manager import Chunk, Metrics, Runtime
+from localrt.runtime.manager import Chunk
+from localrt.runtime.manager import Metrics
+from localrt.runtime.manager import Runtime
 
 ParamError = OpenAIParamError  # "<param>: <message>", a 400 that names the field
 Think = bool | str | None

@@ -4,6 +4,7 @@
 turns every user mistake into one line on stderr. The console script is `localrt.cli:main`.
 """
 
-from localrt.cli.main import build_parser, main
+from localrt.cli.main import build_parser
+from localrt.cli.main import main
 
 __all__ = ["build_parser", "main"]

@@ -25,7 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,10 @@ from typing import Any
 import httpx
 
 from localrt.errors import LocalrtError
-from localrt.store.names import ModelName, parse_name
-from localrt.store.store import ResolvedModel, Store
+from localrt.store.names import ModelName
+from localrt.store.names import parse_name
+from localrt.store.store import ResolvedModel
+from localrt.store.store import Store
 
 STOP_GRACE = 30.0  # seconds between SIGTERM and SIGKILL
 POLL = 0.5
@@ -214,7 +217,8 @@ def _unregister(store: Store, name: ModelName, digest: str) -> None:
 
 
 def serve_engine_command(args: argparse.Namespace) -> int:
-    from localrt.store.remote import create_remote, is_loopback
+    from localrt.store.remote import create_remote
+    from localrt.store.remote import is_loopback
 
     engine = ENGINES.get(str(args.engine).lower())
     if engine is None:

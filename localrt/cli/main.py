@@ -13,11 +13,18 @@ from __future__ import annotations
 import argparse
 import errno
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
-from localrt import __version__, config
-from localrt.cli import chat, engine, models, run, serve, tools
+from localrt import __version__
+from localrt import config
+from localrt.cli import chat
+from localrt.cli import engine
+from localrt.cli import models
+from localrt.cli import run
+from localrt.cli import serve
+from localrt.cli import tools
 from localrt.errors import LocalrtError
 
 # in `localrt --help` order

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+from typing import Any
 
-from localrt.cli.common import Subparsers, with_client
+from localrt.cli.common import Subparsers
+from localrt.cli.common import with_client
 from localrt.errors import LocalrtError
-from localrt.format import human_ago, human_size, print_table
+from localrt.format import human_ago
+from localrt.format import human_size
+from localrt.format import print_table
 
 if TYPE_CHECKING:  # the client module (and the runtime behind it) loads on first use
-    from localrt.client import Client, ModelDetails
+    from localrt.client import Client
+    from localrt.client import ModelDetails
 
 
 # ---- pull ---------------------------------------------------------------------------------------

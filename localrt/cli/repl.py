@@ -12,15 +12,22 @@ import contextlib
 import json
 import signal
 import sys
-from collections.abc import Awaitable, Callable
-from typing import Any, TextIO, TypeVar
+from collections.abc import Awaitable
+from collections.abc import Callable
+from typing import Any
+from typing import TextIO
+from typing import TypeVar
 
 from localrt import config
-from localrt.client import Client, ModelDetails, connect
+from localrt.client import Client
+from localrt.client import ModelDetails
+from localrt.client import connect
 from localrt.errors import LocalrtError
 from localrt.format import go_duration
-from localrt.runtime.manager import Chunk, Metrics
-from localrt.runtime.options import Options, parse_option_value
+from localrt.runtime.manager import Chunk
+from localrt.runtime.manager import Metrics
+from localrt.runtime.options import Options
+from localrt.runtime.options import parse_option_value
 
 T = TypeVar("T")
 
@@ -381,7 +388,8 @@ def _read_message(first: str) -> str:
 
 def _dropped_images(session: Session, line: str) -> tuple[str, list[str]]:
     """Image files named (or dragged) into the prompt are attached, as Ollama's CLI does."""
-    from localrt.runtime.images import images_in_prompt, read_image_file
+    from localrt.runtime.images import images_in_prompt
+    from localrt.runtime.images import read_image_file
 
     text, paths = images_in_prompt(line)
     images = []

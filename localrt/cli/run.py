@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from localrt.cli.common import Subparsers, with_client
+from localrt.cli.common import Subparsers
+from localrt.cli.common import with_client
 from localrt.errors import LocalrtError
-from localrt.format import human_size, human_until, print_table
+from localrt.format import human_size
+from localrt.format import human_until
+from localrt.format import print_table
 
 
 # ---- run ----------------------------------------------------------------------------------------
@@ -50,7 +53,8 @@ def add_think_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from localrt.cli.repl import Session, interactive
+    from localrt.cli.repl import Session
+    from localrt.cli.repl import interactive
     from localrt.runtime.images import read_image_file
 
     prompt_arg = getattr(args, "prompt", None)

@@ -7,7 +7,8 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+from typing import Any
 
 from localrt.cli.common import Subparsers
 from localrt.errors import LocalrtError
@@ -94,7 +95,11 @@ def convert_with_progress(
 ) -> Result:
     """The conversion, with a transient rich bar on a terminal; `weighting`: (Imatrix, label) or (None, "")."""
     from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn
+    from rich.progress import DownloadColumn
+    from rich.progress import Progress
+    from rich.progress import TextColumn
+    from rich.progress import TimeRemainingColumn
 
     from localrt.converters.convert import convert
 

@@ -7,7 +7,10 @@ contract in pyproject.toml): what they used to import from `localrt.backends` th
 from __future__ import annotations
 
 from localrt.backends import registry
-from localrt.backends.base import KV_CACHE_TYPES, NUMERICS, SPECULATIVE_MODES, run_in_thread_stream
+from localrt.backends.base import KV_CACHE_TYPES
+from localrt.backends.base import NUMERICS
+from localrt.backends.base import SPECULATIVE_MODES
+from localrt.backends.base import run_in_thread_stream
 
 __all__ = ["KV_CACHE_TYPES", "NUMERICS", "SPECULATIVE_MODES", "resolve_backend", "run_in_thread_stream"]
 

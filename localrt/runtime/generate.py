@@ -16,32 +16,44 @@ import contextlib
 import dataclasses
 import re
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, TypedDict, Unpack
+from collections.abc import AsyncIterator
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
+from datetime import datetime
+from datetime import timezone
+from typing import Any
+from typing import TypedDict
+from typing import Unpack
 
-from localrt.backends.base import (
-    GBNF,
-    CancelToken,
-    DoneEvent,
-    GenerateRequest,
-    ImageInput,
-    LoadedModel,
-    ScoreResult,
-    TextEvent,
-    Timings,
-    TokenLogprob,
-)
+from localrt.backends.base import GBNF
+from localrt.backends.base import CancelToken
+from localrt.backends.base import DoneEvent
+from localrt.backends.base import GenerateRequest
+from localrt.backends.base import ImageInput
+from localrt.backends.base import LoadedModel
+from localrt.backends.base import ScoreResult
+from localrt.backends.base import TextEvent
+from localrt.backends.base import Timings
+from localrt.backends.base import TokenLogprob
 from localrt.errors import LocalrtError
 from localrt.runtime import images as image_input
-from localrt.runtime import remote, thinking
-from localrt.runtime.models import Entry, LoadedInfo, ModelPool
+from localrt.runtime import remote
+from localrt.runtime import thinking
+from localrt.runtime.models import Entry
+from localrt.runtime.models import LoadedInfo
+from localrt.runtime.models import ModelPool
 from localrt.runtime.options import Options
-from localrt.runtime.prompt import Turn, tool_choice, with_system
-from localrt.runtime.thinking import Piece, ReplyParser, Think
+from localrt.runtime.prompt import Turn
+from localrt.runtime.prompt import tool_choice
+from localrt.runtime.prompt import with_system
+from localrt.runtime.thinking import Piece
+from localrt.runtime.thinking import ReplyParser
+from localrt.runtime.thinking import Think
 from localrt.runtime.truncate import fit_tokens
-from localrt.store.store import ResolvedModel, Store
+from localrt.store.store import ResolvedModel
+from localrt.store.store import Store
 
 
 class ContextLengthError(LocalrtError):

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from localrt import config
-from localrt.backends.base import IMAGE_TOKEN, ImageInput
+from localrt.backends.base import IMAGE_TOKEN
+from localrt.backends.base import ImageInput
 from localrt.errors import LocalrtError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")

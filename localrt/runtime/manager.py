@@ -7,8 +7,14 @@ thinking, tools, truncation) and `generate` (the request paths and their answers
 
 from __future__ import annotations
 
-from localrt.runtime.generate import Chunk, ContextLengthError, EmbedResult, Metrics, RerankResult, Runtime
-from localrt.runtime.models import BUSY_MESSAGE, LoadedInfo
+from localrt.runtime.generate import Chunk
+from localrt.runtime.generate import ContextLengthError
+from localrt.runtime.generate import EmbedResult
+from localrt.runtime.generate import Metrics
+from localrt.runtime.generate import RerankResult
+from localrt.runtime.generate import Runtime
+from localrt.runtime.models import BUSY_MESSAGE
+from localrt.runtime.models import LoadedInfo
 
 __all__ = [
     "BUSY_MESSAGE",

@@ -8,19 +8,29 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from localrt import config
 from localrt.backends import registry
 from localrt.backends.base import LoadedModel
-from localrt.errors import LocalrtError, ModelNotFound, OptionError, ServerBusy
-from localrt.runtime import remote, thinking
-from localrt.runtime.options import Options, num_parallel
-from localrt.runtime.prompt import Prompter, make_template, preserved_tokens
-from localrt.store.store import ResolvedModel, Store
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
+from localrt.errors import OptionError
+from localrt.errors import ServerBusy
+from localrt.runtime import remote
+from localrt.runtime import thinking
+from localrt.runtime.options import Options
+from localrt.runtime.options import num_parallel
+from localrt.runtime.prompt import Prompter
+from localrt.runtime.prompt import make_template
+from localrt.runtime.prompt import preserved_tokens
+from localrt.store.store import ResolvedModel
+from localrt.store.store import Store
 
 BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
 

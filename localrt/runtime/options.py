@@ -8,12 +8,19 @@ Request values are typed JSON and checked strictly (a bool is not an int); Model
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
+from dataclasses import fields
 from typing import Any
 
 from localrt import config
-from localrt.backends.base import KV_CACHE_TYPES, NUMERICS, SPECULATIVE_MODES, LoadOptions, SamplingParams
+from localrt.backends.base import KV_CACHE_TYPES
+from localrt.backends.base import NUMERICS
+from localrt.backends.base import SPECULATIVE_MODES
+from localrt.backends.base import LoadOptions
+from localrt.backends.base import SamplingParams
 from localrt.errors import OptionError
 
 DEFAULT_NUM_CTX = 4096

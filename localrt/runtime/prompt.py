@@ -8,16 +8,25 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from localrt.backends.base import IMAGE_TOKEN, GenerateRequest, ImageInput, LoadedModel
+from localrt.backends.base import IMAGE_TOKEN
+from localrt.backends.base import GenerateRequest
+from localrt.backends.base import ImageInput
+from localrt.backends.base import LoadedModel
 from localrt.errors import LocalrtError
 from localrt.runtime import images as image_input
 from localrt.runtime import thinking
-from localrt.runtime.templates import ChatTemplate, RenderedPrompt, select_template, tokenize_rendered
-from localrt.runtime.thinking import ModelFormat, ReplyParser, Think
+from localrt.runtime.templates import ChatTemplate
+from localrt.runtime.templates import RenderedPrompt
+from localrt.runtime.templates import select_template
+from localrt.runtime.templates import tokenize_rendered
+from localrt.runtime.thinking import ModelFormat
+from localrt.runtime.thinking import ReplyParser
+from localrt.runtime.thinking import Think
 from localrt.runtime.toolcalls import required_grammar
 from localrt.runtime.truncate import drop_oldest
 from localrt.store.store import ResolvedModel

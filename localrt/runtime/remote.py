@@ -8,11 +8,13 @@ no OpenAI-compatible server takes are refused with a 400 instead of being droppe
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 from localrt.backends.base import GenerateRequest
-from localrt.errors import LocalrtError, OptionError
+from localrt.errors import LocalrtError
+from localrt.errors import OptionError
 from localrt.runtime.options import Options
 from localrt.store.store import ResolvedModel
 

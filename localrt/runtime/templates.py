@@ -17,7 +17,10 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable
+from collections.abc import Collection
+from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -25,10 +28,12 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2 import nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import SecurityError
 
 from localrt.errors import LocalrtError
-from localrt.runtime.family_templates import TemplateChoice, family_choice
+from localrt.runtime.family_templates import TemplateChoice
+from localrt.runtime.family_templates import family_choice
 
 MAX_TEMPLATE_CHARS = 512 * 1024
 MAX_OUTPUT_CHARS = 4 * 1024 * 1024

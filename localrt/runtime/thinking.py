@@ -16,17 +16,17 @@ the one place that knows the formats.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 from localrt.errors import LocalrtError
-from localrt.runtime.toolcalls import (
-    ToolCallParser,
-    detect_tool_style,
-    new_call_id,
-    parse_harmony_call,
-)
+from localrt.runtime.toolcalls import ToolCallParser
+from localrt.runtime.toolcalls import detect_tool_style
+from localrt.runtime.toolcalls import new_call_id
+from localrt.runtime.toolcalls import parse_harmony_call
 
 THINK_LEVELS = ("low", "medium", "high")
 HARMONY_MARKERS = (

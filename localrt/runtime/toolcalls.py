@@ -25,7 +25,8 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 from localrt.errors import LocalrtError

@@ -7,7 +7,8 @@ would. With `truncate: false` the runtime refuses an oversized prompt with a 400
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 

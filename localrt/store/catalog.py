@@ -27,12 +27,15 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from localrt.errors import LocalrtError
-from localrt.store.names import ModelName, normalize_digest, parse_name
+from localrt.store.names import ModelName
+from localrt.store.names import normalize_digest
+from localrt.store.names import parse_name
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -13,20 +13,21 @@ from pathlib import Path
 from typing import Any
 
 from localrt.errors import LocalrtError
-from localrt.store.gguf import GGUF_MAGIC, read_gguf
+from localrt.store.gguf import GGUF_MAGIC
 from localrt.store.gguf import format_parameter_count as _format_params
-from localrt.store.names import ModelName, normalize_digest, parse_name
-from localrt.store.store import (
-    CONFIG_MEDIA_TYPE,
-    MEDIA_DRAFT,
-    MEDIA_LICENSE,
-    MEDIA_MODEL,
-    MEDIA_PARAMS,
-    MEDIA_PROJECTOR,
-    MEDIA_SYSTEM,
-    MEDIA_TEMPLATE,
-    Store,
-)
+from localrt.store.gguf import read_gguf
+from localrt.store.names import ModelName
+from localrt.store.names import normalize_digest
+from localrt.store.names import parse_name
+from localrt.store.store import CONFIG_MEDIA_TYPE
+from localrt.store.store import MEDIA_DRAFT
+from localrt.store.store import MEDIA_LICENSE
+from localrt.store.store import MEDIA_MODEL
+from localrt.store.store import MEDIA_PARAMS
+from localrt.store.store import MEDIA_PROJECTOR
+from localrt.store.store import MEDIA_SYSTEM
+from localrt.store.store import MEDIA_TEMPLATE
+from localrt.store.store import Store
 
 PROJECTOR_ARCH = "clip"  # general.architecture of llama.cpp's multimodal projector GGUFs
 

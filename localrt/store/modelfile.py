@@ -20,15 +20,26 @@ import contextlib
 import math
 import re
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from localrt.errors import LocalrtError, ModelNotFound
-from localrt.store.names import DIGEST_RE, ModelName, normalize_digest, parse_name
-from localrt.store.remote import REMOTE_PARAMETERS, is_remote_url
-from localrt.store.store import MEDIA_DRAFT, MEDIA_MODEL, MEDIA_PROJECTOR, Store
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
+from localrt.store.names import DIGEST_RE
+from localrt.store.names import ModelName
+from localrt.store.names import normalize_digest
+from localrt.store.names import parse_name
+from localrt.store.remote import REMOTE_PARAMETERS
+from localrt.store.remote import is_remote_url
+from localrt.store.store import MEDIA_DRAFT
+from localrt.store.store import MEDIA_MODEL
+from localrt.store.store import MEDIA_PROJECTOR
+from localrt.store.store import Store
 
 # Ollama's option types (api/types.go); names not listed are typed from their value.
 PARAMETER_TYPES: dict[str, type] = {

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from localrt.errors import InvalidName, LocalrtError, PullError
-from localrt.store.names import ModelName, parse_name
-from localrt.store.sources.common import Progress, ProgressFn
+from localrt.errors import InvalidName
+from localrt.errors import LocalrtError
+from localrt.errors import PullError
+from localrt.store.names import ModelName
+from localrt.store.names import parse_name
+from localrt.store.sources.common import Progress
+from localrt.store.sources.common import ProgressFn
 from localrt.store.store import Store
 
 __all__ = ["Progress", "ProgressFn", "pull"]
 
 if TYPE_CHECKING:
-    from localrt.store.catalog import Catalog, CatalogEntry, Source
+    from localrt.store.catalog import Catalog
+    from localrt.store.catalog import CatalogEntry
+    from localrt.store.catalog import Source
 
 
 def _ignore(_: Progress) -> None:

@@ -23,9 +23,15 @@ import httpx
 from localrt.errors import LocalrtError
 from localrt.store.names import ModelName
 from localrt.store.pull import _parse_reference
-from localrt.store.sources.common import Progress, ProgressFn
-from localrt.store.sources.oci import CONNECT_TIMEOUT, MAX_RETRIES, RegistryClient
-from localrt.store.store import MANIFEST_MEDIA_TYPE, Store, manifest_layers, parse_manifest
+from localrt.store.sources.common import Progress
+from localrt.store.sources.common import ProgressFn
+from localrt.store.sources.oci import CONNECT_TIMEOUT
+from localrt.store.sources.oci import MAX_RETRIES
+from localrt.store.sources.oci import RegistryClient
+from localrt.store.store import MANIFEST_MEDIA_TYPE
+from localrt.store.store import Store
+from localrt.store.store import manifest_layers
+from localrt.store.store import parse_manifest
 
 CHUNK_SIZE = 32 << 20  # bytes per PATCH: big enough to be quick, small enough to resume cheaply
 _RANGE = re.compile(r"^(?:bytes=)?0-(\d+)$")

@@ -18,18 +18,18 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from localrt.errors import LocalrtError, ModelNotFound
-from localrt.store.names import ModelName, parse_name
-from localrt.store.store import (
-    CONFIG_MEDIA_TYPE,
-    MEDIA_LICENSE,
-    MEDIA_MODEL,
-    MEDIA_PARAMS,
-    MEDIA_SYSTEM,
-    MEDIA_TEMPLATE,
-    REMOTE_FORMAT,
-    Store,
-)
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
+from localrt.store.names import ModelName
+from localrt.store.names import parse_name
+from localrt.store.store import CONFIG_MEDIA_TYPE
+from localrt.store.store import MEDIA_LICENSE
+from localrt.store.store import MEDIA_MODEL
+from localrt.store.store import MEDIA_PARAMS
+from localrt.store.store import MEDIA_SYSTEM
+from localrt.store.store import MEDIA_TEMPLATE
+from localrt.store.store import REMOTE_FORMAT
+from localrt.store.store import Store
 
 MAX_ENDPOINTS = 64
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")

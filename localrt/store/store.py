@@ -18,15 +18,21 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
+from typing import BinaryIO
 
 from filelock import FileLock
 
 from localrt import config
-from localrt.errors import DigestMismatch, LocalrtError, ModelNotFound
-from localrt.store.names import ModelName, normalize_digest, parse_name
+from localrt.errors import DigestMismatch
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
+from localrt.store.names import ModelName
+from localrt.store.names import normalize_digest
+from localrt.store.names import parse_name
 
 MANIFEST_MEDIA_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
 CONFIG_MEDIA_TYPE = "application/vnd.docker.container.image.v1+json"

@@ -12,7 +12,8 @@ import json
 import os
 import signal
 import sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 RECORD = os.environ.get("STANDIN_RECORD", "standin.jsonl")

@@ -10,11 +10,14 @@ and the listing carries `lfs: {sha256, size, pointerSize}`.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
+from urllib.parse import urlsplit
 
-from . import Handler, Server
+from . import Handler
+from . import Server
 
 
 @dataclass

@@ -10,10 +10,12 @@ import errno
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from localrt.errors import LocalrtError, PullError
+from localrt.errors import LocalrtError
+from localrt.errors import PullError
 from localrt.format import format_bytes
 from localrt.store.names import normalize_digest
-from localrt.store.store import Store, free_space
+from localrt.store.store import Store
+from localrt.store.store import free_space
 
 
 @dataclass

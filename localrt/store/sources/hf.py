@@ -15,10 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from localrt import config
-from localrt.errors import LocalrtError, ModelNotFound, PullError
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
+from localrt.errors import PullError
 from localrt.store.names import ModelName
-from localrt.store.sources.common import Progress, ProgressFn, as_digest, check_free_space
-from localrt.store.store import Store, sha256_file
+from localrt.store.sources.common import Progress
+from localrt.store.sources.common import ProgressFn
+from localrt.store.sources.common import as_digest
+from localrt.store.sources.common import check_free_space
+from localrt.store.store import Store
+from localrt.store.store import sha256_file
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_QUANT = "Q4_K_M"  # what `latest` means, as on the Hub's own Ollama endpoint
@@ -133,7 +139,8 @@ def fetch_hf_gguf(
     progress: ProgressFn | None = None,
 ) -> str:
     """Put the repo's GGUF for `ref.tag` (or `filename`) into the store; return its digest."""
-    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub import HfApi
+    from huggingface_hub import hf_hub_download
 
     emit = progress or (lambda _: None)
     repo, base = f"{ref.namespace}/{ref.model}", endpoint()

@@ -13,25 +13,32 @@ import contextlib
 import hashlib
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin
+from urllib.parse import urlsplit
 
 import httpx
 
 from localrt import __version__
-from localrt.errors import DigestMismatch, LocalrtError, ModelNotFound, PullError
+from localrt.errors import DigestMismatch
+from localrt.errors import LocalrtError
+from localrt.errors import ModelNotFound
+from localrt.errors import PullError
 from localrt.store.names import ModelName
-from localrt.store.sources.common import Progress, ProgressFn, as_digest, check_free_space, disk_full
-from localrt.store.store import (
-    MANIFEST_MEDIA_TYPE,
-    MAX_MANIFEST_BYTES,
-    MEDIA_MODEL,
-    Store,
-    manifest_layers,
-    parse_manifest,
-)
+from localrt.store.sources.common import Progress
+from localrt.store.sources.common import ProgressFn
+from localrt.store.sources.common import as_digest
+from localrt.store.sources.common import check_free_space
+from localrt.store.sources.common import disk_full
+from localrt.store.store import MANIFEST_MEDIA_TYPE
+from localrt.store.store import MAX_MANIFEST_BYTES
+from localrt.store.store import MEDIA_MODEL
+from localrt.store.store import Store
+from localrt.store.store import manifest_layers
+from localrt.store.store import parse_manifest
 
 CONNECT_TIMEOUT = 5.0  # fail fast when a registry is unreachable
 READ_TIMEOUT = 60.0

@@ -15,9 +15,15 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from localrt.errors import InvalidName, PullError
-from localrt.store.sources.common import Progress, ProgressFn, as_digest, check_free_space, disk_full
-from localrt.store.store import HASH_CHUNK, Store
+from localrt.errors import InvalidName
+from localrt.errors import PullError
+from localrt.store.sources.common import Progress
+from localrt.store.sources.common import ProgressFn
+from localrt.store.sources.common import as_digest
+from localrt.store.sources.common import check_free_space
+from localrt.store.sources.common import disk_full
+from localrt.store.store import HASH_CHUNK
+from localrt.store.store import Store
 
 PIP_TIMEOUT = 900.0  # seconds; a multi-GB wheel on a slow mirror still fits
 # a name with optional extras and version specifiers; never anything pip would read as an option
