@@ -23,6 +23,7 @@ from typing import Any
 
 from localrt.backends.base import IMAGE_TOKEN
 from localrt.backends.base import ImageInput
+from localrt.backends.llama_params import flash_attn_type
 from localrt.errors import LocalrtError
 
 CHUNK_TEXT, CHUNK_IMAGE = 0, 1
@@ -68,10 +69,6 @@ class MediaPrompt:
     @property
     def text_tokens(self) -> list[int]:
         return [c for c in self.cells if isinstance(c, int)]
-
-    @property
-    def image_cells(self) -> int:
-        return sum(s.n_tokens for s in self.spans)
 
     def cut(self, n: int) -> int:
         """The largest cell count <= n that does not end inside an image (a KV cut must not split one)."""
@@ -162,7 +159,6 @@ class Projector:
         from llama_cpp import mtmd_cpp as lib
 
         self.lib = lib
-        self.path = path
         _quiet(lib, llama_cpp)
         if not path.is_file():
             raise LocalrtError(f"projector file not found: {path}")
@@ -170,11 +166,7 @@ class Projector:
         params.use_gpu = use_gpu
         params.print_timings = False
         params.n_threads = n_threads
-        params.flash_attn_type = {
-            None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
-            True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-            False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-        }[flash_attn]
+        params.flash_attn_type = flash_attn_type(flash_attn)
         ctx = lib.mtmd_init_from_file(str(path).encode(), model_ptr, params)
         if not ctx:
             raise LocalrtError(f"llama.cpp could not load the projector {path.name} for this model")

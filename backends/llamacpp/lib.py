@@ -17,6 +17,7 @@ from localrt.backends.base import SamplingParams
 from localrt.backends.checks import check_kv_cache_type
 from localrt.backends.checks import check_model_file
 from localrt.backends.grammar import grammar_sampler
+from localrt.backends.llama_params import flash_attn_type
 from localrt.errors import LocalrtError
 from localrt.errors import OptionError
 
@@ -85,8 +86,7 @@ def load_model(path: Path, opts: LoadOptions) -> tuple[Any, bool]:
 def context_params(
     opts: LoadOptions, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int, threads: int
 ) -> Any:
-    lib = _lib()
-    p = lib.llama_context_default_params()
+    p = _lib().llama_context_default_params()
     p.n_ctx = n_ctx
     p.n_batch = n_batch
     p.n_ubatch = n_ubatch
@@ -100,11 +100,7 @@ def context_params(
     p.type_k = p.type_v = KV_TYPES[opts.kv_cache_type]
     # Auto turns flash attention on wherever the device supports it (CPU included). Besides speed, a
     # position's logits then depend only on its own sequence's cells, not on the other rows of the batch.
-    p.flash_attn_type = {
-        None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
-        True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-        False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-    }[opts.flash_attn]
+    p.flash_attn_type = flash_attn_type(opts.flash_attn)
     p.no_perf = True
     return p
 

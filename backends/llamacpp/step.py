@@ -16,10 +16,12 @@ prefill reaches it and records the chunk's cells under its key, so an identical 
 from __future__ import annotations
 
 import ctypes
+import queue
 import threading
 import time
 from collections.abc import Callable
 from collections.abc import Hashable
+from collections.abc import Iterator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
@@ -110,7 +112,7 @@ class SavedSeq:
     data: Any  # a ctypes uint8 array
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: `job in self.running` must not compare field by field
 class Job:
     """One generation request as the step loop sees it."""
 
@@ -124,7 +126,7 @@ class Job:
     history: list[int] = field(default_factory=list)  # prompt tokens + sampled tokens
     last: int = -1  # the sampled token not yet in the KV cache
     sampler: Any = None
-    text: TextAssembler | None = None
+    text: TextAssembler = field(init=False)  # the answer's text: pieces to UTF-8, stop strings
     timings: Timings = field(default_factory=Timings)
     t_admit: int = 0
     t_prompt: int = 0
@@ -137,6 +139,9 @@ class Job:
     error: BaseException | None = None
     capture: bool = False  # keep a copy of the logits after the prompt in `logits` (tests, inspection)
     logits: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.text = TextAssembler(self.req.stop)
 
     @property
     def cancel(self) -> CancelToken:
@@ -264,15 +269,14 @@ class BatchedContext(EngineThread):
         self.last_used = [0.0] * n_seq_max
         self.pieces: dict[tuple[int, bool], bytes] = {}
         self.plan: list[tuple[int, list[int], int, bool | list[bool], Job]] = []  # this step's rows
-        self.planned = 0
+        self.room = step_tokens  # batch rows this step has not planned yet
         self.waiting: list[Job] = []  # taken from the inbox, not yet admitted (owned by the step thread)
         self.running: list[Job] = []
         self._init_thread()
         self.steps = 0  # decodes run (for tests and benchmarks)
         self.outbox: list[Callable[[], None]] = []  # events of the last step, handed over by _flush
-        self.handing: list[Callable[[], None]] = []  # flushed, for the hand-over thread
-        self.hand_cond = threading.Condition()
-        self.hand_closed = False
+        # flushed steps' events, in order, for the hand-over thread; None closes it
+        self.handing: queue.SimpleQueue[list[Callable[[], None]] | None] = queue.SimpleQueue()
         self.hand_thread = threading.Thread(target=self._hand_over, daemon=True, name="localrt-llamacpp-emit")
         self.hand_thread.start()
         self.start()
@@ -289,9 +293,7 @@ class BatchedContext(EngineThread):
 
     def close(self) -> None:
         self.stop()
-        with self.hand_cond:
-            self.hand_closed = True
-            self.hand_cond.notify_all()
+        self.handing.put(None)
         self.hand_thread.join()
 
     # ---- EngineThread's hooks, on the step thread ------------------------------------------------
@@ -304,23 +306,25 @@ class BatchedContext(EngineThread):
 
     def _fail_step(self, error: Exception) -> list[Any]:
         """A failed decode: every running request gets the error."""
-        for job in list(self.running):
-            self._fail(job, error)
-        self._flush()
-        return []
+        return self._fail_all(list(self.running), error)
 
     def _unload(self, queued: list[Job]) -> list[Any]:
-        gone = LocalrtError("the model was unloaded")
         pending, self.waiting = [*self.waiting, *queued], []
+        failing: list[Job] = []
         for job in [*self.running, *pending]:
-            if job.cancel.cancelled:  # model.cancel() before the unload: a clean end, not an error
-                if job in self.running:
-                    self._finish(job, "cancel")
-                else:
-                    job.emit(DoneEvent("cancel", Timings()))
-                    job.finished.set()
+            if not job.cancel.cancelled:
+                failing.append(job)
+            elif job in self.running:  # model.cancel() before the unload: a clean end, not an error
+                self._finish(job, "cancel")
             else:
-                self._fail(job, gone)
+                _end_cancelled(job)
+        return self._fail_all(failing, LocalrtError("the model was unloaded"))
+
+    def _fail_all(self, jobs: list[Job], error: BaseException) -> list[Any]:
+        """The jobs end with `error`. Their events go out through the hand-over thread, none through the
+        engine thread's sink."""
+        for job in jobs:
+            self._fail(job, error)
         self._flush()
         return []
 
@@ -364,20 +368,12 @@ class BatchedContext(EngineThread):
         64 steps); a quiet 2-core run decides whether it pays."""
         if not self.outbox:
             return
-        with self.hand_cond:
-            self.handing.extend(self.outbox)
-            self.hand_cond.notify()
+        self.handing.put(self.outbox)
         self.outbox = []
 
     def _hand_over(self) -> None:
         """The hand-over thread: run flushed emits in order (events, then `finished`), until closed."""
-        while True:
-            with self.hand_cond:
-                while not (self.handing or self.hand_closed):
-                    self.hand_cond.wait()
-                if not self.handing:
-                    return
-                out, self.handing = self.handing, []
+        while (out := self.handing.get()) is not None:
             for hand_over in out:
                 hand_over()
 
@@ -388,8 +384,7 @@ class BatchedContext(EngineThread):
             while self.waiting and len(self.running) < self.n_parallel:
                 job = self.waiting.pop(0)
                 if job.cancel.cancelled:
-                    job.emit(DoneEvent("cancel", Timings()))
-                    job.finished.set()
+                    _end_cancelled(job)
                     continue
                 if self._prefix_coming(job):
                     held.append(job)
@@ -427,12 +422,11 @@ class BatchedContext(EngineThread):
         job.timings.prompt_eval_count = len(prompt_cells) - n
         job.history = [t for t in job.prompt if isinstance(t, int)]
         job.sampler = make_sampler(self.model, self.n_ctx_seq, req.sampling, req.format, job.history)
-        job.text = TextAssembler(req.stop)
         room = self.n_ctx_seq - len(prompt_cells)
         job.max_new = room if req.num_predict < 0 else req.num_predict
         if not req.shift:
             job.max_new = min(job.max_new, room)
-        self._set_proposer(job)
+        job.spec = self._spec_state(job)
         self.running.append(job)
         job.timings.cached_count = n
 
@@ -532,16 +526,16 @@ class BatchedContext(EngineThread):
         self._evict(seq)
         return True
 
-    def _set_proposer(self, job: Job) -> None:
+    def _spec_state(self, job: Job) -> SpecState | None:
+        """The job's speculation (lookup, or draft with a draft model); None when it runs without."""
         req = job.req
         mode = speculative_method(
             req.speculative, has_draft_model=self.draft is not None, constrained=req.format is not None
         )
-        if any(isinstance(item, ExternalChunk) for item in job.prompt):
-            mode = "off"  # the proposers see text only
-        if mode in self.draft_cost:  # lookup, and draft with a draft model
-            k = min(req.num_draft or DEFAULT_NUM_DRAFT[mode], MAX_VERIFY - 1)
-            job.spec = SpecState(mode, k, self.draft_cost[mode])
+        if mode not in self.draft_cost or any(isinstance(item, ExternalChunk) for item in job.prompt):
+            return None  # off, or an image in the prompt: the proposers see text only
+        k = min(req.num_draft or DEFAULT_NUM_DRAFT[mode], MAX_VERIFY - 1)
+        return SpecState(mode, k, self.draft_cost[mode])
 
     # ---- building the batch --------------------------------------------------------------------
     def _add_decodes(self) -> None:
@@ -561,15 +555,11 @@ class BatchedContext(EngineThread):
             self._plan_rows(job, tokens, True)
             job.timings.draft_count += len(job.drafts)
 
-    @property
-    def room(self) -> int:
-        return self.step_tokens - self.planned
-
     def _plan_rows(self, job: Job, tokens: list[int], output: bool | list[bool]) -> None:
         seq = job.seq
         self.plan.append((seq, tokens, len(self.cells[seq]), output, job))
         self.cells[seq].extend(tokens)
-        self.planned += len(tokens)
+        self.room -= len(tokens)
 
     def _fill_batch(self) -> None:
         """The planned rows into the batch, by seq id: llama.cpp cuts micro-batches of consecutive ids."""
@@ -580,7 +570,7 @@ class BatchedContext(EngineThread):
                 job.rows = list(range(start, start + len(tokens)))
             elif output[-1]:
                 job.rows = [start + len(tokens) - 1]
-        self.plan, self.planned = [], 0
+        self.plan, self.room = [], self.step_tokens
 
     def _propose(self, jobs: list[Job]) -> None:
         wants: list[tuple[int, list[int], int]] = []
@@ -704,7 +694,6 @@ class BatchedContext(EngineThread):
             return token, "stop"
         req = job.req
         lp = self._logprob(row, token, req.top_logprobs) if req.logprobs or req.top_logprobs > 0 else None
-        assert job.text is not None
         event, stopped = job.text.add(token, self.piece(token, token in req.preserve_tokens), lp)
         if event is not None:
             self._emit(job, event)
@@ -726,17 +715,13 @@ class BatchedContext(EngineThread):
         return b"".join(self.piece(int(t)) for t in ids).decode("utf-8", errors="replace")
 
     def _finish(self, job: Job, reason: str) -> None:
-        if job.text is not None:
-            tail = job.text.finish()
-            if tail is not None and (tail.text or tail.token_ids):
-                self._emit(job, tail)
         now = time.perf_counter_ns()
         if not job.generating:
             job.timings.prompt_eval_ns = now - job.t_admit
         job.timings.eval_count = job.n_gen
         job.timings.eval_ns = now - job.t_prompt if job.t_prompt else 0
-        stop_sequence = job.text.stop_sequence if job.text is not None else None
-        self._emit(job, DoneEvent(reason, job.timings, stop_sequence=stop_sequence))  # type: ignore[arg-type]
+        for event in job.text.end(reason, job.timings):  # the text still held back, then the done event
+            self._emit(job, event)
         self._release(job, keep=reason != "cancel")
 
     def _fail(self, job: Job, error: BaseException) -> None:
@@ -781,6 +766,12 @@ class BatchedContext(EngineThread):
             raise LocalrtError(f"llama.cpp decode failed (llama_decode returned {ret})")
 
 
+def _end_cancelled(job: Job) -> None:
+    """A job cancelled before it started: its end, at once (nothing of it is in the outbox)."""
+    job.emit(DoneEvent("cancel", Timings()))
+    job.finished.set()
+
+
 def _even_drafts(jobs: list[Job]) -> None:
     """Give every drafting sequence of a step the same draft length.
 
@@ -807,24 +798,20 @@ def _cells(prompt: Sequence[PromptItem]) -> list[Hashable]:
     return out
 
 
+def _spans(prompt: Sequence[PromptItem]) -> Iterator[tuple[int, int, PromptItem]]:
+    """Each prompt item with the cells it spans: [start, end)."""
+    start = 0
+    for item in prompt:
+        end = start + (item.n_tokens if isinstance(item, ExternalChunk) else 1)
+        yield start, end, item
+        start = end
+
+
 def _cut(prompt: Sequence[PromptItem], n_cells: int) -> int:
     """The largest cell count <= n_cells that does not end inside an external chunk."""
-    seen = 0
-    for item in prompt:
-        size = item.n_tokens if isinstance(item, ExternalChunk) else 1
-        if seen + size > n_cells:
-            return seen
-        seen += size
-    return n_cells
+    return next((start for start, end, _ in _spans(prompt) if end > n_cells), n_cells)
 
 
 def _items_from(prompt: Sequence[PromptItem], n_cells: int) -> list[PromptItem]:
     """The prompt items after its first n_cells cells (n_cells never falls inside an external chunk)."""
-    out: list[PromptItem] = []
-    seen = 0
-    for item in prompt:
-        size = item.n_tokens if isinstance(item, ExternalChunk) else 1
-        if seen >= n_cells:
-            out.append(item)
-        seen += size
-    return out
+    return [item for start, _, item in _spans(prompt) if start >= n_cells]

@@ -194,19 +194,26 @@ class RemoteModel:
                 return 0
         return 0
 
-    def _status_error(self, endpoint: Endpoint, status: int, raw: bytes) -> Exception:
-        """A non-200 answer: the request's fault (our 4xx, no retry), or the endpoint's (retry)."""
+    def _endpoint_failure(self, endpoint: Endpoint, status: int, raw: bytes) -> EndpointFailure:
+        """A non-200 answer. The request's fault (our 4xx) or refused credentials raise RemoteError: no
+        endpoint would answer better. The endpoint's fault is returned, for the caller to try the next."""
         where = f"{endpoint.url} answered HTTP {status}"
         message = self._scrub(wire.body_message(raw))
         if status in (400, 413, 422):
-            return RemoteError(f"{where}: {message}", 400)
+            raise RemoteError(f"{where}: {message}", 400)
         if status in (401, 403):
-            return RemoteError(f"{where}: the upstream refused the credentials ({message})")
+            raise RemoteError(f"{where}: the upstream refused the credentials ({message})")
         if status == 429:
             return EndpointFailure(f"busy (HTTP 429: {message})", busy=True)
         if 300 <= status < 400:
             return EndpointFailure(f"redirected (HTTP {status}); redirects are not followed")
         return EndpointFailure(f"HTTP {status}: {message}" if message else f"HTTP {status}")
+
+    def _all_failed(self, failures: list[str]) -> RemoteError:
+        """The error once every endpoint was tried: each one's reason, in the order tried."""
+        return RemoteError(
+            f"every endpoint of remote model {self.upstream_model} failed: {'; '.join(failures)}"
+        )
 
     # ---- generation --------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
@@ -244,9 +251,7 @@ class RemoteModel:
                 failures.append(f"{endpoint.url} ({reason})")
         if busy and busy == len(failures):
             raise ServerBusy(f"every endpoint of {self.upstream_model} is busy: {'; '.join(failures)}")
-        raise RemoteError(
-            f"every endpoint of remote model {self.upstream_model} failed: {'; '.join(failures)}"
-        )
+        raise self._all_failed(failures)
 
     async def _attempt(
         self, endpoint: Endpoint, path: str, body: dict[str, Any], request: GenerateRequest
@@ -261,7 +266,7 @@ class RemoteModel:
                 "POST", endpoint.url + path, json=body, headers=self._headers()
             ) as resp:
                 if resp.status_code != 200:
-                    raise self._status_error(endpoint, resp.status_code, await resp.aread())
+                    raise self._endpoint_failure(endpoint, resp.status_code, await resp.aread())
                 async for event in self._events(resp, answer):
                     if request.cancel.cancelled or self._cancelled != cancelled_at_start:
                         finish = "cancel"
@@ -327,15 +332,11 @@ class RemoteModel:
                 self.pool.mark_failed(endpoint, _transport_reason(e))
                 continue
             if r.status_code != 200:
-                failure = self._status_error(endpoint, r.status_code, r.content)
-                if isinstance(failure, RemoteError):
-                    raise failure
+                failure = self._endpoint_failure(endpoint, r.status_code, r.content)
                 failures.append(f"{endpoint.url} ({failure})")
                 continue
             return self._vectors(endpoint, r, len(texts))
-        raise RemoteError(
-            f"every endpoint of remote model {self.upstream_model} failed: {'; '.join(failures)}"
-        )
+        raise self._all_failed(failures)
 
     @staticmethod
     def _vectors(endpoint: Endpoint, r: httpx.Response, n: int) -> tuple[list[list[float]], int]:
