@@ -148,8 +148,9 @@ class Job:
         return self.req.cancel
 
 
-class DraftContext:
-    """The draft model's context: the same seq ids as the target, greedy draft tokens for many sequences at once."""
+class SeqContext:
+    """A llama.cpp context (`ctx`: llama-cpp-python's LlamaContext on `model`) with its KV memory by seq id,
+    one batch of up to n_batch rows, and the record of the cells each seq id holds (kept by the caller)."""
 
     def __init__(self, model: Any, ctx: Any, n_seq_max: int, n_batch: int) -> None:
         self.lib = _lib()
@@ -157,7 +158,15 @@ class DraftContext:
         self.n_vocab = model.n_vocab()
         self.memory = Memory(ctx.ctx)
         self.batch = Batch(n_batch)
-        self.cells: list[list[int]] = [[] for _ in range(n_seq_max)]
+        self.cells: list[list[Hashable]] = [[] for _ in range(n_seq_max)]
+
+    def logits(self, row: int) -> np.ndarray:
+        """Batch row `row`'s logits from the last decode (llama.cpp's buffer: copy to keep them)."""
+        return logits_row(self.lib, self.ctx.ctx, row, self.n_vocab)
+
+
+class DraftContext(SeqContext):
+    """The draft model's context: the same seq ids as the target, greedy draft tokens for many sequences at once."""
 
     def propose(self, wants: list[tuple[int, list[int], int]]) -> list[list[int]]:
         """wants: (seq id, history, k) -> up to k greedy draft tokens per entry (one draft decode per round)."""
@@ -207,7 +216,7 @@ class DraftContext:
 
     def _take(self, i: int, row: int, wants: list[tuple[int, list[int], int]], out: list[list[int]]) -> bool:
         """Append the argmax of `row` to entry i's draft tokens; True while it wants more."""
-        token = int(np.argmax(logits_row(self.lib, self.ctx.ctx, row, self.n_vocab)))
+        token = int(np.argmax(self.logits(row)))
         if self.lib.llama_vocab_is_eog(self.model.vocab, token):
             return False
         out[i].append(token)
@@ -225,7 +234,7 @@ class DraftContext:
         self.ctx.close()
 
 
-class BatchedContext(EngineThread):
+class BatchedContext(EngineThread, SeqContext):
     """The loaded model's one context, driven by one thread (`EngineThread`: requests and jobs queued from
     any thread, taken between steps); `submit` jobs, `run_task` exclusive work. Events go out through a
     hand-over thread of its own (`_flush`), not the engine thread's sink."""
@@ -246,10 +255,8 @@ class BatchedContext(EngineThread):
         copy_min: int = COPY_MIN,
         ram_cache_bytes: int = RAM_CACHE_BYTES,
     ) -> None:
-        self.lib = _lib()
-        self.model, self.ctx = model, ctx
+        SeqContext.__init__(self, model, ctx, n_seq_max, step_tokens)
         self.vocab = model.vocab
-        self.n_vocab = model.n_vocab()
         self.n_parallel = n_parallel
         self.n_seq_max = n_seq_max
         self.n_ctx_seq = n_ctx_seq
@@ -262,9 +269,6 @@ class BatchedContext(EngineThread):
         self.copy_min = copy_min
         self.ram_cache_bytes = ram_cache_bytes
         self.saved: list[SavedSeq] = []  # evicted idle sequences' states, least recently saved first
-        self.memory = Memory(ctx.ctx)
-        self.batch = Batch(step_tokens)
-        self.cells: list[list[Hashable]] = [[] for _ in range(n_seq_max)]  # exactly what each seq holds
         self.owner: list[Job | None] = [None] * n_seq_max
         self.last_used = [0.0] * n_seq_max
         self.pieces: dict[tuple[int, bool], bytes] = {}
@@ -660,7 +664,7 @@ class BatchedContext(EngineThread):
             job.generating = True
             job.t_prompt = time.perf_counter_ns()
             if job.capture:
-                job.logits = logits_row(self.lib, self.ctx.ctx, rows[0], self.n_vocab).copy()
+                job.logits = self.logits(rows[0]).copy()
             job.timings.prompt_eval_ns = job.t_prompt - job.t_admit
         accepted, finish = 0, None
         for j, row in enumerate(rows):
@@ -704,9 +708,7 @@ class BatchedContext(EngineThread):
         return token, None
 
     def _logprob(self, row: int, token: int, top_n: int) -> TokenLogprob:
-        return logprob_from_logits(
-            logits_row(self.lib, self.ctx.ctx, row, self.n_vocab), token, top_n, self.text_of
-        )
+        return logprob_from_logits(self.logits(row), token, top_n, self.text_of)
 
     def piece(self, token: int, special: bool = False) -> bytes:
         return token_piece(self.lib, self.vocab, token, special, self.pieces)
