@@ -122,7 +122,7 @@ def test_a_cancelled_sequence_frees_its_cache_at_once(model: LlamaCppModel) -> N
     ]
     assert seqs == []  # the cancelled sequence kept nothing
     for s in range(engine.n_seq_max):
-        held = engine.lib.llama_memory_seq_pos_max(engine.memory.mem, s) + 1
+        held = engine.lib.llama_memory_seq_pos_max(engine.mem, s) + 1
         assert held == len(engine.cells[s])  # the record matches llama.cpp's memory
 
 

@@ -221,32 +221,6 @@ def sample(chain: Any, ctx: Any, row: int) -> int:
     return int(_lib().llama_sampler_sample(chain.sampler, ctx, row))
 
 
-class Memory:
-    """The context's KV memory, by sequence id (`llama_memory_*`)."""
-
-    def __init__(self, ctx: Any) -> None:
-        self.lib = _lib()
-        self.mem = self.lib.llama_get_memory(ctx)
-
-    def remove(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        return bool(self.lib.llama_memory_seq_rm(self.mem, seq_id, p0, p1))
-
-    def keep(self, seq_id: int, n: int, cells: list[Any]) -> int:
-        """Keep seq_id's first n cells and cut `cells` (the caller's record of them) to match; how many
-        are kept: none when the memory cannot cut a sequence partway (it is cleared then)."""
-        if not self.remove(seq_id, n, -1):
-            self.remove(seq_id)
-            n = 0
-        del cells[n:]
-        return n
-
-    def copy(self, src: int, dst: int, p0: int, p1: int) -> None:
-        self.lib.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
-
-    def clear(self) -> None:
-        self.lib.llama_memory_clear(self.mem, True)
-
-
 def token_piece(
     lib: Any, vocab: Any, token: int, special: bool, cache: dict[tuple[int, bool], bytes]
 ) -> bytes:

@@ -47,7 +47,6 @@ from localrt.backends.speculation import speculative_method
 from localrt.errors import LocalrtError
 
 from .lib import Batch
-from .lib import Memory
 from .lib import _lib
 from .lib import logits_row
 from .lib import make_sampler
@@ -149,20 +148,53 @@ class Job:
 
 
 class SeqContext:
-    """A llama.cpp context (`ctx`: llama-cpp-python's LlamaContext on `model`) with its KV memory by seq id,
-    one batch of up to n_batch rows, and the record of the cells each seq id holds (kept by the caller)."""
+    """A llama.cpp context (`ctx`: llama-cpp-python's LlamaContext on `model`), one batch of up to n_batch
+    rows, and the record of the cells each seq id holds in the context's KV memory (`cells`). The methods
+    below change the memory (`llama_memory_*`) and the record together."""
 
     def __init__(self, model: Any, ctx: Any, n_seq_max: int, n_batch: int) -> None:
         self.lib = _lib()
         self.model, self.ctx = model, ctx
         self.n_vocab = model.n_vocab()
-        self.memory = Memory(ctx.ctx)
+        self.mem = self.lib.llama_get_memory(ctx.ctx)
         self.batch = Batch(n_batch)
         self.cells: list[list[Hashable]] = [[] for _ in range(n_seq_max)]
 
     def logits(self, row: int) -> np.ndarray:
         """Batch row `row`'s logits from the last decode (llama.cpp's buffer: copy to keep them)."""
         return logits_row(self.lib, self.ctx.ctx, row, self.n_vocab)
+
+    def _append(self, seq: int, tokens: list[int], output: bool | list[bool]) -> int:
+        """Add tokens to the batch at seq's next positions (recorded as held); their first batch index."""
+        start = self.batch.add(tokens, len(self.cells[seq]), seq, output)
+        self.cells[seq].extend(tokens)
+        return start
+
+    def _cut(self, seq: int, n: int) -> bool:
+        """Drop seq's cells from the n-th on; False when the memory cannot cut a sequence partway."""
+        del self.cells[seq][n:]
+        return bool(self.lib.llama_memory_seq_rm(self.mem, seq, n, -1))
+
+    def _keep(self, seq: int, n: int) -> int:
+        """Keep seq's first n cells; how many are kept: none when the memory cannot cut a sequence
+        partway (it is cleared then)."""
+        if self._cut(seq, n):
+            return n
+        self._evict(seq)
+        return 0
+
+    def _evict(self, seq: int) -> None:
+        self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        self.cells[seq] = []
+
+    def _evict_all(self) -> None:
+        self.lib.llama_memory_clear(self.mem, True)
+        self.cells = [[] for _ in self.cells]
+
+    def _copy(self, src: int, dst: int) -> None:
+        """dst holds what src holds: each sequence has a KV stream of its own, so the whole stream is copied."""
+        self.lib.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+        self.cells[dst] = list(self.cells[src])
 
 
 class DraftContext(SeqContext):
@@ -173,7 +205,7 @@ class DraftContext(SeqContext):
         remaining: list[list[int]] = []
         for seq, history, _ in wants:
             keep = min(common_prefix(self.cells[seq], history), len(history) - 1)
-            keep = self.memory.keep(seq, keep, self.cells[seq])
+            keep = self._keep(seq, keep)
             remaining.append(history[keep:])
         out: list[list[int]] = [[] for _ in wants]
         live = self._catch_up(wants, remaining, out)
@@ -181,9 +213,7 @@ class DraftContext(SeqContext):
             self.batch.clear()
             rows = {}
             for i in live:
-                seq = wants[i][0]
-                rows[i] = self.batch.add([out[i][-1]], len(self.cells[seq]), seq, True)
-                self.cells[seq].append(out[i][-1])
+                rows[i] = self._append(wants[i][0], [out[i][-1]], True)
             if not self._decode():
                 break
             live = [i for i in live if self._take(i, rows[i], wants, out)]
@@ -200,12 +230,10 @@ class DraftContext(SeqContext):
                 take = tokens[: self.batch.room]
                 if not take:
                     continue
-                seq = wants[i][0]
                 last = len(take) == len(tokens)
                 flags = [False] * len(take)
                 flags[-1] = last
-                idx = self.batch.add(take, len(self.cells[seq]), seq, flags)
-                self.cells[seq].extend(take)
+                idx = self._append(wants[i][0], take, flags)
                 remaining[i] = tokens[len(take) :]
                 if last:
                     rows[i] = idx + len(take) - 1
@@ -224,8 +252,7 @@ class DraftContext(SeqContext):
 
     def _decode(self) -> bool:
         if self.batch.decode(self.ctx.ctx) != 0:  # full or failed: start the draft cache over
-            self.memory.clear()
-            self.cells = [[] for _ in self.cells]
+            self._evict_all()
             return False
         return True
 
@@ -448,12 +475,10 @@ class BatchedContext(EngineThread, SeqContext):
         if self.cells[seq] and (seq != src or n < len(self.cells[seq])):
             self._save(seq)  # an idle conversation loses cells: keep its state in RAM
         if seq != src and n >= self.copy_min:
-            # each sequence has a stream of its own: the copy is of the whole stream, then the tail goes
-            self.memory.copy(src, seq, -1, -1)
-            self.cells[seq] = list(self.cells[src])
+            self._copy(src, seq)  # the whole stream; _keep then drops the tail
         elif seq != src:
             n = 0
-        return seq, self.memory.keep(seq, n, self.cells[seq])
+        return seq, self._keep(seq, n)
 
     # ---- the RAM prompt cache: states of idle sequences that lost their cells ---------------------
     def _save(self, seq: int) -> None:
@@ -515,10 +540,6 @@ class BatchedContext(EngineThread, SeqContext):
         if src_idle and n > 0:
             return src  # something is evicted anyway: the source at least gives n cells
         return min(idle, key=lambda s: self.last_used[s])
-
-    def _evict(self, seq: int) -> None:
-        self.memory.remove(seq)
-        self.cells[seq] = []
 
     def _evict_idle(self) -> bool:
         """Free the least recently used idle sequence's cells; False when none holds any."""
@@ -639,8 +660,7 @@ class BatchedContext(EngineThread, SeqContext):
             return
         # A recompute rather than a K-shift: the cells may be shared with other sequences (seq_cp), and
         # moving shared cells' positions would move them for every sequence holding them.
-        self.memory.remove(job.seq, n_keep, -1)
-        del cells[n_keep:]
+        self._cut(job.seq, n_keep)
         job.pending = [*kept, job.last]  # type: ignore[list-item]
 
     def _decode(self) -> None:
@@ -679,9 +699,7 @@ class BatchedContext(EngineThread, SeqContext):
             job.timings.draft_accepted_count += accepted
             rejected = len(drafts) - accepted
             if rejected:
-                cells = self.cells[job.seq]
-                self.memory.remove(job.seq, len(cells) - rejected, -1)
-                del cells[len(cells) - rejected :]
+                self._cut(job.seq, len(self.cells[job.seq]) - rejected)
             assert job.spec is not None
             job.spec.record(len(drafts), accepted)
         if finish is not None:
