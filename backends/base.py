@@ -294,6 +294,17 @@ class Backend(Protocol):
     def load(cls, path: Path | str, opts: LoadOptions) -> LoadedModel: ...
 
 
+class ModelFactory:
+    """`Backend.load` for a backend whose model class loads in its constructor (llama.cpp, torch, MLX):
+    the backend class names that class `model_class`."""
+
+    model_class: ClassVar[Callable[[Path, LoadOptions], LoadedModel]]
+
+    @classmethod
+    def load(cls, path: Path | str, opts: LoadOptions) -> LoadedModel:
+        return cls.model_class(Path(path), opts)
+
+
 # ---- helpers shared by backends ----------------------------------------------------------------
 def modules_installed(modules: Sequence[str], pip_hint: str) -> tuple[bool, str]:
     """A backend's `availability()`: (True, "") or the first of `modules` not installed and what to install."""
