@@ -51,16 +51,12 @@ SCORE_HEAD_ROWS = 256  # logits computed this many rows at a time (the head is n
 log = logging.getLogger("localrt.backends.torch")
 
 
-def _torch() -> Any:
-    import torch
-
-    return torch
-
-
 def _cuda_available() -> bool:
     try:
-        return bool(_torch().cuda.is_available())
-    except Exception:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # not installed, or no working CUDA runtime
         return False
 
 
@@ -110,7 +106,8 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         on_a_thread_of_its_own(lambda: self._load(path, opts, device, numerics))
 
     def _load(self, path: Path, opts: LoadOptions, device: str | None, numerics: str | None) -> None:
-        torch = _torch()
+        import torch
+
         from .engine import Engine
         from .engine import EngineConfig
         from .gguf_load import GGUFTensors
@@ -243,7 +240,8 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
 
     # ---- scoring and embeddings ---------------------------------------------------------------
     def _score(self, ids: list[int], result: ScoreResult) -> ScoreResult:
-        torch = _torch()
+        import torch
+
         n = len(ids)
         hidden = self.engine.hidden_states(ids)  # [n, dim]
         targets = torch.tensor(ids[1:], device=self.device)
