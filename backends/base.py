@@ -175,6 +175,12 @@ class GenerateRequest:
         """Each generated token comes with its logprob (asked for, or implied by top_logprobs)."""
         return self.logprobs or self.top_logprobs > 0
 
+    @property
+    def top_logprobs_asked(self) -> int:
+        """The engines' `top_logprobs`: -1 for no logprobs, else each token's logprob comes with this
+        many alternatives."""
+        return self.top_logprobs if self.wants_logprobs else -1
+
 
 @dataclass
 class TopLogprob:
@@ -184,10 +190,9 @@ class TopLogprob:
 
 
 @dataclass
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
+class TokenLogprob(TopLogprob):
+    """A generated token's logprob with the most likely alternatives at its place."""
+
     top: list[TopLogprob] = field(default_factory=list)
 
 

@@ -48,9 +48,9 @@ class SamplerBase:
         """logits [V] with llama.cpp's repeat / frequency / presence penalties over the recent window."""
         if not self.penalty_window or not history:
             return logits
-        return self._penalized(logits, history[-self.penalty_window :])
+        return self._apply_penalties(logits, history[-self.penalty_window :])
 
-    def _penalized(self, logits: Any, window: Sequence[int]) -> Any:
+    def _apply_penalties(self, logits: Any, window: Sequence[int]) -> Any:
         """`penalized` over the engine's array library (`window` is not empty)."""
         raise NotImplementedError
 
@@ -95,7 +95,7 @@ class Sampler(SamplerBase):
         """The request's random stream, from its seed."""
         return np.random.default_rng(self.seed)
 
-    def _penalized(self, logits: np.ndarray, window: Sequence[int]) -> np.ndarray:
+    def _apply_penalties(self, logits: np.ndarray, window: Sequence[int]) -> np.ndarray:
         x = np.asarray(logits, dtype=np.float32)
         counts = np.bincount(np.asarray(window), minlength=x.shape[-1])  # int64: the penalties in float64
         return penalize(np, x, counts, self.penalties).astype(np.float32)  # rounded once, to float32

@@ -202,7 +202,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
             RowSampler(req.sampling, self.context_length, grammar),
             max_tokens,
             cancel=req.cancel,
-            top_logprobs=req.top_logprobs if req.wants_logprobs else -1,
+            top_logprobs=req.top_logprobs_asked,
         )
         if mode == "lookup":
             row.proposer = LookupProposer()

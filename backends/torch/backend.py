@@ -216,7 +216,7 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
                 num_draft=req.num_draft,
                 cancel=req.cancel,
                 grammar=grammar,
-                top_logprobs=req.top_logprobs if req.wants_logprobs else -1,
+                top_logprobs=req.top_logprobs_asked,
             )
         except BaseException:
             if grammar is not None:

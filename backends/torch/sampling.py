@@ -37,7 +37,7 @@ class RequestSampler(SamplerBase):
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(self.seed)
 
-    def _penalized(self, logits: torch.Tensor, window: Sequence[int]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, window: Sequence[int]) -> torch.Tensor:
         # counts over the whole vocabulary instead of torch.unique: no data-dependent shape, so no sync
         ids = torch.tensor(list(window), dtype=torch.long)
         if logits.is_cuda:  # pinned: the upload queues behind the forward instead of waiting for it
