@@ -175,12 +175,6 @@ class GenerateRequest:
         """Each generated token comes with its logprob (asked for, or implied by top_logprobs)."""
         return self.logprobs or self.top_logprobs > 0
 
-    @property
-    def top_logprobs_asked(self) -> int:
-        """The engines' `top_logprobs`: -1 for no logprobs, else each token's logprob comes with this
-        many alternatives."""
-        return self.top_logprobs if self.wants_logprobs else -1
-
 
 @dataclass
 class TopLogprob:

@@ -10,7 +10,6 @@ import importlib.util
 import os
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -117,7 +116,6 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
     backend_name = NAME
 
     def __init__(self, path: Path, opts: LoadOptions) -> None:
-        t0 = time.perf_counter_ns()
         check_kv_options(opts)
         self.path, self.opts = path, opts
         self.lib = _lib()
@@ -132,9 +130,8 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         try:
             self._setup(opts)
         except BaseException:
-            self._close_all()
+            self._free()
             raise
-        self.load_ns = time.perf_counter_ns() - t0
 
     def _setup(self, opts: LoadOptions) -> None:
         m = self.model
@@ -412,9 +409,6 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
 
     # -- lifetime --
     def _free(self) -> None:
-        self._close_all()
-
-    def _close_all(self) -> None:
         self._closed = True
         if self.engine is not None:
             self.engine.close()  # running requests end at their next step

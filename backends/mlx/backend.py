@@ -101,7 +101,6 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         install_blas()  # before `batch` imports MLX (blas.py)
         from .batch import BatchEngine
 
-        t0 = time.perf_counter_ns()
         self.path, self.opts = path, opts
         self.capabilities = MLXBackend.capabilities()
         check_kv_cache_type(opts.kv_cache_type, KV_CACHE_TYPES, "MLX")
@@ -122,7 +121,6 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         except BaseException:
             self._free()
             raise
-        self.load_ns = time.perf_counter_ns() - t0
 
     def _load(self, opts: LoadOptions) -> None:
         import mlx.core as mx
@@ -202,7 +200,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
             RowSampler(req.sampling, self.context_length, grammar),
             max_tokens,
             cancel=req.cancel,
-            top_logprobs=req.top_logprobs_asked,
+            top_logprobs=req.top_logprobs if req.wants_logprobs else -1,
         )
         if mode == "lookup":
             row.proposer = LookupProposer()

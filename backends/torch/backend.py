@@ -112,7 +112,6 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         from .engine import EngineConfig
         from .gguf_load import GGUFTensors
 
-        t0 = time.perf_counter_ns()
         self.path, self.opts = path, opts
         self.capabilities = TorchBackend.capabilities()
         if device is None:
@@ -174,7 +173,6 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         self._active = set()
         self._streams = EngineStreams(lambda out: out.seq.seq_id)
         self.engine.start(self._streams.route)
-        self.load_ns = time.perf_counter_ns() - t0
 
     def weight_bytes(self) -> int:
         """Resident bytes of the weights (model and draft), as `localrt ps` reports them."""
@@ -216,7 +214,7 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
                 num_draft=req.num_draft,
                 cancel=req.cancel,
                 grammar=grammar,
-                top_logprobs=req.top_logprobs_asked,
+                top_logprobs=req.top_logprobs if req.wants_logprobs else -1,
             )
         except BaseException:
             if grammar is not None:
