@@ -184,10 +184,9 @@ class TopLogprob:
 
 
 @dataclass
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
+class TokenLogprob(TopLogprob):
+    """A generated token's logprob with the most likely alternatives at its place."""
+
     top: list[TopLogprob] = field(default_factory=list)
 
 
@@ -292,6 +291,17 @@ class Backend(Protocol):
 
     @classmethod
     def load(cls, path: Path | str, opts: LoadOptions) -> LoadedModel: ...
+
+
+class ModelFactory:
+    """`Backend.load` for a backend whose model class loads in its constructor (llama.cpp, torch, MLX):
+    the backend class names that class `model_class`."""
+
+    model_class: ClassVar[Callable[[Path, LoadOptions], LoadedModel]]
+
+    @classmethod
+    def load(cls, path: Path | str, opts: LoadOptions) -> LoadedModel:
+        return cls.model_class(Path(path), opts)
 
 
 # ---- helpers shared by backends ----------------------------------------------------------------

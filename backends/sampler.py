@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,22 @@ class SamplerBase:
             self.grammar.accept(token)
         return token
 
+    @property
+    def penalties(self) -> tuple[float, float, float]:
+        """This request's `penalize` knobs: (repeat, frequency, presence)."""
+        p = self.params
+        return p.repeat_penalty, p.frequency_penalty, p.presence_penalty
+
+    def penalized(self, logits: Any, history: Sequence[int]) -> Any:
+        """logits [V] with llama.cpp's repeat / frequency / presence penalties over the recent window."""
+        if not self.penalty_window or not history:
+            return logits
+        return self._apply_penalties(logits, history[-self.penalty_window :])
+
+    def _apply_penalties(self, logits: Any, window: Sequence[int]) -> Any:
+        """`penalized` over the engine's array library (`window` is not empty)."""
+        raise NotImplementedError
+
     def _masked(self, logits: Any) -> Any:
         """logits [V] with what the grammar forbids next at -inf (the grammar runs on the host)."""
         assert self.grammar is not None
@@ -46,11 +63,19 @@ class SamplerBase:
         raise NotImplementedError
 
 
-def penalty_knobs(samplers: Sequence[SamplerBase]) -> list[list[float]]:
-    """A batch's penalty parameters, a row per request: repeat, frequency, presence."""
-    return [
-        [s.params.repeat_penalty, s.params.frequency_penalty, s.params.presence_penalty] for s in samplers
-    ]
+def penalize(xp: Any, x: Any, counts: Any, knobs: Any) -> Any:
+    """llama.cpp's repeat / frequency / presence penalties, one formula for numpy, torch and MLX (`xp`: the
+    array module): logits x [..., V], `counts` [..., V] how often each token is in the window, `knobs`
+    (repeat, frequency, presence): numbers for one row, [B, 1] columns for a batch (`penalty_knobs`)."""
+    repeat, frequency, presence = knobs
+    out = xp.where(x > 0, x / repeat, x * repeat) - counts * frequency - presence
+    return xp.where(counts > 0, out, x)
+
+
+def penalty_knobs(samplers: Sequence[SamplerBase]) -> list[list[list[float]]]:
+    """A batch's penalty parameters as `penalize` takes them: three [B, 1] columns (repeat, frequency,
+    presence)."""
+    return [[[s.penalties[k]] for s in samplers] for k in range(3)]
 
 
 def chain_knobs(params: Sequence[SamplingParams], vocab: int) -> list[list[float]]:
@@ -65,21 +90,15 @@ def truncates(params: Sequence[SamplingParams], vocab: int) -> bool:
 
 
 class Sampler(SamplerBase):
-    def __init__(self, params: SamplingParams, context_length: int, grammar: Grammar | None = None) -> None:
-        super().__init__(params, context_length, grammar)
-        self.rng = np.random.default_rng(self.seed)
+    @cached_property
+    def rng(self) -> np.random.Generator:
+        """The request's random stream, from its seed."""
+        return np.random.default_rng(self.seed)
 
-    def penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
-        """logits [V] with llama.cpp's repeat / frequency / presence penalties over the recent window."""
-        if not self.penalty_window or not history:
-            return logits
-        ids, counts = np.unique(np.asarray(history[-self.penalty_window :]), return_counts=True)
-        p = self.params
-        out = logits.astype(np.float32, copy=True)
-        chosen = out[ids]
-        chosen = np.where(chosen > 0, chosen / p.repeat_penalty, chosen * p.repeat_penalty)
-        out[ids] = chosen - counts * p.frequency_penalty - p.presence_penalty
-        return out
+    def _apply_penalties(self, logits: np.ndarray, window: Sequence[int]) -> np.ndarray:
+        x = np.asarray(logits, dtype=np.float32)
+        counts = np.bincount(np.asarray(window), minlength=x.shape[-1])  # int64: the penalties in float64
+        return penalize(np, x, counts, self.penalties).astype(np.float32)  # rounded once, to float32
 
     def probs(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """The distribution a token is drawn from: logits [V] -> probabilities [V] (float64)."""

@@ -10,7 +10,6 @@ import importlib.util
 import os
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from localrt.backends.base import Capabilities
 from localrt.backends.base import Event
 from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
+from localrt.backends.base import ModelFactory
 from localrt.backends.base import ModelLifetime
 from localrt.backends.base import ScoreResult
 from localrt.backends.base import loaded_context
@@ -74,34 +74,6 @@ AUTO_MAX_PARALLEL = 8
 AUTO_MEMORY_SHARE = 0.25  # of the available memory, for the KV cache of the auto sequences
 
 
-class LlamaCppBackend:
-    name: ClassVar[str] = NAME
-
-    @classmethod
-    def availability(cls) -> tuple[bool, str]:
-        if importlib.util.find_spec("llama_cpp") is None:
-            return False, f"llama-cpp-python is not installed; {PIP_HINT}"
-        return True, ""
-
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        devices: tuple[str, ...] = ("cpu",)
-        if gpu_offload_supported():
-            devices = ("cpu", "metal") if sys.platform == "darwin" else ("cpu", "gpu")
-        return Capabilities(
-            grammar=True,
-            speculative=frozenset({"draft", "lookup"}),
-            kv_cache_types=tuple(KV_TYPES),
-            devices=devices,
-            parallel_slots=1,
-            context_shift=True,
-        )
-
-    @classmethod
-    def load(cls, path: Path | str, opts: LoadOptions) -> LlamaCppModel:
-        return LlamaCppModel(Path(path), opts)
-
-
 def kv_bytes_per_token(metadata: dict[str, str], kv_type: str) -> int:
     arch = metadata.get("general.architecture", "llama")
 
@@ -144,7 +116,6 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
     backend_name = NAME
 
     def __init__(self, path: Path, opts: LoadOptions) -> None:
-        t0 = time.perf_counter_ns()
         check_kv_options(opts)
         self.path, self.opts = path, opts
         self.lib = _lib()
@@ -159,9 +130,8 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         try:
             self._setup(opts)
         except BaseException:
-            self._close_all()
+            self._free()
             raise
-        self.load_ns = time.perf_counter_ns() - t0
 
     def _setup(self, opts: LoadOptions) -> None:
         m = self.model
@@ -224,7 +194,8 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             self._embed_context()
 
     def _load_draft(self, path: Path, params: Any) -> DraftContext:
-        """The draft model's weights and one context with the target's seq ids (same vocabulary required)."""
+        """The draft model's weights and one context with the target's parameters, so the same seq ids and
+        batch size (same vocabulary required)."""
         model, _ = load_model(path, self.opts)
         self._draft_model = model
         draft_vocab = Vocab(model)
@@ -235,15 +206,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             lambda t: self.piece(t, True),
             lambda t: draft_vocab.piece(t, True),
         )
-        dparams = context_params(
-            self.opts,
-            n_ctx=params.n_ctx,
-            n_batch=params.n_batch,
-            n_ubatch=params.n_batch,
-            n_seq_max=params.n_seq_max,
-            threads=self.threads,
-        )
-        return DraftContext(model, create_context(model, dparams), params.n_seq_max, params.n_batch)
+        return DraftContext(model, create_context(model, params), params.n_seq_max, params.n_batch)
 
     # -- generation --
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
@@ -446,27 +409,48 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
 
     # -- lifetime --
     def _free(self) -> None:
-        self._close_all()
-
-    def _close_all(self) -> None:
         self._closed = True
         if self.engine is not None:
             self.engine.close()  # running requests end at their next step
-            draft = self.engine.draft
-            self.engine.batch.close()
-            self.engine.ctx.close()
-            if draft is not None:
-                draft.close()
+            close_each(self.engine.batch, self.engine.ctx, self.engine.draft)
         with self._embed_lock:
             if self._embed is not None:
                 self._embed[1].close()
                 self._embed[0].close()
                 self._embed = None
             # the projector and the rerank context sit on the weights, so they go first
-            for extra in (self._projector, self._reranker):
-                if extra is not None:
-                    extra.close()
+            close_each(self._projector, self._reranker)
             self._projector = self._reranker = None
-        for model in (self._draft_model, self.model):
-            if model is not None:
-                model.close()
+        close_each(self._draft_model, self.model)
+
+
+def close_each(*resources: Any) -> None:
+    """Close each of `resources` that is there (not None), in order."""
+    for resource in resources:
+        if resource is not None:
+            resource.close()
+
+
+class LlamaCppBackend(ModelFactory):
+    name: ClassVar[str] = NAME
+    model_class = LlamaCppModel
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        if importlib.util.find_spec("llama_cpp") is None:
+            return False, f"llama-cpp-python is not installed; {PIP_HINT}"
+        return True, ""
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        devices: tuple[str, ...] = ("cpu",)
+        if gpu_offload_supported():
+            devices = ("cpu", "metal") if sys.platform == "darwin" else ("cpu", "gpu")
+        return Capabilities(
+            grammar=True,
+            speculative=frozenset({"draft", "lookup"}),
+            kv_cache_types=tuple(KV_TYPES),
+            devices=devices,
+            parallel_slots=1,
+            context_shift=True,
+        )

@@ -28,6 +28,7 @@ from localrt.backends.base import DoneEvent
 from localrt.backends.base import Event
 from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
+from localrt.backends.base import ModelFactory
 from localrt.backends.base import ModelLifetime
 from localrt.backends.base import ScoreResult
 from localrt.backends.base import TextAssembler
@@ -93,45 +94,13 @@ def _lay_out_rows() -> None:
             )
 
 
-class MLXBackend:
-    name: ClassVar[str] = NAME
-
-    @classmethod
-    def availability(cls) -> tuple[bool, str]:
-        return mlx_status()
-
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(
-            grammar=True,
-            speculative=frozenset({"draft", "lookup", "self"}),
-            kv_cache_types=KV_CACHE_TYPES,
-            devices=("gpu",) if _on_gpu() else ("cpu",),
-            parallel_slots=MAX_SLOTS,
-        )
-
-    @classmethod
-    def load(cls, path: Path | str, opts: LoadOptions) -> MLXModel:
-        return MLXModel(Path(path), opts)
-
-
 class MLXModel(VocabMethods, EngineModel, ModelLifetime):
     backend_name = NAME
 
-    def __init__(
-        self,
-        path: Path,
-        opts: LoadOptions,
-        *,
-        self_spec_layers: int | None = None,
-        prompt_cache_bytes: int | None = None,
-    ) -> None:
-        """`prompt_cache_bytes`: the budget of finished conversations' caches kept for reuse (None: the
-        KV of `parallel_slots` full contexts)."""
+    def __init__(self, path: Path, opts: LoadOptions) -> None:
         install_blas()  # before `batch` imports MLX (blas.py)
         from .batch import BatchEngine
 
-        t0 = time.perf_counter_ns()
         self.path, self.opts = path, opts
         self.capabilities = MLXBackend.capabilities()
         check_kv_cache_type(opts.kv_cache_type, KV_CACHE_TYPES, "MLX")
@@ -148,13 +117,12 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         self.engine = BatchEngine(opts.kv_cache_type, opts.num_batch)
         self.engine.start(self._streams.route)
         try:
-            self._call(lambda: self._load(opts, self_spec_layers, prompt_cache_bytes))
+            self._call(lambda: self._load(opts))
         except BaseException:
             self._free()
             raise
-        self.load_ns = time.perf_counter_ns() - t0
 
-    def _load(self, opts: LoadOptions, self_spec_layers: int | None, prompt_cache_bytes: int | None) -> None:
+    def _load(self, opts: LoadOptions) -> None:
         import mlx.core as mx
 
         from .architectures import load_model
@@ -186,7 +154,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
             )
         # the exit must sit near the top to agree with the full model: on SmolLM2-135M the argmax of
         # 24 of 30 layers matches 26% of the time on copied text, of 27 layers 49%
-        self.self_spec_layers = self_spec_layers or max(1, cfg.block_count - max(1, cfg.block_count // 10))
+        self.self_spec_layers = max(1, cfg.block_count - max(1, cfg.block_count // 10))
         kv_per_token = 2 * cfg.attention_head_count_kv * cfg.attention_key_length  # one layer's
         kv_bytes = 1.125 if opts.kv_cache_type == "q8_0" else kv_dtype(opts.kv_cache_type, self.dtype).size
         # a sliding layer's rotating cache holds its window, its slack and one chunk at most
@@ -196,7 +164,8 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         ]
         context_kv = int(kv_per_token * kv_bytes * sum(held))
         self.memory_bytes = self.model.nbytes + context_kv * self.slots
-        budget = context_kv * self.slots if prompt_cache_bytes is None else prompt_cache_bytes
+        # the prompt cache keeps finished conversations' caches up to the KV of `parallel_slots` full contexts
+        budget = context_kv * self.slots
         self.engine.attach(self.model, max_rows=self.slots, prompt_cache=PromptCache(budget), eog=self._eog)
         self.draft_model: Transformer | None = None
         if opts.draft_model is not None:
@@ -325,3 +294,22 @@ class _SelfOnRow:
         if self._inner is None or self._inner.target is not self.row.runner:
             self._inner = self.make(self.row.runner, self.num_layers)
         return self._inner.propose(tokens, k, sampler)
+
+
+class MLXBackend(ModelFactory):
+    name: ClassVar[str] = NAME
+    model_class = MLXModel
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        return mlx_status()
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(
+            grammar=True,
+            speculative=frozenset({"draft", "lookup", "self"}),
+            kv_cache_types=KV_CACHE_TYPES,
+            devices=("gpu",) if _on_gpu() else ("cpu",),
+            parallel_slots=MAX_SLOTS,
+        )

@@ -24,6 +24,7 @@ from localrt.backends.base import SamplingParams
 from localrt.backends.grammar import Grammar
 from localrt.backends.sampler import SamplerBase
 from localrt.backends.sampler import chain_knobs
+from localrt.backends.sampler import penalize
 from localrt.backends.sampler import penalty_knobs
 from localrt.backends.sampler import truncates
 
@@ -94,10 +95,7 @@ def penalized(samplers: Sequence[RowSampler], x: mx.array, windows: Sequence[mx.
         c = mx.zeros((v,), dtype=x.dtype)
         counts.append(c if w is None or w.size == 0 else c.at[w].add(1.0))
     count = mx.stack(counts)  # [B, V]
-    knobs = mx.array(penalty_knobs(samplers), dtype=x.dtype)
-    rep, freq, pres = knobs[:, 0:1], knobs[:, 1:2], knobs[:, 2:3]
-    out = mx.where(x > 0, x / rep, x * rep) - count * freq - pres
-    return mx.where(count > 0, out, x)
+    return penalize(mx, x, count, mx.array(penalty_knobs(samplers), dtype=x.dtype))
 
 
 def chain_probs(params: Sequence[SamplingParams], x: mx.array) -> mx.array:

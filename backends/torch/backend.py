@@ -25,6 +25,7 @@ from localrt.backends.base import Capabilities
 from localrt.backends.base import Event
 from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
+from localrt.backends.base import ModelFactory
 from localrt.backends.base import ModelLifetime
 from localrt.backends.base import ScoreResult
 from localrt.backends.base import TextAssembler
@@ -50,40 +51,13 @@ SCORE_HEAD_ROWS = 256  # logits computed this many rows at a time (the head is n
 log = logging.getLogger("localrt.backends.torch")
 
 
-def _torch() -> Any:
-    import torch
-
-    return torch
-
-
 def _cuda_available() -> bool:
     try:
-        return bool(_torch().cuda.is_available())
-    except Exception:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # not installed, or no working CUDA runtime
         return False
-
-
-class TorchBackend:
-    name: ClassVar[str] = NAME
-
-    @classmethod
-    def availability(cls) -> tuple[bool, str]:
-        return modules_installed(("torch", "numpy", "llama_cpp"), PIP_HINT)
-
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        cuda = _cuda_available()
-        return Capabilities(
-            grammar=True,
-            speculative=frozenset({"draft", "lookup", "self"}),
-            kv_cache_types=(*KV_TYPES_CPU, "fp8") if cuda else KV_TYPES_CPU,
-            devices=("cpu", "cuda") if cuda else ("cpu",),
-            parallel_slots=MAX_SEQS,
-        )
-
-    @classmethod
-    def load(cls, path: Path | str, opts: LoadOptions) -> TorchModel:
-        return TorchModel(Path(path), opts)
 
 
 def on_a_thread_of_its_own(fn: Callable[[], None]) -> None:
@@ -111,13 +85,11 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         path: Path,
         opts: LoadOptions,
         *,
-        kv_budget_bytes: int | None = None,
-        max_batch_tokens: int | None = None,
-        self_spec_layers: int | None = None,
         device: str | None = None,
         numerics: str | None = None,
     ) -> None:
-        """`numerics` (None: the load option `opts.numerics`): "auto" is "quantized" on the CPU and
+        """`device` (None: CUDA when there is one and `opts.num_gpu` is not 0, else the CPU).
+        `numerics` (None: the load option `opts.numerics`): "auto" is "quantized" on the CPU and
         "dequantized" on CUDA; "quantized" keeps the weights quantized on the CPU (`quantized.py`:
         about 1.3x the file instead of 5.6x, top-1 98.2% against exact on SmolLM2 Q4_1; float
         tensors stay dense; on CUDA it is "dequantized"); "dequantized" is plain fp32 on the
@@ -131,35 +103,15 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         # engine thread would wait for its workers to wake: a 2-thread decode step at batch 1 took
         # 21-25 ms instead of 13. Loading on the caller's thread (often a pool thread that lives on)
         # left such a second pool behind; a loader thread that exits takes its pool with it.
-        on_a_thread_of_its_own(
-            lambda: self._load(
-                path,
-                opts,
-                kv_budget_bytes=kv_budget_bytes,
-                max_batch_tokens=max_batch_tokens,
-                self_spec_layers=self_spec_layers,
-                device=device,
-                numerics=numerics,
-            )
-        )
+        on_a_thread_of_its_own(lambda: self._load(path, opts, device, numerics))
 
-    def _load(
-        self,
-        path: Path,
-        opts: LoadOptions,
-        *,
-        kv_budget_bytes: int | None,
-        max_batch_tokens: int | None,
-        self_spec_layers: int | None,
-        device: str | None,
-        numerics: str | None,
-    ) -> None:
-        torch = _torch()
+    def _load(self, path: Path, opts: LoadOptions, device: str | None, numerics: str | None) -> None:
+        import torch
+
         from .engine import Engine
         from .engine import EngineConfig
         from .gguf_load import GGUFTensors
 
-        t0 = time.perf_counter_ns()
         self.path, self.opts = path, opts
         self.capabilities = TorchBackend.capabilities()
         if device is None:
@@ -201,10 +153,8 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         config = EngineConfig(
             context_length=self.context_length,
             kv_cache_type=opts.kv_cache_type,
-            kv_budget_bytes=kv_budget_bytes,
             max_seqs=opts.num_parallel or (CPU_PARALLEL if self.device.type == "cpu" else MAX_SEQS),
-            max_batch_tokens=max_batch_tokens or max(64, opts.num_batch),
-            self_spec_layers=self_spec_layers,
+            max_batch_tokens=max(64, opts.num_batch),
             eos_token_ids=self.vocab.eog_ids(),
         )
         self.engine = Engine(self.model, config, self.device, draft_model=draft)
@@ -223,7 +173,6 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         self._active = set()
         self._streams = EngineStreams(lambda out: out.seq.seq_id)
         self.engine.start(self._streams.route)
-        self.load_ns = time.perf_counter_ns() - t0
 
     def weight_bytes(self) -> int:
         """Resident bytes of the weights (model and draft), as `localrt ps` reports them."""
@@ -289,7 +238,8 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
 
     # ---- scoring and embeddings ---------------------------------------------------------------
     def _score(self, ids: list[int], result: ScoreResult) -> ScoreResult:
-        torch = _torch()
+        import torch
+
         n = len(ids)
         hidden = self.engine.hidden_states(ids)  # [n, dim]
         targets = torch.tensor(ids[1:], device=self.device)
@@ -338,3 +288,23 @@ class _Stream:
         t.prompt_eval_count = s.prefill_fed
         t.eval_count = s.num_generated if ended else self.generated  # the engine's count has the end token
         return self.text.end(reason, t)
+
+
+class TorchBackend(ModelFactory):
+    name: ClassVar[str] = NAME
+    model_class = TorchModel
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        return modules_installed(("torch", "numpy", "llama_cpp"), PIP_HINT)
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        cuda = _cuda_available()
+        return Capabilities(
+            grammar=True,
+            speculative=frozenset({"draft", "lookup", "self"}),
+            kv_cache_types=(*KV_TYPES_CPU, "fp8") if cuda else KV_TYPES_CPU,
+            devices=("cpu", "cuda") if cuda else ("cpu",),
+            parallel_slots=MAX_SEQS,
+        )

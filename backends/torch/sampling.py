@@ -20,6 +20,7 @@ from localrt.backends.base import SamplingParams
 from localrt.backends.grammar import Grammar
 from localrt.backends.sampler import SamplerBase
 from localrt.backends.sampler import chain_knobs
+from localrt.backends.sampler import penalize
 from localrt.backends.sampler import penalty_knobs
 from localrt.backends.sampler import truncates
 
@@ -36,22 +37,14 @@ class RequestSampler(SamplerBase):
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(self.seed)
 
-    def penalized(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        """logits [V] with llama.cpp's repeat / frequency / presence penalties over the recent window."""
-        if not self.penalty_window or not history:
-            return logits
+    def _apply_penalties(self, logits: torch.Tensor, window: Sequence[int]) -> torch.Tensor:
         # counts over the whole vocabulary instead of torch.unique: no data-dependent shape, so no sync
-        window = torch.tensor(list(history[-self.penalty_window :]), dtype=torch.long)
+        ids = torch.tensor(list(window), dtype=torch.long)
         if logits.is_cuda:  # pinned: the upload queues behind the forward instead of waiting for it
-            window = window.pin_memory()
-        window = window.to(logits.device, non_blocking=True)
-        counts = torch.zeros_like(logits).index_add_(
-            0, window, torch.ones_like(window, dtype=logits.dtype)
-        )  # [V]
-        p = self.params
-        out = torch.where(logits > 0, logits / p.repeat_penalty, logits * p.repeat_penalty)
-        out = out - counts * p.frequency_penalty - p.presence_penalty
-        return torch.where(counts > 0, out, logits)
+            ids = ids.pin_memory()
+        ids = ids.to(logits.device, non_blocking=True)
+        counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))  # [V]
+        return penalize(torch, logits, counts, self.penalties)
 
     def probs(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         """The distribution a token is drawn from: logits [V] -> probabilities [V] (float32)."""
@@ -131,10 +124,8 @@ def _penalized(
         1, idx, torch.ones_like(idx, dtype=x.dtype)
     )
     counts = counts[:, :v]  # [B, V]
-    knobs = torch.tensor(penalty_knobs(samplers), dtype=x.dtype).to(x.device, non_blocking=True)  # [B, 3]
-    rep, freq, pres = knobs[:, 0:1], knobs[:, 1:2], knobs[:, 2:3]
-    out = torch.where(x > 0, x / rep, x * rep) - counts * freq - pres
-    return torch.where(counts > 0, out, x)
+    knobs = torch.tensor(penalty_knobs(samplers), dtype=x.dtype).to(x.device, non_blocking=True)  # [3, B, 1]
+    return penalize(torch, x, counts, knobs)
 
 
 def _batch_probs(samplers: Sequence[RequestSampler], x: torch.Tensor) -> torch.Tensor:
