@@ -17,42 +17,36 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .attention import AttnLayer
 from .attention import SeqChunk
+from .attention import fused_decode
 from .kv_cache import KVCache
 from .model import Transformer
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+@dataclass(eq=False)
 class StaticDecodeAttention:
-    """An `AttentionContext` for one query row per sequence over static tensors (graph-capturable)."""
+    """An `AttentionContext` for one query row per sequence over static tensors (graph-capturable).
 
-    def __init__(
-        self,
-        cache: KVCache,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        tables: torch.Tensor,
-        lens: torch.Tensor,
-    ) -> None:
-        self.cache = cache
-        self.positions = positions  # [B] int64, position of each row's token
-        self.slots = slots  # [B] flat KV slot (block * block_size + offset) of each row's token
-        self.tables = tables  # [B, max_blocks] block ids; only the first ceil(len / block_size) are read
-        self.lens = lens  # [B] context length, the new token included
+    Full-attention layers only: the engine replays graphs only for models without sliding layers."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    cache: KVCache
+    positions: torch.Tensor  # [B] int64, position of each row's token
+    slots: torch.Tensor  # [B] flat KV slot (block * block_size + offset) of each row's token
+    tables: torch.Tensor  # [B, max_blocks] block ids; only the first ceil(len / block_size) are read
+    lens: torch.Tensor  # [B] context length, the new token included
+
+    def attend(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, H, D], k/v [B, Hkv, D] -> [B, H, D]."""
-        from .triton_attention import paged_decode
-
-        c = self.cache
-        c.write(layer, k, v, self.slots)
-        scales = (c.k_scale[layer], c.v_scale[layer]) if c.quantized else (None, None)
-        return paged_decode(q, c.k[layer], c.v[layer], self.tables, self.lens, *scales)
+        self.cache.write(layer.index, k, v, self.slots)
+        return fused_decode(self.cache, layer.index, q, self.tables, self.lens)
 
 
 class DecodeGraphs:
