@@ -262,12 +262,27 @@ class Transformer(nn.Module):
         """Build from a `gguf_load.GGUFTensors`, dequantizing tensor by tensor into `dtype` on `device`.
 
         `modules` (speed from outside, e.g. `quantized.QuantizedModules`) may supply each linear and the
-        embedding itself, from the GGUF tensors named; those are never dequantized here. Every family
-        builds this way; what differs is its `of_file` (the empty model the file describes) and
-        `finish` (what is read after the weights).
+        embedding itself, from the GGUF tensors named; those are never dequantized here. Module names
+        are GGUF's; a fused module is read from its parts; a missing `output.weight` ties the head to
+        token_embd. Every family builds this way; what differs is its `of_file` (the empty model the
+        file describes) and `finish` (what is read after the weights).
         """
-        model = build(lambda: cls.of_file(tensors), tensors, dtype, device, modules)
-        model.finish(tensors, device)
+        with torch.device("meta"):
+            model = cls.of_file(tensors)  # no memory: every weight is assigned below, one at a time
+        swapped = _swap_modules(model, tensors, modules) if modules is not None else set()
+        state: dict[str, torch.Tensor] = {}
+        for name in model.state_dict():
+            module = name.rsplit(".", 1)[0]
+            if _under(name, swapped) or (name == "output.weight" and name not in tensors):
+                continue  # supplied from outside, or tied embeddings (SmolLM2): token_embd below
+            parts = gguf_parts(module, tensors, name.rsplit(".", 1)[1])
+            state[name] = torch.cat([tensors.get(p) for p in parts]).to(device=device, dtype=dtype)
+        model.load_state_dict(state, strict=False, assign=True)
+        if "output.weight" not in tensors and "output" not in swapped:
+            model.output.weight = model.token_embd.weight
+        model.requires_grad_(False)
+        model.eval()
+        model.finish(tensors, device)  # buffers computed at construction are still on the meta device
         return model
 
     @classmethod
@@ -291,46 +306,6 @@ def vocab_size_of(tensors: Any) -> int:
 
 
 M = TypeVar("M", bound=nn.Module)
-
-
-def build(
-    make: Callable[[], M],
-    tensors: Any,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    modules: ModuleFactory | None = None,
-) -> M:
-    """`make()` on the meta device (no memory), then its weights from the GGUF (`load_weights`);
-    buffers computed at construction (RoPE tables) are the caller's to rebuild off the meta device."""
-    with torch.device("meta"):
-        model = make()
-    load_weights(model, tensors, dtype, device, modules)
-    return model
-
-
-def load_weights(
-    model: nn.Module,
-    tensors: Any,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    modules: ModuleFactory | None = None,
-) -> None:
-    """Fill a model built on the meta device from GGUF tensors (module names are GGUF's), one tensor
-    in memory at a time (a fused one: its parts); a missing `output.weight` ties the head to
-    token_embd. Buffers (RoPE tables) are left to the caller."""
-    swapped = _swap_modules(model, tensors, modules) if modules is not None else set()
-    state: dict[str, torch.Tensor] = {}
-    for name in model.state_dict():
-        module = name.rsplit(".", 1)[0]
-        if _under(name, swapped) or (name == "output.weight" and name not in tensors):
-            continue  # supplied from outside, or tied embeddings (SmolLM2): token_embd below
-        parts = gguf_parts(module, tensors, name.rsplit(".", 1)[1])
-        state[name] = torch.cat([tensors.get(p) for p in parts]).to(device=device, dtype=dtype)
-    model.load_state_dict(state, strict=False, assign=True)
-    if "output.weight" not in tensors and "output" not in swapped:
-        model.output.weight = model.token_embd.weight  # type: ignore[union-attr]
-    model.requires_grad_(False)
-    model.eval()
 
 
 def gguf_parts(module: str, tensors: Any, leaf: str = "weight") -> list[str]:
