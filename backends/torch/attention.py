@@ -54,28 +54,27 @@ class _View:
     groups: list[_Group]
 
 
+@dataclass(eq=False)
 class PagedAttention:
     """An `AttentionContext` over a `KVCache`; built once per step, used by every layer.
 
-    Sliding layers (an `AttnLayer` with a window w) see only the last w positions; in a cache whose sliding
-    layers have their own pool (`KVCache.windowed`) they read and write through each chunk's
+    Sliding layers (an `AttnLayer` with a window w) see only the last w positions; in a cache whose
+    sliding layers have their own pool (`KVCache.windowed`) they read and write through each chunk's
     `window_table`, of which only the window's blocks are gathered.
     """
 
-    def __init__(
-        self,
-        cache: KVCache,
-        chunks: Sequence[SeqChunk],
-        device: torch.device | str,
-        fused: bool | None = None,
-    ) -> None:
-        """`fused`: decode rows through the Triton kernel (None: on CUDA when Triton is installed)."""
-        self.cache = cache
-        self.chunks = chunks
-        self.device = device
-        self.fused = fused_available(torch.device(device)) if fused is None else fused
-        positions = [pos for c in chunks for pos in range(c.context_len - c.length, c.context_len)]
-        self.positions = upload(torch.tensor(positions, dtype=torch.long), device)  # [N]
+    cache: KVCache
+    chunks: Sequence[SeqChunk]
+    device: torch.device | str
+    fused: bool | None = (
+        None  # decode rows through the Triton kernel (None: on CUDA when Triton is installed)
+    )
+
+    def __post_init__(self) -> None:
+        if self.fused is None:
+            self.fused = fused_available(torch.device(self.device))
+        positions = [pos for c in self.chunks for pos in range(c.context_len - c.length, c.context_len)]
+        self.positions = upload(torch.tensor(positions, dtype=torch.long), self.device)  # [N]
         self._views: dict[tuple[int, bool], _View] = {}
         full = self._view(0, own_table=False)
         self.slots, self.groups = full.slots, full.groups

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import InitVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,26 +50,23 @@ class StaticDecodeAttention:
         return fused_decode(self.cache, layer.index, q, self.tables, self.lens)
 
 
+@dataclass(eq=False)
 class DecodeGraphs:
     """Static input buffers, one graph per bucket captured on first use, in one shared memory pool."""
 
-    def __init__(
-        self,
-        model: Transformer,
-        cache: KVCache,
-        scratch_block: int,
-        max_seqs: int,
-        context_length: int,
-        device: torch.device | str,
-        capture: bool | None = None,
-    ) -> None:
-        self.model = model
-        self.cache = cache
-        self.device = torch.device(device)
-        self.capture = self.device.type == "cuda" if capture is None else capture
+    model: Transformer
+    cache: KVCache
+    scratch_block: int  # the block padded rows write to, never handed out by the pool
+    max_seqs: InitVar[int]
+    context_length: InitVar[int]
+    device: torch.device
+    capture: bool | None = None  # None: on CUDA
+
+    def __post_init__(self, max_seqs: int, context_length: int) -> None:
+        if self.capture is None:
+            self.capture = self.device.type == "cuda"
         self.buckets = sorted({min(b, max_seqs) for b in BUCKETS})
-        self.scratch_block = scratch_block
-        size, width = self.buckets[-1], -(-context_length // cache.block_size)
+        size, width = self.buckets[-1], -(-context_length // self.cache.block_size)
         pin = self.device.type == "cuda"  # pinned host mirrors: the uploads are truly asynchronous
         # rows of `vec`: token ids, positions, slots, context lengths; one upload for all four
         self.host_vec = torch.zeros(4, size, dtype=torch.long, pin_memory=pin)
