@@ -66,9 +66,8 @@ class PagedAttention:
     cache: KVCache
     chunks: Sequence[SeqChunk]
     device: torch.device | str
-    fused: bool | None = (
-        None  # decode rows through the Triton kernel (None: on CUDA when Triton is installed)
-    )
+    # decode rows through the Triton kernel (None: on CUDA when Triton is installed)
+    fused: bool | None = None
 
     def __post_init__(self) -> None:
         if self.fused is None:

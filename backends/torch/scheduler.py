@@ -88,13 +88,11 @@ class Scheduler:
     waiting: deque[Sequence] = field(default_factory=deque, init=False)
     running: list[Sequence] = field(default_factory=list, init=False)
     num_preemptions: int = field(default=0, init=False)
-    # what happened besides the plan, for the engine to collect after each step (no callbacks)
-    finished: list[tuple[Sequence, str]] = field(
-        default_factory=list, init=False
-    )  # (sequence, reason), in order
-    released: list[Sequence] = field(
-        default_factory=list, init=False
-    )  # gave their blocks back: proposers free theirs
+    # what happened besides the plan, for the engine to collect after each step (no callbacks):
+    # (sequence, reason) in the order they ended, and those that gave their blocks back (proposers
+    # free their state too)
+    finished: list[tuple[Sequence, str]] = field(default_factory=list, init=False)
+    released: list[Sequence] = field(default_factory=list, init=False)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
