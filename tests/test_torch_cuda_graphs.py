@@ -52,7 +52,7 @@ def decode_logits(
         torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths
     ]
     cache = KVCache(2, 33, 2, 8, kv_type, torch.float32, "cpu")  # block 32: the graphs' scratch block
-    graphs = DecodeGraphs(model, cache, 32, max_seqs, 256, "cpu")
+    graphs = DecodeGraphs(model, cache, 32, max_seqs, 256, torch.device("cpu"))
     out = []
     with torch.inference_mode():
         prefill = [SeqChunk(n - 1, n - 1, t) for n, t in zip(lengths, tables)]

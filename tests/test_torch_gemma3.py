@@ -5,6 +5,8 @@ in tests/test_torch_families.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -87,8 +89,8 @@ def test_the_window_changes_the_output(model: Gemma3) -> None:
     windowed = dense_logits(model, tokens)
 
     class Unwindowed(DenseCausal):
-        def attend(self, layer, q, k, v, window=0):  # type: ignore[no-untyped-def]
-            return super().attend(layer, q, k, v)
+        def attend(self, layer, q, k, v):  # type: ignore[no-untyped-def]
+            return super().attend(replace(layer, window=0), q, k, v)
 
     with torch.inference_mode():
         full = model(torch.tensor(tokens), Unwindowed(len(tokens)))

@@ -14,6 +14,7 @@ from localrt.backends.torch.engine import Engine  # noqa: E402
 from localrt.backends.torch.engine import EngineConfig  # noqa: E402
 from localrt.backends.torch.model import LlamaConfig  # noqa: E402
 from localrt.backends.torch.qwen3moe import MIN_WEIGHT_SUM  # noqa: E402
+from localrt.backends.torch.qwen3moe import ExpertShape  # noqa: E402
 from localrt.backends.torch.qwen3moe import Qwen3MoE  # noqa: E402
 from tests.test_torch_engine import Req  # noqa: E402
 from tests.test_torch_engine import random_requests  # noqa: E402
@@ -26,7 +27,7 @@ GREEDY = SamplingParams(temperature=0.0)
 def tiny_moe(seed: int = 0, experts: int = 6, used: int = 2) -> Qwen3MoE:
     torch.manual_seed(seed)
     cfg = LlamaConfig("qwen3moe", VOCAB, 1024, 64, 128, 2, 4, 2, 16, rope_neox=True)
-    model = Qwen3MoE(cfg, experts, used, 48)
+    model = Qwen3MoE(cfg, ExpertShape(experts, used, 48))
     for block in model.blk:
         for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
             getattr(block, name).weight.copy_(0.2 * torch.randn(getattr(block, name).weight.shape))

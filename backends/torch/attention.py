@@ -18,6 +18,15 @@ import torch.nn.functional as F
 from .kv_cache import KVCache
 
 
+@dataclass(frozen=True)
+class AttnLayer:
+    """What an attention context needs of the layer that calls it, fixed when the block is built."""
+
+    index: int  # the layer's place in the KV cache
+    window: int = 0  # > 0: a query at position p sees only keys p - window + 1 .. p (Gemma's sliding layers)
+    softcap: float = 0.0  # > 0: scores capped as c * tanh(s / c) before the softmax (Gemma 2)
+
+
 @dataclass
 class SeqChunk:
     """One sequence's rows in a step."""
@@ -45,28 +54,26 @@ class _View:
     groups: list[_Group]
 
 
+@dataclass(eq=False)
 class PagedAttention:
     """An `AttentionContext` over a `KVCache`; built once per step, used by every layer.
 
-    Sliding layers (`attend(..., window=w)`) see only the last w positions; in a cache whose sliding
-    layers have their own pool (`KVCache.windowed`) they read and write through each chunk's
+    Sliding layers (an `AttnLayer` with a window w) see only the last w positions; in a cache whose
+    sliding layers have their own pool (`KVCache.windowed`) they read and write through each chunk's
     `window_table`, of which only the window's blocks are gathered.
     """
 
-    def __init__(
-        self,
-        cache: KVCache,
-        chunks: Sequence[SeqChunk],
-        device: torch.device | str,
-        fused: bool | None = None,
-    ) -> None:
-        """`fused`: decode rows through the Triton kernel (None: on CUDA when Triton is installed)."""
-        self.cache = cache
-        self.chunks = chunks
-        self.device = device
-        self.fused = fused_available(torch.device(device)) if fused is None else fused
-        positions = [pos for c in chunks for pos in range(c.context_len - c.length, c.context_len)]
-        self.positions = upload(torch.tensor(positions, dtype=torch.long), device)  # [N]
+    cache: KVCache
+    chunks: Sequence[SeqChunk]
+    device: torch.device | str
+    # decode rows through the Triton kernel (None: on CUDA when Triton is installed)
+    fused: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.fused is None:
+            self.fused = fused_available(torch.device(self.device))
+        positions = [pos for c in self.chunks for pos in range(c.context_len - c.length, c.context_len)]
+        self.positions = upload(torch.tensor(positions, dtype=torch.long), self.device)  # [N]
         self._views: dict[tuple[int, bool], _View] = {}
         full = self._view(0, own_table=False)
         self.slots, self.groups = full.slots, full.groups
@@ -123,35 +130,22 @@ class PagedAttention:
             upload(ctx, self.device),
         )
 
-    def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        window: int = 0,
-        softcap: float = 0.0,
-    ) -> torch.Tensor:
+    def attend(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]; k/v are stored first, then read back paged."""
-        view = self._view(window, self.cache.windowed[layer]) if window else self._views[(0, False)]
-        self.cache.write(layer, k, v, view.slots)
+        i, window = layer.index, layer.window
+        view = self._view(window, self.cache.windowed[i]) if window else self._views[(0, False)]
+        self.cache.write(i, k, v, view.slots)
         groups = view.groups
         if len(groups) == 1 and groups[0].rows.numel() == q.shape[0]:
-            return self._attend_group(layer, q, groups[0], window, softcap)  # rows are already in order
+            return self._attend_group(layer, q, groups[0])  # rows are already in order
         out = torch.empty_like(q)
         for group in groups:
-            out[group.rows] = self._attend_group(layer, q[group.rows], group, window, softcap)
+            out[group.rows] = self._attend_group(layer, q[group.rows], group)
         return out
 
-    def _attend_group(
-        self, layer: int, q: torch.Tensor, group: _Group, window: int, softcap: float
-    ) -> torch.Tensor:
-        if self.fused and group.q_len == 1 and not window and not softcap:
-            from .triton_attention import paged_decode
-
-            c = self.cache
-            scales = (c.k_scale[layer], c.v_scale[layer]) if c.quantized else (None, None)
-            return paged_decode(q, c.k[layer], c.v[layer], group.tables, group.lens, *scales)
+    def _attend_group(self, layer: AttnLayer, q: torch.Tensor, group: _Group) -> torch.Tensor:
+        if self.fused and group.q_len == 1 and not layer.window and not layer.softcap:
+            return fused_decode(self.cache, layer.index, q, group.tables, group.lens)
         b, n_head, head_dim = group.tables.shape[0], q.shape[1], q.shape[2]
         dtype = q.dtype
         cpu = q.device.type == "cpu"
@@ -159,13 +153,13 @@ class PagedAttention:
         # to the batch's longest, a prompt split in other chunks) no longer shows in the fp32
         # result, which the quantized path's bf16 kernel outputs would amplify into other tokens
         keys, values = self.cache.gather(
-            layer, group.tables, torch.float64 if cpu else None
+            layer.index, group.tables, torch.float64 if cpu else None
         )  # [B, L, Hkv, D]
         if cpu:
             q = q.double()
         q = q.view(b, group.q_len, n_head, head_dim).transpose(1, 2)  # [B, H, q_len, D]
         out = attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), group.mask, softcap
+            q, keys.transpose(1, 2), values.transpose(1, 2), group.mask, layer.softcap
         )  # [B, H, q_len, D]
         return out.to(dtype).transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
 
@@ -180,20 +174,24 @@ class StoredKVCausal:
         self.cache = cache
         self.positions = torch.arange(n_tokens, device=device)
 
-    def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        window: int = 0,
-        softcap: float = 0.0,
-    ) -> torch.Tensor:
+    def attend(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = (
             t.double().transpose(0, 1).unsqueeze(0) for t in (q, self.cache.stored(k), self.cache.stored(v))
         )
-        out = attention(q, k, v, causal_mask(self.positions, window)[None, None], softcap)  # [1, H, N, D]
+        mask = causal_mask(self.positions, layer.window)[None, None]
+        out = attention(q, k, v, mask, layer.softcap)  # [1, H, N, D]
         return out.squeeze(0).transpose(0, 1).to(self.cache.compute_dtype)
+
+
+def fused_decode(
+    cache: KVCache, layer: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+) -> torch.Tensor:
+    """One query row per sequence, q [B, H, D] -> [B, H, D], through the Triton kernel reading the
+    layer's stored K/V (and their scales, in a quantized cache) by block tables [B, n] and lengths [B]."""
+    from .triton_attention import paged_decode
+
+    scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else (None, None)
+    return paged_decode(q, cache.k[layer], cache.v[layer], tables, lens, *scales)
 
 
 def causal_mask(positions: torch.Tensor, window: int = 0) -> torch.Tensor:

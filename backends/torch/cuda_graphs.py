@@ -17,64 +17,56 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import InitVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .attention import AttnLayer
 from .attention import SeqChunk
+from .attention import fused_decode
 from .kv_cache import KVCache
 from .model import Transformer
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+@dataclass(eq=False)
 class StaticDecodeAttention:
-    """An `AttentionContext` for one query row per sequence over static tensors (graph-capturable)."""
+    """An `AttentionContext` for one query row per sequence over static tensors (graph-capturable).
 
-    def __init__(
-        self,
-        cache: KVCache,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        tables: torch.Tensor,
-        lens: torch.Tensor,
-    ) -> None:
-        self.cache = cache
-        self.positions = positions  # [B] int64, position of each row's token
-        self.slots = slots  # [B] flat KV slot (block * block_size + offset) of each row's token
-        self.tables = tables  # [B, max_blocks] block ids; only the first ceil(len / block_size) are read
-        self.lens = lens  # [B] context length, the new token included
+    Full-attention layers only: the engine replays graphs only for models without sliding layers."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    cache: KVCache
+    positions: torch.Tensor  # [B] int64, position of each row's token
+    slots: torch.Tensor  # [B] flat KV slot (block * block_size + offset) of each row's token
+    tables: torch.Tensor  # [B, max_blocks] block ids; only the first ceil(len / block_size) are read
+    lens: torch.Tensor  # [B] context length, the new token included
+
+    def attend(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, H, D], k/v [B, Hkv, D] -> [B, H, D]."""
-        from .triton_attention import paged_decode
-
-        c = self.cache
-        c.write(layer, k, v, self.slots)
-        scales = (c.k_scale[layer], c.v_scale[layer]) if c.quantized else (None, None)
-        return paged_decode(q, c.k[layer], c.v[layer], self.tables, self.lens, *scales)
+        self.cache.write(layer.index, k, v, self.slots)
+        return fused_decode(self.cache, layer.index, q, self.tables, self.lens)
 
 
+@dataclass(eq=False)
 class DecodeGraphs:
     """Static input buffers, one graph per bucket captured on first use, in one shared memory pool."""
 
-    def __init__(
-        self,
-        model: Transformer,
-        cache: KVCache,
-        scratch_block: int,
-        max_seqs: int,
-        context_length: int,
-        device: torch.device | str,
-        capture: bool | None = None,
-    ) -> None:
-        self.model = model
-        self.cache = cache
-        self.device = torch.device(device)
-        self.capture = self.device.type == "cuda" if capture is None else capture
+    model: Transformer
+    cache: KVCache
+    scratch_block: int  # the block padded rows write to, never handed out by the pool
+    max_seqs: InitVar[int]
+    context_length: InitVar[int]
+    device: torch.device
+    capture: bool | None = None  # None: on CUDA
+
+    def __post_init__(self, max_seqs: int, context_length: int) -> None:
+        if self.capture is None:
+            self.capture = self.device.type == "cuda"
         self.buckets = sorted({min(b, max_seqs) for b in BUCKETS})
-        self.scratch_block = scratch_block
-        size, width = self.buckets[-1], -(-context_length // cache.block_size)
+        size, width = self.buckets[-1], -(-context_length // self.cache.block_size)
         pin = self.device.type == "cuda"  # pinned host mirrors: the uploads are truly asynchronous
         # rows of `vec`: token ids, positions, slots, context lengths; one upload for all four
         self.host_vec = torch.zeros(4, size, dtype=torch.long, pin_memory=pin)

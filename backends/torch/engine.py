@@ -156,8 +156,7 @@ class Engine(EngineThread):
             self.pool,
             self.cache,
             self.prefix,
-            max_batch_tokens=config.max_batch_tokens,
-            max_seqs=config.max_seqs,
+            config,
             window=None
             if self.window_pool is None
             else WindowBlocks(self.window_pool, self.cache, window, config.prefix_caching),

@@ -23,6 +23,7 @@ from localrt.backends.family_config import GemmaConfig
 from localrt.backends.family_config import GemmaFamily
 from localrt.backends.family_config import gemma_config
 
+from .attention import AttnLayer
 from .model import AttentionContext
 from .model import Block as LlamaBlock
 from .model import RMSNorm
@@ -38,13 +39,10 @@ class Block(LlamaBlock):
 
     def __init__(self, cfg: GemmaConfig, layer: int) -> None:
         super().__init__(cfg, layer, qkv_bias=False, qk_norm=cfg.qk_norm)
-        self.window = cfg.sliding_window if cfg.sliding_layers[layer] else 0
+        window = cfg.sliding_window if cfg.sliding_layers[layer] else 0
+        self.attn_layer = AttnLayer(layer, window, max(cfg.attn_logit_softcapping, 0.0))  # 0: no cap
         # the attention context applies SDPA's 1/sqrt(head_dim): q carries the rest of the scale
         self.q_scale = cfg.attention_scale * math.sqrt(self.head_dim)
-        if self.window:
-            self.attend_options["window"] = self.window
-        if cfg.attn_logit_softcapping > 0:
-            self.attend_options["softcap"] = cfg.attn_logit_softcapping
         dim, eps = cfg.embedding_length, cfg.attention_layer_norm_rms_epsilon
         self.post_attention_norm = RMSNorm(dim, eps)
         self.post_ffw_norm = RMSNorm(dim, eps)
@@ -74,7 +72,7 @@ class Gemma3(Transformer):
         return self.token_embd(tokens) * self.embed_scale
 
     def rotary_of(self, block: nn.Module) -> Rotary:
-        return self.rotary_swa if block.window else self.rotary  # type: ignore[union-attr]
+        return self.rotary_swa if block.attn_layer.window else self.rotary  # type: ignore[union-attr]
 
     @classmethod
     def of_file(cls, tensors: Any) -> Gemma3:

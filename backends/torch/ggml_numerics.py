@@ -23,7 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localrt.errors import LocalrtError
+
+from .attention import AttnLayer
 from .gguf_load import GGUFTensors
+from .model import DenseCausal
 from .model import gguf_parts
 
 # weight type -> activation format of its dot product (ggml-cpu.c type_traits_cpu[].vec_dot_type)
@@ -139,14 +143,15 @@ def emulate(model: nn.Module, tensors: GGUFTensors) -> list[torch.utils.hooks.Re
     return handles
 
 
-class GGMLDenseCausal:
+class GGMLDenseCausal(DenseCausal):
     """Dense causal attention with llama.cpp's non-flash CPU rounding: fp16 K, V (the cache) and Q
     (the F16 matmul's vec_dot_type), fp32 scores and softmax, fp16 softmax weights times V."""
 
-    def __init__(self, n_tokens: int, device: torch.device | str = "cpu") -> None:
-        self.positions = torch.arange(n_tokens, device=device)
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if layer.window or layer.softcap:
+            raise LocalrtError(
+                "llama.cpp numerics emulate full attention only (no sliding window or soft-cap)"
+            )
         n, n_head, head_dim = q.shape
         group = n_head // k.shape[1]
         r = [t.half().float().transpose(0, 1) for t in (q, k, v)]  # [H(kv), N, D]

@@ -24,6 +24,10 @@ from torch import nn
 
 from localrt.backends.llama_config import LlamaConfig
 
+from .attention import AttnLayer
+from .attention import attention
+from .attention import causal_mask
+
 __all__ = ["LlamaConfig", "Transformer", "DenseCausal", "random_transformer", "weight_bytes", "gguf_parts"]
 
 # fused module -> the GGUF tensors it stacks by rows, in order
@@ -38,13 +42,8 @@ class AttentionContext(Protocol):
 
     positions: torch.Tensor  # [N] int64, absolute position of each token in its sequence
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, n_head, head_dim], k/v [N, n_kv_head, head_dim] -> [N, n_head, head_dim].
-
-        The Gemma files also pass `window` (> 0: a query at position p sees only keys p - window + 1
-        .. p) and `softcap` (scores capped as c * tanh(s / c)); `DenseCausal` and
-        `attention.PagedAttention` take both.
-        """
+    def attend(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, n_head, head_dim], k/v [N, n_kv_head, head_dim] -> [N, n_head, head_dim]."""
         ...
 
 
@@ -54,22 +53,11 @@ class DenseCausal:
     def __init__(self, n_tokens: int, device: torch.device | str = "cpu") -> None:
         self.positions = torch.arange(n_tokens, device=device)
 
-    def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        window: int = 0,
-        softcap: float = 0.0,
-    ) -> torch.Tensor:
+    def attend(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # [N, H, D] -> [1, H, N, D] for SDPA; GQA heads are shared inside SDPA
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        if window > 0 or softcap > 0:
-            from .attention import attention
-            from .attention import causal_mask
-
-            out = attention(q, k, v, causal_mask(self.positions, window), softcap)
+        if layer.window > 0 or layer.softcap > 0:
+            out = attention(q, k, v, causal_mask(self.positions, layer.window), layer.softcap)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)  # [N, H, D]
@@ -153,7 +141,6 @@ class Block(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, layer: int, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.layer = layer
         self.n_head, self.n_kv = cfg.attention_head_count, cfg.attention_head_count_kv
         self.head_dim = cfg.attention_key_length
         dim, hidden, eps = cfg.embedding_length, cfg.feed_forward_length, cfg.attention_layer_norm_rms_epsilon
@@ -169,7 +156,7 @@ class Block(nn.Module):
         self.ffn_down = nn.Linear(hidden, dim, bias=False)
         # what other families change in the same computation (Gemma: q scale, windows, soft-caps)
         self.q_scale = 1.0  # multiplies q after RoPE (the context applies SDPA's 1/sqrt(head_dim))
-        self.attend_options: dict[str, Any] = {}  # passed to `ctx.attend` (`window`, `softcap`)
+        self.attn_layer = AttnLayer(layer)  # handed to `ctx.attend`
 
     def attention(self, x: torch.Tensor, rotary: Rotary, ctx: AttentionContext) -> torch.Tensor:
         n = x.shape[0]
@@ -183,7 +170,7 @@ class Block(nn.Module):
         q, k = qk[:, : self.n_head], qk[:, self.n_head :]
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        out = ctx.attend(self.layer, q, k, v, **self.attend_options)  # [N, H, D]
+        out = ctx.attend(self.attn_layer, q, k, v)  # [N, H, D]
         return self.attn_output(out.reshape(n, self.n_head * self.head_dim))
 
     def activation(self, gate: torch.Tensor) -> torch.Tensor:
@@ -224,25 +211,9 @@ class Transformer(nn.Module):
         """The compute dtype (the norms stay dense when linears and the embedding are swapped)."""
         return self.output_norm.weight.dtype
 
-    def hidden(
-        self,
-        tokens: torch.Tensor,
-        ctx: AttentionContext,
-        *,
-        num_layers: int | None = None,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """tokens [N] -> final-normed hidden states [R, dim] of `rows` (all N when None).
-
-        `num_layers` runs only the first blocks (self-speculative drafting); the final norm and
-        head still apply, so the shallow model speaks the same vocabulary.
-        """
-        x = self.embed(tokens)  # [N, dim]
-        for block in self.blk[: num_layers or len(self.blk)]:
-            x = block(x, self.rotary_of(block), ctx)
-        if rows is not None:
-            x = x[rows]  # [R, dim]: the head is the biggest matmul, so only where logits are needed
-        return self.output_norm(x)
+    def hidden(self, tokens: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """tokens [N] -> final-normed hidden states [N, dim] (embeddings)."""
+        return self.output_norm(self.run_blocks(tokens, ctx))
 
     def forward(
         self,
@@ -252,8 +223,25 @@ class Transformer(nn.Module):
         num_layers: int | None = None,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens [N] -> logits [R, vocab] in float32."""
-        return self.output(self.hidden(tokens, ctx, num_layers=num_layers, rows=rows)).float()
+        """tokens [N] -> logits [R, vocab] in float32 of `rows` (all N when None).
+
+        `num_layers` runs only the first blocks (self-speculative drafting); the final norm and
+        head still apply, so the shallow model speaks the same vocabulary.
+        """
+        x = self.run_blocks(tokens, ctx, num_layers)
+        if rows is not None:
+            x = x[rows]  # [R, dim]: the head is the biggest matmul, so only where logits are needed
+        return self.output(self.output_norm(x)).float()
+
+    def run_blocks(
+        self, tokens: torch.Tensor, ctx: AttentionContext, num_layers: int | None = None
+    ) -> torch.Tensor:
+        """tokens [N] -> hidden states [N, dim] after the first `num_layers` blocks (all when None),
+        before the final norm."""
+        x = self.embed(tokens)  # [N, dim]
+        for block in self.blk[: num_layers or len(self.blk)]:
+            x = block(x, self.rotary_of(block), ctx)
+        return x
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> the first hidden states [N, dim] (Gemma scales them)."""
@@ -274,12 +262,27 @@ class Transformer(nn.Module):
         """Build from a `gguf_load.GGUFTensors`, dequantizing tensor by tensor into `dtype` on `device`.
 
         `modules` (speed from outside, e.g. `quantized.QuantizedModules`) may supply each linear and the
-        embedding itself, from the GGUF tensors named; those are never dequantized here. Every family
-        builds this way; what differs is its `of_file` (the empty model the file describes) and
-        `finish` (what is read after the weights).
+        embedding itself, from the GGUF tensors named; those are never dequantized here. Module names
+        are GGUF's; a fused module is read from its parts; a missing `output.weight` ties the head to
+        token_embd. Every family builds this way; what differs is its `of_file` (the empty model the
+        file describes) and `finish` (what is read after the weights).
         """
-        model = build(lambda: cls.of_file(tensors), tensors, dtype, device, modules)
-        model.finish(tensors, device)
+        with torch.device("meta"):
+            model = cls.of_file(tensors)  # no memory: every weight is assigned below, one at a time
+        swapped = _swap_modules(model, tensors, modules) if modules is not None else set()
+        state: dict[str, torch.Tensor] = {}
+        for name in model.state_dict():
+            module = name.rsplit(".", 1)[0]
+            if _under(name, swapped) or (name == "output.weight" and name not in tensors):
+                continue  # supplied from outside, or tied embeddings (SmolLM2): token_embd below
+            parts = gguf_parts(module, tensors, name.rsplit(".", 1)[1])
+            state[name] = torch.cat([tensors.get(p) for p in parts]).to(device=device, dtype=dtype)
+        model.load_state_dict(state, strict=False, assign=True)
+        if "output.weight" not in tensors and "output" not in swapped:
+            model.output.weight = model.token_embd.weight
+        model.requires_grad_(False)
+        model.eval()
+        model.finish(tensors, device)  # buffers computed at construction are still on the meta device
         return model
 
     @classmethod
@@ -303,46 +306,6 @@ def vocab_size_of(tensors: Any) -> int:
 
 
 M = TypeVar("M", bound=nn.Module)
-
-
-def build(
-    make: Callable[[], M],
-    tensors: Any,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    modules: ModuleFactory | None = None,
-) -> M:
-    """`make()` on the meta device (no memory), then its weights from the GGUF (`load_weights`);
-    buffers computed at construction (RoPE tables) are the caller's to rebuild off the meta device."""
-    with torch.device("meta"):
-        model = make()
-    load_weights(model, tensors, dtype, device, modules)
-    return model
-
-
-def load_weights(
-    model: nn.Module,
-    tensors: Any,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    modules: ModuleFactory | None = None,
-) -> None:
-    """Fill a model built on the meta device from GGUF tensors (module names are GGUF's), one tensor
-    in memory at a time (a fused one: its parts); a missing `output.weight` ties the head to
-    token_embd. Buffers (RoPE tables) are left to the caller."""
-    swapped = _swap_modules(model, tensors, modules) if modules is not None else set()
-    state: dict[str, torch.Tensor] = {}
-    for name in model.state_dict():
-        module = name.rsplit(".", 1)[0]
-        if _under(name, swapped) or (name == "output.weight" and name not in tensors):
-            continue  # supplied from outside, or tied embeddings (SmolLM2): token_embd below
-        parts = gguf_parts(module, tensors, name.rsplit(".", 1)[1])
-        state[name] = torch.cat([tensors.get(p) for p in parts]).to(device=device, dtype=dtype)
-    model.load_state_dict(state, strict=False, assign=True)
-    if "output.weight" not in tensors and "output" not in swapped:
-        model.output.weight = model.token_embd.weight  # type: ignore[union-attr]
-    model.requires_grad_(False)
-    model.eval()
 
 
 def gguf_parts(module: str, tensors: Any, leaf: str = "weight") -> list[str]:

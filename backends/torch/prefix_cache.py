@@ -46,17 +46,20 @@ class _Entry:
     key: bytes | None  # chain key for full blocks, None for partial ones
 
 
+@dataclass(eq=False)
 class PrefixCache:
-    def __init__(self, pool: BlockPool, enabled: bool = True) -> None:
-        self.pool = pool
-        self.block_size = pool.block_size
-        self.enabled = enabled
-        self._full: dict[bytes, int] = {}  # chain key -> block
-        self._children: dict[bytes, dict[tuple[int, ...], int]] = {}  # parent key -> tokens -> block
-        self._entries: dict[int, _Entry] = {}  # block -> what it is cached as
-        pool.on_evict = self._forget
-        self.queried_tokens = 0
-        self.hit_tokens = 0
+    pool: BlockPool
+    enabled: bool = True
+    _full: dict[bytes, int] = field(default_factory=dict, init=False)  # chain key -> block
+    # parent key -> tokens -> block
+    _children: dict[bytes, dict[tuple[int, ...], int]] = field(default_factory=dict, init=False)
+    _entries: dict[int, _Entry] = field(default_factory=dict, init=False)  # block -> what it is cached as
+    queried_tokens: int = field(default=0, init=False)
+    hit_tokens: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.block_size = self.pool.block_size
+        self.pool.on_evict = self._forget
 
     def match(self, tokens: Sequence[int], max_tokens: int) -> tuple[PrefixMatch, int]:
         """The longest cached prefix of tokens[:max_tokens]; returns (match, tokens covered)."""

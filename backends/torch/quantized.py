@@ -129,9 +129,12 @@ class SplitLinear(nn.Module):
     """y = x @ W.T (+ b) through a bf16-activation kernel (`matmul`): x goes in as its bf16 head and
     remainder stacked by rows (`split_bf16`), and the two halves of the output are added in fp32."""
 
-    out_features: int
-    in_features: int
     bias: torch.Tensor | None
+
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("bias", bias)
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """[2M, K] bf16 -> [2M, >= N] (the kernel's own output rows)."""
@@ -176,9 +179,8 @@ class Int4Linear(SplitLinear):
         bias: torch.Tensor | None,
         planes: int = 1,
     ):
-        super().__init__()
+        super().__init__(q.shape[0] // planes, q.shape[1], bias)
         self.planes = planes
-        self.out_features, self.in_features = q.shape[0] // planes, q.shape[1]
         self.halves = scale.dim() == 3
         scale, zero = (t if self.halves else t[None] for t in (scale, zero))
         pad = -q.shape[0] % 16  # the packing wants rows in multiples of 16: zero rows, sliced off
@@ -192,7 +194,6 @@ class Int4Linear(SplitLinear):
         # the columns of each group's first half (groups of 16)
         first = torch.arange(self.in_features) % GROUP < GROUP // 2 if self.halves else None
         self.register_buffer("first_half", first)
-        self.register_buffer("bias", bias)
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.first_half is None:
@@ -217,11 +218,9 @@ class Int8Linear(SplitLinear):
     """W = q * scale with int8 q [N, K] and one scale per output row."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
+        super().__init__(*q.shape, bias)
         self.register_buffer("weight_int8", q)
         self.register_buffer("scale", scale.to(torch.bfloat16))
-        self.register_buffer("bias", bias)
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scale)
@@ -231,10 +230,8 @@ class BF16Linear(SplitLinear):
     """A dense bf16 weight (a head whose type has no torch kernel): rows double as the embedding."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
+        super().__init__(*weight.shape, bias)
         self.register_buffer("weight_bf16", weight.to(torch.bfloat16))
-        self.register_buffer("bias", bias)
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x2, self.weight_bf16)

@@ -19,6 +19,7 @@ are `feed_forward_length` wide.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +40,15 @@ ARCH = "qwen3moe"
 MIN_WEIGHT_SUM = 6.103515625e-5  # llama.cpp's floor for the renormalising sum (the smallest normal f16)
 
 
+@dataclass(frozen=True)
+class ExpertShape:
+    """A layer's routed experts, as the file's metadata gives them."""
+
+    count: int  # experts per layer (`expert_count`)
+    used: int  # experts each token is routed to (`expert_used_count`)
+    width: int  # each expert's hidden size
+
+
 class Experts(nn.Module):
     """One 3-D expert tensor, named as GGUF names it (`blk.N.ffn_gate_exps.weight`)."""
 
@@ -55,24 +65,16 @@ class WholeProjectionRMSNorm(RMSNorm):
 
 
 class MoEBlock(Block):
-    def __init__(
-        self,
-        cfg: LlamaConfig,
-        layer: int,
-        n_expert: int,
-        n_used: int,
-        n_ff_expert: int,
-        renormalise: bool = True,
-    ) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int, experts: ExpertShape, renormalise: bool = True) -> None:
         super().__init__(cfg, layer, qkv_bias=False, qk_norm=True)
         del self.ffn_gate_up, self.ffn_down  # the dense MLP is not used by this family
-        dim = cfg.embedding_length
-        self.n_used = n_used
+        dim, n_expert, n_ff = cfg.embedding_length, experts.count, experts.width
+        self.n_used = experts.used
         self.renormalise = renormalise  # the top-k weights divided by their sum (qwen3moe; not olmoe)
         self.ffn_gate_inp = nn.Linear(dim, n_expert, bias=False)  # the router
-        self.ffn_gate_exps = Experts(n_expert, n_ff_expert, dim)
-        self.ffn_up_exps = Experts(n_expert, n_ff_expert, dim)
-        self.ffn_down_exps = Experts(n_expert, dim, n_ff_expert)
+        self.ffn_gate_exps = Experts(n_expert, n_ff, dim)
+        self.ffn_up_exps = Experts(n_expert, n_ff, dim)
+        self.ffn_down_exps = Experts(n_expert, dim, n_ff)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         n, k = x.shape[0], self.n_used
@@ -102,11 +104,9 @@ class MoEBlock(Block):
 class Qwen3MoE(Transformer):
     arch = ARCH
 
-    def __init__(self, cfg: LlamaConfig, n_expert: int, n_used: int, n_ff_expert: int) -> None:
+    def __init__(self, cfg: LlamaConfig, experts: ExpertShape) -> None:
         super().__init__(cfg, qk_norm=True)
-        self.blk = nn.ModuleList(
-            MoEBlock(cfg, i, n_expert, n_used, n_ff_expert) for i in range(cfg.block_count)
-        )
+        self.blk = nn.ModuleList(MoEBlock(cfg, i, experts) for i in range(cfg.block_count))
 
     @classmethod
     def expert_width(cls, md: dict[str, Any], cfg: LlamaConfig, n_used: int) -> int:
@@ -120,7 +120,7 @@ class Qwen3MoE(Transformer):
         n_used = int(md.get(f"{arch}.expert_used_count", 0))
         if not 0 < n_used <= n_expert:
             raise LocalrtError(f"GGUF metadata {arch}.expert_count / expert_used_count are missing or wrong")
-        return cls(cfg, n_expert, n_used, cls.expert_width(md, cfg, n_used))
+        return cls(cfg, ExpertShape(n_expert, n_used, cls.expert_width(md, cfg, n_used)))
 
     def finish(self, tensors: Any, device: torch.device | str) -> None:
         self.rotary = Rotary(self.cfg).to(device)  # real buffers, off the meta device (no frequency factors)
@@ -131,11 +131,11 @@ class OLMoE(Qwen3MoE):
 
     arch = "olmoe"
 
-    def __init__(self, cfg: LlamaConfig, n_expert: int, n_used: int, n_ff_expert: int) -> None:
-        super().__init__(cfg, n_expert, n_used, n_ff_expert)
+    def __init__(self, cfg: LlamaConfig, experts: ExpertShape) -> None:
+        super().__init__(cfg, experts)
         eps, width = cfg.attention_layer_norm_rms_epsilon, cfg.attention_key_length
         for i in range(cfg.block_count):
-            block = MoEBlock(cfg, i, n_expert, n_used, n_ff_expert, renormalise=False)
+            block = MoEBlock(cfg, i, experts, renormalise=False)
             block.attn_q_norm = WholeProjectionRMSNorm(cfg.attention_head_count * width, eps)
             block.attn_k_norm = WholeProjectionRMSNorm(cfg.attention_head_count_kv * width, eps)
             self.blk[i] = block

@@ -33,14 +33,12 @@ class StepBatch:
     rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # plan index -> logits rows [a, b)
 
 
+@dataclass(eq=False)
 class ModelRunner:
-    def __init__(
-        self, model: Transformer, cache: KVCache, device: torch.device, graphs: DecodeGraphs | None
-    ) -> None:
-        self.model = model
-        self.cache = cache
-        self.device = device
-        self.graphs = graphs
+    model: Transformer
+    cache: KVCache
+    device: torch.device
+    graphs: DecodeGraphs | None  # decode-only steps replay captured graphs (None: every step eager)
 
     def forward(self, plan: Sequence[Scheduled]) -> StepBatch:
         """One batched forward over every scheduled chunk (its tokens, then its draft tokens)."""

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field
+from typing import Protocol
 
 from localrt.backends.base import CancelToken
 from localrt.backends.base import Timings
@@ -70,29 +71,28 @@ class Scheduled:
     drafts: list[int] = field(default_factory=list)
 
 
+class StepLimits(Protocol):
+    """What the scheduler reads of the engine's config."""
+
+    max_batch_tokens: int  # tokens per step
+    max_seqs: int  # sequences decoding together
+
+
+@dataclass(eq=False)
 class Scheduler:
-    def __init__(
-        self,
-        pool: BlockPool,
-        cache: KVCache,
-        prefix_cache: PrefixCache,
-        *,
-        max_batch_tokens: int = 512,
-        max_seqs: int = 16,
-        window: WindowBlocks | None = None,
-    ) -> None:
-        self.pool = pool
-        self.window = window  # the sliding layers' blocks, when the model has such layers
-        self.cache = cache
-        self.prefix = prefix_cache
-        self.max_batch_tokens = max_batch_tokens
-        self.max_seqs = max_seqs
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.num_preemptions = 0
-        # what happened besides the plan, for the engine to collect after each step (no callbacks)
-        self.finished: list[tuple[Sequence, str]] = []  # (sequence, reason) in the order they ended
-        self.released: list[Sequence] = []  # gave their blocks back: proposers free their state too
+    pool: BlockPool
+    cache: KVCache
+    prefix: PrefixCache
+    limits: StepLimits
+    window: WindowBlocks | None = None  # the sliding layers' blocks, when the model has such layers
+    waiting: deque[Sequence] = field(default_factory=deque, init=False)
+    running: list[Sequence] = field(default_factory=list, init=False)
+    num_preemptions: int = field(default=0, init=False)
+    # what happened besides the plan, for the engine to collect after each step (no callbacks):
+    # (sequence, reason) in the order they ended, and those that gave their blocks back (proposers
+    # free their state too)
+    finished: list[tuple[Sequence, str]] = field(default_factory=list, init=False)
+    released: list[Sequence] = field(default_factory=list, init=False)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -103,7 +103,7 @@ class Scheduler:
 
     # ---- a step's plan ----------------------------------------------------------------------
     def schedule(self, draft_len: Callable[[Sequence], int]) -> list[Scheduled]:
-        budget = self.max_batch_tokens
+        budget = self.limits.max_batch_tokens
         plan: list[Scheduled] = []
         preempted = False
         i = 0
@@ -122,7 +122,7 @@ class Scheduler:
             i += 1
         if preempted:
             return plan
-        while self.waiting and len(self.running) < self.max_seqs and budget > 0:
+        while self.waiting and len(self.running) < self.limits.max_seqs and budget > 0:
             seq = self.waiting[0]
             n = self._admit(seq, budget)
             if n == 0:
