@@ -25,7 +25,6 @@ from dataclasses import field
 from pathlib import Path
 from typing import TYPE_CHECKING
 from typing import Any
-from typing import ClassVar
 from typing import Literal
 from typing import Protocol
 from typing import TypeVar
@@ -45,6 +44,10 @@ KV_CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0", "fp8")
 NUMERICS = ("auto", "quantized", "dequantized", "exact", "llama.cpp")
 
 
+# a draft model's tokens, prompt lookup (n-grams of the context), the model's own first layers
+SPECULATION_METHODS = frozenset({"draft", "lookup", "self"})
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can do; the runtime checks requests against it before submitting them."""
@@ -52,8 +55,8 @@ class Capabilities:
     chat: bool = True
     embedding: bool = True
     score: bool = True
-    grammar: bool = False  # constrained output for `format: json` / JSON schema
-    speculative: frozenset[str] = frozenset()  # subset of {"draft", "lookup", "self"}
+    grammar: bool = True  # constrained output for `format: json` / JSON schema (every backend has it)
+    speculative: frozenset[str] = frozenset()  # a subset of SPECULATION_METHODS
     kv_cache_types: tuple[str, ...] = ("f16",)
     devices: tuple[str, ...] = ("cpu",)
     parallel_slots: int = 1  # on a loaded model: how many requests it serves at once
@@ -279,29 +282,38 @@ class LoadedModel(Protocol):
 
 
 class Backend(Protocol):
-    name: ClassVar[str]
+    """What the registry hands out for a backend name: a value (EngineBackend) or a class of class
+    methods (RemoteBackend); both are called the same way."""
 
-    @classmethod
-    def availability(cls) -> tuple[bool, str]:
-        """(installed, why not / what to pip install)."""
+    name: str
+
+    def availability(self) -> tuple[bool, str]:
+        """(installed, why not / what to pip install), beyond the registry's import checks."""
         ...
 
-    @classmethod
-    def capabilities(cls) -> Capabilities: ...
+    def capabilities(self) -> Capabilities: ...
 
-    @classmethod
-    def load(cls, path: Path | str, opts: LoadOptions) -> LoadedModel: ...
+    def load(self, path: Path | str, opts: LoadOptions) -> LoadedModel: ...
 
 
-class ModelFactory:
-    """`Backend.load` for a backend whose model class loads in its constructor (llama.cpp, torch, MLX):
-    the backend class names that class `model_class`."""
+def importable() -> tuple[bool, str]:
+    """`Backend.availability` where importing the modules the registry checks (its specs' `requires`)
+    is all a backend needs."""
+    return True, ""
 
-    model_class: ClassVar[Callable[[Path, LoadOptions], LoadedModel]]
 
-    @classmethod
-    def load(cls, path: Path | str, opts: LoadOptions) -> LoadedModel:
-        return cls.model_class(Path(path), opts)
+@dataclass(frozen=True)
+class EngineBackend:
+    """A backend whose model class loads in its constructor (llama.cpp, torch, MLX): its name, that
+    class, what it can do, and any check beyond the registry's import checks."""
+
+    name: str
+    model_class: Callable[[Path, LoadOptions], LoadedModel]
+    capabilities: Callable[[], Capabilities]
+    availability: Callable[[], tuple[bool, str]] = importable
+
+    def load(self, path: Path | str, opts: LoadOptions) -> LoadedModel:
+        return self.model_class(Path(path), opts)
 
 
 # ---- helpers shared by backends ----------------------------------------------------------------
@@ -337,6 +349,15 @@ class ModelLifetime:
 
     def _free(self) -> None:
         raise NotImplementedError
+
+    def _load_or_free(self, load: Callable[[], None]) -> None:
+        """Run `load`; if it fails, what it made so far is freed before the error goes on (a failed load
+        holds no context, thread or memory)."""
+        try:
+            load()
+        except BaseException:
+            self._free()
+            raise
 
 
 class StopMatcher:

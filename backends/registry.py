@@ -99,7 +99,8 @@ def status(name: str) -> BackendStatus:
 
 
 def _backend_class(spec: BackendSpec) -> Any:
-    """The backend class (its module imported; backends import their heavy libraries lazily)."""
+    """The backend (an EngineBackend value, or a class): its module imported; backends import their heavy
+    libraries lazily."""
     module = importlib.import_module(spec.module)
     return getattr(module, spec.cls, None) or getattr(module, "BACKEND", None)
 

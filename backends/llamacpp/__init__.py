@@ -8,7 +8,6 @@ speculation inside the batch) on llama-cpp-python's low-level API.
 from localrt.backends.lookup import NgramProposer
 
 from .backend import NAME
-from .backend import PIP_HINT
 from .backend import LlamaCppBackend
 from .backend import LlamaCppModel
 from .lib import KV_TYPES
@@ -21,7 +20,6 @@ from .step import ExternalChunk
 __all__ = [
     "KV_TYPES",
     "NAME",
-    "PIP_HINT",
     "BatchedContext",
     "ExternalChunk",
     "LlamaCppBackend",

@@ -6,7 +6,6 @@ embeddings have a small context of their own. Tokenizing reads only the weights'
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import threading
@@ -16,16 +15,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-from typing import ClassVar
 
 import numpy as np
 
 from localrt.backends.base import IMAGE_TOKEN
 from localrt.backends.base import Capabilities
+from localrt.backends.base import EngineBackend
 from localrt.backends.base import Event
 from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
-from localrt.backends.base import ModelFactory
 from localrt.backends.base import ModelLifetime
 from localrt.backends.base import ScoreResult
 from localrt.backends.base import loaded_context
@@ -68,7 +66,6 @@ from .vocab import Vocab
 from .vocab import VocabMethods
 
 NAME = "llama.cpp"
-PIP_HINT = "pip install 'localrt[llama]'  (or: pip install llama-cpp-python)"
 AUTO_MIN_PARALLEL = 4  # LOCALRT_NUM_PARALLEL=auto: at least this many sequences where they fit
 AUTO_MAX_PARALLEL = 8
 AUTO_MEMORY_SHARE = 0.25  # of the available memory, for the KV cache of the auto sequences
@@ -127,11 +124,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         self._projector: Projector | None = None
         self._reranker: Reranker | None = None
         self._closed = False
-        try:
-            self._setup(opts)
-        except BaseException:
-            self._free()
-            raise
+        self._load_or_free(lambda: self._setup(opts))
 
     def _setup(self, opts: LoadOptions) -> None:
         m = self.model
@@ -431,26 +424,18 @@ def close_each(*resources: Any) -> None:
             resource.close()
 
 
-class LlamaCppBackend(ModelFactory):
-    name: ClassVar[str] = NAME
-    model_class = LlamaCppModel
+def capabilities() -> Capabilities:
+    """The GPU devices appear where the library was built with offload (Metal on macOS)."""
+    devices: tuple[str, ...] = ("cpu",)
+    if gpu_offload_supported():
+        devices = ("cpu", "metal") if sys.platform == "darwin" else ("cpu", "gpu")
+    return Capabilities(
+        speculative=frozenset({"draft", "lookup"}),
+        kv_cache_types=tuple(KV_TYPES),
+        devices=devices,
+        parallel_slots=1,
+        context_shift=True,
+    )
 
-    @classmethod
-    def availability(cls) -> tuple[bool, str]:
-        if importlib.util.find_spec("llama_cpp") is None:
-            return False, f"llama-cpp-python is not installed; {PIP_HINT}"
-        return True, ""
 
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        devices: tuple[str, ...] = ("cpu",)
-        if gpu_offload_supported():
-            devices = ("cpu", "metal") if sys.platform == "darwin" else ("cpu", "gpu")
-        return Capabilities(
-            grammar=True,
-            speculative=frozenset({"draft", "lookup"}),
-            kv_cache_types=tuple(KV_TYPES),
-            devices=devices,
-            parallel_slots=1,
-            context_shift=True,
-        )
+LlamaCppBackend = EngineBackend(NAME, LlamaCppModel, capabilities)

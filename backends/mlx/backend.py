@@ -18,17 +18,17 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-from typing import ClassVar
 from typing import TypeVar
 
 import numpy as np
 
+from localrt.backends.base import SPECULATION_METHODS
 from localrt.backends.base import Capabilities
 from localrt.backends.base import DoneEvent
+from localrt.backends.base import EngineBackend
 from localrt.backends.base import Event
 from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
-from localrt.backends.base import ModelFactory
 from localrt.backends.base import ModelLifetime
 from localrt.backends.base import ScoreResult
 from localrt.backends.base import TextAssembler
@@ -116,11 +116,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         # the engine's thread exists before the model: it makes every MLX array the model uses
         self.engine = BatchEngine(opts.kv_cache_type, opts.num_batch)
         self.engine.start(self._streams.route)
-        try:
-            self._call(lambda: self._load(opts))
-        except BaseException:
-            self._free()
-            raise
+        self._load_or_free(lambda: self._call(lambda: self._load(opts)))
 
     def _load(self, opts: LoadOptions) -> None:
         import mlx.core as mx
@@ -296,20 +292,13 @@ class _SelfOnRow:
         return self._inner.propose(tokens, k, sampler)
 
 
-class MLXBackend(ModelFactory):
-    name: ClassVar[str] = NAME
-    model_class = MLXModel
+def capabilities() -> Capabilities:
+    return Capabilities(
+        speculative=SPECULATION_METHODS,
+        kv_cache_types=KV_CACHE_TYPES,
+        devices=("gpu",) if _on_gpu() else ("cpu",),
+        parallel_slots=MAX_SLOTS,
+    )
 
-    @classmethod
-    def availability(cls) -> tuple[bool, str]:
-        return mlx_status()
 
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(
-            grammar=True,
-            speculative=frozenset({"draft", "lookup", "self"}),
-            kv_cache_types=KV_CACHE_TYPES,
-            devices=("gpu",) if _on_gpu() else ("cpu",),
-            parallel_slots=MAX_SLOTS,
-        )
+MLXBackend = EngineBackend(NAME, MLXModel, capabilities, availability=mlx_status)

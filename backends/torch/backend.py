@@ -18,19 +18,18 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-from typing import ClassVar
 
 from localrt.backends.base import NUMERICS
+from localrt.backends.base import SPECULATION_METHODS
 from localrt.backends.base import Capabilities
+from localrt.backends.base import EngineBackend
 from localrt.backends.base import Event
 from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
-from localrt.backends.base import ModelFactory
 from localrt.backends.base import ModelLifetime
 from localrt.backends.base import ScoreResult
 from localrt.backends.base import TextAssembler
 from localrt.backends.base import loaded_context
-from localrt.backends.base import modules_installed
 from localrt.backends.checks import check_draft_tokens
 from localrt.backends.checks import check_kv_cache_type
 from localrt.backends.checks import check_model_file
@@ -43,7 +42,6 @@ from localrt.backends.llamacpp.vocab import VocabMethods
 from localrt.errors import OptionError
 
 NAME = "torch"
-PIP_HINT = "pip install 'localrt[torch]'"
 KV_TYPES_CPU = ("f16", "bf16", "f32", "q8_0")
 MAX_SEQS = 16
 CPU_PARALLEL = 4  # sequences decoded together on the CPU when LOCALRT_NUM_PARALLEL is unset
@@ -290,21 +288,15 @@ class _Stream:
         return self.text.end(reason, t)
 
 
-class TorchBackend(ModelFactory):
-    name: ClassVar[str] = NAME
-    model_class = TorchModel
+def capabilities() -> Capabilities:
+    """fp8 KV and the CUDA device where torch sees a GPU."""
+    cuda = _cuda_available()
+    return Capabilities(
+        speculative=SPECULATION_METHODS,
+        kv_cache_types=(*KV_TYPES_CPU, "fp8") if cuda else KV_TYPES_CPU,
+        devices=("cpu", "cuda") if cuda else ("cpu",),
+        parallel_slots=MAX_SEQS,
+    )
 
-    @classmethod
-    def availability(cls) -> tuple[bool, str]:
-        return modules_installed(("torch", "numpy", "llama_cpp"), PIP_HINT)
 
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        cuda = _cuda_available()
-        return Capabilities(
-            grammar=True,
-            speculative=frozenset({"draft", "lookup", "self"}),
-            kv_cache_types=(*KV_TYPES_CPU, "fp8") if cuda else KV_TYPES_CPU,
-            devices=("cpu", "cuda") if cuda else ("cpu",),
-            parallel_slots=MAX_SEQS,
-        )
+TorchBackend = EngineBackend(NAME, TorchModel, capabilities)
