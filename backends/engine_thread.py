@@ -49,6 +49,21 @@ Sink = Callable[[list[Any]], None]
 T = TypeVar("T")
 
 
+class RequestQueues:
+    """An engine's requests in two lists: `waiting` (taken in, not admitted yet) and `running`; there is
+    work while either holds one. The llama.cpp step loop and torch's scheduler keep theirs this way."""
+
+    waiting: Any  # a list or a deque: appended to, admitted from the front
+    running: list[Any]
+
+    def add(self, request: Any) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+
 class EngineThread:
     """The thread, request inbox and job queue of an engine. The engine gives `has_work`, `step`
     (one iteration's outputs), `_take` (queued requests join it, on its thread), `_fail_step` (a step
@@ -74,7 +89,9 @@ class EngineThread:
         raise NotImplementedError
 
     def _take(self, queued: list[Any]) -> None:
-        raise NotImplementedError
+        """Queued requests join the engine, on its thread (`add` each, unless the engine does more)."""
+        for request in queued:
+            self.add(request)
 
     def _fail_step(self, error: Exception) -> list[Any]:
         raise NotImplementedError

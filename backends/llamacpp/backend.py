@@ -291,7 +291,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         if engine is None:
             return
         for job in engine.jobs():
-            job.cancel.cancel()
+            job.req.cancel.cancel()
 
     def _require_engine(self) -> BatchedContext:
         check_loaded(self._closed or self.engine is None)

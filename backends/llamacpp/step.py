@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 
-from localrt.backends.base import CancelToken
 from localrt.backends.base import DoneEvent
 from localrt.backends.base import Event
 from localrt.backends.base import GenerateRequest
@@ -39,6 +38,7 @@ from localrt.backends.base import TokenLogprob
 from localrt.backends.base import common_prefix
 from localrt.backends.base import longest_prefix
 from localrt.backends.engine_thread import EngineThread
+from localrt.backends.engine_thread import RequestQueues
 from localrt.backends.outputs import logprob_from_logits
 from localrt.backends.speculation import DEFAULT_NUM_DRAFT
 from localrt.backends.speculation import VERIFY_COST_PER_DRAFT
@@ -141,10 +141,6 @@ class Job:
 
     def __post_init__(self) -> None:
         self.text = TextAssembler(self.req.stop)
-
-    @property
-    def cancel(self) -> CancelToken:
-        return self.req.cancel
 
 
 class SeqContext:
@@ -261,7 +257,7 @@ class DraftContext(SeqContext):
         self.ctx.close()
 
 
-class BatchedContext(EngineThread, SeqContext):
+class BatchedContext(RequestQueues, EngineThread, SeqContext):
     """The loaded model's one context, driven by one thread (`EngineThread`: requests and jobs queued from
     any thread, taken between steps); `submit` jobs, `run_task` exclusive work. Events go out through a
     hand-over thread of its own (`_flush`), not the engine thread's sink."""
@@ -328,13 +324,6 @@ class BatchedContext(EngineThread, SeqContext):
         self.hand_thread.join()
 
     # ---- EngineThread's hooks, on the step thread ------------------------------------------------
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def _take(self, queued: list[Job]) -> None:
-        self.waiting.extend(queued)
-
     def _fail_step(self, error: Exception) -> list[Any]:
         """A failed decode: every running request gets the error."""
         return self._fail_all(list(self.running), error)
@@ -343,7 +332,7 @@ class BatchedContext(EngineThread, SeqContext):
         pending, self.waiting = [*self.waiting, *queued], []
         failing: list[Job] = []
         for job in [*self.running, *pending]:
-            if not job.cancel.cancelled:
+            if not job.req.cancel.cancelled:
                 failing.append(job)
             elif job in self.running:  # model.cancel() before the unload: a clean end, not an error
                 self._finish(job, "cancel")
@@ -363,7 +352,7 @@ class BatchedContext(EngineThread, SeqContext):
         """One iteration: drop cancelled requests, admit new ones, decode one batch, sample. The events go
         out through `_flush` (none through the engine thread's sink): before the next decode, or at once
         when no request is left running."""
-        for job in [j for j in self.running if j.cancel.cancelled]:
+        for job in [j for j in self.running if j.req.cancel.cancelled]:
             self._finish(job, "cancel")
         if self.waiting:
             self._flush()  # admission may take a while (a grammar to compile): tokens go out first
@@ -414,7 +403,7 @@ class BatchedContext(EngineThread, SeqContext):
             held: list[Job] = []
             while self.waiting and len(self.running) < self.n_parallel:
                 job = self.waiting.pop(0)
-                if job.cancel.cancelled:
+                if job.req.cancel.cancelled:
                     _end_cancelled(job)
                     continue
                 if self._prefix_coming(job):
@@ -706,7 +695,7 @@ class BatchedContext(EngineThread, SeqContext):
             self._finish(job, finish)
 
     def _take_token(self, job: Job, row: int) -> tuple[int, str | None]:
-        if job.cancel.cancelled:
+        if job.req.cancel.cancelled:
             return -1, "cancel"
         token = sample(job.sampler, self.ctx.ctx, row)
         job.n_gen += 1

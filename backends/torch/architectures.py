@@ -24,14 +24,9 @@ from .phi3 import Phi3
 from .qwen3moe import OLMoE
 from .qwen3moe import Qwen3MoE
 
-MODELS: dict[str, Any] = {
-    **dict.fromkeys(sorted(SUPPORTED_ARCHS), Transformer),  # the Llama family (`llama_config.py`)
-    "gemma2": Gemma2,
-    "gemma3": Gemma3,
-    "phi3": Phi3,
-    "qwen3moe": Qwen3MoE,
-    "olmoe": OLMoE,
-}
+# the Llama family's architectures (`llama_config.py`), then each other family's own (its `arch`)
+MODELS: dict[str, Any] = dict.fromkeys(sorted(SUPPORTED_ARCHS), Transformer)
+MODELS.update({family.arch: family for family in (Gemma2, Gemma3, Phi3, Qwen3MoE, OLMoE)})
 
 
 def load_model(

@@ -377,10 +377,6 @@ class Engine(EngineThread):
     def _thread_context(self) -> Any:
         return torch.inference_mode()
 
-    def _take(self, queued: list[Sequence]) -> None:
-        for seq in queued:
-            self.scheduler.add(seq)
-
     def _fail_step(self, error: Exception) -> list[StepOutput]:
         """A failed step fails the sequences in flight; the waiting ones and the engine go on."""
         for seq in [*self.scheduler.running]:

@@ -12,3 +12,4 @@ from .gemma3 import Gemma3
 
 class Gemma2(Gemma3):
     family = GEMMA2
+    arch = GEMMA2.arch

@@ -60,6 +60,7 @@ class Gemma3(Transformer):
     embedding, two RoPE tables and the optional final soft-cap."""
 
     family: GemmaFamily = GEMMA3  # the hyper-parameters' defaults and layer pattern (`family_config.py`)
+    arch = GEMMA3.arch
 
     def __init__(self, cfg: GemmaConfig) -> None:
         super().__init__(cfg, qk_norm=cfg.qk_norm)

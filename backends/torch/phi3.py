@@ -23,6 +23,7 @@ ARCH = "phi3"
 
 
 class Phi3(Transformer):
+    arch = ARCH
     factors: dict[str, torch.Tensor]  # "short" / "long": LongRoPE's frequency divisors (empty: none)
     original_context: int  # the context the short factors serve
     attn_factor: float

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from localrt.backends.base import CancelToken
 from localrt.backends.base import Timings
+from localrt.backends.engine_thread import RequestQueues
 
 from .kv_cache import BlockPool
 from .kv_cache import KVCache
@@ -79,7 +80,7 @@ class StepLimits(Protocol):
 
 
 @dataclass(eq=False)
-class Scheduler:
+class Scheduler(RequestQueues):
     pool: BlockPool
     cache: KVCache
     prefix: PrefixCache
@@ -93,13 +94,6 @@ class Scheduler:
     # free their state too)
     finished: list[tuple[Sequence, str]] = field(default_factory=list, init=False)
     released: list[Sequence] = field(default_factory=list, init=False)
-
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     # ---- a step's plan ----------------------------------------------------------------------
     def schedule(self, draft_len: Callable[[Sequence], int]) -> list[Scheduled]:
