@@ -49,9 +49,7 @@ class Phi3(Transformer):
     block_class = Phi3Block
 
     def __init__(self, t: GGUFTensors, dtype: mx.Dtype) -> None:
-        self._factors = (
-            t.dense("rope_factors_short.weight", mx.float32) if "rope_factors_short.weight" in t else None
-        )
+        self._factors = t.optional("rope_factors_short.weight", mx.float32)
         super().__init__(t, dtype)
 
     def read_config(self, metadata: dict[str, Any], vocab_size: int) -> LlamaConfig:  # type: ignore[override]
@@ -61,7 +59,5 @@ class Phi3(Transformer):
             cfg.context_length = min(cfg.context_length, original)
         return cfg
 
-    def make_block(self, t: GGUFTensors, i: int) -> Block:
-        if i == 0:
-            self.rope = Rope(self.cfg, self._factors, self._attn_factor)
-        return self.block_class(self.cfg, t, i, self.dtype, self.rope)
+    def make_rope(self, t: GGUFTensors) -> Rope:
+        return Rope(self.cfg, self._factors, self._attn_factor)
