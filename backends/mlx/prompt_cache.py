@@ -11,8 +11,10 @@ entry's (the same conversation's earlier turn) is dropped as redundant.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from dataclasses import field
 from itertools import count
 from typing import Any
 
@@ -34,11 +36,11 @@ class Entry:
         return max((c.min_prefix for c in self.caches), default=0)
 
 
+@dataclass(eq=False)
 class PromptCache:
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
-        self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
-        self._ids = count()
+    budget_bytes: int
+    entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict, init=False)  # least recent first
+    _ids: Iterator[int] = field(default_factory=count, init=False)
 
     @property
     def nbytes(self) -> int:
