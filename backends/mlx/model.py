@@ -93,14 +93,10 @@ class Block:
         self.attn_k_norm = t.optional(p + "attn_k_norm.weight", dtype)
 
     def load_attention(self, t: GGUFTensors, p: str, dtype: mx.Dtype) -> None:
-        self.attn_q, self.attn_k, self.attn_v = (
-            linear(t, p + n, dtype) for n in ("attn_q", "attn_k", "attn_v")
-        )
+        self.attn_q, self.attn_k, self.attn_v = linears(t, p, dtype, "attn_q", "attn_k", "attn_v")
 
     def load_feed_forward(self, t: GGUFTensors, p: str, dtype: mx.Dtype) -> None:
-        self.ffn_gate, self.ffn_up, self.ffn_down = (
-            linear(t, p + n, dtype) for n in ("ffn_gate", "ffn_up", "ffn_down")
-        )
+        self.ffn_gate, self.ffn_up, self.ffn_down = linears(t, p, dtype, "ffn_gate", "ffn_up", "ffn_down")
 
     def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """x [1, L, dim] -> q [1, L, H * D], k and v [1, L, Hkv * D]."""
@@ -142,6 +138,11 @@ class Block:
 def linear(t: GGUFTensors, name: str, dtype: mx.Dtype) -> Linear:
     """The GGUF matrix `name`.weight, with its bias when the file has one (Qwen2's q/k/v)."""
     return Linear(t.matrix(name + ".weight", dtype), t.optional(name + ".bias", dtype))
+
+
+def linears(t: GGUFTensors, p: str, dtype: mx.Dtype, *names: str) -> list[Linear]:
+    """The matrices `p + name` of one block, in the order named."""
+    return [linear(t, p + n, dtype) for n in names]
 
 
 def silu(x: mx.array) -> mx.array:

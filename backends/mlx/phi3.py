@@ -22,6 +22,7 @@ from .model import Block
 from .model import Rope
 from .model import Transformer
 from .model import linear
+from .model import linears
 from .model import silu
 
 ARCH = "phi3"
@@ -33,7 +34,7 @@ class Phi3Block(Block):
         self.q_size, self.kv_size = self.n_head * self.head_dim, self.n_kv * self.head_dim
 
     def load_feed_forward(self, t: GGUFTensors, p: str, dtype: mx.Dtype) -> None:
-        self.ffn_up, self.ffn_down = linear(t, p + "ffn_up", dtype), linear(t, p + "ffn_down", dtype)
+        self.ffn_up, self.ffn_down = linears(t, p, dtype, "ffn_up", "ffn_down")
 
     def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         qkv = self.attn_qkv(x)

@@ -24,16 +24,15 @@ from localrt.backends.base import common_prefix
 @dataclass
 class Entry:
     tokens: tuple[int, ...]
-    caches: list[Any]  # per layer
+    caches: list[Any]  # per layer; never written once kept (a hit gets copies: `Cache.prefix`)
+    nbytes: int = field(init=False)
+    # the shortest prefix every layer can give (sliding layers keep only a tail)
+    min_prefix: int = field(init=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.caches)
-
-    @property
-    def min_prefix(self) -> int:
-        """The shortest prefix every layer can give (sliding layers keep only a tail)."""
-        return max((c.min_prefix for c in self.caches), default=0)
+    def __post_init__(self) -> None:
+        # fixed while the entry is kept, so counted once (`insert` sums every entry's size)
+        self.nbytes = sum(c.nbytes for c in self.caches)
+        self.min_prefix = max((c.min_prefix for c in self.caches), default=0)
 
 
 @dataclass(eq=False)
