@@ -66,10 +66,10 @@ class Row:
     # ---- the engine's state of the row
     tokens: list[int] = field(init=False)  # every token known on the host (the last one is not in the caches)
     runner: Runner | None = field(default=None, init=False)
-    pending: int = field(default=0, init=False)  # steps in flight that sample its next token (on the device)
-    fed_pending: bool = field(
-        default=False, init=False
-    )  # ... and the step queued after it was fed that token
+    # steps in flight that sample its next token (its newest token is on the device), and whether the
+    # step queued after them was fed that token
+    pending: int = field(default=0, init=False)
+    fed_pending: bool = field(default=False, init=False)
     cached_count: int = field(default=0, init=False)
     prompt_eval_count: int = field(default=0, init=False)
     generated: int = field(default=0, init=False)  # tokens produced, an end token included
