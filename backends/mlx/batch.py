@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Iterable
+from dataclasses import KW_ONLY
 from dataclasses import dataclass
 from dataclasses import field
 from itertools import count
@@ -49,39 +50,35 @@ from .sampling import sample_rows
 from .sampling import window_of
 
 
+@dataclass(eq=False)  # a row is itself: the engine finds and removes rows in its lists by identity
 class Row:
     """One request in the engine: its prompt, sampler, limits and where its caches stand."""
 
-    def __init__(
-        self,
-        row_id: int,
-        prompt: list[int],
-        sampler: RowSampler,
-        max_tokens: int,
-        *,
-        cancel: CancelToken | None = None,
-        top_logprobs: int = -1,
-        proposer: Proposer | None = None,
-        spec: SpecState | None = None,
-    ) -> None:
-        self.id = row_id
-        self.prompt = prompt
-        self.sampler = sampler
-        self.max_tokens = max_tokens  # prompt + output
-        self.cancel = cancel or CancelToken()
-        self.top_logprobs = top_logprobs  # -1: no logprobs
-        self.proposer = proposer
-        self.spec = spec
-        self.tokens = list(prompt)  # every token known on the host (the last one is not in the caches)
-        self.runner: Runner | None = None
-        self.pending = 0  # steps in flight that sample its next token (its newest token is on the device)
-        self.fed_pending = False  # ... and the step queued after it was fed that token
-        self.cached_count = 0
-        self.prompt_eval_count = 0
-        self.generated = 0  # tokens produced, an end token included
-        self.first_token_ns = 0
-        self.finish: str | None = None
-        self.error: BaseException | None = None
+    id: int
+    prompt: list[int]
+    sampler: RowSampler
+    max_tokens: int  # prompt + output
+    _: KW_ONLY
+    cancel: CancelToken = field(default_factory=CancelToken)
+    top_logprobs: int = -1  # -1: no logprobs
+    proposer: Proposer | None = None
+    spec: SpecState | None = None
+    # ---- the engine's state of the row
+    tokens: list[int] = field(init=False)  # every token known on the host (the last one is not in the caches)
+    runner: Runner | None = field(default=None, init=False)
+    # steps in flight that sample its next token (its newest token is on the device), and whether the
+    # step queued after them was fed that token
+    pending: int = field(default=0, init=False)
+    fed_pending: bool = field(default=False, init=False)
+    cached_count: int = field(default=0, init=False)
+    prompt_eval_count: int = field(default=0, init=False)
+    generated: int = field(default=0, init=False)  # tokens produced, an end token included
+    first_token_ns: int = field(default=0, init=False)
+    finish: str | None = field(default=None, init=False)
+    error: BaseException | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt)
 
     @property
     def needs_host(self) -> bool:
@@ -141,7 +138,6 @@ class BatchEngine(EngineThread):
         self.kv_cache_type = kv_cache_type
         self.num_batch = max(1, num_batch)
         self.clock = clock
-        self._model = model
         self.attach(model, max_rows=max_rows, prompt_cache=prompt_cache or PromptCache(0), eog=eog)
         self.waiting: deque[Row] = deque()
         self.active: list[Row] = []
@@ -388,8 +384,8 @@ class BatchEngine(EngineThread):
             self.prompt_cache.insert(row.runner.tokens, row.runner.caches)
             row.runner = None
 
-    def fail(self, error: BaseException) -> list[RowOutput]:
-        """Every row ends with `error` (a failed step leaves the caches in an unknown state)."""
+    def _fail_step(self, error: Exception) -> list[RowOutput]:
+        """A step raised: every row ends with `error` (the caches are in an unknown state)."""
         out: dict[int, RowOutput] = {}
         self._inflight = None
         for row in [*self.active, *self.waiting]:
@@ -406,9 +402,6 @@ class BatchEngine(EngineThread):
 
     def _take(self, queued: list[Row]) -> None:
         self.waiting.extend(queued)
-
-    def _fail_step(self, error: Exception) -> list[RowOutput]:
-        return self.fail(error)
 
     def _unload(self, queued: list[Row]) -> list[RowOutput]:
         """Unloaded: the rows still running end as cancelled."""

@@ -41,11 +41,14 @@ _tried = False
 def install() -> str | None:
     """Load the BLAS that `LOCALRT_MLX_BLAS` names under MLX (once per process); its path, or None."""
     global _installed, _tried
-    if _tried:
-        return _installed
-    spec = config.mlx_blas()
-    if not spec or spec.lower() in ("0", "off", "no", "reference"):
+    if not _tried:  # an error is raised again at the next call
+        _installed = _load(config.mlx_blas())
         _tried = True
+    return _installed
+
+
+def _load(spec: str) -> str | None:
+    if not spec or spec.lower() in ("0", "off", "no", "reference"):
         return None
     path = spec if os.sep in spec else ctypes.util.find_library(spec)
     if path is None:
@@ -53,7 +56,6 @@ def install() -> str | None:
             f"{ENV}={spec}: no library by that name (give a path, e.g. /usr/lib/.../libopenblas.so.0)"
         )
     if "mlx.core" in sys.modules:
-        _tried = True
         log.warning(
             "%s=%s ignored: MLX was imported before the backend could put the library under it", ENV, spec
         )
@@ -69,8 +71,6 @@ def install() -> str | None:
         if hasattr(lib, name):
             getattr(lib, name)(1)
             break
-    _tried = True
-    _installed = path
     return path
 
 

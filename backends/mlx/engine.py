@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence
+from dataclasses import InitVar
 from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 from typing import Protocol
 
@@ -29,23 +31,21 @@ from .cache import trim_caches
 from .model import Transformer
 
 
+@dataclass(eq=False)
 class Runner:
-    """A model with its own caches and the tokens they hold (the target, or a draft model)."""
+    """A model with its own caches and the tokens they hold (the target, or a draft model): `reused`
+    caches holding `tokens` (a prompt-cache hit), or fresh empty ones."""
 
-    def __init__(
-        self,
-        model: Transformer,
-        kv_cache_type: str,
-        num_batch: int,
-        caches: list[Any] | None = None,
-        tokens: Sequence[int] = (),
-    ) -> None:
-        """`caches` holding `tokens` (a prompt-cache hit), or fresh empty caches."""
-        self.model = model
-        self.kv_cache_type = kv_cache_type
-        self.num_batch = max(1, num_batch)
-        self.caches = model.make_caches(kv_cache_type) if caches is None else caches
-        self.tokens: list[int] = list(tokens)
+    model: Transformer
+    kv_cache_type: str
+    num_batch: int
+    reused: InitVar[list[Any] | None] = None
+    tokens: list[int] = field(default_factory=list)
+    caches: list[Any] = field(init=False)
+
+    def __post_init__(self, reused: list[Any] | None) -> None:
+        self.num_batch = max(1, self.num_batch)
+        self.caches = self.model.make_caches(self.kv_cache_type) if reused is None else reused
 
     def reuse(self, tokens: Sequence[int], keep_last: int = 1) -> int:
         """Trim the caches to their longest prefix shared with `tokens`, leaving at least `keep_last`
@@ -135,16 +135,19 @@ class LookupProposer:
         return self.index.propose(tokens, k), None
 
 
+@dataclass
 class SelfProposer:
     """The target's first `num_layers` blocks + final norm + head, on the target's own caches.
 
     The draft tokens' KV in those layers is trimmed again before the verify pass recomputes them.
     """
 
-    def __init__(self, target: Runner, num_layers: int) -> None:
-        self.target = target
-        self.num_layers = num_layers
-        self.cost_per_draft = num_layers / target.model.cfg.block_count
+    target: Runner
+    num_layers: int
+    cost_per_draft: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cost_per_draft = self.num_layers / self.target.model.cfg.block_count
 
     def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
         drafts, qs = _model_draft_tokens(self.target, [tokens[-1]], tokens, k, sampler, self.num_layers)
@@ -152,12 +155,12 @@ class SelfProposer:
         return drafts, np.stack(qs) if qs else None
 
 
+@dataclass
 class DraftModelProposer:
     """A smaller model with the same vocabulary and its own caches, caught up by prefix reuse."""
 
-    def __init__(self, draft: Runner, cost_per_draft: float) -> None:
-        self.draft = draft
-        self.cost_per_draft = cost_per_draft
+    draft: Runner
+    cost_per_draft: float
 
     def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
         n = self.draft.reuse(tokens)

@@ -41,9 +41,12 @@ class GemmaBlock(Block):
         super().__init__(cfg, t, i, dtype, rope)
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_logit_softcapping
-        p = f"blk.{i}."
-        self.post_attention_norm = t.dense(p + "post_attention_norm.weight", dtype)
-        self.post_ffw_norm = t.dense(p + "post_ffw_norm.weight", dtype)
+
+    def load_norms(self, t: GGUFTensors, p: str, dtype: mx.Dtype) -> None:
+        super().load_norms(t, p, dtype)
+        self.post_attention_norm, self.post_ffw_norm = (
+            t.dense(p + n, dtype) for n in ("post_attention_norm.weight", "post_ffw_norm.weight")
+        )
 
     def feed_forward(self, h: mx.array) -> mx.array:
         return self.ffn_down(gelu_tanh(self.ffn_gate(h)) * self.ffn_up(h))

@@ -50,10 +50,26 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
 
+    @property
+    def packed(self) -> tuple[mx.array, mx.array, mx.array]:
+        """The three arrays every MLX quantized operation takes first."""
+        return self.weight, self.scales, self.biases
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """The quantization's parameters, as every MLX quantized operation takes them."""
+        return {"group_size": self.group_size, "bits": self.bits}
+
     def dequantize(self) -> mx.array:
-        return mx.dequantize(
-            self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits
-        )
+        return mx.dequantize(*self.packed, **self.layout)
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """W[ids]: the packed rows gathered, then only those dequantized."""
+        return mx.dequantize(*(a[ids] for a in self.packed), **self.layout)
+
+    def matmul_t(self, x: mx.array) -> mx.array:
+        """x W^T."""
+        return mx.quantized_matmul(x, *self.packed, transpose=True, **self.layout)
 
 
 # ---- GGUF blocks -> (q [nb, groups, 32] uint8, scale [nb, groups], bias [nb, groups]) ----------------
@@ -121,15 +137,13 @@ def _q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return (low | (high << 4), *_k_scales(b))
 
 
-EXACT = {  # ggml type -> (MLX bits, block unpacker)
-    "Q4_0": (4, _q4_0),
-    "Q4_1": (4, _q4_1),
-    "Q5_0": (5, _q5_0),
-    "Q5_1": (5, _q5_1),
-    "Q8_0": (8, _q8_0),
-    "Q4_K": (4, _q4_k),
-    "Q5_K": (5, _q5_k),
-}
+# ggml type -> its block unpacker; the type's MLX bits are the digit its name carries (`exact_bits`)
+EXACT = dict(Q4_0=_q4_0, Q4_1=_q4_1, Q5_0=_q5_0, Q5_1=_q5_1, Q8_0=_q8_0, Q4_K=_q4_k, Q5_K=_q5_k)
+
+
+def exact_bits(ggml_type: str) -> int:
+    """The MLX bits of an exact type: Q4_0, Q4_1 and Q4_K are 4-bit, Q5_* 5-bit, Q8_0 8-bit."""
+    return int(ggml_type[1])
 
 
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
@@ -149,7 +163,7 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
 
 def repack(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...]) -> QuantizedWeight:
     """The bytes of one GGUF matrix (GGUF shape (in, out)) -> MLX quantized [out, in]."""
-    bits, unpack = EXACT[ggml_type]
+    bits, unpack = exact_bits(ggml_type), EXACT[ggml_type]
     _, block_elems, block_bytes = _type_info(ggml_type)
     n_in, n_out = shape[0], int(np.prod(shape[1:]))
     blocks = raw.reshape(n_out, -1, block_bytes)  # [out, in / block, bytes]
@@ -196,27 +210,26 @@ class GGUFTensors(GGUFTensorSource):
         raw, t = self.stored(name)
         return mx.array(dequantize(raw, t.ggml_type, t.shape)).astype(dtype)
 
+    def optional(self, name: str, dtype: mx.Dtype) -> mx.array | None:
+        """`dense(name)` where the file has that tensor, else None (a bias, a norm or RoPE factors)."""
+        return self.dense(name, dtype) if name in self else None
+
     def matrix(self, name: str, dtype: mx.Dtype) -> QuantizedWeight | mx.array:
-        """A weight matrix: MLX-quantized when its type has an exact form and its rows split into groups."""
-        raw, t = self.stored(name)
-        if t.ggml_type in EXACT and len(t.shape) == 2 and t.shape[0] % GROUP == 0:
-            qw = repack(raw, t.ggml_type, t.shape)
-            if dtype != mx.float32:  # half compute: scales in the activations' dtype (no longer bit-exact)
-                qw.scales, qw.biases = qw.scales.astype(dtype), qw.biases.astype(dtype)
-            return qw
-        return mx.array(dequantize(raw, t.ggml_type, t.shape)).astype(dtype)
+        """A weight matrix [out, in]: MLX-quantized when its type has an exact form and its rows split into
+        groups, else dense."""
+        return self._weight(name, dtype, 2)
 
     def experts(self, name: str, dtype: mx.Dtype) -> QuantizedWeight | mx.array:
-        """A 3-D expert tensor (GGUF shape (in, out, experts)) as [experts, out, in]: MLX-quantized
-        (arrays [E, out, *]) where its type has an exact form, else dense."""
+        """A 3-D expert tensor (GGUF shape (in, out, experts)) as [experts, out, in], the same way
+        (quantized: arrays [E, out, *])."""
+        return self._weight(name, dtype, 3)
+
+    def _weight(self, name: str, dtype: mx.Dtype, ndim: int) -> QuantizedWeight | mx.array:
         raw, t = self.stored(name)
-        if t.ggml_type in EXACT and len(t.shape) == 3 and t.shape[0] % GROUP == 0:
-            n_out, n_expert = t.shape[1], t.shape[2]
-            qw = repack(raw, t.ggml_type, t.shape)  # [E * out, *]: each expert's rows in turn
-            qw.weight, qw.scales, qw.biases = (
-                a.reshape(n_expert, n_out, -1) for a in (qw.weight, qw.scales, qw.biases)
-            )
-            if dtype != mx.float32:
-                qw.scales, qw.biases = qw.scales.astype(dtype), qw.biases.astype(dtype)
-            return qw
-        return mx.array(dequantize(raw, t.ggml_type, t.shape)).astype(dtype)
+        if t.ggml_type not in EXACT or len(t.shape) != ndim or t.shape[0] % GROUP:
+            return mx.array(dequantize(raw, t.ggml_type, t.shape)).astype(dtype)
+        qw = repack(raw, t.ggml_type, t.shape)  # [out, *]; experts [E * out, *], each expert's rows in turn
+        qw.weight, qw.scales, qw.biases = (a.reshape(*reversed(t.shape[1:]), -1) for a in qw.packed)
+        if dtype != mx.float32:  # half compute: scales in the activations' dtype (no longer bit-exact)
+            qw.scales, qw.biases = qw.scales.astype(dtype), qw.biases.astype(dtype)
+        return qw

@@ -17,6 +17,8 @@ segment's attention is exactly the call it would make alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -44,9 +46,7 @@ class Linear:
     def __call__(self, x: mx.array) -> mx.array:
         w = self.weight
         if isinstance(w, QuantizedWeight):
-            y = mx.quantized_matmul(
-                x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
-            )
+            y = w.matmul_t(x)
         elif self.lays_out and rows.LAYOUT is not None:  # an optimized BLAS: rows laid out (rows.py)
             y = rows.LAYOUT.matmul_t(x, w)
         else:
@@ -54,13 +54,9 @@ class Linear:
         return y if self.bias is None else y + self.bias
 
     def rows(self, ids: mx.array) -> mx.array:
-        """W[ids] (embedding lookup): gather packed rows, then dequantize only those."""
+        """W[ids] (embedding lookup)."""
         w = self.weight
-        if isinstance(w, QuantizedWeight):
-            return mx.dequantize(
-                w.weight[ids], w.scales[ids], w.biases[ids], group_size=w.group_size, bits=w.bits
-            )
-        return w[ids]
+        return w.rows(ids) if isinstance(w, QuantizedWeight) else w[ids]
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -69,8 +65,8 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 
 class Block:
     """Pre-norm attention + SwiGLU MLP. Subclasses (other families) change how the weights load
-    (`load_attention`, `load_feed_forward`), the projections (`qkv`, `feed_forward`) or the norms
-    around them (`__call__`); the per-sequence attention itself is shared."""
+    (`load_norms`, `load_attention`, `load_feed_forward`), the projections (`qkv`, `feed_forward`) or
+    the norms around them (`__call__`); the per-sequence attention itself is shared."""
 
     def __init__(self, cfg: LlamaConfig, t: GGUFTensors, i: int, dtype: mx.Dtype, rope: Rope) -> None:
         self.n_head, self.n_kv, self.head_dim = (
@@ -83,24 +79,24 @@ class Block:
         self.scale = 1.0 / math.sqrt(self.head_dim)  # multiplies q.k
         self.softcap = 0.0  # attention-score soft-cap (Gemma 2); 0: off
         p = f"blk.{i}."
-        self.attn_norm = t.dense(p + "attn_norm.weight", dtype)
-        self.ffn_norm = t.dense(p + "ffn_norm.weight", dtype)
-        # Qwen3 and Gemma 3 normalise each head's q and k before RoPE
-        self.attn_q_norm = t.dense(p + "attn_q_norm.weight", dtype) if p + "attn_q_norm.weight" in t else None
-        self.attn_k_norm = t.dense(p + "attn_k_norm.weight", dtype) if p + "attn_k_norm.weight" in t else None
+        self.load_norms(t, p, dtype)
         self.attn_output = linear(t, p + "attn_output", dtype)
         self.load_attention(t, p, dtype)
         self.load_feed_forward(t, p, dtype)
 
-    def load_attention(self, t: GGUFTensors, p: str, dtype: mx.Dtype) -> None:
-        self.attn_q, self.attn_k, self.attn_v = (
-            linear(t, p + n, dtype) for n in ("attn_q", "attn_k", "attn_v")
+    def load_norms(self, t: GGUFTensors, p: str, dtype: mx.Dtype) -> None:
+        self.attn_norm, self.ffn_norm = (
+            t.dense(p + n, dtype) for n in ("attn_norm.weight", "ffn_norm.weight")
         )
+        # Qwen3 and Gemma 3 normalise each head's q and k before RoPE
+        self.attn_q_norm = t.optional(p + "attn_q_norm.weight", dtype)
+        self.attn_k_norm = t.optional(p + "attn_k_norm.weight", dtype)
+
+    def load_attention(self, t: GGUFTensors, p: str, dtype: mx.Dtype) -> None:
+        self.attn_q, self.attn_k, self.attn_v = linears(t, p, dtype, "attn_q", "attn_k", "attn_v")
 
     def load_feed_forward(self, t: GGUFTensors, p: str, dtype: mx.Dtype) -> None:
-        self.ffn_gate, self.ffn_up, self.ffn_down = (
-            linear(t, p + n, dtype) for n in ("ffn_gate", "ffn_up", "ffn_down")
-        )
+        self.ffn_gate, self.ffn_up, self.ffn_down = linears(t, p, dtype, "ffn_gate", "ffn_up", "ffn_down")
 
     def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """x [1, L, dim] -> q [1, L, H * D], k and v [1, L, Hkv * D]."""
@@ -141,8 +137,12 @@ class Block:
 
 def linear(t: GGUFTensors, name: str, dtype: mx.Dtype) -> Linear:
     """The GGUF matrix `name`.weight, with its bias when the file has one (Qwen2's q/k/v)."""
-    bias = t.dense(name + ".bias", dtype) if name + ".bias" in t else None
-    return Linear(t.matrix(name + ".weight", dtype), bias)
+    return Linear(t.matrix(name + ".weight", dtype), t.optional(name + ".bias", dtype))
+
+
+def linears(t: GGUFTensors, p: str, dtype: mx.Dtype, *names: str) -> list[Linear]:
+    """The matrices `p + name` of one block, in the order named."""
+    return [linear(t, p + n, dtype) for n in names]
 
 
 def silu(x: mx.array) -> mx.array:
@@ -158,26 +158,23 @@ class Rope:
         """`freq_factors` stretch the wavelengths (Llama 3.1's `rope_freqs`, Phi-3's LongRoPE factors);
         `attn_factor` scales cos and sin, i.e. the rotated dims (Phi-3's LongRoPE)."""
         self.n_rot = cfg.rope_dimension_count or cfg.attention_key_length
-        self.traditional = not cfg.rope_neox  # GGUF's Llama layout: adjacent pairs
-        self.scale = 1.0 / cfg.rope_scaling_factor
-        self.base: float | None = cfg.rope_freq_base
         self.attn_factor = attn_factor
-        self.freqs: mx.array | None = None
-        if freq_factors is not None:
+        freqs = None
+        if freq_factors is not None:  # the wavelengths themselves, in place of the base
             exps = mx.arange(0, self.n_rot, 2, dtype=mx.float32) / self.n_rot
-            self.freqs = (cfg.rope_freq_base**exps) * freq_factors.astype(mx.float32)
-            self.base = None
+            freqs = (cfg.rope_freq_base**exps) * freq_factors.astype(mx.float32)
+        # `mx.fast.rope` with everything but the input and its offset bound once, at load
+        self._rope = partial(
+            mx.fast.rope,
+            dims=self.n_rot,
+            traditional=not cfg.rope_neox,  # GGUF's Llama layout: adjacent pairs
+            base=cfg.rope_freq_base if freqs is None else None,
+            scale=1.0 / cfg.rope_scaling_factor,
+            freqs=freqs,
+        )
 
     def __call__(self, x: mx.array, offset: int) -> mx.array:
-        out = mx.fast.rope(
-            x,
-            self.n_rot,
-            traditional=self.traditional,
-            base=self.base,
-            scale=self.scale,
-            offset=offset,
-            freqs=self.freqs,
-        )
+        out = self._rope(x, offset=offset)
         if self.attn_factor == 1.0:
             return out
         rotated = out[..., : self.n_rot] * self.attn_factor
@@ -216,9 +213,11 @@ class Transformer:
 
     def make_block(self, t: GGUFTensors, i: int) -> Block:
         if i == 0:  # one RoPE for every layer
-            factors = t.dense("rope_freqs.weight", mx.float32) if "rope_freqs.weight" in t else None
-            self.rope = Rope(self.cfg, factors)
+            self.rope = self.make_rope(t)
         return self.block_class(self.cfg, t, i, self.dtype, self.rope)
+
+    def make_rope(self, t: GGUFTensors) -> Rope:
+        return Rope(self.cfg, t.optional("rope_freqs.weight", mx.float32))
 
     def has_head(self, t: GGUFTensors) -> bool:
         """Whether the file has its own output matrix (else the head is the embedding)."""
@@ -271,27 +270,36 @@ class Transformer:
         shared): with an optimized BLAS under MLX (blas.py) a dense product over a batch costs about
         one row, the quantized one a row per row."""
         done: dict[int, mx.array] = {}
-        for obj in [self.token_embd, self.output, *(v for b in self.blk for v in vars(b).values())]:
+        for obj in self._weights():
             if isinstance(obj, Linear) and isinstance(obj.weight, QuantizedWeight):
                 w = obj.weight
                 obj.weight = done.setdefault(id(w), w.dequantize().astype(self.dtype))
         mx.eval(self.arrays())
 
-    def arrays(self) -> list[mx.array]:
-        """Every weight array (quantized triplets expanded), each once."""
-        out: dict[int, mx.array] = {}
-        for obj in [
+    def _weights(self) -> list[Any]:
+        """What may hold weights: the embedding, the head, the final norm and every block attribute."""
+        return [
             self.token_embd,
             self.output,
             self.output_norm,
             *(v for b in self.blk for v in vars(b).values()),
-        ]:
-            parts = [obj.weight, obj.bias] if isinstance(obj, Linear) else [obj]
-            for w in parts:
-                arrays = [w.weight, w.scales, w.biases] if isinstance(w, QuantizedWeight) else [w]
-                out.update((id(a), a) for a in arrays if isinstance(a, mx.array))
-        return list(out.values())
+        ]
+
+    def arrays(self) -> list[mx.array]:
+        """Every weight array (quantized triplets expanded), each once (a tied head is the embedding)."""
+        arrays = (a for obj in self._weights() for a in _arrays_of(obj))
+        return list({id(a): a for a in arrays}.values())
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
+
+
+def _arrays_of(obj: Any) -> Iterator[mx.array]:
+    """The MLX arrays one attribute holds: a `Linear`'s weight and bias, a quantized triplet, an array."""
+    if isinstance(obj, Linear):
+        yield from (a for part in (obj.weight, obj.bias) for a in _arrays_of(part))
+    elif isinstance(obj, QuantizedWeight):
+        yield from obj.packed
+    elif isinstance(obj, mx.array):
+        yield obj

@@ -22,6 +22,7 @@ from .model import Block
 from .model import Rope
 from .model import Transformer
 from .model import linear
+from .model import linears
 from .model import silu
 
 ARCH = "phi3"
@@ -33,7 +34,7 @@ class Phi3Block(Block):
         self.q_size, self.kv_size = self.n_head * self.head_dim, self.n_kv * self.head_dim
 
     def load_feed_forward(self, t: GGUFTensors, p: str, dtype: mx.Dtype) -> None:
-        self.ffn_up, self.ffn_down = linear(t, p + "ffn_up", dtype), linear(t, p + "ffn_down", dtype)
+        self.ffn_up, self.ffn_down = linears(t, p, dtype, "ffn_up", "ffn_down")
 
     def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         qkv = self.attn_qkv(x)
@@ -49,9 +50,7 @@ class Phi3(Transformer):
     block_class = Phi3Block
 
     def __init__(self, t: GGUFTensors, dtype: mx.Dtype) -> None:
-        self._factors = (
-            t.dense("rope_factors_short.weight", mx.float32) if "rope_factors_short.weight" in t else None
-        )
+        self._factors = t.optional("rope_factors_short.weight", mx.float32)
         super().__init__(t, dtype)
 
     def read_config(self, metadata: dict[str, Any], vocab_size: int) -> LlamaConfig:  # type: ignore[override]
@@ -61,7 +60,5 @@ class Phi3(Transformer):
             cfg.context_length = min(cfg.context_length, original)
         return cfg
 
-    def make_block(self, t: GGUFTensors, i: int) -> Block:
-        if i == 0:
-            self.rope = Rope(self.cfg, self._factors, self._attn_factor)
-        return self.block_class(self.cfg, t, i, self.dtype, self.rope)
+    def make_rope(self, t: GGUFTensors) -> Rope:
+        return Rope(self.cfg, self._factors, self._attn_factor)

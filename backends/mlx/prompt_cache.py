@@ -11,8 +11,10 @@ entry's (the same conversation's earlier turn) is dropped as redundant.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from dataclasses import field
 from itertools import count
 from typing import Any
 
@@ -22,23 +24,22 @@ from localrt.backends.base import common_prefix
 @dataclass
 class Entry:
     tokens: tuple[int, ...]
-    caches: list[Any]  # per layer
+    caches: list[Any]  # per layer; never written once kept (a hit gets copies: `Cache.prefix`)
+    nbytes: int = field(init=False)
+    # the shortest prefix every layer can give (sliding layers keep only a tail)
+    min_prefix: int = field(init=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.caches)
-
-    @property
-    def min_prefix(self) -> int:
-        """The shortest prefix every layer can give (sliding layers keep only a tail)."""
-        return max((c.min_prefix for c in self.caches), default=0)
+    def __post_init__(self) -> None:
+        # fixed while the entry is kept, so counted once (`insert` sums every entry's size)
+        self.nbytes = sum(c.nbytes for c in self.caches)
+        self.min_prefix = max((c.min_prefix for c in self.caches), default=0)
 
 
+@dataclass(eq=False)
 class PromptCache:
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
-        self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
-        self._ids = count()
+    budget_bytes: int
+    entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict, init=False)  # least recent first
+    _ids: Iterator[int] = field(default_factory=count, init=False)
 
     @property
     def nbytes(self) -> int:

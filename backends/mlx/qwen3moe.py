@@ -38,15 +38,7 @@ def gathered(x: mx.array, w: QuantizedWeight | mx.array, experts: mx.array, is_s
     """x [..., 1, in] times each pair's expert matrix w[e] [out, in] -> [..., 1, out]."""
     if isinstance(w, QuantizedWeight):
         return mx.gather_qmm(
-            x,
-            w.weight,
-            w.scales,
-            w.biases,
-            rhs_indices=experts,
-            transpose=True,
-            group_size=w.group_size,
-            bits=w.bits,
-            sorted_indices=is_sorted,
+            x, *w.packed, rhs_indices=experts, transpose=True, sorted_indices=is_sorted, **w.layout
         )
     return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=is_sorted)
 
