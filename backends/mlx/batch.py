@@ -35,6 +35,7 @@ import numpy as np
 
 from localrt.backends.base import CancelToken
 from localrt.backends.engine_thread import EngineThread
+from localrt.backends.engine_thread import RequestQueues
 from localrt.backends.outputs import logprob_values
 from localrt.backends.speculation import SpecState
 from localrt.backends.speculation import verify
@@ -120,7 +121,7 @@ class _InFlight:
     position: dict[int, int]  # row id -> device index
 
 
-class BatchEngine(EngineThread):
+class BatchEngine(RequestQueues, EngineThread):
     thread_name = "mlx-engine"
 
     def __init__(
@@ -140,7 +141,7 @@ class BatchEngine(EngineThread):
         self.clock = clock
         self.attach(model, max_rows=max_rows, prompt_cache=prompt_cache or PromptCache(0), eog=eog)
         self.waiting: deque[Row] = deque()
-        self.active: list[Row] = []
+        self.running: list[Row] = []
         self._inflight: _InFlight | None = None
         self._ids = count()
         self.steps = 0
@@ -163,12 +164,9 @@ class BatchEngine(EngineThread):
     def new_row(self, prompt: list[int], sampler: RowSampler, max_tokens: int, **kw: Any) -> Row:
         return Row(next(self._ids), list(prompt), sampler, max_tokens, **kw)
 
-    def add(self, row: Row) -> None:
-        self.waiting.append(row)
-
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.active or self._inflight)
+        return super().has_work or self._inflight is not None
 
     # ---- a step -----------------------------------------------------------------------------
     def step(self) -> list[RowOutput]:
@@ -179,7 +177,7 @@ class BatchEngine(EngineThread):
         if previous is not None and any(p.kind == "host" for p in previous.planned):
             self._resolve(previous, out)  # those rows' next input is decided on the host
             previous = None
-        for row in [r for r in self.active if r.cancel.cancelled and not r.pending]:
+        for row in [r for r in self.running if r.cancel.cancelled and not r.pending]:
             self._end(row, "cancel", out)
         self._inflight = self._queue(previous)
         if previous is not None:
@@ -187,13 +185,13 @@ class BatchEngine(EngineThread):
         return list(out.values())
 
     def _admit(self) -> None:
-        while self.waiting and len(self.active) < self.max_rows:
+        while self.waiting and len(self.running) < self.max_rows:
             row = self.waiting.popleft()
             caches, n = self.prompt_cache.lookup(row.prompt)
             row.runner = Runner(self.model, self.kv_cache_type, self.num_batch, caches, row.prompt[:n])
             row.cached_count = n
             row.prompt_eval_count = len(row.prompt) - n
-            self.active.append(row)
+            self.running.append(row)
 
     def _plan_row(self, row: Row, previous: _InFlight | None, budget: int) -> tuple[_Planned, Any] | None:
         """The row's input this step: (plan, tokens as a list or a device array), or None to skip."""
@@ -230,7 +228,7 @@ class BatchEngine(EngineThread):
         planned: list[_Planned] = []
         parts: list[mx.array] = []
         budget = self.num_batch
-        for row in self.active:
+        for row in self.running:
             plan = self._plan_row(row, previous, budget)
             if plan is None:
                 continue
@@ -378,8 +376,8 @@ class BatchEngine(EngineThread):
         """A row leaves: its caches go to the prompt cache (holding exactly the tokens they were fed)."""
         row.finish = reason
         out.setdefault(row.id, RowOutput(row)).finish = reason
-        if row in self.active:
-            self.active.remove(row)
+        if row in self.running:
+            self.running.remove(row)
         if row.runner is not None and reason != "error":
             self.prompt_cache.insert(row.runner.tokens, row.runner.caches)
             row.runner = None
@@ -388,7 +386,7 @@ class BatchEngine(EngineThread):
         """A step raised: every row ends with `error` (the caches are in an unknown state)."""
         out: dict[int, RowOutput] = {}
         self._inflight = None
-        for row in [*self.active, *self.waiting]:
+        for row in [*self.running, *self.waiting]:
             row.error = error
             self._end(row, "error", out)
         self.waiting.clear()
@@ -400,13 +398,10 @@ class BatchEngine(EngineThread):
         mx.set_default_stream(mx.new_stream(mx.default_device()))  # MLX streams belong to their thread
         return contextlib.nullcontext()
 
-    def _take(self, queued: list[Row]) -> None:
-        self.waiting.extend(queued)
-
     def _unload(self, queued: list[Row]) -> list[RowOutput]:
         """Unloaded: the rows still running end as cancelled."""
         out: dict[int, RowOutput] = {}
         self._inflight = None
-        for row in [*self.active, *self.waiting, *queued]:
+        for row in [*self.running, *self.waiting, *queued]:
             self._end(row, "cancel", out)
         return list(out.values())
