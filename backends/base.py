@@ -317,6 +317,13 @@ class EngineBackend:
 
 
 # ---- helpers shared by backends ----------------------------------------------------------------
+def close_each(*resources: Any) -> None:
+    """Close each of `resources` that is there (not None), in order."""
+    for resource in resources:
+        if resource is not None:
+            resource.close()
+
+
 def modules_installed(modules: Sequence[str], pip_hint: str) -> tuple[bool, str]:
     """A backend's `availability()`: (True, "") or the first of `modules` not installed and what to install."""
     import importlib.util

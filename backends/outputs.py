@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -12,6 +13,7 @@ from localrt.backends.base import ScoreResult
 from localrt.backends.base import TokenLogprob
 from localrt.backends.base import TopLogprob
 from localrt.backends.base import log_softmax
+from localrt.errors import LocalrtError
 
 TextOf = Callable[[Sequence[int]], str]  # token ids -> their text (the model's detokenize)
 
@@ -71,3 +73,11 @@ def unit_vector(vector: np.ndarray) -> list[float]:
     vec = np.asarray(vector, dtype=np.float64)
     norm = float(np.linalg.norm(vec))
     return (vec / norm if norm > 0 else vec).tolist()
+
+
+def float_row(ptr: Any, width: int, missing: str) -> np.ndarray:
+    """`width` floats at a pointer llama.cpp returned (a view into its buffer, valid until its next
+    call); `missing` is the error when it returned none."""
+    if not ptr:
+        raise LocalrtError(missing)
+    return np.ctypeslib.as_array(ptr, shape=(width,))

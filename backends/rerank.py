@@ -1,5 +1,6 @@
-"""Reranking for the llama.cpp backend: a context with rank pooling over a reranker GGUF (bge-reranker,
-Jina, Qwen3-Reranker), scoring each (query, document) pair the way llama-server's /v1/rerank does.
+"""Pooled contexts for the llama.cpp backend (`PooledContext`: embeddings and reranking), and reranking:
+a context with rank pooling over a reranker GGUF (bge-reranker, Jina, Qwen3-Reranker), scoring each
+(query, document) pair the way llama-server's /v1/rerank does.
 
 The pair is tokenized with the GGUF's `tokenizer.chat_template.rerank` when it has one ({query} and
 {document} substituted, special tokens parsed), else as `[BOS] query [EOS] [SEP] document [EOS]` with each
@@ -13,6 +14,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from localrt.backends.base import close_each
+from localrt.backends.outputs import float_row
 from localrt.errors import LocalrtError
 
 POOLING_RANK = 4  # LLAMA_POOLING_TYPE_RANK
@@ -30,31 +35,60 @@ def is_reranker(lib: Any, model_ptr: Any, metadata: dict[str, str]) -> bool:
     return bool(lib.llama_model_cls_label(model_ptr, 0))
 
 
+class PooledContext:
+    """A llama.cpp context that pools each input into one output row: embeddings (the model's own
+    pooling, or mean) and rerank scores (rank pooling). One sequence at a time, the whole input in one
+    ubatch: a non-causal model must see all of it at once. `purpose` names it in errors."""
+
+    def __init__(
+        self, lib: Any, model: Any, n_ctx: int, threads: tuple[int, int], pooling_type: int, purpose: str
+    ) -> None:
+        from llama_cpp import _internals
+        from llama_cpp._utils import suppress_stdout_stderr
+
+        self.lib, self.n_ctx, self.purpose = lib, n_ctx, purpose
+        params = lib.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
+        params.n_threads, params.n_threads_batch = threads
+        params.embeddings = True
+        params.pooling_type = pooling_type
+        params.no_perf = True
+        try:
+            with suppress_stdout_stderr(disable=False):  # llama.cpp notes a pooling override on stderr
+                self.ctx = _internals.LlamaContext(model=model, params=params, verbose=False)
+        except ValueError as e:
+            raise LocalrtError(f"llama.cpp could not create a {purpose} context: {e}") from None
+        self.batch = _internals.LlamaBatch(n_tokens=n_ctx, embd=0, n_seq_max=1, verbose=False)
+
+    def pool(self, tokens: list[int], width: int) -> np.ndarray:
+        """The pooled output row of `tokens` (its first `width` values; a view into llama.cpp's buffer,
+        valid until the next call)."""
+        lib, ctx = self.lib, self.ctx
+        self.batch.reset()
+        self.batch.add_sequence(tokens, 0, True)
+        ctx.kv_cache_clear()
+        try:
+            ctx.decode(self.batch)
+        except RuntimeError as e:
+            raise LocalrtError(f"llama.cpp {self.purpose} failed: {e}") from None
+        ptr = lib.llama_get_embeddings_seq(ctx.ctx, 0) or lib.llama_get_embeddings_ith(ctx.ctx, -1)
+        return float_row(ptr, width, f"llama.cpp returned no {self.purpose} output")
+
+    def close(self) -> None:
+        close_each(self.batch, self.ctx)
+
+
 class Reranker:
     """A rank-pooling context on a loaded llama.cpp model (`model`: llama-cpp-python's LlamaModel)."""
 
     def __init__(self, lib: Any, model: Any, metadata: dict[str, str], n_ctx: int, n_threads: int) -> None:
-        from llama_cpp import _internals
-
         self.lib, self.model = lib, model
         self.template = metadata.get("tokenizer.chat_template.rerank")
         train = model.n_ctx_train()
         self.n_ctx = max(16, min(n_ctx, train) if train > 0 else n_ctx)
-        params = lib.llama_context_default_params()
-        # a non-causal reranker must see the whole pair in one ubatch
-        params.n_ctx = params.n_batch = params.n_ubatch = self.n_ctx
-        params.n_threads = params.n_threads_batch = n_threads
-        params.embeddings = True
-        params.pooling_type = lib.LLAMA_POOLING_TYPE_RANK
-        params.no_perf = True
-        from llama_cpp._utils import suppress_stdout_stderr
-
-        try:
-            with suppress_stdout_stderr(disable=False):  # llama.cpp notes the pooling override on stderr
-                self.ctx = _internals.LlamaContext(model=model, params=params, verbose=False)
-        except ValueError as e:
-            raise LocalrtError(f"llama.cpp could not create a rerank context: {e}") from None
-        self.batch = _internals.LlamaBatch(n_tokens=self.n_ctx, embd=0, n_seq_max=1, verbose=False)
+        self.pooled = PooledContext(
+            lib, model, self.n_ctx, (n_threads, n_threads), lib.LLAMA_POOLING_TYPE_RANK, "rerank"
+        )
         self._lock = threading.Lock()
 
     def pair_tokens(self, query: str, document: str) -> list[int]:
@@ -93,22 +127,7 @@ class Reranker:
         return out, n_tokens
 
     def _score(self, tokens: list[int]) -> float:
-        lib, ctx = self.lib, self.ctx
-        self.batch.reset()
-        self.batch.add_sequence(tokens, 0, True)
-        ctx.kv_cache_clear()
-        try:
-            ctx.decode(self.batch)
-        except RuntimeError as e:
-            raise LocalrtError(f"llama.cpp rerank failed: {e}") from None
-        ptr = lib.llama_get_embeddings_seq(ctx.ctx, 0)
-        if not ptr:
-            ptr = lib.llama_get_embeddings_ith(ctx.ctx, -1)
-        if not ptr:
-            raise LocalrtError("llama.cpp returned no rerank score")
-        return float(ptr[0])
+        return float(self.pooled.pool(tokens, 1)[0])  # the classification head's first output
 
     def close(self) -> None:
-        for obj in (getattr(self, "batch", None), getattr(self, "ctx", None)):
-            if obj is not None:
-                obj.close()
+        self.pooled.close()

@@ -26,6 +26,7 @@ from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
 from localrt.backends.base import ModelLifetime
 from localrt.backends.base import ScoreResult
+from localrt.backends.base import close_each
 from localrt.backends.base import loaded_context
 from localrt.backends.base import run_in_thread_stream
 from localrt.backends.checks import check_draft_vocabulary
@@ -40,6 +41,7 @@ from localrt.backends.outputs import embedding_tokens
 from localrt.backends.outputs import empty_score
 from localrt.backends.outputs import fill_score
 from localrt.backends.outputs import unit_vector
+from localrt.backends.rerank import PooledContext
 from localrt.backends.rerank import Reranker  # issue 19: rank pooling
 from localrt.backends.rerank import is_reranker  # issue 19: rank pooling
 from localrt.backends.speculation import verify_cost_per_draft
@@ -119,7 +121,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         self.model, self.on_gpu = load_model(path, opts)
         self.engine: BatchedContext | None = None
         self._draft_model: Any = None
-        self._embed: tuple[Any, Any, int] | None = None
+        self._embed: PooledContext | None = None
         self._embed_lock = threading.Lock()
         self._projector: Projector | None = None
         self._reranker: Reranker | None = None
@@ -347,31 +349,17 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             fill_score(result, tokens, first, block[s : s + last - first])
 
     # -- embeddings --
-    def _embed_context(self) -> tuple[Any, Any, int]:
-        if self._embed is not None:
-            return self._embed
-        from llama_cpp import _internals
-        from llama_cpp._utils import suppress_stdout_stderr
-
-        lib = self.lib
-        params = lib.llama_context_default_params()
-        n = min(self.context_length, 8192)
-        params.n_ctx = params.n_batch = params.n_ubatch = n
-        params.n_threads = self.ctx_params.n_threads
-        params.n_threads_batch = self.ctx_params.n_threads_batch
-        params.embeddings = True
-        arch = self.metadata.get("general.architecture", "")
-        # chat models declare no pooling; mean pooling is what Ollama uses for them
-        params.pooling_type = (
-            lib.LLAMA_POOLING_TYPE_UNSPECIFIED
-            if f"{arch}.pooling_type" in self.metadata
-            else lib.LLAMA_POOLING_TYPE_MEAN
-        )
-        params.no_perf = True
-        with suppress_stdout_stderr(disable=False):  # llama.cpp notes the pooling override on stderr
-            ctx = _internals.LlamaContext(model=self.model, params=params, verbose=False)
-        batch = _internals.LlamaBatch(n_tokens=n, embd=0, n_seq_max=1, verbose=False)
-        self._embed = (ctx, batch, n)
+    def _embed_context(self) -> PooledContext:
+        if self._embed is None:
+            arch = self.metadata.get("general.architecture", "")
+            # chat models declare no pooling; mean pooling is what Ollama uses for them
+            declared = f"{arch}.pooling_type" in self.metadata
+            pooling = (
+                self.lib.LLAMA_POOLING_TYPE_UNSPECIFIED if declared else self.lib.LLAMA_POOLING_TYPE_MEAN
+            )
+            threads = (self.ctx_params.n_threads, self.ctx_params.n_threads_batch)
+            n_ctx = min(self.context_length, 8192)
+            self._embed = PooledContext(self.lib, self.model, n_ctx, threads, pooling, "embedding")
         return self._embed
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
@@ -382,23 +370,16 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
     def _embed_blocking(self, texts: list[str]) -> list[list[float]]:
         with self._embed_lock:
             check_loaded(self._closed)
-            ctx, batch, n_max = self._embed_context()
+            pooled = self._embed_context()
             n_embd = self.model.n_embd()
-            return [self._embed_one(ctx, batch, n_max, n_embd, text) for text in texts]
-
-    def _embed_one(self, ctx: Any, batch: Any, n_max: int, n_embd: int, text: str) -> list[float]:
-        tokens = embedding_tokens(self.tokenize, text, n_max, self.eos_token_ids)
-        batch.reset()
-        batch.add_sequence(tokens, 0, True)
-        ctx.kv_cache_clear()
-        try:
-            ctx.decode(batch)
-        except RuntimeError as e:
-            raise LocalrtError(f"llama.cpp embedding failed: {e}") from None
-        ptr = self.lib.llama_get_embeddings_seq(ctx.ctx, 0)
-        if not ptr:
-            ptr = self.lib.llama_get_embeddings_ith(ctx.ctx, -1)
-        return unit_vector(np.ctypeslib.as_array(ptr, shape=(n_embd,)))
+            return [
+                unit_vector(
+                    pooled.pool(
+                        embedding_tokens(self.tokenize, text, pooled.n_ctx, self.eos_token_ids), n_embd
+                    )
+                )
+                for text in texts
+            ]
 
     # -- lifetime --
     def _free(self) -> None:
@@ -407,21 +388,10 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             self.engine.close()  # running requests end at their next step
             close_each(self.engine.batch, self.engine.ctx, self.engine.draft)
         with self._embed_lock:
-            if self._embed is not None:
-                self._embed[1].close()
-                self._embed[0].close()
-                self._embed = None
-            # the projector and the rerank context sit on the weights, so they go first
-            close_each(self._projector, self._reranker)
-            self._projector = self._reranker = None
+            # the embedding, projector and rerank contexts sit on the weights, so they go first
+            close_each(self._embed, self._projector, self._reranker)
+            self._embed = self._projector = self._reranker = None
         close_each(self._draft_model, self.model)
-
-
-def close_each(*resources: Any) -> None:
-    """Close each of `resources` that is there (not None), in order."""
-    for resource in resources:
-        if resource is not None:
-            resource.close()
 
 
 def capabilities() -> Capabilities:

@@ -18,6 +18,7 @@ from localrt.backends.checks import check_kv_cache_type
 from localrt.backends.checks import check_model_file
 from localrt.backends.grammar import grammar_sampler
 from localrt.backends.llama_params import flash_attn_type
+from localrt.backends.outputs import float_row
 from localrt.errors import LocalrtError
 from localrt.errors import OptionError
 
@@ -161,10 +162,9 @@ class Batch:
 
 
 def logits_row(lib: Any, ctx: Any, row: int, n_vocab: int) -> np.ndarray:
-    ptr = lib.llama_get_logits_ith(ctx, row)
-    if not ptr:
-        raise LocalrtError(f"llama.cpp has no logits for batch row {row}")
-    return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+    return float_row(
+        lib.llama_get_logits_ith(ctx, row), n_vocab, f"llama.cpp has no logits for batch row {row}"
+    )
 
 
 def make_sampler(

@@ -35,6 +35,7 @@ from localrt.backends.base import GenerateRequest
 from localrt.backends.base import TextAssembler
 from localrt.backends.base import Timings
 from localrt.backends.base import TokenLogprob
+from localrt.backends.base import close_each
 from localrt.backends.base import common_prefix
 from localrt.backends.base import longest_prefix
 from localrt.backends.engine_thread import EngineThread
@@ -253,8 +254,7 @@ class DraftContext(SeqContext):
         return True
 
     def close(self) -> None:
-        self.batch.close()
-        self.ctx.close()
+        close_each(self.batch, self.ctx)
 
 
 class BatchedContext(RequestQueues, EngineThread, SeqContext):
