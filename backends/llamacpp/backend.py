@@ -143,16 +143,8 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         n_seq_max = self.n_parallel  # idle sequences stay cached in the ids no request is using
         self.threads = opts.num_thread or default_threads()
         step_tokens = max(self.n_parallel * 2, min(opts.num_batch, self.context_length))
-        params = context_params(
-            opts,
-            n_ctx=-(-self.context_length // 256) * 256 * n_seq_max,  # llama.cpp pads each stream to 256
-            n_batch=step_tokens,
-            # one micro-batch per step: its rows share one pass over the weights (each sequence brings at
-            # most EXACT_ROWS of them, which keeps batching invisible: see step.py)
-            n_ubatch=step_tokens,
-            n_seq_max=n_seq_max,
-            threads=self.threads,
-        )
+        n_ctx = -(-self.context_length // 256) * 256 * n_seq_max  # llama.cpp pads each stream to 256
+        params = context_params(opts, n_ctx, step_tokens, n_seq_max, self.threads)
         self.ctx_params = params
         ctx = create_context(m, params)
         draft = self._load_draft(Path(opts.draft_model), params) if opts.draft_model is not None else None

@@ -84,13 +84,14 @@ def load_model(path: Path, opts: LoadOptions) -> tuple[Any, bool]:
     return model, use_gpu and n_gpu != 0
 
 
-def context_params(
-    opts: LoadOptions, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int, threads: int
-) -> Any:
+def context_params(opts: LoadOptions, n_ctx: int, step_tokens: int, n_seq_max: int, threads: int) -> Any:
+    """A batched context's parameters: `n_ctx` cells over `n_seq_max` sequences, up to `step_tokens`
+    batch rows a step."""
     p = _lib().llama_context_default_params()
     p.n_ctx = n_ctx
-    p.n_batch = n_batch
-    p.n_ubatch = n_ubatch
+    # one micro-batch per step: its rows share one pass over the weights (each sequence brings at most
+    # EXACT_ROWS of them, which keeps batching invisible: see step.py)
+    p.n_batch = p.n_ubatch = step_tokens
     p.n_seq_max = n_seq_max
     # A stream of cells per sequence, not one pool: the CPU flash-attention kernel walks a sequence's cells
     # in cell order, and in a shared pool a sequence's later tokens land in holes other sequences left
