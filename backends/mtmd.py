@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
@@ -66,57 +65,10 @@ class MediaPrompt:
     _lists: list[Any] = field(default_factory=list)
     _projector: Projector | None = None
 
-    @property
-    def text_tokens(self) -> list[int]:
-        return [c for c in self.cells if isinstance(c, int)]
-
-    def cut(self, n: int) -> int:
-        """The largest cell count <= n that does not end inside an image (a KV cut must not split one)."""
-        for s in self.spans:
-            if s.start < n < s.start + s.n_tokens:
-                return s.start
-        return n
-
     def position_gaps(self) -> list[tuple[int, int]]:
         """(cell count after an image, positions it did not advance) for M-RoPE images, for a record that
-        outlives this prompt (`position(n)` is n minus the gaps ending at or before n)."""
+        outlives this prompt (the position after n cells is n minus the gaps ending at or before n)."""
         return [(s.start + s.n_tokens, s.n_tokens - s.n_pos) for s in self.spans if s.n_tokens != s.n_pos]
-
-    def position(self, n: int) -> int:
-        """The position after the first n cells (n past the prompt: generated text follows one per cell)."""
-        gap = sum(s.n_tokens - s.n_pos for s in self.spans if s.start + s.n_tokens <= n)
-        return n - gap
-
-    def evaluate(
-        self,
-        lctx: Any,
-        seq_id: int,
-        start: int,
-        end: int,
-        n_batch: int,
-        decode_text: Callable[[list[int]], None],
-        record_image: Callable[[list[Cell]], None],
-    ) -> int:
-        """Evaluate cells [start, end) into `lctx` for `seq_id`; returns how many were image cells.
-
-        `start` and `end` must not fall inside an image (see `cut`). Text runs go to `decode_text`, which
-        appends them at the sequence's next positions (the caller's batch and bookkeeping); an image chunk
-        is encoded by the projector and decoded here at `position(its start)`, then its cells are handed
-        to `record_image` for the caller's record of the KV cache. No logits are requested.
-        """
-        assert self._projector is not None
-        encoded = 0
-        pos = start
-        for s in [s for s in self.spans if start <= s.start < end]:
-            if s.start > pos:
-                decode_text([c for c in self.cells[pos : s.start] if isinstance(c, int)])
-            self._projector.eval_image(lctx, s.chunk, self.position(s.start), seq_id, n_batch)
-            record_image(self.cells[s.start : s.start + s.n_tokens])
-            encoded += s.n_tokens
-            pos = s.start + s.n_tokens
-        if end > pos:
-            decode_text([c for c in self.cells[pos:end] if isinstance(c, int)])
-        return encoded
 
     def close(self) -> None:
         if self._projector is not None:

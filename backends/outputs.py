@@ -75,9 +75,9 @@ def unit_vector(vector: np.ndarray) -> list[float]:
     return (vec / norm if norm > 0 else vec).tolist()
 
 
-def float_row(ptr: Any, width: int, missing: str) -> np.ndarray:
-    """`width` floats at a pointer llama.cpp returned (a view into its buffer, valid until its next
-    call); `missing` is the error when it returned none."""
+def float_array(ptr: Any, shape: tuple[int, ...], missing: str) -> np.ndarray:
+    """The floats at a pointer llama.cpp returned, as an array of `shape` (a view into its buffer, valid
+    until its next call); `missing` is the error when it returned none."""
     if not ptr:
         raise LocalrtError(missing)
-    return np.ctypeslib.as_array(ptr, shape=(width,))
+    return np.ctypeslib.as_array(ptr, shape=shape)

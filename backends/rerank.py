@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from localrt.backends.base import close_each
-from localrt.backends.outputs import float_row
+from localrt.backends.outputs import float_array
 from localrt.errors import LocalrtError
 
 POOLING_RANK = 4  # LLAMA_POOLING_TYPE_RANK
@@ -72,7 +72,7 @@ class PooledContext:
         except RuntimeError as e:
             raise LocalrtError(f"llama.cpp {self.purpose} failed: {e}") from None
         ptr = lib.llama_get_embeddings_seq(ctx.ctx, 0) or lib.llama_get_embeddings_ith(ctx.ctx, -1)
-        return float_row(ptr, width, f"llama.cpp returned no {self.purpose} output")
+        return float_array(ptr, (width,), f"llama.cpp returned no {self.purpose} output")
 
     def close(self) -> None:
         close_each(self.batch, self.ctx)
@@ -84,10 +84,9 @@ class Reranker:
     def __init__(self, lib: Any, model: Any, metadata: dict[str, str], n_ctx: int, n_threads: int) -> None:
         self.lib, self.model = lib, model
         self.template = metadata.get("tokenizer.chat_template.rerank")
-        train = model.n_ctx_train()
-        self.n_ctx = max(16, min(n_ctx, train) if train > 0 else n_ctx)
+        # n_ctx: the loaded model's context (`base.loaded_context`: already within what it was trained for)
         self.pooled = PooledContext(
-            lib, model, self.n_ctx, (n_threads, n_threads), lib.LLAMA_POOLING_TYPE_RANK, "rerank"
+            lib, model, n_ctx, (n_threads, n_threads), lib.LLAMA_POOLING_TYPE_RANK, "rerank"
         )
         self._lock = threading.Lock()
 
@@ -117,10 +116,10 @@ class Reranker:
         with self._lock:
             for i, document in enumerate(documents):
                 tokens = self.pair_tokens(query, document)
-                if len(tokens) > self.n_ctx:
+                if len(tokens) > self.pooled.n_ctx:
                     raise LocalrtError(
                         f"the query and document {i} are {len(tokens)} tokens, more than the reranker's "
-                        f"context of {self.n_ctx}"
+                        f"context of {self.pooled.n_ctx}"
                     )
                 out.append(self._score(tokens))
                 n_tokens += len(tokens)

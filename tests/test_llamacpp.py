@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
+from localrt.backends import registry  # noqa: E402
 from localrt.backends.base import DoneEvent  # noqa: E402
 from localrt.backends.base import GenerateRequest  # noqa: E402
 from localrt.backends.base import LoadOptions  # noqa: E402
@@ -66,7 +67,7 @@ def test_capabilities() -> None:
     assert caps.grammar
     assert caps.embedding
     assert caps.parallel_slots == 1
-    assert LlamaCppBackend.availability() == (True, "")
+    assert registry.status("llama.cpp").installed  # the import checks and the backend's own
 
 
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0"])

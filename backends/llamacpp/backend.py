@@ -40,6 +40,7 @@ from localrt.backends.mtmd import Projector  # issue 19: images through libmtmd
 from localrt.backends.outputs import embedding_tokens
 from localrt.backends.outputs import empty_score
 from localrt.backends.outputs import fill_score
+from localrt.backends.outputs import float_array
 from localrt.backends.outputs import unit_vector
 from localrt.backends.rerank import PooledContext
 from localrt.backends.rerank import Reranker  # issue 19: rank pooling
@@ -332,7 +333,9 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
 
     def _take_scores(self, ctx: Any, tokens: list[int], start: int, count: int, result: ScoreResult) -> None:
         """The chunk's logits rows (tokens[start : start+count]) into the result; the last token scores nothing."""
-        block = np.ctypeslib.as_array(self.lib.llama_get_logits(ctx), shape=(count, self.n_vocab))
+        block = float_array(
+            self.lib.llama_get_logits(ctx), (count, self.n_vocab), "llama.cpp returned no logits to score"
+        )
         for s in range(0, count, 64):  # bounded temporaries
             first = start + s
             last = min(first + min(64, count - s), len(tokens) - 1)
@@ -364,14 +367,11 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             check_loaded(self._closed)
             pooled = self._embed_context()
             n_embd = self.model.n_embd()
-            return [
-                unit_vector(
-                    pooled.pool(
-                        embedding_tokens(self.tokenize, text, pooled.n_ctx, self.eos_token_ids), n_embd
-                    )
-                )
-                for text in texts
-            ]
+            vectors = []
+            for text in texts:
+                tokens = embedding_tokens(self.tokenize, text, pooled.n_ctx, self.eos_token_ids)
+                vectors.append(unit_vector(pooled.pool(tokens, n_embd)))
+            return vectors
 
     # -- lifetime --
     def _free(self) -> None:

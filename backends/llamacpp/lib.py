@@ -18,7 +18,7 @@ from localrt.backends.checks import check_kv_cache_type
 from localrt.backends.checks import check_model_file
 from localrt.backends.grammar import grammar_sampler
 from localrt.backends.llama_params import flash_attn_type
-from localrt.backends.outputs import float_row
+from localrt.backends.outputs import float_array
 from localrt.errors import LocalrtError
 from localrt.errors import OptionError
 
@@ -163,8 +163,8 @@ class Batch:
 
 
 def logits_row(lib: Any, ctx: Any, row: int, n_vocab: int) -> np.ndarray:
-    return float_row(
-        lib.llama_get_logits_ith(ctx, row), n_vocab, f"llama.cpp has no logits for batch row {row}"
+    return float_array(
+        lib.llama_get_logits_ith(ctx, row), (n_vocab,), f"llama.cpp has no logits for batch row {row}"
     )
 
 

@@ -459,7 +459,7 @@ class BatchedContext(RequestQueues, EngineThread, SeqContext):
             src = self._free_seq(-1, 0, len(prompt_cells))
             n = n_saved if self._restore(saved, src) else 0
         n = min(n, len(prompt_cells) - 1)  # at least one token is evaluated, for its logits
-        n = _cut(prompt, n)  # never start inside an external chunk
+        n = _chunk_boundary(prompt, n)  # never start inside an external chunk
         seq = self._free_seq(src, n, len(prompt_cells))
         if self.cells[seq] and (seq != src or n < len(self.cells[seq])):
             self._save(seq)  # an idle conversation loses cells: keep its state in RAM
@@ -816,7 +816,7 @@ def _spans(prompt: Sequence[PromptItem]) -> Iterator[tuple[int, int, PromptItem]
         start = end
 
 
-def _cut(prompt: Sequence[PromptItem], n_cells: int) -> int:
+def _chunk_boundary(prompt: Sequence[PromptItem], n_cells: int) -> int:
     """The largest cell count <= n_cells that does not end inside an external chunk."""
     return next((start for start, end, _ in _spans(prompt) if end > n_cells), n_cells)
 

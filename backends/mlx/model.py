@@ -269,11 +269,9 @@ class Transformer:
         """Dequantize every matrix `Linear` multiplies by, once, into the compute dtype (a tied head stays
         shared): with an optimized BLAS under MLX (blas.py) a dense product over a batch costs about
         one row, the quantized one a row per row."""
-        done: dict[int, mx.array] = {}
-        for obj in self._weights():
+        for obj in self._weights():  # a tied head is the embedding's own Linear: dense by its second visit
             if isinstance(obj, Linear) and isinstance(obj.weight, QuantizedWeight):
-                w = obj.weight
-                obj.weight = done.setdefault(id(w), w.dequantize().astype(self.dtype))
+                obj.weight = obj.weight.dequantize().astype(self.dtype)
         mx.eval(self.arrays())
 
     def _weights(self) -> list[Any]:

@@ -131,8 +131,10 @@ class Engine(EngineThread):
         window_blocks = min(window_blocks, num_blocks)
         self.pool = BlockPool(num_blocks, bs)
         self.window_pool = BlockPool(window_blocks, bs) if window else None
-        # sliding layers: CUDA graphs and the Triton kernel walk whole block tables, not windows
-        use_graphs = config.cuda_graphs and _graphs_available(self.device) and not window
+        # CUDA graphs decode through the Triton kernel, which walks whole block tables with plain scores:
+        # no sliding window, no soft-cap (StaticDecodeAttention serves neither)
+        plain = all(not b.attn_layer.window and not b.attn_layer.softcap for b in model.blk)
+        use_graphs = config.cuda_graphs and _graphs_available(self.device) and plain
         # graphs pad the batch; padded rows write their K/V into one extra block the pool never hands out
         self.cache = KVCache(
             cfg.block_count,
