@@ -161,8 +161,8 @@ class RemoteModel:
 
     def _headers(self, url: str) -> dict[str, str]:
         """The headers of one request to `url`: the endpoint is checked again first, then the key is
-        read from its variable (a rotated key needs no reload). A missing key is logged by name here
-        and answered without it: a client must not learn which variables are set."""
+        read from its variable (a rotated key needs no reload). A missing key is logged by name here;
+        the error a client sees names neither the variable nor its state."""
         if check_endpoint(url, self.insecure) != url:
             raise RemoteError(f"{url} is not a checked endpoint of remote model {self.upstream_model}")
         if not self.api_key_env:
