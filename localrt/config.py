@@ -170,3 +170,13 @@ def context_length(default: int = 4096) -> int:
     if value < 1:
         raise LocalrtError(f"LOCALRT_CONTEXT_LENGTH must be a positive integer, got {value}")
     return value
+
+
+def allowed_hosts() -> list[str]:
+    """LOCALRT_ALLOWED_HOSTS: more names for the Host header (loopback and this machine's always pass)."""
+    return [h.strip().lower() for h in setting("LOCALRT_ALLOWED_HOSTS").split(",") if h.strip()]
+
+
+def remote_key_envs() -> list[str]:
+    """LOCALRT_REMOTE_KEY_ENVS: variables an API client may name as a remote's api_key_env (default none)."""
+    return [v.strip() for v in setting("LOCALRT_REMOTE_KEY_ENVS").split(",") if v.strip()]

@@ -149,13 +149,24 @@ def remote_modelfile_text(model: ResolvedModel) -> str:
 
 
 def remote_health(model: ResolvedModel) -> list[tuple[str, str]]:
-    """(endpoint, "ok" or why it is down) of a remote model, probed now."""
+    """(endpoint, "ok" or why it is down) of a remote model, probed now; an endpoint that fails the
+    URL rules (a pulled config never met `create`'s) is shown with the reason and never contacted."""
     from localrt.store.remote import api_key
+    from localrt.store.remote import check_endpoint
     from localrt.store.remote import probe
 
     remote = model.remote or {}
+    urls = [str(u) for u in remote.get("endpoints", [])]
     try:
         key = api_key(remote.get("api_key_env"), model.name.display)
-    except LocalrtError as e:  # an unset key variable is worth showing, not a failure of `show`
-        return [(url, f"not checked ({e})") for url in remote.get("endpoints", [])]
-    return [(url, probe(url, key)) for url in remote.get("endpoints", [])]
+    except LocalrtError as e:  # a missing key is worth showing, not a failure of `show`
+        return [(url, f"not checked ({e})") for url in urls]
+    rows = []
+    for url in urls:
+        try:
+            checked = check_endpoint(url, remote.get("insecure") is True)
+        except LocalrtError as e:
+            rows.append((url, f"refused ({e})"))
+            continue
+        rows.append((url, probe(checked, key)))
+    return rows

@@ -50,6 +50,65 @@ def test_local_host_headers_pass(server: LocalrtServer, host: str) -> None:
     assert httpx.get(server.url + "/api/tags", headers={"Host": host}).status_code == 200
 
 
+@pytest.mark.parametrize("host", ["evil.example", "192.168.1.7:11434", "10.0.0.1", "printer.local"])
+def test_private_addresses_and_names_are_not_this_machine(server: LocalrtServer, host: str) -> None:
+    """A rebinding name may point at a LAN address as well as at loopback: only this machine's own
+    names and addresses pass, not every private one."""
+    assert httpx.get(server.url + "/api/tags", headers={"Host": host}).status_code == 403
+
+
+def test_this_machines_own_name_passes(server: LocalrtServer) -> None:
+    import socket
+
+    r = httpx.get(server.url + "/api/tags", headers={"Host": f"{socket.gethostname()}:{server.port}"})
+    assert r.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def wide_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalrtServer]:
+    """Bound to every interface (as in a container, or to reach it from the LAN); reached via 127.0.0.1."""
+    from tests.servers.serve import free_port
+
+    root = tmp_path_factory.mktemp("api-wide")
+    port = free_port()
+    env = {"LOCALRT_HOST": f"0.0.0.0:{port}", "LOCALRT_ALLOWED_HOSTS": "models.example, gpu-box"}
+    srv = LocalrtServer(root / "models", root / "serve.log", env=env, port=port)
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize(
+    "method, path", [("GET", "/api/tags"), ("POST", "/api/create"), ("POST", "/api/chat")]
+)
+def test_rebinding_is_refused_when_bound_wide(wide_server: LocalrtServer, method: str, path: str) -> None:
+    """The attacker's page at http://rebind.evil:PORT, its name now pointing here: same Host and Origin."""
+    port = wide_server.port
+    headers = {"Host": f"rebind.evil:{port}", "Origin": f"http://rebind.evil:{port}"}
+    r = httpx.request(method, wide_server.url + path, headers=headers, json={"model": "x"})
+    assert r.status_code == 403, r.text
+    assert "Host" in r.json()["error"]
+
+
+def test_same_origin_is_no_pass_for_a_listed_host(wide_server: LocalrtServer) -> None:
+    """A name in LOCALRT_ALLOWED_HOSTS is served; a page on it still needs its Origin listed."""
+    port = wide_server.port
+    assert (
+        httpx.get(wide_server.url + "/api/tags", headers={"Host": f"models.example:{port}"}).status_code
+        == 200
+    )
+    assert httpx.get(wide_server.url + "/api/tags", headers={"Host": "gpu-box"}).status_code == 200
+    same_origin = {"Host": f"models.example:{port}", "Origin": f"http://models.example:{port}"}
+    r = httpx.get(wide_server.url + "/api/tags", headers=same_origin)
+    assert r.status_code == 403
+    assert "origin" in r.json()["error"]
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "[::1]"])
+def test_loopback_still_passes_when_bound_wide(wide_server: LocalrtServer, host: str) -> None:
+    r = httpx.get(wide_server.url + "/api/tags", headers={"Host": f"{host}:{wide_server.port}"})
+    assert r.status_code == 200
+
+
 @pytest.mark.parametrize(
     "method, path",
     [

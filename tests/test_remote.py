@@ -261,9 +261,9 @@ def test_ps_list_show_rm(front: LocalrtServer, client: ollama.Client, upstream: 
     assert "far-copy:latest" not in run("list").stdout
 
 
-def test_create_remote_through_a_running_server(front: LocalrtServer, upstream: LocalrtServer) -> None:
-    """`localrt create --remote` with a server up goes through /api/create; the server asks the
-    upstream for its one model, with the key from the server's own environment."""
+def test_create_remote_while_a_server_runs(front: LocalrtServer, upstream: LocalrtServer) -> None:
+    """`localrt create --remote` with a server up writes the store itself (it asks the upstream for its
+    one model with the key from its own environment), and the running server serves the new model."""
     cmd = [
         sys.executable,
         "-m",
@@ -275,12 +275,13 @@ def test_create_remote_through_a_running_server(front: LocalrtServer, upstream: 
         "--api-key-env",
         "FAR_KEY",
     ]
-    env = {k: v for k, v in front.env.items() if k != "FAR_KEY"}  # the CLI's side has no key
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=front.env, timeout=120)
     assert r.returncode == 0, r.stderr
     resolved = Store(Path(front.env["LOCALRT_MODELS"])).resolve("asked")
     assert resolved.remote["model"] == UPSTREAM_MODEL
     assert resolved.remote["endpoints"] == [upstream.url + "/v1"]
+    answer = ollama.Client(host=front.url, timeout=300).chat("asked", messages=PARIS, options=GREEDY)
+    assert "Paris" in answer.message.content
     Store(Path(front.env["LOCALRT_MODELS"])).remove(resolved.name)
 
 

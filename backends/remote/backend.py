@@ -10,7 +10,8 @@ went away) closes the upstream connection and the upstream stops generating.
 Retries: a request that fails before its first token is tried on the next endpoint of the pool;
 after the first token it fails (a half answer cannot be resumed elsewhere). The API key comes from
 the environment variable the config names, is sent only in requests to the configured endpoints,
-and redirects are never followed.
+and redirects are never followed. The endpoints are checked here, at load and before each request,
+whoever wrote the config (a pulled manifest never met `create`'s checks).
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ from localrt.backends.remote.pool import Endpoint
 from localrt.backends.remote.pool import Pool
 from localrt.errors import LocalrtError
 from localrt.errors import ServerBusy
+from localrt.store.remote import check_endpoint
+from localrt.store.remote import missing_key_message
 
+log = logging.getLogger("localrt.remote")
 # httpx logs every request at INFO: with a health check per endpoint every few seconds that would
 # bury the server's own log lines
 logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -101,9 +105,12 @@ class RemoteBackend:
             section = config["remote"]
             urls = [str(u) for u in section["endpoints"]]
             model = str(section["model"])
-        except (OSError, ValueError, KeyError, TypeError):
+            key_env = section.get("api_key_env")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             raise LocalrtError(f"{path} is not a remote model's config") from None
-        return RemoteModel(urls, model, section.get("api_key_env"), opts)
+        if key_env is not None and not isinstance(key_env, str):
+            raise LocalrtError(f"{path} is not a remote model's config")
+        return RemoteModel(urls, model, key_env, opts, insecure=section.get("insecure") is True)
 
 
 class RemoteModel:
@@ -113,11 +120,22 @@ class RemoteModel:
     add_bos = False
     n_vocab = REMOTE_VOCAB
 
-    def __init__(self, urls: list[str], model: str, api_key_env: str | None, opts: LoadOptions) -> None:
-        if not urls or not all(u.startswith(("http://", "https://")) for u in urls):
-            raise LocalrtError("a remote model's endpoints must be http(s) URLs")
+    def __init__(
+        self,
+        urls: list[str],
+        model: str,
+        api_key_env: str | None,
+        opts: LoadOptions,
+        *,
+        insecure: bool = False,
+    ) -> None:
+        if not urls:
+            raise LocalrtError("a remote model needs at least one endpoint URL")
+        self.insecure = insecure
+        urls = list(dict.fromkeys(check_endpoint(u, insecure) for u in urls))
         self.upstream_model = model
         self.api_key_env = api_key_env or None
+        self._headers(urls[0])  # a missing key is one clear error now, not every endpoint "down"
         self.eos_token_ids: list[int] = []
         self.metadata = {"general.architecture": "remote", "general.name": model}
         self.processor = f"remote ({len(urls)} endpoint{'s' if len(urls) != 1 else ''})"
@@ -141,15 +159,20 @@ class RemoteModel:
     def _timeout() -> httpx.Timeout:
         return httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT)
 
-    def _headers(self) -> dict[str, str]:
-        """The key, read from its variable for each request (a rotated key needs no reload)."""
+    def _headers(self, url: str) -> dict[str, str]:
+        """The headers of one request to `url`: the endpoint is checked again first, then the key is
+        read from its variable (a rotated key needs no reload). A missing key is logged by name here;
+        the error a client sees names neither the variable nor its state."""
+        if check_endpoint(url, self.insecure) != url:
+            raise RemoteError(f"{url} is not a checked endpoint of remote model {self.upstream_model}")
         if not self.api_key_env:
             return {}
         key = os.environ.get(self.api_key_env)
         if not key:
-            raise RemoteError(
-                f"environment variable {self.api_key_env} (the API key of {self.upstream_model}) is not set"
+            log.warning(
+                "the variable %s holding a remote model's API key is unset or empty", self.api_key_env
             )
+            raise RemoteError(missing_key_message(self.upstream_model), 400)
         return {"Authorization": f"Bearer {key}"}
 
     def _scrub(self, text: str) -> str:
@@ -169,7 +192,7 @@ class RemoteModel:
     def _probe(self, endpoint: Endpoint) -> str | None:
         """A health check: /health at the server root, else the model list."""
         try:
-            headers = self._headers()
+            headers = self._headers(endpoint.url)
         except RemoteError as e:
             return str(e)
         reason = "no answer"
@@ -187,7 +210,9 @@ class RemoteModel:
         """vLLM and SGLang report the served context (`max_model_len`) in their model list."""
         for endpoint in self.pool.order():
             with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError, RemoteError):
-                r = self._sync.get(endpoint.url + "/models", headers=self._headers(), timeout=PROBE_TIMEOUT)
+                r = self._sync.get(
+                    endpoint.url + "/models", headers=self._headers(endpoint.url), timeout=PROBE_TIMEOUT
+                )
                 for item in r.json().get("data") or []:
                     if item.get("id") == self.upstream_model and isinstance(item.get("max_model_len"), int):
                         return int(item["max_model_len"])
@@ -263,7 +288,7 @@ class RemoteModel:
         finish: str | None = None
         try:
             async with self._client().stream(
-                "POST", endpoint.url + path, json=body, headers=self._headers()
+                "POST", endpoint.url + path, json=body, headers=self._headers(endpoint.url)
             ) as resp:
                 if resp.status_code != 200:
                     raise self._endpoint_failure(endpoint, resp.status_code, await resp.aread())
@@ -325,7 +350,7 @@ class RemoteModel:
         for endpoint in self.pool.order():
             try:
                 r = await self._client().post(
-                    endpoint.url + "/embeddings", json=body, headers=self._headers()
+                    endpoint.url + "/embeddings", json=body, headers=self._headers(endpoint.url)
                 )
             except httpx.HTTPError as e:
                 failures.append(f"{endpoint.url} ({_transport_reason(e)})")
@@ -354,9 +379,9 @@ class RemoteModel:
     def _post_sync(self, attempts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         """The first of `(url suffix at the server root, body)` the upstream answers; tokenize and
         detokenize live at different paths on vLLM/llama-server (`/tokenize`) and localrt (`/api/...`)."""
-        headers = self._headers()
         tried = []
         for endpoint in self.pool.order():
+            headers = self._headers(endpoint.url)
             for suffix, body in attempts:
                 try:
                     r = self._sync.post(endpoint.root + suffix, json=body, headers=headers)

@@ -1,8 +1,9 @@
 """Secure-by-default request gate (SPEC 7), as one pure ASGI middleware so streams pass untouched.
 
-In order: body size cap, Host check against DNS rebinding (only when bound to loopback), Origin
-allow-list on every method (a foreign page's "simple" POST carries an Origin and is refused), and
-the optional API key compared in constant time.
+In order: Host check against DNS rebinding (however the server is bound: a page on a name the attacker
+controls can point that name at any address of this machine), Origin allow-list on every method (a
+foreign page's "simple" POST carries an Origin and is refused), the optional API key compared in
+constant time, and the body size cap. docs/security.md gives the threat model.
 """
 
 from __future__ import annotations
@@ -66,35 +67,57 @@ def allowed_origins() -> list[str]:
     return [*DEFAULT_ORIGINS, *config.extra_origins()]
 
 
-def origin_allowed(origin: str, host_header: str, patterns: list[str]) -> bool:
-    if origin in (f"http://{host_header}", f"https://{host_header}"):
-        return True  # same origin
+def origin_allowed(origin: str, patterns: list[str]) -> bool:
+    """An Origin matches the allow-list, nothing else: "same origin" would let a rebound name through,
+    since the attacker's page and its Host header then carry the same name."""
     return any(fnmatch.fnmatchcase(origin.lower(), p.lower()) for p in patterns)
 
 
-def is_loopback_bind(bind_host: str) -> bool:
-    if bind_host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(bind_host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def host_allowed(host_header: str) -> bool:
-    """Ollama's rule: loopback/private/unspecified IPs, localhost, this machine, *.localhost|.local|.internal."""
+def host_name(host_header: str) -> str:
+    """The name or address of a Host header: lowercased, without its port, brackets or trailing dot."""
     host = host_header.strip().lower()
     if host.startswith("["):
         host = host[1:].split("]", 1)[0]
     elif host.count(":") == 1:
         host = host.rsplit(":", 1)[0]
-    if host in ("", "localhost") or host.endswith((".localhost", ".local", ".internal")):
-        return True
+    return _canonical(host.rstrip("."))
+
+
+def _canonical(name: str) -> str:
+    """An address in one spelling (`::ffff:7f00:1` and `::FFFF:127.0.0.1` alike), a name as it is."""
+    try:
+        return str(ipaddress.ip_address(name.split("%", 1)[0]))
+    except ValueError:
+        return name
+
+
+def known_hosts(bind_host: str) -> frozenset[str]:
+    """Every Host this server answers to beside loopback: the machine's names and the addresses they
+    resolve to, the address it is bound to, and LOCALRT_ALLOWED_HOSTS (names; any port)."""
+    names = {socket.gethostname(), socket.getfqdn()}
+    addresses = set()
+    for name in names:
+        try:
+            addresses |= {str(info[4][0]) for info in socket.getaddrinfo(name, None)}
+        except OSError:
+            continue  # a hostname DNS does not know: the name itself still counts
+    mdns = {f"{n}.local" for n in names if n and "." not in n and n != "localhost"}  # Bonjour, Avahi
+    found = {*names, *mdns, *addresses, bind_host, *config.allowed_hosts()}
+    return frozenset(host_name(n) for n in found if n)
+
+
+def host_allowed(host_header: str, known: frozenset[str]) -> bool:
+    """Loopback names and addresses always; otherwise only `known` (see known_hosts)."""
+    host = host_name(host_header)
+    if host in ("", "localhost") or host.endswith(".localhost"):
+        return True  # no Host at all is a client speaking HTTP/1.0, never a browser
     try:
         ip = ipaddress.ip_address(host)
-        return ip.is_loopback or ip.is_private or ip.is_unspecified or ip.is_link_local
     except ValueError:
-        return host == socket.gethostname().lower()
+        return host in known
+    # 0.0.0.0 and :: reach this machine itself; a mapped ::ffff:127.0.0.1 is loopback too
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return ip.is_loopback or ip.is_unspecified or bool(mapped and mapped.is_loopback) or host in known
 
 
 class SecurityMiddleware:
@@ -102,7 +125,7 @@ class SecurityMiddleware:
         self, app: ASGIApp, *, bind_host: str, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY
     ) -> None:
         self.app = app
-        self.check_host = is_loopback_bind(bind_host)
+        self.hosts = known_hosts(bind_host)
         self.api_key = api_key
         self.max_body = max_body
         self.origins = allowed_origins()
@@ -115,11 +138,16 @@ class SecurityMiddleware:
         path: str = scope.get("path", "")
         style = error_style(path)
         host = headers.get("host", "")
-        if self.check_host and not host_allowed(host):
-            await reply(send, 403, "forbidden: Host header is not allowed", style)
+        if not host_allowed(host, self.hosts):
+            await reply(
+                send,
+                403,
+                "forbidden: Host header is not allowed (list the name in LOCALRT_ALLOWED_HOSTS)",
+                style,
+            )
             return
         origin = headers.get("origin")
-        if origin is not None and not origin_allowed(origin, host, self.origins):
+        if origin is not None and not origin_allowed(origin, self.origins):
             await reply(send, 403, f"forbidden: origin {origin!r} is not allowed", style)
             return
         cors_headers = cors_for(origin)

@@ -1,7 +1,8 @@
 """The store commands: `pull`, `push`, `list`/`ls`, `show`, `rm`, `cp`, `create`, each through the client.
 
 With a `localrt serve` at LOCALRT_HOST they are requests to it (so its runtime unloads a removed model,
-and a model it pulls is in its store); without one they work on the store in this process.
+and a model it pulls is in its store); without one they work on the store in this process. `create
+--remote` always writes the store itself (see create_remote_here).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from localrt.format import print_table
 
 if TYPE_CHECKING:  # the client module (and the runtime behind it) loads on first use
     from localrt.client import Client
+    from localrt.client import CreateSpec
     from localrt.client import ModelDetails
 
 
@@ -245,9 +247,36 @@ def cmd_create(args: argparse.Namespace) -> int:
         projector_path=args.mmproj,
         imatrix_path=args.imatrix,
     )
-    name = with_client(lambda client: client.create(spec))
+    name = create_remote_here(spec) if is_remote(spec) else with_client(lambda client: client.create(spec))
     print(f"success: created '{name}'")
     return 0
+
+
+def is_remote(spec: CreateSpec) -> bool:
+    from localrt.store.modelfile import parse_modelfile
+
+    return bool(spec.remote) or (
+        spec.modelfile_text is not None and bool(parse_modelfile(spec.modelfile_text).remotes)
+    )
+
+
+def create_remote_here(spec: CreateSpec) -> str:
+    """A remote model is written into the store by this process, even while a server runs: the CLI runs
+    as the user, so it may name any variable as the key's, which the API refuses to a client (the
+    server's API takes only LOCALRT_REMOTE_KEY_ENVS). The server reads the new manifest from the store."""
+    from localrt.store.modelfile import create
+
+    return create(
+        spec.model,
+        modelfile_text=spec.modelfile_text,
+        base_dir=spec.base_dir,
+        quantize=spec.quantize,
+        remote=spec.remote,
+        remote_model=spec.remote_model,
+        api_key_env=spec.api_key_env,
+        insecure=spec.insecure,
+        projector_path=spec.projector_path,
+    ).display
 
 
 def read_modelfile(args: argparse.Namespace) -> tuple[str | None, str | None]:

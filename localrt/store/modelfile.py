@@ -28,6 +28,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
+from localrt import config
 from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 from localrt.store.names import DIGEST_RE
@@ -667,6 +668,7 @@ def _remote_from_request(
         system=fields.get("system"),
         template=fields.get("template"),
         license_text=license_text,
+        key_envs=config.remote_key_envs(),  # an API client names only what the server's owner listed
     )
 
 

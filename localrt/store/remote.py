@@ -4,8 +4,10 @@
                   "remote": {"endpoints": ["https://gpu-1:8000/v1", ...], "model": "<upstream id>",
                              "api_key_env": "VAR" | null, "insecure": false}}
 
-A key is never written: only the name of the environment variable that holds it. The `remote`
-backend (backends/remote) reads this section when the runtime loads the model.
+A key is never written: only the name of the environment variable that holds it. Who may name which
+variable is the point (docs/security.md): the CLI runs as the user and may name any; an API client only
+those in LOCALRT_REMOTE_KEY_ENVS; a pulled manifest none (`from_registry` drops it). The `remote` backend
+(backends/remote) reads this section when the runtime loads the model, and checks the endpoints again.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import re
 import urllib.parse
+from collections.abc import Collection
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,25 +90,37 @@ def check_endpoint(url: str, insecure: bool = False) -> str:
     return urllib.parse.urlunsplit((scheme, netloc, path, "", ""))
 
 
-def check_api_key_env(name: str | None) -> str | None:
+def check_api_key_env(name: str | None, allowed: Collection[str] | None = None) -> str | None:
+    """The variable a remote model reads its key from. `allowed` (an API client's request) limits the
+    choice; its refusal reads the same whether the variable exists or not, and does not echo the name."""
     if name is None or name == "":
         return None
     if not _ENV_NAME.match(name):
         raise RemoteConfigError(
             "--api-key-env takes the name of an environment variable (like OPENAI_API_KEY), not a key"
         )
+    if allowed is not None and name not in allowed:
+        raise RemoteConfigError(
+            "api_key_env may name only a variable listed in the server's LOCALRT_REMOTE_KEY_ENVS; "
+            "to use any other, create the model with `localrt create --remote ... --api-key-env VAR`"
+        )
     return name
 
 
 def api_key(env_name: str | None, model: str = "") -> str | None:
-    """The key from the named variable, read when it is needed; a named but unset variable is an error."""
+    """The key from the named variable, read when it is needed; an unset or empty one is an error that
+    names neither the variable nor which of the two it is (an API client must not learn what is set)."""
     if not env_name:
         return None
     value = os.environ.get(env_name)
     if not value:
-        what = f" (the API key of remote model {model})" if model else ""
-        raise RemoteConfigError(f"environment variable {env_name}{what} is not set")
+        raise RemoteConfigError(missing_key_message(model))
     return value
+
+
+def missing_key_message(model: str) -> str:
+    what = f"remote model '{model}'" if model else "this remote model"
+    return f"the API key of {what} is not available to this server (see its api_key_env)"
 
 
 def upstream_models(endpoint: str, key: str | None, timeout: float = 10.0) -> list[str]:
@@ -156,9 +171,11 @@ def create_remote(
     template: str | None = None,
     license_text: str | None = None,
     replace_local: bool = True,
+    key_envs: Collection[str] | None = None,
 ) -> str:
     """Store a remote model; returns its manifest digest. Without `model`, the first endpoint is asked
-    for the one model it serves."""
+    for the one model it serves. `key_envs` are the variables `api_key_env` may name (None: any, as
+    for the CLI, which runs as the user)."""
     dest = parse_name(name) if isinstance(name, str) else name
     if dest.digest:
         raise LocalrtError(f"cannot create {dest}: a model name to write takes no @digest")
@@ -167,7 +184,7 @@ def create_remote(
         raise RemoteConfigError("a remote model needs at least one endpoint URL")
     if len(urls) > MAX_ENDPOINTS:
         raise RemoteConfigError(f"a remote pool takes at most {MAX_ENDPOINTS} endpoints")
-    env_name = check_api_key_env(api_key_env)
+    env_name = check_api_key_env(api_key_env, key_envs)
     if model is not None and (not isinstance(model, str) or not model.strip()):
         raise RemoteConfigError("--remote-model must name the upstream's model id")
     if not replace_local and _is_local(store, dest):
@@ -198,6 +215,30 @@ def create_remote(
         )
         with store.lock("manifest:" + str(dest.manifest_relpath()).lower()):
             return store.write_manifest(dest, manifest)
+
+
+# What a pulled remote config never keeps: the publisher of a manifest chooses neither which of this
+# machine's secrets go to its endpoints nor plain http across the network.
+LOCAL_ONLY_KEYS = ("api_key_env", "insecure")
+
+
+def from_registry(store: Store, raw: bytes) -> bytes:
+    """A pulled manifest as it may be stored: when its config is a remote model's, a config without
+    LOCAL_ONLY_KEYS is written and named instead (the manifest's digest then differs from the
+    registry's). Anything else comes back unchanged; the config blob must be in the store already."""
+    try:
+        manifest = json.loads(raw)
+        cfg_layer = manifest["config"]
+        config = json.loads(store.blob_path(cfg_layer["digest"]).read_bytes())
+        section = config["remote"] if config.get("model_format") == REMOTE_FORMAT else None
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        return raw  # not a remote model's config: the store's reader judges it as any other
+    if not isinstance(section, dict) or not any(k in section for k in LOCAL_ONLY_KEYS):
+        return raw
+    config["remote"] = {k: v for k, v in section.items() if k not in LOCAL_ONLY_KEYS}
+    digest, size = store.add_blob_bytes(json.dumps(config, sort_keys=True).encode())
+    manifest["config"] = {**cfg_layer, "digest": digest, "size": size}
+    return json.dumps(manifest).encode()
 
 
 def _is_local(store: Store, name: ModelName) -> bool:

@@ -28,6 +28,7 @@ from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 from localrt.errors import PullError
 from localrt.store.names import ModelName
+from localrt.store.remote import from_registry
 from localrt.store.sources.common import Progress
 from localrt.store.sources.common import ProgressFn
 from localrt.store.sources.common import as_digest
@@ -372,6 +373,6 @@ def _pull(
                 store.finalize_partial(digest)
             emit(Progress("writing manifest"))
             with store.lock("manifest:" + str(dest.manifest_relpath()).lower()):
-                digest = store.write_manifest(dest, raw)
+                digest = store.write_manifest(dest, from_registry(store, raw))
     emit(Progress("success"))
     return digest
