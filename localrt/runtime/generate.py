@@ -414,7 +414,7 @@ class Runtime:
             last = reply.whole
         timings = _merged_timings(reply.dones)
         if upstream is None:  # a remote upstream's cache is its own to report
-            self._own_cache_only(call, name, tokens, timings)
+            self._own_cache_only(call, name, tokens, images, reply.ids, timings)
         metrics = Metrics(
             **{
                 **dataclasses.asdict(timings),
@@ -437,10 +437,20 @@ class Runtime:
             context=[*tokens, *reply.ids] if want_context else None,
         )
 
-    def _own_cache_only(self, call: _Call, name: str, tokens: list[int], timings: Timings) -> None:
+    def _own_cache_only(
+        self,
+        call: _Call,
+        name: str,
+        tokens: list[int],
+        images: Sequence[ImageInput],
+        reply: list[int],
+        timings: Timings,
+    ) -> None:
         """Report as cached only what this request's tenant evaluated before; the rest of the engine's
         cache hit counts as evaluated, so no count tells one client what another sent."""
-        visible = self.prefixes.visible_cached(call.tenant, name, tokens, timings.cached_count)
+        cells = timings.prompt_eval_count + timings.cached_count
+        prompt = tenants.Prompt(name, tokens, [image.digest for image in images], cells)
+        visible = self.prefixes.visible_cached(call.tenant, prompt, timings.cached_count, reply)
         timings.prompt_eval_count += timings.cached_count - visible
         timings.cached_count = visible
 

@@ -20,10 +20,15 @@ import threading
 from collections.abc import Awaitable
 from collections.abc import Callable
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from localrt.backends.base import IMAGE_TOKEN
 
 BLOCK_TOKENS = 16  # a prefix is remembered, and reported, in whole blocks of this many tokens
 MAX_RECORDED_BLOCKS = 200_000  # all tenants together: about 20 MB of hashes
+MAX_ENDS = 32  # a tenant's most recent prompt and reply lengths, whose exact ends are looked up
+MAX_TENANTS = 4096
 KEY_HEADERS = (b"authorization", b"x-api-key")
 
 # The request's tenant, set where the request enters the server and read by the runtime
@@ -55,39 +60,99 @@ class TenantScope:
             current_tenant.reset(token)
 
 
-def _block_hashes(model: str, tokens: Sequence[int]) -> list[bytes]:
-    """Chained hashes of the whole blocks of `tokens`: the i-th names the prefix of (i+1) blocks."""
-    out: list[bytes] = []
-    previous = hashlib.blake2b(model.encode(), digest_size=16).digest()
-    for start in range(0, len(tokens) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
-        block = array.array("q", tokens[start : start + BLOCK_TOKENS]).tobytes()
-        previous = hashlib.blake2b(previous + block, digest_size=16).digest()
-        out.append(previous)
-    return out
+@dataclass
+class Prompt:
+    """One request's prompt as the engine caches it."""
+
+    model: str
+    tokens: Sequence[int]  # IMAGE_TOKEN where each image goes
+    images: Sequence[str]  # each image's digest, in order: an image is part of what the prefix is
+    cells: int  # its length in the engine's cache (an image takes many cells for its one token)
+
+
+class _Chain:
+    """Chained hashes of a token sequence's prefixes: whole blocks, and any length on request."""
+
+    def __init__(self, prompt: Prompt, tokens: Sequence[int]) -> None:
+        self.tokens = tokens
+        self.images = list(prompt.images)
+        self.first_image = next((i for i, t in enumerate(tokens) if t == IMAGE_TOKEN), len(tokens))
+        self.blocks: list[bytes] = []
+        self._seed = hashlib.blake2b(prompt.model.encode(), digest_size=16).digest()
+        self._image_index = [0] * (len(tokens) + 1)  # images before each position
+        for i, t in enumerate(tokens):
+            self._image_index[i + 1] = self._image_index[i] + (t == IMAGE_TOKEN)
+        previous = self._seed
+        for start in range(0, len(tokens) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+            previous = self._step(previous, start, start + BLOCK_TOKENS)
+            self.blocks.append(previous)
+
+    def _step(self, previous: bytes, start: int, end: int) -> bytes:
+        data = array.array("q", self.tokens[start:end]).tobytes()
+        pictures = self.images[self._image_index[start] : self._image_index[end]]
+        return hashlib.blake2b(previous + data + "".join(pictures).encode(), digest_size=16).digest()
+
+    def prefix(self, end: int) -> bytes:
+        """The hash of the first `end` tokens (a whole-block prefix hashes as its block does)."""
+        full = end // BLOCK_TOKENS
+        head = self.blocks[full - 1] if full else self._seed
+        return head if end == full * BLOCK_TOKENS else self._step(head, full * BLOCK_TOKENS, end)
 
 
 class PrefixRecord:
-    """The prompt prefixes each tenant has sent, per model, bounded (least recently used goes first)."""
+    """The prompt prefixes each tenant has sent, per model, with their length in cache cells; bounded
+    (the least recently used go first). Before a prompt's first image a token is a cell, so every
+    whole block is kept; past it only the exact ends of the tenant's own prompts and replies, whose
+    length in cells the engine reported."""
 
-    def __init__(self, max_blocks: int = MAX_RECORDED_BLOCKS) -> None:
-        self.max_blocks = max_blocks
-        self._seen: collections.OrderedDict[tuple[str | None, bytes], None] = collections.OrderedDict()
+    def __init__(self, max_entries: int = MAX_RECORDED_BLOCKS) -> None:
+        self.max_entries = max_entries
+        self._seen: collections.OrderedDict[tuple[str | None, bytes], int] = collections.OrderedDict()
+        self._ends: collections.OrderedDict[str | None, collections.deque[int]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def visible_cached(self, tenant: str | None, model: str, tokens: Sequence[int], cached: int) -> int:
-        """How much of the engine's `cached` count this tenant may be told: no more than the longest
-        prefix of `tokens` it sent itself before. Records this prompt's prefixes for its next request."""
-        hashes = _block_hashes(model, tokens)
+    def visible_cached(self, tenant: str | None, prompt: Prompt, cached: int, reply: Sequence[int]) -> int:
+        """How much of the engine's `cached` count (cells) this tenant may be told: no more than the
+        longest prefix of the prompt it sent itself before. Records this prompt and its reply."""
+        chain = _Chain(prompt, [*prompt.tokens, *reply])
         with self._lock:
-            own = 0
-            for h in hashes:
-                if (tenant, h) not in self._seen:
-                    break
-                own += 1
-            for h in hashes:
-                key = (tenant, h)
-                self._seen[key] = None
-                self._seen.move_to_end(key)
-            while len(self._seen) > self.max_blocks:
-                self._seen.popitem(last=False)
-        return min(cached, own * BLOCK_TOKENS)
+            own = self._own(tenant, chain, len(prompt.tokens))
+            self._record(
+                tenant,
+                chain,
+                {len(prompt.tokens): prompt.cells, len(chain.tokens): prompt.cells + len(reply)},
+            )
+        return min(cached, own)
+
+    def _own(self, tenant: str | None, chain: _Chain, length: int) -> int:
+        own = 0
+        for k, h in enumerate(chain.blocks):
+            cells = self._seen.get((tenant, h))
+            if (k + 1) * BLOCK_TOKENS > length or cells is None:
+                break
+            own = cells
+        for end in self._ends.get(tenant, ()):
+            if end <= length:
+                own = max(own, self._seen.get((tenant, chain.prefix(end)), 0))
+        return own
+
+    def _record(self, tenant: str | None, chain: _Chain, ends: dict[int, int]) -> None:
+        entries = [
+            (h, (k + 1) * BLOCK_TOKENS)
+            for k, h in enumerate(chain.blocks)
+            if (k + 1) * BLOCK_TOKENS <= chain.first_image
+        ]
+        entries += [(chain.prefix(end), cells) for end, cells in ends.items() if end]
+        for h, cells in entries:
+            key = (tenant, h)
+            self._seen[key] = cells
+            self._seen.move_to_end(key)
+        while len(self._seen) > self.max_entries:
+            self._seen.popitem(last=False)
+        recent = self._ends.setdefault(tenant, collections.deque(maxlen=MAX_ENDS))
+        self._ends.move_to_end(tenant)
+        for end in ends:
+            if end and end not in recent:
+                recent.append(end)
+        while len(self._ends) > MAX_TENANTS:
+            self._ends.popitem(last=False)
