@@ -414,7 +414,8 @@ class Runtime:
             last = reply.whole
         timings = _merged_timings(reply.dones)
         if upstream is None:  # a remote upstream's cache is its own to report
-            self._own_cache_only(call, name, tokens, images, reply.ids, timings)
+            # hashing a long prompt takes a while: not on the event loop
+            await asyncio.to_thread(self._own_cache_only, call, name, tokens, images, reply.ids, timings)
         metrics = Metrics(
             **{
                 **dataclasses.asdict(timings),

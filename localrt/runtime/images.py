@@ -1,6 +1,11 @@
 """Images in requests: base64 and data URLs (and, with LOCALRT_FETCH_IMAGES=1, http(s) URLs) decoded with
 Pillow into RGB pixels, under format, byte and pixel-count limits, before any of it reaches a backend.
 
+Checks come cheapest first, so a flood of images costs the server next to nothing: the count, then each
+image's type (its magic bytes) and dimensions (its header, no pixels), against a per-image and a
+per-request pixel limit. Only then are pixels decoded, in a small thread pool off the event loop, once
+the request holds a model slot.
+
 Placement follows Ollama: each image of a message goes where the message's content says `[img]`, the rest
 in front of the content. The runtime marks the spot with a per-process marker that no user text can
 forge, and the tokenizer turns each marker into `IMAGE_TOKEN`.

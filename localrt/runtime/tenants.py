@@ -7,7 +7,7 @@ report is limited to the longest prefix the same tenant sent before: a tenant is
 request's API key (`Authorization` or `x-api-key`), or no key at all.
 
 The runtime keeps a bounded record of each tenant's prompt prefixes as chained hashes of token
-blocks, per model; the oldest entries go first.
+blocks and of its prompts' and replies' exact ends, per model; the oldest entries go first.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 
 from localrt.backends.base import IMAGE_TOKEN
 
-BLOCK_TOKENS = 16  # a prefix is remembered, and reported, in whole blocks of this many tokens
-MAX_RECORDED_BLOCKS = 200_000  # all tenants together: about 20 MB of hashes
+BLOCK_TOKENS = 16  # prefixes are remembered in whole blocks of this many tokens, and at exact ends
+MAX_RECORDED_PREFIXES = 200_000  # all tenants together: about 20 MB of hashes
 MAX_ENDS = 32  # a tenant's most recent prompt and reply lengths, whose exact ends are looked up
 MAX_TENANTS = 4096
 KEY_HEADERS = (b"authorization", b"x-api-key")
@@ -38,8 +38,11 @@ current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("loc
 def tenant_of(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
     """A hash of the request's API key (never the key itself), or None for a request without one."""
     for name, value in headers:
-        if name.lower() in KEY_HEADERS and value:
-            return hashlib.sha256(value.strip()).hexdigest()[:32]
+        key = value.strip()
+        if name.lower() == b"authorization" and key[:7].lower() == b"bearer ":
+            key = key[7:].strip()  # one key is one tenant, whether sent as OpenAI's or Anthropic's header
+        if name.lower() in KEY_HEADERS and key:
+            return hashlib.sha256(key).hexdigest()[:32]
     return None
 
 
@@ -74,14 +77,15 @@ class _Chain:
     """Chained hashes of a token sequence's prefixes: whole blocks, and any length on request."""
 
     def __init__(self, prompt: Prompt, tokens: Sequence[int]) -> None:
-        self.tokens = tokens
+        self.tokens = list(tokens)
         self.images = list(prompt.images)
-        self.first_image = next((i for i, t in enumerate(tokens) if t == IMAGE_TOKEN), len(tokens))
+        self.first_image = self.tokens.index(IMAGE_TOKEN) if self.images else len(self.tokens)
         self.blocks: list[bytes] = []
         self._seed = hashlib.blake2b(prompt.model.encode(), digest_size=16).digest()
         self._image_index = [0] * (len(tokens) + 1)  # images before each position
-        for i, t in enumerate(tokens):
-            self._image_index[i + 1] = self._image_index[i] + (t == IMAGE_TOKEN)
+        if self.images:
+            for i, t in enumerate(tokens):
+                self._image_index[i + 1] = self._image_index[i] + (t == IMAGE_TOKEN)
         previous = self._seed
         for start in range(0, len(tokens) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
             previous = self._step(previous, start, start + BLOCK_TOKENS)
@@ -105,7 +109,7 @@ class PrefixRecord:
     whole block is kept; past it only the exact ends of the tenant's own prompts and replies, whose
     length in cells the engine reported."""
 
-    def __init__(self, max_entries: int = MAX_RECORDED_BLOCKS) -> None:
+    def __init__(self, max_entries: int = MAX_RECORDED_PREFIXES) -> None:
         self.max_entries = max_entries
         self._seen: collections.OrderedDict[tuple[str | None, bytes], int] = collections.OrderedDict()
         self._ends: collections.OrderedDict[str | None, collections.deque[int]] = collections.OrderedDict()
