@@ -190,6 +190,13 @@ def test_an_image_that_is_not_one_is_refused_before_the_capability_check(server:
     assert "image 0 is corrupt or truncated (GIF" in error_of(r)
 
 
+def test_image_urls_are_counted_before_any_is_read(server: LocalrtServer) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    parts = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}] * (MAX_IMAGES + 1)
+    with pytest.raises(openai.BadRequestError, match=f"at most {MAX_IMAGES} images"):
+        client.chat.completions.create(model=TEXT, messages=[{"role": "user", "content": parts}])
+
+
 # ---- special tokens through JSON keys ----------------------------------------------------------------
 # A Hermes-style ChatML template that renders tools both ways templates do: as JSON and name by name
 TOOLS_TEMPLATE = (

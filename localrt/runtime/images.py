@@ -228,9 +228,14 @@ def count_images(messages: Sequence[dict[str, Any]]) -> int:
         if not isinstance(raw, list):
             raise ImageError(f"message {i}: images must be a list of base64 strings")
         n += len(raw)
+    check_count(n)
+    return n
+
+
+def check_count(n: int) -> None:
+    """Refuse a request with more than MAX_IMAGES images, before any is read or fetched."""
     if n > MAX_IMAGES:
         raise ImageError(f"a request may carry at most {MAX_IMAGES} images; this one has {n}")
-    return n
 
 
 def place_images(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[PendingImage]]:
