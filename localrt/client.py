@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -716,7 +717,9 @@ class ServerClient:
         if head.status_code != 200:
             emit(f"copying file {digest}")
             with open(path, "rb") as f:
-                await self._request("POST", f"/api/blobs/{digest}", content=_chunks(f))
+                # the server refuses an upload whose size it cannot check against its free space
+                length = {"Content-Length": str(os.fstat(f.fileno()).st_size)}
+                await self._request("POST", f"/api/blobs/{digest}", content=_chunks(f), headers=length)
         return digest
 
     async def context_length(self, model: str, options: Mapping[str, Any] | None = None) -> int | None:

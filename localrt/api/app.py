@@ -22,6 +22,7 @@ from localrt.api.security import SecurityMiddleware
 from localrt.api.security import error_body
 from localrt.api.security import error_style
 from localrt.errors import LocalrtError
+from localrt.runtime.tenants import TenantScope
 from localrt.store.store import Store
 
 log = logging.getLogger("localrt.api")
@@ -89,6 +90,7 @@ def create_app(
     app.include_router(responses.router)
     app.include_router(anthropic.router)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
+    app.add_middleware(TenantScope)  # whose cache hits a reply may report (runtime/tenants.py)
     app.add_middleware(RequestCounter, metrics=app.state.metrics)
     app.add_middleware(
         SecurityMiddleware,

@@ -32,6 +32,7 @@ from localrt.store.names import normalize_digest
 from localrt.store.names import parse_name
 from localrt.store.store import ResolvedModel
 from localrt.store.store import Store
+from localrt.store.store import check_room
 
 router = APIRouter()
 
@@ -318,6 +319,10 @@ async def create(request: Request) -> Response:
     )
 
 
+class LengthRequired(LocalrtError):
+    status = 411
+
+
 @router.head("/api/blobs/{digest}", responses=schemas.error_responses(False, 404))
 async def blob_exists(request: Request, digest: BlobDigest) -> Response:
     exists = store_of(request).has_blob(normalize_digest(digest))
@@ -326,7 +331,7 @@ async def blob_exists(request: Request, digest: BlobDigest) -> Response:
 
 @router.post(
     "/api/blobs/{digest}",
-    responses={201: {"description": "stored"}, **ERRORS},
+    responses={201: {"description": "stored"}, **schemas.error_responses(False, 411, 507)},
     openapi_extra={
         "requestBody": {
             "required": True,
@@ -339,6 +344,10 @@ async def blob_upload(request: Request, digest: BlobDigest) -> Response:
     store = store_of(request)
     if store.has_blob(digest):
         return Response(status_code=200)
+    declared = request.headers.get("content-length", "")
+    if not declared.isdigit():  # a chunked upload's size is unknown until the disk has filled
+        raise LengthRequired("a blob upload needs a Content-Length header (its size in bytes)")
+    check_room(store, int(declared))
     with store.begin_blob() as writer:
         async for chunk in request.stream():
             writer.write(chunk)

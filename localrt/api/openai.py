@@ -159,6 +159,7 @@ async def fetch_message_images(raw: list[wire.OpenAIMessage], messages: list[dic
     """Turn each message's image_url parts into image bytes (`images`), fetching in a worker thread."""
     import asyncio
 
+    image_input.check_count(sum(len(message_parts(m.content)[1]) for m in raw))  # before any fetch
     for i, (m, msg) in enumerate(zip(raw, messages)):
         _, urls = message_parts(m.content)
         if urls:

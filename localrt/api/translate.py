@@ -49,6 +49,7 @@ def image_source(url: Any, where: str) -> str:
 async def resolve_images(messages: list[dict[str, Any]]) -> None:
     """Each message's image sources -> bytes (the runtime's `images`), in a worker thread (a fetch blocks).
     A model without vision then answers the runtime's 400 naming it."""
+    image_input.check_count(sum(len(m.get("images") or ()) for m in messages))  # before any fetch
     for i, message in enumerate(messages):
         if message.get("images"):
             message["images"] = [

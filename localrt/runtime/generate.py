@@ -40,6 +40,7 @@ from localrt.backends.base import TokenLogprob
 from localrt.errors import LocalrtError
 from localrt.runtime import images as image_input
 from localrt.runtime import remote
+from localrt.runtime import tenants
 from localrt.runtime import thinking
 from localrt.runtime.models import Entry
 from localrt.runtime.models import LoadedInfo
@@ -149,6 +150,7 @@ class _Call:
     truncate: bool
     shift: bool
     start: int  # perf_counter_ns at arrival
+    tenant: str | None  # whose prompt prefixes a reported cache hit may cover (tenants.py)
 
 
 class Runtime:
@@ -163,6 +165,7 @@ class Runtime:
         keep_alive: float | None = None,
     ) -> None:
         self.models = ModelPool(store, max_loaded=max_loaded, max_queue=max_queue, keep_alive=keep_alive)
+        self.prefixes = tenants.PrefixRecord()
 
     @property
     def store(self) -> Store:
@@ -189,9 +192,12 @@ class Runtime:
                 yield chunk
             return
         msgs = with_system(messages, call.resolved.system)
-        msgs, pictures = image_input.place_images(msgs)  # decoded and checked before any load
-        _check_vision(call.resolved, pictures)
+        # counted, typed and sized from their headers before any load; decoded only once a slot is held,
+        # so the decoded pixels in memory are bounded by the slots, not by the requests waiting
+        msgs, pending = await image_input.check_images(msgs)
+        _check_vision(call.resolved, pending)
         async with self.models.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
+            pictures = await image_input.decode_all(pending)
             prompter = entry.prompter
             turn = prompter.turn(model, call.think, call.tools, call.required, parallel_tool_calls)
             upstream = remote.chat_prompt(msgs, call.tools) if remote.is_remote(call.resolved) else None
@@ -225,13 +231,14 @@ class Runtime:
             return
         if raw and (system or context):
             raise LocalrtError("raw mode does not support template, system, or context")
-        pictures: list[ImageInput] = []
+        pending: list[image_input.PendingImage] = []
         if images:
-            (marked,), pictures = image_input.place_images([{"content": prompt, "images": list(images)}])
+            (marked,), pending = await image_input.check_images([{"content": prompt, "images": list(images)}])
             prompt = marked["content"]
-        _check_vision(call.resolved, pictures)
+        _check_vision(call.resolved, pending)
         resolved = call.resolved
         async with self.models.use(resolved, call.opts, call.keep_alive) as (entry, load_ns):
+            pictures = await image_input.decode_all(pending)
             m = entry.model
             turn: Turn | None = None
             upstream = remote.generate_prompt(resolved, prompt, system, raw, context)
@@ -292,6 +299,7 @@ class Runtime:
             truncate=settings.get("truncate", True),
             shift=settings.get("shift", True),
             start=start,
+            tenant=tenants.current_tenant.get(),
         )
 
     async def _load_only(self, call: _Call) -> AsyncIterator[Chunk]:
@@ -404,9 +412,13 @@ class Runtime:
         if not call.stream:
             reply.whole.add(last)
             last = reply.whole
+        timings = _merged_timings(reply.dones)
+        if upstream is None:  # a remote upstream's cache is its own to report
+            # hashing a long prompt takes a while: not on the event loop
+            await asyncio.to_thread(self._own_cache_only, call, name, tokens, images, reply.ids, timings)
         metrics = Metrics(
             **{
-                **dataclasses.asdict(_merged_timings(reply.dones)),
+                **dataclasses.asdict(timings),
                 "load_ns": load_ns,
                 "total_ns": time.perf_counter_ns() - call.start,
                 "prompt_tokens": len(tokens),
@@ -425,6 +437,23 @@ class Runtime:
             metrics=metrics,
             context=[*tokens, *reply.ids] if want_context else None,
         )
+
+    def _own_cache_only(
+        self,
+        call: _Call,
+        name: str,
+        tokens: list[int],
+        images: Sequence[ImageInput],
+        reply: list[int],
+        timings: Timings,
+    ) -> None:
+        """Report as cached only what this request's tenant evaluated before; the rest of the engine's
+        cache hit counts as evaluated, so no count tells one client what another sent."""
+        cells = timings.prompt_eval_count + timings.cached_count
+        prompt = tenants.Prompt(name, tokens, [image.digest for image in images], cells)
+        visible = self.prefixes.visible_cached(call.tenant, prompt, timings.cached_count, reply)
+        timings.prompt_eval_count += timings.cached_count - visible
+        timings.cached_count = visible
 
     async def _generate(
         self,
@@ -684,7 +713,7 @@ def _piece_chunk(name: str, piece: Piece, logprobs: list[TokenLogprob] | None) -
     )
 
 
-def _check_vision(resolved: ResolvedModel, pictures: Sequence[ImageInput]) -> None:
+def _check_vision(resolved: ResolvedModel, pictures: Sequence[image_input.PendingImage]) -> None:
     if pictures and resolved.projector_path is None:
         raise image_input.ImageError(f'"{resolved.name.display}" does not support images')
 

@@ -1,6 +1,11 @@
 """Images in requests: base64 and data URLs (and, with LOCALRT_FETCH_IMAGES=1, http(s) URLs) decoded with
 Pillow into RGB pixels, under format, byte and pixel-count limits, before any of it reaches a backend.
 
+Checks come cheapest first, so a flood of images costs the server next to nothing: the count, then each
+image's type (its magic bytes) and dimensions (its header, no pixels), against a per-image and a
+per-request pixel limit. Only then are pixels decoded, in a small thread pool off the event loop, once
+the request holds a model slot.
+
 Placement follows Ollama: each image of a message goes where the message's content says `[img]`, the rest
 in front of the content. The runtime marks the spot with a per-process marker that no user text can
 forge, and the tokenizer turns each marker into `IMAGE_TOKEN`.
@@ -8,13 +13,17 @@ forge, and the tokenizer turns each marker into `IMAGE_TOKEN`.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import concurrent.futures
 import hashlib
 import io
 import re
 import secrets
+import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from localrt import config
@@ -25,15 +34,43 @@ from localrt.errors import LocalrtError
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_IMAGE_BYTES = 20 << 20  # one encoded image
 MAX_PIXELS = 4096 * 4096  # one decoded image (libmtmd resizes to the projector's size anyway)
+# all images of one request: its decoded RGB (3 bytes a pixel) stays near 100 MB while it is served
+MAX_REQUEST_PIXELS = 2 * MAX_PIXELS
 MAX_IMAGES = 16  # per request
+# decoding is CPU and memory heavy: a few threads, so a flood of images waits instead of piling up
+DECODE_WORKERS = 2
 FETCH_TIMEOUT_S = 10.0
 PLACEHOLDER = "[img]"  # Ollama's: where in a message's text its next image goes
 # Private-use code points around a random id: a user cannot type the marker, so cannot place an image
 MARKER = f"\U000f0000{secrets.token_hex(8)}\U000f0001"
+# each format's leading bytes: the type is known before Pillow is asked to parse anything
+_SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"BM", "BMP"),
+)
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=DECODE_WORKERS, thread_name_prefix="localrt-image")
 
 
 class ImageError(LocalrtError):
     status = 400
+
+
+@dataclass(frozen=True)
+class PendingImage:
+    """An image whose type and dimensions are known from its header; its pixels are not decoded yet."""
+
+    data: bytes
+    what: str
+    format: str
+    width: int
+    height: int
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
 
 
 def _pil() -> Any:
@@ -41,35 +78,66 @@ def _pil() -> Any:
         from PIL import Image
     except ImportError:
         raise LocalrtError("images need Pillow: pip install Pillow") from None
+    # Pillow's own decompression-bomb guard, set here rather than trusting its default: it warns above
+    # this and refuses above twice this, a second line behind the header check below
+    Image.MAX_IMAGE_PIXELS = MAX_PIXELS
     return Image
 
 
-def decode_image(data: bytes, what: str = "image") -> ImageInput:
-    """Encoded image bytes -> RGB pixels; a clear ImageError for anything that is not a whole image."""
+def sniff(data: bytes) -> str | None:
+    """The image format its leading bytes name, or None."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return next((fmt for magic, fmt in _SIGNATURES if data.startswith(magic)), None)
+
+
+def inspect_image(data: bytes, what: str = "image") -> PendingImage:
+    """Size, type (by its magic bytes) and dimensions (from its header, no pixels decoded), checked."""
     if not data:
         raise ImageError(f"{what} is empty")
     if len(data) > MAX_IMAGE_BYTES:
         raise ImageError(f"{what} is {len(data)} bytes, more than the limit of {MAX_IMAGE_BYTES} bytes")
+    fmt = sniff(data)
+    if fmt is None:
+        raise ImageError(f"{what} is not an image (supported formats: {', '.join(FORMATS)})")
+    image_mod = _pil()
+    try:  # lazy: Pillow reads the header here, the pixels only on load()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", image_mod.DecompressionBombWarning)
+            im = image_mod.open(io.BytesIO(data), formats=[fmt])
+        width, height = im.size
+    except image_mod.DecompressionBombError:
+        raise ImageError(f"{what} has more pixels than the limit of {MAX_PIXELS} pixels") from None
+    except Exception:  # a signature with no valid header behind it
+        raise ImageError(f"{what} is corrupt or truncated ({fmt}: its header cannot be read)") from None
+    if width < 1 or height < 1:
+        raise ImageError(f"{what} has no pixels")
+    if width * height > MAX_PIXELS:
+        raise ImageError(f"{what} is {width}x{height} pixels, more than the limit of {MAX_PIXELS} pixels")
+    return PendingImage(data, what, fmt, width, height)
+
+
+def decode_pending(image: PendingImage) -> ImageInput:
+    """A checked image's pixels as RGB; a clear ImageError for pixel data that is corrupt or truncated."""
     image_mod = _pil()
     try:
-        im = image_mod.open(io.BytesIO(data))
-    except Exception:  # UnidentifiedImageError and friends: not an image at all
-        raise ImageError(f"{what} is not an image (supported formats: {', '.join(FORMATS)})") from None
-    if im.format not in FORMATS:
-        raise ImageError(f"{what} is a {im.format} image; supported formats: {', '.join(FORMATS)}")
-    width, height = im.size
-    if width < 1 or height < 1 or width * height > MAX_PIXELS:
-        raise ImageError(
-            f"{what} is {width}x{height} pixels, more than the limit of {MAX_PIXELS} pixels"
-            if width * height > MAX_PIXELS
-            else f"{what} has no pixels"
-        )
-    try:
+        im = image_mod.open(io.BytesIO(image.data), formats=[image.format])
         im.load()  # pixels are decoded here: a truncated or corrupt file fails now
         rgb = _to_rgb(im, image_mod)
     except Exception as e:
-        raise ImageError(f"{what} is corrupt or truncated ({im.format}: {e})") from None
-    return ImageInput(rgb.tobytes(), width, height, hashlib.sha256(data).hexdigest())
+        raise ImageError(f"{image.what} is corrupt or truncated ({image.format}: {e})") from None
+    return ImageInput(rgb.tobytes(), image.width, image.height, hashlib.sha256(image.data).hexdigest())
+
+
+def decode_image(data: bytes, what: str = "image") -> ImageInput:
+    """Encoded image bytes -> RGB pixels; a clear ImageError for anything that is not a whole image."""
+    return decode_pending(inspect_image(data, what))
+
+
+async def decode_all(images: Sequence[PendingImage]) -> list[ImageInput]:
+    """Decode checked images in the bounded pool, off the event loop."""
+    loop = asyncio.get_running_loop()
+    return [await loop.run_in_executor(_POOL, decode_pending, image) for image in images]
 
 
 def _to_rgb(im: Any, image_mod: Any) -> Any:
@@ -150,31 +218,65 @@ def as_bytes(item: Any, what: str) -> bytes:
     return decode_base64(item, what)
 
 
-def place_images(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageInput]]:
-    """Decode every message's `images` and put a marker where each goes; returns (messages, images)."""
+def count_images(messages: Sequence[dict[str, Any]]) -> int:
+    """How many images the messages carry, refused above MAX_IMAGES before any is looked at."""
+    n = 0
+    for i, message in enumerate(messages):
+        raw = message.get("images")
+        if not raw:
+            continue
+        if not isinstance(raw, list):
+            raise ImageError(f"message {i}: images must be a list of base64 strings")
+        n += len(raw)
+    check_count(n)
+    return n
+
+
+def check_count(n: int) -> None:
+    """Refuse a request with more than MAX_IMAGES images, before any is read or fetched."""
+    if n > MAX_IMAGES:
+        raise ImageError(f"a request may carry at most {MAX_IMAGES} images; this one has {n}")
+
+
+def place_images(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[PendingImage]]:
+    """Check every message's `images` from their headers and put a marker where each goes; returns
+    (messages, images). No pixel is decoded here (`decode_all` does that, once a model is ready)."""
+    count_images(messages)
     out: list[dict[str, Any]] = []
-    images: list[ImageInput] = []
+    images: list[PendingImage] = []
+    pixels = 0
     for i, message in enumerate(messages):
         raw = message.get("images")
         if not raw:
             out.append({k: v for k, v in message.items() if k != "images"})
             continue
-        if not isinstance(raw, list):
-            raise ImageError(f"message {i}: images must be a list of base64 strings")
-        decoded = [
-            decode_image(as_bytes(item, f"image {len(images) + j}"), f"image {len(images) + j}")
-            for j, item in enumerate(raw)
-        ]
-        images.extend(decoded)
         content = message.get("content") or ""
         if not isinstance(content, str):
             raise ImageError(f"message {i}: content must be a string")
+        for item in raw:
+            what = f"image {len(images)}"
+            image = inspect_image(as_bytes(item, what), what)
+            pixels += image.pixels
+            if pixels > MAX_REQUEST_PIXELS:
+                raise ImageError(
+                    f"the images of a request may have at most {MAX_REQUEST_PIXELS} pixels in all; "
+                    f"{what} brings them to {pixels}"
+                )
+            images.append(image)
         out.append(
-            {**{k: v for k, v in message.items() if k != "images"}, "content": mark(content, len(decoded))}
+            {**{k: v for k, v in message.items() if k != "images"}, "content": mark(content, len(raw))}
         )
-        if len(images) > MAX_IMAGES:
-            raise ImageError(f"a request may carry at most {MAX_IMAGES} images")
     return out, images
+
+
+async def check_images(
+    messages: Sequence[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[PendingImage]]:
+    """`place_images` with the count checked first and the base64 and header work in the bounded pool."""
+    if not count_images(messages):
+        return place_images(messages)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_POOL, place_images, messages)
 
 
 def mark(content: str, n: int) -> str:

@@ -29,6 +29,9 @@ from localrt.runtime.options import num_parallel
 from localrt.runtime.prompt import Prompter
 from localrt.runtime.prompt import make_template
 from localrt.runtime.prompt import preserved_tokens
+from localrt.store.gguf import check_blob
+from localrt.store.names import DIGEST_RE
+from localrt.store.names import normalize_digest
 from localrt.store.store import ResolvedModel
 from localrt.store.store import Store
 
@@ -186,10 +189,12 @@ class ModelPool:
     def _draft_path(self, resolved: ResolvedModel, opts: Options) -> Path | None:
         if opts.speculative == "off":
             return None
-        if opts.draft_model:
-            path = Path(opts.draft_model).expanduser()
-            if path.suffix == ".gguf" and path.is_file():
-                return path
+        if opts.draft_model:  # a stored model or blob, never a path (options.py refuses those)
+            if DIGEST_RE.match(opts.draft_model):
+                digest = normalize_digest(opts.draft_model)
+                if not self.store.has_blob(digest):
+                    raise ModelNotFound(f"draft model blob {digest} is not in the store")
+                return self.store.blob_path(digest)
             try:
                 return self.store.resolve(opts.draft_model).model_path
             except ModelNotFound:
@@ -338,6 +343,8 @@ class ModelPool:
         draft: Path | None,
     ) -> Entry:
         backend = registry.get(backend_name)
+        if backend_name != remote.BACKEND:  # a remote model's blob is its config, not a GGUF
+            await asyncio.to_thread(_check_blobs, resolved, draft)
         load_opts = dataclasses.replace(
             opts.load_options(draft_path=draft), projector=resolved.projector_path
         )
@@ -397,3 +404,12 @@ def _loaded_info(e: Entry) -> LoadedInfo:
         expires_at=None if e.expires_at is None or e.expires_at == float("inf") else e.expires_at,
         details=details,
     )
+
+
+def _check_blobs(resolved: ResolvedModel, draft: Path | None) -> None:
+    """Every GGUF a backend is about to open has passed the bounded reader (once per blob: cached)."""
+    check_blob(resolved.model_path, "model")
+    if resolved.projector_path is not None:
+        check_blob(resolved.projector_path, "projector")
+    if draft is not None:
+        check_blob(draft, "draft model")

@@ -275,7 +275,20 @@ def _check_draft_model(value: Any) -> str | None:
         return None
     if not isinstance(value, str):
         raise OptionError(f"option 'draft_model' must be a model name, got {_describe(value)}")
+    if _looks_like_path(value):
+        # a path would let any API client make the server open a file no check has read
+        raise OptionError(
+            f"option 'draft_model' names a stored model or a blob digest (sha256:...), not a file path: "
+            f"{value!r}"
+        )
     return value
+
+
+def _looks_like_path(value: str) -> bool:
+    """A file path rather than a model name: rooted, relative, home-based, Windows-style or a .gguf file."""
+    return (
+        value.startswith(("/", "~", ".")) or "\\" in value or "//" in value or value.lower().endswith(".gguf")
+    )
 
 
 def _check_numerics(value: Any) -> str:

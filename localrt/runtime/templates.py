@@ -367,6 +367,16 @@ class _Protector:
             out = self._hold(head) + out[len(head) :]
         return out
 
+    def protect_key(self, key: Any) -> Any:
+        """A mapping key (a tool's parameter name, a call's argument name) is user text like any value.
+        A plain name keeps its spelling, so templates still find `type` or `properties`; only a key with
+        other characters could end in a fragment that joins the template's text into a special token."""
+        if not isinstance(key, str):
+            return key
+        if key.isidentifier():
+            return self.pattern.sub(lambda m: self._hold(m.group(0)), key)
+        return self.protect(key)
+
     def protect(self, value: Any) -> Any:
         if isinstance(value, str):
             return (
@@ -375,7 +385,7 @@ class _Protector:
                 else self.pattern.sub(lambda m: self._hold(m.group(0)), value)
             )
         if isinstance(value, Mapping):
-            return {k: self.protect(v) for k, v in value.items()}
+            return {self.protect_key(k): self.protect(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [self.protect(v) for v in value]
         return value

@@ -15,11 +15,13 @@ Layout (little-endian, versions 2 and 3):
 from __future__ import annotations
 
 import array
+import collections
 import math
 import os
 import stat
 import struct
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
@@ -738,3 +740,60 @@ def read_gguf(
     except OSError as exc:
         # Name the file, not its absolute path: error messages can reach API clients.
         raise GGUFError(f"cannot read GGUF file '{path.name}': {exc.strerror or exc}") from None
+
+
+# ---- one verdict per blob ------------------------------------------------------------------------
+# In this process only, not a file beside the blob: the store stays Ollama's layout, a verdict cannot
+# be planted by whoever writes the store, and a replaced blob (another size or mtime) is read again.
+# Reading a header costs milliseconds once per blob per process; the key names the blob's bytes.
+MAX_VERDICTS = 4096
+_verdicts: collections.OrderedDict[tuple[str, int, int, int], str | None] = collections.OrderedDict()
+_verdicts_lock = threading.Lock()
+
+
+def _blob_key(path: Path, what: str) -> tuple[str, int, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise GGUFError(f"{what} file '{path.name}' cannot be read: {exc.strerror or exc}") from None
+    return (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def _remember(key: tuple[str, int, int, int], verdict: str | None) -> None:
+    with _verdicts_lock:
+        _verdicts[key] = verdict
+        _verdicts.move_to_end(key)
+        while len(_verdicts) > MAX_VERDICTS:
+            _verdicts.popitem(last=False)
+
+
+def _refuse(path: Path, what: str, verdict: str) -> GGUFError:
+    return GGUFError(f"{what} file '{path.name}' is not a GGUF file this runtime can trust: {verdict}")
+
+
+def read_blob(path: str | os.PathLike[str], what: str = "model") -> GGUFInfo:
+    """`read_gguf`, with its verdict kept for `check_blob` (for callers that need the header anyway)."""
+    path = Path(path)
+    key = _blob_key(path, what)
+    try:
+        info = read_gguf(path)
+    except GGUFError as exc:
+        _remember(key, str(exc))
+        raise _refuse(path, what, str(exc)) from None
+    _remember(key, None)
+    return info
+
+
+def check_blob(path: str | os.PathLike[str], what: str = "model") -> None:
+    """Pass a GGUF file through the bounded reader before any backend opens it, once: the verdict is
+    kept by the blob's path (its digest, in the store), size, mtime and inode. A GGUFError naming `what`
+    if the file is malformed."""
+    path = Path(path)
+    key = _blob_key(path, what)
+    with _verdicts_lock:
+        known = key in _verdicts
+        verdict = _verdicts.get(key)
+    if not known:
+        read_blob(path, what)
+    elif verdict is not None:
+        raise _refuse(path, what, verdict)

@@ -15,6 +15,7 @@ from typing import Any
 from localrt.errors import LocalrtError
 from localrt.store.gguf import GGUF_MAGIC
 from localrt.store.gguf import format_parameter_count as _format_params
+from localrt.store.gguf import read_blob
 from localrt.store.gguf import read_gguf
 from localrt.store.names import ModelName
 from localrt.store.names import normalize_digest
@@ -59,18 +60,19 @@ def _blob(store: Store, source: Path | str, what: str) -> tuple[str, int, dict[s
     so a malformed file is refused before it is copied in."""
     if isinstance(source, Path):
         check_gguf_file(source, what)
-        config = gguf_config(source)
+        config = gguf_config(source, what)
         return (*store.add_blob_file(source), config)
     digest = normalize_digest(source)
     if not store.has_blob(digest):
         raise LocalrtError(f"{what} blob {digest} is not in the store")
     path = store.blob_path(digest)
-    return digest, path.stat().st_size, gguf_config(path)
+    return digest, path.stat().st_size, gguf_config(path, what)
 
 
-def gguf_config(path: Path) -> dict[str, Any]:
-    """Ollama's ConfigV2 fields, from the GGUF header (GGUFError for a malformed file)."""
-    info = read_gguf(path)
+def gguf_config(path: Path, what: str = "model") -> dict[str, Any]:
+    """Ollama's ConfigV2 fields, from the GGUF header (GGUFError for a malformed file; the verdict is
+    kept, so a stored blob is not read again before it loads)."""
+    info = read_blob(path, what)
     arch = info.architecture or "unknown"
     config: dict[str, Any] = {
         "model_format": "gguf",

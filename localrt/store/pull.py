@@ -16,6 +16,7 @@ from localrt.store.names import ModelName
 from localrt.store.names import parse_name
 from localrt.store.sources.common import Progress
 from localrt.store.sources.common import ProgressFn
+from localrt.store.sources.common import coalesce
 from localrt.store.store import Store
 
 __all__ = ["Progress", "ProgressFn", "pull"]
@@ -48,7 +49,7 @@ def pull(
         catalog: the catalog to consult (default: the packaged models/*.toml).
     """
     store = store or Store()
-    emit = progress or _ignore
+    emit = coalesce(progress or _ignore)
     ref, insecure = _parse_reference(name, insecure)
     if ref.digest is None:
         from localrt.store.catalog import load_catalog

@@ -46,6 +46,9 @@ MEDIA_DRAFT = MEDIA_PREFIX + "draft"
 REMOTE_FORMAT = "remote"  # config `model_format` of a remote model (localrt/store/remote.py)
 MEDIA_PROJECTOR = MEDIA_PREFIX + "projector"  # Ollama's: a vision model's multimodal projector GGUF
 MAX_MANIFEST_BYTES = 4 << 20
+# left free after an upload: the store's disk is usually the system's too, and a full disk stops more
+# than this server
+FREE_SPACE_MARGIN = 1 << 30
 HASH_CHUNK = 1 << 20
 
 
@@ -417,6 +420,20 @@ def manifest_layers(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     if isinstance(cfg, dict) and cfg.get("digest"):
         layers.append(cfg)
     return layers
+
+
+class StorageFull(LocalrtError):
+    status = 507  # Insufficient Storage
+
+
+def check_room(store: Store, size: int) -> None:
+    """Refuse a write of `size` bytes that would leave less than FREE_SPACE_MARGIN free on the store's disk."""
+    have = free_space(store.blobs)
+    if size > have - FREE_SPACE_MARGIN:
+        raise StorageFull(
+            f"not enough disk space for {size} bytes: {have} bytes are free and the store keeps "
+            f"{FREE_SPACE_MARGIN} bytes spare"
+        )
 
 
 def free_space(path: Path) -> int:

@@ -7,6 +7,7 @@ imports `pull` back.
 from __future__ import annotations
 
 import errno
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,35 @@ class Progress:
 
 
 ProgressFn = Callable[[Progress], None]
+
+
+PROGRESS_STEP = 0.01  # of a layer's size: finer byte counts are merged into the next event
+PROGRESS_INTERVAL_S = 0.25  # and at least this long apart, unless the layer is done
+
+
+def coalesce(emit: ProgressFn) -> ProgressFn:
+    """`emit` for a pull's progress with the byte counts of each layer thinned to about a hundred
+    events (and a few a second): a consumer that reads slowly (an HTTP client behind a queue) is
+    handed a bounded number of events however small the blocks arrive. Other events pass as they come."""
+    last: dict[str, tuple[int, float]] = {}
+
+    def out(event: Progress) -> None:
+        if event.digest is None or not event.total or event.completed is None:
+            emit(event)
+            return
+        now = time.monotonic()
+        before = last.get(event.digest)
+        if (
+            before is None
+            or event.completed >= event.total
+            or event.completed < before[0]  # a restart from scratch
+            or event.completed - before[0] >= event.total * PROGRESS_STEP
+            and now - before[1] >= PROGRESS_INTERVAL_S
+        ):
+            last[event.digest] = (event.completed, now)
+            emit(event)
+
+    return out
 
 
 def as_digest(value: str) -> str:

@@ -217,11 +217,12 @@ class RegistryClient:
         failures = 0
         while True:
             offset = partial.stat().st_size if partial.exists() else 0
-            if size and offset > size:  # not this blob's prefix: start over
+            if offset > size:  # not this blob's prefix: start over
                 partial.unlink()
                 offset = 0
             emit(Progress(status, digest, size, offset))
-            if size and offset == size:
+            if offset == size:
+                partial.touch()  # the empty blob has no bytes to fetch
                 return
             start = offset
             try:
@@ -282,7 +283,7 @@ class RegistryClient:
                     for (
                         block
                     ) in r.iter_bytes():  # as received, so a resume starts exactly where bytes stopped
-                        if size and offset + len(block) > size:
+                        if offset + len(block) > size:
                             out.close()
                             partial.unlink(missing_ok=True)
                             raise DigestMismatch(
@@ -294,7 +295,7 @@ class RegistryClient:
                         on_bytes(offset)
             except OSError as e:  # a write, or the close that flushes the last buffered bytes
                 raise (disk_full(store, size - offset, e) or e) from None
-        if size and offset < size:
+        if offset < size:
             raise _Retryable(f"connection closed at {offset} of {size} bytes")
 
 
@@ -325,6 +326,28 @@ def pull_registry(
         raise PullError(f"pulling {name.display} from {name.host} failed: {e or type(e).__name__}") from None
 
 
+EMPTY_DIGEST = "sha256:" + hashlib.sha256(b"").hexdigest()
+
+
+def _layer_sizes(host: str, manifest: dict[str, Any]) -> dict[str, int]:
+    """Each blob's size as the manifest names it: the bound its download is held to, so it must be there."""
+    layers: dict[str, int] = {}
+    for layer in manifest_layers(manifest):
+        size = layer.get("size")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise PullError(
+                f"registry {host} sent a manifest whose layer {layer['digest']} has no size "
+                "(a pull needs each layer's size to bound its download)"
+            )
+        if size == 0 and layer["digest"] != EMPTY_DIGEST:
+            raise PullError(
+                f"registry {host} sent a manifest whose layer {layer['digest']} has size 0 "
+                "but is not the empty blob"
+            )
+        layers.setdefault(layer["digest"], size)
+    return layers
+
+
 def _pull(
     client: RegistryClient,
     name: ModelName,
@@ -343,9 +366,7 @@ def _pull(
                 f"digest mismatch: {name.display} on {name.host} has model layer "
                 f"{', '.join(models) or 'none'}, the catalog expects {expect_model_digest}"
             )
-    layers: dict[str, int] = {}
-    for layer in manifest_layers(manifest):
-        layers.setdefault(layer["digest"], int(layer.get("size") or 0))
+    layers = _layer_sizes(client.host, manifest)
 
     def missing() -> int:
         return sum(
