@@ -1,6 +1,7 @@
 """Run as a script: load one model in this fresh process, fill every sequence's context, and print the
-resident growth beside the backend's estimate (JSON). The backend is initialised first with a tiny load,
-so the growth is the model's own, not the one-time cost of importing the backend's runtime."""
+resident growth beside the backend's estimate (JSON). The backend's module is imported first, so the
+growth is what the load itself brings, its runtime's first-load costs (thread pools, kernels) included,
+as in a server's first load of that backend."""
 
 from __future__ import annotations
 
@@ -41,7 +42,6 @@ def main() -> None:
     contexts = [int(c) for c in sys.argv[4:]]
     b = registry.get(backend)
     opts = LoadOptions(num_ctx=64, num_parallel=1, num_thread=2)
-    b.load(path, opts).unload()
     proc = psutil.Process()
     rows = []
     for context in contexts:

@@ -145,3 +145,49 @@ def test_server_in_a_memory_cgroup_refuses_instead_of_being_killed(
         assert generate(srv, "smol").status_code == 200
     finally:
         srv.stop()
+
+
+# ---- what the CLI shows ---------------------------------------------------------------------------
+def run_estimate(tmp_path: Path, smollm2_gguf: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    import_gguf(Store(tmp_path / "models"), "smol", smollm2_gguf, params={"num_ctx": 512})
+    return subprocess.run(
+        [sys.executable, "-m", "localrt", "run", "smol", "--estimate"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LOCALRT_MODELS": str(tmp_path / "models"), "LOCALRT_NUM_PARALLEL": "2", **env},
+        timeout=120,
+    )
+
+
+def test_run_estimate_prints_each_part(tmp_path: Path, smollm2_gguf: Path) -> None:
+    out = run_estimate(tmp_path, smollm2_gguf).stdout
+    assert [line.split()[0] for line in out.splitlines()[1:6]] == [
+        "backend",
+        "context",
+        "weights",
+        "kv",
+        "buffers",
+    ]
+
+
+def test_run_estimate_gives_the_context_and_sequences(tmp_path: Path, smollm2_gguf: Path) -> None:
+    out = run_estimate(tmp_path, smollm2_gguf).stdout
+    assert "512 x 2 parallel" in out
+
+
+def test_run_estimate_says_when_it_does_not_fit(tmp_path: Path, smollm2_gguf: Path) -> None:
+    out = run_estimate(tmp_path, smollm2_gguf, LOCALRT_MAX_MEMORY="10MiB").stdout
+    assert "does not fit" in out
+
+
+def test_run_estimate_loads_nothing(tmp_path: Path, smollm2_gguf: Path) -> None:
+    """No llama.cpp context is made: the estimate reads the header alone (llama.cpp would log it)."""
+    out = run_estimate(tmp_path, smollm2_gguf)
+    assert "llama_context" not in out.stderr
+
+
+def test_bad_max_memory_is_one_line(tmp_path: Path, smollm2_gguf: Path) -> None:
+    out = run_estimate(tmp_path, smollm2_gguf, LOCALRT_MAX_MEMORY="lots")
+    assert out.stderr.strip().splitlines() == [
+        "Error: LOCALRT_MAX_MEMORY must be a size such as 8GiB or 512MiB, not 'lots'"
+    ]

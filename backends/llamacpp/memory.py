@@ -16,11 +16,11 @@ from localrt.backends.memory import model_shape
 
 from .lib import KV_BYTES
 
-# Fitted on SmolLM2-135M (49k tokens) and Gemma 3 270M (262k tokens): resident growth past the file and
-# the KV cache was 7 MiB and 21 MiB once llama.cpp had initialised (a first load in a process adds
-# up to 60 MiB more).
-BUFFER_BASE = 8 << 20
-BUFFER_PER_VOCAB_TOKEN = 64
+# Fitted on SmolLM2-135M (49k tokens) and Gemma 3 270M (262k tokens), a first load in a fresh process:
+# resident growth past the file and the KV cache was 33 MiB and 81 MiB (llama.cpp's own start-up
+# included; a later load in the same process adds 7 MiB and 21 MiB).
+BUFFER_BASE = 22 << 20
+BUFFER_PER_VOCAB_TOKEN = 224
 STREAM_PAD = 256
 AUTO_MIN_PARALLEL = 4  # LOCALRT_NUM_PARALLEL=auto: at least this many sequences where they fit
 AUTO_MAX_PARALLEL = 8

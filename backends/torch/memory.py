@@ -18,9 +18,12 @@ CPU_PARALLEL = 4  # sequences decoded together on the CPU when LOCALRT_NUM_PARAL
 # bytes per weight of each kept form: 4-bit integers with bf16 scales and zeros per group of 32; two
 # such planes; two planes with scales per sub-block of 16; int8 (one fp32 scale per row added below)
 KEPT_BYTES = {"int4": 0.625, "int4x2": 1.25, "int4x2/16": 1.5, "int8": 1.0}
-# Fitted on SmolLM2-135M and Gemma 3 270M: one step's activations and logits past weights and KV.
-BUFFER_BASE = 24 << 20
-BUFFER_PER_VOCAB_TOKEN = 256
+# Fitted on SmolLM2-135M and Gemma 3 270M, a first load in a fresh process with every context filled:
+# past the kept weights and the KV pool, growth was 0.63 x the weights (the dequantized copies the
+# planes are built from, which the allocator keeps) plus 200 MiB of torch's own start-up (thread
+# pools, kernels). A later load in the same process holds less: the estimate errs on the safe side.
+RUNTIME_BASE = 200 << 20
+LOAD_SHARE = 0.63
 
 
 def _cuda_available() -> bool:
@@ -103,11 +106,12 @@ def estimate(path: Path, opts: LoadOptions) -> MemoryEstimate:
     draft = 0
     if opts.draft_model is not None:
         draft = weight_bytes(model_shape(opts.draft_model), numerics == "quantized", dense)
+    weights = weight_bytes(shape, numerics == "quantized", dense)
     return MemoryEstimate(
         backend="torch",
-        weights=weight_bytes(shape, numerics == "quantized", dense),
+        weights=weights,
         kv=kv_bytes(shape, opts, context, parallel),
-        buffers=BUFFER_BASE + BUFFER_PER_VOCAB_TOKEN * shape.n_vocab,
+        buffers=RUNTIME_BASE + int(LOAD_SHARE * weights),
         context_length=context,
         parallel=parallel,
         draft=draft,
