@@ -305,12 +305,14 @@ def importable() -> tuple[bool, str]:
 @dataclass(frozen=True)
 class EngineBackend:
     """A backend whose model class loads in its constructor (llama.cpp, torch, MLX): its name, that
-    class, what it can do, and any check beyond the registry's import checks."""
+    class, what it can do, any check beyond the registry's import checks, and the memory a load would
+    take, estimated from the file's header before loading."""
 
     name: str
     model_class: Callable[[Path, LoadOptions], LoadedModel]
     capabilities: Callable[[], Capabilities]
     availability: Callable[[], tuple[bool, str]] = importable
+    estimate: Callable[[Path, LoadOptions], Any] | None = None  # -> backends.memory.MemoryEstimate
 
     def load(self, path: Path | str, opts: LoadOptions) -> LoadedModel:
         return self.model_class(Path(path), opts)

@@ -180,3 +180,26 @@ def allowed_hosts() -> list[str]:
 def remote_key_envs() -> list[str]:
     """LOCALRT_REMOTE_KEY_ENVS: variables an API client may name as a remote's api_key_env (default none)."""
     return [v.strip() for v in setting("LOCALRT_REMOTE_KEY_ENVS").split(",") if v.strip()]
+
+
+SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(raw: str, name: str) -> int:
+    """A byte count as "8GiB", "512MiB", "8G", "8gb" or plain bytes (binary units, as Ollama reads them)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*", raw.lower())
+    if m is None:
+        raise LocalrtError(f"{name} must be a size such as 8GiB or 512MiB, not {raw!r}")
+    return int(float(m.group(1)) * SIZE_UNITS[m.group(2)])
+
+
+def max_memory() -> int | None:
+    """LOCALRT_MAX_MEMORY: the memory loaded models may use together (default: the free RAM at each load)."""
+    raw = setting("LOCALRT_MAX_MEMORY")
+    return parse_size(raw, "LOCALRT_MAX_MEMORY") if raw else None
+
+
+def gpu_overhead() -> int:
+    """LOCALRT_GPU_OVERHEAD: VRAM kept free on each GPU, as Ollama's OLLAMA_GPU_OVERHEAD (default 0)."""
+    raw = setting("LOCALRT_GPU_OVERHEAD")
+    return parse_size(raw, "LOCALRT_GPU_OVERHEAD") if raw else 0

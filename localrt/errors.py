@@ -41,3 +41,9 @@ class ClientClosed(LocalrtError):
     """The client hung up before its answer was ready; the status is nginx's 499, which nobody reads."""
 
     status = 499
+
+
+class InsufficientMemory(LocalrtError):
+    """A model that does not fit the memory left, even fitted down; Ollama answers this with a 500."""
+
+    status = 500

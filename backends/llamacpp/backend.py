@@ -6,7 +6,6 @@ embeddings have a small context of their own. Tokenizing reads only the weights'
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -48,7 +47,6 @@ from localrt.backends.rerank import is_reranker  # issue 19: rank pooling
 from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
 
-from .lib import KV_BYTES
 from .lib import KV_TYPES
 from .lib import Batch
 from .lib import _lib
@@ -58,6 +56,9 @@ from .lib import create_context
 from .lib import default_threads
 from .lib import gpu_offload_supported
 from .lib import load_model
+from .memory import estimate
+from .memory import kv_bytes_per_token
+from .memory import parallel_for
 from .step import EXACT_ROWS
 from .step import BatchedContext
 from .step import DraftContext
@@ -69,47 +70,6 @@ from .vocab import Vocab
 from .vocab import VocabMethods
 
 NAME = "llama.cpp"
-AUTO_MIN_PARALLEL = 4  # LOCALRT_NUM_PARALLEL=auto: at least this many sequences where they fit
-AUTO_MAX_PARALLEL = 8
-AUTO_MEMORY_SHARE = 0.25  # of the available memory, for the KV cache of the auto sequences
-
-
-def kv_bytes_per_token(metadata: dict[str, str], kv_type: str) -> int:
-    arch = metadata.get("general.architecture", "llama")
-
-    def num(key: str, default: int) -> int:
-        try:
-            return int(float(metadata.get(f"{arch}.{key}", default)))
-        except ValueError:
-            return default
-
-    n_layer, n_embd = num("block_count", 0), num("embedding_length", 0)
-    n_head = max(1, num("attention.head_count", 1))
-    n_head_kv = num("attention.head_count_kv", n_head)
-    head_dim = num("attention.key_length", n_embd // n_head)
-    return int(2 * n_layer * n_head_kv * head_dim * KV_BYTES[kv_type])
-
-
-def available_memory() -> int:
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):  # macOS has no SC_AVPHYS_PAGES
-        try:
-            import psutil
-
-            return int(psutil.virtual_memory().available)
-        except ImportError:
-            return 0
-
-
-def auto_parallel(per_sequence: int, budget: int) -> int:
-    """LOCALRT_NUM_PARALLEL=auto: as many sequences as the budget holds, AUTO_MIN..AUTO_MAX, else what fits."""
-    if per_sequence <= 0 or budget <= 0:
-        return AUTO_MIN_PARALLEL
-    fit = budget // per_sequence
-    if fit < AUTO_MIN_PARALLEL:
-        return max(1, fit)
-    return min(AUTO_MAX_PARALLEL, fit)
 
 
 class LlamaCppModel(VocabMethods, ModelLifetime):
@@ -135,11 +95,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         self.metadata: dict[str, str] = m.metadata()
         self.context_length = loaded_context(opts.num_ctx, m.n_ctx_train())
         per_token = kv_bytes_per_token(self.metadata, opts.kv_cache_type)
-        n_par = opts.num_parallel
-        if n_par <= 0:
-            n_par = auto_parallel(
-                per_token * self.context_length, int(available_memory() * AUTO_MEMORY_SHARE)
-            )
+        n_par = parallel_for(per_token * self.context_length, opts.num_parallel)
         self.n_parallel = min(n_par, self.lib.llama_max_parallel_sequences())
         n_seq_max = self.n_parallel  # idle sequences stay cached in the ids no request is using
         self.threads = opts.num_thread or default_threads()
@@ -400,4 +356,4 @@ def capabilities() -> Capabilities:
     )
 
 
-LlamaCppBackend = EngineBackend(NAME, LlamaCppModel, capabilities)
+LlamaCppBackend = EngineBackend(NAME, LlamaCppModel, capabilities, estimate=estimate)

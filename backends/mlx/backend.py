@@ -50,13 +50,15 @@ from localrt.errors import OptionError
 
 from .blas import active as blas_active
 from .blas import install as install_blas
+from .memory import DEFAULT_SLOTS
+from .memory import MAX_SLOTS
+from .memory import _on_gpu
+from .memory import estimate
 
 NAME = "mlx"
 PIP_HINT = "pip install 'localrt[mlx]' (on Linux that installs mlx[cpu])"
 KV_CACHE_TYPES = ("f16", "bf16", "f32", "q8_0")
 SCORE_HEAD_ROWS = 256  # logits computed this many rows at a time (the head is n x vocab)
-MAX_SLOTS = 16
-DEFAULT_SLOTS = {"cpu": 4, "gpu": 8}  # sequences decoded together when LOCALRT_NUM_PARALLEL is unset
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -74,12 +76,6 @@ def mlx_status() -> tuple[bool, str]:
     except ImportError as e:
         return False, f"mlx is installed but cannot load ({e}); {PIP_HINT}"
     return True, ""
-
-
-def _on_gpu() -> bool:
-    import mlx.core as mx
-
-    return mx.default_device().type == mx.DeviceType.gpu
 
 
 def _lay_out_rows() -> None:
@@ -301,4 +297,4 @@ def capabilities() -> Capabilities:
     )
 
 
-MLXBackend = EngineBackend(NAME, MLXModel, capabilities, availability=mlx_status)
+MLXBackend = EngineBackend(NAME, MLXModel, capabilities, availability=mlx_status, estimate=estimate)

@@ -41,21 +41,15 @@ from localrt.backends.llamacpp.vocab import Vocab
 from localrt.backends.llamacpp.vocab import VocabMethods
 from localrt.errors import OptionError
 
+from .memory import CPU_PARALLEL
+from .memory import MAX_SEQS
+from .memory import _cuda_available
+from .memory import estimate
+
 NAME = "torch"
 KV_TYPES_CPU = ("f16", "bf16", "f32", "q8_0")
-MAX_SEQS = 16
-CPU_PARALLEL = 4  # sequences decoded together on the CPU when LOCALRT_NUM_PARALLEL is unset
 SCORE_HEAD_ROWS = 256  # logits computed this many rows at a time (the head is n x vocab)
 log = logging.getLogger("localrt.backends.torch")
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # not installed, or no working CUDA runtime
-        return False
 
 
 def on_a_thread_of_its_own(fn: Callable[[], None]) -> None:
@@ -299,4 +293,4 @@ def capabilities() -> Capabilities:
     )
 
 
-TorchBackend = EngineBackend(NAME, TorchModel, capabilities)
+TorchBackend = EngineBackend(NAME, TorchModel, capabilities, estimate=estimate)

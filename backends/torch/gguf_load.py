@@ -203,6 +203,8 @@ def dequantize(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...]) -> tor
     n_elements = int(np.prod(shape))
     if block_elems == 1:
         out = fn(raw)
+    elif raw.numel() == 0:  # no rows asked for (a step whose chunks all stop short of their prompt's end)
+        out = torch.empty(0, dtype=torch.float32)
     else:
         blocks = raw.view(-1, block_bytes)  # [n_blocks, bytes per block]
         out = torch.cat(

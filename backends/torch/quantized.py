@@ -41,6 +41,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from localrt.store.gguf import TensorInfo
+
 from .gguf_load import DEQUANTIZERS
 from .gguf_load import GGUFTensors
 from .gguf_load import _f16
@@ -114,6 +116,19 @@ def q6_k_groups(raw: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, 
     q = torch.cat([2 * (u >> 4) + 5, u & 15])
     scale = torch.stack([torch.cat([8 * s[..., h], s[..., h]]) for h in range(2)])
     return q, scale, torch.zeros_like(scale)
+
+
+def kind_of(t: TensorInfo) -> str:
+    """How a matrix of this type and shape is kept: dense, one or two int4 planes, or int8 rows."""
+    if t.ggml_type in FLOAT_TYPES:
+        return "dense"
+    if int(t.shape[0]) % GROUP == 0 and t.ggml_type in INT4_TYPES:
+        return "int4"
+    if int(t.shape[0]) % GROUP == 0 and t.ggml_type in PAIR_TYPES:
+        return "int4x2"
+    if t.ggml_type in SIXTEEN_TYPES:
+        return "int4x2/16"
+    return "int8"
 
 
 def split_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -347,16 +362,7 @@ class QuantizedModules:
         return ", ".join(f"{label} x {n}" for label, n in sorted(self.counts.items()))
 
     def _kind(self, name: str) -> str:
-        t = self.tensors.by_name[name]
-        if t.ggml_type in FLOAT_TYPES:
-            return "dense"
-        if int(t.shape[0]) % GROUP == 0 and t.ggml_type in INT4_TYPES:
-            return "int4"
-        if int(t.shape[0]) % GROUP == 0 and t.ggml_type in PAIR_TYPES:
-            return "int4x2"
-        if t.ggml_type in SIXTEEN_TYPES:
-            return "int4x2/16"
-        return "int8"
+        return kind_of(self.tensors.by_name[name])
 
     def _module(self, parts: list[str], kind: str) -> nn.Module:
         if kind == "int8":

@@ -122,7 +122,23 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(details.license)
     else:
         print(show_text(details), end="")
+        print_estimate_section(args.model)
     return 0
+
+
+def print_estimate_section(model: str) -> None:
+    """The memory a load would take, from the local store's file (nothing is loaded); silent for a
+    remote model or one this machine's store does not hold."""
+    from localrt.runtime import memory
+    from localrt.store.store import Store
+
+    try:
+        estimate = memory.for_model(Store(), model)
+    except LocalrtError:
+        return
+    if estimate is not None:
+        print("  Memory (estimate)")
+        print("\n".join(f"    {line}" for line in estimate.lines()), end="\n\n")
 
 
 def show_text(details: ModelDetails) -> str:

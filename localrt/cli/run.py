@@ -33,6 +33,9 @@ def add_run(sub: Subparsers) -> argparse.ArgumentParser:
         "--image", action="append", default=None, metavar="FILE", help="attach an image (repeatable)"
     )
     p.add_argument("--insecure", action="store_true")
+    p.add_argument(
+        "--estimate", action="store_true", help="print the memory a load would take, per part, and exit"
+    )
     add_think_arguments(p)
     p.set_defaults(func=cmd_run)
     return p
@@ -57,6 +60,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from localrt.cli.repl import interactive
     from localrt.runtime.images import read_image_file
 
+    if getattr(args, "estimate", False):
+        return print_estimate(args)
     prompt_arg = getattr(args, "prompt", None)
     prompt = " ".join(prompt_arg) if isinstance(prompt_arg, list) else (prompt_arg or "")
     stdin_text = None if sys.stdin.isatty() else sys.stdin.read()
@@ -78,6 +83,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 130
     finally:
         session.close()
+
+
+def print_estimate(args: argparse.Namespace) -> int:
+    """`run --estimate`: what a load would hold, from the stored file's header, without loading."""
+    from localrt.runtime import memory
+    from localrt.store.store import Store
+
+    options = {k: v for k, v in (("backend", args.backend), ("draft_model", args.draft)) if v}
+    estimate = memory.for_model(Store(), args.model, options)
+    if estimate is None:
+        raise LocalrtError(f"'{args.model}' is a remote model: it holds no memory here")
+    fits, available, source = memory.fits_now(estimate)
+    print(f"{args.model}")
+    for line in estimate.lines():
+        print(f"  {line}")
+    verdict = "fits" if fits else "does not fit"
+    print(f"  {'available':<12}{memory.human_bytes(available)} ({source}): {verdict}")
+    return 0
 
 
 # ---- ps -----------------------------------------------------------------------------------------

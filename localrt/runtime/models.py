@@ -18,10 +18,12 @@ from typing import Any
 from localrt import config
 from localrt.backends import registry
 from localrt.backends.base import LoadedModel
+from localrt.backends.base import LoadOptions
 from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 from localrt.errors import OptionError
 from localrt.errors import ServerBusy
+from localrt.runtime import memory
 from localrt.runtime import remote
 from localrt.runtime import thinking
 from localrt.runtime.options import Options
@@ -72,6 +74,7 @@ class Entry:
     expires_at: float | None = None  # epoch
     timer: asyncio.TimerHandle | None = None
     stop_requested: bool = False  # `localrt stop`: unload as soon as the running requests finish
+    held_bytes: int = 0  # what the load was estimated to hold (0: not estimated, e.g. remote)
 
 
 class ModelPool:
@@ -97,6 +100,8 @@ class ModelPool:
         self._pending: dict[str, int] = {}  # waiting for their model, per model
         self._inflight: dict[str, int] = {}  # waiting or running, per model
         self._loading: set[str] = set()
+        self._reserved: dict[str, int] = {}  # loads under way: the bytes each was estimated to take
+        self._unloaded_for_room = 0  # idle models unloaded to make room for the load being placed
         self._cond = asyncio.Condition()  # guards the tables above; notified on every change
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -209,6 +214,14 @@ class ModelPool:
         key = resolved.name.display
         backend = remote.BACKEND if remote.is_remote(resolved) else registry.resolve(opts.backend)
         draft = self._draft_path(resolved, opts)
+        load_opts = dataclasses.replace(
+            opts.load_options(draft_path=draft), projector=resolved.projector_path
+        )
+        fits = (
+            []
+            if backend == remote.BACKEND
+            else await asyncio.to_thread(memory.ladder, backend, resolved.model_path, load_opts)
+        )
         load_key = (
             backend,
             str(resolved.model_path),
@@ -241,16 +254,20 @@ class ModelPool:
                     self._grab(entry)
                     return entry, False
                 if backend != remote.BACKEND and self._local_count() >= self.max_loaded:
-                    victim = self._lru_idle()
-                    if victim is None:
-                        await self._cond.wait()  # every loaded model is busy
-                    else:
-                        await self._unload_locked(victim)
+                    await self._make_room()
                     continue
+                fit = self._fit(fits)
+                if fits and fit is None:
+                    await self._make_room(fits)
+                    continue
+                if fit is not None:
+                    load_opts = fit.opts
+                    self._reserved[key] = fit.estimate.total
+                self._unloaded_for_room = 0
                 self._loading.add(key)
                 break
         # load outside the lock, so requests for other (loaded) models keep flowing
-        load = asyncio.ensure_future(self._load(key, resolved, opts, backend, load_key, draft))
+        load = asyncio.ensure_future(self._load(key, resolved, load_opts, backend, load_key, draft))
         try:
             await asyncio.wait((load,))  # a cancelled wait leaves the load running
         except asyncio.CancelledError:
@@ -263,6 +280,7 @@ class ModelPool:
         finally:
             async with self._cond:
                 self._loading.discard(key)
+                self._reserved.pop(key, None)
                 self._cond.notify_all()
         async with self._cond:
             self._entries[key] = entry
@@ -276,6 +294,7 @@ class ModelPool:
         finally:
             async with self._cond:
                 self._loading.discard(key)
+                self._reserved.pop(key, None)
                 self._cond.notify_all()
         if load.cancelled() or load.exception() is not None:
             return  # a failed load has nobody left to tell
@@ -325,6 +344,41 @@ class ModelPool:
             if entry.refs == 0 and self._entries.get(entry.key) is entry:
                 await self._unload_locked(entry)
 
+    async def _make_room(self, fits: list[memory.Fit] | None = None) -> None:
+        """Unload the least recently used idle model, else wait for a busy one to finish (under the lock).
+        A load that would not fit even with every other model unloaded is refused at once, and so is one
+        that does not fit with nothing else loaded."""
+        victim = self._lru_idle()
+        if fits is not None:
+            available, source = self._available()
+            hopeless = fits[-1].estimate.total > available + self._held()
+            if hopeless or (victim is None and not self._local_count()):
+                unloaded, self._unloaded_for_room = self._unloaded_for_room, 0
+                raise memory.refusal(fits, available, source, unloaded)
+        if victim is not None:
+            await self._unload_locked(victim)
+            self._unloaded_for_room += 1
+        else:
+            await self._cond.wait()  # every loaded model is busy
+
+    def _fit(self, fits: list[memory.Fit]) -> memory.Fit | None:
+        """The first settings on the ladder that fit the room left, or None."""
+        available, _ = self._available()
+        return next((f for f in fits if f.estimate.total <= available), None)
+
+    def _available(self) -> tuple[int, str]:
+        """Bytes a new load may take now, and where the figure comes from. The free RAM already excludes
+        what loaded models hold, but not the loads still under way."""
+        available, source = memory.room(self._held())
+        if config.max_memory() is None:
+            available -= sum(self._reserved.values())
+        return available, source
+
+    def _held(self) -> int:
+        """What loaded models and loads under way were estimated to hold."""
+        loaded = sum(e.held_bytes for e in self._entries.values())
+        return loaded + sum(self._reserved.values())
+
     def _local_count(self) -> int:
         """Models held in this process's memory; remote ones do not count toward the limit."""
         return sum(e.backend != remote.BACKEND for e in self._entries.values()) + len(self._loading)
@@ -337,7 +391,7 @@ class ModelPool:
         self,
         key: str,
         resolved: ResolvedModel,
-        opts: Options,
+        load_opts: LoadOptions,
         backend_name: str,
         load_key: tuple[Any, ...],
         draft: Path | None,
@@ -345,9 +399,7 @@ class ModelPool:
         backend = registry.get(backend_name)
         if backend_name != remote.BACKEND:  # a remote model's blob is its config, not a GGUF
             await asyncio.to_thread(_check_blobs, resolved, draft)
-        load_opts = dataclasses.replace(
-            opts.load_options(draft_path=draft), projector=resolved.projector_path
-        )
+        held = self._reserved.get(key, 0)
         model: LoadedModel = await asyncio.to_thread(backend.load, resolved.model_path, load_opts)
         try:
             template = make_template(resolved, model)
@@ -367,6 +419,7 @@ class ModelPool:
             prompter=Prompter(key, model, template, fmt),
             preserve_tokens=preserve,
             slots=slots,
+            held_bytes=held,
         )
 
     async def _unload_locked(self, entry: Entry) -> None:

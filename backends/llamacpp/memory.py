@@ -1,0 +1,87 @@
+"""The llama.cpp backend's memory before a load: the file (llama.cpp maps it and touches every weight),
+the KV cache of every sequence at the loaded context (padded to 256 as llama.cpp pads each stream; its
+sliding layers hold the whole context when sequences share one cache), and the compute and output
+buffers, which grow with the vocabulary (the logits rows)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from localrt.backends.base import LoadOptions
+from localrt.backends.memory import MemoryEstimate
+from localrt.backends.memory import available_memory
+from localrt.backends.memory import context_for
+from localrt.backends.memory import file_size
+from localrt.backends.memory import model_shape
+
+from .lib import KV_BYTES
+
+# Fitted on SmolLM2-135M (49k tokens) and Gemma 3 270M (262k tokens), a first load in a fresh process:
+# resident growth past the file and the KV cache was 33 MiB and 81 MiB (llama.cpp's own start-up
+# included; a later load in the same process adds 7 MiB and 21 MiB).
+BUFFER_BASE = 22 << 20
+BUFFER_PER_VOCAB_TOKEN = 224
+STREAM_PAD = 256
+AUTO_MIN_PARALLEL = 4  # LOCALRT_NUM_PARALLEL=auto: at least this many sequences where they fit
+AUTO_MAX_PARALLEL = 8
+AUTO_MEMORY_SHARE = 0.25  # of the available memory, for the KV cache of the auto sequences
+
+
+def kv_bytes_per_token(metadata: dict[str, str], kv_type: str) -> int:
+    arch = metadata.get("general.architecture", "llama")
+
+    def num(key: str, default: int) -> int:
+        try:
+            return int(float(metadata.get(f"{arch}.{key}", default)))
+        except ValueError:
+            return default
+
+    n_layer, n_embd = num("block_count", 0), num("embedding_length", 0)
+    n_head = max(1, num("attention.head_count", 1))
+    n_head_kv = num("attention.head_count_kv", n_head)
+    head_dim = num("attention.key_length", n_embd // n_head)
+    return int(2 * n_layer * n_head_kv * head_dim * KV_BYTES[kv_type])
+
+
+def auto_parallel(per_sequence: int, budget: int) -> int:
+    """LOCALRT_NUM_PARALLEL=auto: as many sequences as the budget holds, AUTO_MIN..AUTO_MAX, else what fits."""
+    if per_sequence <= 0 or budget <= 0:
+        return AUTO_MIN_PARALLEL
+    fit = budget // per_sequence
+    if fit < AUTO_MIN_PARALLEL:
+        return max(1, fit)
+    return min(AUTO_MAX_PARALLEL, fit)
+
+
+def parallel_for(per_sequence: int, num_parallel: int) -> int:
+    """The sequences a load gets: the setting, or what the auto rule gives on this machine now."""
+    if num_parallel > 0:
+        return num_parallel
+    return auto_parallel(per_sequence, int(available_memory() * AUTO_MEMORY_SHARE))
+
+
+def padded(context: int) -> int:
+    return -(-context // STREAM_PAD) * STREAM_PAD
+
+
+def estimate(path: Path, opts: LoadOptions) -> MemoryEstimate:
+    shape = model_shape(path)
+    metadata = shape.text_metadata()
+    context = context_for(shape, opts.num_ctx)
+    per_token = kv_bytes_per_token(metadata, opts.kv_cache_type)
+    parallel = parallel_for(per_token * context, opts.num_parallel)
+    kv_tokens = padded(context) * parallel
+    draft = 0
+    if opts.draft_model is not None:  # the draft gets a context with the target's parameters
+        draft_meta = model_shape(opts.draft_model).text_metadata()
+        draft = file_size(opts.draft_model) + kv_bytes_per_token(draft_meta, opts.kv_cache_type) * kv_tokens
+    return MemoryEstimate(
+        backend="llama.cpp",
+        weights=file_size(path),
+        kv=per_token * kv_tokens,
+        buffers=BUFFER_BASE + BUFFER_PER_VOCAB_TOKEN * shape.n_vocab,
+        context_length=context,
+        parallel=parallel,
+        projector=file_size(opts.projector),
+        draft=draft,
+    )

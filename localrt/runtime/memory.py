@@ -1,0 +1,105 @@
+"""Room for a model before it loads: the backend's estimate against the memory left, and the settings
+that fit when the asked ones do not (fewer parallel sequences, then a shorter context), or a clear
+refusal naming the numbers. A load the machine cannot hold would otherwise be killed by the kernel,
+taking every loaded model and every request in flight with it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from localrt import config
+from localrt.backends import registry
+from localrt.backends.base import LoadOptions
+from localrt.backends.memory import MemoryEstimate
+from localrt.backends.memory import available_memory
+from localrt.backends.memory import human_bytes
+from localrt.errors import InsufficientMemory
+from localrt.runtime import remote
+from localrt.runtime.options import Options
+from localrt.store.store import Store
+
+# a fitted context stops here: shorter would refuse most chat prompts anyway
+MIN_FIT_CONTEXT = 2048
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The settings a load gets, what they hold, and what was changed to get there."""
+
+    opts: LoadOptions
+    estimate: MemoryEstimate
+    changes: tuple[str, ...] = ()
+
+
+def estimate(backend: str, path: Path, opts: LoadOptions) -> MemoryEstimate | None:
+    """The backend's estimate, or None for a backend that holds no weights here (remote)."""
+    fn = getattr(registry.get(backend), "estimate", None)
+    return fn(path, opts) if fn is not None else None
+
+
+def ladder(backend: str, path: Path, opts: LoadOptions) -> list[Fit]:
+    """The settings to try, largest first: as asked, then halving the parallel sequences down to one,
+    then halving the context down to MIN_FIT_CONTEXT (never below what was asked)."""
+    first = estimate(backend, path, opts)
+    if first is None:
+        return []
+    fits = [Fit(opts, first)]
+    asked_parallel, asked_context = first.parallel, first.context_length
+    parallel, context = asked_parallel, asked_context
+    while parallel > 1:
+        parallel //= 2
+        o = replace(opts, num_parallel=parallel)
+        fits.append(Fit(o, estimate(backend, path, o), (f"parallel {asked_parallel} -> {parallel}",)))
+    floor = min(asked_context, MIN_FIT_CONTEXT)
+    while context > floor:
+        context = max(floor, context // 2)
+        o = replace(opts, num_parallel=parallel, num_ctx=context)
+        changes = (f"parallel {asked_parallel} -> {parallel}",) if parallel != asked_parallel else ()
+        fits.append(Fit(o, estimate(backend, path, o), (*changes, f"context {asked_context} -> {context}")))
+    return fits
+
+
+def room(held: int) -> tuple[int, str]:
+    """Bytes a new load may take, given what loaded models and loads under way hold: LOCALRT_MAX_MEMORY
+    less that, else the free RAM now (which already excludes what is loaded) less the loads not yet
+    resident. With the limit's source, for the error."""
+    limit = config.max_memory()
+    if limit is not None:
+        return limit - held, "LOCALRT_MAX_MEMORY"
+    return available_memory(), "free memory"
+
+
+def refusal(fits: list[Fit], available: int, source: str, unloaded: int) -> InsufficientMemory:
+    """Ollama's words, then what was tried."""
+    need = fits[0].estimate.total
+    smallest = fits[-1]
+    tried = [f"unloaded {unloaded} idle model{'s' * (unloaded != 1)}"] if unloaded else []
+    tried += list(smallest.changes)
+    detail = f"; tried {', '.join(tried)} (still {human_bytes(smallest.estimate.total)})" if tried else ""
+    return InsufficientMemory(
+        f"model requires more system memory ({human_bytes(need)}) than is available "
+        f"({human_bytes(max(0, available))}, {source}){detail}"
+    )
+
+
+def for_model(store: Store, model: str, options: Mapping[str, Any] | None = None) -> MemoryEstimate | None:
+    """The estimate for a stored model with its Modelfile's parameters and `options` over them, on the
+    backend a load would choose; None for a remote model. Nothing is loaded."""
+    resolved = store.resolve(model)
+    if remote.is_remote(resolved):
+        return None
+    opts = Options.merge(resolved.params, options, lenient=(True, False))
+    draft = resolved.draft_path if opts.speculative in ("auto", "draft") else None
+    load_opts = replace(opts.load_options(draft_path=draft), projector=resolved.projector_path)
+    fits = ladder(registry.resolve(opts.backend), resolved.model_path, load_opts)
+    return fits[0].estimate if fits else None
+
+
+def fits_now(estimate: MemoryEstimate) -> tuple[bool, int, str]:
+    """Whether the estimate fits what this machine (or LOCALRT_MAX_MEMORY) leaves now."""
+    available, source = room(0)
+    return estimate.total <= available, available, source

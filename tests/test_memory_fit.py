@@ -1,0 +1,193 @@
+"""Memory that fits: each backend's estimate against the resident growth it predicts, and a real
+`localrt serve` that makes room, fits a load down or refuses it clearly, and keeps serving, under
+LOCALRT_MAX_MEMORY and under a real memory cgroup."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from localrt.store.importer import import_gguf
+from localrt.store.store import Store
+from tests.servers.serve import LocalrtServer
+
+PROBE = Path(__file__).with_name("memory_probe.py")
+TOLERANCE = 0.15
+CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
+
+
+# ---- the estimate against what a load really holds ------------------------------------------------
+def probe(backend: str, gguf: Path, context: int, parallel: int = 2) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(PROBE.parent.parent)}
+    out = subprocess.run(
+        [sys.executable, str(PROBE), backend, str(gguf), str(parallel), str(context)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])[0]
+
+
+@pytest.mark.parametrize("context", [256, 1024])
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("backend", ["llama.cpp", "torch", "mlx"])
+def test_estimate_within_15_percent_of_resident_growth(
+    backend: str, model: str, context: int, smollm2_gguf: Path, gemma3_gguf: Path
+) -> None:
+    """Every sequence's context filled, so caches that grow with use hold what the estimate counts."""
+    gguf = smollm2_gguf if model == "smollm2" else gemma3_gguf
+    row = probe(backend, gguf, context)
+    assert abs(row["total"] / row["growth"] - 1) <= TOLERANCE, row
+
+
+# ---- a real server under LOCALRT_MAX_MEMORY --------------------------------------------------------
+def serve(tmp_path: Path, smollm2_gguf: Path, gemma3_gguf: Path, **env: str) -> LocalrtServer:
+    store = Store(tmp_path / "models")
+    import_gguf(store, "smol", smollm2_gguf, params={"num_ctx": 512})
+    import_gguf(store, "gem", gemma3_gguf, params={"num_ctx": 512})
+    import_gguf(store, "smol-long", smollm2_gguf, params={"num_ctx": 8192})
+    base = {"LOCALRT_NUM_PARALLEL": "1", "LOCALRT_BACKEND": "llama.cpp", "LOCALRT_KEEP_ALIVE": "10m"}
+    return LocalrtServer(tmp_path / "models", tmp_path / "serve.log", env={**base, **env})
+
+
+@pytest.fixture
+def server(
+    request: pytest.FixtureRequest, tmp_path: Path, smollm2_gguf: Path, gemma3_gguf: Path
+) -> Iterator[LocalrtServer]:
+    srv = serve(tmp_path, smollm2_gguf, gemma3_gguf, LOCALRT_MAX_MEMORY=request.param)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def generate(srv: LocalrtServer, model: str, **options: int) -> httpx.Response:
+    body = {"model": model, "prompt": "Hi", "stream": False, "options": {"num_predict": 2, **options}}
+    return httpx.post(srv.url + "/api/generate", json=body, timeout=600)
+
+
+def loaded(srv: LocalrtServer) -> dict[str, dict]:
+    return {m["name"]: m for m in httpx.get(srv.url + "/api/ps", timeout=30).json()["models"]}
+
+
+@pytest.mark.parametrize("server", ["250MiB"], indirect=True)
+def test_model_over_the_limit_is_refused_in_ollamas_words(server: LocalrtServer) -> None:
+    assert generate(server, "smol").status_code == 200
+    refused = generate(server, "gem")
+    assert refused.status_code == 500
+    assert "model requires more system memory" in refused.json()["error"]
+
+
+@pytest.mark.parametrize("server", ["250MiB"], indirect=True)
+def test_refusal_names_the_limit(server: LocalrtServer) -> None:
+    error = generate(server, "gem").json()["error"]
+    assert "LOCALRT_MAX_MEMORY" in error
+
+
+@pytest.mark.parametrize("server", ["250MiB"], indirect=True)
+def test_loaded_model_keeps_answering_after_a_refusal(server: LocalrtServer) -> None:
+    generate(server, "smol")
+    generate(server, "gem")
+    assert "smol:latest" in loaded(server)
+    assert generate(server, "smol").status_code == 200
+
+
+@pytest.mark.parametrize("server", ["320MiB"], indirect=True)
+def test_second_model_unloads_the_idle_first(server: LocalrtServer) -> None:
+    generate(server, "smol")
+    assert generate(server, "gem").status_code == 200
+    assert list(loaded(server)) == ["gem:latest"]
+
+
+@pytest.mark.parametrize("server", ["200MiB"], indirect=True)
+def test_load_fitted_down_to_a_shorter_context(server: LocalrtServer) -> None:
+    """8192 tokens of KV do not fit 200 MiB; 4096 do: the model loads with the context that fits."""
+    assert generate(server, "smol-long").status_code == 200
+    assert loaded(server)["smol-long:latest"]["context_length"] == 4096
+
+
+# ---- a real memory limit: the kernel's, not ours ---------------------------------------------------
+@pytest.fixture
+def cgroup() -> Iterator[Path]:
+    if not os.access(CGROUP_MEMORY, os.W_OK):
+        pytest.skip("no writable cgroup v1 memory controller here")
+    group = CGROUP_MEMORY / f"localrt-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            (CGROUP_MEMORY / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
+def test_server_in_a_memory_cgroup_refuses_instead_of_being_killed(
+    cgroup: Path, tmp_path: Path, smollm2_gguf: Path, gemma3_gguf: Path
+) -> None:
+    srv = serve(tmp_path, smollm2_gguf, gemma3_gguf)
+    try:
+        # charges start when the process moves in: room for the small model (about 120 MiB), not for
+        # the larger one (about 280 MiB), whose load the kernel would answer by killing the server
+        (cgroup / "memory.limit_in_bytes").write_text(str(220 << 20))
+        (cgroup / "cgroup.procs").write_text(str(srv.proc.pid))
+        refused = generate(srv, "gem")
+        assert refused.status_code == 500, refused.text
+        assert srv.alive()
+        assert generate(srv, "smol").status_code == 200
+    finally:
+        srv.stop()
+
+
+# ---- what the CLI shows ---------------------------------------------------------------------------
+def run_estimate(tmp_path: Path, smollm2_gguf: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    import_gguf(Store(tmp_path / "models"), "smol", smollm2_gguf, params={"num_ctx": 512})
+    return subprocess.run(
+        [sys.executable, "-m", "localrt", "run", "smol", "--estimate"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LOCALRT_MODELS": str(tmp_path / "models"), "LOCALRT_NUM_PARALLEL": "2", **env},
+        timeout=120,
+    )
+
+
+def test_run_estimate_prints_each_part(tmp_path: Path, smollm2_gguf: Path) -> None:
+    out = run_estimate(tmp_path, smollm2_gguf).stdout
+    assert [line.split()[0] for line in out.splitlines()[1:6]] == [
+        "backend",
+        "context",
+        "weights",
+        "kv",
+        "buffers",
+    ]
+
+
+def test_run_estimate_gives_the_context_and_sequences(tmp_path: Path, smollm2_gguf: Path) -> None:
+    out = run_estimate(tmp_path, smollm2_gguf).stdout
+    assert "512 x 2 parallel" in out
+
+
+def test_run_estimate_says_when_it_does_not_fit(tmp_path: Path, smollm2_gguf: Path) -> None:
+    out = run_estimate(tmp_path, smollm2_gguf, LOCALRT_MAX_MEMORY="10MiB").stdout
+    assert "does not fit" in out
+
+
+def test_run_estimate_loads_nothing(tmp_path: Path, smollm2_gguf: Path) -> None:
+    """No llama.cpp context is made: the estimate reads the header alone (llama.cpp would log it)."""
+    out = run_estimate(tmp_path, smollm2_gguf)
+    assert "llama_context" not in out.stderr
+
+
+def test_bad_max_memory_is_one_line(tmp_path: Path, smollm2_gguf: Path) -> None:
+    out = run_estimate(tmp_path, smollm2_gguf, LOCALRT_MAX_MEMORY="lots")
+    assert out.stderr.strip().splitlines() == [
+        "Error: LOCALRT_MAX_MEMORY must be a size such as 8GiB or 512MiB, not 'lots'"
+    ]
