@@ -59,6 +59,7 @@ def media_capabilities(model: ResolvedModel, info: GGUFInfo, capabilities: list[
 def model_capabilities(model: ResolvedModel, info: GGUFInfo) -> list[str]:
     """`capabilities` of /api/show and `localrt show`: completion (or embedding), tools and thinking
     from the template the runtime renders with (issue 17), then issue 19's vision/rerank."""
+    from localrt.runtime.models import parser_format
     from localrt.runtime.thinking import capabilities
     from localrt.runtime.thinking import model_format
 
@@ -69,7 +70,7 @@ def model_capabilities(model: ResolvedModel, info: GGUFInfo) -> list[str]:
         fmt = model_format(model.template)  # a Go TEMPLATE is kept, not run: read what it shows
     else:
         fmt = model_format(template_choice(model, info).source, specials)
-    return media_capabilities(model, info, capabilities(fmt, info.metadata))
+    return media_capabilities(model, info, capabilities(parser_format(fmt, model), info.metadata))
 
 
 def projector_rows(meta: Any) -> list[tuple[str, str]]:
@@ -127,7 +128,22 @@ def modelfile_text(model: ResolvedModel, info: GGUFInfo) -> str:
     out += [f"PARAMETER {k} {v}" for k, v in parameter_lines(model.params)]
     if model.license:
         out.append(f'LICENSE """{model.license}"""')
+    out += format_lines(model)
     return "\n".join(out) + "\n"
+
+
+def format_lines(model: ResolvedModel) -> list[str]:
+    """RENDERER, PARSER, REQUIRES and the MESSAGE turns of a stored model, as Modelfile lines."""
+    out = [
+        f"{key.upper()} {model.config[key]}"
+        for key in ("renderer", "parser", "requires")
+        if model.config.get(key)
+    ]
+    for msg in model.messages:
+        content = msg.get("content", "")
+        quoted = f'"""{content}"""' if "\n" in content or '"' in content else f'"{content}"'
+        out.append(f"MESSAGE {msg.get('role')} {quoted}")
+    return out
 
 
 def remote_modelfile_text(model: ResolvedModel) -> str:

@@ -224,7 +224,10 @@ class CreateRequest(Named):
     system: str | None = None
     license: str | list[str] | None = None
     parameters: dict[str, Any] | None = None
-    messages: list[Message] | None = None
+    messages: list[Message] | None = Field(None, description="few-shot turns every prompt starts with")
+    requires: str | None = Field(None, description="the oldest localrt version that runs the model")
+    renderer: str | None = Field(None, description="one of Ollama's built-in prompt renderers")
+    parser: str | None = Field(None, description="one of Ollama's built-in reply parsers")
     stream: bool | None = None
     # a remote model (SPEC 8): OpenAI-compatible endpoint URLs instead of weights
     remote: str | list[str] | None = Field(None, description="endpoint URL(s), e.g. https://host:8000/v1")
@@ -475,6 +478,10 @@ class ShowResponse(Out):
     capabilities: list[str]
     template_origin: str = ""  # ours: the Modelfile's, the file's, or a built-in family template
     projector_info: dict[str, Any] | None = None  # ours: a vision model's projector GGUF header
+    messages: list[dict[str, Any]] | None = None  # the Modelfile's MESSAGE turns
+    renderer: str | None = None
+    parser: str | None = None
+    requires: str | None = None
     remote: dict[str, Any] | None = None  # ours: a remote model's upstream id and endpoints' health
 
 

@@ -174,10 +174,21 @@ async def show(request: Request) -> dict[str, Any]:
         "model_info": info.summary(),
         "capabilities": capabilities,
         "template_origin": template_origin(template_choice(resolved, info)),
+        **model_formats(resolved),
         "modified_at": rfc3339(store.manifest_path(resolved.name).stat().st_mtime)
         if store.manifest_path(resolved.name).exists()
         else None,
     }
+
+
+def model_formats(resolved: ResolvedModel) -> dict[str, Any]:
+    """/api/show's `messages`, `renderer`, `parser` and `requires`, where the model has them (Ollama's)."""
+    out: dict[str, Any] = {
+        k: resolved.config[k] for k in ("renderer", "parser", "requires") if resolved.config.get(k)
+    }
+    if resolved.messages:
+        out["messages"] = resolved.messages
+    return out
 
 
 async def show_remote(store: Store, resolved: ResolvedModel) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from localrt.runtime.models import ModelPool
 from localrt.runtime.options import Options
 from localrt.runtime.prompt import Turn
 from localrt.runtime.prompt import tool_choice
-from localrt.runtime.prompt import with_system
+from localrt.runtime.prompt import with_history
 from localrt.runtime.thinking import Piece
 from localrt.runtime.thinking import ReplyParser
 from localrt.runtime.thinking import Think
@@ -188,7 +188,7 @@ class Runtime:
             async for chunk in self._load_only(call):
                 yield chunk
             return
-        msgs = with_system(messages, call.resolved.system)
+        msgs = with_history(messages, call.resolved.system, call.resolved.messages)
         msgs, pictures = image_input.place_images(msgs)  # decoded and checked before any load
         _check_vision(call.resolved, pictures)
         async with self.models.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
@@ -244,7 +244,9 @@ class Runtime:
                 tokens = tokenize(prompt, True, True)
             else:
                 sys_text = system if system is not None else resolved.system
-                msgs = with_system([{"role": "user", "content": prompt}], sys_text)
+                # a continued conversation (`context`) has had the model's history already
+                history = call.resolved.messages if not context else []
+                msgs = with_history([{"role": "user", "content": prompt}], sys_text, history)
                 turn = entry.prompter.turn(model, call.think)
                 tokens = await entry.prompter.render(msgs, turn, pictures, add_bos=not context)
                 tokens = [*(context or []), *tokens]
@@ -585,7 +587,7 @@ class Runtime:
         Anthropic's count_tokens, which must match the answer's input_tokens)."""
         resolved, opts = self.models.prepare(model, options)
         wanted = think if isinstance(think, Think) else thinking.parse_think(think)
-        msgs = with_system(messages, resolved.system)
+        msgs = with_history(messages, resolved.system, resolved.messages)
         keep = self.models.keep_alive(None)
         async with self.models.use(resolved, opts, keep, exclusive=False) as (entry, _):
             turn = entry.prompter.turn(model, wanted, tool_choice(None, tools)[0])

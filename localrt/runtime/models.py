@@ -344,7 +344,7 @@ class ModelPool:
         model: LoadedModel = await asyncio.to_thread(backend.load, resolved.model_path, load_opts)
         try:
             template = make_template(resolved, model)
-            fmt = thinking.model_format(template.source, model.special_tokens())
+            fmt = parser_format(thinking.model_format(template.source, model.special_tokens()), resolved)
             preserve = preserved_tokens(model, fmt.markers)
         except BaseException:
             await asyncio.to_thread(model.unload)
@@ -371,6 +371,34 @@ class ModelPool:
             del self._entries[entry.key]
         await asyncio.to_thread(entry.model.unload)
         self._cond.notify_all()
+
+
+def parser_format(fmt: thinking.ModelFormat, resolved: ResolvedModel) -> thinking.ModelFormat:
+    """The format read from the template, with a Modelfile PARSER's families in force: whether the model
+    thinks (and in which markup) and, where we parse it, its tool-call style."""
+    from localrt.runtime.toolcalls import style_markers
+    from localrt.store.modelfile import PARSER_FORMATS
+
+    name = resolved.config.get("parser")
+    if not name or name not in PARSER_FORMATS:
+        return fmt
+    think, style = PARSER_FORMATS[name]
+    if think == "harmony":
+        return dataclasses.replace(
+            fmt, thinking="harmony", tool_style="harmony", markers=thinking.HARMONY_MARKERS
+        )
+    style = style or fmt.tool_style
+    tags = (fmt.open_tag or "<think>", fmt.close_tag or "</think>") if think == "tags" else ("", "")
+    markers = tuple(m for m in (*tags, *style_markers(style)) if m)
+    return dataclasses.replace(
+        fmt,
+        thinking=think,
+        open_tag=tags[0],
+        close_tag=tags[1],
+        hybrid=fmt.hybrid and think == "tags",
+        tool_style=style,
+        markers=markers,
+    )
 
 
 def _loaded_info(e: Entry) -> LoadedInfo:
