@@ -70,7 +70,24 @@ def model_capabilities(model: ResolvedModel, info: GGUFInfo) -> list[str]:
         fmt = model_format(model.template)  # a Go TEMPLATE is kept, not run: read what it shows
     else:
         fmt = model_format(template_choice(model, info).source, specials)
-    return media_capabilities(model, info, capabilities(parser_format(fmt, model), info.metadata))
+    caps = capabilities(parser_format(fmt, model), info.metadata)
+    if "completion" in caps and can_insert(model, info):
+        caps.append("insert")
+    return media_capabilities(model, info, caps)
+
+
+def can_insert(model: ResolvedModel, info: GGUFInfo) -> bool:
+    """Ollama's `insert`: a Go TEMPLATE with a {{ if .Suffix }} branch, or FIM tokens in the vocabulary."""
+    from localrt.runtime.fim import fim_tokens
+    from localrt.runtime.fim import suffix_branch
+
+    if suffix_branch(model.template) is not None:
+        return True
+    tokens = info.metadata.get("tokenizer.ggml.tokens") or []
+    index: dict[str, int] = {}
+    for i, text in enumerate(tokens):
+        index.setdefault(str(text), i)
+    return fim_tokens(info.metadata, index.get, len(tokens)) is not None
 
 
 def projector_rows(meta: Any) -> list[tuple[str, str]]:

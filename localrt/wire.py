@@ -261,6 +261,7 @@ class Generation(Named):
 
 class GenerateRequest(Generation):
     prompt: str | None = None
+    suffix: str | None = Field(None, description="the text after the completion (fill-in-the-middle)")
     images: list[str] | None = None
     system: str | None = None
     raw: bool | None = None
@@ -410,6 +411,7 @@ class CompletionRequest(OpenAISampling):
     model: ModelName
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
     logprobs: Annotated[Int | None, Field(ge=0, le=20)] = None
+    suffix: str | None = Field(None, description="the text after the completion (fill-in-the-middle)")
     response_format: ResponseFormat | None = None
 
 

@@ -491,6 +491,7 @@ async def generate(request: Request) -> Response:
         system=body.system,
         raw=body.raw is True,
         context=body.context,
+        suffix=body.suffix,
         **args,
     )
     return await generation_response(request, chunks, args["stream"], chunk_to_generate)

@@ -22,6 +22,7 @@ from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 from localrt.errors import OptionError
 from localrt.errors import ServerBusy
+from localrt.runtime import fim
 from localrt.runtime import remote
 from localrt.runtime import thinking
 from localrt.runtime.options import Options
@@ -69,6 +70,13 @@ class Entry:
     expires_at: float | None = None  # epoch
     timer: asyncio.TimerHandle | None = None
     stop_requested: bool = False  # `localrt stop`: unload as soon as the running requests finish
+    # fill-in-the-middle: the vocabulary's FIM tokens, and a Go TEMPLATE's {{ if .Suffix }} branch
+    fim_tokens: fim.FimTokens | None = None
+    fim_template: list[tuple[str, bool]] | None = None
+
+    @property
+    def can_insert(self) -> bool:
+        return self.fim_tokens is not None or self.fim_template is not None
 
 
 class ModelPool:
@@ -346,6 +354,7 @@ class ModelPool:
             template = make_template(resolved, model)
             fmt = parser_format(thinking.model_format(template.source, model.special_tokens()), resolved)
             preserve = preserved_tokens(model, fmt.markers)
+            infill = model_fim_tokens(model) if backend_name != remote.BACKEND else None
         except BaseException:
             await asyncio.to_thread(model.unload)
             raise
@@ -360,6 +369,8 @@ class ModelPool:
             prompter=Prompter(key, model, template, fmt),
             preserve_tokens=preserve,
             slots=slots,
+            fim_tokens=infill,
+            fim_template=fim.suffix_branch(resolved.template),
         )
 
     async def _unload_locked(self, entry: Entry) -> None:
@@ -371,6 +382,19 @@ class ModelPool:
             del self._entries[entry.key]
         await asyncio.to_thread(entry.model.unload)
         self._cond.notify_all()
+
+
+def model_fim_tokens(model: LoadedModel) -> fim.FimTokens | None:
+    """The loaded model's FIM tokens: ids from its metadata, else its special tokens found by text."""
+    specials = set(model.special_tokens())
+
+    def find(text: str) -> int | None:
+        if text not in specials:
+            return None
+        ids = model.tokenize(text, add_special=False, parse_special=True)
+        return ids[0] if len(ids) == 1 else None
+
+    return fim.fim_tokens(model.metadata, find, model.n_vocab)
 
 
 def parser_format(fmt: thinking.ModelFormat, resolved: ResolvedModel) -> thinking.ModelFormat:
