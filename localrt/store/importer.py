@@ -58,14 +58,20 @@ def check_gguf_file(path: Path, what: str = "model") -> None:
 def _blob(store: Store, source: Path | str, what: str) -> tuple[str, int, dict[str, Any]]:
     """A GGUF file or a stored blob's digest -> (digest, size, config); the header is parsed first,
     so a malformed file is refused before it is copied in."""
+    from localrt.store import split
+
     if isinstance(source, Path):
         check_gguf_file(source, what)
         config = gguf_config(source)
+        if split.is_split_part(source):  # parts merge into one blob, as Ollama stores them
+            digest, size = split.store_merged(store, split.find_parts(source))
+            return digest, size, gguf_config(store.blob_path(digest))
         return (*store.add_blob_file(source), config)
     digest = normalize_digest(source)
     if not store.has_blob(digest):
         raise LocalrtError(f"{what} blob {digest} is not in the store")
     path = store.blob_path(digest)
+    split.refuse_part(path, what)
     return digest, path.stat().st_size, gguf_config(path)
 
 
