@@ -210,7 +210,6 @@ class CreateRequest(Named):
                     {
                         "type": "object",
                         "minProperties": 1,
-                        "maxProperties": 2,  # a vision model: its GGUF and its projector GGUF
                         "propertyNames": {"pattern": r"\.gguf$"},
                         "additionalProperties": {"type": "string", "pattern": DIGEST_PATTERN},
                     },
@@ -218,7 +217,11 @@ class CreateRequest(Named):
                 ]
             }
         ),
-    ] = Field(None, description="file name -> sha256 digest of an uploaded blob (POST /api/blobs first)")
+    ] = Field(
+        None,
+        description="file name -> sha256 digest of an uploaded blob (POST /api/blobs first): one GGUF, or "
+        "the parts of a split GGUF (name-0000i-of-0000N.gguf), and a vision model's projector GGUF",
+    )
     quantize: str | None = None
     template: str | None = None
     system: str | None = None

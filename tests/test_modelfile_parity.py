@@ -237,3 +237,25 @@ def test_a_thinking_parser_makes_the_model_report_thinking(server: LocalrtServer
         timeout=60,
     )
     assert "thinking" in client.show("fmt:think")["capabilities"]
+
+
+def test_cli_create_through_a_server_carries_every_line(server: LocalrtServer, tmp_path: Path) -> None:
+    modelfile = tmp_path / "Modelfile"
+    lines = "".join(f'MESSAGE {m["role"]} """{m["content"]}"""\n' for m in HISTORY)
+    modelfile.write_text(f"FROM plain:latest\n{lines}REQUIRES 0.0.1\nPARSER qwen3\nRENDERER olmo3\n")
+    env = {**os.environ, "LOCALRT_HOST": server.url.removeprefix("http://"), "LOCALRT_MODELS": "/nonexistent"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "localrt", "create", "fewshot:cli", "-f", str(modelfile)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    shown = httpx.post(server.url + "/api/show", json={"model": "fewshot:cli"}, timeout=60).json()
+    assert {k: shown.get(k) for k in ("messages", "requires", "parser", "renderer")} == {
+        "messages": HISTORY,
+        "requires": "0.0.1",
+        "parser": "qwen3",
+        "renderer": "olmo3",
+    }

@@ -8,11 +8,13 @@ import hashlib
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import ollama
 import pytest
 
 from localrt.runtime.generate import Runtime
@@ -30,6 +32,7 @@ from tests.fixtures_hf import CACHE
 from tests.fixtures_hf import llama_cpp_tools
 from tests.gguf_factory import write_tiny_llama
 from tests.servers.hub import Hub
+from tests.servers.serve import LocalrtServer
 
 REPO = "tiny-org/Split-Llama-GGUF"
 PARTS = 3
@@ -241,3 +244,50 @@ async def test_pulled_split_model_answers_as_the_whole_file(
     finally:
         await runtime.models.close()
     assert answers[0] == answers[1]
+
+
+# ---- over the server's create API ---------------------------------------------------------------------
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[LocalrtServer]:
+    srv = LocalrtServer(tmp_path / "models", tmp_path / "serve.log")
+    yield srv
+    assert srv.stop() in (0, -signal.SIGTERM)
+    assert "Traceback" not in srv.log_path.read_text(errors="replace")
+
+
+def test_ollama_client_creates_from_uploaded_parts(
+    server: LocalrtServer, parts: list[Path], whole: Path
+) -> None:
+    client = ollama.Client(host=server.url)
+    files = {p.name: client.create_blob(p) for p in parts}
+    client.create("split:client", files=files)
+    assert Store(server.env["LOCALRT_MODELS"]).resolve("split:client").model_path.name == sha256_of(
+        whole
+    ).replace(":", "-")
+
+
+def test_uploaded_parts_with_one_missing_are_a_400_naming_it(
+    server: LocalrtServer, parts: list[Path]
+) -> None:
+    client = ollama.Client(host=server.url)
+    files = {p.name: client.create_blob(p) for p in parts[:2]}
+    with pytest.raises(ollama.ResponseError) as err:
+        client.create("split:broken", files=files)
+    assert err.value.status_code == 400
+    assert err.value.error == f"split GGUF {parts[0].name}: missing part(s) {parts[2].name}"
+
+
+def test_cli_create_through_a_server_uploads_every_part(
+    server: LocalrtServer, parts: list[Path], whole: Path
+) -> None:
+    env = {**os.environ, "LOCALRT_HOST": server.url.removeprefix("http://"), "LOCALRT_MODELS": "/nonexistent"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "localrt", "create", "split:cli", "--from", str(parts[0])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    model = Store(server.env["LOCALRT_MODELS"]).resolve("split:cli").model_path
+    assert model.name == sha256_of(whole).replace(":", "-")

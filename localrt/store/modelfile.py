@@ -706,14 +706,15 @@ def create_from_request(
     if files:
         if not isinstance(files, dict):
             raise LocalrtError("files must map file names to sha256 digests")
-        ggufs = [digest for fname, digest in files.items() if str(fname).lower().endswith(".gguf")]
-        if not 1 <= len(ggufs) <= 2:
-            raise LocalrtError("files must name one .gguf file (two for a vision model and its projector)")
-        blobs = [normalize_digest(str(d)) for d in ggufs]
-        for digest in blobs:
-            if not store.has_blob(digest):
-                raise LocalrtError(f"blob {digest} not found: upload it with POST /api/blobs/{digest} first")
+        ggufs = {str(f): str(d) for f, d in files.items() if str(f).lower().endswith(".gguf")}
+        for digest in ggufs.values():
+            blob = normalize_digest(digest)
+            if not store.has_blob(blob):
+                raise LocalrtError(f"blob {blob} not found: upload it with POST /api/blobs/{blob} first")
         progress("parsing GGUF")
+        blobs = _merge_split_files(store, ggufs, progress)
+        if not 1 <= len(blobs) <= 2:
+            raise LocalrtError("files must name one .gguf file (two for a vision model and its projector)")
         source, projector = _split_projector(store, blobs)
     elif isinstance(base, str) and base:
         source = parse_name(base)
@@ -853,6 +854,31 @@ def _remote_from_request(
         template=fields.get("template"),
         license_text=license_text,
     )
+
+
+def _merge_split_files(store: Store, ggufs: dict[str, str], progress: Callable[[str], None]) -> list[str]:
+    """The uploaded GGUFs' digests, the parts of a split GGUF (named `name-0000i-of-0000N.gguf`, all of
+    them given) merged into one blob first, as Ollama stores them."""
+    from localrt.store import split
+
+    series = {f: split.split_series(f) for f in ggufs}
+    firsts = [f for f, s in series.items() if s is not None and s[1] == 1]
+    plain = [normalize_digest(d) for f, d in ggufs.items() if series[f] is None]
+    if not any(series.values()):
+        return plain
+    if len(firsts) != 1:
+        raise LocalrtError("files must hold the parts of one split GGUF, its -00001-of- part included")
+    names = split.series_names(firsts[0])
+    extra = [f for f, s in series.items() if s is not None and f not in names]
+    missing = [n for n in names if n not in ggufs]
+    if missing:
+        raise LocalrtError(f"split GGUF {firsts[0]}: missing part(s) {', '.join(missing)}")
+    if extra:
+        raise LocalrtError(f"split GGUF {firsts[0]}: {', '.join(extra)} belong to another split GGUF")
+    progress(f"merging {len(names)} parts")
+    with store.lock("gc"):  # the parts must outlive the merge; the merged blob waits for its manifest
+        digest, _ = split.store_merged(store, [store.blob_path(ggufs[n]) for n in names])
+    return [digest, *plain]
 
 
 def _split_projector(store: Store, blobs: list[str]) -> tuple[str, str | None]:
