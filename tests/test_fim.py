@@ -123,6 +123,26 @@ def test_the_converter_writes_no_fim_ids_and_the_texts_are_found(fim_gguf: Path)
     ]
 
 
+def test_the_fim_tokens_are_the_ones_llama_cpp_finds(fim_gguf: Path) -> None:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(fim_gguf), vocab_only=True, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    theirs = [
+        llama_cpp.llama_vocab_fim_pre(vocab),
+        llama_cpp.llama_vocab_fim_suf(vocab),
+        llama_cpp.llama_vocab_fim_mid(vocab),
+        llama_cpp.llama_vocab_fim_rep(vocab),
+        llama_cpp.llama_vocab_fim_sep(vocab),
+    ]
+    llm.close()
+    meta = read_gguf(fim_gguf).metadata
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    found = fim_tokens(meta, lambda t: tokens.index(t) if t in tokens else None, len(tokens))
+    assert found is not None
+    assert [found.pre, found.suf, found.mid, found.rep, found.sep] == theirs
+
+
 def test_a_go_templates_suffix_branch_is_read() -> None:
     assert suffix_branch(GO_TEMPLATE) == [
         ("<|fim_prefix|>", True),

@@ -227,6 +227,12 @@ def test_pull_takes_every_part_and_keeps_one_blob(
     assert not [p for p in parts if store.has_blob(sha256_of(p))]  # the parts went once merged
 
 
+def test_an_interrupted_pull_resumes_from_the_parts_it_has(hub: Hub, store: Store, parts: list[Path]) -> None:
+    store.add_blob_file(parts[0])  # what a pull stopped after its first part left behind
+    pull(f"hf.co/{REPO}:F32", store=store)
+    assert [p.name for p in parts if hub.seen("GET", p.name)] == [p.name for p in parts[1:]]
+
+
 @pytest.mark.parametrize("backend", ["llama.cpp", "torch", "mlx"])
 @async_test
 async def test_pulled_split_model_answers_as_the_whole_file(
