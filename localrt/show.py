@@ -158,7 +158,8 @@ def format_lines(model: ResolvedModel) -> list[str]:
     ]
     for msg in model.messages:
         content = msg.get("content", "")
-        quoted = f'"""{content}"""' if "\n" in content or '"' in content else f'"{content}"'
+        plain = "\n" not in content and '"' not in content and "\\" not in content
+        quoted = f'"{content}"' if plain else f'"""{content}"""'
         out.append(f"MESSAGE {msg.get('role')} {quoted}")
     return out
 

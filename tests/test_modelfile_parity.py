@@ -120,6 +120,14 @@ def test_show_modelfile_writes_every_line_back(tiny: Path, store: Store) -> None
     assert (again.messages, again.formats()) == (HISTORY, parse_modelfile(MODELFILE).formats())
 
 
+def test_show_modelfile_keeps_backslashes(tiny: Path, store: Store) -> None:
+    text = 'FROM ./tiny.gguf\nMESSAGE user """\\\\server\\share"""\n'  # a UNC path: two backslashes
+    create("few:slash", modelfile_text=text, store=store, base_dir=tiny.parent)
+    resolved = store.resolve("few:slash")
+    again = parse_modelfile(modelfile_text(resolved, read_gguf(resolved.model_path)))
+    assert again.messages == [{"role": "user", "content": "\\\\server\\share"}]
+
+
 def test_a_derived_model_inherits_history_and_replaces_it(tiny: Path, store: Store) -> None:
     create("few:shot", modelfile_text=MODELFILE, store=store, base_dir=tiny.parent)
     create("few:inherit", modelfile_text="FROM few:shot\nSYSTEM other\n", store=store)
