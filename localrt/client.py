@@ -195,6 +195,14 @@ def _remote_fields(spec: CreateSpec, mf: Any) -> dict[str, Any]:
     }
 
 
+def _split_parts(source: Path) -> list[Path]:
+    """The parts of a split GGUF beside its first part, or the file alone."""
+    from localrt.store.split import find_parts
+    from localrt.store.split import is_split_part
+
+    return find_parts(source) if source.suffix.lower() == ".gguf" and is_split_part(source) else [source]
+
+
 def _remote_details(resolved: Any) -> ModelDetails:
     """`show` of a remote model: no GGUF; its endpoints probed now."""
     from localrt.show import parameter_lines
@@ -663,6 +671,9 @@ class ServerClient:
         fields.update(
             {k: getattr(mf, k) for k in ("template", "system", "license") if getattr(mf, k) is not None}
         )
+        fields.update(mf.formats())  # RENDERER, PARSER, REQUIRES
+        if mf.messages:
+            fields["messages"] = mf.messages
         request = wire.build(
             wire.CreateRequest, model=name, stream=True, parameters=mf.parameters or None, **fields
         )
@@ -683,7 +694,9 @@ class ServerClient:
         here = Path(spec.base_dir) if spec.base_dir else Path.cwd()
         source = _local_file(mf.from_, here)
         if source is not None:
-            fields["files"] = {source.name: await self._upload(source, emit)}
+            # a split GGUF's parts all go up, named as they are: the server merges them
+            parts = await asyncio.to_thread(_split_parts, source)
+            fields["files"] = {part.name: await self._upload(part, emit) for part in parts}
         else:
             fields["from"] = parse_name(mf.from_).display
         projector = spec.projector_path or mf.projector

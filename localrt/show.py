@@ -59,6 +59,7 @@ def media_capabilities(model: ResolvedModel, info: GGUFInfo, capabilities: list[
 def model_capabilities(model: ResolvedModel, info: GGUFInfo) -> list[str]:
     """`capabilities` of /api/show and `localrt show`: completion (or embedding), tools and thinking
     from the template the runtime renders with (issue 17), then issue 19's vision/rerank."""
+    from localrt.runtime.models import parser_format
     from localrt.runtime.thinking import capabilities
     from localrt.runtime.thinking import model_format
 
@@ -69,7 +70,24 @@ def model_capabilities(model: ResolvedModel, info: GGUFInfo) -> list[str]:
         fmt = model_format(model.template)  # a Go TEMPLATE is kept, not run: read what it shows
     else:
         fmt = model_format(template_choice(model, info).source, specials)
-    return media_capabilities(model, info, capabilities(fmt, info.metadata))
+    caps = capabilities(parser_format(fmt, model), info.metadata)
+    if "completion" in caps and can_insert(model, info):
+        caps.append("insert")
+    return media_capabilities(model, info, caps)
+
+
+def can_insert(model: ResolvedModel, info: GGUFInfo) -> bool:
+    """Ollama's `insert`: a Go TEMPLATE with a {{ if .Suffix }} branch, or FIM tokens in the vocabulary."""
+    from localrt.runtime.fim import fim_tokens
+    from localrt.runtime.fim import suffix_branch
+
+    if suffix_branch(model.template) is not None:
+        return True
+    tokens = info.metadata.get("tokenizer.ggml.tokens") or []
+    index: dict[str, int] = {}
+    for i, text in enumerate(tokens):
+        index.setdefault(str(text), i)
+    return fim_tokens(info.metadata, index.get, len(tokens)) is not None
 
 
 def projector_rows(meta: Any) -> list[tuple[str, str]]:
@@ -127,7 +145,23 @@ def modelfile_text(model: ResolvedModel, info: GGUFInfo) -> str:
     out += [f"PARAMETER {k} {v}" for k, v in parameter_lines(model.params)]
     if model.license:
         out.append(f'LICENSE """{model.license}"""')
+    out += format_lines(model)
     return "\n".join(out) + "\n"
+
+
+def format_lines(model: ResolvedModel) -> list[str]:
+    """RENDERER, PARSER, REQUIRES and the MESSAGE turns of a stored model, as Modelfile lines."""
+    out = [
+        f"{key.upper()} {model.config[key]}"
+        for key in ("renderer", "parser", "requires")
+        if model.config.get(key)
+    ]
+    for msg in model.messages:
+        content = msg.get("content", "")
+        plain = "\n" not in content and '"' not in content and "\\" not in content
+        quoted = f'"{content}"' if plain else f'"""{content}"""'
+        out.append(f"MESSAGE {msg.get('role')} {quoted}")
+    return out
 
 
 def remote_modelfile_text(model: ResolvedModel) -> str:

@@ -210,7 +210,6 @@ class CreateRequest(Named):
                     {
                         "type": "object",
                         "minProperties": 1,
-                        "maxProperties": 2,  # a vision model: its GGUF and its projector GGUF
                         "propertyNames": {"pattern": r"\.gguf$"},
                         "additionalProperties": {"type": "string", "pattern": DIGEST_PATTERN},
                     },
@@ -218,13 +217,20 @@ class CreateRequest(Named):
                 ]
             }
         ),
-    ] = Field(None, description="file name -> sha256 digest of an uploaded blob (POST /api/blobs first)")
+    ] = Field(
+        None,
+        description="file name -> sha256 digest of an uploaded blob (POST /api/blobs first): one GGUF, or "
+        "the parts of a split GGUF (name-0000i-of-0000N.gguf), and a vision model's projector GGUF",
+    )
     quantize: str | None = None
     template: str | None = None
     system: str | None = None
     license: str | list[str] | None = None
     parameters: dict[str, Any] | None = None
-    messages: list[Message] | None = None
+    messages: list[Message] | None = Field(None, description="few-shot turns every prompt starts with")
+    requires: str | None = Field(None, description="the oldest localrt version that runs the model")
+    renderer: str | None = Field(None, description="one of Ollama's built-in prompt renderers")
+    parser: str | None = Field(None, description="one of Ollama's built-in reply parsers")
     stream: bool | None = None
     # a remote model (SPEC 8): OpenAI-compatible endpoint URLs instead of weights
     remote: str | list[str] | None = Field(None, description="endpoint URL(s), e.g. https://host:8000/v1")
@@ -258,6 +264,7 @@ class Generation(Named):
 
 class GenerateRequest(Generation):
     prompt: str | None = None
+    suffix: str | None = Field(None, description="the text after the completion (fill-in-the-middle)")
     images: list[str] | None = None
     system: str | None = None
     raw: bool | None = None
@@ -407,6 +414,7 @@ class CompletionRequest(OpenAISampling):
     model: ModelName
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
     logprobs: Annotated[Int | None, Field(ge=0, le=20)] = None
+    suffix: str | None = Field(None, description="the text after the completion (fill-in-the-middle)")
     response_format: ResponseFormat | None = None
 
 
@@ -475,6 +483,10 @@ class ShowResponse(Out):
     capabilities: list[str]
     template_origin: str = ""  # ours: the Modelfile's, the file's, or a built-in family template
     projector_info: dict[str, Any] | None = None  # ours: a vision model's projector GGUF header
+    messages: list[dict[str, Any]] | None = None  # the Modelfile's MESSAGE turns
+    renderer: str | None = None
+    parser: str | None = None
+    requires: str | None = None
     remote: dict[str, Any] | None = None  # ours: a remote model's upstream id and endpoints' health
 
 

@@ -119,6 +119,8 @@ def test_unreachable_hub_fails_fast(store: Store, monkeypatch: pytest.MonkeyPatc
         (["mmproj-Q8_0.gguf", "m.Q8_0.gguf"], "Q8_0", "m.Q8_0.gguf"),  # the vision projector is not a model
         (["b.Q8_0.gguf", "a.Q2_K.gguf"], "latest", "a.Q2_K.gguf"),  # no Q4_K_M: the first file
         (["x.Q4_K_M.gguf", "x.Q8_0.gguf", "README.md"], "latest", "x.Q4_K_M.gguf"),
+        # a split model is named by its first part
+        (["m.Q8_0-00002-of-00002.gguf", "m.Q8_0-00001-of-00002.gguf"], "Q8_0", "m.Q8_0-00001-of-00002.gguf"),
     ],
 )
 def test_pick_gguf(files: list[str], quant: str, expected: str) -> None:
@@ -129,7 +131,6 @@ def test_pick_gguf(files: list[str], quant: str, expected: str) -> None:
     "files, quant, fragment",
     [
         (["m.Q4_K_M.gguf", "m.Q4_K_S.gguf"], "Q4_K", "ambiguous"),
-        (["m.Q8_0-00001-of-00002.gguf", "m.Q8_0-00002-of-00002.gguf"], "Q8_0", "split"),
         (["README.md"], "Q8_0", "no .gguf files"),
     ],
 )

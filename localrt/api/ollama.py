@@ -175,10 +175,21 @@ async def show(request: Request) -> dict[str, Any]:
         "model_info": info.summary(),
         "capabilities": capabilities,
         "template_origin": template_origin(template_choice(resolved, info)),
+        **model_formats(resolved),
         "modified_at": rfc3339(store.manifest_path(resolved.name).stat().st_mtime)
         if store.manifest_path(resolved.name).exists()
         else None,
     }
+
+
+def model_formats(resolved: ResolvedModel) -> dict[str, Any]:
+    """/api/show's `messages`, `renderer`, `parser` and `requires`, where the model has them (Ollama's)."""
+    out: dict[str, Any] = {
+        k: resolved.config[k] for k in ("renderer", "parser", "requires") if resolved.config.get(k)
+    }
+    if resolved.messages:
+        out["messages"] = resolved.messages
+    return out
 
 
 async def show_remote(store: Store, resolved: ResolvedModel) -> dict[str, Any]:
@@ -489,6 +500,7 @@ async def generate(request: Request) -> Response:
         system=body.system,
         raw=body.raw is True,
         context=body.context,
+        suffix=body.suffix,
         **args,
     )
     return await generation_response(request, chunks, args["stream"], chunk_to_generate)

@@ -398,11 +398,13 @@ async def completions(request: Request) -> Response:
     model = required_model(body.model)
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
     want_logprobs, top = logprob_flags(body.logprobs)
-    # A completion continues the text as given: no chat template (raw), as OpenAI's API means it.
+    # A completion continues the text as given: no chat template (raw), as OpenAI's API means it;
+    # with a suffix it fills the middle, in the model's FIM prompt.
     chunks = runtime_of(request).generate(
         model,
         prompt,
-        raw=True,
+        raw=not body.suffix,
+        suffix=body.suffix,
         options=options_from(body),
         format=format_from(body.response_format),
         keep_alive=body.keep_alive,

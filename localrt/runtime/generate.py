@@ -38,6 +38,7 @@ from localrt.backends.base import TextEvent
 from localrt.backends.base import Timings
 from localrt.backends.base import TokenLogprob
 from localrt.errors import LocalrtError
+from localrt.runtime import fim
 from localrt.runtime import images as image_input
 from localrt.runtime import remote
 from localrt.runtime import tenants
@@ -48,7 +49,7 @@ from localrt.runtime.models import ModelPool
 from localrt.runtime.options import Options
 from localrt.runtime.prompt import Turn
 from localrt.runtime.prompt import tool_choice
-from localrt.runtime.prompt import with_system
+from localrt.runtime.prompt import with_history
 from localrt.runtime.thinking import Piece
 from localrt.runtime.thinking import ReplyParser
 from localrt.runtime.thinking import Think
@@ -191,7 +192,7 @@ class Runtime:
             async for chunk in self._load_only(call):
                 yield chunk
             return
-        msgs = with_system(messages, call.resolved.system)
+        msgs = with_history(messages, call.resolved.system, call.resolved.messages)
         # counted, typed and sized from their headers before any load; decoded only once a slot is held,
         # so the decoded pixels in memory are bounded by the slots, not by the requests waiting
         msgs, pending = await image_input.check_images(msgs)
@@ -218,13 +219,20 @@ class Runtime:
         raw: bool = False,
         context: Sequence[int] | None = None,
         images: Sequence[Any] | None = None,
+        suffix: str | None = None,
         **settings: Unpack[Settings],
     ) -> AsyncIterator[Chunk]:
         """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only.
 
         `images`: base64 strings or bytes, placed at `[img]` in the prompt or in front of it;
+        `suffix`: the text after the completion (fill-in-the-middle, `prompt` is the text before);
         `settings`: what chat and generate share (`Settings`)."""
         call = self._begin(model, settings)
+        if suffix:
+            fim.check_insert(call.resolved.name.display, True, raw, bool(images))
+            async for chunk in self._infill(call, prompt, suffix, context):
+                yield chunk
+            return
         if not prompt and not context:
             async for chunk in self._load_only(call):
                 yield chunk
@@ -251,7 +259,9 @@ class Runtime:
                 tokens = tokenize(prompt, True, True)
             else:
                 sys_text = system if system is not None else resolved.system
-                msgs = with_system([{"role": "user", "content": prompt}], sys_text)
+                # a continued conversation (`context`) has had the model's history already
+                history = call.resolved.messages if not context else []
+                msgs = with_history([{"role": "user", "content": prompt}], sys_text, history)
                 turn = entry.prompter.turn(model, call.think)
                 tokens = await entry.prompter.render(msgs, turn, pictures, add_bos=not context)
                 tokens = [*(context or []), *tokens]
@@ -262,6 +272,30 @@ class Runtime:
             async for chunk in self._run(
                 call, entry, load_ns, tokens, turn, upstream, pictures, want_context
             ):
+                yield chunk
+
+    async def _infill(
+        self, call: _Call, prefix: str, suffix: str, context: Sequence[int] | None
+    ) -> AsyncIterator[Chunk]:
+        """Fill-in-the-middle: the prompt from the model's FIM template branch or FIM tokens, no chat
+        template and no reply parsing (the answer is code, not a turn)."""
+        async with self.models.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
+            m = entry.model
+            fim.check_insert(call.resolved.name.display, entry.can_insert, False, False)
+            bos = m.bos_token_id if m.add_bos and not context else None
+
+            def tokenize(text: str, special: bool = False) -> list[int]:
+                return m.tokenize(text, add_special=False, parse_special=special) if text else []
+
+            if entry.fim_template is not None:
+                tokens = fim.template_tokens(entry.fim_template, prefix, suffix, tokenize, bos)
+            else:
+                assert entry.fim_tokens is not None
+                # a quarter of the context stays free for the completion
+                budget = m.context_length - len(context or ()) - m.context_length // 4
+                tokens = fim.infill_tokens(entry.fim_tokens, prefix, suffix, tokenize, bos, budget)
+            tokens = [*(context or []), *tokens]
+            async for chunk in self._run(call, entry, load_ns, tokens, None, None, (), True):
                 yield chunk
 
     def _begin(
@@ -614,7 +648,7 @@ class Runtime:
         Anthropic's count_tokens, which must match the answer's input_tokens)."""
         resolved, opts = self.models.prepare(model, options)
         wanted = think if isinstance(think, Think) else thinking.parse_think(think)
-        msgs = with_system(messages, resolved.system)
+        msgs = with_history(messages, resolved.system, resolved.messages)
         keep = self.models.keep_alive(None)
         async with self.models.use(resolved, opts, keep, exclusive=False) as (entry, _):
             turn = entry.prompter.turn(model, wanted, tool_choice(None, tools)[0])

@@ -24,6 +24,7 @@ from localrt.errors import ModelNotFound
 from localrt.errors import OptionError
 from localrt.errors import ServerBusy
 from localrt.runtime import memory
+from localrt.runtime import fim
 from localrt.runtime import remote
 from localrt.runtime import thinking
 from localrt.runtime.options import Options
@@ -75,6 +76,13 @@ class Entry:
     timer: asyncio.TimerHandle | None = None
     stop_requested: bool = False  # `localrt stop`: unload as soon as the running requests finish
     held_bytes: int = 0  # what the load was estimated to hold (0: not estimated, e.g. remote)
+    # fill-in-the-middle: the vocabulary's FIM tokens, and a Go TEMPLATE's {{ if .Suffix }} branch
+    fim_tokens: fim.FimTokens | None = None
+    fim_template: list[tuple[str, bool]] | None = None
+
+    @property
+    def can_insert(self) -> bool:
+        return self.fim_tokens is not None or self.fim_template is not None
 
 
 class ModelPool:
@@ -403,8 +411,9 @@ class ModelPool:
         model: LoadedModel = await asyncio.to_thread(backend.load, resolved.model_path, load_opts)
         try:
             template = make_template(resolved, model)
-            fmt = thinking.model_format(template.source, model.special_tokens())
+            fmt = parser_format(thinking.model_format(template.source, model.special_tokens()), resolved)
             preserve = preserved_tokens(model, fmt.markers)
+            infill = model_fim_tokens(model) if backend_name != remote.BACKEND else None
         except BaseException:
             await asyncio.to_thread(model.unload)
             raise
@@ -420,6 +429,8 @@ class ModelPool:
             preserve_tokens=preserve,
             slots=slots,
             held_bytes=held,
+            fim_tokens=infill,
+            fim_template=fim.suffix_branch(resolved.template),
         )
 
     async def _unload_locked(self, entry: Entry) -> None:
@@ -431,6 +442,47 @@ class ModelPool:
             del self._entries[entry.key]
         await asyncio.to_thread(entry.model.unload)
         self._cond.notify_all()
+
+
+def model_fim_tokens(model: LoadedModel) -> fim.FimTokens | None:
+    """The loaded model's FIM tokens: ids from its metadata, else its special tokens found by text."""
+    specials = set(model.special_tokens())
+
+    def find(text: str) -> int | None:
+        if text not in specials:
+            return None
+        ids = model.tokenize(text, add_special=False, parse_special=True)
+        return ids[0] if len(ids) == 1 else None
+
+    return fim.fim_tokens(model.metadata, find, model.n_vocab)
+
+
+def parser_format(fmt: thinking.ModelFormat, resolved: ResolvedModel) -> thinking.ModelFormat:
+    """The format read from the template, with a Modelfile PARSER's families in force: whether the model
+    thinks (and in which markup) and, where we parse it, its tool-call style."""
+    from localrt.runtime.toolcalls import style_markers
+    from localrt.store.modelfile import PARSER_FORMATS
+
+    name = resolved.config.get("parser")
+    if not name or name not in PARSER_FORMATS:
+        return fmt
+    think, style = PARSER_FORMATS[name]
+    if think == "harmony":
+        return dataclasses.replace(
+            fmt, thinking="harmony", tool_style="harmony", markers=thinking.HARMONY_MARKERS
+        )
+    style = style or fmt.tool_style
+    tags = (fmt.open_tag or "<think>", fmt.close_tag or "</think>") if think == "tags" else ("", "")
+    markers = tuple(m for m in (*tags, *style_markers(style)) if m)
+    return dataclasses.replace(
+        fmt,
+        thinking=think,
+        open_tag=tags[0],
+        close_tag=tags[1],
+        hybrid=fmt.hybrid and think == "tags",
+        tool_style=style,
+        markers=markers,
+    )
 
 
 def _loaded_info(e: Entry) -> LoadedInfo:

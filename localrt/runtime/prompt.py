@@ -195,6 +195,19 @@ def with_system(messages: Sequence[Mapping[str, Any]], system: str | None) -> li
     return msgs
 
 
+def with_history(
+    messages: Sequence[Mapping[str, Any]], system: str | None, history: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """A request's messages behind the model's own: its system prompt (where the request sets none), then
+    its few-shot MESSAGE turns, then the request's turns, as Ollama orders them. A system message leading
+    the request stays first, so that templates that read the system prompt only there still see it."""
+    msgs = with_system(messages, system)
+    lead = 0
+    while lead < len(msgs) and msgs[lead].get("role") == "system":
+        lead += 1
+    return [*msgs[:lead], *(dict(m) for m in history), *msgs[lead:]]
+
+
 def make_template(resolved: ResolvedModel, model: LoadedModel) -> ChatTemplate:
     source = select_template(
         resolved.template,

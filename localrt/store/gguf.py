@@ -218,6 +218,9 @@ class GGUFInfo:
     file_size: int = 0
     # The GGUF value type of each metadata key ("UINT32", "ARRAY[STRING]", ...), for writers that copy them.
     metadata_types: dict[str, str] = field(default_factory=dict, repr=False)
+    # Where each key/value entry lies in the file ([start, end) bytes, key included): what merging the
+    # parts of a split GGUF copies as is.
+    metadata_spans: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     # ---- general ----
     @property
@@ -569,7 +572,7 @@ def _short(value: Any) -> str:
 def _parse(buf: bytes, file_size: int, max_metadata_bytes: int) -> GGUFInfo:
     r = _Reader(buf, file_size, max_metadata_bytes)
     version, n_tensors, n_kv = _read_header(r, file_size)
-    metadata, types = _read_metadata(r, n_kv)
+    metadata, types, spans = _read_metadata(r, n_kv)
     alignment = _check_metadata(metadata, types)
     tensors = _read_tensor_infos(r, n_tensors, alignment, file_size)
 
@@ -588,6 +591,7 @@ def _parse(buf: bytes, file_size: int, max_metadata_bytes: int) -> GGUFInfo:
         alignment=alignment,
         file_size=file_size,
         metadata_types=types,
+        metadata_spans=spans,
     )
 
 
@@ -620,11 +624,15 @@ def _read_header(r: _Reader, file_size: int) -> tuple[int, int, int]:
     return version, n_tensors, n_kv
 
 
-def _read_metadata(r: _Reader, n_kv: int) -> tuple[dict[str, Any], dict[str, str]]:
-    """The key/value section: (values, type labels such as "UINT32" or "ARRAY[STRING]")."""
+def _read_metadata(
+    r: _Reader, n_kv: int
+) -> tuple[dict[str, Any], dict[str, str], dict[str, tuple[int, int]]]:
+    """The key/value section: (values, type labels such as "UINT32" or "ARRAY[STRING]", byte spans)."""
     metadata: dict[str, Any] = {}
     types: dict[str, str] = {}
+    spans: dict[str, tuple[int, int]] = {}
     for index in range(n_kv):
+        entry_start = r.pos
         key = r.name_string(f"metadata key {index}", MAX_KEY_BYTES)
         if key in metadata:
             raise GGUFError(f"GGUF metadata key '{key}' appears twice")
@@ -639,7 +647,8 @@ def _read_metadata(r: _Reader, n_kv: int) -> tuple[dict[str, Any], dict[str, str
             (element_type,) = _U32.unpack_from(r.buf, value_start)
             type_label = f"ARRAY[{_VALUE_TYPES[element_type][0]}]"
         types[key] = type_label
-    return metadata, types
+        spans[key] = (entry_start, r.pos)
+    return metadata, types, spans
 
 
 def _read_tensor_infos(r: _Reader, n_tensors: int, alignment: int, file_size: int) -> list[TensorInfo]:

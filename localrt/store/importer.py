@@ -23,6 +23,7 @@ from localrt.store.names import parse_name
 from localrt.store.store import CONFIG_MEDIA_TYPE
 from localrt.store.store import MEDIA_DRAFT
 from localrt.store.store import MEDIA_LICENSE
+from localrt.store.store import MEDIA_MESSAGES
 from localrt.store.store import MEDIA_MODEL
 from localrt.store.store import MEDIA_PARAMS
 from localrt.store.store import MEDIA_PROJECTOR
@@ -58,14 +59,20 @@ def check_gguf_file(path: Path, what: str = "model") -> None:
 def _blob(store: Store, source: Path | str, what: str) -> tuple[str, int, dict[str, Any]]:
     """A GGUF file or a stored blob's digest -> (digest, size, config); the header is parsed first,
     so a malformed file is refused before it is copied in."""
+    from localrt.store import split
+
     if isinstance(source, Path):
         check_gguf_file(source, what)
         config = gguf_config(source, what)
+        if split.is_split_part(source):  # parts merge into one blob, as Ollama stores them
+            digest, size = split.store_merged(store, split.find_parts(source))
+            return digest, size, gguf_config(store.blob_path(digest), what)
         return (*store.add_blob_file(source), config)
     digest = normalize_digest(source)
     if not store.has_blob(digest):
         raise LocalrtError(f"{what} blob {digest} is not in the store")
     path = store.blob_path(digest)
+    split.refuse_part(path, what)
     return digest, path.stat().st_size, gguf_config(path, what)
 
 
@@ -104,10 +111,14 @@ def import_gguf(
     draft: Path | str | None = None,
     hf_source: str | None = None,
     projector: Path | str | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    formats: dict[str, str] | None = None,
 ) -> str:
     """Store a model made of `gguf` (a path or a stored blob's digest) plus optional text layers and a
     multimodal projector GGUF (`projector`, checked to be one: general.architecture "clip");
-    `hf_source` records the HF repo id or directory it was converted from (for `serve-engine`).
+    `hf_source` records the HF repo id or directory it was converted from (for `serve-engine`);
+    `messages`: a Modelfile's MESSAGE turns (Ollama's messages layer); `formats`: its `renderer`,
+    `parser` and `requires`, kept in the config blob where Ollama keeps them.
 
     Returns the manifest digest. A malformed GGUF raises GGUFError before anything is written.
     """
@@ -125,6 +136,7 @@ def import_gguf(
             )
         if hf_source:
             config["hf_source"] = hf_source
+        config.update({k: v for k, v in (formats or {}).items() if v})
         layers = [{"mediaType": MEDIA_MODEL, "digest": model_digest, "size": model_size}]
         if projector is not None:
             proj_digest, proj_size, proj_config = _blob(store, projector, "projector")
@@ -145,6 +157,9 @@ def import_gguf(
         if params:
             digest, size = store.add_blob_bytes(json.dumps(params, sort_keys=True).encode())
             layers.append({"mediaType": MEDIA_PARAMS, "digest": digest, "size": size})
+        if messages:
+            digest, size = store.add_blob_bytes(json.dumps(messages).encode())
+            layers.append({"mediaType": MEDIA_MESSAGES, "digest": digest, "size": size})
         config["rootfs"] = {"type": "layers", "diff_ids": [layer["digest"] for layer in layers]}
         cfg_digest, cfg_size = store.add_blob_bytes(json.dumps(config, sort_keys=True).encode())
         manifest = Store.build_manifest(

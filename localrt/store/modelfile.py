@@ -10,6 +10,9 @@
     DRAFT ./draft.gguf | name:tag         (a draft model for speculative decoding)
     FROM https://host:port/v1             (a remote model; several FROM URLs make a pool)
     PARAMETER remote_model ID             (the upstream's model id; PARAMETER api_key_env VAR for a key)
+    MESSAGE user "..."                    (repeatable: few-shot turns every prompt starts with)
+    REQUIRES 0.1.0                        (the oldest localrt that can run the model; checked here)
+    PARSER qwen3 / RENDERER qwen3-coder   (Ollama's built-in names, mapped to our formats)
 
 Keywords are case-insensitive; every error names its line.
 """
@@ -81,7 +84,74 @@ PARAMETER_TYPES: dict[str, type] = {
 _PARAM_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _TRUE = {"1", "t", "true", "yes", "on"}
 _FALSE = {"0", "f", "false", "no", "off"}
-_UNSUPPORTED = {"ADAPTER", "MESSAGE", "REQUIRES", "RENDERER", "PARSER"}
+_UNSUPPORTED = {"ADAPTER"}
+MESSAGE_ROLES = ("system", "user", "assistant")  # what Ollama's parser allows in a MESSAGE line
+_SEMVER = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
+
+# Ollama's built-in reply parsers (model/parsers) -> (thinking, tool-call style) in the runtime's terms
+# (runtime/thinking.py, runtime/toolcalls.py): thinking is "none", "tags" (<think>...</think>) or
+# "harmony"; a style of None leaves the one the chat template shows (a format we do not parse).
+PARSER_FORMATS: dict[str, tuple[str, str | None]] = {
+    "qwen3": ("none", "hermes"),
+    "qwen3-thinking": ("tags", "hermes"),
+    "qwen3.5": ("tags", "hermes"),
+    "ornith": ("tags", "hermes"),
+    "qwen3-coder": ("none", "hermes"),  # <tool_call><function=...>: the hermes parser reads the XML form
+    "qwen3-vl-instruct": ("none", "hermes"),
+    "qwen3-vl-thinking": ("tags", "hermes"),
+    "ministral": ("none", "mistral"),
+    "passthrough": ("none", None),
+    "harmony": ("harmony", "harmony"),
+    "cogito": ("tags", None),
+    "deepseek3": ("tags", None),
+    "olmo3": ("none", None),
+    "olmo3-think": ("tags", None),
+    "nemotron-3-nano": ("tags", "hermes"),
+    "nemotron-3.5-nano": ("tags", "hermes"),
+    "functiongemma": ("none", None),
+    "glm-4.7": ("tags", None),
+    "gemma4": ("tags", None),
+    "gemma4-no-thinking": ("none", None),
+    "glm-ocr": ("none", None),
+    "lfm2": ("none", None),
+    "lfm2-thinking": ("tags", None),
+    "laguna": ("tags", None),
+    "poolside-v1": ("tags", None),
+    "cohere": ("none", None),
+    "glimmer": ("tags", None),
+}
+# Ollama's built-in prompt renderers (model/renderers): accepted and kept; prompts render through the
+# GGUF's own chat template, which for these families spells the same format.
+RENDERERS = frozenset(
+    (
+        "qwen3-coder",
+        "qwen3-vl-instruct",
+        "qwen3-vl-thinking",
+        "qwen3.5",
+        "qwen3.8",
+        "ornith",
+        "cogito",
+        "deepseek3.1",
+        "olmo3",
+        "olmo3.1",
+        "olmo3-think",
+        "olmo3-32b-think",
+        "nemotron-3-nano",
+        "nemotron-3.5-nano",
+        "gemma4",
+        "gemma4-small",
+        "gemma4-large",
+        "functiongemma",
+        "glm-4.7",
+        "glm-ocr",
+        "lfm2",
+        "lfm2-thinking",
+        "laguna",
+        "poolside-v1",
+        "cohere",
+        "glimmer",
+    )
+)
 
 
 class ModelfileError(LocalrtError):
@@ -166,6 +236,15 @@ class Modelfile:
     api_key_env: str | None = None  # PARAMETER api_key_env: the variable that holds the key
     projector: str | None = None  # the second FROM: a multimodal projector GGUF
     projector_line: int = 0
+    messages: list[dict[str, str]] = field(default_factory=list)  # MESSAGE lines, in order
+    requires: str | None = None
+    parser: str | None = None
+    renderer: str | None = None
+
+    def formats(self) -> dict[str, str]:
+        """The config blob's `renderer`, `parser` and `requires` that this Modelfile sets."""
+        named = {"renderer": self.renderer, "parser": self.parser, "requires": self.requires}
+        return {k: v for k, v in named.items() if v}
 
 
 def _value(lines: list[str], i: int, rest: str, keyword: str) -> tuple[str, int]:
@@ -198,7 +277,18 @@ def _value(lines: list[str], i: int, rest: str, keyword: str) -> tuple[str, int]
     return stripped, i
 
 
-_INSTRUCTIONS = ("FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "LICENSE", "DRAFT")
+_INSTRUCTIONS = (
+    "FROM",
+    "PARAMETER",
+    "TEMPLATE",
+    "SYSTEM",
+    "LICENSE",
+    "DRAFT",
+    "MESSAGE",
+    "REQUIRES",
+    "PARSER",
+    "RENDERER",
+)
 
 
 def parse_modelfile(text: str) -> Modelfile:
@@ -223,6 +313,9 @@ def parse_modelfile(text: str) -> Modelfile:
             raise ModelfileError(f"{where}: {word} needs a value")
         if word == "PARAMETER":
             i = _parameter(mf, lines, i, rest, where) + 1
+            continue
+        if word == "MESSAGE":
+            i = _message(mf, lines, i, rest, where) + 1
             continue
         value, i_end = _value(lines, i, rest, word)
         if word == "LICENSE":
@@ -256,6 +349,43 @@ def _parameter(mf: Modelfile, lines: list[str], i: int, rest: str, where: str) -
     return i_end
 
 
+def _message(mf: Modelfile, lines: list[str], i: int, rest: str, where: str) -> int:
+    """One MESSAGE line (`MESSAGE role content`) into `mf`; returns the index of its last line."""
+    role, raw = (re.split(r"\s+", rest.strip(), maxsplit=1) + [""])[:2]
+    if role.lower() not in MESSAGE_ROLES:
+        raise ModelfileError(f"{where}: MESSAGE role must be one of {', '.join(MESSAGE_ROLES)}, not {role!r}")
+    if not raw.strip():
+        raise ModelfileError(f"{where}: MESSAGE needs a role and a text")
+    value, i_end = _value(lines, i, raw, f"MESSAGE {role}")
+    mf.messages.append({"role": role.lower(), "content": value})
+    return i_end
+
+
+def _version(text: str) -> tuple[int, int, int] | None:
+    match = _SEMVER.match(text.strip())
+    return (int(match[1]), int(match[2]), int(match[3])) if match else None
+
+
+def check_format_name(key: str, value: str) -> str:
+    """A `requires`, `parser` or `renderer` value checked: a version this localrt meets, or one of
+    Ollama's built-in names. Returns it as stored (a version without its leading v)."""
+    if key == "requires":
+        from localrt import __version__
+
+        wanted, ours = _version(value), _version(__version__)
+        if wanted is None:
+            raise LocalrtError(f"requires must be a version such as 0.1.0, not {value!r}")
+        if ours is not None and wanted > ours:
+            raise LocalrtError(
+                f"this model requires localrt {value.lstrip('v')} or newer (this is {__version__})"
+            )
+        return value.strip().lstrip("v")
+    known = PARSER_FORMATS if key == "parser" else RENDERERS
+    if value not in known:
+        raise LocalrtError(f"unknown {key} {value!r} (known: {', '.join(sorted(known))})")
+    return value
+
+
 def _instruction(mf: Modelfile, word: str, value: str, line_no: int, where: str) -> None:
     """FROM / DRAFT / TEMPLATE / SYSTEM into `mf`; several FROM lines are allowed only as a pool of URLs."""
     if word == "FROM":
@@ -271,6 +401,11 @@ def _instruction(mf: Modelfile, word: str, value: str, line_no: int, where: str)
             mf.from_, mf.from_line = value, line_no
     elif word == "DRAFT":
         mf.draft, mf.draft_line = value, line_no
+    elif word in ("REQUIRES", "PARSER", "RENDERER"):
+        try:
+            setattr(mf, word.lower(), check_format_name(word.lower(), value.strip()))
+        except LocalrtError as e:
+            raise ModelfileError(f"{where}: {e}") from None
     elif word == "TEMPLATE":
         mf.template = value
     else:
@@ -390,6 +525,8 @@ def create(
             parameters=mf.parameters,
             draft=draft,
             projector=projector,
+            messages=mf.messages,
+            formats=mf.formats(),
         )
     return dest
 
@@ -407,6 +544,8 @@ def _create_remote(
 
     if quantize:
         raise ModelfileError("--quantize does not apply to a remote model (its weights live upstream)")
+    if mf.messages or mf.formats():
+        raise ModelfileError("MESSAGE, REQUIRES, PARSER and RENDERER do not apply to a remote model")
     if mf.draft is not None:
         raise ModelfileError("DRAFT does not apply to a remote model")
     create_remote(
@@ -471,6 +610,9 @@ def quantized(
         yield requantize(Path(source), Path(tmp) / "model.gguf", file_type, imatrix=im, imatrix_label=label)
 
 
+_FORMAT_KEYS = ("renderer", "parser", "requires")
+
+
 def build_model(
     store: Store,
     dest: ModelName,
@@ -482,9 +624,12 @@ def build_model(
     parameters: dict[str, Any] | None = None,
     draft: Path | str | ModelName | None = None,
     projector: Path | str | ModelName | None = None,
+    messages: list[dict[str, str]] | None = None,
+    formats: dict[str, str] | None = None,
 ) -> None:
     """Write `dest` from a GGUF (path or stored digest) or from a stored model whose layers it inherits;
-    the given template/system/license/parameters/draft/projector override the inherited ones."""
+    the given template/system/license/parameters/draft/projector override the inherited ones, and
+    MESSAGE turns (when any) replace the inherited history, as in Ollama."""
     from localrt.store.importer import import_gguf
 
     params: dict[str, Any] = {}
@@ -500,6 +645,9 @@ def build_model(
         system = system if system is not None else base_model.system
         license_text = license_text if license_text is not None else base_model.license
         params.update(base_model.params)
+        messages = messages or base_model.messages
+        inherited = {k: base_model.config[k] for k in _FORMAT_KEYS if base_model.config.get(k)}
+        formats = {**inherited, **(formats or {})}
     else:
         gguf = source
     params.update(parameters or {})
@@ -525,6 +673,8 @@ def build_model(
         license=license_text,
         draft=draft_source,
         projector=projector_source,
+        messages=messages or None,
+        formats=formats,
     )
 
 
@@ -557,14 +707,15 @@ def create_from_request(
     if files:
         if not isinstance(files, dict):
             raise LocalrtError("files must map file names to sha256 digests")
-        ggufs = [digest for fname, digest in files.items() if str(fname).lower().endswith(".gguf")]
-        if not 1 <= len(ggufs) <= 2:
-            raise LocalrtError("files must name one .gguf file (two for a vision model and its projector)")
-        blobs = [normalize_digest(str(d)) for d in ggufs]
-        for digest in blobs:
-            if not store.has_blob(digest):
-                raise LocalrtError(f"blob {digest} not found: upload it with POST /api/blobs/{digest} first")
+        ggufs = {str(f): str(d) for f, d in files.items() if str(f).lower().endswith(".gguf")}
+        for digest in ggufs.values():
+            blob = normalize_digest(digest)
+            if not store.has_blob(blob):
+                raise LocalrtError(f"blob {blob} not found: upload it with POST /api/blobs/{blob} first")
         progress("parsing GGUF")
+        blobs = _merge_split_files(store, ggufs, progress)
+        if not 1 <= len(blobs) <= 2:
+            raise LocalrtError("files must name one .gguf file (two for a vision model and its projector)")
         source, projector = _split_projector(store, blobs)
     elif isinstance(base, str) and base:
         source = parse_name(base)
@@ -586,6 +737,8 @@ def create_from_request(
         texts[key] = value
     weights = _imatrix_blob(store, fields.get("imatrix"), file_type)
     draft = _draft_from_request(store, fields.get("draft"))
+    messages = _messages_from_request(fields.get("messages"))
+    formats = _formats_from_request(fields)
     if file_type:
         progress(f"quantizing model to {file_type}")
     with quantized(store, source, file_type, weights) as model_source:
@@ -600,7 +753,40 @@ def create_from_request(
             parameters=checked,
             draft=draft,
             projector=projector,
+            messages=messages,
+            formats=formats,
         )
+
+
+def _messages_from_request(value: Any) -> list[dict[str, str]]:
+    """The `messages` field of /api/create: MESSAGE turns as {role, content} objects."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise LocalrtError("messages must be a list of {role, content} objects")
+    out = []
+    for item in value:
+        role = item.get("role") if isinstance(item, dict) else None
+        content = item.get("content") if isinstance(item, dict) else None
+        if role not in MESSAGE_ROLES:
+            raise LocalrtError(f"messages: role must be one of {', '.join(MESSAGE_ROLES)}, not {role!r}")
+        if not isinstance(content, str):
+            raise LocalrtError("messages: content must be a string")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _formats_from_request(fields: dict[str, Any]) -> dict[str, str]:
+    """`renderer`, `parser` and `requires` of /api/create, checked as the Modelfile's lines are."""
+    out = {}
+    for key in _FORMAT_KEYS:
+        value = fields.get(key)
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise LocalrtError(f"{key} must be a string")
+        out[key] = check_format_name(key, value.strip())
+    return out
 
 
 def _draft_from_request(store: Store, value: Any) -> str | ModelName | None:
@@ -670,6 +856,31 @@ def _remote_from_request(
         license_text=license_text,
         key_envs=config.remote_key_envs(),  # an API client names only what the server's owner listed
     )
+
+
+def _merge_split_files(store: Store, ggufs: dict[str, str], progress: Callable[[str], None]) -> list[str]:
+    """The uploaded GGUFs' digests, the parts of a split GGUF (named `name-0000i-of-0000N.gguf`, all of
+    them given) merged into one blob first, as Ollama stores them."""
+    from localrt.store import split
+
+    series = {f: split.split_series(f) for f in ggufs}
+    firsts = [f for f, s in series.items() if s is not None and s[1] == 1]
+    plain = [normalize_digest(d) for f, d in ggufs.items() if series[f] is None]
+    if not any(series.values()):
+        return plain
+    if len(firsts) != 1:
+        raise LocalrtError("files must hold the parts of one split GGUF, its -00001-of- part included")
+    names = split.series_names(firsts[0])
+    extra = [f for f, s in series.items() if s is not None and f not in names]
+    missing = [n for n in names if n not in ggufs]
+    if missing:
+        raise LocalrtError(f"split GGUF {firsts[0]}: missing part(s) {', '.join(missing)}")
+    if extra:
+        raise LocalrtError(f"split GGUF {firsts[0]}: {', '.join(extra)} belong to another split GGUF")
+    progress(f"merging {len(names)} parts")
+    with store.lock("gc"):  # the parts must outlive the merge; the merged blob waits for its manifest
+        digest, _ = split.store_merged(store, [store.blob_path(ggufs[n]) for n in names])
+    return [digest, *plain]
 
 
 def _split_projector(store: Store, blobs: list[str]) -> tuple[str, str | None]:

@@ -45,6 +45,7 @@ MEDIA_LICENSE = MEDIA_PREFIX + "license"
 MEDIA_DRAFT = MEDIA_PREFIX + "draft"
 REMOTE_FORMAT = "remote"  # config `model_format` of a remote model (localrt/store/remote.py)
 MEDIA_PROJECTOR = MEDIA_PREFIX + "projector"  # Ollama's: a vision model's multimodal projector GGUF
+MEDIA_MESSAGES = MEDIA_PREFIX + "messages"  # Ollama's: a Modelfile's MESSAGE turns, a JSON list
 MAX_MANIFEST_BYTES = 4 << 20
 # left free after an upload: the store's disk is usually the system's too, and a full disk stops more
 # than this server
@@ -91,6 +92,8 @@ class ResolvedModel:
     # a remote model (localrt/store/remote.py): its endpoints; model_path is then its config blob
     remote: dict[str, Any] | None = None
     projector_path: Path | None = None  # the mmproj GGUF of a vision model
+    # a Modelfile's MESSAGE turns ({role, content}): the few-shot history every prompt starts with
+    messages: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -252,23 +255,7 @@ class Store:
         if isinstance(name, str):
             name = parse_name(name)
         manifest, digest = self.read_manifest(name)
-        extras: dict[str, Any] = {}
-        for layer in manifest.get("layers", []):
-            media, blob = layer.get("mediaType", ""), self.blob_path(layer["digest"])
-            if media == MEDIA_MODEL:
-                extras.setdefault("model_path", blob)
-            elif media == MEDIA_DRAFT:
-                extras["draft_path"] = blob
-            elif media == MEDIA_PROJECTOR:
-                extras.setdefault("projector_path", blob)
-            elif media == MEDIA_TEMPLATE:
-                extras["template"] = blob.read_text(encoding="utf-8")
-            elif media == MEDIA_SYSTEM:
-                extras["system"] = blob.read_text(encoding="utf-8")
-            elif media == MEDIA_LICENSE:
-                extras["license"] = blob.read_text(encoding="utf-8", errors="replace")
-            elif media == MEDIA_PARAMS:
-                extras["params"] = json.loads(blob.read_text(encoding="utf-8"))
+        extras = self._layer_fields(manifest)
         cfg: dict[str, Any] = {}
         cfg_layer = manifest.get("config") or {}
         if cfg_layer.get("digest") and self.has_blob(cfg_layer["digest"]):
@@ -286,6 +273,29 @@ class Store:
                 f"model '{name.display}' is damaged: its projector blob is missing; pull it again"
             )
         return ResolvedModel(name=name, manifest=manifest, manifest_digest=digest, config=cfg, **extras)
+
+    def _layer_fields(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """ResolvedModel's fields from the manifest's layers: blob paths, texts and JSON."""
+        paths = {MEDIA_DRAFT: "draft_path"}
+        first_paths = {MEDIA_MODEL: "model_path", MEDIA_PROJECTOR: "projector_path"}
+        readers: dict[str, tuple[str, Any]] = {
+            MEDIA_TEMPLATE: ("template", lambda b: b.read_text(encoding="utf-8")),
+            MEDIA_SYSTEM: ("system", lambda b: b.read_text(encoding="utf-8")),
+            MEDIA_LICENSE: ("license", lambda b: b.read_text(encoding="utf-8", errors="replace")),
+            MEDIA_PARAMS: ("params", lambda b: json.loads(b.read_text(encoding="utf-8"))),
+            MEDIA_MESSAGES: ("messages", lambda b: read_messages(b.read_bytes())),
+        }
+        extras: dict[str, Any] = {}
+        for layer in manifest.get("layers", []):
+            media, blob = layer.get("mediaType", ""), self.blob_path(layer["digest"])
+            if media in first_paths:
+                extras.setdefault(first_paths[media], blob)
+            elif media in paths:
+                extras[paths[media]] = blob
+            elif media in readers:
+                key, read = readers[media]
+                extras[key] = read(blob)
+        return extras
 
     # ---- copy / remove / gc ----------------------------------------------------------------
     def copy(self, src: ModelName, dst: ModelName) -> None:
@@ -401,6 +411,20 @@ def parse_manifest(raw: bytes) -> dict[str, Any]:
         if not isinstance(size, int) or size < 0:
             raise LocalrtError(f"manifest layer {layer['digest']} has an invalid size")
     return manifest
+
+
+def read_messages(raw: bytes) -> list[dict[str, Any]]:
+    """A messages layer: Ollama's JSON list of {role, content}; a malformed one is a clear error."""
+    try:
+        items = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise LocalrtError("the model's messages layer is not valid JSON") from None
+    if not isinstance(items, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)
+        for m in items
+    ):
+        raise LocalrtError("the model's messages layer is not a list of {role, content}")
+    return [{"role": m["role"], "content": m.get("content", "")} for m in items]
 
 
 def remote_section(config: dict[str, Any]) -> dict[str, Any] | None:

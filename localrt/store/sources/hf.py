@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,15 @@ from localrt.store.sources.common import Progress
 from localrt.store.sources.common import ProgressFn
 from localrt.store.sources.common import as_digest
 from localrt.store.sources.common import check_free_space
+from localrt.store.split import part_name
+from localrt.store.split import series_names
+from localrt.store.split import split_series
 from localrt.store.store import Store
 from localrt.store.store import sha256_file
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_QUANT = "Q4_K_M"  # what `latest` means, as on the Hub's own Ollama endpoint
 METADATA_TIMEOUT = 10.0
-_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 
 
 def endpoint() -> str:
@@ -59,8 +62,11 @@ def pick_gguf(files: list[str], quant: str, repo: str) -> str:
         raise ModelNotFound(
             f"hf.co/{repo} has no GGUF file for quant {quant!r}; available: {', '.join(ggufs)}"
         )
-    if _SPLIT.search(choice):
-        raise PullError(f"hf.co/{repo}: {choice} is split into parts; split GGUF files are not supported yet")
+    folder, _, base = choice.rpartition("/")
+    series = split_series(base)
+    if series is not None:  # a split model is named by its first part; the rest follow it
+        prefix, _, count = series
+        choice = f"{folder}/{part_name(prefix, 1, count)}" if folder else part_name(prefix, 1, count)
     return choice
 
 
@@ -140,7 +146,6 @@ def fetch_hf_gguf(
 ) -> str:
     """Put the repo's GGUF for `ref.tag` (or `filename`) into the store; return its digest."""
     from huggingface_hub import HfApi
-    from huggingface_hub import hf_hub_download
 
     emit = progress or (lambda _: None)
     repo, base = f"{ref.namespace}/{ref.model}", endpoint()
@@ -161,7 +166,55 @@ def fetch_hf_gguf(
         chosen = filename
     else:
         chosen = pick_gguf(list(siblings), ref.tag, repo)
-    sibling = siblings[chosen]
+    where = _Where(repo, base, host, info.sha or revision)
+    if split_series(chosen.rpartition("/")[2]) is not None:
+        return _fetch_split(store, chosen, siblings, where, expected, emit)
+    return _fetch_file(store, chosen, siblings[chosen], where, expected, emit)
+
+
+@dataclass
+class _Where:
+    """The repo a pull reads: its id, the Hub's base URL and host, the revision."""
+
+    repo: str
+    base: str
+    host: str
+    revision: str | None
+
+
+def _fetch_split(
+    store: Store, first: str, siblings: dict[str, Any], where: _Where, expected: str | None, emit: ProgressFn
+) -> str:
+    """Every part of a split GGUF, each verified against the Hub's sha256 and kept as a blob (so an
+    interrupted pull resumes from the parts it has), then merged into one blob; the parts go after."""
+    from localrt.store.split import store_merged
+
+    names = series_names(first)
+    missing = [n for n in names if n not in siblings]
+    if missing:
+        raise PullError(f"hf.co/{where.repo}: split GGUF {first} lacks part(s) {', '.join(missing)}")
+    parts = [_fetch_file(store, n, siblings[n], where, None, emit) for n in names]
+    emit(Progress(f"merging {len(parts)} parts"))
+    with store.lock("gc"):  # a concurrent `rm` must not collect the parts while they merge
+        digest, _ = store_merged(store, [store.blob_path(d) for d in parts])
+        used = store.referenced_digests()
+        for part in parts:
+            if part not in used and part != digest:
+                store.blob_path(part).unlink(missing_ok=True)
+    if expected and expected != digest:
+        raise PullError(
+            f"digest mismatch: merged hf.co/{where.repo}/{first} is {digest}, the catalog expects {expected}"
+        )
+    return digest
+
+
+def _fetch_file(
+    store: Store, chosen: str, sibling: Any, where: _Where, expected: str | None, emit: ProgressFn
+) -> str:
+    """One file of the repo into the store, verified; returns its digest."""
+    from huggingface_hub import hf_hub_download
+
+    repo, base, host = where.repo, where.base, where.host
     size = sibling.lfs.size if sibling.lfs else sibling.size
     hub_digest = f"sha256:{sibling.lfs.sha256}" if sibling.lfs else None
     if expected and hub_digest and expected != hub_digest:
@@ -182,7 +235,7 @@ def fetch_hf_gguf(
                 hf_hub_download(
                     repo,
                     chosen,
-                    revision=info.sha or revision,
+                    revision=where.revision,
                     endpoint=base,
                     local_dir=scratch,
                     cache_dir=scratch / ".cache",
