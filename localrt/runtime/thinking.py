@@ -38,7 +38,21 @@ HARMONY_MARKERS = (
     "<|return|>",
     "<|call|>",
 )
-_TAG_PAIRS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
+# (open, close, other markers the splitter must see), the more specific first: a Seed-OSS template shows
+# no `<think>`, but a template with `<think:opensource>` must not be read as one with `<think>`.
+# Gemma 4 opens with its `<|channel>` token and the word `thought`; Apriel's prompt ends with the opening
+# sentence, and its answer follows `[BEGIN FINAL RESPONSE]`.
+_TAG_PAIRS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("<seed:think>", "</seed:think>", ()),
+    ("<mm:think>", "</mm:think>", ()),
+    ("<think:opensource>", "</think:opensource>", ()),
+    ("<|START_THINKING|>", "<|END_THINKING|>", ()),
+    ("<|inner_prefix|>", "<|inner_suffix|>", ()),
+    ("<|channel>thought", "<channel|>", ("<|channel>",)),
+    ("Here are my reasoning steps:", "[BEGIN FINAL RESPONSE]", ()),
+    ("<think>", "</think>", ()),
+    ("[THINK]", "[/THINK]", ()),
+)
 
 
 class ThinkError(LocalrtError):
@@ -129,14 +143,14 @@ def model_format(template: str, special_tokens: Sequence[str] = ()) -> ModelForm
             renders_tools=renders_tools,
             markers=HARMONY_MARKERS,
         )
-    thinking, open_tag, close_tag = "none", "", ""
-    for opener, closer in _TAG_PAIRS:
+    thinking, open_tag, close_tag, extra = "none", "", "", ()
+    for opener, closer, others in _TAG_PAIRS:
         if opener in template and closer in template:
-            thinking, open_tag, close_tag = "tags", opener, closer
+            thinking, open_tag, close_tag, extra = "tags", opener, closer, others
             break
     from localrt.runtime.toolcalls import style_markers
 
-    markers = tuple(m for m in (open_tag, close_tag, *style_markers(tool_style)) if m)
+    markers = tuple(m for m in (open_tag, close_tag, *extra, *style_markers(tool_style)) if m)
     return ModelFormat(
         thinking=thinking,
         open_tag=open_tag,
