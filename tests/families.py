@@ -477,7 +477,7 @@ OFFICIAL = {
             "upstage-Solar-Open-100B.jinja",
             "solar",
             "<|tool_calls|><|tool_call:begin|>abcDEF123<|tool_call:name|>get_weather<|tool_call:args|>"
-            '{"city": "Paris", "days": 3}<|tool_call:end|><|calls|>',
+            '{"city": "Paris", "days": 3}<|tool_call:end|>',  # then `<|calls|>`, the end of its turn
         ),
         Official("gemma-4", "google-gemma-4-31B-it.jinja", "gemma4", _GEMMA4),
         Official("gemma-4-interleaved", "google-gemma-4-31B-it-interleaved.jinja", "gemma4", _GEMMA4),

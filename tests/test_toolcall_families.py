@@ -10,8 +10,12 @@ call, which must come back as a structured call on /api/chat and /v1/chat/comple
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from typing import Any
 
+import ollama
+import openai
 import pytest
 
 from localrt.runtime.callformats import gemma_value
@@ -19,8 +23,13 @@ from localrt.runtime.templates import ChatTemplate
 from localrt.runtime.thinking import ReplyParser
 from localrt.runtime.thinking import Think
 from localrt.runtime.thinking import model_format
+from localrt.store.importer import import_gguf
+from localrt.store.store import Store
 from tests.families import OFFICIAL
 from tests.families import Official
+from tests.families import forced
+from tests.gguf_factory import write_tiny_llama
+from tests.servers.serve import LocalrtServer
 
 WEATHER = {
     "type": "function",
@@ -199,3 +208,82 @@ def test_minimax_m3_nested_arguments() -> None:
     )
     _, _, [call] = parse(OFFICIAL["minimax-m3"], reply, 4)
     assert call["function"]["arguments"] == {"city": "Paris", "opts": {"units": "metric", "hours": [6, 12]}}
+
+
+# ---- through a real `localrt serve`, with the official clients ----------------------------------------
+# one model per template, all in one server; the prompts of some official templates are long in the tiny
+# byte-level vocabulary, hence the larger context
+SERVED = [n for n in ALL if n not in SANDBOX_REFUSED]
+OPTIONS = {"temperature": 0, "num_predict": 600, "num_thread": 1, "num_ctx": 8192}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalrtServer]:
+    root = tmp_path_factory.mktemp("official")
+    store = Store(root / "models")
+    for name in SERVED:
+        family = OFFICIAL[name].family()
+        path = write_tiny_llama(
+            root / f"{name}.gguf",
+            chat_template=family.template,
+            extra_specials=family.specials,
+            context_length=16384,
+        )
+        import_gguf(store, f"{name}:tiny", path)
+    srv = LocalrtServer(store.root, root / "serve.log")
+    yield srv
+    srv.stop()
+    assert "Traceback" not in (root / "serve.log").read_text(errors="replace")
+
+
+def grammar(name: str) -> str:
+    return forced(OFFICIAL[name].call, OFFICIAL[name].family())
+
+
+def thinks(name: str) -> bool:
+    """Thinking off for the bare call: many of these prompts open a thinking block, and a reply that
+    never closes it is all thinking (thinking then a call is tested on its own)."""
+    return model_format(OFFICIAL[name].template).can_think
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", SERVED)
+def test_ollama_chat_returns_the_call(server: LocalrtServer, name: str, stream: bool) -> None:
+    client = ollama.Client(host=server.url)
+    options = {**OPTIONS, "grammar": grammar(name)}
+    think = False if thinks(name) else None
+    kwargs: dict[str, Any] = dict(messages=ASK, tools=[WEATHER], options=options, think=think)
+    if stream:
+        parts = list(client.chat(f"{name}:tiny", **kwargs, stream=True))
+    else:
+        parts = [client.chat(f"{name}:tiny", **kwargs)]
+    found = [c for p in parts for c in p.message.tool_calls or []]
+    assert [c.function.name for c in found] == ["get_weather"]
+    assert found[0].function.arguments == ARGS
+    assert "".join(p.message.content or "" for p in parts).strip() == ""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", SERVED)
+def test_openai_chat_returns_the_call(server: LocalrtServer, name: str, stream: bool) -> None:
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    extra = {**{k: v for k, v in OPTIONS.items() if k != "num_predict"}, "grammar": grammar(name)}
+    kwargs: dict[str, Any] = dict(
+        model=f"{name}:tiny", messages=ASK, tools=[WEATHER], max_tokens=600, extra_body=extra
+    )
+    if thinks(name):
+        kwargs["reasoning_effort"] = "none"
+    if not stream:
+        choice = oai.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        content = choice.message.content or ""
+    else:
+        chunks = [c for c in oai.chat.completions.create(**kwargs, stream=True) if c.choices]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        calls = [(d.function.name, d.function.arguments) for d in deltas if d.function and d.function.name]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert [n for n, _ in calls] == ["get_weather"]
+    assert json.loads(calls[0][1]) == ARGS
+    assert content.strip() == ""

@@ -430,7 +430,9 @@ _SOLAR_CALL = re.compile(
 
 
 def _read_solar(body: str, types: Types) -> Calls | None:
-    return _json_calls(_only(_SOLAR_CALL, body), 1, 2)
+    # `<|calls|>` ends the turn (the model stops there, so the block is read at the end of the reply)
+    # and may come after several `<|tool_calls|>` openers
+    return _json_calls(_only(_SOLAR_CALL, body.replace("<|tool_calls|>", "")), 1, 2)
 
 
 _GEMMA_QUOTE = '<|"|>'
