@@ -23,6 +23,7 @@ from localrt.runtime.templates import ChatTemplate
 from localrt.runtime.thinking import ReplyParser
 from localrt.runtime.thinking import Think
 from localrt.runtime.thinking import model_format
+from localrt.runtime.thinking import template_variables
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
 from tests.families import OFFICIAL
@@ -161,18 +162,42 @@ def test_cut_off_call_comes_back_as_text(name: str, sizes: int) -> None:
     assert content == reply
 
 
-THINKERS = sorted(n for n in ALL if OFFICIAL[n].thinking)
+def thinking_reply(family: Official, prompt: str) -> str:
+    """ "Use the tool." as the family's thinking, then its call; the open tag only where the prompt did not
+    already open the block."""
+    fmt = model_format(family.template)
+    opened = prompt.rstrip().endswith(fmt.open_tag)
+    return ("" if opened else fmt.open_tag + "\n") + "Use the tool.\n" + fmt.close_tag + "\n" + family.call
+
+
+def thinking_prompt(family: Official) -> str:
+    """The prompt as the runtime renders it with thinking on."""
+    variables = template_variables(model_format(family.template), Think(True, "medium"))
+    return template_of(family).render(ASK, tools=[WEATHER], extra=variables).text
+
+
+THINKERS = sorted(
+    n for n in ALL if model_format(OFFICIAL[n].template).thinking == "tags" and n not in SANDBOX_REFUSED
+)
 
 
 @pytest.mark.parametrize("sizes", [0, 1, 3])
-@pytest.mark.parametrize("name", [n for n in THINKERS if n not in SANDBOX_REFUSED])
+@pytest.mark.parametrize("name", THINKERS)
 def test_thinking_then_a_call(name: str, sizes: int) -> None:
     family = OFFICIAL[name]
-    prompt = template_of(family).render(ASK, tools=[WEATHER], extra={"enable_thinking": True}).text
-    content, thinking, calls = parse(family, family.thinking, sizes, prompt)
+    prompt = thinking_prompt(family)
+    content, thinking, calls = parse(family, thinking_reply(family, prompt), sizes, prompt)
     assert thinking == "Use the tool."
     assert [c["function"]["arguments"] for c in calls] == [ARGS]
     assert content.strip() == ""
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if OFFICIAL[n].thinking and n not in SANDBOX_REFUSED])
+def test_thinking_as_the_template_renders_it(name: str) -> None:
+    family = OFFICIAL[name]
+    content, thinking, calls = parse(family, family.thinking, 2, thinking_prompt(family))
+    assert thinking == "Use the tool."
+    assert [c["function"]["arguments"] for c in calls] == [ARGS]
 
 
 def test_kimi_thinking_then_a_call_without_the_template() -> None:
@@ -214,6 +239,25 @@ def test_minimax_m3_nested_arguments() -> None:
 # one model per template, all in one server; the prompts of some official templates are long in the tiny
 # byte-level vocabulary, hence the larger context
 SERVED = [n for n in ALL if n not in SANDBOX_REFUSED]
+# one template per call syntax in the default run (the first by name); every template in the slow one
+_FIRST_OF_STYLE = {OFFICIAL[n].style: n for n in reversed(SERVED)}
+ROUND_TRIPS = [
+    n if n in _FIRST_OF_STYLE.values() else pytest.param(n, marks=pytest.mark.slow) for n in SERVED
+]
+# one template per thinking syntax (and per prompt that opens the block or not)
+THINKING_SERVED = [
+    "glm-4.6",
+    "glm-4.7-flash",
+    "seed-oss",
+    "minimax-m3",
+    "command-r7b",
+    "cohere2-moe",
+    "apertus",
+    "gemma-4",
+    "apriel-1.6",
+    "ministral-3",
+    "hy3",
+]
 OPTIONS = {"temperature": 0, "num_predict": 600, "num_thread": 1, "num_ctx": 8192}
 
 
@@ -247,7 +291,7 @@ def thinks(name: str) -> bool:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("name", SERVED)
+@pytest.mark.parametrize("name", ROUND_TRIPS)
 def test_ollama_chat_returns_the_call(server: LocalrtServer, name: str, stream: bool) -> None:
     client = ollama.Client(host=server.url)
     options = {**OPTIONS, "grammar": grammar(name)}
@@ -264,7 +308,7 @@ def test_ollama_chat_returns_the_call(server: LocalrtServer, name: str, stream: 
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("name", SERVED)
+@pytest.mark.parametrize("name", ROUND_TRIPS)
 def test_openai_chat_returns_the_call(server: LocalrtServer, name: str, stream: bool) -> None:
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     extra = {**{k: v for k, v in OPTIONS.items() if k != "num_predict"}, "grammar": grammar(name)}
@@ -287,3 +331,42 @@ def test_openai_chat_returns_the_call(server: LocalrtServer, name: str, stream: 
     assert [n for n, _ in calls] == ["get_weather"]
     assert json.loads(calls[0][1]) == ARGS
     assert content.strip() == ""
+
+
+@pytest.mark.parametrize("name", THINKING_SERVED)
+def test_thinking_then_a_call_through_the_server(server: LocalrtServer, name: str) -> None:
+    family = OFFICIAL[name]
+    reply = thinking_reply(family, thinking_prompt(family))
+    options = {**OPTIONS, "grammar": forced(reply, family.family())}
+    client = ollama.Client(host=server.url)
+    parts = list(
+        client.chat(f"{name}:tiny", messages=ASK, tools=[WEATHER], options=options, think=True, stream=True)
+    )
+    assert "".join(p.message.thinking or "" for p in parts) == "Use the tool."
+    found = [c for p in parts for c in p.message.tool_calls or []]
+    assert [c.function.arguments for c in found] == [ARGS]
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    extra = {**{k: v for k, v in OPTIONS.items() if k != "num_predict"}, "grammar": options["grammar"]}
+    message = (
+        oai.chat.completions.create(
+            model=f"{name}:tiny",
+            messages=ASK,
+            tools=[WEATHER],
+            max_tokens=600,
+            reasoning_effort="high",
+            extra_body=extra,
+        )
+        .choices[0]
+        .message
+    )
+    assert message.model_extra["reasoning_content"] == "Use the tool."
+    assert [json.loads(c.function.arguments) for c in message.tool_calls or []] == [ARGS]
+
+
+@pytest.mark.parametrize("think", [Think(True, "medium"), Think(True, "low"), Think(False)])
+def test_hunyuan_reasoning_effort_is_one_its_template_accepts(think: Think) -> None:
+    family = OFFICIAL["hy3"]
+    variables = template_variables(model_format(family.template), think)
+    prompt = template_of(family).render(ASK, extra=variables).text  # the template raises on other values
+    closed = prompt.endswith("<think:opensource></think:opensource>")
+    assert closed is (think.enabled is False)
