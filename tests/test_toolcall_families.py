@@ -18,6 +18,7 @@ import ollama
 import openai
 import pytest
 
+from localrt.runtime.callformats import FAMILY_STYLES
 from localrt.runtime.callformats import gemma_value
 from localrt.runtime.templates import ChatTemplate
 from localrt.runtime.thinking import ReplyParser
@@ -370,3 +371,38 @@ def test_hunyuan_reasoning_effort_is_one_its_template_accepts(think: Think) -> N
     prompt = template_of(family).render(ASK, extra=variables).text  # the template raises on other values
     closed = prompt.endswith("<think:opensource></think:opensource>")
     assert closed is (think.enabled is False)
+
+
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"], "description": "The city"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(n for s, n in _FIRST_OF_STYLE.items() if s in FAMILY_STYLES))
+def test_tool_choice_required_writes_a_call_the_family_reads(server: LocalrtServer, name: str) -> None:
+    # no forced reply: the random model writes, the grammar makes it a call between the family's markers
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    extra = {k: v for k, v in OPTIONS.items() if k != "num_predict"}
+    kwargs: dict[str, Any] = {"reasoning_effort": "none"} if thinks(name) else {}
+    choice = oai.chat.completions.create(
+        model=f"{name}:tiny",
+        messages=ASK,
+        tools=[CITY],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=300,
+        extra_body=extra,
+        **kwargs,
+    ).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls or []
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")

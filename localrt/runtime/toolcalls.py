@@ -388,6 +388,12 @@ def required_grammar(
         )
     elif style == "llama3":
         body = "call"
+    elif style in BLOCKS:  # the family's own markers around a JSON call, which every block also reads
+        markers = BLOCKS[style]
+        one = f"{_gbnf_string(markers.opener)} call" + (
+            f" {_gbnf_string(markers.closer)}" if markers.closer else ""
+        )
+        body = f'{one} ("\\n" {one})*' if many and markers.closer else one
     else:  # hermes and the fallback
         block = '"<tool_call>\\n" call "\\n</tool_call>"'
         body = f'{block} ("\\n" {block})*' if many else block
