@@ -447,6 +447,13 @@ OFFICIAL = {
         ),
         Official("cohere2-moe", "Cohere2MoE.jinja", "cohere", _COHERE),
         Official(
+            "command-r-plus",
+            "CohereForAI-c4ai-command-r-plus-tool_use.jinja",
+            "command-r",
+            'Action:\n```json\n[\n    {\n        "tool_name": "get_weather",\n        "parameters": {\n'
+            '            "city": "Paris",\n            "days": 3\n        }\n    }\n]```',
+        ),
+        Official(
             "apertus",
             "Apertus-8B-Instruct.jinja",
             "apertus",

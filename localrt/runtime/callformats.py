@@ -24,6 +24,7 @@ Each family's markers are read from its official chat template (the ones llama.c
   * minicpm:    `<function name="f"><param name="k">v</param></function>` (MiniCPM 5)
   * cohere:     `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": f, "parameters": {...}}]<|END_ACTION|>`
                 (Command R7B, Command A)
+  * command-r:  `Action:\n```json\n[{"tool_name": f, "parameters": {...}}]```` (Command R+)
   * apertus:    `<|tools_prefix|>[{"f": {...}}]<|tools_suffix|>` (Apertus)
   * tool-list:  `<tool_calls>[{"name": f, "arguments": {...}}]</tool_calls>` (Apriel), or one JSON call per
                 line inside the same tags (MiniMax-M1)
@@ -539,6 +540,8 @@ BLOCKS: dict[str, Block] = {
     "functionary": Block("<function=", "</function>", _read_functionary),
     "minicpm": Block('<function name="', "</function>", _read_minicpm),
     "cohere": Block("<|START_ACTION|>", "<|END_ACTION|>", _read_json_lines),
+    # Command R+: the fence's opening line is part of the marker, else the closing fence would match it
+    "command-r": Block("Action:\n```json", "```", _read_json_lines),
     "apertus": Block("<|tools_prefix|>", "<|tools_suffix|>", _read_apertus),
     "tool-list": Block("<tool_calls>", "</tool_calls>", _read_json_lines),
     "nemotron": Block("<TOOLCALL>", "</TOOLCALL>", _read_json_lines),
@@ -572,6 +575,7 @@ _DETECT: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("lfm2", ("<|tool_call_start|>",)),
     ("lfm2", ("<|tool_list_start|>",)),  # LFM2's first template lists tools but renders no call
     ("cohere", ("<|START_ACTION|>",)),
+    ("command-r", ("Action:", "tool_name")),
     ("apertus", ("<|tools_prefix|>",)),
     ("nemotron", ("<TOOLCALL>",)),
     ("solar", ("<|tool_calls|>", "<|tool_call:begin|>")),
