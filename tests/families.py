@@ -6,6 +6,7 @@ to what the tests exercise. The GGUFs are random-weight tiny Llamas; a grammar f
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,3 +272,279 @@ def gbnf_literal(text: str, specials: tuple[tuple[str, int], ...] = ()) -> str:
 def forced(text: str, family: Family | None = None) -> str:
     """A grammar whose only sentence is `text` (llama.cpp then samples exactly it, token by token)."""
     return "root ::= " + gbnf_literal(text, family.specials if family else ())
+
+
+# ---- the official templates (llama.cpp's models/templates/, copied into tests/templates/) ------------
+TEMPLATES = Path(__file__).parent / "templates"
+_CONTROL = re.compile(r"<[|｜][^<>]*[|｜]>|<\|[^<>|]*>|<[^<>|]*\|>|\[/?[A-Z_]+\]|\]<\]minimax\[>\[")
+_TAG = re.compile(r"</?[^<>\s]+>")
+
+
+def marker_specials(markers: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    """The format's markers as the model's vocabulary has them: `<|x|>`, `<｜x｜>`, `[X]` as control tokens
+    (dropped from text unless the runtime keeps them), XML-like tags as user-defined ones (always text);
+    a marker that is plain text (`<function=`) stays text."""
+    out: list[tuple[str, int]] = []
+    for m in dict.fromkeys(markers):
+        if _CONTROL.fullmatch(m):
+            out.append((m, TOKEN_CONTROL))
+        elif _TAG.fullmatch(m):
+            out.append((m, TOKEN_USER_DEFINED))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Official:
+    """A family with its official template, and a reply calling `get_weather(city="Paris", days=3)`
+    written exactly as that template renders an assistant's call."""
+
+    name: str
+    template_file: str
+    style: str
+    call: str
+    thinking: str = ""  # a reply that thinks "Use the tool." and then calls, where the family thinks
+
+    @property
+    def template(self) -> str:
+        return (TEMPLATES / self.template_file).read_text()
+
+    def family(self) -> Family:
+        from localrt.runtime.thinking import model_format
+
+        return Family(self.name, self.template, marker_specials(model_format(self.template).markers))
+
+
+_GLM_NL = (
+    "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n"
+    "<arg_value>3</arg_value>\n</tool_call>"
+)
+_GLM = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+_KIMI = (
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city": "Paris", "days": 3}<|tool_call_end|><|tool_calls_section_end|>'
+)
+_DSML = (
+    '\n\n<｜DSML｜{tag}>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Paris'
+    '</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+    "</｜DSML｜{tag}>"
+)
+_HERMES = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+_CODER = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+    "</parameter>\n</function>\n</tool_call>"
+)
+_COHERE = (
+    '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", '
+    '"days": 3}}\n]<|END_ACTION|>'
+)
+_GEMMA4 = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
+_THOUGHT = "Use the tool."
+
+OFFICIAL = {
+    f.name: f
+    for f in (
+        Official("glm-4.6", "GLM-4.6.jinja", "glm", "\n" + _GLM_NL, f"<think>{_THOUGHT}</think>\n" + _GLM_NL),
+        Official("glm-4.7-flash", "GLM-4.7-Flash.jinja", "glm", _GLM, f"{_THOUGHT}</think>{_GLM}"),
+        Official("spark-2.5", "Spark2.5.jinja", "glm", _GLM, f"{_THOUGHT}</think>{_GLM}"),
+        Official(
+            "ling-3.0",
+            "inclusionai-ling-3.0-flash.jinja",
+            "glm",
+            "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value><arg_key>days</arg_key>\n"
+            "<arg_value>3</arg_value>\n</tool_call>",
+        ),
+        Official("laguna-s-2.1", "poolside-Laguna-S-2.1.jinja", "glm", _GLM, f"{_THOUGHT}</think>{_GLM}"),
+        Official("laguna-xs-2.1", "poolside-Laguna-XS-2.1.jinja", "glm", _GLM_NL),
+        Official("laguna-xs.2", "poolside-Laguna-XS.2.jinja", "glm", _GLM_NL),
+        Official("kimi-k2", "moonshotai-Kimi-K2.jinja", "kimi", _KIMI),
+        Official("kimi-k2-instruct", "Kimi-K2-Instruct.jinja", "kimi", _KIMI),
+        Official(
+            "kimi-k2-thinking", "Kimi-K2-Thinking.jinja", "kimi", _KIMI, f"<think>{_THOUGHT}</think>{_KIMI}"
+        ),
+        Official(
+            "kimi-k3",
+            "Kimi-K3.jinja",
+            "kimi-k3",
+            '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" '
+            'type="string"<|sep|>Paris<|close|>argument<|sep|><|open|>argument key="days" type="number"<|sep|>3'
+            "<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>",
+        ),
+        Official(
+            "minimax-m1",
+            "MiniMax-M1.jinja",
+            "tool-list",
+            '<tool_calls>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_calls>',
+        ),
+        Official(
+            "minimax-m2",
+            "MiniMax-M2.jinja",
+            "minimax",
+            '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+            '<parameter name="days">3</parameter>\n</invoke>\n</minimax:tool_call>',
+        ),
+        Official(
+            "minimax-m3",
+            "MiniMax-M3.jinja",
+            "minimax-m3",
+            ']<]minimax[>[<tool_call>\n]<]minimax[>[<invoke name="get_weather">]<]minimax[>[<city>Paris]<]minimax[>['
+            "</city>]<]minimax[>[<days>3]<]minimax[>[</days>]<]minimax[>[</invoke>\n]<]minimax[>[</tool_call>",
+        ),
+        Official(
+            "deepseek-r1",
+            "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+            "deepseek",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+            '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        ),
+        Official(
+            "deepseek-v3.1",
+            "deepseek-ai-DeepSeek-V3.1.jinja",
+            "deepseek",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+            '{"city": "Paris", "days": 3}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        ),
+        Official(
+            "deepseek-v3.2", "deepseek-ai-DeepSeek-V3.2.jinja", "dsml", _DSML.format(tag="function_calls")
+        ),
+        Official("deepseek-v4", "deepseek-ai-DeepSeek-V4.jinja", "dsml-v4", _DSML.format(tag="tool_calls")),
+        Official(
+            "deepseek-v4-flash",
+            "deepseek-ai-DeepSeek-V4-Flash-0731.jinja",
+            "dsml-v4",
+            _DSML.format(tag="tool_calls"),
+        ),
+        Official(
+            "seed-oss",
+            "ByteDance-Seed-OSS.jinja",
+            "seed",
+            "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
+            "<parameter=days>3</parameter>\n</function>\n</seed:tool_call>",
+        ),
+        Official(
+            "lfm2.5",
+            "LFM2.5-8B-A1B.jinja",
+            "lfm2",
+            "<|tool_call_start|>[get_weather(city='Paris', days=3)]<|tool_call_end|>",
+        ),
+        Official(
+            "lfm2",
+            "LFM2-8B-A1B.jinja",
+            "lfm2",
+            "<|tool_call_start|>[get_weather(city='Paris', days=3)]<|tool_call_end|>",
+        ),
+        Official(
+            "functionary-v3.1",
+            "meetkai-functionary-medium-v3.1.jinja",
+            "functionary",
+            '<function=get_weather>{"city": "Paris", "days": 3}</function>',
+        ),
+        Official(
+            "command-r7b",
+            "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja",
+            "cohere",
+            _COHERE,
+            f"<|START_THINKING|>{_THOUGHT}<|END_THINKING|>{_COHERE}",
+        ),
+        Official("cohere2-moe", "Cohere2MoE.jinja", "cohere", _COHERE),
+        Official(
+            "command-r-plus",
+            "CohereForAI-c4ai-command-r-plus-tool_use.jinja",
+            "command-r",
+            'Action:\n```json\n[\n    {\n        "tool_name": "get_weather",\n        "parameters": {\n'
+            '            "city": "Paris",\n            "days": 3\n        }\n    }\n]```',
+        ),
+        Official(
+            "apertus",
+            "Apertus-8B-Instruct.jinja",
+            "apertus",
+            '<|tools_prefix|>[{"get_weather": {"city": "Paris", "days": 3}}]<|tools_suffix|>',
+        ),
+        Official(
+            "apriel-1.5",
+            "unsloth-Apriel-1.5.jinja",
+            "tool-list",
+            '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}, "id": "abcDEF123"}]'
+            "</tool_calls>",
+        ),
+        Official(
+            "apriel-1.6",
+            "Apriel-1.6-15b-Thinker-fixed.jinja",
+            "tool-list",
+            '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}, "id": "abcDEF123"}]'
+            "</tool_calls>",
+        ),
+        Official(
+            "nemotron-nano-v2",
+            "NVIDIA-Nemotron-Nano-v2.jinja",
+            "nemotron",
+            '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]</TOOLCALL>',
+        ),
+        Official(
+            "solar-open",
+            "upstage-Solar-Open-100B.jinja",
+            "solar",
+            "<|tool_calls|><|tool_call:begin|>abcDEF123<|tool_call:name|>get_weather<|tool_call:args|>"
+            '{"city": "Paris", "days": 3}<|tool_call:end|>',  # then `<|calls|>`, the end of its turn
+        ),
+        Official("gemma-4", "google-gemma-4-31B-it.jinja", "gemma4", _GEMMA4),
+        Official("gemma-4-interleaved", "google-gemma-4-31B-it-interleaved.jinja", "gemma4", _GEMMA4),
+        Official(
+            "gigachat-3.1",
+            "GigaChat3.1-10B-A1.8B.jinja",
+            "gigachat",
+            '<|function_call|>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
+        ),
+        Official(
+            "minicpm5",
+            "openbmb-MiniCPM5-1B.jinja",
+            "minicpm",
+            '<function name="get_weather"><param name="city">Paris</param><param name="days">3</param></function>',
+        ),
+        Official(
+            "hy3",
+            "tencent-Hy3.jinja",
+            "hy3",
+            "<tool_calls:opensource>\n<tool_call:opensource>get_weather<tool_sep:opensource>\n"
+            "<arg_key:opensource>city</arg_key:opensource>\n<arg_value:opensource>Paris</arg_value:opensource>\n"
+            "<arg_key:opensource>days</arg_key:opensource>\n<arg_value:opensource>3</arg_value:opensource>\n"
+            "</tool_call:opensource>\n</tool_calls:opensource>",
+        ),
+        # families parsed before; here with their official templates
+        Official("hermes-3", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", "hermes", _HERMES),
+        Official(
+            "qwen3-official",
+            "Qwen-Qwen3-0.6B.jinja",
+            "hermes",
+            _HERMES,
+            f"<think>\n{_THOUGHT}\n</think>\n\n{_HERMES}",
+        ),
+        Official("granite-4.0", "ibm-granite-granite-4.0.jinja", "hermes", _HERMES),
+        Official("qwen3-coder-official", "Qwen3-Coder.jinja", "hermes", _CODER),
+        Official("qwen3.5", "Qwen3.5-4B.jinja", "hermes", _CODER),
+        Official("nemotron-3-nano", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja", "hermes", _CODER),
+        Official(
+            "llama-3.1",
+            "meta-llama-Llama-3.1-8B-Instruct.jinja",
+            "llama3",
+            '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+        ),
+        Official(
+            "devstral",
+            "unsloth-mistral-Devstral-Small-2507.jinja",
+            "mistral",
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
+        ),
+        Official(
+            "ministral-3",
+            "mistralai-Ministral-3-14B-Reasoning-2512.jinja",
+            "mistral",
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
+        ),
+        Official(
+            "gpt-oss-official",
+            "openai-gpt-oss-120b.jinja",
+            "harmony",
+            '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}',
+        ),
+    )
+}

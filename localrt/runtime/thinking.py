@@ -38,7 +38,22 @@ HARMONY_MARKERS = (
     "<|return|>",
     "<|call|>",
 )
-_TAG_PAIRS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
+# (open, close, other markers the splitter must see), the more specific first: a Seed-OSS template shows
+# no `<think>`, but a template with `<think:opensource>` must not be read as one with `<think>`.
+# Gemma 4 opens with its `<|channel>` token and the word `thought`; Apriel's prompt ends with the opening
+# sentence, and its answer follows `[BEGIN FINAL RESPONSE]`.
+_TAG_PAIRS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("<seed:think>", "</seed:think>", ()),
+    ("<mm:think>", "</mm:think>", ()),
+    ("<think:opensource>", "</think:opensource>", ()),
+    ("<think{}>", "</think{}>", ()),  # Hunyuan 3 formats its tags with the `:opensource` suffix
+    ("<|START_THINKING|>", "<|END_THINKING|>", ()),
+    ("<|inner_prefix|>", "<|inner_suffix|>", ()),
+    ("<|channel>thought", "<channel|>", ("<|channel>",)),
+    ("Here are my reasoning steps:", "[BEGIN FINAL RESPONSE]", ()),
+    ("<think>", "</think>", ()),
+    ("[THINK]", "[/THINK]", ()),
+)
 
 
 class ThinkError(LocalrtError):
@@ -110,6 +125,8 @@ class ModelFormat:
     tool_style: str = "json"  # see toolcalls.TOOL_STYLES
     renders_tools: bool = False
     markers: tuple[str, ...] = field(default=())  # texts the reply parser must see (kept when special)
+    # Hunyuan 3's template refuses any `reasoning_effort` but these, and turns thinking off with the first
+    efforts: tuple[str, ...] = field(default=())
 
     @property
     def can_think(self) -> bool:
@@ -129,22 +146,25 @@ def model_format(template: str, special_tokens: Sequence[str] = ()) -> ModelForm
             renders_tools=renders_tools,
             markers=HARMONY_MARKERS,
         )
-    thinking, open_tag, close_tag = "none", "", ""
-    for opener, closer in _TAG_PAIRS:
+    thinking, open_tag, close_tag, extra = "none", "", "", ()
+    for opener, closer, others in _TAG_PAIRS:
         if opener in template and closer in template:
-            thinking, open_tag, close_tag = "tags", opener, closer
+            thinking, open_tag, close_tag, extra = "tags", opener, closer, others
+            if "{}" in opener and ":opensource" in template:
+                open_tag, close_tag = opener.format(":opensource"), closer.format(":opensource")
             break
     from localrt.runtime.toolcalls import style_markers
 
-    markers = tuple(m for m in (open_tag, close_tag, *style_markers(tool_style)) if m)
+    markers = tuple(m for m in (open_tag, close_tag, *extra, *style_markers(tool_style)) if m)
     return ModelFormat(
         thinking=thinking,
         open_tag=open_tag,
         close_tag=close_tag,
-        hybrid=thinking == "tags" and "enable_thinking" in template,
+        hybrid=thinking == "tags" and ("enable_thinking" in template or "'no_think'" in template),
         tool_style=tool_style,
         renders_tools=renders_tools,
         markers=markers,
+        efforts=("no_think", "low", "high") if "'no_think'" in template else (),
     )
 
 
@@ -177,11 +197,16 @@ def check_think(fmt: ModelFormat, think: Think, model: str) -> Think:
 
 
 def template_variables(fmt: ModelFormat, think: Think) -> dict[str, Any]:
-    """Variables the chat template reads: `enable_thinking` (Qwen3 and kin), `reasoning_effort` (gpt-oss)."""
+    """Variables the chat template reads: `enable_thinking` (Qwen3 and kin), `reasoning_effort` (gpt-oss;
+    Hunyuan 3 with its own levels)."""
     if not fmt.can_think or not think.is_set:
         return {}
     out: dict[str, Any] = {"enable_thinking": bool(think.enabled), "thinking": bool(think.enabled)}
-    if think.level:
+    if fmt.efforts:
+        off, *levels = fmt.efforts
+        level = think.level if think.level in levels else levels[-1]
+        out["reasoning_effort"] = level if think.enabled else off
+    elif think.level:
         out["reasoning_effort"] = think.level
     return out
 

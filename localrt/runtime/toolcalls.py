@@ -20,7 +20,6 @@ content, never an error.
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import secrets
@@ -30,16 +29,35 @@ from collections.abc import Sequence
 from typing import Any
 
 from localrt.errors import LocalrtError
+from localrt.runtime.callformats import BLOCKS
+from localrt.runtime.callformats import FAMILY_STYLES
+from localrt.runtime.callformats import calls_of
+from localrt.runtime.callformats import decode_prefix
+from localrt.runtime.callformats import detect_family_style
+from localrt.runtime.callformats import parse_block
+from localrt.runtime.callformats import parse_json_calls
+from localrt.runtime.callformats import parse_pythonic
+from localrt.runtime.callformats import parse_xml_calls
 
-TOOL_STYLES = ("hermes", "llama3", "mistral", "granite", "phi4", "harmony", "json")
+TOOL_STYLES = (
+    "hermes",
+    "llama3",
+    "mistral",
+    "granite",
+    "phi4",
+    "harmony",
+    "json",
+    *FAMILY_STYLES,
+)
 # style -> the marker that opens a block of calls anywhere in the reply
 _MARKERS = {
     "hermes": "<tool_call>",
     "mistral": "[TOOL_CALLS]",
     "granite": "<|tool_call|>",
     "phi4": "functools",
+    **{style: block.opener for style, block in BLOCKS.items()},
 }
-_CLOSERS = {"hermes": "</tool_call>"}
+_CLOSERS = {"hermes": "</tool_call>", **{s: b.closer for s, b in BLOCKS.items() if b.closer}}
 OPENERS = ("<tool_call>", "{", "[", "```", "<|python_tag|>")
 
 
@@ -48,6 +66,9 @@ def detect_tool_style(template: str, special_tokens: set[str] | None = None) -> 
     specials = special_tokens or set()
     if all(m in template for m in ("<|start|>", "<|end|>", "<|channel|>")):
         return "harmony"
+    family = detect_family_style(template)
+    if family is not None:
+        return family
     if "[TOOL_CALLS]" in template or "[TOOL_CALLS]" in specials:
         return "mistral"
     if "<|tool_call|>" in template:
@@ -63,6 +84,8 @@ def detect_tool_style(template: str, special_tokens: set[str] | None = None) -> 
 
 def style_markers(style: str) -> tuple[str, ...]:
     """Texts of this style the reply parser must see (kept even when they are special tokens)."""
+    if style in BLOCKS:
+        return BLOCKS[style].markers
     return {
         "hermes": ("<tool_call>", "</tool_call>"),
         "mistral": ("[TOOL_CALLS]", "[ARGS]"),
@@ -79,153 +102,21 @@ def new_call_id(style: str = "json") -> str:
     return "call_" + "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
-def _as_call(obj: Any) -> dict[str, Any] | None:
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("function"), dict):  # OpenAI-style wrapper
-        obj = obj["function"]
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return {"function": {"name": name, "arguments": args}}
-
-
-def _calls_of(obj: Any) -> list[dict[str, Any]] | None:
-    items = obj if isinstance(obj, list) else [obj]
-    calls = [_as_call(item) for item in items]
-    if not calls or any(c is None for c in calls):
-        return None
-    return calls  # type: ignore[return-value]
-
-
-def _parse_json_calls(text: str) -> list[dict[str, Any]] | None:
-    text = text.strip()
-    if text.startswith("```"):
-        text = re.sub(r"^```[a-zA-Z]*\s*|\s*```$", "", text)
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return None
-    return _calls_of(obj)
-
-
-_DECODER = json.JSONDecoder()
-
-
-def _decode_prefix(text: str) -> tuple[Any, int] | None:
-    """The first complete JSON value at the start of `text` (after whitespace) and where it ends."""
-    start = len(text) - len(text.lstrip())
-    try:
-        return _DECODER.raw_decode(text, start)
-    except ValueError:
-        return None
-
-
 _MISTRAL_NAMED = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*(?:\[ARGS\])?\s*(?=\{)")
 
 
 def _parse_after_marker(style: str, text: str) -> tuple[list[dict[str, Any]], int] | None:
     """Calls right after a block marker: a JSON call or list (all styles), or Mistral's `name{args}`."""
-    decoded = _decode_prefix(text)
+    decoded = decode_prefix(text)
     if decoded is not None:
-        calls = _calls_of(decoded[0])
+        calls = calls_of(decoded[0])
         return (calls, decoded[1]) if calls else None
     if style == "mistral":
         m = _MISTRAL_NAMED.match(text)
         if m:
-            args = _decode_prefix(text[m.end() :])
+            args = decode_prefix(text[m.end() :])
             if args is not None and isinstance(args[0], dict):
                 return [{"function": {"name": m.group(1), "arguments": args[0]}}], m.end() + args[1]
-    return None
-
-
-_XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.S)
-_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.S)
-
-
-def _xml_value(text: str, schema_type: Any) -> Any:
-    """A Qwen3-Coder parameter's text as its schema types it: strings stay text, the rest read as JSON
-    (a value that is no JSON stays text)."""
-    value = text.removeprefix("\n").removesuffix("\n")
-    if schema_type == "string":
-        return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
-
-
-def _parse_xml_calls(text: str, types: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]] | None:
-    """Qwen3-Coder's `<function=f><parameter=p>v</parameter>...</function>` (one or more), or None when the
-    text is anything else (then the block is no call)."""
-    rest = _XML_FUNCTION.sub("", text).strip()
-    found = _XML_FUNCTION.findall(text)
-    if not found or rest:
-        return None
-    calls = []
-    for name, body in found:
-        params = _XML_PARAMETER.findall(body)
-        if _XML_PARAMETER.sub("", body).strip():
-            return None  # text between the parameters: not this format
-        known = types.get(name, {})
-        args = {p: _xml_value(v, (known.get(p) or {}).get("type")) for p, v in params}
-        calls.append({"function": {"name": name, "arguments": args}})
-    return calls
-
-
-_PY_CONSTANTS = {"true": True, "false": False, "null": None, "none": None}
-
-
-def _py_value(node: ast.expr) -> Any:
-    if isinstance(node, ast.Name) and node.id.lower() in _PY_CONSTANTS:
-        return _PY_CONSTANTS[node.id.lower()]
-    return ast.literal_eval(node)
-
-
-def _py_name(node: ast.expr) -> str | None:
-    """`f` or `module.f` as the call's name."""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        owner = _py_name(node.value)
-        return f"{owner}.{node.attr}" if owner else None
-    return None
-
-
-def _parse_pythonic(text: str) -> tuple[list[dict[str, Any]], int] | None:
-    """Llama's pythonic calls at the start of `text`, `[f(a=1), g(b="x")]`, and where the list ends; None
-    while no complete list of keyword-only calls with literal values is there."""
-    start = len(text) - len(text.lstrip())
-    if not text.startswith("[", start):
-        return None
-    for end in (m.end() for m in re.finditer(r"\]", text)):
-        try:
-            node = ast.parse(text[start:end].strip(), mode="eval").body
-        except (SyntaxError, ValueError):
-            continue
-        if not isinstance(node, ast.List) or not node.elts:
-            return None
-        calls = []
-        for item in node.elts:
-            name = _py_name(item.func) if isinstance(item, ast.Call) else None
-            if name is None or not isinstance(item, ast.Call) or item.args:
-                return None
-            try:
-                args = {kw.arg: _py_value(kw.value) for kw in item.keywords if kw.arg is not None}
-            except (ValueError, SyntaxError):
-                return None
-            if len(args) != len(item.keywords):
-                return None  # **kwargs
-            calls.append({"function": {"name": name, "arguments": args}})
-        return calls, end
     return None
 
 
@@ -284,9 +175,9 @@ class ToolCallParser:
         rest, self.buffer = self.buffer, ""
         if self.state in ("start", "leading") and rest.strip():
             body = rest.strip().removeprefix("<|python_tag|>")
-            found = _parse_json_calls(body)
+            found = parse_json_calls(body)
             if found is None:
-                pythonic = _parse_pythonic(body)
+                pythonic = parse_pythonic(body)
                 found = pythonic[0] if pythonic is not None and not body[pythonic[1] :].strip() else None
             if found and self._known(found):
                 return out, calls + found
@@ -319,14 +210,14 @@ class ToolCallParser:
         body = self.buffer.lstrip().removeprefix("<|python_tag|>").lstrip().removeprefix(";")
         if body.lstrip().startswith("```"):
             return None  # fenced: decided at the end
-        decoded = _decode_prefix(body)
+        decoded = decode_prefix(body)
         if decoded is None:
-            pythonic = _parse_pythonic(body) if _could_be_pythonic(body) else None
+            pythonic = parse_pythonic(body) if _could_be_pythonic(body) else None
             if pythonic is None:
                 return None  # still arriving (or decided at the end)
             calls, end = pythonic
         else:
-            calls, end = _calls_of(decoded[0]), decoded[1]
+            calls, end = calls_of(decoded[0]), decoded[1]
         if not calls or not self._known(calls):
             self.state = "text"
             return "", []
@@ -356,6 +247,12 @@ class ToolCallParser:
             return None
         return parsed
 
+    def _read_block(self, body: str) -> list[dict[str, Any]] | None:
+        if self.style in BLOCKS:
+            return parse_block(self.style, body, self.types)
+        calls = parse_json_calls(body)
+        return calls if calls is not None else parse_xml_calls(body, self.types)
+
     def _close_block(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]] | None:
         """A block after the marker, once decided: its calls (the buffer moves on), or its text given back
         as content when it is malformed; None while it may still grow into a call."""
@@ -366,9 +263,7 @@ class ToolCallParser:
                 return None
             body = text[:at] if at >= 0 else text
             rest = text[at + len(closer) :] if at >= 0 else ""
-            calls = _parse_json_calls(body)
-            if calls is None:
-                calls = _parse_xml_calls(body, self.types)
+            calls = self._read_block(body)
             if calls is not None and not self._known(calls):
                 calls = None
             self.state, self.buffer = "content", rest.lstrip() if calls else rest
@@ -493,6 +388,12 @@ def required_grammar(
         )
     elif style == "llama3":
         body = "call"
+    elif style in BLOCKS:  # the family's own markers around a JSON call, which every block also reads
+        markers = BLOCKS[style]
+        one = f"{_gbnf_string(markers.opener)} call" + (
+            f" {_gbnf_string(markers.closer)}" if markers.closer else ""
+        )
+        body = f'{one} ("\\n" {one})*' if many and markers.closer else one
     else:  # hermes and the fallback
         block = '"<tool_call>\\n" call "\\n</tool_call>"'
         body = f'{block} ("\\n" {block})*' if many else block
