@@ -23,8 +23,8 @@ from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 from localrt.errors import OptionError
 from localrt.errors import ServerBusy
-from localrt.runtime import memory
 from localrt.runtime import fim
+from localrt.runtime import memory
 from localrt.runtime import remote
 from localrt.runtime import thinking
 from localrt.runtime.options import Options
