@@ -342,7 +342,7 @@ def test_torch_and_mlx_answer_an_image_request_with_a_400(server: LocalrtServer,
     assert f"{backend} backend does not support images" in message
 
 
-@pytest.mark.slow
+@pytest.mark.oracle
 def test_llama_servers_own_mtmd_agrees(server: LocalrtServer, vlm: tuple[Path, Path], tmp_path: Path) -> None:
     """llama.cpp's llama-server --mmproj on the same files and prompt: the same prompt length and the same
     greedy answer (its media marker fixed through LLAMA_MEDIA_MARKER)."""
