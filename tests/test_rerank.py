@@ -1,4 +1,4 @@
-"""Rerank (issue 19): a tiny random XLM-RoBERTa cross-encoder (bge-reranker-v2-m3's architecture) converted by
+"""Rerank: a tiny random XLM-RoBERTa cross-encoder (bge-reranker-v2-m3's architecture) converted by
 llama.cpp's own converter, served by a real `localrt serve` through llama.cpp's rank pooling.
 
 The scores are checked against transformers' forward pass of the same checkpoint on the same tokens, the

@@ -270,7 +270,7 @@ def test_logprobs_come_with_the_batch(model: TorchModel) -> None:
 def test_fidelity_through_score_against_llama_cpp_blas(
     file_type: str, numerics: str, smollm2_file: Callable[[str], Path]
 ) -> None:
-    """Issue 20's bar, measured as `localrt eval` measures (4,096 tokens of English, windows of 512,
+    """The fidelity bar, measured as `localrt eval` measures (4,096 tokens of English, windows of 512,
     second halves scored: 2,040 tokens): top-1 agreement with llama.cpp at least 98%, perplexity
     within 0.5%, for the exact fp32 path and for the quantized one (the CPU default): SmolLM2's
     Q4_K_M and Q6_K conversions are mostly Q5_0 / Q8_0 (rows of 576 are no multiple of 256), kept as

@@ -1,4 +1,4 @@
-"""Vision models (issue 19): a tiny random Idefics3 (SmolVLM's architecture) converted by llama.cpp's own
+"""Vision models: a tiny random Idefics3 (SmolVLM's architecture) converted by llama.cpp's own
 convert_hf_to_gguf.py (text GGUF + `--mmproj` projector), evaluated through libmtmd.
 
 Runtime and store checks in-process; the interfaces through a real `localrt serve` with the official
