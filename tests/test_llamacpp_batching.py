@@ -302,6 +302,44 @@ def test_an_evicted_conversation_comes_back_from_the_ram_cache(smollm2_gguf: Pat
     assert saved_after >= 1  # the "tree" conversation's seq was saved in turn when the first came back
 
 
+def test_the_ram_cache_keeps_the_newest_states_within_its_budget(smollm2_gguf: Path) -> None:
+    """One sequence, three conversations of equal size, a budget that holds one saved state: the older
+    evicted conversation is dropped from RAM (its next turn evaluates from scratch), the newest comes back
+    restored."""
+    opts = LoadOptions(num_ctx=512, num_thread=THREADS, num_batch=128, num_parallel=1)
+    m = LlamaCppBackend.load(smollm2_gguf, opts)
+
+    def prompt(topic: str) -> list[int]:
+        system = " ".join(f"Rule {i}: speak of {topic} with care." for i in range(6))
+        return m.tokenize(CHAT.replace("You are a helpful assistant.", system).format(q=topic), True, True)
+
+    try:
+        assert m.engine is not None
+        first = {t: prompt(t) for t in ("rivers", "mountains", "forests")}
+        answers = {}
+        for topic in ("rivers", "mountains"):  # the second conversation evicts the first: saved in RAM
+            answers[topic] = asyncio.run(run_one(m, GenerateRequest(first[topic], GREEDY, num_predict=4)))
+        one_state = max(len(s.data) for s in m.engine.saved)
+        m.engine.ram_cache_bytes = one_state + one_state // 4  # room for one state, not two
+        answers["forests"] = asyncio.run(run_one(m, GenerateRequest(first["forests"], GREEDY, num_predict=4)))
+        # saving "mountains" went past the budget: the oldest saved state ("rivers") was dropped
+
+        def follow_up(topic: str) -> Outcome:
+            more = m.tokenize("<|im_end|>\n<|im_start|>user\nAnd more?", False, True)
+            return asyncio.run(
+                run_one(m, GenerateRequest(first[topic] + answers[topic].ids + more, GREEDY, 2))
+            )
+
+        newest = follow_up("mountains")
+        oldest = follow_up("rivers")
+    finally:
+        m.unload()
+    assert newest.done is not None
+    assert oldest.done is not None
+    assert newest.done.timings.cached_count >= len(first["mountains"])  # restored from RAM
+    assert oldest.done.timings.cached_count < len(first["rivers"]) // 2  # dropped: evaluated again
+
+
 def test_drafts_of_a_step_are_evened_to_the_length_that_keeps_most_rows() -> None:
     """Unequal draft lengths cost llama.cpp a micro-batch each (equal rows per KV stream): one length per step."""
     from localrt.backends.llamacpp.step import Job
