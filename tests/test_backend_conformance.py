@@ -267,8 +267,14 @@ def test_speculative_greedy_matches_plain(
         plain, _ = run(target, GenerateRequest(ids, GREEDY, num_predict=40))
         fast, done = run(target, GenerateRequest(ids, GREEDY, num_predict=40, speculative=kind, num_draft=6))
         assert ids_of(fast) == ids_of(plain)
-        assert done.timings.draft_count > 0
-        assert 0 < done.timings.draft_accepted_count <= done.timings.draft_count
+        drafted, accepted = done.timings.draft_count, done.timings.draft_accepted_count
+        if kind == "draft":
+            # the model drafts for itself: a guess is rejected only if batched and one-token logits differ
+            assert accepted == drafted
+            assert drafted > 0
+        else:
+            # some guesses rejected and rolled back, and still the plain tokens: the rollback is exact
+            assert 0 < accepted < drafted
     finally:
         if target is not model:
             target.unload()

@@ -100,7 +100,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
 
 @pytest.mark.parametrize(
     "file_type",
-    [pytest.param(t, marks=[] if t in FAST_TYPES else pytest.mark.slow) for t in mixes.FILE_TYPES],
+    [pytest.param(t, marks=[] if t in FAST_TYPES else pytest.mark.oracle) for t in mixes.FILE_TYPES],
 )
 def test_tiny_llama_matches_llama_cpp(tiny: dict[str, tuple[Path, Path]], file_type: str) -> None:
     model, work = tiny["llama"]

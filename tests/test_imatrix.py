@@ -5,7 +5,7 @@ Oracles, all from llama.cpp:
   weighted encoders and IQ4_NL/IQ4_XS, array for array;
 - `llama_model_quantize` with `params.imatrix` and the KV overrides llama-quantize adds: whole files;
 - the llama-imatrix and llama-quantize binaries (built by `tests/fixtures_hf.py::llama_cpp_tools`):
-  `@pytest.mark.slow`, on a tiny random Llama converted by llama.cpp's own converter.
+  `@pytest.mark.oracle` (tests/test_imatrix_oracle.py), on a tiny random Llama converted by llama.cpp's own converter.
 """
 
 from __future__ import annotations

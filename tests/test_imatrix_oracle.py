@@ -1,8 +1,9 @@
 """`localrt imatrix` and `--imatrix` quantization against llama.cpp's own tools (llama-imatrix and
 llama-quantize, built from the pinned sources by `tests/fixtures_hf.py::llama_cpp_tools`).
 
-Slow: the tools build takes about 20 minutes on 2 cores the first time (CI does not build them). The
-default suite checks the same encoders and files against llama.cpp's library (tests/test_imatrix.py).
+Marked `oracle`: part of the default run and CI. The tools are built once (about 20 minutes on 2 cores)
+and cached outside the repository; tests/test_imatrix.py checks the same encoders against llama.cpp's
+library without them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tests.fixtures_hf import llama_cpp_tools
 from tests.fixtures_hf import oracle_float
 from tests.fixtures_hf import write_tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.oracle
 pytest.importorskip("llama_cpp")
 pytest.importorskip("sentencepiece")
 

@@ -40,6 +40,11 @@ QUESTIONS = [
     "Tell me a short story about a brave little mouse who lived in a big old house.",
 ]
 
+REPEAT = (
+    "Repeat this text exactly:\nThe old lighthouse keeper climbed the narrow stairs every evening, lit the "
+    "great lamp, and watched the ships pass safely through the rocky strait until dawn."
+)
+
 
 @dataclass
 class Outcome:
@@ -235,9 +240,13 @@ def test_speculation_in_a_mixed_batch_stays_exact(smollm2_gguf: Path) -> None:
     m = LlamaCppBackend.load(smollm2_gguf, opts)
     try:
         reqs = []
+        # a text to repeat gives lookup guesses to check, wrong ones too where the copy ends
+        questions = [*QUESTIONS[:2], REPEAT, QUESTIONS[3], REPEAT, REPEAT]
         for i, mode in enumerate(["draft", "draft", "lookup", "off", "draft", "lookup"]):
-            sampling = GREEDY if i < 4 else SamplingParams(temperature=0.8, seed=40 + i)
-            reqs.append(GenerateRequest(ask(m, QUESTIONS[i]), sampling, num_predict=20, speculative=mode))
+            sampling = GREEDY if i < 4 else SamplingParams(temperature=0.9, top_k=40, seed=40 + i)
+            reqs.append(
+                GenerateRequest(ask(m, questions[i]), sampling, num_predict=48, speculative=mode, num_draft=6)
+            )
         plain = [asyncio.run(run_one(m, replace(fresh(r), speculative="off"))) for r in reqs]
 
         async def together() -> list[Outcome]:
@@ -248,9 +257,17 @@ def test_speculation_in_a_mixed_batch_stays_exact(smollm2_gguf: Path) -> None:
         m.unload()
     for i, (a, b) in enumerate(zip(plain, mixed)):
         assert b.ids == a.ids, f"request {i} changed under speculation"
-    drafted = [o.done.timings for o in mixed if o.done is not None]
-    assert sum(t.draft_count for t in drafted[:2]) > 0
-    assert sum(t.draft_accepted_count for t in drafted[:2]) > 0  # the draft is the model itself
+    timings = [o.done.timings if o.done is not None else None for o in mixed]
+    greedy_draft = [t for t in timings[:2] if t is not None]
+    # the draft is the model itself: greedy, every guess is accepted
+    assert sum(t.draft_count for t in greedy_draft) > 0
+    assert sum(t.draft_accepted_count for t in greedy_draft) == sum(t.draft_count for t in greedy_draft)
+    # lookup's guesses (greedy) and the draft model's (sampled: the target's own sampler checks them) are
+    # partly rejected, rolled back inside the batch, and the tokens are still the plain ones
+    for i in (2, 4):
+        t = timings[i]
+        assert t is not None
+        assert 0 < t.draft_accepted_count < t.draft_count, f"request {i}: {t}"
 
 
 def test_an_evicted_conversation_comes_back_from_the_ram_cache(smollm2_gguf: Path) -> None:
@@ -283,6 +300,44 @@ def test_an_evicted_conversation_comes_back_from_the_ram_cache(smollm2_gguf: Pat
     assert scratch.done.timings.cached_count == 0
     assert again.ids == scratch.ids
     assert saved_after >= 1  # the "tree" conversation's seq was saved in turn when the first came back
+
+
+def test_the_ram_cache_keeps_the_newest_states_within_its_budget(smollm2_gguf: Path) -> None:
+    """One sequence, three conversations of equal size, a budget that holds one saved state: the older
+    evicted conversation is dropped from RAM (its next turn evaluates from scratch), the newest comes back
+    restored."""
+    opts = LoadOptions(num_ctx=512, num_thread=THREADS, num_batch=128, num_parallel=1)
+    m = LlamaCppBackend.load(smollm2_gguf, opts)
+
+    def prompt(topic: str) -> list[int]:
+        system = " ".join(f"Rule {i}: speak of {topic} with care." for i in range(6))
+        return m.tokenize(CHAT.replace("You are a helpful assistant.", system).format(q=topic), True, True)
+
+    try:
+        assert m.engine is not None
+        first = {t: prompt(t) for t in ("rivers", "mountains", "forests")}
+        answers = {}
+        for topic in ("rivers", "mountains"):  # the second conversation evicts the first: saved in RAM
+            answers[topic] = asyncio.run(run_one(m, GenerateRequest(first[topic], GREEDY, num_predict=4)))
+        one_state = max(len(s.data) for s in m.engine.saved)
+        m.engine.ram_cache_bytes = one_state + one_state // 4  # room for one state, not two
+        answers["forests"] = asyncio.run(run_one(m, GenerateRequest(first["forests"], GREEDY, num_predict=4)))
+        # saving "mountains" went past the budget: the oldest saved state ("rivers") was dropped
+
+        def follow_up(topic: str) -> Outcome:
+            more = m.tokenize("<|im_end|>\n<|im_start|>user\nAnd more?", False, True)
+            return asyncio.run(
+                run_one(m, GenerateRequest(first[topic] + answers[topic].ids + more, GREEDY, 2))
+            )
+
+        newest = follow_up("mountains")
+        oldest = follow_up("rivers")
+    finally:
+        m.unload()
+    assert newest.done is not None
+    assert oldest.done is not None
+    assert newest.done.timings.cached_count >= len(first["mountains"])  # restored from RAM
+    assert oldest.done.timings.cached_count < len(first["rivers"]) // 2  # dropped: evaluated again
 
 
 def test_drafts_of_a_step_are_evened_to_the_length_that_keeps_most_rows() -> None:

@@ -1,8 +1,8 @@
-"""Rerank (issue 19): a tiny random XLM-RoBERTa cross-encoder (bge-reranker-v2-m3's architecture) converted by
+"""Rerank: a tiny random XLM-RoBERTa cross-encoder (bge-reranker-v2-m3's architecture) converted by
 llama.cpp's own converter, served by a real `localrt serve` through llama.cpp's rank pooling.
 
 The scores are checked against transformers' forward pass of the same checkpoint on the same tokens, the
-order against llama.cpp's score of each (query, document) pair on its own, and (slow) against llama-server's
+order against llama.cpp's score of each (query, document) pair on its own, and (oracle) against llama-server's
 own /v1/rerank.
 """
 
@@ -152,7 +152,7 @@ def test_bad_rerank_requests(
     assert fragment in message
 
 
-@pytest.mark.slow
+@pytest.mark.oracle
 def test_llama_servers_own_rerank_agrees(server: LocalrtServer, reranker: Path, tmp_path: Path) -> None:
     """llama.cpp's llama-server --rerank on the same GGUF: the same order and scores."""
     from tests.fixtures_hf import llama_cpp_tools

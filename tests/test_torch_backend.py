@@ -131,22 +131,22 @@ def concurrent_streams_match_solo_runs(model: TorchModel) -> None:
     assert model.engine.pool.num_used == 0
 
 
-def test_prefix_cache_cuts_time_to_first_token(model: TorchModel) -> None:
-    """A shared ~1,000-token system prompt: later requests skip its prefill."""
+def test_prefix_cache_skips_the_shared_prefill(model: TorchModel) -> None:
+    """A shared ~1,000-token system prompt: later requests skip its prefill (counted in evaluated tokens,
+    not timed: a loaded machine changes the time, not the count)."""
     system = english_text()[:4000]
     first = chat(model, "Summarize the text above in one sentence.", system=system)
     assert 900 < len(first) < 1400
+    second = chat(model, "Who wrote it?", system=system)
 
-    async def scenario() -> tuple[float, float, int]:
-        _, _, cold = await collect(model, GenerateRequest(first, GREEDY, num_predict=1))
-        _, done, warm = await collect(
-            model, GenerateRequest(chat(model, "Who wrote it?", system=system), GREEDY, num_predict=1)
-        )
-        return cold, warm, done.timings.prompt_eval_count
+    async def scenario() -> tuple[DoneEvent, DoneEvent]:
+        _, cold, _ = await collect(model, GenerateRequest(first, GREEDY, num_predict=1))
+        _, warm, _ = await collect(model, GenerateRequest(second, GREEDY, num_predict=1))
+        return cold, warm
 
-    cold, warm, evaluated = asyncio.run(scenario())
-    assert evaluated < 30
-    assert warm < 0.3 * cold, (cold, warm)
+    cold, warm = asyncio.run(scenario())
+    assert cold.timings.prompt_eval_count > 900
+    assert warm.timings.prompt_eval_count < 30
 
 
 def test_score_perplexity_matches_llama_cpp(model: TorchModel, smollm2_gguf: Path) -> None:
@@ -270,7 +270,7 @@ def test_logprobs_come_with_the_batch(model: TorchModel) -> None:
 def test_fidelity_through_score_against_llama_cpp_blas(
     file_type: str, numerics: str, smollm2_file: Callable[[str], Path]
 ) -> None:
-    """Issue 20's bar, measured as `localrt eval` measures (4,096 tokens of English, windows of 512,
+    """The fidelity bar, measured as `localrt eval` measures (4,096 tokens of English, windows of 512,
     second halves scored: 2,040 tokens): top-1 agreement with llama.cpp at least 98%, perplexity
     within 0.5%, for the exact fp32 path and for the quantized one (the CPU default): SmolLM2's
     Q4_K_M and Q6_K conversions are mostly Q5_0 / Q8_0 (rows of 576 are no multiple of 256), kept as

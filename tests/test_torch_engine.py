@@ -142,14 +142,17 @@ def test_batching_is_invisible(model: Transformer) -> None:
     reqs = random_requests(16, seed=1)
     engine = make_engine(model, max_batch_tokens=64)
     seqs = run_workload(engine, reqs)
-    assert max(len(s.tokens) for s in seqs) > 0
+    cut_short = 0
     for req, seq in zip(reqs, seqs):
         alone = solo(model, req)
         got = generated(seq)
+        assert alone  # every request generates: the comparison below is never of two empty lists
         if req.cancel_at is not None and len(got) < len(alone):
             assert got == alone[: len(got)]  # a cancelled request stops early, on the same path
+            cut_short += 1
         else:
             assert got == alone
+    assert cut_short > 0  # the workload really cancelled a request mid-answer
     assert_pool_empty(engine)
 
 

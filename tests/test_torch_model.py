@@ -191,9 +191,11 @@ def test_smollm2_teacher_forced_fidelity(smollm2: Transformer, smollm2_gguf: Pat
     assert abs(got["ppl_ours"] / got["ppl_ref"] - 1) < 0.01, got
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("file_type", ["Q4_1", "Q4_K_M"])
+@pytest.mark.parametrize(
+    "file_type",
+    [pytest.param("Q4_1", marks=pytest.mark.oracle), pytest.param("Q4_K_M", marks=pytest.mark.slow)],
+)
 def test_smollm2_fidelity_2k_tokens(file_type: str, smollm2_file: Callable[[str], Path]) -> None:
     """2,048 tokens, teacher-forced, against llama.cpp's batched logits. The top-1 bar is llama.cpp's
     agreement with itself (batched prefill vs token-by-token decoding, same file and machine), every
@@ -227,7 +229,7 @@ def test_smollm2_fidelity_2k_tokens(file_type: str, smollm2_file: Callable[[str]
     assert abs(got["ppl_ours"] / got["ppl_ref"] - 1) < (0.01 if file_type == "Q4_1" else 0.015), got
 
 
-@pytest.mark.slow
+@pytest.mark.oracle
 def test_smollm2_equals_fp32_reference(smollm2: Transformer, smollm2_gguf: Path) -> None:
     """transformers' own GGUF loader (dequantize, un-permute Q/K, fp32 Llama): the same logits."""
     transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Vision models (issue 19): a tiny random Idefics3 (SmolVLM's architecture) converted by llama.cpp's own
+"""Vision models: a tiny random Idefics3 (SmolVLM's architecture) converted by llama.cpp's own
 convert_hf_to_gguf.py (text GGUF + `--mmproj` projector), evaluated through libmtmd.
 
 Runtime and store checks in-process; the interfaces through a real `localrt serve` with the official
@@ -324,7 +324,9 @@ def test_image_urls_are_refused_unless_enabled(server: LocalrtServer, oai: opena
     assert "unsupported URL scheme 'file'" in message
 
 
-def test_torch_answers_an_image_request_with_a_400(server: LocalrtServer) -> None:
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_torch_and_mlx_answer_an_image_request_with_a_400(server: LocalrtServer, backend: str) -> None:
+    pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[backend])
     status, message = rejected(
         server,
         "/api/generate",
@@ -332,15 +334,15 @@ def test_torch_answers_an_image_request_with_a_400(server: LocalrtServer) -> Non
             "model": MODEL,
             "prompt": "x",
             "images": [b64(png_bytes(0))],
-            "options": {"backend": "torch", "num_predict": 1},
+            "options": {"backend": backend, "num_predict": 1},
             "stream": False,
         },
     )
     assert status == 400
-    assert "torch backend does not support images" in message
+    assert f"{backend} backend does not support images" in message
 
 
-@pytest.mark.slow
+@pytest.mark.oracle
 def test_llama_servers_own_mtmd_agrees(server: LocalrtServer, vlm: tuple[Path, Path], tmp_path: Path) -> None:
     """llama.cpp's llama-server --mmproj on the same files and prompt: the same prompt length and the same
     greedy answer (its media marker fixed through LLAMA_MEDIA_MARKER)."""

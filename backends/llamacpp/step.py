@@ -492,10 +492,11 @@ class BatchedContext(RequestQueues, EngineThread, SeqContext):
     def _restore(self, saved: SavedSeq, seq: int) -> bool:
         """Load a saved state into seq (whatever it held is saved or dropped first); False if llama.cpp
         refused it (seq is then empty)."""
+        # taken out first: saving seq's current state may drop the oldest states, this one among them
+        self.saved.remove(saved)
         if self.cells[seq]:
             self._save(seq)
         self._evict(seq)
-        self.saved.remove(saved)
         if int(self.lib.llama_state_seq_set_data(self.ctx.ctx, saved.data, len(saved.data), seq)) == 0:
             self._evict(seq)
             return False

@@ -19,6 +19,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from localrt.api.app import create_app
+    from localrt.runtime.bridge import compute_device_report
     from localrt.runtime.manager import Runtime
 
     host, port = config.host()
@@ -30,9 +31,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         await runtime.close()  # cancels in-flight generations so their streams end cleanly
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("localrt").info(
-        "localrt serving on http://%s:%d (models: %s)", host, port, config.models_dir()
-    )
+    log = logging.getLogger("localrt")
+    log.info("localrt serving on http://%s:%d (models: %s)", host, port, config.models_dir())
+    report = compute_device_report()
+    log.info("%s", report[0])
+    for line in report[1:]:  # a GPU the build leaves idle: said once, as a warning
+        log.warning("%s", line)
     uvicorn.run(
         app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10, timeout_keep_alive=5
     )
