@@ -81,11 +81,13 @@ def test_quantized_kv_cache(kv: str, smollm2_gguf: Path, model: LlamaCppModel) -
     m = LlamaCppBackend.load(smollm2_gguf, LoadOptions(num_ctx=1024, num_thread=THREADS, kv_cache_type=kv))
     try:
         text, _, _ = generate(
-            m, GenerateRequest(ask(m, "What is the capital of France?"), GREEDY, num_predict=10)
+            m, GenerateRequest(ask(m, "What is the capital of Germany?"), GREEDY, num_predict=10)
         )
         assert text.strip()
-        if kv == "q8_0":  # q4_0 is too lossy for a 135M model to keep its answer
-            assert "Paris" in text
+        # q4_0 is too lossy for a 135M model to keep its answer. Not France: its first token is a
+        # near-tie ("The" 24.14 against "La" 24.05) that the cache's 8-bit rounding flips on some CPUs.
+        if kv == "q8_0":
+            assert "Berlin" in text
         assert m.memory_bytes < model.memory_bytes  # same context, smaller cache
     finally:
         m.unload()
