@@ -157,7 +157,8 @@ def ensure_server() -> None:
         if proc.poll() is not None:
             raise LaunchError(f"localrt serve exited with status {proc.returncode} (see {log_path})")
         if server_answers():
-            print(f"localrt serve started on {config.server_address()[1]} (log: {log_path})", file=sys.stderr)
+            where = config.server_address()[1]
+            print(f"localrt serve started on {where} (pid {proc.pid}, log: {log_path})", file=sys.stderr)
             return
         time.sleep(0.2)
     raise LaunchError(f"localrt serve did not answer within {SERVE_WAIT:.0f}s (see {log_path})")
