@@ -34,6 +34,7 @@ from tests.agents_fixtures import official_template
 from tests.agents_fixtures import qwen3_call
 from tests.agents_fixtures import turn_of
 from tests.agents_fixtures import write_agent_model
+from tests.conftest import free_port
 from tests.servers.serve import LocalrtServer
 
 BIN = agents_bin()
@@ -95,6 +96,9 @@ def run_agent(stack: Stack, tmp: Path, agent: str, *agent_args: str) -> subproce
             "LOCALRT_MODELS": str(stack.models),
             "LOCALRT_DATA": str(tmp / "data"),
             "LOCALRT_AGENT_PATH": str(BIN),
+            # opencode installs its plugin package into its config folder on every start: a registry
+            # on a closed loopback port keeps the test on this machine (the install fails quietly)
+            "npm_config_registry": f"http://127.0.0.1:{free_port()}/",
         }
     )
     return subprocess.run(

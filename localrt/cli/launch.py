@@ -271,8 +271,8 @@ def configure_claude(setup: Setup) -> None:
             "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
             "ANTHROPIC_SMALL_FAST_MODEL": model,
             "CLAUDE_CODE_SUBAGENT_MODEL": model,
-            # compact before the conversation outgrows num_ctx; answers leave room for the prompt
-            "CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(setup.num_ctx),
+            # its default asks for 32,000 tokens of answer; leave most of num_ctx to the prompt (its
+            # compaction window has a 100k floor, so it cannot be told num_ctx)
             "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(min(32000, setup.num_ctx // 4)),
             "DISABLE_TELEMETRY": "1",
             "DISABLE_ERROR_REPORTING": "1",
