@@ -87,6 +87,7 @@ def run_agent(stack: Stack, tmp: Path, agent: str, *agent_args: str) -> subproce
     env.update(
         {
             "HOME": str(home),
+            "PWD": str(tmp / "work"),  # opencode takes its project folder from PWD, not the process's cwd
             "XDG_CONFIG_HOME": str(home / ".config"),
             "XDG_DATA_HOME": str(home / ".local" / "share"),
             "XDG_CACHE_HOME": str(home / ".cache"),
