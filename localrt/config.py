@@ -117,6 +117,11 @@ def keep_alive_default() -> float:
     return parse_duration(os.environ.get("LOCALRT_KEEP_ALIVE"), 300.0)
 
 
+def agent_path() -> list[Path]:
+    """`LOCALRT_AGENT_PATH`: folders searched before PATH for `localrt launch`'s agents (os.pathsep separated)."""
+    return [Path(p).expanduser() for p in setting("LOCALRT_AGENT_PATH").split(os.pathsep) if p.strip()]
+
+
 def server_address() -> tuple[str, str]:
     """For clients of a running server: (base URL, host:port as configured); a wildcard bind means loopback."""
     host_name, port = host()

@@ -21,6 +21,7 @@ from localrt import __version__
 from localrt import config
 from localrt.cli import chat
 from localrt.cli import engine
+from localrt.cli import launch
 from localrt.cli import models
 from localrt.cli import run
 from localrt.cli import serve
@@ -46,6 +47,7 @@ COMMANDS: list[Callable[[Any], Any]] = [
     tools.add_imatrix,
     tools.add_bench,
     engine.add_serve_engine,
+    launch.add_launch,
 ]
 
 # an optional library -> the extra that installs it (a command's own `extra` default wins)
@@ -94,9 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # `serve-engine ... -- ENGINE ARGS`: everything after `--` goes to the engine untouched
     argv, engine_args = engine.split_engine_args(list(sys.argv[1:] if argv is None else argv))
+    argv, agent_args = launch.split_agent_args(argv)  # `launch ... -- AGENT ARGS`, likewise
     args, extra = parser.parse_known_args(argv)
     if engine_args:
         args.engine_args = engine_args
+    if agent_args:
+        args.agent_args = agent_args
     # `run M --verbose Why is...`: argparse gives the prompt words after an option back as extras
     if extra and getattr(args, "command", None) == "run" and not any(w.startswith("-") for w in extra):
         args.prompt = [*args.prompt, *extra]
