@@ -25,26 +25,16 @@ from localrt.runtime.manager import Runtime
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
 from tests import families
+from tests.agent_templates import official_template
 from tests.conftest import async_test
 from tests.gguf_factory import write_tiny_llama
 from tests.servers.serve import LocalrtServer
 
 AGENTS = Path(__file__).parent / "agents"
-QWEN3_TEMPLATE = Path(
-    "/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/Qwen-Qwen3-0.6B.jinja"
-)
 MODEL = "agent-tools:tiny"
 CONTEXT = 131072  # the tiny vocabulary spells most words letter by letter: Claude Code's prompt is long
 BODIES = sorted(AGENTS.glob("*.json"))
 DROPPED_HEADERS = {"content-length", "host", "accept-encoding", "authorization", "x-api-key"}
-
-
-def official_qwen3_template() -> str:
-    local = Path.home() / ".cache/localrt-tests/templates/Qwen-Qwen3-0.6B.jinja"
-    for path in (QWEN3_TEMPLATE, local):
-        if path.is_file():
-            return path.read_text()
-    pytest.skip("the official Qwen3 template (llama.cpp models/templates/) is not on this machine")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +48,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
         context_length=CONTEXT,
     )
     store = Store(root / "models")
-    import_gguf(store, MODEL, gguf, template=official_qwen3_template(), params={"num_ctx": CONTEXT})
+    import_gguf(
+        store, MODEL, gguf, template=official_template("Qwen-Qwen3-0.6B.jinja"), params={"num_ctx": CONTEXT}
+    )
     return root / "models"
 
 

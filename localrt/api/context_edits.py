@@ -32,8 +32,8 @@ class EditReport:
 def apply_edits(raw: Any, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], EditReport]:
     """The messages with the edits applied (a new list; the request's own stay as sent)."""
     report = EditReport()
-    if raw is None:
-        return messages, report
+    if raw is None or not all(isinstance(m, dict) for m in messages):
+        return messages, report  # malformed messages get their own 400 when they are read
     edits = raw.get("edits") if isinstance(raw, dict) else None
     if not isinstance(edits, list):
         raise ParamError("context_management", "must be {edits: [...]}")
