@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from localrt.api.translate import think_from_anthropic
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
 from tests import families
@@ -451,3 +452,19 @@ def test_truncation_disabled_refuses_what_auto_cuts(oai: openai.OpenAI) -> None:
     assert cut.status == "completed"
     with pytest.raises(openai.BadRequestError):
         oai.responses.create(**kwargs, extra_body={"truncation": "disabled", "options": {"num_ctx": 256}})
+
+
+@pytest.mark.parametrize(
+    ("thinking", "effort", "think"),
+    [
+        ({"type": "adaptive"}, "xhigh", "high"),
+        ({"type": "adaptive"}, "max", "high"),
+        ({"type": "adaptive"}, None, None),
+        ({"type": "enabled", "budget_tokens": 2048}, None, True),
+        ({"type": "disabled"}, "high", False),
+    ],
+)
+def test_anthropic_effort_maps_to_think_levels_as_ollama_maps_them(
+    thinking: dict[str, Any], effort: str | None, think: Any
+) -> None:
+    assert think_from_anthropic(thinking, effort) == think
