@@ -196,10 +196,11 @@ def test_responses_function_tool_round_trip(oai: openai.OpenAI) -> None:
     assert stateful.previous_response_id == first.id
     assert stateful.output
     assert stateful.usage.input_tokens > first.usage.input_tokens
-    # the same conversation sent whole (stateless) is the same prompt
+    # the same conversation sent whole (stateless: every output item sent back) is the same prompt
+    sent_back = [item.model_dump(exclude_none=True) for item in first.output]
     stateless = oai.responses.create(
         model=MODEL,
-        input=[*question, call.model_dump(exclude_none=True), result],
+        input=[*question, *sent_back, result],
         tools=[RESPONSES_TOOL],
         max_output_tokens=4,
         extra_body=GREEDY,
