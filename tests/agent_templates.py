@@ -21,3 +21,13 @@ def official_template(name: str) -> str:
             kept.parent.mkdir(parents=True, exist_ok=True)
             kept.write_bytes(data.read())
     return kept.read_text()
+
+
+# ChatML (as SmolLM2's own template) plus the tools as JSON in a system turn, with no call markers: the
+# runtime then reads a reply that is one call's JSON (`{"name", "arguments"}`) as a tool call
+CHATML_JSON_TOOLS = (
+    "{% if tools %}<|im_start|>system\nTo call a tool, answer with one JSON object "
+    '{"name": ..., "arguments": {...}}. Tools:\n{{ tools | tojson }}<|im_end|>\n{% endif %}'
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
