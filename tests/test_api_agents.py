@@ -24,6 +24,7 @@ import pytest
 from localrt.store.catalog import load_catalog
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
+from tests.agent_templates import official_template
 from tests.fixtures_vision import png_bytes
 from tests.servers.serve import LocalrtServer
 
@@ -53,7 +54,16 @@ PNG = base64.b64encode(png_bytes(0)).decode()  # a real image: SmolLM2 has no vi
 @pytest.fixture(scope="module")
 def server(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalrtServer]:
     root = tmp_path_factory.mktemp("api-agents")
-    import_gguf(Store(root / "models"), MODEL, smollm2_gguf, system=load_catalog().find(MODEL).system)
+    # SmolLM2's own template shows no tools, so the official Qwen2.5 one (ChatML, as SmolLM2's) is given:
+    # a model must support tools to be sent them
+    template = official_template("Qwen-Qwen2.5-7B-Instruct.jinja")
+    import_gguf(
+        Store(root / "models"),
+        MODEL,
+        smollm2_gguf,
+        system=load_catalog().find(MODEL).system,
+        template=template,
+    )
     srv = LocalrtServer(root / "models", root / "serve.log", env={"LOCALRT_KEEP_ALIVE": "10m"})
     yield srv
     assert srv.stop() in (0, -signal.SIGTERM)
@@ -186,10 +196,11 @@ def test_responses_function_tool_round_trip(oai: openai.OpenAI) -> None:
     assert stateful.previous_response_id == first.id
     assert stateful.output
     assert stateful.usage.input_tokens > first.usage.input_tokens
-    # the same conversation sent whole (stateless) is the same prompt
+    # the same conversation sent whole (stateless: every output item sent back) is the same prompt
+    sent_back = [item.model_dump(exclude_none=True) for item in first.output]
     stateless = oai.responses.create(
         model=MODEL,
-        input=[*question, call.model_dump(exclude_none=True), result],
+        input=[*question, *sent_back, result],
         tools=[RESPONSES_TOOL],
         max_output_tokens=4,
         extra_body=GREEDY,
@@ -273,8 +284,10 @@ def test_responses_errors(oai: openai.OpenAI) -> None:
     image = {"type": "input_image", "image_url": "data:image/png;base64," + PNG}
     with pytest.raises(openai.BadRequestError, match="does not support images"):
         oai.responses.create(model=MODEL, input=[{"role": "user", "content": [image]}])
-    with pytest.raises(openai.BadRequestError, match="only function tools"):
-        oai.responses.create(model=MODEL, input="Hi", tools=[{"type": "web_search"}])
+    hosted = oai.responses.with_raw_response.create(
+        model=MODEL, input="Hi", tools=[{"type": "web_search"}], max_output_tokens=2, extra_body=GREEDY
+    )
+    assert "web_search" in hosted.headers["x-localrt-warning"]
     with pytest.raises(openai.BadRequestError, match="reasoning"):
         oai.responses.create(model=MODEL, input="Hi", reasoning={"effort": "enormous"})  # type: ignore[typeddict-item]
     with pytest.raises(openai.BadRequestError, match="no tool named"):

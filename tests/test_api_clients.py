@@ -21,10 +21,12 @@ import pytest
 from localrt.store.catalog import load_catalog
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
+from tests.agent_templates import CHATML_JSON_TOOLS
 from tests.servers.registry import Registry
 from tests.servers.serve import LocalrtServer
 
 MODEL = "smollm2:135m"
+TOOLS_MODEL = "smollm2-tools:135m"
 GREEDY = {"temperature": 0, "num_predict": 24, "num_ctx": 2048}
 CITY_SCHEMA = {
     "type": "object",
@@ -55,6 +57,15 @@ def server(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     root = tmp_path_factory.mktemp("api-clients")
     # the catalog's system prompt, as `localrt pull smollm2:135m` would store it
     import_gguf(Store(root / "models"), MODEL, smollm2_gguf, system=load_catalog().find(MODEL).system)
+    # SmolLM2's own template shows no tools (tools for it are a 400): the tool tests use the same file
+    # under ChatML that shows tools as JSON (SmolLM2's calls are bare JSON)
+    import_gguf(
+        Store(root / "models"),
+        TOOLS_MODEL,
+        smollm2_gguf,
+        system=load_catalog().find(MODEL).system,
+        template=CHATML_JSON_TOOLS,
+    )
     srv = LocalrtServer(root / "models", root / "serve.log", env={"LOCALRT_KEEP_ALIVE": "10m"})
     yield srv
     assert srv.stop() in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM after a graceful shutdown
@@ -134,7 +145,7 @@ def test_chat_json_schema_output_validates(client: ollama.Client) -> None:
 def test_tool_call_round_trip(client: ollama.Client) -> None:
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     r = client.chat(
-        MODEL,
+        TOOLS_MODEL,
         messages=messages,
         tools=[WEATHER_TOOL],
         format=CALL_SCHEMA,
@@ -149,7 +160,7 @@ def test_tool_call_round_trip(client: ollama.Client) -> None:
         r.message,
         {"role": "tool", "content": '{"temperature": "21C", "sky": "clear"}', "tool_name": "get_weather"},
     ]
-    follow = client.chat(MODEL, messages=messages, tools=[WEATHER_TOOL], options=GREEDY)
+    follow = client.chat(TOOLS_MODEL, messages=messages, tools=[WEATHER_TOOL], options=GREEDY)
     assert follow.done
     assert follow.message.content or follow.message.tool_calls
 
@@ -344,7 +355,7 @@ def test_openai_completions_and_embeddings(oai: openai.OpenAI) -> None:
 
 def test_openai_json_schema_and_tools(oai: openai.OpenAI) -> None:
     r = oai.chat.completions.create(
-        model=MODEL,
+        model=TOOLS_MODEL,
         messages=[{"role": "user", "content": "Where is the Eiffel Tower?"}],
         temperature=0,
         max_tokens=64,
@@ -352,7 +363,7 @@ def test_openai_json_schema_and_tools(oai: openai.OpenAI) -> None:
     )
     jsonschema.validate(json.loads(r.choices[0].message.content), CITY_SCHEMA)
     call = oai.chat.completions.create(
-        model=MODEL,
+        model=TOOLS_MODEL,
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
         temperature=0,
         max_tokens=64,
@@ -365,7 +376,7 @@ def test_openai_json_schema_and_tools(oai: openai.OpenAI) -> None:
     assert tool_call.function.name == "get_weather"
     assert "city" in json.loads(tool_call.function.arguments)
     follow = oai.chat.completions.create(
-        model=MODEL,
+        model=TOOLS_MODEL,
         temperature=0,
         max_tokens=16,
         tools=[WEATHER_TOOL],
@@ -485,7 +496,12 @@ def test_langchain_chat_ollama_tools(server: LocalrtServer) -> None:
 
     # the schema makes SmolLM2 answer with a call, which the server parses into tool_calls
     llm = ChatOllama(
-        model=MODEL, base_url=server.url, temperature=0, num_predict=64, num_ctx=2048, format=CALL_SCHEMA
+        model=TOOLS_MODEL,
+        base_url=server.url,
+        temperature=0,
+        num_predict=64,
+        num_ctx=2048,
+        format=CALL_SCHEMA,
     ).bind_tools([get_weather])
     message = llm.invoke("What is the weather in Paris?")
     assert [c["name"] for c in message.tool_calls] == ["get_weather"]

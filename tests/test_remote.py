@@ -26,6 +26,7 @@ import pytest
 from localrt.store.importer import import_gguf
 from localrt.store.remote import create_remote
 from localrt.store.store import Store
+from tests.agent_templates import CHATML_JSON_TOOLS
 from tests.servers.broken_upstream import BrokenUpstream
 from tests.servers.serve import LocalrtServer
 
@@ -44,7 +45,15 @@ COUNTING = "Count from one to ten thousand, one number per line."  # far longer 
 def start_upstream(root: Path, smollm2_gguf: Path, name: str, port: int | None = None) -> LocalrtServer:
     models = root / name / "models"
     if not models.exists():
-        import_gguf(Store(models), UPSTREAM_MODEL, smollm2_gguf, system="You are a helpful assistant.")
+        # ChatML that shows tools as JSON (SmolLM2's calls are bare JSON), so the upstream takes tools
+        template = CHATML_JSON_TOOLS
+        import_gguf(
+            Store(models),
+            UPSTREAM_MODEL,
+            smollm2_gguf,
+            system="You are a helpful assistant.",
+            template=template,
+        )
     env = {"LOCALRT_API_KEY": UPSTREAM_KEY, "LOCALRT_KEEP_ALIVE": "30m"}
     return LocalrtServer(models, root / name / "serve.log", env=env, port=port)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Annotated
 from typing import Any
 from typing import Literal
@@ -24,11 +26,16 @@ from pydantic import BaseModel
 from pydantic import Field
 
 from localrt.api import schemas as wire
+from localrt.api.context_edits import EditReport
+from localrt.api.context_edits import apply_edits
 from localrt.api.ollama import observe
 from localrt.api.ollama import runtime_of
+from localrt.api.sealing import Sealer
+from localrt.api.sealing import sealer_of
 from localrt.api.security import error_body
 from localrt.api.streaming import typed_sse_response
 from localrt.api.streaming import unless_client_leaves
+from localrt.api.streaming import with_warnings
 from localrt.api.translate import Assembler
 from localrt.api.translate import Block
 from localrt.api.translate import BlockEvent
@@ -47,13 +54,15 @@ from localrt.api.translate import sampling_options
 from localrt.api.translate import think_from_anthropic
 from localrt.api.translate import tool_message
 from localrt.errors import LocalrtError
+from localrt.runtime.manager import Chunk
+from localrt.runtime.manager import ContextLengthError
 
 router = APIRouter(prefix="/v1")
 
 
 # ---- the request (documented; the route checks meaning itself) -----------------------------------
 class AnthropicMessage(wire.Wire):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
@@ -65,6 +74,7 @@ class _MessagesBase(wire.Wire):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
 
 
 class MessagesRequest(_MessagesBase):
@@ -174,7 +184,7 @@ def user_turn(content: list[Any], where: str) -> list[dict[str, Any]]:
     return results
 
 
-def assistant_turn(content: list[Any], where: str) -> dict[str, Any]:
+def assistant_turn(content: list[Any], where: str, sealer: Sealer | None = None) -> dict[str, Any]:
     text, thinking, calls = [], [], []
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
@@ -186,7 +196,9 @@ def assistant_turn(content: list[Any], where: str) -> dict[str, Any]:
                 {"id": call_id, "name": name, "arguments": parse_arguments(block.get("input") or {}, where)}
             )
         elif kind == "thinking":
-            thinking.append(str(block.get("thinking") or ""))
+            # a thinking sent back without its text (display "omitted") is restored from its signature
+            text_of = block.get("thinking") or (sealer.open(block.get("signature")) if sealer else None)
+            thinking.append(str(text_of or ""))
         elif kind == "redacted_thinking":
             continue  # opaque to us: another server's encrypted reasoning
         else:
@@ -202,7 +214,7 @@ def system_text(system: Any) -> str:
     raise ParamError("system", "must be a string or a list of text blocks")
 
 
-def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
+def messages_from(f: dict[str, Any], sealer: Sealer | None = None) -> list[dict[str, Any]]:
     raw = f.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ParamError("messages", "messages is required")
@@ -218,16 +230,18 @@ def messages_from(f: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(blocks, list):
             raise ParamError(where, "content must be a string or a list of blocks")
         if m.get("role") == "assistant":
-            turn = assistant_turn(blocks, where)
+            turn = assistant_turn(blocks, where, sealer)
             names.update({c["id"]: c["function"]["name"] for c in turn.get("tool_calls") or []})
             out.append(turn)
+        elif m.get("role") == "system":  # Claude Code's reminders: kept in place, as Ollama does
+            out.append({"role": "system", "content": "".join(block_text(b, where) for b in blocks)})
         elif m.get("role") == "user":
             for message in user_turn(blocks, where):
                 if message["role"] == "tool" and message["tool_call_id"] in names:
                     message["tool_name"] = names[message["tool_call_id"]]
                 out.append(message)
         else:
-            raise ParamError(where, "role must be user or assistant")
+            raise ParamError(where, "role must be user, assistant or system")
     return out
 
 
@@ -273,7 +287,9 @@ def format_from(output_config: Any) -> dict[str, Any] | None:
     return fmt["schema"]
 
 
-def chat_call(f: dict[str, Any], *, counting: bool = False) -> ChatCall:
+def chat_call(
+    f: dict[str, Any], *, counting: bool = False, sealer: Sealer | None = None
+) -> tuple[ChatCall, EditReport]:
     model = f.get("model")
     if not isinstance(model, str) or not model:
         raise ParamError("model", "model is required")
@@ -283,9 +299,10 @@ def chat_call(f: dict[str, Any], *, counting: bool = False) -> ChatCall:
     output_config = f.get("output_config") or {}
     choice = f.get("tool_choice") if isinstance(f.get("tool_choice"), dict) else {}
     renamed = {"max_tokens": "num_predict", "stop_sequences": "stop"}
-    return ChatCall(
+    edited, report = apply_edits(f.get("context_management"), f.get("messages") or [])
+    call = ChatCall(
         model=model,
-        messages=messages_from(f),
+        messages=messages_from({**f, "messages": edited}, sealer),
         options=sampling_options(f, renamed, {"temperature": 1.0}),
         tools=tools_from(f.get("tools")),
         format=format_from(output_config),
@@ -297,6 +314,7 @@ def chat_call(f: dict[str, Any], *, counting: bool = False) -> ChatCall:
         parallel_tool_calls=False if choice.get("disable_parallel_tool_use") is True else None,
         relax_think=True,
     )
+    return call, report
 
 
 # ---- answer -> message -------------------------------------------------------------------------------
@@ -308,9 +326,22 @@ def stop_reason(answer: Assembler) -> str:
     return "stop_sequence" if answer.stop_sequence is not None else STOP_REASONS[answer.ending]
 
 
-def content_block(block: Block, done: bool) -> dict[str, Any]:
+@dataclass
+class Shape:
+    """How this request's answer shows thinking: its text (or none, with `display: omitted`) and a
+    signature that seals it, so a client that sends the block back gets the thinking restored."""
+
+    sealer: Sealer | None = None
+    omit_thinking: bool = False
+
+    def signature(self, block: Block) -> str:
+        return self.sealer.seal(block.text) if self.sealer is not None else ""
+
+
+def content_block(block: Block, done: bool, shape: Shape) -> dict[str, Any]:
     if block.kind == "thinking":
-        return {"type": "thinking", "thinking": block.text if done else "", "signature": ""}
+        shown = block.text if done and not shape.omit_thinking else ""
+        return {"type": "thinking", "thinking": shown, "signature": shape.signature(block) if done else ""}
     if block.kind == "text":
         return {"type": "text", "text": block.text if done else ""}
     call = block.call or {}
@@ -334,23 +365,31 @@ def usage(answer: Assembler | None) -> dict[str, int]:
     }
 
 
-def message(message_id: str, model: str, answer: Assembler | None) -> dict[str, Any]:
+def message(
+    message_id: str, model: str, answer: Assembler | None, shape: Shape | None = None
+) -> dict[str, Any]:
+    shape = shape or Shape()
     return {
         "id": message_id,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [content_block(b, True) for b in answer.blocks] if answer is not None else [],
+        "content": [content_block(b, True, shape) for b in answer.blocks] if answer is not None else [],
         "stop_reason": stop_reason(answer) if answer is not None else None,
         "stop_sequence": answer.stop_sequence if answer is not None else None,
         "usage": usage(answer),
     }
 
 
-def stream_events(ev: BlockEvent) -> list[dict[str, Any]]:
+def stream_events(ev: BlockEvent, shape: Shape | None = None) -> list[dict[str, Any]]:
+    shape = shape or Shape()
     b = ev.block
     if ev.kind == "start":
-        return [{"type": "content_block_start", "index": b.index, "content_block": content_block(b, False)}]
+        return [
+            {"type": "content_block_start", "index": b.index, "content_block": content_block(b, False, shape)}
+        ]
+    if ev.kind == "delta" and b.kind == "thinking" and shape.omit_thinking:
+        return []
     if ev.kind == "delta":
         delta = (
             {"type": "thinking_delta", "thinking": ev.text}
@@ -359,6 +398,9 @@ def stream_events(ev: BlockEvent) -> list[dict[str, Any]]:
         )
         return [{"type": "content_block_delta", "index": b.index, "delta": delta}]
     out = []
+    if b.kind == "thinking":  # the signature closes a thinking block, as Anthropic streams it
+        delta = {"type": "signature_delta", "signature": shape.signature(b)}
+        out.append({"type": "content_block_delta", "index": b.index, "delta": delta})
     if b.kind == "tool_call":  # the runtime reports a call whole: its input is one JSON delta
         delta = {"type": "input_json_delta", "partial_json": json.dumps((b.call or {}).get("arguments", {}))}
         out.append({"type": "content_block_delta", "index": b.index, "delta": delta})
@@ -378,10 +420,13 @@ def stream_error(e: LocalrtError) -> dict[str, Any]:
 )
 async def create_message(request: Request) -> Response:
     f = await wire.read_json(request, MessagesRequest)
-    call = chat_call(f)
+    sealer = sealer_of(request)
+    call, edits = chat_call(f, sealer=sealer)
+    shape = Shape(sealer, isinstance(f.get("thinking"), dict) and f["thinking"].get("display") == "omitted")
     message_id = f"msg_{new_id()}"
-    chunks = await unless_client_leaves(request, call.start(runtime_of(request)))
+    chunks = await unless_client_leaves(request, too_long_worded(call.start(runtime_of(request))))
     answer = Assembler()
+    managed = {"context_management": {"applied_edits": edits.applied}} if f.get("context_management") else {}
     if not call.stream:
 
         async def whole() -> None:
@@ -390,24 +435,37 @@ async def create_message(request: Request) -> Response:
                 answer.feed(chunk)
 
         await unless_client_leaves(request, whole())
-        return JSONResponse(message(message_id, call.model, answer))
+        body = {**message(message_id, call.model, answer, shape), **managed}
+        return with_warnings(JSONResponse(body), edits.skipped)
 
     async def events() -> AsyncIterator[dict[str, Any]]:
-        yield {"type": "message_start", "message": message(message_id, call.model, None)}
+        yield {"type": "message_start", "message": message(message_id, call.model, None, shape)}
         yield {"type": "ping"}
         async for chunk in chunks:
             observe(request, chunk)
             for ev in answer.feed(chunk):
-                for event in stream_events(ev):
+                for event in stream_events(ev, shape):
                     yield event
         yield {
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason(answer), "stop_sequence": answer.stop_sequence},
             "usage": usage(answer),
+            **managed,
         }
         yield {"type": "message_stop"}
 
-    return typed_sse_response(events(), stream_error)
+    return with_warnings(typed_sse_response(events(), stream_error), edits.skipped)
+
+
+async def too_long_worded(start: Awaitable[AsyncIterator[Chunk]]) -> AsyncIterator[Chunk]:
+    """A prompt longer than the context, worded as Anthropic's API words it (Claude Code shows that
+    message and offers to compact the conversation)."""
+    try:
+        return await start
+    except ContextLengthError as e:
+        if e.tokens is None or e.limit is None:
+            raise
+        raise ContextLengthError(f"prompt is too long: {e.tokens} tokens > {e.limit} maximum") from None
 
 
 @router.post(
@@ -417,7 +475,7 @@ async def create_message(request: Request) -> Response:
 )
 async def count_tokens(request: Request) -> dict[str, int]:
     f = await wire.read_json(request, CountTokensRequest)
-    call = chat_call(f, counting=True)
+    call, _ = chat_call(f, counting=True, sealer=sealer_of(request))
     await resolve_images(call.messages)
     runtime = runtime_of(request)
     # the prompt the answer would start from: thinking switched on or off in the template as asked

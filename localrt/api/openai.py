@@ -26,6 +26,7 @@ from localrt.api.security import error_body
 from localrt.api.streaming import first_and_rest
 from localrt.api.streaming import sse_response
 from localrt.api.streaming import unless_client_leaves
+from localrt.api.streaming import with_warnings
 from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 from localrt.runtime import images as image_input
@@ -254,6 +255,17 @@ def include_usage(body: wire.OpenAISampling) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage is True
 
 
+def function_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]] | None, list[str]]:
+    """The function tools, which the model is shown; other kinds (hosted ones such as web_search)
+    have nothing here to run them, so they are left out and named in a warning."""
+    kept = [t for t in tools or [] if t.get("type", "function") == "function"]
+    other = sorted({str(t.get("type")) for t in tools or [] if t.get("type", "function") != "function"})
+    warnings = (
+        [f"tools not offered to the model (localrt cannot run them): {', '.join(other)}"] if other else []
+    )
+    return kept or None, warnings
+
+
 def tool_choice_of(body: wire.ChatCompletionRequest) -> Any:
     """OpenAI's tool_choice as the runtime reads it: a name, or {"type": "function", "function": ...}."""
     choice = body.tool_choice
@@ -324,11 +336,12 @@ async def chat_completions(request: Request) -> Response:
     messages = messages_from(body.messages)
     await fetch_message_images(body.messages, messages)  # issue 19: image_url parts
     want_logprobs, top = logprob_flags(body.logprobs, body.top_logprobs)
+    tools, left_out = function_tools(body.tools)
     chunks = runtime_of(request).chat(
         model,
         messages,
         options=options_from(body),
-        tools=body.tools or None,
+        tools=tools,
         format=format_from(body.response_format),
         keep_alive=body.keep_alive,
         logprobs=want_logprobs,
@@ -376,7 +389,7 @@ async def chat_completions(request: Request) -> Response:
             choice["logprobs"] = openai_logprobs(chunk.logprobs)
         return choice if delta or chunk.done else None
 
-    return await answer(
+    response = await answer(
         request,
         chunks,
         body,
@@ -386,6 +399,7 @@ async def chat_completions(request: Request) -> Response:
         whole,
         piece,
     )
+    return with_warnings(response, left_out)
 
 
 @router.post(

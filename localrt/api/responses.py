@@ -32,9 +32,12 @@ from localrt import config
 from localrt.api import schemas as wire
 from localrt.api.ollama import observe
 from localrt.api.ollama import runtime_of
+from localrt.api.sealing import Sealer
+from localrt.api.sealing import sealer_of
 from localrt.api.security import error_body
 from localrt.api.streaming import typed_sse_response
 from localrt.api.streaming import unless_client_leaves
+from localrt.api.streaming import with_warnings
 from localrt.api.translate import Assembler
 from localrt.api.translate import Block
 from localrt.api.translate import BlockEvent
@@ -83,6 +86,12 @@ class ResponsesRequest(wire.Wire):
     store: bool | None = None
     stream: bool | None = None
     metadata: dict[str, str] | None = None
+    include: list[str] | None = None  # "reasoning.encrypted_content": reasoning sealed for a stateless client
+    # accepted, not applied: the prefix cache reuses any repeated prompt; client_metadata is the client's
+    # own. truncation "auto" drops the oldest turns of a prompt too long (the default), "disabled" refuses it
+    prompt_cache_key: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    client_metadata: dict[str, Any] | None = None
     options: wire.OptionsField = None
     keep_alive: wire.KeepAlive = None
 
@@ -189,8 +198,10 @@ def content_text(content: Any) -> str:
 class HistoryBuilder:
     """Input items in order -> messages; calls join the assistant turn before them, outputs become tool turns."""
 
-    def __init__(self, messages: list[dict[str, Any]]) -> None:
+    def __init__(self, messages: list[dict[str, Any]], sealer: Sealer | None = None) -> None:
         self.messages = messages
+        self.sealer = sealer
+        self.warnings: list[str] = []
         self.pending_thinking = ""
         self.call_names: dict[str, str] = {
             c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls") or [] if c.get("id")
@@ -248,6 +259,8 @@ class HistoryBuilder:
         call_id, name = item.get("call_id"), item.get("name")
         if not isinstance(call_id, str) or not isinstance(name, str) or not name:
             raise ParamError("input", "a function_call item needs call_id and name")
+        if isinstance(item.get("namespace"), str) and item["namespace"]:
+            name = f"{item['namespace']}.{name}"  # the member's name as the model was shown it
         args = parse_arguments(item.get("arguments", "{}"), "input")
         message = self._assistant()
         message.setdefault("tool_calls", []).append(
@@ -264,6 +277,15 @@ class HistoryBuilder:
         self.messages.append(tool_message(call_id, self.call_names.get(call_id), text))
 
     def _reasoning(self, item: dict[str, Any]) -> None:
+        sealed = item.get("encrypted_content")
+        if sealed is not None:
+            restored = self.sealer.open(sealed) if self.sealer is not None else None
+            if restored is not None:
+                self.pending_thinking += restored
+                return
+            self.warnings.append(
+                "a reasoning item's encrypted_content was not sealed by this server: ignored"
+            )
         parts = item.get("content") or item.get("summary") or []
         self.pending_thinking += content_text(parts) if isinstance(parts, list) else ""
 
@@ -288,10 +310,16 @@ def input_items(raw: Any) -> list[dict[str, Any]]:
 
 
 def input_messages(f: dict[str, Any], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return read_input(f, history).messages
+
+
+def read_input(
+    f: dict[str, Any], history: list[dict[str, Any]], sealer: Sealer | None = None
+) -> HistoryBuilder:
+    """The request's input items after `history`, read into messages (and warnings)."""
     raw = f.get("input")
-    builder = HistoryBuilder(
-        copy.deepcopy(history)
-    )  # new items may extend its last turn; the stored one stays
+    # new items may extend the history's last turn; the stored one stays
+    builder = HistoryBuilder(copy.deepcopy(history), sealer)
     if isinstance(raw, str):
         builder.messages.append({"role": "user", "content": raw})
     elif isinstance(raw, list) and raw:
@@ -299,22 +327,65 @@ def input_messages(f: dict[str, Any], history: list[dict[str, Any]]) -> list[dic
             builder.add(item)
     else:
         raise ParamError("input", "must be a string or a non-empty list of items")
-    return builder.messages
+    return builder
 
 
 # ---- request -> ChatCall -----------------------------------------------------------------------------
-def tools_from(raw: Any) -> list[dict[str, Any]] | None:
+# tools the model cannot be offered: OpenAI runs them on its side, localrt has nothing to run them with
+HOSTED_TOOLS = "web_search, file_search, code_interpreter, computer_use, image_generation, mcp, local_shell"
+
+
+@dataclass
+class ToolSet:
+    """A request's tools as the runtime takes them: functions, namespace members as `ns.member`."""
+
+    tools: list[dict[str, Any]] | None = None
+    members: dict[str, tuple[str, str]] = field(default_factory=dict)  # "ns.member" -> (ns, member)
+    hosted: list[str] = field(default_factory=list)  # the types of tools left out
+
+    @property
+    def warnings(self) -> list[str]:
+        if not self.hosted:
+            return []
+        return [
+            f"hosted tools are not offered to the model (localrt cannot run them): {', '.join(self.hosted)}"
+        ]
+
+
+def tools_from(raw: Any) -> ToolSet:
+    out = ToolSet()
     if raw is None:
-        return None
+        return out
     if not isinstance(raw, list):
         raise ParamError("tools", "must be a list")
     tools = []
     for t in raw:
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise ParamError("tools", f"only function tools are supported, not {kind!r}")
-        tools.append(function_tool(t.get("name"), t.get("description"), t.get("parameters"), "tools"))
-    return tools or None
+        kind = t.get("type") if isinstance(t, dict) else None
+        if not isinstance(kind, str):
+            raise ParamError("tools", "every tool must be an object with a type")
+        if kind == "function":
+            tools.append(function_tool(t.get("name"), t.get("description"), t.get("parameters"), "tools"))
+        elif kind == "namespace":
+            tools += namespace_members(t, out.members)
+        elif kind not in out.hosted:
+            out.hosted.append(kind)
+    out.tools = tools or None
+    return out
+
+
+def namespace_members(t: dict[str, Any], members: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
+    """A namespace's functions, each named `ns.member` (as Ollama shows them), its description kept."""
+    ns = t.get("name")
+    if not isinstance(ns, str) or not ns or not isinstance(t.get("tools"), list):
+        raise ParamError("tools", "a namespace tool needs a name and a list of tools")
+    out = []
+    for member in t["tools"]:
+        if not isinstance(member, dict) or member.get("type", "function") != "function":
+            raise ParamError("tools", f"namespace {ns!r}: only function members are supported")
+        full = f"{ns}.{member.get('name')}"
+        members[full] = (ns, str(member.get("name")))
+        out.append(function_tool(full, member.get("description"), member.get("parameters"), "tools"))
+    return out
 
 
 def tool_choice_from(raw: Any) -> ToolChoice:
@@ -324,6 +395,8 @@ def tool_choice_from(raw: Any) -> ToolChoice:
         return raw
     if isinstance(raw, dict) and raw.get("type") == "function" and isinstance(raw.get("name"), str):
         return raw["name"]
+    if isinstance(raw, dict) and raw.get("type") not in ("function", "allowed_tools"):
+        raise ParamError("tool_choice", f"the hosted tool {raw.get('type')!r} cannot run here")
     if (
         isinstance(raw, dict)
         and raw.get("type") == "allowed_tools"
@@ -350,60 +423,45 @@ def format_from(text: Any) -> str | dict[str, Any] | None:
     raise ParamError("text.format", "type must be text, json_object or json_schema")
 
 
-def chat_call(f: dict[str, Any], history: list[dict[str, Any]]) -> ChatCall:
+@dataclass
+class Translated:
+    """A request as the runtime's chat, with what the answer needs to name things the request's way."""
+
+    call: ChatCall
+    tools: ToolSet
+    warnings: list[str]
+
+
+def chat_call(f: dict[str, Any], history: list[dict[str, Any]], sealer: Sealer | None = None) -> Translated:
     model = f.get("model")
     if not isinstance(model, str) or not model:
         raise ParamError("model", "model is required")
-    messages = input_messages(f, history)
+    builder = read_input(f, history, sealer)
+    messages, warnings = builder.messages, builder.warnings
+    toolset = tools_from(f.get("tools"))
     instructions = f.get("instructions")
     if instructions:
         messages = [{"role": "system", "content": instructions}, *messages]
     reasoning = f.get("reasoning") or {}
-    return ChatCall(
+    call = ChatCall(
         model=model,
         messages=messages,
         options=sampling_options(f, {"max_output_tokens": "num_predict"}, {"temperature": 1.0, "top_p": 1.0}),
-        tools=tools_from(f.get("tools")),
+        tools=toolset.tools,
         format=format_from(f.get("text")),
         think=think_from_effort(reasoning.get("effort"), "reasoning.effort"),
         keep_alive=f.get("keep_alive"),
         stream=f.get("stream") is True,
         tool_choice=tool_choice_from(f.get("tool_choice")),
         parallel_tool_calls=f.get("parallel_tool_calls"),
+        truncate=False if f.get("truncation") == "disabled" else None,
     )
+    return Translated(call, toolset, [*warnings, *toolset.warnings])
 
 
 # ---- answer -> response object ------------------------------------------------------------------------
-def item_of(block: Block, done: bool) -> dict[str, Any]:
-    """The output item a block is, in progress (as first announced) or complete."""
-    status = "completed" if done else "in_progress"
-    if block.kind == "thinking":
-        content = [{"type": "reasoning_text", "text": block.text}] if done else []
-        return {
-            "type": "reasoning",
-            "id": f"rs_{block.id}",
-            "summary": [],
-            "content": content,
-            "status": status,
-        }
-    if block.kind == "text":
-        content = [text_part(block.text)] if done else []
-        return {
-            "type": "message",
-            "id": f"msg_{block.id}",
-            "role": "assistant",
-            "status": status,
-            "content": content,
-        }
-    call = block.call or {}
-    return {
-        "type": "function_call",
-        "id": f"fc_{block.id}",
-        "call_id": call.get("id"),
-        "name": call.get("name"),
-        "arguments": block.arguments_json if done else "",
-        "status": status,
-    }
+def summary_part(text: str) -> dict[str, Any]:
+    return {"type": "summary_text", "text": text}
 
 
 def text_part(text: str) -> dict[str, Any]:
@@ -417,6 +475,54 @@ class Envelope:
     id: str
     created_at: int
     f: dict[str, Any]
+    members: dict[str, tuple[str, str]] = field(default_factory=dict)  # namespace members by full name
+    sealer: Sealer | None = None
+
+    def item(self, block: Block, done: bool) -> dict[str, Any]:
+        """The output item a block is, in progress (as first announced) or complete."""
+        status = "completed" if done else "in_progress"
+        if block.kind == "thinking":
+            return self.reasoning_item(block, done, status)
+        if block.kind == "text":
+            content = [text_part(block.text)] if done else []
+            return {
+                "type": "message",
+                "id": f"msg_{block.id}",
+                "role": "assistant",
+                "status": status,
+                "content": content,
+            }
+        call = block.call or {}
+        item = {
+            "type": "function_call",
+            "id": f"fc_{block.id}",
+            "call_id": call.get("id"),
+            "name": call.get("name"),
+            "arguments": block.arguments_json if done else "",
+            "status": status,
+        }
+        if call.get("name") in self.members:  # a namespace member: named the namespace's way again
+            item["namespace"], item["name"] = self.members[call["name"]]
+        return item
+
+    def reasoning_item(self, block: Block, done: bool, status: str) -> dict[str, Any]:
+        """Reasoning: its text; as `summary` too when one was asked for (the whole reasoning: nothing
+        here writes shorter summaries); sealed in `encrypted_content` where `include` asks."""
+        item: dict[str, Any] = {
+            "type": "reasoning",
+            "id": f"rs_{block.id}",
+            "summary": [summary_part(block.text)] if done and self.wants_summary else [],
+            "content": [{"type": "reasoning_text", "text": block.text}] if done else [],
+            "status": status,
+        }
+        if self.sealer is not None and "reasoning.encrypted_content" in (self.f.get("include") or []):
+            item["encrypted_content"] = self.sealer.seal(block.text) if done else None
+        return item
+
+    @property
+    def wants_summary(self) -> bool:
+        reasoning = self.f.get("reasoning")
+        return isinstance(reasoning, dict) and reasoning.get("summary") not in (None, "none")
 
     def body(
         self, status: str, output: list[dict[str, Any]], answer: Assembler | None = None
@@ -467,7 +573,7 @@ def usage(answer: Assembler) -> dict[str, Any]:
 
 
 def finished(envelope: Envelope, answer: Assembler) -> dict[str, Any]:
-    return envelope.body(final_status(answer), [item_of(b, True) for b in answer.blocks], answer)
+    return envelope.body(final_status(answer), [envelope.item(b, True) for b in answer.blocks], answer)
 
 
 def remember(
@@ -505,10 +611,17 @@ class EventWriter:
 
     def block(self, ev: BlockEvent) -> list[dict[str, Any]]:
         b = ev.block
-        item_id = item_of(b, False)["id"]
+        item_id = self.envelope.item(b, False)["id"]
         where = {"item_id": item_id, "output_index": b.index}
+        summary = b.kind == "thinking" and self.envelope.wants_summary
         if ev.kind == "start":
-            out = [self.event("response.output_item.added", output_index=b.index, item=item_of(b, False))]
+            out = [
+                self.event(
+                    "response.output_item.added", output_index=b.index, item=self.envelope.item(b, False)
+                )
+            ]
+            if summary:
+                out.append(self.summary_event("part.added", where, part=summary_part("")))
             if b.kind == "thinking":
                 part = {"type": "reasoning_text", "text": ""}
                 out.append(self.event("response.content_part.added", **where, content_index=0, part=part))
@@ -520,8 +633,21 @@ class EventWriter:
         if ev.kind == "delta":
             kind = "response.reasoning_text.delta" if b.kind == "thinking" else "response.output_text.delta"
             extra = {} if b.kind == "thinking" else {"logprobs": []}
-            return [self.event(kind, **where, content_index=0, delta=ev.text, **extra)]
+            out = [self.event(kind, **where, content_index=0, delta=ev.text, **extra)]
+            if summary:
+                out.append(self.summary_event("text.delta", where, delta=ev.text))
+            return out
+        if summary:
+            return [
+                self.summary_event("text.done", where, text=b.text),
+                self.summary_event("part.done", where, part=summary_part(b.text)),
+                *self._stop(b, where),
+            ]
         return self._stop(b, where)
+
+    def summary_event(self, kind: str, where: dict[str, Any], **fields: Any) -> dict[str, Any]:
+        """The reasoning's summary as it streams (Codex shows these), one summary part per item."""
+        return self.event(f"response.reasoning_summary_{kind}", **where, summary_index=0, **fields)
 
     def _stop(self, b: Block, where: dict[str, Any]) -> list[dict[str, Any]]:
         out = []
@@ -542,11 +668,13 @@ class EventWriter:
                 self.event(
                     "response.function_call_arguments.done",
                     **where,
-                    name=(b.call or {}).get("name"),
+                    name=self.envelope.item(b, True)["name"],
                     arguments=b.arguments_json,
                 )
             )
-        out.append(self.event("response.output_item.done", output_index=b.index, item=item_of(b, True)))
+        out.append(
+            self.event("response.output_item.done", output_index=b.index, item=self.envelope.item(b, True))
+        )
         return out
 
     def error(self, e: LocalrtError) -> dict[str, Any]:
@@ -577,8 +705,10 @@ def history_for(request: Request, f: dict[str, Any]) -> list[dict[str, Any]]:
 )
 async def create_response(request: Request) -> Response:
     f = await wire.read_json(request, ResponsesRequest)
-    call = chat_call(f, history_for(request, f))
-    envelope = Envelope(f"resp_{new_id()}", int(time.time()), f)
+    sealer = sealer_of(request)
+    translated = chat_call(f, history_for(request, f), sealer)
+    call = translated.call
+    envelope = Envelope(f"resp_{new_id()}", int(time.time()), f, translated.tools.members, sealer)
     chunks = await unless_client_leaves(request, call.start(runtime_of(request)))
     answer = Assembler()
     if not call.stream:
@@ -591,7 +721,7 @@ async def create_response(request: Request) -> Response:
         await unless_client_leaves(request, whole())
         response = finished(envelope, answer)
         remember(request, envelope, call, answer, response)
-        return JSONResponse(response)
+        return with_warnings(JSONResponse(response), translated.warnings)
     writer = EventWriter(envelope)
 
     async def events() -> AsyncIterator[dict[str, Any]]:
@@ -606,7 +736,7 @@ async def create_response(request: Request) -> Response:
         remember(request, envelope, call, answer, response)
         yield writer.event(f"response.{response['status']}", response=response)
 
-    return typed_sse_response(events(), writer.error)
+    return with_warnings(typed_sse_response(events(), writer.error), translated.warnings)
 
 
 ResponseId = Annotated[str, Path(json_schema_extra={"pattern": "^resp_[0-9a-f]{1,64}$"})]
@@ -706,7 +836,7 @@ async def count_input_tokens(request: Request) -> dict[str, Any]:
     """The prompt a `POST /v1/responses` with this body would start from, counted like Anthropic's
     count_tokens: the same messages, instructions, tools and thinking switch, through the template."""
     f = await wire.read_json(request, InputTokensRequest)
-    call = chat_call(f, history_for(request, f))
+    call = chat_call(f, history_for(request, f), sealer_of(request)).call
     await resolve_images(call.messages)
     runtime = runtime_of(request)
     think = {"think": call.think} if call.think is not None else {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from collections.abc import Awaitable
 from collections.abc import Callable
@@ -16,10 +17,13 @@ from typing import Any
 from typing import TypeVar
 
 from fastapi import Request
+from fastapi.responses import Response
 from fastapi.responses import StreamingResponse
 
 from localrt.errors import ClientClosed
 from localrt.errors import LocalrtError
+
+log = logging.getLogger("localrt.api")
 
 T = TypeVar("T")
 
@@ -115,3 +119,16 @@ def typed_sse_response(
         media_type="text/event-stream",
         headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
     )
+
+
+WARNING_HEADER = "x-localrt-warning"
+
+
+def with_warnings(response: Response, warnings: list[str]) -> Response:
+    """What a request asked for that was accepted but not done, said in a header and the log, so
+    an agent's request is answered rather than refused and its user can still find out."""
+    if warnings:
+        text = "; ".join(warnings)
+        log.warning("%s", text)
+        response.headers[WARNING_HEADER] = text.encode("ascii", "replace").decode()
+    return response

@@ -245,6 +245,9 @@ class ChatCall:
     # without thinking rather than refused, as Ollama does on /v1/messages.
     relax_think: bool = False
     think_budget: int | None = None  # reply tokens the thinking may take (Anthropic's budget_tokens)
+    truncate: bool | None = (
+        None  # False: a prompt longer than the context is a 400, not cut (runtime default)
+    )
 
     def __post_init__(self) -> None:
         # checked now, so a bad choice is a 400 before the model loads
@@ -260,6 +263,8 @@ class ChatCall:
             if self.think_budget is not None:  # the budget travels in the runtime's Think
                 wanted = thinking.parse_think(think)
                 kwargs["think"] = thinking.Think(wanted.enabled, wanted.level, self.think_budget)
+        if self.truncate is not None:
+            kwargs["truncate"] = self.truncate
         tools, fmt = self.tools, self.format
         if accepts(runtime.chat, "tool_choice"):
             kwargs["tool_choice"] = openai_tool_choice(self.tool_choice)

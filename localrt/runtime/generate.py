@@ -59,7 +59,13 @@ from localrt.store.store import Store
 
 
 class ContextLengthError(LocalrtError):
+    """A prompt longer than the context; `tokens` and `limit` let a protocol word it its own way."""
+
     status = 400
+
+    def __init__(self, message: str, tokens: int | None = None, limit: int | None = None) -> None:
+        super().__init__(message)
+        self.tokens, self.limit = tokens, limit
 
 
 @dataclass
@@ -200,6 +206,7 @@ class Runtime:
         async with self.models.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
             pictures = await image_input.decode_all(pending)
             prompter = entry.prompter
+            _check_tools(entry, call.tools)
             turn = prompter.turn(model, call.think, call.tools, call.required, parallel_tool_calls)
             upstream = remote.chat_prompt(msgs, call.tools) if remote.is_remote(call.resolved) else None
             tokens: list[int] = []
@@ -365,7 +372,9 @@ class Runtime:
         if len(tokens) >= m.context_length:
             raise ContextLengthError(
                 f"the prompt is {len(tokens)} tokens, which does not fit the context length of "
-                f"{m.context_length} tokens (raise num_ctx or shorten the input)"
+                f"{m.context_length} tokens (raise num_ctx or shorten the input)",
+                len(tokens),
+                m.context_length,
             )
         constraint: Any = call.format
         if opts.grammar:
@@ -651,7 +660,9 @@ class Runtime:
         msgs = with_history(messages, resolved.system, resolved.messages)
         keep = self.models.keep_alive(None)
         async with self.models.use(resolved, opts, keep, exclusive=False) as (entry, _):
-            turn = entry.prompter.turn(model, wanted, tool_choice(None, tools)[0])
+            listed = tool_choice(None, tools)[0]
+            _check_tools(entry, listed)
+            turn = entry.prompter.turn(model, wanted, listed)
             return await entry.prompter.render_text(msgs, turn)
 
     # ---- the pool's state -------------------------------------------------------------------------
@@ -745,6 +756,13 @@ def _piece_chunk(name: str, piece: Piece, logprobs: list[TokenLogprob] | None) -
         tool_calls=piece.tool_calls or None,
         logprobs=logprobs,
     )
+
+
+def _check_tools(entry: Entry, tools: Sequence[Mapping[str, Any]] | None) -> None:
+    """Tools for a model whose template cannot show them are a 400 naming it (as Ollama answers), never
+    dropped: the model would answer as if it had none. A remote model's upstream decides for itself."""
+    if tools and entry.backend != remote.BACKEND and not entry.prompter.format.renders_tools:
+        raise LocalrtError(f'"{entry.resolved.name.display}" does not support tools')
 
 
 def _check_vision(resolved: ResolvedModel, pictures: Sequence[image_input.PendingImage]) -> None:
