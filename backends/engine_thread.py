@@ -3,10 +3,10 @@ engines.
 
 `EngineThread`: an engine steps on a thread of its own; requests (`submit`) and jobs (`call`: load,
 score, embed) come from any thread and are taken between two steps; each step's outputs go to a sink
-on that thread (llama.cpp's step loop gives none: its events go out through its own hand-over thread). `EngineStreams`: the adapter's side, that sink: every output goes to its request's
-asyncio queue on the request's event loop, where the text is assembled (never on the engine thread).
-`EngineModel`: what the torch and MLX adapters do the same way over such an engine (request checks,
-a step's text events, score and embed as jobs on its thread, unload).
+on that thread. `EngineStreams`: the adapter's side, that sink: every output goes to its request's
+asyncio queue on the request's event loop, where the text is assembled (`text_events`, for every engine;
+never on the engine thread). `EngineModel`: what the torch and MLX adapters do the same way over such an
+engine (request checks, score and embed as jobs on its thread, unload).
 """
 
 from __future__ import annotations
@@ -211,16 +211,20 @@ class EngineStreams:
         self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
 
     def route(self, outputs: list[Any]) -> None:
-        """The engine thread's sink: each output to its request's queue, nothing else done here."""
+        """The engine thread's sink: each output to its request's queue, nothing else done here. One
+        wake-up per event loop and step, however many of its requests the step served (each wake-up
+        writes to the loop's socket and hands it the GIL)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         with self._lock:
-            targets = [(self._queues.get(self._request_of(out)), out) for out in outputs]
-        for target, out in targets:
-            if target is not None:
-                loop, queue = target
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, out)
-                except RuntimeError:  # that request's event loop has closed: nobody is listening
-                    pass
+            for out in outputs:
+                target = self._queues.get(self._request_of(out))
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_each, items)
+            except RuntimeError:  # that event loop has closed: nobody is listening
+                pass
 
     @contextlib.asynccontextmanager
     async def open(
@@ -250,6 +254,35 @@ class EngineStreams:
                     await asyncio.sleep(0.005)
             if grammar is not None and (ended() or model._closed):
                 grammar.close()
+
+
+def _put_each(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
+def text_events(
+    vocab: Any,
+    detokenize: Callable[[Sequence[int]], str],
+    tokens: Sequence[int],
+    logprobs: Iterable[tuple[float, list[tuple[int, float]]] | None],
+    text: TextAssembler,
+    preserve: frozenset[int],
+) -> tuple[list[Event], int | None]:
+    """A step's tokens for one request -> text events, on the event loop, for every engine (pieces,
+    incremental UTF-8 and stop strings never run on an engine thread). Second: None, or the tokens taken
+    up to a stop string that matched (the rest of the step's tokens are not the answer). `logprobs`: per
+    token, None or (its logprob, the best (id, logprob)); `preserve`: special tokens whose text stays in
+    the output (thinking markers)."""
+    events: list[Event] = []
+    for taken, (token, lp) in enumerate(zip(tokens, logprobs), 1):
+        logprob = None if lp is None else token_logprob(token, *lp, detokenize)
+        event, stopped = text.add(token, vocab.piece(token, token in preserve), logprob)
+        if event is not None:
+            events.append(event)
+        if stopped:
+            return events, taken
+    return events, None
 
 
 class EngineModel:
@@ -291,19 +324,8 @@ class EngineModel:
         text: TextAssembler,
         preserve: frozenset[int],
     ) -> tuple[list[Event], int | None]:
-        """A step's tokens for one request -> text events, on the event loop (pieces and stop strings
-        never run on the engine thread). Second: None, or the tokens taken up to a stop string that
-        matched (the rest of the step's tokens are not the answer). `preserve`: special tokens whose
-        text stays in the output (thinking markers)."""
-        events: list[Event] = []
-        for taken, (token, lp) in enumerate(zip(tokens, logprobs), 1):
-            logprob = None if lp is None else token_logprob(token, *lp, self.detokenize)
-            event, stopped = text.add(token, self.vocab.piece(token, token in preserve), logprob)
-            if event is not None:
-                events.append(event)
-            if stopped:
-                return events, taken
-        return events, None
+        """`text_events` with this model's vocabulary."""
+        return text_events(self.vocab, self.detokenize, tokens, logprobs, text, preserve)
 
     def _score(self, ids: list[int], result: ScoreResult) -> ScoreResult:
         raise NotImplementedError

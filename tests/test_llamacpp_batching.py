@@ -287,10 +287,10 @@ def test_an_evicted_conversation_comes_back_from_the_ram_cache(smollm2_gguf: Pat
 
 def test_drafts_of_a_step_are_evened_to_the_length_that_keeps_most_rows() -> None:
     """Unequal draft lengths cost llama.cpp a micro-batch each (equal rows per KV stream): one length per step."""
-    from localrt.backends.llamacpp.step import Job
+    from localrt.backends.llamacpp.sequences import Job
     from localrt.backends.llamacpp.step import _even_drafts
 
-    jobs = [Job(GenerateRequest([1]), lambda _: None) for _ in range(4)]
+    jobs = [Job(GenerateRequest([1])) for _ in range(4)]
     for job, drafts in zip(jobs, ([5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6], [7, 8], [])):
         job.drafts = drafts
     _even_drafts(jobs)
