@@ -33,6 +33,7 @@ from localrt.backends.base import GenerateRequest
 from localrt.backends.base import ModelLifetime
 from localrt.backends.base import ScoreResult
 from localrt.backends.base import TextAssembler
+from localrt.backends.base import Timings
 from localrt.backends.checks import check_loaded
 from localrt.backends.checks import check_prompt
 from localrt.backends.checks import check_scored
@@ -285,6 +286,55 @@ def text_events(
     return events, None
 
 
+class OutputStream:
+    """One request's engine outputs -> its protocol events, on the event loop, for every engine: the text
+    (`text_events`), then the end, at a stop string or when the engine ends the request. The engine's
+    outputs give `tokens`, `logprobs` (per token None or (logprob, the best (id, logprob))) and `finish`;
+    the adapter gives `timings(generated)`, the done event's timings: `generated` is the tokens the answer
+    took up to a stop string, or None when the engine ended the request (its own count then)."""
+
+    def __init__(
+        self, model: Any, request: GenerateRequest, timings: Callable[[int | None], Timings]
+    ) -> None:
+        self.model, self.timings = model, timings
+        self.text = TextAssembler(request.stop)
+        self.preserve = request.preserve_tokens
+        self.generated = 0
+        self.done = False
+
+    async def read(
+        self, queue: asyncio.Queue[Any], error: Callable[[], BaseException | None]
+    ) -> AsyncIterator[Event]:
+        """The events of the outputs arriving in `queue` until the end; `error`: the request's failure,
+        raised when the engine ends it with one."""
+        while not self.done:
+            out = await queue.get()
+            for event in self.events(out.tokens, out.logprobs, out.finish, error()):
+                yield event
+
+    def events(
+        self,
+        tokens: Sequence[int],
+        logprobs: Iterable[tuple[float, list[tuple[int, float]]] | None],
+        finish: str | None,
+        error: BaseException | None = None,
+    ) -> list[Event]:
+        events, taken = text_events(
+            self.model.vocab, self.model.detokenize, tokens, logprobs, self.text, self.preserve
+        )
+        if taken is not None:  # a stop string: the tokens after it are not the answer
+            self.generated += taken
+            self.done = True
+            return [*events, *self.text.end("stop", self.timings(self.generated))]
+        self.generated += len(tokens)
+        if finish is not None:
+            self.done = True
+            if error is not None:
+                raise error
+            events.extend(self.text.end(finish, self.timings(None)))
+        return events
+
+
 class EngineModel:
     """What a loaded model does the same way over an engine with its own thread (torch, MLX): `score`
     and `embed` run there as jobs between two steps, and unloading stops the engine and frees the
@@ -317,15 +367,9 @@ class EngineModel:
             return None
         return Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, request.format)
 
-    def _text_events(
-        self,
-        tokens: Sequence[int],
-        logprobs: Iterable[tuple[float, list[tuple[int, float]]] | None],
-        text: TextAssembler,
-        preserve: frozenset[int],
-    ) -> tuple[list[Event], int | None]:
-        """`text_events` with this model's vocabulary."""
-        return text_events(self.vocab, self.detokenize, tokens, logprobs, text, preserve)
+    def _text_events(self, *args: Any) -> tuple[list[Event], int | None]:
+        """`text_events` with this model's vocabulary (tokens, logprobs, text, preserve)."""
+        return text_events(self.vocab, self.detokenize, *args)
 
     def _score(self, ids: list[int], result: ScoreResult) -> ScoreResult:
         raise NotImplementedError

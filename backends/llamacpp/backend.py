@@ -28,7 +28,6 @@ from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
 from localrt.backends.base import ModelLifetime
 from localrt.backends.base import ScoreResult
-from localrt.backends.base import TextAssembler
 from localrt.backends.base import Timings
 from localrt.backends.base import close_each
 from localrt.backends.base import loaded_context
@@ -39,7 +38,7 @@ from localrt.backends.checks import check_prompt_fits
 from localrt.backends.checks import check_scored
 from localrt.backends.checks import check_speculative
 from localrt.backends.engine_thread import EngineStreams
-from localrt.backends.engine_thread import text_events
+from localrt.backends.engine_thread import OutputStream
 from localrt.backends.mtmd import MediaPrompt  # issue 19: images through libmtmd
 from localrt.backends.mtmd import Projector  # issue 19: images through libmtmd
 from localrt.backends.outputs import embedding_tokens
@@ -68,7 +67,6 @@ from .sequences import EXACT_ROWS
 from .sequences import DraftContext
 from .sequences import ExternalChunk
 from .sequences import Job
-from .sequences import Output
 from .sequences import PromptItem
 from .step import BatchedContext
 from .vocab import Vocab
@@ -215,10 +213,9 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             job = Job(request, prompt=prompt)
             async with self._streams.open(self, job.id, request.cancel, job.finished.is_set, None) as queue:
                 self._require_engine().submit(job)
-                stream = _Stream(self, job)
-                while not stream.done:
-                    for event in stream.events(await queue.get()):
-                        yield event
+                stream = OutputStream(self, request, lambda generated: _end_timings(job, generated))
+                async for event in stream.read(queue, lambda: job.error):
+                    yield event
         finally:
             if media is not None:
                 media.close()  # after the job: its chunks are evaluated on the step thread
@@ -398,43 +395,15 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         close_each(self._draft_model, self.model)
 
 
-class _Stream:
-    """One job's step outputs -> protocol events, on the event loop (text, stop strings, timings)."""
-
-    def __init__(self, model: LlamaCppModel, job: Job) -> None:
-        self.model, self.job = model, job
-        self.text = TextAssembler(job.req.stop)
-        self.generated = 0  # tokens of the answer so far
-        self.done = False
-
-    def events(self, out: Output) -> list[Event]:
-        job = self.job
-        events, taken = text_events(
-            self.model.vocab,
-            self.model.detokenize,
-            out.tokens,
-            out.logprobs,
-            self.text,
-            job.req.preserve_tokens,
-        )
-        if taken is not None:  # a stop string: the engine's cancel keeps the sequence cached
-            job.stopped_by_text = True
-            self.done = True
-            return [*events, *self.text.end("stop", self._stopped_timings(self.generated + taken))]
-        self.generated += len(out.tokens)
-        if out.finish is not None:
-            self.done = True
-            if job.error is not None:
-                raise job.error
-            events.extend(self.text.end(out.finish, job.timings))
-        return events
-
-    def _stopped_timings(self, generated: int) -> Timings:
-        """The timings of a job ended here at a stop string (the step thread has not finished it)."""
-        job = self.job
-        timings = dataclasses.replace(job.timings, eval_count=generated)
-        timings.eval_ns = max(1, time.perf_counter_ns() - job.t_prompt)
-        return timings
+def _end_timings(job: Job, generated: int | None) -> Timings:
+    """A job's done-event timings: the step thread's when it ended the job; else the reader ends it at a
+    stop string after `generated` tokens, and the cancel that follows keeps its sequence cached."""
+    if generated is None:
+        return job.timings
+    job.stopped_by_text = True
+    timings = dataclasses.replace(job.timings, eval_count=generated)
+    timings.eval_ns = max(1, time.perf_counter_ns() - job.t_prompt)
+    return timings
 
 
 def capabilities() -> Capabilities:
