@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
@@ -72,6 +73,10 @@ class EngineThread:
     request still in it, the queued ones included)."""
 
     thread_name = "engine"
+    # Outputs go to the sink through a second thread (`_hand_over`), not from the engine thread itself:
+    # the sink wakes an event loop, which then competes for the GIL with the engine thread's next step.
+    # Off: A/B through `benchmarks/profile_step.py --breakdown --hand-over` decides.
+    hand_over = False
 
     def _init_thread(self) -> None:
         self._cv = threading.Condition()
@@ -79,6 +84,7 @@ class EngineThread:
         self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._thread: threading.Thread | None = None
         self._sink: Sink | None = None
+        self._handing: queue.SimpleQueue[list[Any] | None] | None = None
         self._stopping = False
 
     # ---- what the engine gives ------------------------------------------------------------------
@@ -122,6 +128,11 @@ class EngineThread:
     def start(self, sink: Sink | None = None) -> None:
         """Step on the engine's thread; `sink` receives each step's outputs there (keep it quick)."""
         self._sink = sink
+        if sink is not None and self.hand_over:
+            handing: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+            self._handing = handing
+            name = f"hand-over-{self.thread_name}"
+            threading.Thread(target=self._hand_over, args=(handing, sink), name=name, daemon=True).start()
         self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
         self._thread.start()
 
@@ -155,8 +166,17 @@ class EngineThread:
 
     # ---- on the engine thread -------------------------------------------------------------------
     def _deliver(self, outputs: list[Any]) -> None:
-        if outputs and self._sink is not None:
+        if not outputs or self._sink is None:
+            return
+        if self._handing is not None:
+            self._handing.put(outputs)
+        else:
             self._sink(outputs)
+
+    @staticmethod
+    def _hand_over(handing: queue.SimpleQueue[list[Any] | None], sink: Sink) -> None:
+        while (outputs := handing.get()) is not None:
+            sink(outputs)
 
     def _loop(self) -> None:
         with self._thread_context():
@@ -196,6 +216,8 @@ class EngineThread:
             if future.set_running_or_notify_cancel():
                 future.set_exception(LocalrtError("the model was unloaded"))
         self._deliver(self._unload(queued))
+        if self._handing is not None:
+            self._handing.put(None)  # after the last outputs: the hand-over thread ends
 
 
 class _Closable(Protocol):
@@ -258,8 +280,8 @@ class EngineStreams:
 
 
 def _put_each(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+    for target, out in items:
+        target.put_nowait(out)
 
 
 def text_events(

@@ -95,6 +95,8 @@ class Admission(SeqContext):
         job.finished.set()
 
     def _admit(self) -> None:
+        if not self.waiting:  # nothing to move (`waiting` is the step thread's own)
+            return
         with self._cv:  # `jobs` sees each request waiting or running, never between the two
             held: list[Job] = []
             while self.waiting and len(self.running) < self.n_parallel:
