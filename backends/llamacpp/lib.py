@@ -1,5 +1,6 @@
 """llama.cpp through llama-cpp-python's ctypes layer: loading, context parameters, a multi-sequence batch,
-the sampler chain and the vocabulary helpers. Nothing here holds request state; `step.py` does."""
+the sampler chain and the vocabulary helpers. Nothing here holds request state; `sequences.py` and
+`step.py` do."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def context_params(opts: LoadOptions, n_ctx: int, step_tokens: int, n_seq_max: i
     p = _lib().llama_context_default_params()
     p.n_ctx = n_ctx
     # one micro-batch per step: its rows share one pass over the weights (each sequence brings at most
-    # EXACT_ROWS of them, which keeps batching invisible: see step.py)
+    # EXACT_ROWS of them, which keeps batching invisible: see sequences.py)
     p.n_batch = p.n_ubatch = step_tokens
     p.n_seq_max = n_seq_max
     # A stream of cells per sequence, not one pool: the CPU flash-attention kernel walks a sequence's cells
