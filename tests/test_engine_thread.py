@@ -53,12 +53,16 @@ class Countdown(EngineThread):
 
 
 class HandedCountdown(Countdown):
-    """The same engine with its outputs handed to the sink by EngineThread's hand-over thread."""
-
-    hand_over = True
+    """The engine with its outputs handed to the sink by EngineThread's hand-over thread (the default)."""
 
 
-ENGINES = [Countdown, HandedCountdown]
+class DirectCountdown(Countdown):
+    """The same engine calling the sink from its own thread."""
+
+    hand_over = False
+
+
+ENGINES = [HandedCountdown, DirectCountdown]
 
 
 class Sink:
