@@ -2,11 +2,12 @@
 engines.
 
 `EngineThread`: an engine steps on a thread of its own; requests (`submit`) and jobs (`call`: load,
-score, embed) come from any thread and are taken between two steps; each step's outputs go to a sink,
-through a hand-over thread (`EngineThread.hand_over`). `EngineStreams`: the adapter's side, that sink:
-every output goes to its request's asyncio queue on the request's event loop, where the text is
-assembled (`OutputStream`, `text_events`: for every engine, never on the engine thread). `EngineModel`: what the torch and MLX adapters do the same way over such an
-engine (request checks, score and embed as jobs on its thread, unload).
+score, embed) come from any thread and are taken between two steps; each step's outputs go to a sink
+on that thread (or through a hand-over thread: `EngineThread.hand_over`). `EngineStreams`: the
+adapter's side, that sink: every output goes to its request's asyncio queue on the request's event
+loop, where the text is assembled (`OutputStream`, `text_events`: for every engine, never on the
+engine thread). `EngineModel`: what the torch and MLX adapters do the same way over such an engine
+(request checks, score and embed as jobs on its thread, unload).
 """
 
 from __future__ import annotations
@@ -73,12 +74,12 @@ class EngineThread:
     request still in it, the queued ones included)."""
 
     thread_name = "engine"
-    # Outputs go to the sink through a second thread (`_hand_over`), not from the engine thread itself:
-    # the sink wakes an event loop, which then competes for the GIL with the engine thread's next step;
-    # handed over, the loop's work runs while the step is in its forward (no GIL held). Measured with
-    # `benchmarks/profile_step.py --breakdown` (llama.cpp, one sequence, loaded 2-core machine, CPU time):
-    # the event loop thread's share per token 358-410 us with it against 433-727 us without, three A/Bs.
-    hand_over = True
+    # On, outputs go to the sink through a second thread (`_hand_over`), not from the engine thread: the
+    # sink wakes an event loop, which then competes for the GIL with the engine thread's next step;
+    # handed over, the loop's work can run while the step is in its forward (no GIL held). Off until a
+    # quiet A/B (`benchmarks/profile_step.py --breakdown --hand-over`) shows it pays: on the loaded 2-core
+    # machine it was within the noise (llama.cpp, one sequence: 878 vs 1142 and 940 vs 946 us per token).
+    hand_over = False
 
     def _init_thread(self) -> None:
         self._cv = threading.Condition()

@@ -404,10 +404,10 @@ def install_hooks(backend: str, out_path: str) -> None:
     from localrt.backends import base
     from localrt.runtime.generate import Runtime
 
-    if os.environ.get("PROFILE_HAND_OVER") == "0":
+    if os.environ.get("PROFILE_HAND_OVER") == "1":
         from localrt.backends.engine_thread import EngineThread
 
-        EngineThread.hand_over = False
+        EngineThread.hand_over = True
     counters = dict.fromkeys(HOOK_BUCKETS, 0)
     counters["tokens"] = 0
 
@@ -529,7 +529,7 @@ async def _stream_chat(client, url: str, prompt: str, n_new: int) -> int:  # typ
 
 
 def breakdown_run(
-    gguf: Path, backend: str, n_ctx: int, n_new: int, seqs: int, repeat: int, hand_over: bool = True
+    gguf: Path, backend: str, n_ctx: int, n_new: int, seqs: int, repeat: int, hand_over: bool = False
 ) -> list[dict]:
     """`seqs` streamed OpenAI chat requests at once through a hooked `localrt serve` (one llama.cpp
     thread, so the forward runs on the step thread alone), `repeat` rounds after a warm-up."""
@@ -559,8 +559,8 @@ def breakdown_run(
         "LOCALRT_KEEP_ALIVE": "-1",
         "LOCALRT_HOST": f"127.0.0.1:{port}",
     }
-    if not hand_over:
-        env["PROFILE_HAND_OVER"] = "0"
+    if hand_over:
+        env["PROFILE_HAND_OVER"] = "1"
     cmd = [sys.executable, __file__, "--serve-hooked", str(out_path), "--backend", backend]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -632,9 +632,9 @@ def main() -> None:
     p.add_argument("--seqs", default="1,16", help="--breakdown: sequences at once, a comma list")
     p.add_argument("--backend", default="llama.cpp", help="--breakdown: llama.cpp or torch")
     p.add_argument(
-        "--no-hand-over",
+        "--hand-over",
         action="store_true",
-        help="--breakdown: the engine thread calls the sink itself, without EngineThread's hand-over thread (A/B)",
+        help="--breakdown: engine outputs reach the sink through EngineThread's hand-over thread (A/B)",
     )
     p.add_argument("--serve-hooked", metavar="OUT", help=argparse.SUPPRESS)  # the child server of --breakdown
     a = p.parse_args()
@@ -646,7 +646,7 @@ def main() -> None:
         raise SystemExit(cli(["serve"]))
     if a.breakdown:
         for seqs in (int(s) for s in a.seqs.split(",") if s):
-            results = breakdown_run(gguf, a.backend, a.ctx, a.tokens, seqs, a.repeat, not a.no_hand_over)
+            results = breakdown_run(gguf, a.backend, a.ctx, a.tokens, seqs, a.repeat, a.hand_over)
             print_breakdown(a.backend, seqs, a.tokens, results)
         return
     if a.batch:

@@ -53,16 +53,12 @@ class Countdown(EngineThread):
 
 
 class HandedCountdown(Countdown):
-    """The engine with its outputs handed to the sink by EngineThread's hand-over thread (the default)."""
+    """The same engine with its outputs handed to the sink by EngineThread's hand-over thread."""
+
+    hand_over = True
 
 
-class DirectCountdown(Countdown):
-    """The same engine calling the sink from its own thread."""
-
-    hand_over = False
-
-
-ENGINES = [HandedCountdown, DirectCountdown]
+ENGINES = [Countdown, HandedCountdown]
 
 
 class Sink:
