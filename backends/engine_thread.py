@@ -3,10 +3,11 @@ engines.
 
 `EngineThread`: an engine steps on a thread of its own; requests (`submit`) and jobs (`call`: load,
 score, embed) come from any thread and are taken between two steps; each step's outputs go to a sink
-on that thread (llama.cpp's step loop gives none: its events go out through its own hand-over thread). `EngineStreams`: the adapter's side, that sink: every output goes to its request's
-asyncio queue on the request's event loop, where the text is assembled (never on the engine thread).
-`EngineModel`: what the torch and MLX adapters do the same way over such an engine (request checks,
-a step's text events, score and embed as jobs on its thread, unload).
+on that thread (or through a hand-over thread: `EngineThread.hand_over`). `EngineStreams`: the
+adapter's side, that sink: every output goes to its request's asyncio queue on the request's event
+loop, where the text is assembled (`OutputStream`, `text_events`: for every engine, never on the
+engine thread). `EngineModel`: what the torch and MLX adapters do the same way over such an engine
+(request checks, score and embed as jobs on its thread, unload).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
@@ -33,6 +35,7 @@ from localrt.backends.base import GenerateRequest
 from localrt.backends.base import ModelLifetime
 from localrt.backends.base import ScoreResult
 from localrt.backends.base import TextAssembler
+from localrt.backends.base import Timings
 from localrt.backends.checks import check_loaded
 from localrt.backends.checks import check_prompt
 from localrt.backends.checks import check_scored
@@ -71,6 +74,12 @@ class EngineThread:
     request still in it, the queued ones included)."""
 
     thread_name = "engine"
+    # On, outputs go to the sink through a second thread (`_hand_over`), not from the engine thread: the
+    # sink wakes an event loop, which then competes for the GIL with the engine thread's next step;
+    # handed over, the loop's work can run while the step is in its forward (no GIL held). Off until a
+    # quiet A/B (`benchmarks/profile_step.py --breakdown --hand-over`) shows it pays: on the loaded 2-core
+    # machine it was within the noise (llama.cpp, one sequence: 878 vs 1142 and 940 vs 946 us per token).
+    hand_over = False
 
     def _init_thread(self) -> None:
         self._cv = threading.Condition()
@@ -78,6 +87,7 @@ class EngineThread:
         self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._thread: threading.Thread | None = None
         self._sink: Sink | None = None
+        self._handing: queue.SimpleQueue[list[Any] | None] | None = None
         self._stopping = False
 
     # ---- what the engine gives ------------------------------------------------------------------
@@ -121,6 +131,11 @@ class EngineThread:
     def start(self, sink: Sink | None = None) -> None:
         """Step on the engine's thread; `sink` receives each step's outputs there (keep it quick)."""
         self._sink = sink
+        if sink is not None and self.hand_over:
+            handing: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+            self._handing = handing
+            name = f"hand-over-{self.thread_name}"
+            threading.Thread(target=self._hand_over, args=(handing, sink), name=name, daemon=True).start()
         self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
         self._thread.start()
 
@@ -154,8 +169,17 @@ class EngineThread:
 
     # ---- on the engine thread -------------------------------------------------------------------
     def _deliver(self, outputs: list[Any]) -> None:
-        if outputs and self._sink is not None:
+        if not outputs or self._sink is None:
+            return
+        if self._handing is not None:
+            self._handing.put(outputs)
+        else:
             self._sink(outputs)
+
+    @staticmethod
+    def _hand_over(handing: queue.SimpleQueue[list[Any] | None], sink: Sink) -> None:
+        while (outputs := handing.get()) is not None:
+            sink(outputs)
 
     def _loop(self) -> None:
         with self._thread_context():
@@ -195,6 +219,8 @@ class EngineThread:
             if future.set_running_or_notify_cancel():
                 future.set_exception(LocalrtError("the model was unloaded"))
         self._deliver(self._unload(queued))
+        if self._handing is not None:
+            self._handing.put(None)  # after the last outputs: the hand-over thread ends
 
 
 class _Closable(Protocol):
@@ -211,16 +237,20 @@ class EngineStreams:
         self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
 
     def route(self, outputs: list[Any]) -> None:
-        """The engine thread's sink: each output to its request's queue, nothing else done here."""
+        """The engine thread's sink: each output to its request's queue, nothing else done here. One
+        wake-up per event loop and step, however many of its requests the step served (each wake-up
+        writes to the loop's socket and hands it the GIL)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         with self._lock:
-            targets = [(self._queues.get(self._request_of(out)), out) for out in outputs]
-        for target, out in targets:
-            if target is not None:
-                loop, queue = target
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, out)
-                except RuntimeError:  # that request's event loop has closed: nobody is listening
-                    pass
+            for out in outputs:
+                target = self._queues.get(self._request_of(out))
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_each, items)
+            except RuntimeError:  # that event loop has closed: nobody is listening
+                pass
 
     @contextlib.asynccontextmanager
     async def open(
@@ -250,6 +280,84 @@ class EngineStreams:
                     await asyncio.sleep(0.005)
             if grammar is not None and (ended() or model._closed):
                 grammar.close()
+
+
+def _put_each(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for target, out in items:
+        target.put_nowait(out)
+
+
+def text_events(
+    vocab: Any,
+    detokenize: Callable[[Sequence[int]], str],
+    tokens: Sequence[int],
+    logprobs: Iterable[tuple[float, list[tuple[int, float]]] | None],
+    text: TextAssembler,
+    preserve: frozenset[int],
+) -> tuple[list[Event], int | None]:
+    """A step's tokens for one request -> text events, on the event loop, for every engine (pieces,
+    incremental UTF-8 and stop strings never run on an engine thread). Second: None, or the tokens taken
+    up to a stop string that matched (the rest of the step's tokens are not the answer). `logprobs`: per
+    token, None or (its logprob, the best (id, logprob)); `preserve`: special tokens whose text stays in
+    the output (thinking markers)."""
+    events: list[Event] = []
+    for taken, (token, lp) in enumerate(zip(tokens, logprobs), 1):
+        logprob = None if lp is None else token_logprob(token, *lp, detokenize)
+        event, stopped = text.add(token, vocab.piece(token, token in preserve), logprob)
+        if event is not None:
+            events.append(event)
+        if stopped:
+            return events, taken
+    return events, None
+
+
+class OutputStream:
+    """One request's engine outputs -> its protocol events, on the event loop, for every engine: the text
+    (`text_events`), then the end, at a stop string or when the engine ends the request. The engine's
+    outputs give `tokens`, `logprobs` (per token None or (logprob, the best (id, logprob))) and `finish`;
+    the adapter gives `timings(generated)`, the done event's timings: `generated` is the tokens the answer
+    took up to a stop string, or None when the engine ended the request (its own count then)."""
+
+    def __init__(
+        self, model: Any, request: GenerateRequest, timings: Callable[[int | None], Timings]
+    ) -> None:
+        self.model, self.timings = model, timings
+        self.text = TextAssembler(request.stop)
+        self.preserve = request.preserve_tokens
+        self.generated = 0
+        self.done = False
+
+    async def read(
+        self, queue: asyncio.Queue[Any], error: Callable[[], BaseException | None]
+    ) -> AsyncIterator[Event]:
+        """The events of the outputs arriving in `queue` until the end; `error`: the request's failure,
+        raised when the engine ends it with one."""
+        while not self.done:
+            out = await queue.get()
+            for event in self.events(out.tokens, out.logprobs, out.finish, error()):
+                yield event
+
+    def events(
+        self,
+        tokens: Sequence[int],
+        logprobs: Iterable[tuple[float, list[tuple[int, float]]] | None],
+        finish: str | None,
+        error: BaseException | None = None,
+    ) -> list[Event]:
+        events, taken = text_events(
+            self.model.vocab, self.model.detokenize, tokens, logprobs, self.text, self.preserve
+        )
+        if taken is not None:  # a stop string: the tokens after it are not the answer
+            self.generated += taken
+            self.done = True
+            return [*events, *self.text.end("stop", self.timings(self.generated))]
+        self.generated += len(tokens)
+        if finish is not None:
+            self.done = True
+            if error is not None:
+                raise error
+            events.extend(self.text.end(finish, self.timings(None)))
+        return events
 
 
 class EngineModel:
@@ -284,26 +392,9 @@ class EngineModel:
             return None
         return Grammar(self.vocab.lib, self.vocab.vocab, self.n_vocab, request.format)
 
-    def _text_events(
-        self,
-        tokens: Sequence[int],
-        logprobs: Iterable[tuple[float, list[tuple[int, float]]] | None],
-        text: TextAssembler,
-        preserve: frozenset[int],
-    ) -> tuple[list[Event], int | None]:
-        """A step's tokens for one request -> text events, on the event loop (pieces and stop strings
-        never run on the engine thread). Second: None, or the tokens taken up to a stop string that
-        matched (the rest of the step's tokens are not the answer). `preserve`: special tokens whose
-        text stays in the output (thinking markers)."""
-        events: list[Event] = []
-        for taken, (token, lp) in enumerate(zip(tokens, logprobs), 1):
-            logprob = None if lp is None else token_logprob(token, *lp, self.detokenize)
-            event, stopped = text.add(token, self.vocab.piece(token, token in preserve), logprob)
-            if event is not None:
-                events.append(event)
-            if stopped:
-                return events, taken
-        return events, None
+    def _text_events(self, *args: Any) -> tuple[list[Event], int | None]:
+        """`text_events` with this model's vocabulary (tokens, logprobs, text, preserve)."""
+        return text_events(self.vocab, self.detokenize, *args)
 
     def _score(self, ids: list[int], result: ScoreResult) -> ScoreResult:
         raise NotImplementedError

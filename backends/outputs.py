@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import math
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -77,7 +79,11 @@ def unit_vector(vector: np.ndarray) -> list[float]:
 
 def float_array(ptr: Any, shape: tuple[int, ...], missing: str) -> np.ndarray:
     """The floats at a pointer llama.cpp returned, as an array of `shape` (a view into its buffer, valid
-    until its next call); `missing` is the error when it returned none."""
+    until its next call); `missing` is the error when it returned none. Through a ctypes array of the
+    right length at that address: `np.ctypeslib.as_array` on a pointer builds a new array type per call,
+    about 100 us, paid per generated token on the sampling path."""
     if not ptr:
         raise LocalrtError(missing)
-    return np.ctypeslib.as_array(ptr, shape=shape)
+    address = ctypes.cast(ptr, ctypes.c_void_p).value
+    floats = (ctypes.c_float * math.prod(shape)).from_address(address)
+    return np.frombuffer(floats, dtype=np.float32).reshape(shape)

@@ -10,7 +10,10 @@ higher is better for localrt; TTFT: lower). Three workloads:
   client by its first line (nothing to share: prefix reuse in effect off), TTFT compared;
 - `grounded`: 16 clients each asking to repeat a different ~200-token passage from their prompt; localrt
   with prompt-lookup speculation inside the batch vs llama-server with `--spec-type` (`--server-spec`),
-  and localrt's greedy outputs checked identical with speculation off.
+  and localrt's greedy outputs checked identical with speculation off;
+- `agent`: `--agents` clients (8) each in a `--turns`-turn conversation (4) behind one shared ~1,000-token
+  system prompt, every turn resending the whole history (the replies so far included): aggregate tok/s and
+  the time to first token of each new turn (median over every turn, and over the turns after the first).
 
 `--backend torch` adds the torch engine as a third column (another `localrt serve`).
 llama-server comes from `tests/fixtures_hf.py::llama_cpp_tools()` (built once, cached outside the repo).
@@ -239,6 +242,51 @@ def shared_prefix(n: int, distinct: bool, n_rules: int = 60) -> list[list[dict[s
     return out
 
 
+AGENT_TURNS = (
+    "Tell me about {topic}.",
+    "Go on, with more detail about {topic}.",
+    "Summarise what you said about {topic} in three points.",
+    "Which of those points matters most, and why?",
+)
+
+
+def agent_system(n_rules: int = 60) -> str:
+    """The agents' shared system prompt: the prefix workload's, ~1,000 tokens at 60 rules."""
+    return shared_prefix(1, False, n_rules)[0][0]["content"]
+
+
+async def agent_conversation(
+    client: Any, model: str, i: int, system: str, turns: int, max_tokens: int
+) -> list[Sample]:
+    """One agent: `turns` turns, each resending the system prompt, the questions and the replies so far."""
+    messages = [{"role": "system", "content": system}]
+    samples = []
+    for t in range(turns):
+        messages.append(
+            {"role": "user", "content": AGENT_TURNS[t % len(AGENT_TURNS)].format(topic=TOPICS[i % 16])}
+        )
+        sample = await one_request(client, model, messages, max_tokens, {})
+        samples.append(sample)
+        messages.append({"role": "assistant", "content": sample.text})
+    return samples
+
+
+async def drive_agents(
+    url: str, model: str, agents: int, turns: int, system: str, max_tokens: int
+) -> tuple[float, list[list[Sample]]]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=3600)
+    await one_request(client, model, [{"role": "user", "content": "Hi"}], 2, {})  # load, warm up
+    start = time.perf_counter()
+    runs = await asyncio.gather(
+        *(agent_conversation(client, model, i, system, turns, max_tokens) for i in range(agents))
+    )
+    wall = time.perf_counter() - start
+    await client.close()
+    return wall, list(runs)
+
+
 def grounded(n: int, n_words: int = 150) -> list[list[dict[str, str]]]:
     out = []
     for i in range(n):
@@ -265,6 +313,8 @@ class Config:
     rounds: int = 1  # rounds per concurrency (one round = N requests at once); more rounds, steadier figures
     scale: float = 1.0  # of the prefix and passage lengths (smoke runs use a tenth)
     grounded_tokens: int = 0  # new tokens per grounded request; 0: --max-tokens
+    agents: int = 8  # clients of the agent run
+    turns: int = 4  # turns per agent conversation
 
 
 def servers(cfg: Config) -> list[tuple[str, Any]]:
@@ -337,6 +387,20 @@ def run_grounded(cfg: Config, clients: int) -> dict[str, Row]:
     return results
 
 
+def run_agent(cfg: Config) -> dict[str, tuple[Row, Row]]:
+    """Per server: (every turn, the turns after the first) of the agent conversations."""
+    system = agent_system(max(1, int(60 * cfg.scale)))
+    results: dict[str, tuple[Row, Row]] = {}
+    for name, start in servers(cfg):
+        model = MODEL if name.startswith("localrt") else "default"
+        with start() as url:
+            wall, runs = asyncio.run(drive_agents(url, model, cfg.agents, cfg.turns, system, cfg.max_tokens))
+        every = Row(name, cfg.agents, wall, [s for run in runs for s in run])
+        later = Row(name, cfg.agents, wall, [s for run in runs for s in run[1:]])
+        results[name] = (every, later)
+    return results
+
+
 # ---- printing -------------------------------------------------------------------------------------
 def print_load(results: dict[str, list[Row]]) -> None:
     names = list(results)
@@ -380,6 +444,25 @@ def print_grounded(results: dict[str, Row]) -> None:
         print(f"{name:>28}: {row.tok_s:7.1f} tok/s{ratio}")
 
 
+def print_agent(results: dict[str, tuple[Row, Row]], agents: int, turns: int) -> None:
+    print(
+        f"\nagent ({agents} clients x {turns} turns, shared ~1,000-token system prompt, history resent): "
+        "aggregate tok/s | TTFT median (ms) of every turn / of the turns after the first"
+    )
+    base = results.get("llama-server")
+    for name, (every, later) in results.items():
+        ratio = ""
+        if base is not None and name != "llama-server" and base[0].tok_s and later.samples:
+            ratio = (
+                f"   vs llama-server: {every.tok_s / base[0].tok_s:.2f}x tok/s, "
+                f"new-turn TTFT {later.ttft(0.5) / base[1].ttft(0.5):.2f}x"
+            )
+        print(
+            f"{name:>20}: {every.tok_s:7.1f} tok/s | {every.ttft(0.5) * 1000:7.0f} / "
+            f"{later.ttft(0.5) * 1000:7.0f}{ratio}"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", default=str(CACHED_GGUF))
@@ -409,7 +492,9 @@ def main() -> None:
         default=0,
         help="new tokens per grounded request (default: --max-tokens; 200 lets each client repeat its whole passage)",
     )
-    p.add_argument("--skip", default="", help="comma list of load,prefix,grounded to skip")
+    p.add_argument("--agents", type=int, default=8, help="clients of the agent run")
+    p.add_argument("--turns", type=int, default=4, help="turns per agent conversation")
+    p.add_argument("--skip", default="", help="comma list of load,prefix,grounded,agent to skip")
     p.add_argument("--no-llama-server", action="store_true", help="localrt columns only")
     p.add_argument("--smoke", action="store_true", help="tiny settings: check that every part runs")
     a = p.parse_args()
@@ -429,11 +514,14 @@ def main() -> None:
         with_llama_server=not a.no_llama_server,
         rounds=max(1, a.rounds),
         grounded_tokens=a.grounded_tokens,
+        agents=a.agents,
+        turns=a.turns,
     )
     clients = a.clients
     if a.smoke:
         cfg.threads, cfg.slots, cfg.max_tokens, cfg.concurrency, clients = 1, 2, 4, [1, 2], 2
         cfg.scale = 0.1
+        cfg.agents, cfg.turns = 2, 2
     print(
         f"GGUF {gguf.name}, {cfg.threads} threads, {cfg.slots} slots, ctx {cfg.ctx}, {cfg.max_tokens} new tokens"
     )
@@ -443,6 +531,8 @@ def main() -> None:
         print_prefix(run_prefix(cfg, clients))
     if "grounded" not in cfg.skip:
         print_grounded(run_grounded(cfg, clients))
+    if "agent" not in cfg.skip:
+        print_agent(run_agent(cfg), cfg.agents, cfg.turns)
 
 
 if __name__ == "__main__":

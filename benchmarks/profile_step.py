@@ -14,6 +14,16 @@ run, and for `localrt` the step thread's time outside `llama_decode` per step (t
 ratios between rows of one run; on a loaded machine say so next to any figure.
 
     python benchmarks/profile_step.py --threads 2 --prompt 40 --tokens 64 --repeat 3
+
+`--breakdown` instead drives a `localrt serve` (one llama.cpp thread) with 1 and 16 streamed OpenAI chat
+requests at once and prints, per generated token, the server's CPU time in the forward (`llama_decode`, or
+the torch forward with `--backend torch`) and outside it, by where it goes: `engine` (the step thread
+outside the forward: batch building, sampling, bookkeeping), `text` (detokenizing, UTF-8, stop strings,
+wherever they run), `hand-off` (from the step's outputs to the backend's event stream: hand-over threads,
+queues, the backend's stream on the event loop), `runtime` (the runtime's reply parsing, prompt rendering in
+worker threads), `http+loop` (the rest of the event loop thread: the API's chunk encoding, uvicorn, wakeups):
+
+    python benchmarks/profile_step.py --breakdown --seqs 1,16 --tokens 128 --repeat 3
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +43,7 @@ CACHED_GGUF = (
     Path(os.environ.get("LOCALRT_TEST_CACHE", Path.home() / ".cache" / "localrt-tests"))
     / "SmolLM2-135M-Instruct.Q4_1.gguf"
 )
+PROFILE_MODEL = "profile-step:latest"
 
 
 def raw_loop(
@@ -320,6 +332,282 @@ def http_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, repea
             )
 
 
+# ---- the host overhead per token, by where it goes (through `localrt serve`) ----------------------
+# The server runs in a child process with the hooks below installed; SIGUSR1 makes it write its counters.
+# Every figure is CPU time (per-thread clocks, not the wall clock): other load on the machine slows the
+# server down but does not bill it. The hooks themselves cost a few clock reads per token (each ~0.3 us).
+STEP_THREAD_PREFIX = ("localrt-llamacpp-step", "torch-engine")
+HOOK_BUCKETS = ("forward", "text_step", "text_loop", "backend_loop", "runtime_loop")
+
+
+class _Timed:
+    """Awaits `coro`, adding to counters[key] the CPU time of its own synchronous runs only (the time it is
+    suspended, while the event loop serves others, is not counted); nested ones count inside their outer."""
+
+    def __init__(self, coro, counters: dict, key: str) -> None:  # type: ignore[no-untyped-def]
+        self.coro, self.counters, self.key = coro, counters, key
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        value, error = None, None
+        while True:
+            t = time.thread_time_ns()
+            try:
+                out = self.coro.throw(error) if error is not None else self.coro.send(value)
+            except StopIteration as stop:
+                self.counters[self.key] += time.thread_time_ns() - t
+                return stop.value
+            except BaseException:
+                self.counters[self.key] += time.thread_time_ns() - t
+                raise
+            self.counters[self.key] += time.thread_time_ns() - t
+            try:
+                value, error = (yield out), None
+            except BaseException as e:  # thrown into the awaited coroutine, as asyncio does
+                value, error = None, e
+
+
+class _TimedStream:
+    """An async iterator whose every step (and close) is timed by _Timed."""
+
+    def __init__(self, inner, counters: dict, key: str) -> None:  # type: ignore[no-untyped-def]
+        self.inner, self.counters, self.key = inner, counters, key
+
+    def __aiter__(self):  # type: ignore[no-untyped-def]
+        return self
+
+    def __anext__(self):  # type: ignore[no-untyped-def]
+        return _Timed(self.inner.__anext__(), self.counters, self.key)
+
+    async def aclose(self) -> None:
+        close = getattr(self.inner, "aclose", None)
+        if close is not None:
+            await _Timed(close(), self.counters, self.key)
+
+
+def _thread_clocks() -> dict[str, int]:
+    """CPU ns of every live thread, by name (ident appended to tell apart pool threads of one name)."""
+    out = {}
+    for t in threading.enumerate():
+        try:
+            out[f"{t.name}#{t.ident}"] = time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident))
+        except (OSError, TypeError):
+            pass
+    return out
+
+
+def install_hooks(backend: str, out_path: str) -> None:
+    """In the server process: count the forward (llama_decode / the torch forward), text assembly, the
+    backend's stream on the event loop and the runtime's; SIGUSR1 writes them with every thread's clock."""
+    import functools
+    import signal
+
+    from localrt.backends import base
+    from localrt.runtime.generate import Runtime
+
+    if os.environ.get("PROFILE_HAND_OVER") == "1":
+        from localrt.backends.engine_thread import EngineThread
+
+        EngineThread.hand_over = True
+    counters = dict.fromkeys(HOOK_BUCKETS, 0)
+    counters["tokens"] = 0
+
+    def on_step_thread() -> bool:
+        return threading.current_thread().name.startswith(STEP_THREAD_PREFIX)
+
+    def timed_method(cls, name: str, key_of) -> None:  # type: ignore[no-untyped-def]
+        orig = getattr(cls, name)
+
+        @functools.wraps(orig)
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            t = time.thread_time_ns()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                counters[key_of()] += time.thread_time_ns() - t
+
+        setattr(cls, name, wrapper)
+
+    if backend == "torch":
+        from localrt.backends.torch.backend import TorchModel as Model
+        from localrt.backends.torch.runner import ModelRunner
+
+        timed_method(ModelRunner, "forward", lambda: "forward")
+    else:
+        from localrt.backends.llamacpp.backend import LlamaCppModel as Model
+        from localrt.backends.llamacpp.lib import Batch
+
+        timed_method(Batch, "decode", lambda: "forward")
+
+    def text_key() -> str:
+        return "text_step" if on_step_thread() else "text_loop"
+
+    for name in ("add", "end"):
+        timed_method(base.TextAssembler, name, text_key)
+
+    def stream_of(cls, name: str, key: str) -> None:  # type: ignore[no-untyped-def]
+        orig = getattr(cls, name)
+
+        @functools.wraps(orig)
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            return _TimedStream(orig(*args, **kwargs), counters, key)
+
+        setattr(cls, name, wrapper)
+
+    stream_of(Model, "generate", "backend_loop")
+    stream_of(Runtime, "chat", "runtime_loop")
+
+    def dump(*_: object) -> None:
+        snapshot = {
+            "counters": dict(counters),
+            "threads": _thread_clocks(),
+            "process_ns": time.process_time_ns(),
+        }
+        Path(out_path).write_text(json.dumps(snapshot))
+
+    signal.signal(signal.SIGUSR1, dump)
+
+
+def _snapshot(proc, out_path: Path) -> dict:  # type: ignore[no-untyped-def]
+    import signal
+
+    out_path.unlink(missing_ok=True)
+    proc.send_signal(signal.SIGUSR1)
+    for _ in range(400):
+        if out_path.is_file():
+            try:
+                return json.loads(out_path.read_text())
+            except json.JSONDecodeError:
+                pass
+        time.sleep(0.01)
+    raise SystemExit("the server wrote no profile snapshot")
+
+
+def split(before: dict, after: dict, tokens: int) -> dict[str, float]:
+    """Per generated token, in us: the forward, and the host time outside it by where it goes."""
+    c0, c1 = before["counters"], after["counters"]
+    d = {k: c1[k] - c0[k] for k in HOOK_BUCKETS}
+    t0, t1 = before["threads"], after["threads"]
+    threads = {name: ns - t0.get(name, 0) for name, ns in t1.items()}
+
+    def by_prefix(*prefixes: str) -> int:
+        return sum(ns for name, ns in threads.items() if name.split("#")[0].startswith(prefixes))
+
+    main = by_prefix("MainThread")
+    step = by_prefix(*STEP_THREAD_PREFIX)
+    pool = by_prefix("asyncio_")  # asyncio.to_thread: prompt rendering, tokenizing
+    process = after["process_ns"] - before["process_ns"]
+    rest = process - main - step - pool  # hand-over and per-request threads (also those that ended)
+    out = {
+        "forward": d["forward"],
+        "engine": step - d["forward"] - d["text_step"],
+        "text": d["text_step"] + d["text_loop"],
+        "hand-off": rest + d["backend_loop"] - d["text_loop"],
+        "runtime": d["runtime_loop"] - d["backend_loop"] + pool,
+        "http+loop": main - d["runtime_loop"],
+    }
+    out["host total"] = process - d["forward"]
+    return {k: v / 1000 / max(1, tokens) for k, v in out.items()}
+
+
+async def _stream_chat(client, url: str, prompt: str, n_new: int) -> int:  # type: ignore[no-untyped-def]
+    body = {
+        "model": PROFILE_MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": n_new,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage")
+                if usage:
+                    tokens = usage["completion_tokens"]
+    return tokens
+
+
+def breakdown_run(
+    gguf: Path, backend: str, n_ctx: int, n_new: int, seqs: int, repeat: int, hand_over: bool = False
+) -> list[dict]:
+    """`seqs` streamed OpenAI chat requests at once through a hooked `localrt serve` (one llama.cpp
+    thread, so the forward runs on the step thread alone), `repeat` rounds after a warm-up."""
+    import subprocess
+    import tempfile
+
+    import httpx
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_serve import TOPICS
+    from bench_serve import free_port
+    from bench_serve import wait_ready
+
+    from localrt.store.importer import import_gguf
+    from localrt.store.store import Store
+
+    root = Path(tempfile.mkdtemp(prefix="localrt-profile-"))
+    params = {"num_thread": 1, "num_ctx": n_ctx, "temperature": 0}
+    import_gguf(Store(root / "models"), PROFILE_MODEL, gguf, params=params)
+    port = free_port()
+    out_path = root / "profile.json"
+    env = {
+        **os.environ,
+        "LOCALRT_MODELS": str(root / "models"),
+        "LOCALRT_NUM_PARALLEL": str(max(seqs, 1)),
+        "LOCALRT_BACKEND": backend,
+        "LOCALRT_KEEP_ALIVE": "-1",
+        "LOCALRT_HOST": f"127.0.0.1:{port}",
+    }
+    if hand_over:
+        env["PROFILE_HAND_OVER"] = "1"
+    cmd = [sys.executable, __file__, "--serve-hooked", str(out_path), "--backend", backend]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    results = []
+    try:
+        wait_ready(url, proc)
+
+        async def round_(salt: int) -> int:
+            async with httpx.AsyncClient() as client:
+                counts = await asyncio.gather(
+                    *(
+                        _stream_chat(
+                            client,
+                            url,
+                            f"Write a long story about {TOPICS[(i + salt) % 16]} (#{salt}-{i}).",
+                            n_new,
+                        )
+                        for i in range(seqs)
+                    )
+                )
+            return sum(counts)
+
+        asyncio.run(round_(-1))  # load and warm up
+        for r in range(repeat):
+            before = _snapshot(proc, out_path)
+            tokens = asyncio.run(round_(r * seqs))
+            after = _snapshot(proc, out_path)
+            results.append({**split(before, after, tokens), "tokens": tokens, "load": os.getloadavg()[0]})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return results
+
+
+def print_breakdown(backend: str, seqs: int, n_new: int, results: list[dict]) -> None:
+    keys = [k for k in results[0] if k not in ("tokens", "load")]
+    med = {k: statistics.median(r[k] for r in results) for k in keys}
+    loads = ", ".join(f"{r['load']:.2f}" for r in results)
+    print(
+        f"\n{backend}, {seqs} sequence(s) x {n_new} new tokens, {len(results)} rounds, CPU us per generated "
+        f"token (median); loadavg(1 min) after each round: {loads}"
+    )
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    print("| " + " | ".join(f"{med[k]:.0f}" for k in keys) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", default=str(CACHED_GGUF))
@@ -336,8 +624,31 @@ def main() -> None:
         default=0,
         help="instead: this many grounded requests at once (bench_serve's passages), speculation off and lookup",
     )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="instead: host CPU per generated token through localrt serve, by where it goes (see above)",
+    )
+    p.add_argument("--seqs", default="1,16", help="--breakdown: sequences at once, a comma list")
+    p.add_argument("--backend", default="llama.cpp", help="--breakdown: llama.cpp or torch")
+    p.add_argument(
+        "--hand-over",
+        action="store_true",
+        help="--breakdown: engine outputs reach the sink through EngineThread's hand-over thread (A/B)",
+    )
+    p.add_argument("--serve-hooked", metavar="OUT", help=argparse.SUPPRESS)  # the child server of --breakdown
     a = p.parse_args()
     gguf = Path(a.gguf)
+    if a.serve_hooked:
+        install_hooks(a.backend, a.serve_hooked)
+        from localrt.cli.main import main as cli
+
+        raise SystemExit(cli(["serve"]))
+    if a.breakdown:
+        for seqs in (int(s) for s in a.seqs.split(",") if s):
+            results = breakdown_run(gguf, a.backend, a.ctx, a.tokens, seqs, a.repeat, a.hand_over)
+            print_breakdown(a.backend, seqs, a.tokens, results)
+        return
     if a.batch:
         runs: dict[str, list[dict]] = {}
         for _ in range(a.repeat):

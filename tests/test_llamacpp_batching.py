@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from dataclasses import replace
@@ -113,6 +114,36 @@ def test_batching_is_invisible(model: LlamaCppModel) -> None:
     finished = [o.done for o in side_by_side if o.done is not None]
     assert len(finished) == 14  # two hung up
     assert sum(d.timings.draft_count for d in finished) > 0  # lookup guessed inside the batch
+
+
+def test_requests_at_once_start_no_thread_of_their_own(model: LlamaCppModel) -> None:
+    """Every request's outputs come through the engine thread's one sink to the event loop: eight streams
+    at once run on the threads that were there before them."""
+    before = threading.active_count()
+    counts: list[int] = []
+
+    async def one(question: str) -> None:
+        async for _ in model.generate(GenerateRequest(ask(model, question), GREEDY, num_predict=12)):
+            counts.append(threading.active_count())
+
+    async def together() -> None:
+        await asyncio.gather(*(one(q) for q in QUESTIONS))
+
+    asyncio.run(together())
+    assert len(counts) >= len(QUESTIONS)
+    assert max(counts) == before
+
+
+def test_a_stop_string_keeps_the_sequence_cached(model: LlamaCppModel) -> None:
+    """The reader ends a request at a stop string (text is assembled on the event loop); the cancel that
+    follows is an end, so the conversation's cells stay for its next turn."""
+    prompt = ask(model, "Name three colours of the rainbow, then explain each one in detail.")
+    first = asyncio.run(run_one(model, GenerateRequest(prompt, GREEDY, num_predict=64, stop=[" "])))
+    again = asyncio.run(run_one(model, GenerateRequest(prompt, GREEDY, num_predict=1)))
+    assert first.done is not None
+    assert first.done.stop_sequence == " "
+    assert again.done is not None
+    assert again.done.timings.cached_count == len(prompt) - 1  # all but the one token evaluated for logits
 
 
 def test_a_cancelled_sequence_frees_its_cache_at_once(model: LlamaCppModel) -> None:
@@ -342,10 +373,10 @@ def test_the_ram_cache_keeps_the_newest_states_within_its_budget(smollm2_gguf: P
 
 def test_drafts_of_a_step_are_evened_to_the_length_that_keeps_most_rows() -> None:
     """Unequal draft lengths cost llama.cpp a micro-batch each (equal rows per KV stream): one length per step."""
-    from localrt.backends.llamacpp.step import Job
+    from localrt.backends.llamacpp.sequences import Job
     from localrt.backends.llamacpp.step import _even_drafts
 
-    jobs = [Job(GenerateRequest([1]), lambda _: None) for _ in range(4)]
+    jobs = [Job(GenerateRequest([1])) for _ in range(4)]
     for job, drafts in zip(jobs, ([5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6], [7, 8], [])):
         job.drafts = drafts
     _even_drafts(jobs)

@@ -6,10 +6,12 @@ embeddings have a small context of their own. Tokenizing reads only the weights'
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
-from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -25,15 +27,17 @@ from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
 from localrt.backends.base import ModelLifetime
 from localrt.backends.base import ScoreResult
+from localrt.backends.base import Timings
 from localrt.backends.base import close_each
 from localrt.backends.base import loaded_context
-from localrt.backends.base import run_in_thread_stream
 from localrt.backends.checks import check_draft_vocabulary
 from localrt.backends.checks import check_loaded
 from localrt.backends.checks import check_prompt
 from localrt.backends.checks import check_prompt_fits
 from localrt.backends.checks import check_scored
 from localrt.backends.checks import check_speculative
+from localrt.backends.engine_thread import EngineStreams
+from localrt.backends.engine_thread import OutputStream
 from localrt.backends.mtmd import MediaPrompt  # issue 19: images through libmtmd
 from localrt.backends.mtmd import Projector  # issue 19: images through libmtmd
 from localrt.backends.outputs import embedding_tokens
@@ -47,6 +51,7 @@ from localrt.backends.rerank import is_reranker  # issue 19: rank pooling
 from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
 
+from .admission import copy_threshold
 from .lib import KV_TYPES
 from .lib import Batch
 from .lib import _lib
@@ -59,13 +64,12 @@ from .lib import load_model
 from .memory import estimate
 from .memory import kv_bytes_per_token
 from .memory import parallel_for
-from .step import EXACT_ROWS
+from .sequences import EXACT_ROWS
+from .sequences import DraftContext
+from .sequences import ExternalChunk
+from .sequences import Job
+from .sequences import PromptItem
 from .step import BatchedContext
-from .step import DraftContext
-from .step import ExternalChunk
-from .step import Job
-from .step import PromptItem
-from .step import copy_threshold
 from .vocab import Vocab
 from .vocab import VocabMethods
 
@@ -87,6 +91,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         self._projector: Projector | None = None
         self._reranker: Reranker | None = None
         self._closed = False
+        self._active = set()
         self._load_or_free(lambda: self._setup(opts))
 
     def _setup(self, opts: LoadOptions) -> None:
@@ -116,6 +121,8 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             verify_cost=verify_cost_per_draft(self.on_gpu),
             copy_min=copy_threshold(per_token * self.context_length, int(m.size())),
         )
+        self._streams = EngineStreams(lambda out: out.job.id)
+        self.engine.start(self._streams.route)
         if opts.projector is not None:
             self._projector = Projector(
                 Path(opts.projector),
@@ -153,29 +160,37 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         return DraftContext(model, create_context(model, params), params.n_seq_max, params.n_batch)
 
     # -- generation --
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         self._check_request(request)
-        return run_in_thread_stream(lambda emit: self._generate_blocking(request, emit), request.cancel)
+        # an image's preprocessing is heavy: off the event loop (its encoding runs on the step thread)
+        media = await asyncio.to_thread(self._expand_images, request) if request.images else None
+        try:
+            prompt = self._media_items(media) if media is not None else list(request.prompt_tokens)
+            job = Job(request, prompt=prompt)
+            async with self._streams.open(self, job.id, request.cancel, job.finished.is_set, None) as queue:
+                self._require_engine().submit(job)
+                stream = OutputStream(self, request, lambda generated: _end_timings(job, generated))
+                async for event in stream.read(queue, lambda: job.error):
+                    yield event
+        finally:
+            if media is not None:
+                media.close()  # after the job: its chunks are evaluated on the step thread
 
     def prompt_logits(self, req: GenerateRequest) -> np.ndarray:
         """The logits after the prompt (images included), evaluated as generate evaluates it."""
         self._check_request(req)
-        return self._generate_blocking(replace(req, num_predict=1), lambda _: None, capture=True)
-
-    def _generate_blocking(
-        self, req: GenerateRequest, emit: Callable[[Event], None], capture: bool = False
-    ) -> Any:
         media = self._expand_images(req)  # None without images
         try:
             prompt = self._media_items(media) if media is not None else list(req.prompt_tokens)
-            job = Job(req, emit, prompt=prompt, capture=capture)
+            job = Job(replace(req, num_predict=1), prompt=prompt, capture=True)
             self._require_engine().submit(job)
             job.finished.wait()
         finally:
             if media is not None:
-                media.close()  # after the job: its chunks are evaluated on the step thread
+                media.close()
         if job.error is not None:
             raise job.error
+        assert job.logits is not None
         return job.logits
 
     # ---- issue 19: images (backends/mtmd.py) and rerank (backends/rerank.py) ----
@@ -222,8 +237,6 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
 
     async def rerank(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
         """Relevance scores of documents for query (in order) and the tokens evaluated."""
-        import asyncio
-
         if not self.capabilities.rerank:
             raise LocalrtError("this model is not a reranker (its GGUF has no rank pooling)")
         return await asyncio.to_thread(self._rerank_blocking, query, list(documents))
@@ -260,8 +273,6 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
 
     # -- scoring --
     async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
-        import asyncio
-
         return await asyncio.to_thread(self._score_blocking, list(tokens), return_logits)
 
     def _score_blocking(self, tokens: list[int], return_logits: bool) -> ScoreResult:
@@ -314,8 +325,6 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         return self._embed
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        import asyncio
-
         return await asyncio.to_thread(self._embed_blocking, list(texts))
 
     def _embed_blocking(self, texts: list[str]) -> list[list[float]]:
@@ -333,13 +342,24 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
     def _free(self) -> None:
         self._closed = True
         if self.engine is not None:
-            self.engine.close()  # running requests end at their next step
+            self.engine.stop()  # running requests end with the step in flight
             close_each(self.engine.batch, self.engine.ctx, self.engine.draft)
         with self._embed_lock:
             # the embedding, projector and rerank contexts sit on the weights, so they go first
             close_each(self._embed, self._projector, self._reranker)
             self._embed = self._projector = self._reranker = None
         close_each(self._draft_model, self.model)
+
+
+def _end_timings(job: Job, generated: int | None) -> Timings:
+    """A job's done-event timings: the step thread's when it ended the job; else the reader ends it at a
+    stop string after `generated` tokens, and the cancel that follows keeps its sequence cached."""
+    if generated is None:
+        return job.timings
+    job.stopped_by_text = True
+    timings = dataclasses.replace(job.timings, eval_count=generated)
+    timings.eval_ns = max(1, time.perf_counter_ns() - job.t_prompt)
+    return timings
 
 
 def capabilities() -> Capabilities:

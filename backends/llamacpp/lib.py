@@ -1,5 +1,6 @@
 """llama.cpp through llama-cpp-python's ctypes layer: loading, context parameters, a multi-sequence batch,
-the sampler chain and the vocabulary helpers. Nothing here holds request state; `step.py` does."""
+the sampler chain and the vocabulary helpers. Nothing here holds request state; `sequences.py` and
+`step.py` do."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def context_params(opts: LoadOptions, n_ctx: int, step_tokens: int, n_seq_max: i
     p = _lib().llama_context_default_params()
     p.n_ctx = n_ctx
     # one micro-batch per step: its rows share one pass over the weights (each sequence brings at most
-    # EXACT_ROWS of them, which keeps batching invisible: see step.py)
+    # EXACT_ROWS of them, which keeps batching invisible: see sequences.py)
     p.n_batch = p.n_ubatch = step_tokens
     p.n_seq_max = n_seq_max
     # A stream of cells per sequence, not one pool: the CPU flash-attention kernel walks a sequence's cells
@@ -176,8 +177,10 @@ def make_sampler(
 
     lib = _lib()
     n_vocab = model.n_vocab()
-    chain = _internals.LlamaSampler()
     last_n = sp.penalty_window(n_ctx)
+    if sp.greedy and last_n <= 0 and fmt is None:
+        return ArgmaxSampler(n_vocab)
+    chain = _internals.LlamaSampler()
     if last_n > 0:
         chain.add_penalties(n_vocab, last_n, sp.repeat_penalty, sp.frequency_penalty, sp.presence_penalty)
         # llama-server counts the prompt in the penalty window too; the grammar (added after) must not
@@ -217,8 +220,25 @@ def _add_truncations(chain: Any, sp: SamplingParams) -> None:
         chain.add_min_p(sp.min_p, 1)
 
 
+class ArgmaxSampler:
+    """A plain greedy request's sampler (no penalties, no grammar): the first highest logit of the row, the
+    token llama.cpp's greedy sampler picks, without the chain building its candidate array (a copy of the
+    whole vocabulary's logits per token)."""
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+
+    def pick(self, ctx: Any, row: int) -> int:
+        return int(np.argmax(logits_row(_lib(), ctx, row, self.n_vocab)))
+
+    def close(self) -> None:
+        pass  # nothing is held
+
+
 def sample(chain: Any, ctx: Any, row: int) -> int:
     """Draw from batch row `row` (the chain accepts the token, advancing its grammar and penalties)."""
+    if isinstance(chain, ArgmaxSampler):
+        return chain.pick(ctx, row)
     return int(_lib().llama_sampler_sample(chain.sampler, ctx, row))
 
 

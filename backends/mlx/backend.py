@@ -31,7 +31,6 @@ from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
 from localrt.backends.base import ModelLifetime
 from localrt.backends.base import ScoreResult
-from localrt.backends.base import TextAssembler
 from localrt.backends.base import Timings
 from localrt.backends.base import loaded_context
 from localrt.backends.base import modules_installed
@@ -40,6 +39,7 @@ from localrt.backends.checks import check_kv_cache_type
 from localrt.backends.checks import check_model_file
 from localrt.backends.engine_thread import EngineModel
 from localrt.backends.engine_thread import EngineStreams
+from localrt.backends.engine_thread import OutputStream
 from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.vocab import Vocab
 from localrt.backends.llamacpp.vocab import VocabMethods
@@ -215,39 +215,27 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
             yield DoneEvent("length", Timings())
             return
         row = self._row(request, mode, grammar)
-        text = TextAssembler(request.stop)
-        generated = 0
+        # the engine's own count has the end token; a stop string ends the answer at its tokens
+        stream = OutputStream(
+            self, request, lambda n: self._timings(row, start_ns, row.generated if n is None else n)
+        )
         async with self._streams.open(
             self, row.id, request.cancel, lambda: row.finish is not None, grammar
         ) as queue:
             self.engine.submit(row)
-            while True:
-                out = await queue.get()
-                events, taken = self._text_events(out.tokens, out.logprobs, text, request.preserve_tokens)
-                stopped = taken is not None
-                if stopped:  # a stop string: the tokens after it are not the answer
-                    events += self._done(row, "stop", text, start_ns, generated + len(out.tokens))
-                elif out.finish is not None:
-                    if row.error is not None:
-                        raise row.error
-                    events += self._done(row, out.finish, text, start_ns, row.generated)
-                generated += len(out.tokens)
-                for event in events:
-                    yield event
-                if stopped or out.finish is not None:
-                    return
+            async for event in stream.read(queue, lambda: row.error):
+                yield event
 
-    def _done(self, row: Any, reason: str, text: TextAssembler, start_ns: int, generated: int) -> list[Event]:
-        """The tail text and the done event (`generated`: tokens counted, an end token included)."""
+    def _timings(self, row: Any, start_ns: int, generated: int) -> Timings:
+        """The done event's timings (`generated`: tokens counted, an end token included)."""
         spec = row.spec
-        timings = Timings(
+        return Timings(
             prompt_eval_count=row.prompt_eval_count,
             eval_count=generated,
             draft_count=spec.drafted if spec is not None else 0,
             draft_accepted_count=spec.accepted if spec is not None else 0,
             cached_count=row.cached_count,
         ).set_durations(start_ns, row.first_token_ns, time.perf_counter_ns())
-        return text.end(reason, timings)
 
     # ---- scoring and embeddings ---------------------------------------------------------------
     def _hidden(self, ids: list[int]) -> Any:
