@@ -1,6 +1,6 @@
 """Resident memory of a server with its model loaded and its sequences used: llama-server against
 `localrt serve` on the llama.cpp backend and on the torch engine, same GGUF, threads, context per sequence
-and parallel sequences (issue 20: the torch engine's server at most 1.5x the llama.cpp backend's).
+and parallel sequences (the goal: the torch engine's server at most 1.5x the llama.cpp backend's).
 
 Each server answers `--slots` concurrent requests first, so the weights are read and every sequence's
 KV has been written; then the resident set of the server and its children is read (psutil). The

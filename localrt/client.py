@@ -99,7 +99,7 @@ class ModelDetails:
     license: str = ""
     modelfile: str = ""
     template_origin: str = ""  # which template renders prompts: the file's, the Modelfile's, a family's
-    remote_model: str = ""  # a remote model (SPEC 8): the upstream's model id
+    remote_model: str = ""  # a remote model: the upstream's model id
     endpoints: list[tuple[str, str]] = field(default_factory=list)  # (url, "ok" or why it is down)
     capabilities: list[str] = field(default_factory=list)  # completion, tools, vision, rerank, ...
     projector: list[tuple[str, str]] = field(default_factory=list)  # a vision model's projector facts
@@ -108,7 +108,7 @@ class ModelDetails:
 @dataclass
 class CreateSpec:
     """What `localrt create` asks for, whichever client builds it: a Modelfile's text or a GGUF
-    (`from_path`), or a remote model's endpoints (SPEC 8), plus the command's options. Paths are read
+    (`from_path`), or a remote model's endpoints, plus the command's options. Paths are read
     on this side: over HTTP the files are uploaded as blobs, the server never reads a path of ours."""
 
     model: str
@@ -664,7 +664,7 @@ class ServerClient:
         emit = status or _ignore_status
         name = parse_name(spec.model).display
         mf = parse_modelfile(spec.modelfile_text) if spec.modelfile_text is not None else Modelfile()
-        if spec.remote or mf.remotes:  # a remote model (SPEC 8): the server checks the URLs
+        if spec.remote or mf.remotes:  # a remote model: the server checks the URLs
             fields = _remote_fields(spec, mf)
         else:
             fields = await self._weights_fields(spec, mf, emit)

@@ -1,4 +1,4 @@
-"""Configuration from the environment (SPEC section 2). Read at call time so tests can set variables.
+"""Configuration from the environment (docs/configuration.md). Read at call time so tests can set variables.
 
 The one module that reads environment variables: every other module asks here (tests and benchmarks
 excepted), so `grep environ` finds every knob in one place.

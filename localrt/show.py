@@ -46,7 +46,7 @@ def is_reranker(info: GGUFInfo) -> bool:
 
 
 def media_capabilities(model: ResolvedModel, info: GGUFInfo, capabilities: list[str]) -> list[str]:
-    """Issue 19's part of `capabilities`: `vision` with a projector; a reranker is `rerank`, not
+    """The media part of `capabilities`: `vision` with a projector; a reranker is `rerank`, not
     `completion`. Takes the list built so far and returns it amended."""
     caps = list(capabilities)
     if is_reranker(info):
@@ -58,7 +58,7 @@ def media_capabilities(model: ResolvedModel, info: GGUFInfo, capabilities: list[
 
 def model_capabilities(model: ResolvedModel, info: GGUFInfo) -> list[str]:
     """`capabilities` of /api/show and `localrt show`: completion (or embedding), tools and thinking
-    from the template the runtime renders with (issue 17), then issue 19's vision/rerank."""
+    from the template the runtime renders with, then vision and rerank."""
     from localrt.runtime.models import parser_format
     from localrt.runtime.thinking import capabilities
     from localrt.runtime.thinking import model_format

@@ -232,7 +232,7 @@ class CreateRequest(Named):
     renderer: str | None = Field(None, description="one of Ollama's built-in prompt renderers")
     parser: str | None = Field(None, description="one of Ollama's built-in reply parsers")
     stream: bool | None = None
-    # a remote model (SPEC 8): OpenAI-compatible endpoint URLs instead of weights
+    # a remote model: OpenAI-compatible endpoint URLs instead of weights
     remote: str | list[str] | None = Field(None, description="endpoint URL(s), e.g. https://host:8000/v1")
     remote_model: str | None = Field(None, description="the upstream's model id")
     api_key_env: str | None = Field(

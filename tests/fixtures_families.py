@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face checkpoints of the families issue 21 adds: Gemma 3, Gemma 2, Phi-3, Qwen3-MoE,
+"""Tiny random Hugging Face checkpoints of the families beyond Llama: Gemma 3, Gemma 2, Phi-3, Qwen3-MoE,
 OLMoE.
 
 Each is a real HF model directory (config.json that transformers' AutoConfig reads, safetensors,

@@ -410,7 +410,7 @@ def test_openai_logprobs_and_errors(oai: openai.OpenAI) -> None:
         )
 
 
-# ---- thinking on a model that cannot think; capabilities; null options (issue 17) ---------------
+# ---- thinking on a model that cannot think; capabilities; null options ---------------
 def test_think_true_on_smollm2_is_a_400_naming_the_model(client: ollama.Client) -> None:
     for call in (
         lambda: client.chat(MODEL, messages=[{"role": "user", "content": "Hi"}], think=True, options=GREEDY),

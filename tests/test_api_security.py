@@ -1,4 +1,4 @@
-"""SPEC 7 against a real `localrt serve`: Host and Origin checks, API key, body cap, clean errors."""
+"""The security defaults against a real `localrt serve`: Host and Origin checks, API key, body cap, clean errors."""
 
 from __future__ import annotations
 

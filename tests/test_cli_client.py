@@ -1,4 +1,4 @@
-"""The CLI as a client of a running `localrt serve` (SPEC 5), as Ollama's is.
+"""The CLI as a client of a running `localrt serve`, as Ollama's is.
 
 A real server subprocess on a free port with its own store; the CLI runs as real subprocesses with
 LOCALRT_HOST pointing at it and LOCALRT_MODELS at a different, empty store, so anything the CLI

@@ -1,5 +1,5 @@
 """Templates for GGUF files without one: the family is read from the architecture and the vocabulary's
-turn markers (issue 21, point 5), `show` says which template is used, and ChatML is only the fallback."""
+turn markers, `show` says which template is used, and ChatML is only the fallback."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC 1 on a fresh machine: the base install plus `[llama]` (the README's main command) in a new
+"""The install on a fresh machine: the base install plus `[llama]` (the README's main command) in a new
 virtual environment with nothing else, then every command run there as a user would.
 
 Each command either works (`serve` answers, `run` answers, the store commands) or, where its optional

@@ -176,7 +176,7 @@ class ScoredOnce:
 def test_fidelity_against_llamacpp_and_the_exact_reference(
     file_type: str, smollm2_file: Callable[[str], Path]
 ) -> None:
-    """Issue 8's bar (top-1 at least 98%, perplexity within 1% over 2,000+ tokens, as `localrt eval`
+    """The fidelity bar (top-1 at least 98%, perplexity within 1% over 2,000+ tokens, as `localrt eval`
     measures) against llama.cpp built with OpenBLAS, whose batched matmuls compute the file's exact
     function. The default CPU build of llama.cpp rounds activations to 8 bits before each quantized
     dot product, noise that it does not reproduce itself (batch 1 vs 512: ~97% top-1); against it MLX

@@ -1,4 +1,4 @@
-"""The layout of SPEC section 1: every package folder is installed under `localrt.*`."""
+"""The package layout: every package folder is installed under `localrt.*`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Remote models (SPEC 8) against real upstreams on 127.0.0.1: a second `localrt serve` with the real
+"""Remote models against real upstreams on 127.0.0.1: a second `localrt serve` with the real
 SmolLM2 is the OpenAI-compatible upstream, and a first `localrt serve` holds the remote model; the
 official `ollama` and `openai` clients drive the first one. Misbehaving upstreams are real HTTP servers
 (tests/servers/broken_upstream.py). Greedy decoding and short answers keep it fast.

@@ -1,4 +1,4 @@
-"""No secret leaves through a remote model (SPEC 7): a real `localrt serve` with a secret in its
+"""No secret leaves through a remote model: a real `localrt serve` with a secret in its
 environment, an attacker's endpoint and a registry as real servers on 127.0.0.1.
 
 Every way a model's config can reach the server is tried: `/api/create` through the API, a pulled

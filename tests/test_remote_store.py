@@ -1,4 +1,4 @@
-"""Registering remote models (SPEC 5, 8): `create --remote`, the Modelfile's `FROM https://...`,
+"""Registering remote models: `create --remote`, the Modelfile's `FROM https://...`,
 what the store keeps (endpoints and the key's variable name, never the key), URL rules."""
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ def test_gemma3_270m_perplexity_matches_llama_cpp(gemma3_gguf: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_gemma3_270m_top1_against_exact_llama_cpp(gemma3_gguf: Path) -> None:
-    """Issue 21's bar on the real file, measured as `localrt eval` measures (4,096 tokens of English,
+    """The fidelity bar on the real file, measured as `localrt eval` measures (4,096 tokens of English,
     windows of 512, second halves scored): top-1 agreement with exact llama.cpp (the OpenBLAS build,
     weight repacking off, so its batched matmuls are fp32 on the dequantized weights) at least 98%, and
     perplexity within 1% of it. Windows of 512, not 1,024 as above: the KL between two sets of

@@ -1,4 +1,4 @@
-"""Vision models from the command line and the store's other doors (issue 19): `create --mmproj`, `show`,
+"""Vision models from the command line and the store's other doors: `create --mmproj`, `show`,
 `run --image`, image paths in a prompt, Hugging Face repos with an `mmproj-*.gguf`, `convert`'s refusal,
 and http(s) image URLs behind LOCALRT_FETCH_IMAGES with size and time limits."""
 

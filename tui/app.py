@@ -422,7 +422,7 @@ class ChatApp(App[int]):
             await self.refresh_conversations()
             self._update_titles()
         question = Message("user", text)
-        self._announce_images(text)  # issue 19: image paths in the text are attached
+        self._announce_images(text)  # image paths in the text are attached
         self.db.add_message(conv.id, question)  # committed before the model runs: a kill cannot lose it
         conv.messages.append(question)
         pane = self.messages_pane

@@ -38,16 +38,16 @@ from localrt.backends.checks import check_scored
 from localrt.backends.checks import check_speculative
 from localrt.backends.engine_thread import EngineStreams
 from localrt.backends.engine_thread import OutputStream
-from localrt.backends.mtmd import MediaPrompt  # issue 19: images through libmtmd
-from localrt.backends.mtmd import Projector  # issue 19: images through libmtmd
+from localrt.backends.mtmd import MediaPrompt  # images through libmtmd
+from localrt.backends.mtmd import Projector  # images through libmtmd
 from localrt.backends.outputs import embedding_tokens
 from localrt.backends.outputs import empty_score
 from localrt.backends.outputs import fill_score
 from localrt.backends.outputs import float_array
 from localrt.backends.outputs import unit_vector
 from localrt.backends.rerank import PooledContext
-from localrt.backends.rerank import Reranker  # issue 19: rank pooling
-from localrt.backends.rerank import is_reranker  # issue 19: rank pooling
+from localrt.backends.rerank import Reranker  # rank pooling
+from localrt.backends.rerank import is_reranker  # rank pooling
 from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
 
@@ -193,7 +193,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         assert job.logits is not None
         return job.logits
 
-    # ---- issue 19: images (backends/mtmd.py) and rerank (backends/rerank.py) ----
+    # ---- images (backends/mtmd.py) and rerank (backends/rerank.py) ----
     def _expand_images(self, req: GenerateRequest) -> MediaPrompt | None:
         if not req.images or self._projector is None:
             return None

@@ -1,4 +1,4 @@
-"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`, SPEC 6) as a
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) as a
 translation onto the runtime's chat.
 
 Content blocks become the runtime's messages (tool results turn into tool turns placed before the

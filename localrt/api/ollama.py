@@ -1,4 +1,4 @@
-"""Ollama-compatible routes (SPEC 6), field for field with Ollama's API."""
+"""Ollama-compatible routes, field for field with Ollama's API."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes under /v1 (SPEC 6): chat completions, completions, embeddings, models."""
+"""OpenAI-compatible routes under /v1: chat completions, completions, embeddings, models."""
 
 from __future__ import annotations
 
@@ -334,7 +334,7 @@ async def chat_completions(request: Request) -> Response:
     body = await schemas.read_body(request, wire.ChatCompletionRequest)
     model = required_model(body.model)
     messages = messages_from(body.messages)
-    await fetch_message_images(body.messages, messages)  # issue 19: image_url parts
+    await fetch_message_images(body.messages, messages)  # image_url parts
     want_logprobs, top = logprob_flags(body.logprobs, body.top_logprobs)
     tools, left_out = function_tools(body.tools)
     chunks = runtime_of(request).chat(
@@ -490,7 +490,7 @@ async def embeddings(request: Request) -> dict[str, Any]:
     responses={200: schemas.ok(wire.RerankResponse), **GENERATION_ERRORS},
 )
 async def rerank(request: Request) -> dict[str, Any]:
-    """Jina / Cohere / llama-server rerank (issue 19): the same handler as /api/rerank."""
+    """Jina / Cohere / llama-server rerank: the same handler as /api/rerank."""
     from localrt.api.ollama import rerank_response
 
     return await rerank_response(request)

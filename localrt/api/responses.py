@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (`POST /v1/responses`, SPEC 6) as a translation onto the runtime's chat.
+"""OpenAI's Responses API (`POST /v1/responses`) as a translation onto the runtime's chat.
 
 Input items become the runtime's messages, the answer's blocks become output items (reasoning,
 message, function_call); streaming sends the typed events in the order OpenAI's SDK accumulates them.

@@ -1,4 +1,4 @@
-"""Secure-by-default request gate (SPEC 7), as one pure ASGI middleware so streams pass untouched.
+"""Secure-by-default request gate (docs/security.md), as one pure ASGI middleware so streams pass untouched.
 
 In order: Host check against DNS rebinding (however the server is bound: a page on a name the attacker
 controls can point that name at any address of this machine), Origin allow-list on every method (a

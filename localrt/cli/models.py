@@ -223,7 +223,7 @@ def add_create(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def add_remote_args(p: argparse.ArgumentParser) -> None:
-    """`create --remote URL [--remote-model ID] [--api-key-env VAR] [--insecure]` (SPEC 8)."""
+    """`create --remote URL [--remote-model ID] [--api-key-env VAR] [--insecure]`."""
     p.add_argument(
         "--remote",
         action="append",

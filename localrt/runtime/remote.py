@@ -1,4 +1,4 @@
-"""Remote models (SPEC 8) in the runtime: what differs from a local model, in one place.
+"""Remote models in the runtime: what differs from a local model, in one place.
 
 The upstream templates and tokenizes, so the runtime hands the remote backend the conversation (chat,
 templated generate) or the raw text (raw generate, OpenAI completions) instead of tokens; options that

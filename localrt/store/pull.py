@@ -1,6 +1,6 @@
 """`pull`: fetch a model into the store from the catalog's sources, a registry, or the Hugging Face Hub.
 
-Order (SPEC 4): a catalog entry for the name (models/*.toml) tries its sources in order, each
+Order: a catalog entry for the name (models/*.toml) tries its sources in order, each
 failing fast with a reason; otherwise the reference itself names the place: `hf.co/...` goes to
 the Hub, anything else to an Ollama-compatible registry. Progress events are Ollama's.
 """
