@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from localrt.store.gguf import GGUFInfo
-from localrt.store.gguf import read_gguf
+from localrt.store.gguf import read_blob
 
 from .base import loaded_context
 
@@ -107,7 +107,7 @@ def model_shape(path: Path | str) -> ModelShape:
 @functools.lru_cache(maxsize=32)
 def _model_shape(path: Path, size: int, mtime_ns: int) -> ModelShape:
     """Cached by the file's identity: a fit tries several settings on one header."""
-    info = read_gguf(path)
+    info = read_blob(path)  # a malformed file gets the same refusal as at load, and the verdict is kept
     meta = info.metadata
     arch = str(meta.get("general.architecture", "llama"))
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from localrt.backends.base import LoadOptions
+from localrt.backends.llamacpp.memory import estimate as llamacpp_estimate
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
 from tests.servers.serve import LocalrtServer
@@ -59,11 +61,29 @@ def serve(tmp_path: Path, smollm2_gguf: Path, gemma3_gguf: Path, **env: str) -> 
     return LocalrtServer(tmp_path / "models", tmp_path / "serve.log", env={**base, **env})
 
 
+def needs(gguf: Path, context: int) -> int:
+    """What the llama.cpp backend estimates for one sequence of `context` tokens."""
+    return llamacpp_estimate(gguf, LoadOptions(num_ctx=context, num_parallel=1)).total
+
+
+# LOCALRT_MAX_MEMORY for each situation, placed between the estimates it must separate so that a
+# change in the estimate moves the limit with it
+LIMITS = {
+    # the small model fits, the larger one never does
+    "small-only": lambda smol, gem: (needs(smol, 512) + needs(gem, 512)) // 2,
+    # either model alone, never both together
+    "one-at-a-time": lambda smol, gem: needs(gem, 512) + needs(smol, 512) // 2,
+    # the long model at 4096 tokens, not at its 8192
+    "half-context": lambda smol, gem: (needs(smol, 4096) + needs(smol, 8192)) // 2,
+}
+
+
 @pytest.fixture
 def server(
     request: pytest.FixtureRequest, tmp_path: Path, smollm2_gguf: Path, gemma3_gguf: Path
 ) -> Iterator[LocalrtServer]:
-    srv = serve(tmp_path, smollm2_gguf, gemma3_gguf, LOCALRT_MAX_MEMORY=request.param)
+    limit = LIMITS[request.param](smollm2_gguf, gemma3_gguf)
+    srv = serve(tmp_path, smollm2_gguf, gemma3_gguf, LOCALRT_MAX_MEMORY=str(limit))
     try:
         yield srv
     finally:
@@ -79,7 +99,7 @@ def loaded(srv: LocalrtServer) -> dict[str, dict]:
     return {m["name"]: m for m in httpx.get(srv.url + "/api/ps", timeout=30).json()["models"]}
 
 
-@pytest.mark.parametrize("server", ["250MiB"], indirect=True)
+@pytest.mark.parametrize("server", ["small-only"], indirect=True)
 def test_model_over_the_limit_is_refused_in_ollamas_words(server: LocalrtServer) -> None:
     assert generate(server, "smol").status_code == 200
     refused = generate(server, "gem")
@@ -87,13 +107,13 @@ def test_model_over_the_limit_is_refused_in_ollamas_words(server: LocalrtServer)
     assert "model requires more system memory" in refused.json()["error"]
 
 
-@pytest.mark.parametrize("server", ["250MiB"], indirect=True)
+@pytest.mark.parametrize("server", ["small-only"], indirect=True)
 def test_refusal_names_the_limit(server: LocalrtServer) -> None:
     error = generate(server, "gem").json()["error"]
     assert "LOCALRT_MAX_MEMORY" in error
 
 
-@pytest.mark.parametrize("server", ["250MiB"], indirect=True)
+@pytest.mark.parametrize("server", ["small-only"], indirect=True)
 def test_loaded_model_keeps_answering_after_a_refusal(server: LocalrtServer) -> None:
     generate(server, "smol")
     generate(server, "gem")
@@ -101,16 +121,16 @@ def test_loaded_model_keeps_answering_after_a_refusal(server: LocalrtServer) -> 
     assert generate(server, "smol").status_code == 200
 
 
-@pytest.mark.parametrize("server", ["320MiB"], indirect=True)
+@pytest.mark.parametrize("server", ["one-at-a-time"], indirect=True)
 def test_second_model_unloads_the_idle_first(server: LocalrtServer) -> None:
     generate(server, "smol")
     assert generate(server, "gem").status_code == 200
     assert list(loaded(server)) == ["gem:latest"]
 
 
-@pytest.mark.parametrize("server", ["200MiB"], indirect=True)
+@pytest.mark.parametrize("server", ["half-context"], indirect=True)
 def test_load_fitted_down_to_a_shorter_context(server: LocalrtServer) -> None:
-    """8192 tokens of KV do not fit 200 MiB; 4096 do: the model loads with the context that fits."""
+    """8192 tokens of KV do not fit the limit; 4096 do: the model loads with the context that fits."""
     assert generate(server, "smol-long").status_code == 200
     assert loaded(server)["smol-long:latest"]["context_length"] == 4096
 
@@ -135,8 +155,8 @@ def test_server_in_a_memory_cgroup_refuses_instead_of_being_killed(
 ) -> None:
     srv = serve(tmp_path, smollm2_gguf, gemma3_gguf)
     try:
-        # charges start when the process moves in: room for the small model (about 120 MiB), not for
-        # the larger one (about 280 MiB), whose load the kernel would answer by killing the server
+        # charges start when the process moves in: room for the small model (about 140 MiB), not for
+        # the larger one (about 330 MiB), whose load the kernel would answer by killing the server
         (cgroup / "memory.limit_in_bytes").write_text(str(220 << 20))
         (cgroup / "cgroup.procs").write_text(str(srv.proc.pid))
         refused = generate(srv, "gem")

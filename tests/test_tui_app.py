@@ -400,6 +400,9 @@ async def test_pulling_a_model_shows_progress(tmp_path: Path, monkeypatch: pytes
     gguf = write_tiny_llama(tmp_path / "tiny.gguf", n_embd=256, n_ff=512)  # a few MB: many progress events
     with Registry() as registry:
         registry.add_model("library/tiny", "latest", gguf)
+        # a link slow enough (about 1 s for the file) that the pull's progress, a few events a second,
+        # shows the bar part-filled
+        registry.delay = 0.01
         name = f"{registry.address}/library/tiny:latest"
 
         app = make_app(tmp_path / "models", tmp_path, model=None)

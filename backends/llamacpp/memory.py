@@ -40,7 +40,8 @@ def kv_bytes_per_token(metadata: dict[str, str], kv_type: str) -> int:
     n_head = max(1, num("attention.head_count", 1))
     n_head_kv = num("attention.head_count_kv", n_head)
     head_dim = num("attention.key_length", n_embd // n_head)
-    return int(2 * n_layer * n_head_kv * head_dim * KV_BYTES[kv_type])
+    # a type llama.cpp lacks is refused by the load itself, naming the types it has; size it as f16
+    return int(2 * n_layer * n_head_kv * head_dim * KV_BYTES.get(kv_type, KV_BYTES["f16"]))
 
 
 def auto_parallel(per_sequence: int, budget: int) -> int:

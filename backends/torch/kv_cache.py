@@ -167,7 +167,8 @@ class KVCache:
     def bytes_per_block(
         num_layers: int, n_kv_heads: int, head_dim: int, kv_type: str, block_size: int = BLOCK_SIZE
     ) -> int:
-        elem = torch.empty(0, dtype=KV_STORAGE[kv_type]).element_size()
+        # a type this engine lacks is refused by the load, naming the types it has; size it as f16
+        elem = torch.empty(0, dtype=KV_STORAGE.get(kv_type, torch.float16)).element_size()
         per_token = n_kv_heads * head_dim * elem + (n_kv_heads * 4 if kv_type in QUANTIZED_KV else 0)
         return 2 * num_layers * block_size * per_token
 

@@ -218,9 +218,15 @@ class GGUFInfo:
     file_size: int = 0
     # The GGUF value type of each metadata key ("UINT32", "ARRAY[STRING]", ...), for writers that copy them.
     metadata_types: dict[str, str] = field(default_factory=dict, repr=False)
-    # Where each key/value entry lies in the file ([start, end) bytes, key included): what merging the
-    # parts of a split GGUF copies as is.
-    metadata_spans: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    # Where each key/value entry starts in the file, in file order, then where the last one ends: what
+    # merging the parts of a split GGUF copies as is. Eight bytes a key, so a file of many keys stays
+    # within the reader's memory bound.
+    metadata_offsets: array.array = field(default_factory=lambda: array.array("Q"), repr=False)
+
+    def metadata_spans(self) -> dict[str, tuple[int, int]]:
+        """Each key's entry as [start, end) bytes of the file, key included."""
+        o = self.metadata_offsets
+        return {key: (o[i], o[i + 1]) for i, key in enumerate(self.metadata)}
 
     # ---- general ----
     @property
@@ -572,7 +578,7 @@ def _short(value: Any) -> str:
 def _parse(buf: bytes, file_size: int, max_metadata_bytes: int) -> GGUFInfo:
     r = _Reader(buf, file_size, max_metadata_bytes)
     version, n_tensors, n_kv = _read_header(r, file_size)
-    metadata, types, spans = _read_metadata(r, n_kv)
+    metadata, types, offsets = _read_metadata(r, n_kv)
     alignment = _check_metadata(metadata, types)
     tensors = _read_tensor_infos(r, n_tensors, alignment, file_size)
 
@@ -591,7 +597,7 @@ def _parse(buf: bytes, file_size: int, max_metadata_bytes: int) -> GGUFInfo:
         alignment=alignment,
         file_size=file_size,
         metadata_types=types,
-        metadata_spans=spans,
+        metadata_offsets=offsets,
     )
 
 
@@ -624,15 +630,13 @@ def _read_header(r: _Reader, file_size: int) -> tuple[int, int, int]:
     return version, n_tensors, n_kv
 
 
-def _read_metadata(
-    r: _Reader, n_kv: int
-) -> tuple[dict[str, Any], dict[str, str], dict[str, tuple[int, int]]]:
-    """The key/value section: (values, type labels such as "UINT32" or "ARRAY[STRING]", byte spans)."""
+def _read_metadata(r: _Reader, n_kv: int) -> tuple[dict[str, Any], dict[str, str], array.array]:
+    """The key/value section: (values, type labels such as "UINT32" or "ARRAY[STRING]", entry offsets)."""
     metadata: dict[str, Any] = {}
     types: dict[str, str] = {}
-    spans: dict[str, tuple[int, int]] = {}
+    offsets = array.array("Q")
     for index in range(n_kv):
-        entry_start = r.pos
+        offsets.append(r.pos)
         key = r.name_string(f"metadata key {index}", MAX_KEY_BYTES)
         if key in metadata:
             raise GGUFError(f"GGUF metadata key '{key}' appears twice")
@@ -647,8 +651,8 @@ def _read_metadata(
             (element_type,) = _U32.unpack_from(r.buf, value_start)
             type_label = f"ARRAY[{_VALUE_TYPES[element_type][0]}]"
         types[key] = type_label
-        spans[key] = (entry_start, r.pos)
-    return metadata, types, spans
+    offsets.append(r.pos)
+    return metadata, types, offsets
 
 
 def _read_tensor_infos(r: _Reader, n_tensors: int, alignment: int, file_size: int) -> list[TensorInfo]:

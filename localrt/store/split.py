@@ -112,7 +112,7 @@ def merge_parts(paths: list[Path], write: Callable[[bytes], None]) -> int:
     infos = [_read_part(p) for p in paths]
     check_parts(infos, [p.name for p in paths])
     first, align = infos[0], infos[0].alignment
-    kept = [(k, span) for k, span in first.metadata_spans.items() if k not in SPLIT_KEYS]
+    kept = [(k, span) for k, span in first.metadata_spans().items() if k not in SPLIT_KEYS]
     with open(paths[0], "rb") as f:
         header = f.read(first.data_offset)
     out = bytearray(b"GGUF")
