@@ -49,32 +49,66 @@ def grammar_sampler(lib: Any, vocab: Any, fmt: str | dict[str, Any] | GBNF) -> A
     return sampler
 
 
+class GrammarDeadEnd(LocalrtError):
+    """The grammar allows no token of the vocabulary next. llama.cpp aborts the whole process when a
+    grammar is made to accept a token it refused, so a request in this state ends with this error
+    before anything is accepted."""
+
+    def __init__(self) -> None:
+        super().__init__("the grammar allows no token of this model's vocabulary at this point of the output")
+
+
+class Candidates:
+    """A llama_token_data_array over the whole vocabulary, refilled from a row of logits for each token
+    (samplers sort and shrink it in place)."""
+
+    def __init__(self, lib: Any, n_vocab: int) -> None:
+        self.lib = lib
+        self.data = np.zeros(n_vocab, dtype=_TOKEN_DATA)
+        self._ids = np.arange(n_vocab, dtype=np.int32)
+        self._pointer = self.data.ctypes.data_as(ctypes.POINTER(lib.llama_token_data))
+        self.array = lib.llama_token_data_array(data=self._pointer, size=n_vocab, selected=-1, sorted=False)
+
+    def apply(self, sampler: Any, logits: np.ndarray) -> None:
+        """Run `sampler` (a grammar, or a whole chain) over `logits` [V]."""
+        data = self.data
+        data["id"] = self._ids
+        data["logit"] = logits
+        data["p"] = 0.0
+        self.array.data = self._pointer
+        self.array.size = len(data)
+        self.array.selected = -1
+        self.array.sorted = False
+        self.lib.llama_sampler_apply(sampler, ctypes.byref(self.array))
+
+    def selected(self) -> int:
+        """The token the chain chose; GrammarDeadEnd if the grammar had ruled out every token (a chain
+        then still picks one, with a logit of -inf)."""
+        index = self.array.selected
+        if not 0 <= index < self.array.size:
+            raise GrammarDeadEnd()
+        entry = self.array.data[index]
+        if not np.isfinite(entry.logit):
+            raise GrammarDeadEnd()
+        return int(entry.id)
+
+
 class Grammar:
     """One request's constraint over logits [V] (numpy); not thread-safe, like the request it serves."""
 
     def __init__(self, lib: Any, vocab: Any, n_vocab: int, fmt: str | dict[str, Any] | GBNF) -> None:
         self.lib = lib
         self.sampler = grammar_sampler(lib, vocab, fmt)
-        self._data = np.zeros(n_vocab, dtype=_TOKEN_DATA)
-        self._ids = np.arange(n_vocab, dtype=np.int32)
-        self._array = lib.llama_token_data_array(
-            data=self._data.ctypes.data_as(ctypes.POINTER(lib.llama_token_data)),
-            size=n_vocab,
-            selected=-1,
-            sorted=False,
-        )
+        self._candidates = Candidates(lib, n_vocab)
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
-        """logits [V] -> a copy with -inf on every token the grammar does not allow next."""
-        data = self._data
-        data["id"] = self._ids
-        data["logit"] = logits
-        data["p"] = 0.0
-        self._array.size = len(data)
-        self._array.selected = -1
-        self._array.sorted = False
-        self.lib.llama_sampler_apply(self.sampler, ctypes.byref(self._array))
-        return data["logit"].copy()
+        """logits [V] -> a copy with -inf on every token the grammar does not allow next (GrammarDeadEnd
+        where that is every token)."""
+        self._candidates.apply(self.sampler, logits)
+        masked = self._candidates.data["logit"].copy()
+        if not np.isfinite(masked).any():
+            raise GrammarDeadEnd()
+        return masked
 
     def accept(self, token: int) -> None:
         self.lib.llama_sampler_accept(self.sampler, token)

@@ -17,6 +17,7 @@ from localrt.backends.base import LoadOptions
 from localrt.backends.base import SamplingParams
 from localrt.backends.checks import check_kv_cache_type
 from localrt.backends.checks import check_model_file
+from localrt.backends.grammar import Candidates
 from localrt.backends.grammar import grammar_sampler
 from localrt.backends.llama_params import flash_attn_type
 from localrt.backends.outputs import float_array
@@ -206,7 +207,7 @@ def make_sampler(
         _add_truncations(chain, sp)
         chain.add_temp(sp.temperature)
         chain.add_dist(seed)
-    return chain
+    return GrammarChain(chain, lib, n_vocab) if fmt is not None else chain
 
 
 def _add_truncations(chain: Any, sp: SamplingParams) -> None:
@@ -218,6 +219,27 @@ def _add_truncations(chain: Any, sp: SamplingParams) -> None:
         chain.add_top_p(sp.top_p, 1)
     if sp.min_p > 0.0:
         chain.add_min_p(sp.min_p, 1)
+
+
+class GrammarChain:
+    """A chain holding a grammar, applied and accepted in two calls (llama_sampler_sample makes both in
+    one): when the grammar allows no token at all the chain still picks one, and llama.cpp aborts the
+    process on accepting it, so that pick ends the request instead (GrammarDeadEnd)."""
+
+    def __init__(self, chain: Any, lib: Any, n_vocab: int) -> None:
+        self.chain = chain
+        self.lib = lib
+        self.n_vocab = n_vocab
+        self.candidates = Candidates(lib, n_vocab)
+
+    def pick(self, ctx: Any, row: int) -> int:
+        self.candidates.apply(self.chain.sampler, logits_row(self.lib, ctx, row, self.n_vocab))
+        token = self.candidates.selected()
+        self.lib.llama_sampler_accept(self.chain.sampler, token)
+        return token
+
+    def close(self) -> None:
+        self.chain.close()
 
 
 class ArgmaxSampler:
@@ -237,7 +259,7 @@ class ArgmaxSampler:
 
 def sample(chain: Any, ctx: Any, row: int) -> int:
     """Draw from batch row `row` (the chain accepts the token, advancing its grammar and penalties)."""
-    if isinstance(chain, ArgmaxSampler):
+    if isinstance(chain, (ArgmaxSampler, GrammarChain)):
         return chain.pick(ctx, row)
     return int(_lib().llama_sampler_sample(chain.sampler, ctx, row))
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from localrt.backends.engine_thread import EngineThread
 from localrt.backends.engine_thread import RequestQueues
+from localrt.backends.grammar import GrammarDeadEnd
 from localrt.backends.outputs import logprob_values
 from localrt.backends.speculation import VERIFY_COST_PER_DRAFT
 from localrt.errors import LocalrtError
@@ -266,7 +267,11 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
             job.timings.prompt_eval_ns = job.t_prompt - job.t_admit
         accepted, finish = 0, None
         for j, row in enumerate(rows):
-            token, finish = self._take_token(job, row)
+            try:
+                token, finish = self._take_token(job, row)
+            except GrammarDeadEnd as error:  # this request's grammar, not the batch's fault
+                self._fail(job, error)
+                return
             if finish is not None:
                 break
             if j < len(drafts) and token == drafts[j]:

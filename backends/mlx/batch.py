@@ -36,6 +36,7 @@ import numpy as np
 from localrt.backends.base import CancelToken
 from localrt.backends.engine_thread import EngineThread
 from localrt.backends.engine_thread import RequestQueues
+from localrt.backends.grammar import GrammarDeadEnd
 from localrt.backends.outputs import logprob_values
 from localrt.backends.speculation import SpecState
 from localrt.backends.speculation import verify
@@ -307,7 +308,12 @@ class BatchEngine(RequestQueues, EngineThread):
                 assert host is not None
                 rows = host[offset : offset + p.logits_rows]
                 offset += p.logits_rows
-                new = self._host_tokens(p, rows)
+                try:
+                    new = self._host_tokens(p, rows)
+                except GrammarDeadEnd as error:  # this request's grammar, not the batch's fault
+                    row.error = error
+                    self._end(row, "error", out)
+                    continue
                 lp = [self._host_logprob(row, rows[j], t) for j, t in enumerate(new)]
             if row.finish is not None:
                 continue

@@ -26,6 +26,7 @@ from localrt.backends.base import SamplingParams
 from localrt.backends.checks import check_prompt
 from localrt.backends.engine_thread import EngineThread
 from localrt.backends.grammar import Grammar
+from localrt.backends.grammar import GrammarDeadEnd
 from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
 
@@ -320,7 +321,12 @@ class Engine(EngineThread):
             return None
         logits = batch.logits[span[0] : span[1]]
         if drawn is None:
-            drawn = self._draw_alone(item, logits, q)
+            try:
+                drawn = self._draw_alone(item, logits, q)
+            except GrammarDeadEnd as error:  # this request's grammar, not the batch's fault
+                seq.error = error
+                sched.finish(seq, "error")
+                return None
         if seq.first_token_ns == 0:
             seq.first_token_ns = time.perf_counter_ns()
         out = StepOutput(seq)
