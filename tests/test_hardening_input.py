@@ -386,6 +386,44 @@ def test_pull_progress_is_coalesced(models_dir: Path) -> None:
     assert mine[-1].completed == len(payload)
 
 
+PULLERS = 8
+
+
+def concurrent_pulls(server: LocalrtServer) -> tuple[Registry, list[int]]:
+    """PULLERS clients pull distinct models at once over a slow link; the registry notes how many blob
+    downloads it served at the same time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    registry = Registry()
+    with registry:
+        for i in range(PULLERS):
+            # configs of their own: pulls that share a blob take turns on it
+            registry.add_model(
+                f"library/many{i}", "1", os.urandom(1 << 20), config_extra={"model_type": f"{i}M"}
+            )
+        registry.delay = 0.02  # about 0.3 s a model: the pulls overlap
+
+        def one(i: int) -> int:
+            body = {"model": f"{registry.address}/library/many{i}:1", "insecure": True, "stream": False}
+            return httpx.post(server.url + "/api/pull", json=body, timeout=300).status_code
+
+        with ThreadPoolExecutor(PULLERS) as pool:
+            codes = list(pool.map(one, range(PULLERS)))
+    return registry, codes
+
+
+def test_concurrent_pulls_are_capped(server: LocalrtServer) -> None:
+    from localrt.api.ollama import MAX_STORE_JOBS
+
+    registry, _ = concurrent_pulls(server)
+    assert registry.most_blob_gets <= MAX_STORE_JOBS
+
+
+def test_pulls_beyond_the_cap_wait_and_succeed(server: LocalrtServer) -> None:
+    _, codes = concurrent_pulls(server)
+    assert codes == [200] * PULLERS
+
+
 # ---- cache hits are reported per API key -------------------------------------------------------------
 LONG = " ".join(f"word{i}" for i in range(120))
 

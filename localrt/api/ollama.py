@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 from collections.abc import AsyncIterator
@@ -39,6 +40,37 @@ router = APIRouter()
 
 def store_of(request: Request) -> Store:
     return request.app.state.store
+
+
+# Pulls, pushes and creates each run in a thread of their own and go on when their client leaves (as
+# Ollama's do); past this many at once the others wait for a thread, so no number of requests starts more.
+MAX_STORE_JOBS = 4
+
+
+def store_job(
+    request: Request, work: Callable[[Callable[[Any], None]], None], name: str
+) -> AsyncIterator[Any]:
+    """`work` in a thread of its own once one of MAX_STORE_JOBS is free; its items as they come."""
+    state = request.app.state
+    if getattr(state, "store_jobs", None) is None:
+        state.store_jobs = asyncio.Semaphore(MAX_STORE_JOBS)
+    slots: asyncio.Semaphore = state.store_jobs
+
+    async def run() -> AsyncIterator[Any]:
+        await slots.acquire()
+        loop = asyncio.get_running_loop()
+
+        def guarded(emit: Callable[[Any], None]) -> None:
+            try:
+                work(emit)
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for the slot
+                    loop.call_soon_threadsafe(slots.release)
+
+        async for item in run_in_thread_stream(guarded, wait=False, name=name):
+            yield item
+
+    return run()
 
 
 def rfc3339(ts: float) -> str:
@@ -275,9 +307,7 @@ async def pull(request: Request) -> Response:
     def work(emit: Callable[[dict[str, Any]], None]) -> None:
         do_pull(name, store=store, insecure=insecure, progress=lambda e: emit(progress_dict(e)))
 
-    return await respond(
-        run_in_thread_stream(work, wait=False, name="localrt-pull"), body.stream is not False
-    )
+    return await respond(store_job(request, work, "localrt-pull"), body.stream is not False)
 
 
 @router.post(
@@ -296,9 +326,7 @@ async def push(request: Request) -> Response:
     def work(emit: Callable[[dict[str, Any]], None]) -> None:
         do_push(name, store=store, insecure=insecure, progress=lambda e: emit(progress_dict(e)))
 
-    return await respond(
-        run_in_thread_stream(work, wait=False, name="localrt-push"), body.stream is not False
-    )
+    return await respond(store_job(request, work, "localrt-push"), body.stream is not False)
 
 
 @router.post(
@@ -325,9 +353,7 @@ async def create(request: Request) -> Response:
         create_from_request(name, fields, store=store, progress=lambda status: emit({"status": status}))
         emit({"status": "success"})
 
-    return await respond(
-        run_in_thread_stream(work, wait=False, name="localrt-create"), body.stream is not False
-    )
+    return await respond(store_job(request, work, "localrt-create"), body.stream is not False)
 
 
 class LengthRequired(LocalrtError):

@@ -20,6 +20,7 @@ import hashlib
 import json
 import re
 import socket
+import threading
 import uuid
 from pathlib import Path
 from urllib.parse import parse_qs
@@ -182,6 +183,10 @@ class Registry(Server):
         self.corrupt: set[str] = set()  # digests served with one byte flipped
         self.delay: float = 0.0  # seconds of sleep per 64 KiB chunk (a slow link)
         self.ignore_range = False  # answer 200 with the whole blob, as some CDNs do
+        # blob downloads being served at this moment, and the most there ever were at once
+        self.blob_gets_now = 0
+        self.most_blob_gets = 0
+        self._gets_lock = threading.Lock()
         self.redirect_blobs_to: str | None = None  # base URL of a BlobHost
         # uploads
         self.uploads: dict[str, bytearray] = {}  # session id -> bytes received so far
@@ -297,13 +302,20 @@ class Registry(Server):
         if digest in self.corrupt:
             source = corrupt(source)
         drop = self.drop_after.pop(digest, None) if handler.command == "GET" else None
-        handler.send_ranged(
-            source,
-            {"Content-Type": "application/octet-stream", "Docker-Content-Digest": digest},
-            drop_after=drop,
-            delay=self.delay,
-            honour_range=not self.ignore_range,
-        )
+        with self._gets_lock:
+            self.blob_gets_now += 1
+            self.most_blob_gets = max(self.most_blob_gets, self.blob_gets_now)
+        try:
+            handler.send_ranged(
+                source,
+                {"Content-Type": "application/octet-stream", "Docker-Content-Digest": digest},
+                drop_after=drop,
+                delay=self.delay,
+                honour_range=not self.ignore_range,
+            )
+        finally:
+            with self._gets_lock:
+                self.blob_gets_now -= 1
 
     def add_blob(self, data: bytes | Path) -> dict[str, object]:
         digest = digest_of(data)
@@ -326,8 +338,10 @@ class Registry(Server):
         *,
         template: str | None = None,
         params: dict[str, object] | None = None,
+        config_extra: dict[str, object] | None = None,
     ) -> tuple[str, dict[str, object]]:
-        """Publish a model the way `ollama push` would; returns (manifest digest, model layer)."""
+        """Publish a model the way `ollama push` would; returns (manifest digest, model layer).
+        `config_extra` adds keys to its config blob (models of the same family share that blob)."""
         model_layer = {"mediaType": "application/vnd.ollama.image.model", **self.add_blob(model)}
         layers = [model_layer]
         if template is not None:
@@ -348,6 +362,7 @@ class Registry(Server):
                 "architecture": "amd64",
                 "os": "linux",
                 "rootfs": {"type": "layers", "diff_ids": []},
+                **(config_extra or {}),
             }
         ).encode()
         manifest = {
