@@ -27,6 +27,8 @@ class ComputeDevice:
     name: str  # ggml's device name: CPU, CUDA0, Metal, Vulkan0, ROCm0, ...
     description: str
     kind: str  # one of DEVICE_KINDS
+    free: int = 0  # bytes of its memory free now, as the device reports them (0 where it does not)
+    total: int = 0
 
     def __str__(self) -> str:
         return f"{self.name} ({self.kind}: {self.description})"
@@ -48,6 +50,9 @@ def _ggml_library() -> Any:
         getattr(lib, name).argtypes = [ctypes.c_void_p]
     lib.ggml_backend_dev_type.restype = ctypes.c_int
     lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_memory.restype = None
+    size_p = ctypes.POINTER(ctypes.c_size_t)
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, size_p, size_p]
     return lib
 
 
@@ -62,14 +67,28 @@ def compute_devices() -> list[ComputeDevice] | None:
     for i in range(int(lib.ggml_backend_dev_count())):
         dev = lib.ggml_backend_dev_get(i)
         kind = int(lib.ggml_backend_dev_type(dev))
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         devices.append(
             ComputeDevice(
                 (lib.ggml_backend_dev_name(dev) or b"?").decode(errors="replace"),
                 (lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
                 DEVICE_KINDS[kind] if 0 <= kind < len(DEVICE_KINDS) else f"type {kind}",
+                int(free.value),
+                int(total.value),
             )
         )
     return devices
+
+
+def gpu_room(devices: Sequence[ComputeDevice] | None, overhead: int) -> int | None:
+    """Bytes the GPUs of the build can take now: each one's free memory less `overhead`
+    (LOCALRT_GPU_OVERHEAD), summed, as llama.cpp spreads layers over every GPU it has. None without a
+    GPU device, or where the devices do not report their memory."""
+    gpus = [d for d in devices or () if d.kind in ("gpu", "igpu")]
+    if not gpus or not any(d.total for d in gpus):
+        return None
+    return sum(max(0, d.free - overhead) for d in gpus)
 
 
 def build_offloads(devices: Sequence[ComputeDevice] | None) -> bool:

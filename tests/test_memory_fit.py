@@ -15,7 +15,10 @@ import httpx
 import pytest
 
 from localrt.backends.base import LoadOptions
+from localrt.backends.devices import ComputeDevice
+from localrt.backends.devices import gpu_room
 from localrt.backends.llamacpp.memory import estimate as llamacpp_estimate
+from localrt.backends.llamacpp.memory import gpu_layers
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
 from tests.servers.serve import LocalrtServer
@@ -211,3 +214,70 @@ def test_bad_max_memory_is_one_line(tmp_path: Path, smollm2_gguf: Path) -> None:
     assert out.stderr.strip().splitlines() == [
         "Error: LOCALRT_MAX_MEMORY must be a size such as 8GiB or 512MiB, not 'lots'"
     ]
+
+
+# ---- GPU layers that fit (llama.cpp's n_gpu_layers for num_gpu -1) ---------------------------------
+def block_bytes(gguf: Path) -> list[int]:
+    """Each block's weight bytes, by gguf-py's reader (not ours)."""
+    from gguf import GGUFReader
+
+    sizes: dict[int, int] = {}
+    for t in GGUFReader(gguf).tensors:
+        if t.name.startswith("blk."):
+            index = int(t.name.split(".")[1])
+            sizes[index] = sizes.get(index, 0) + int(t.n_bytes)
+    return [sizes[i] for i in sorted(sizes)]
+
+
+GPU_OPTS = LoadOptions(num_ctx=512, num_parallel=1)
+
+
+def test_no_gpu_room_gives_no_layers(smollm2_gguf: Path) -> None:
+    assert gpu_layers(smollm2_gguf, GPU_OPTS, 0) == 0
+
+
+def test_room_for_everything_gives_every_layer_and_the_output(smollm2_gguf: Path) -> None:
+    n_blocks = len(block_bytes(smollm2_gguf))
+    assert gpu_layers(smollm2_gguf, GPU_OPTS, 1 << 40) == n_blocks + 1
+
+
+def test_more_room_never_gives_fewer_layers(smollm2_gguf: Path) -> None:
+    total = llamacpp_estimate(smollm2_gguf, GPU_OPTS).total
+    counts = [gpu_layers(smollm2_gguf, GPU_OPTS, total * k // 20) for k in range(21)]
+    assert counts == sorted(counts)
+
+
+def test_placed_layers_fit_and_one_more_would_not(smollm2_gguf: Path) -> None:
+    """Half the room the whole model takes: the last n blocks (weights and their KV) and the buffers fit
+    it, the last n + 1 do not."""
+    from localrt.backends.llamacpp.memory import BUFFER_BASE
+    from localrt.backends.llamacpp.memory import BUFFER_PER_VOCAB_TOKEN
+
+    blocks = block_bytes(smollm2_gguf)
+    whole = llamacpp_estimate(smollm2_gguf, GPU_OPTS)
+    room = whole.total // 2
+    n = gpu_layers(smollm2_gguf, GPU_OPTS, room)
+    kv_per_block = whole.kv // len(blocks)
+    from gguf import GGUFReader
+
+    n_vocab = len(GGUFReader(smollm2_gguf).fields["tokenizer.ggml.tokens"].data)
+    buffers = BUFFER_BASE + BUFFER_PER_VOCAB_TOKEN * n_vocab
+    used = [buffers + sum(b + kv_per_block for b in blocks[len(blocks) - k :]) for k in (n, n + 1)]
+    assert used[0] <= room < used[1]
+
+
+def test_gpu_room_is_each_gpus_free_memory_less_the_overhead() -> None:
+    devices = [
+        ComputeDevice("CPU", "cpu", "cpu", 1 << 34, 1 << 35),
+        ComputeDevice("CUDA0", "gpu", "gpu", 8 << 30, 16 << 30),
+        ComputeDevice("CUDA1", "gpu", "gpu", 4 << 30, 16 << 30),
+    ]
+    assert gpu_room(devices, 1 << 30) == (7 << 30) + (3 << 30)
+
+
+def test_no_gpu_means_no_gpu_room() -> None:
+    assert gpu_room([ComputeDevice("CPU", "cpu", "cpu", 1 << 34, 1 << 35)], 0) is None
+
+
+def test_this_cpu_build_estimates_for_the_cpu(smollm2_gguf: Path) -> None:
+    assert llamacpp_estimate(smollm2_gguf, GPU_OPTS).device == "CPU"

@@ -13,10 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from localrt import config
 from localrt.backends.base import LoadOptions
 from localrt.backends.base import SamplingParams
 from localrt.backends.checks import check_kv_cache_type
 from localrt.backends.checks import check_model_file
+from localrt.backends.devices import compute_devices
+from localrt.backends.devices import gpu_room
 from localrt.backends.grammar import Candidates
 from localrt.backends.grammar import grammar_sampler
 from localrt.backends.llama_params import flash_attn_type
@@ -24,9 +27,10 @@ from localrt.backends.outputs import float_array
 from localrt.errors import LocalrtError
 from localrt.errors import OptionError
 
+from .memory import gpu_layers
+
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 QUANTIZED_KV = {"q4_0", "q8_0"}
-KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1.0625, "q4_0": 0.5625}
 
 _init_lock = threading.Lock()
 _initialized = False
@@ -63,6 +67,14 @@ def gpu_offload_supported() -> bool:
         return False
 
 
+ALL_LAYERS = 0x7FFFFFFF  # n_gpu_layers past any block count: every block and the output layer
+
+
+def fitted_gpu_layers(path: Path, opts: LoadOptions) -> int:
+    room = gpu_room(compute_devices(), config.gpu_overhead())
+    return ALL_LAYERS if room is None else gpu_layers(path, opts, room)
+
+
 def check_kv_options(opts: LoadOptions) -> None:
     check_kv_cache_type(opts.kv_cache_type, list(KV_TYPES), "llama.cpp")
     if opts.flash_attn is False and opts.kv_cache_type in QUANTIZED_KV:
@@ -77,7 +89,9 @@ def load_model(path: Path, opts: LoadOptions) -> tuple[Any, bool]:
     params = lib.llama_model_default_params()
     use_gpu = gpu_offload_supported()
     n_gpu = opts.num_gpu if use_gpu else 0
-    params.n_gpu_layers = 0x7FFFFFFF if n_gpu < 0 else n_gpu
+    if n_gpu < 0:  # as many layers as fit (every layer where the GPUs do not say what is free)
+        n_gpu = fitted_gpu_layers(path, opts)
+    params.n_gpu_layers = n_gpu
     check_model_file(path)
     try:
         model = _internals.LlamaModel(path_model=str(path), params=params, verbose=False)

@@ -5,16 +5,21 @@ buffers, which grow with the vocabulary (the logits rows)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from localrt import config
 from localrt.backends.base import LoadOptions
+from localrt.backends.devices import compute_devices
+from localrt.backends.devices import gpu_room
 from localrt.backends.memory import MemoryEstimate
 from localrt.backends.memory import available_memory
 from localrt.backends.memory import context_for
 from localrt.backends.memory import file_size
 from localrt.backends.memory import model_shape
 
-from .lib import KV_BYTES
+# bytes a cache cell takes per element, by KV type (the quantized types with their block scales)
+KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1.0625, "q4_0": 0.5625}
 
 # Fitted on SmolLM2-135M (49k tokens) and Gemma 3 270M (262k tokens), a first load in a fresh process:
 # resident growth past the file and the KV cache was 33 MiB and 81 MiB (llama.cpp's own start-up
@@ -65,6 +70,36 @@ def padded(context: int) -> int:
     return -(-context // STREAM_PAD) * STREAM_PAD
 
 
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+def gpu_layers(path: Path, opts: LoadOptions, room: int) -> int:
+    """`n_gpu_layers` for "as many layers as fit" in `room` bytes of GPU memory. llama.cpp puts the last
+    n blocks on the GPU, each with its weights and its share of the KV cache, and the output layer too
+    once n passes the block count; the compute buffers are set aside first. 0 when not one block fits."""
+    shape = model_shape(path)
+    context = context_for(shape, opts.num_ctx)
+    per_token = kv_bytes_per_token(shape.text_metadata(), opts.kv_cache_type)
+    parallel = parallel_for(per_token * context, opts.num_parallel)
+    n_layer = max(1, shape.n_layer)
+    kv_per_block = per_token * padded(context) * parallel // n_layer
+    blocks, output = [0] * n_layer, 0
+    for t in shape.info.tensors:
+        m = _BLOCK.match(t.name)
+        if m is not None and int(m[1]) < n_layer:
+            blocks[int(m[1])] += t.n_bytes
+        elif t.name.startswith("output"):
+            output += t.n_bytes
+    left = room - (BUFFER_BASE + BUFFER_PER_VOCAB_TOKEN * shape.n_vocab)
+    placed = 0
+    for block in reversed(blocks):
+        if block + kv_per_block > left:
+            return placed
+        left -= block + kv_per_block
+        placed += 1
+    return placed + 1 if output <= left else placed
+
+
 def estimate(path: Path, opts: LoadOptions) -> MemoryEstimate:
     shape = model_shape(path)
     metadata = shape.text_metadata()
@@ -76,8 +111,15 @@ def estimate(path: Path, opts: LoadOptions) -> MemoryEstimate:
     if opts.draft_model is not None:  # the draft gets a context with the target's parameters
         draft_meta = model_shape(opts.draft_model).text_metadata()
         draft = file_size(opts.draft_model) + kv_bytes_per_token(draft_meta, opts.kv_cache_type) * kv_tokens
+    room = gpu_room(compute_devices(), config.gpu_overhead()) if opts.num_gpu != 0 else None
+    if room is None:
+        device = "CPU"
+    else:  # the layers llama.cpp would get on the GPUs as asked, of the blocks and the output layer
+        layers = gpu_layers(path, opts, room) if opts.num_gpu < 0 else opts.num_gpu
+        device = f"GPU: {min(layers, shape.n_layer + 1)} of {shape.n_layer + 1} layers"
     return MemoryEstimate(
         backend="llama.cpp",
+        device=device,
         weights=file_size(path),
         kv=per_token * kv_tokens,
         buffers=BUFFER_BASE + BUFFER_PER_VOCAB_TOKEN * shape.n_vocab,
