@@ -1,7 +1,9 @@
 """Configuration from the environment (docs/configuration.md). Read at call time so tests can set variables.
 
 The one module that reads environment variables: every other module asks here (tests and benchmarks
-excepted), so `grep environ` finds every knob in one place.
+excepted), so `grep environ` finds every knob in one place. `VARIABLES` lists each one with its default
+and meaning; the accessors below take their defaults from it, `localrt serve --help` prints it and
+docs/configuration.md is rendered from it (`python -m localrt.config` rewrites the page).
 """
 
 from __future__ import annotations
@@ -9,13 +11,299 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
 
 from localrt.errors import LocalrtError
 
-DEFAULT_HOST = "127.0.0.1:11434"
+SERVER = "The server and the CLI"
+SECURITY = "Security"
+TESTS = "Tests and benchmarks only"
+SECTION_NOTES = {SECURITY: "See [security.md](security.md) for what each setting guards."}
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable. `default` is the text that, set, behaves as the variable unset ("" where
+    nothing does); `shown` describes a default that is computed or means "nothing"."""
+
+    name: str
+    type: str
+    default: str
+    section: str
+    help: str
+    shown: str = ""
+
+    @property
+    def default_text(self) -> str:
+        """The default as the page shows it, in markdown."""
+        return self.shown or (f"`{self.default}`" if self.default else "(none)")
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable(
+        "LOCALRT_HOST",
+        "address",
+        "127.0.0.1:11434",
+        SERVER,
+        "Where `serve` listens and where the CLI and the chat app look for a server. Accepts `host`, "
+        "`host:port`, `:port` or `http://host:port`.",
+    ),
+    Variable(
+        "LOCALRT_MODELS",
+        "path",
+        "",
+        SERVER,
+        "The model store. Set it to `~/.ollama/models` to use an Ollama store in place.",
+        shown="platformdirs user data dir + `/models`",
+    ),
+    Variable(
+        "LOCALRT_KEEP_ALIVE",
+        "duration",
+        "5m",
+        SERVER,
+        "How long an idle model stays loaded (`30s`, `10m`, `1h`, seconds, or `-1` for forever).",
+    ),
+    Variable(
+        "LOCALRT_MAX_LOADED_MODELS",
+        "integer",
+        "2",
+        SERVER,
+        "Models kept loaded at once. Beyond it, the least recently used idle model is unloaded. Remote "
+        "models do not count.",
+    ),
+    Variable(
+        "LOCALRT_MAX_QUEUE",
+        "integer",
+        "512",
+        SERVER,
+        'Waiting requests per model. Beyond it the API answers 503 "server busy".',
+    ),
+    Variable(
+        "LOCALRT_NUM_PARALLEL",
+        "count",
+        "auto",
+        SERVER,
+        "Concurrent sequences per loaded model: `auto` (what fits the memory budget, 4 to 8 where 4 fit) or "
+        "1 to 256. For a remote model: requests in flight per endpoint (default 64).",
+    ),
+    Variable(
+        "LOCALRT_CONTEXT_LENGTH",
+        "integer",
+        "4096",
+        SERVER,
+        "`num_ctx` when neither the request nor the Modelfile sets it.",
+    ),
+    Variable(
+        "LOCALRT_BACKEND",
+        "name",
+        "auto",
+        SERVER,
+        "`llama.cpp`, `torch`, `mlx` or `auto` (MLX on Apple Silicon, else llama.cpp).",
+    ),
+    Variable(
+        "LOCALRT_KV_CACHE_TYPE",
+        "name",
+        "f16",
+        SERVER,
+        "The KV cache type where the request does not set one: `f16`, `bf16`, `f32`, `q8_0` (`int8`), "
+        "`q4_0`, `fp8`, where the backend supports it.",
+    ),
+    Variable(
+        "LOCALRT_MAX_RESPONSES",
+        "integer",
+        "1000",
+        SERVER,
+        "Stored `/v1/responses`. Past it, the least recently used response is dropped.",
+    ),
+    Variable(
+        "LOCALRT_DATA",
+        "path",
+        "",
+        SERVER,
+        "Where the chat app keeps its conversation database.",
+        shown="platformdirs user data dir",
+    ),
+    Variable(
+        "LOCALRT_MLX_BLAS",
+        "name",
+        "",
+        SERVER,
+        "`openblas` or a library path: the BLAS under MLX's fp32 products on Linux (opt-in; see "
+        "[backends.md](backends.md)).",
+        shown="(MLX's own)",
+    ),
+    Variable(
+        "LOCALRT_MAX_MEMORY",
+        "size",
+        "",
+        SERVER,
+        "The memory loaded models may use together (`8GiB`, `512MiB`). Beyond it idle models are unloaded, "
+        "then the load is fitted down or refused. See [memory.md](memory.md).",
+        shown="free RAM (within the memory cgroup)",
+    ),
+    Variable(
+        "LOCALRT_GPU_OVERHEAD",
+        "size",
+        "0",
+        SERVER,
+        "VRAM kept free on each GPU (`512MiB`). Read, but no per-device fitting uses it yet (see "
+        "[memory.md](memory.md)).",
+    ),
+    Variable(
+        "LOCALRT_AGENT_PATH",
+        "paths",
+        "",
+        SERVER,
+        "Where `localrt launch` looks for `claude`, `codex` and `opencode` before `PATH`.",
+    ),
+    Variable(
+        "LOCALRT_DEBUG",
+        "flag",
+        "",
+        SERVER,
+        "`1`: the CLI shows tracebacks, and llama.cpp's own log is not silenced.",
+        shown="off",
+    ),
+    Variable(
+        "HF_ENDPOINT",
+        "URL",
+        "",
+        SERVER,
+        "The Hub (or a mirror) that `pull hf.co/...` and `convert ORG/REPO` use.",
+        shown="Hugging Face",
+    ),
+    Variable(
+        "LOCALRT_API_KEY",
+        "text",
+        "",
+        SECURITY,
+        "When set, every API call needs `Authorization: Bearer <key>` (or `x-api-key`). It is compared in "
+        "constant time. The CLI and the chat app send it.",
+    ),
+    Variable(
+        "LOCALRT_ORIGINS",
+        "list",
+        "",
+        SECURITY,
+        "Extra CORS origins allowed beside localhost, comma separated.",
+    ),
+    Variable(
+        "LOCALRT_ALLOWED_HOSTS",
+        "list",
+        "",
+        SECURITY,
+        "Extra names allowed in the `Host` header, comma separated. Loopback names, and the machine's own "
+        "names and addresses, are always allowed.",
+    ),
+    Variable(
+        "LOCALRT_REMOTE_KEY_ENVS",
+        "list",
+        "",
+        SECURITY,
+        "The environment variables an API client may name as a remote model's `api_key_env`. The CLI may "
+        "name any.",
+    ),
+    Variable(
+        "LOCALRT_MAX_BODY",
+        "integer",
+        "67108864",
+        SECURITY,
+        "The largest request body, in bytes. Blob uploads are streamed and digest-checked instead.",
+        shown="`67108864` (64 MiB)",
+    ),
+    Variable(
+        "LOCALRT_FETCH_IMAGES",
+        "flag",
+        "",
+        SECURITY,
+        "`1`: OpenAI `image_url` parts and Responses `input_image` parts may name http(s) URLs (at most "
+        "10 s and 20 MiB each).",
+        shown="off",
+    ),
+    Variable(
+        "LOCALRT_TEST_THREADS",
+        "integer",
+        "1",
+        TESTS,
+        "llama.cpp threads in the tests. On a busy 2-core machine, two spinning threads slow decoding many "
+        "times over.",
+    ),
+    Variable(
+        "LOCALRT_TEST_CACHE",
+        "path",
+        "~/.cache/localrt-tests",
+        TESTS,
+        "Test models, the llama.cpp sources and the llama.cpp tools the oracle tests build.",
+    ),
+    Variable(
+        "LOCALRT_UPDATE_SCREENSHOT",
+        "flag",
+        "",
+        TESTS,
+        "`1`: `tests/test_tui_terminal.py` retakes `docs/tui.svg`.",
+        shown="off",
+    ),
+    Variable(
+        "LOCALRT_FUZZ_ARTIFACTS",
+        "path",
+        "",
+        TESTS,
+        "Where the GGUF fuzzer saves a failing input.",
+        shown="a temporary directory",
+    ),
+)
+BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def default_of(name: str) -> str:
+    """The default text of a variable in `VARIABLES` (a KeyError for one missing from the table)."""
+    return BY_NAME[name].default
+
+
+INTRO = """\
+Every setting is optional. The code reads each one through `localrt/config.py`, the only module that reads
+environment variables, which is also where each default lives. A bad value (a port that is not a number,
+`LOCALRT_NUM_PARALLEL=0`) is a one-line error at start-up."""
+
+
+def configuration_markdown() -> str:
+    """docs/configuration.md: the intro, then one table per section, in the order of `VARIABLES`."""
+    out = [
+        "# Configuration",
+        "",
+        "<!-- Rendered from VARIABLES in localrt/config.py by `python -m localrt.config`: edit the table there. -->",
+        "",
+        INTRO,
+    ]
+    for section in dict.fromkeys(v.section for v in VARIABLES):
+        out += ["", f"## {section}", ""]
+        if section in SECTION_NOTES:
+            out += [SECTION_NOTES[section], ""]
+        out += ["| variable | default | meaning |", "|---|---|---|"]
+        out += [f"| `{v.name}` | {v.default_text} | {v.help} |" for v in VARIABLES if v.section == section]
+    return "\n".join(out) + "\n"
+
+
+def _plain(markdown: str) -> str:
+    """Markdown for a terminal: a link becomes the repository path of its page (links are relative to
+    docs/), code spans lose their backticks."""
+    return re.sub(r"\[[^\]]*\]\(([^)]*)\)", r"docs/\1", markdown).replace("`", "")
+
+
+def help_text(width: int = 100) -> str:
+    """The variables a running localrt reads (not the tests' own), for `localrt serve --help`."""
+    lines = ["environment variables (docs/configuration.md):"]
+    for v in VARIABLES:
+        if v.section == TESTS:
+            continue
+        lines.append(f"  {v.name}  ({v.type}, default: {_plain(v.default_text)})")
+        lines += textwrap.wrap(_plain(v.help), width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines)
 
 
 def setting(name: str, default: str = "") -> str:
@@ -25,15 +313,15 @@ def setting(name: str, default: str = "") -> str:
 
 def debug() -> bool:
     """`LOCALRT_DEBUG=1`: the CLI re-raises errors so the traceback shows."""
-    return setting("LOCALRT_DEBUG") not in ("", "0")
+    return (setting("LOCALRT_DEBUG") or default_of("LOCALRT_DEBUG")) not in ("", "0")
 
 
 def default_backend() -> str:
-    return setting("LOCALRT_BACKEND") or "auto"
+    return setting("LOCALRT_BACKEND") or default_of("LOCALRT_BACKEND")
 
 
 def default_kv_cache_type() -> str:
-    return setting("LOCALRT_KV_CACHE_TYPE").lower() or "f16"
+    return setting("LOCALRT_KV_CACHE_TYPE").lower() or default_of("LOCALRT_KV_CACHE_TYPE")
 
 
 def extra_origins() -> list[str]:
@@ -65,35 +353,38 @@ def data_dir() -> Path:
 
 def host() -> tuple[str, int]:
     """`LOCALRT_HOST` as (host, port); accepts `host`, `host:port`, `:port`, `http://host:port`."""
-    raw = os.environ.get("LOCALRT_HOST", DEFAULT_HOST).strip()
+    raw = os.environ.get("LOCALRT_HOST", default_of("LOCALRT_HOST")).strip()
+    default_port = default_of("LOCALRT_HOST").rpartition(":")[2]
     raw = re.sub(r"^[a-z]+://", "", raw).rstrip("/")
     if raw.startswith("["):  # [::1]:port
         h, _, rest = raw[1:].partition("]")
-        port = rest.lstrip(":") or "11434"
+        port = rest.lstrip(":") or default_port
     else:
         h, sep, port = raw.rpartition(":")
         if not sep:
-            h, port = raw, "11434"
+            h, port = raw, default_port
     try:
         return (h or "127.0.0.1", int(port))
     except ValueError:
         raise LocalrtError(f"LOCALRT_HOST has a bad port: {raw!r}") from None
 
 
-def env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int | None = None) -> int:
+    """An integer variable; `default` None means the table's."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
-        return default
+        return int(default_of(name)) if default is None else default
     try:
         return int(raw)
     except ValueError:
         raise LocalrtError(f"{name} must be an integer, got {raw!r}") from None
 
 
-def parse_duration(value: str | int | float | None, default: float = 300.0) -> float:
-    """Ollama's keep_alive: "5m", "1h30m", "300" or 300 (seconds); negative means forever (inf)."""
+def parse_duration(value: str | int | float | None, default: float | None = None) -> float:
+    """Ollama's keep_alive: "5m", "1h30m", "300" or 300 (seconds); negative means forever (inf). No value
+    means `default`, or LOCALRT_KEEP_ALIVE's default in the table."""
     if value is None or value == "":
-        return default
+        return parse_duration(default_of("LOCALRT_KEEP_ALIVE")) if default is None else default
     if isinstance(value, bool):
         raise LocalrtError(f"invalid duration: {value!r}")
     if isinstance(value, (int, float)):
@@ -114,7 +405,7 @@ def parse_duration(value: str | int | float | None, default: float = 300.0) -> f
 
 
 def keep_alive_default() -> float:
-    return parse_duration(os.environ.get("LOCALRT_KEEP_ALIVE"), 300.0)
+    return parse_duration(os.environ.get("LOCALRT_KEEP_ALIVE"))
 
 
 def agent_path() -> list[Path]:
@@ -155,7 +446,7 @@ MAX_NUM_PARALLEL = 256
 
 def num_parallel() -> int:
     """LOCALRT_NUM_PARALLEL: `auto` (the default, 0 here: the backend fits the memory budget) or 1..256."""
-    raw = setting("LOCALRT_NUM_PARALLEL").lower()
+    raw = (setting("LOCALRT_NUM_PARALLEL") or default_of("LOCALRT_NUM_PARALLEL")).lower()
     if raw in ("", "auto", "0"):
         return 0
     try:
@@ -169,8 +460,9 @@ def num_parallel() -> int:
     return value
 
 
-def context_length(default: int = 4096) -> int:
-    """LOCALRT_CONTEXT_LENGTH: num_ctx when neither the request nor the Modelfile sets it."""
+def context_length(default: int | None = None) -> int:
+    """LOCALRT_CONTEXT_LENGTH: num_ctx when neither the request nor the Modelfile sets it (`default` None:
+    the table's)."""
     value = env_int("LOCALRT_CONTEXT_LENGTH", default)
     if value < 1:
         raise LocalrtError(f"LOCALRT_CONTEXT_LENGTH must be a positive integer, got {value}")
@@ -206,5 +498,18 @@ def max_memory() -> int | None:
 
 def gpu_overhead() -> int:
     """LOCALRT_GPU_OVERHEAD: VRAM kept free on each GPU, as Ollama's OLLAMA_GPU_OVERHEAD (default 0)."""
-    raw = setting("LOCALRT_GPU_OVERHEAD")
-    return parse_size(raw, "LOCALRT_GPU_OVERHEAD") if raw else 0
+    return parse_size(
+        setting("LOCALRT_GPU_OVERHEAD") or default_of("LOCALRT_GPU_OVERHEAD"), "LOCALRT_GPU_OVERHEAD"
+    )
+
+
+def main(argv: list[str]) -> int:
+    """Write docs/configuration.md (or the path given) from `VARIABLES`."""
+    target = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    target.write_text(configuration_markdown(), encoding="utf-8")
+    print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from localrt import config
 from localrt.converters import imatrix as imatrix_io
 from localrt.errors import LocalrtError
 
@@ -249,7 +250,7 @@ def compute(
     lib = _ggml_base()
     from llama_cpp import _logger
 
-    _logger.set_verbose(os.environ.get("LOCALRT_DEBUG", "") not in ("", "0"))  # llama.cpp's errors only
+    _logger.set_verbose(config.debug())  # llama.cpp's errors only
     llama_cpp.llama_backend_init()
     mparams = llama_cpp.llama_model_default_params()
     model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)

@@ -165,3 +165,10 @@ def test_requantizing_without_the_convert_extra_names_it(
         "create", "q:1", "--from", str(smollm2_gguf), "-q", "Q4_K_M", env=without(tmp_path, "gguf")
     )
     assert_one_line_error(result, "localrt create needs gguf", "pip install 'localrt[convert]'")
+
+
+def test_serve_help_lists_every_variable_the_server_reads() -> None:
+    from localrt import config
+
+    out = localrt("serve", "--help").stdout
+    assert [v.name for v in config.VARIABLES if v.section != config.TESTS and v.name not in out] == []

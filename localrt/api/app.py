@@ -17,7 +17,6 @@ from localrt.api.metrics import Metrics as ServerMetrics
 from localrt.api.metrics import RequestCounter
 from localrt.api.schemas import error_text
 from localrt.api.schemas import openapi_schema
-from localrt.api.security import DEFAULT_MAX_BODY
 from localrt.api.security import SecurityMiddleware
 from localrt.api.security import error_body
 from localrt.api.security import error_style
@@ -96,6 +95,6 @@ def create_app(
         SecurityMiddleware,
         bind_host=bind_host,
         api_key=api_key if api_key is not None else config.api_key(),
-        max_body=max_body or config.env_int("LOCALRT_MAX_BODY", DEFAULT_MAX_BODY),
+        max_body=max_body or config.env_int("LOCALRT_MAX_BODY"),
     )
     return app

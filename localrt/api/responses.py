@@ -57,7 +57,6 @@ from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 
 router = APIRouter(prefix="/v1")
-DEFAULT_STORED = 1000
 
 
 # ---- the request (documented; the route checks meaning itself) -----------------------------------
@@ -132,9 +131,7 @@ class ResponseStore:
     """Past responses by id, least recently used dropped past `limit` (LOCALRT_MAX_RESPONSES)."""
 
     def __init__(self, limit: int | None = None) -> None:
-        self.limit = max(
-            1, limit if limit is not None else config.env_int("LOCALRT_MAX_RESPONSES", DEFAULT_STORED)
-        )
+        self.limit = max(1, limit if limit is not None else config.env_int("LOCALRT_MAX_RESPONSES"))
         self._items: OrderedDict[str, Stored] = OrderedDict()
 
     def put(self, response_id: str, item: Stored) -> None:

@@ -59,7 +59,7 @@ ALLOW_HEADERS = (
     "x-api-key, anthropic-version, anthropic-beta, anthropic-dangerous-direct-browser-access"
 )
 OPEN_PATHS = ("/", "/health")  # liveness answers without the API key, as `curl localhost:11434` expects
-DEFAULT_MAX_BODY = 64 << 20
+DEFAULT_MAX_BODY = int(config.default_of("LOCALRT_MAX_BODY"))
 UNCAPPED_PREFIXES = ("/api/blobs/",)  # blob uploads stream to disk and are verified by digest
 
 

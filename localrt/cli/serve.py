@@ -10,7 +10,13 @@ from localrt.cli.common import Subparsers
 
 
 def add_serve(sub: Subparsers) -> argparse.ArgumentParser:
-    p = sub.add_parser("serve", help="start the HTTP server on LOCALRT_HOST")
+    p = sub.add_parser(
+        "serve",
+        help="start the HTTP server on LOCALRT_HOST",
+        description="Start the HTTP server on LOCALRT_HOST, set up by the environment variables below.",
+        epilog=config.help_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the table's lines as they are
+    )
     p.set_defaults(func=cmd_serve)
     return p
 

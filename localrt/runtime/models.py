@@ -98,11 +98,9 @@ class ModelPool:
     ) -> None:
         self.store = store or Store()
         self.max_loaded = (
-            max_loaded if max_loaded is not None else max(1, config.env_int("LOCALRT_MAX_LOADED_MODELS", 2))
+            max_loaded if max_loaded is not None else max(1, config.env_int("LOCALRT_MAX_LOADED_MODELS"))
         )
-        self.max_queue = (
-            max_queue if max_queue is not None else max(0, config.env_int("LOCALRT_MAX_QUEUE", 512))
-        )
+        self.max_queue = max_queue if max_queue is not None else max(0, config.env_int("LOCALRT_MAX_QUEUE"))
         self.default_keep_alive = keep_alive if keep_alive is not None else config.keep_alive_default()
         self._entries: dict[str, Entry] = {}
         self._pending: dict[str, int] = {}  # waiting for their model, per model

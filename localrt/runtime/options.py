@@ -23,7 +23,6 @@ from localrt.backends.base import LoadOptions
 from localrt.backends.base import SamplingParams
 from localrt.errors import OptionError
 
-DEFAULT_NUM_CTX = 4096
 MAX_NUM_CTX = 1 << 20
 # An open-ended answer (num_predict -1, the default) on a backend that shifts the context stops after
 # this many contexts' worth of tokens, as Ollama's (its openEndedGenerationContextMultiplier): a model
@@ -114,7 +113,7 @@ class Options:
     stop: list[str] = field(default_factory=list)
     num_predict: int = -1
     # load time
-    num_ctx: int = field(default_factory=lambda: config.context_length(DEFAULT_NUM_CTX))
+    num_ctx: int = field(default_factory=lambda: config.context_length())
     num_keep: int = 4
     num_thread: int = 0
     num_gpu: int = -1
