@@ -151,8 +151,8 @@ VARIABLES: tuple[Variable, ...] = (
         "size",
         "0",
         SERVER,
-        "VRAM kept free on each GPU (`512MiB`). Read, but no per-device fitting uses it yet (see "
-        "[memory.md](memory.md)).",
+        "VRAM kept free on each GPU (`512MiB`) when `num_gpu` -1 fits the llama.cpp backend's layers to "
+        "the free VRAM (see [memory.md](memory.md)).",
     ),
     Variable(
         "LOCALRT_AGENT_PATH",
