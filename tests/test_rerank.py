@@ -140,6 +140,25 @@ def test_show_says_rerank(server: LocalrtServer) -> None:
         ("/api/rerank", {"model": MODEL, "query": "q", "documents": "d"}, 400, "documents"),
         ("/api/rerank", {"model": MODEL, "query": "q", "documents": ["d"], "top_n": -1}, 400, "top_n"),
         ("/api/rerank", {"model": "nothing:here", "query": "q", "documents": ["d"]}, 404, "not found"),
+        # a reranker embeds pairs; it does not generate text (Ollama's words)
+        (
+            "/api/chat",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": False},
+            400,
+            "does not support chat",
+        ),
+        (
+            "/api/generate",
+            {"model": MODEL, "prompt": "hi", "stream": False},
+            400,
+            "does not support generate",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            400,
+            "does not support chat",
+        ),
     ],
 )
 def test_bad_rerank_requests(

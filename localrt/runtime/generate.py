@@ -204,6 +204,7 @@ class Runtime:
         msgs, pending = await image_input.check_images(msgs)
         _check_vision(call.resolved, pending)
         async with self.models.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
+            _check_generates(entry, "chat")
             pictures = await image_input.decode_all(pending)
             prompter = entry.prompter
             _check_tools(entry, call.tools)
@@ -253,6 +254,7 @@ class Runtime:
         _check_vision(call.resolved, pending)
         resolved = call.resolved
         async with self.models.use(resolved, call.opts, call.keep_alive) as (entry, load_ns):
+            _check_generates(entry, "generate")
             pictures = await image_input.decode_all(pending)
             m = entry.model
             turn: Turn | None = None
@@ -756,6 +758,13 @@ def _piece_chunk(name: str, piece: Piece, logprobs: list[TokenLogprob] | None) -
         tool_calls=piece.tool_calls or None,
         logprobs=logprobs,
     )
+
+
+def _check_generates(entry: Entry, route: str) -> None:
+    """An embedding model asked to chat or complete is a 400 in Ollama's words ('"x" does not support
+    chat'), not a stream of whatever its head makes of a prompt."""
+    if entry.backend != remote.BACKEND and thinking.embedding_only(entry.model.metadata):
+        raise LocalrtError(f'"{entry.resolved.name.display}" does not support {route}')
 
 
 def _check_tools(entry: Entry, tools: Sequence[Mapping[str, Any]] | None) -> None:

@@ -168,10 +168,15 @@ def model_format(template: str, special_tokens: Sequence[str] = ()) -> ModelForm
     )
 
 
+def embedding_only(metadata: Mapping[str, Any]) -> bool:
+    """An embedding model (a pooling type, or an encoder architecture): it embeds, it does not generate."""
+    arch = str(metadata.get("general.architecture", ""))
+    return any(key.endswith(".pooling_type") for key in metadata) or arch in ("bert", "nomic-bert")
+
+
 def capabilities(fmt: ModelFormat, metadata: Mapping[str, Any]) -> list[str]:
     """Ollama's `/api/show` capabilities for a GGUF: what the file and its template can do."""
-    arch = str(metadata.get("general.architecture", ""))
-    embedding = any(key.endswith(".pooling_type") for key in metadata) or arch in ("bert", "nomic-bert")
+    embedding = embedding_only(metadata)
     caps = ["embedding"] if embedding else ["completion"]
     if fmt.renders_tools and not embedding:
         caps.append("tools")
