@@ -26,9 +26,9 @@ from localrt.api.openai import OpenAIParamError
 from localrt.errors import LocalrtError
 from localrt.runtime import images as image_input
 from localrt.runtime import thinking
-from localrt.runtime.manager import Chunk
-from localrt.runtime.manager import Metrics
-from localrt.runtime.manager import Runtime
+from localrt.runtime.generate import Chunk
+from localrt.runtime.generate import Metrics
+from localrt.runtime.generate import Runtime
 
 ParamError = OpenAIParamError  # "<param>: <message>", a 400 that names the field
 Think = bool | str | None
