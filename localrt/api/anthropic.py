@@ -25,7 +25,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from pydantic import Field
 
-from localrt.api import schemas as wire
+from localrt import wire
+from localrt.api import schemas
 from localrt.api.context_edits import EditReport
 from localrt.api.context_edits import apply_edits
 from localrt.api.ollama import observe
@@ -120,7 +121,7 @@ class TokenCount(wire.Out):
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {
         code: {**entry, "model": AnthropicError}
-        for code, entry in wire.error_responses(True, *statuses).items()
+        for code, entry in schemas.error_responses(True, *statuses).items()
     }
 
 
@@ -415,11 +416,11 @@ def stream_error(e: LocalrtError) -> dict[str, Any]:
 # ---- routes -------------------------------------------------------------------------------------------
 @router.post(
     "/messages",
-    openapi_extra=wire.request_body(MessagesRequest),
-    responses={200: wire.ok(MessageObject, wire.SSE), **error_responses(404, 499, 501, 503)},
+    openapi_extra=schemas.request_body(MessagesRequest),
+    responses={200: schemas.ok(MessageObject, schemas.SSE), **error_responses(404, 499, 501, 503)},
 )
 async def create_message(request: Request) -> Response:
-    f = await wire.read_json(request, MessagesRequest)
+    f = await schemas.read_json(request, MessagesRequest)
     sealer = sealer_of(request)
     call, edits = chat_call(f, sealer=sealer)
     shape = Shape(sealer, isinstance(f.get("thinking"), dict) and f["thinking"].get("display") == "omitted")
@@ -470,11 +471,11 @@ async def too_long_worded(start: Awaitable[AsyncIterator[Chunk]]) -> AsyncIterat
 
 @router.post(
     "/messages/count_tokens",
-    openapi_extra=wire.request_body(CountTokensRequest),
-    responses={200: wire.ok(TokenCount), **error_responses(404, 501, 503)},
+    openapi_extra=schemas.request_body(CountTokensRequest),
+    responses={200: schemas.ok(TokenCount), **error_responses(404, 501, 503)},
 )
 async def count_tokens(request: Request) -> dict[str, int]:
-    f = await wire.read_json(request, CountTokensRequest)
+    f = await schemas.read_json(request, CountTokensRequest)
     call, _ = chat_call(f, counting=True, sealer=sealer_of(request))
     await resolve_images(call.messages)
     runtime = runtime_of(request)
