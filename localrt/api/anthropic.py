@@ -43,7 +43,6 @@ from localrt.api.translate import BlockEvent
 from localrt.api.translate import ChatCall
 from localrt.api.translate import ParamError
 from localrt.api.translate import ToolChoice
-from localrt.api.translate import accepts
 from localrt.api.translate import assistant_message
 from localrt.api.translate import budget_from_anthropic
 from localrt.api.translate import function_tool
@@ -480,8 +479,7 @@ async def count_tokens(request: Request) -> dict[str, int]:
     await resolve_images(call.messages)
     runtime = runtime_of(request)
     # the prompt the answer would start from: thinking switched on or off in the template as asked
-    think = {"think": call.think} if call.think is not None and accepts(runtime.render, "think") else {}
     _, tokens = await runtime.render(
-        call.model, call.messages, tools=call.tools, options=call.options, **think
+        call.model, call.messages, tools=call.tools, options=call.options, think=call.think
     )
     return {"input_tokens": len(tokens)}
