@@ -23,7 +23,6 @@ from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.base import TextEvent  # noqa: E402
 from localrt.backends.mlx.batch import BatchEngine  # noqa: E402
 from localrt.backends.mlx.batch import Row  # noqa: E402
-from localrt.backends.mlx.engine import LookupProposer  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.model import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
@@ -100,7 +99,6 @@ def row_for(engine: BatchEngine, spec: Spec) -> Row:
         top_logprobs=spec.logprobs,
     )
     if spec.lookup:
-        row.proposer = LookupProposer()
         row.spec = SpecState("lookup", 4, 0.0)
     return row
 

@@ -28,7 +28,6 @@ from localrt.backends.mlx.batch import BatchEngine  # noqa: E402
 from localrt.backends.mlx.batch import Row  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
 from localrt.backends.mlx.engine import DraftModelProposer  # noqa: E402
-from localrt.backends.mlx.engine import LookupProposer  # noqa: E402
 from localrt.backends.mlx.engine import Runner  # noqa: E402
 from localrt.backends.mlx.engine import SelfProposer  # noqa: E402
 from localrt.backends.mlx.engine import generate  # noqa: E402
@@ -252,7 +251,6 @@ def row_for(engine: BatchEngine, spec: Spec) -> Row:
         spec.prompt, RowSampler(spec.params, 512), len(spec.prompt) + spec.new, cancel=CancelToken()
     )
     if spec.lookup:
-        row.proposer = LookupProposer()
         row.spec = SpecState("lookup", 4, 0.0)
     return row
 
@@ -304,7 +302,7 @@ def decode(
     runner: Runner, prompt: list[int], n: int, mode: str = "off", proposer: Any = None
 ) -> tuple[list[int], SpecState | None]:
     out: list[int] = []
-    spec = SpecState(mode, 5, 0.0) if proposer else None
+    spec = SpecState(mode, 5, 0.0) if mode != "off" else None
     generate(
         runner,
         prompt,
@@ -335,7 +333,7 @@ def test_greedy_output_identical_with_speculation(
     runner = Runner(model, "f32", 16)
     proposer: Any = {
         "self": lambda: SelfProposer(runner, model.cfg.block_count - 1),
-        "lookup": LookupProposer,
+        "lookup": lambda: None,  # the SpecState's own n-gram index proposes
         "draft": lambda: DraftModelProposer(
             Runner(load(path, SMALL_SLACK), "f32", 16), 0.5
         ),  # the same weights

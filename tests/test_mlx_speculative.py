@@ -14,7 +14,6 @@ mx = pytest.importorskip("mlx.core")
 from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
 from localrt.backends.mlx.engine import DraftModelProposer  # noqa: E402
-from localrt.backends.mlx.engine import LookupProposer  # noqa: E402
 from localrt.backends.mlx.engine import Runner  # noqa: E402
 from localrt.backends.mlx.engine import SelfProposer  # noqa: E402
 from localrt.backends.mlx.engine import generate  # noqa: E402
@@ -35,8 +34,8 @@ def load(tmp: Path, name: str, **kwargs: object) -> Transformer:
 
 
 def proposer_for(mode: str, runner: Runner, draft: Transformer | None, self_layers: int) -> object:
-    if mode == "lookup":
-        return LookupProposer()
+    if mode == "lookup":  # the SpecState's own n-gram index proposes
+        return None
     if mode == "self":
         return SelfProposer(runner, self_layers)
     assert draft is not None
@@ -59,7 +58,7 @@ def decode(
         out.append(token)
         return False
 
-    spec = SpecState(mode, k, cost) if proposer is not None else None
+    spec = SpecState(mode, k, cost) if mode != "off" else None
     generate(
         runner,
         prompt,

@@ -43,6 +43,7 @@ from localrt.backends.engine_thread import OutputStream
 from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.vocab import Vocab
 from localrt.backends.llamacpp.vocab import VocabMethods
+from localrt.backends.lookup import NgramProposer
 from localrt.backends.outputs import fill_score
 from localrt.backends.speculation import SpecState
 from localrt.backends.speculation import verify_cost_per_draft
@@ -180,7 +181,6 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
     def _row(self, req: GenerateRequest, mode: str, grammar: Grammar | None) -> Any:
         """The engine row of a request: sampler, limits, its own proposer (on its own caches)."""
         from .engine import DraftModelProposer
-        from .engine import LookupProposer
         from .engine import SelfProposer
         from .sampling import RowSampler
 
@@ -194,8 +194,8 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
             cancel=req.cancel,
             top_logprobs=req.top_logprobs if req.wants_logprobs else -1,
         )
-        if mode == "lookup":
-            row.proposer = LookupProposer()
+        if mode == "lookup":  # the SpecState's own n-gram index proposes (backends/lookup.py)
+            row.spec = SpecState.begin(mode, req.num_draft, NgramProposer.cost_per_draft, self.verify_cost)
         elif mode == "draft" and self.draft_model is not None:
             row.proposer = DraftModelProposer(self._new_runner(self.draft_model), self.draft_cost)
         elif mode == "self":  # the row's own caches, once the engine gives them

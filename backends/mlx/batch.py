@@ -219,8 +219,11 @@ class BatchEngine(RequestQueues, EngineThread):
         drafts: list[int] = []
         q = None
         room = row.max_tokens - len(row.tokens) - 1
-        if row.proposer is not None and row.spec is not None and row.spec.enabled and room > 0:
-            drafts, q = row.proposer.propose(row.tokens, min(row.spec.k, room), row.sampler)
+        if row.spec is not None and row.spec.enabled and room > 0:
+            if row.spec.ngram is not None:  # lookup: nothing runs a model, so no distributions
+                drafts = row.spec.ngram.propose(row.tokens, min(row.spec.k, room))
+            elif row.proposer is not None:
+                drafts, q = row.proposer.propose(row.tokens, min(row.spec.k, room), row.sampler)
         runner.tokens.extend([last, *drafts])
         return _Planned(row, "host", drafts=drafts, q=q, logits_rows=1 + len(drafts)), [last, *drafts]
 

@@ -22,7 +22,6 @@ import mlx.core as mx
 import numpy as np
 
 from localrt.backends.base import common_prefix
-from localrt.backends.lookup import NgramProposer
 from localrt.backends.sampler import Sampler
 from localrt.backends.speculation import SpecState
 from localrt.backends.speculation import verify
@@ -91,7 +90,8 @@ Proposal = tuple[list[int], np.ndarray | None]  # draft tokens, and their distri
 
 
 class Proposer(Protocol):
-    """Proposes a step's draft tokens (`LookupProposer`, `SelfProposer`, `DraftModelProposer`)."""
+    """Proposes a step's draft tokens from a model (`SelfProposer`, `DraftModelProposer`); "lookup" drafts
+    come from the request's own n-gram index, `SpecState.ngram`."""
 
     cost_per_draft: float  # in units of one target decode step
 
@@ -121,18 +121,6 @@ def _model_draft_tokens(
             qs.append(q)
         feed = [d]
     return drafts, qs
-
-
-class LookupProposer:
-    """Prompt lookup: the request's own n-gram index (backends/lookup.py); nothing runs a model."""
-
-    cost_per_draft = 0.0
-
-    def __init__(self) -> None:
-        self.index = NgramProposer()
-
-    def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
-        return self.index.propose(tokens, k), None
 
 
 @dataclass
@@ -207,8 +195,11 @@ def generate(
         drafts: list[int] = []
         q = None
         room = max_tokens - len(tokens) - 1
-        if proposer is not None and spec is not None and spec.enabled and room > 0:
-            drafts, q = proposer.propose(tokens, min(spec.k, room), sampler)
+        if spec is not None and spec.enabled and room > 0:
+            if spec.ngram is not None:  # lookup: nothing runs a model, so no distributions
+                drafts = spec.ngram.propose(tokens, min(spec.k, room))
+            elif proposer is not None:
+                drafts, q = proposer.propose(tokens, min(spec.k, room), sampler)
         logits = target.feed([tokens[-1], *drafts], "all")  # [1 + k, V]
         assert logits is not None
         if drafts:

@@ -25,7 +25,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from pydantic import Field
 
-from localrt.api import schemas as wire
+from localrt import wire
+from localrt.api import schemas
 from localrt.api.context_edits import EditReport
 from localrt.api.context_edits import apply_edits
 from localrt.api.ollama import observe
@@ -42,7 +43,6 @@ from localrt.api.translate import BlockEvent
 from localrt.api.translate import ChatCall
 from localrt.api.translate import ParamError
 from localrt.api.translate import ToolChoice
-from localrt.api.translate import accepts
 from localrt.api.translate import assistant_message
 from localrt.api.translate import budget_from_anthropic
 from localrt.api.translate import function_tool
@@ -54,8 +54,8 @@ from localrt.api.translate import sampling_options
 from localrt.api.translate import think_from_anthropic
 from localrt.api.translate import tool_message
 from localrt.errors import LocalrtError
-from localrt.runtime.manager import Chunk
-from localrt.runtime.manager import ContextLengthError
+from localrt.runtime.generate import Chunk
+from localrt.runtime.generate import ContextLengthError
 
 router = APIRouter(prefix="/v1")
 
@@ -120,7 +120,7 @@ class TokenCount(wire.Out):
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {
         code: {**entry, "model": AnthropicError}
-        for code, entry in wire.error_responses(True, *statuses).items()
+        for code, entry in schemas.error_responses(True, *statuses).items()
     }
 
 
@@ -415,11 +415,11 @@ def stream_error(e: LocalrtError) -> dict[str, Any]:
 # ---- routes -------------------------------------------------------------------------------------------
 @router.post(
     "/messages",
-    openapi_extra=wire.request_body(MessagesRequest),
-    responses={200: wire.ok(MessageObject, wire.SSE), **error_responses(404, 499, 501, 503)},
+    openapi_extra=schemas.request_body(MessagesRequest),
+    responses={200: schemas.ok(MessageObject, schemas.SSE), **error_responses(404, 499, 501, 503)},
 )
 async def create_message(request: Request) -> Response:
-    f = await wire.read_json(request, MessagesRequest)
+    f = await schemas.read_json(request, MessagesRequest)
     sealer = sealer_of(request)
     call, edits = chat_call(f, sealer=sealer)
     shape = Shape(sealer, isinstance(f.get("thinking"), dict) and f["thinking"].get("display") == "omitted")
@@ -470,17 +470,16 @@ async def too_long_worded(start: Awaitable[AsyncIterator[Chunk]]) -> AsyncIterat
 
 @router.post(
     "/messages/count_tokens",
-    openapi_extra=wire.request_body(CountTokensRequest),
-    responses={200: wire.ok(TokenCount), **error_responses(404, 501, 503)},
+    openapi_extra=schemas.request_body(CountTokensRequest),
+    responses={200: schemas.ok(TokenCount), **error_responses(404, 501, 503)},
 )
 async def count_tokens(request: Request) -> dict[str, int]:
-    f = await wire.read_json(request, CountTokensRequest)
+    f = await schemas.read_json(request, CountTokensRequest)
     call, _ = chat_call(f, counting=True, sealer=sealer_of(request))
     await resolve_images(call.messages)
     runtime = runtime_of(request)
     # the prompt the answer would start from: thinking switched on or off in the template as asked
-    think = {"think": call.think} if call.think is not None and accepts(runtime.render, "think") else {}
     _, tokens = await runtime.render(
-        call.model, call.messages, tools=call.tools, options=call.options, **think
+        call.model, call.messages, tools=call.tools, options=call.options, think=call.think
     )
     return {"input_tokens": len(tokens)}

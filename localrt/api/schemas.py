@@ -29,7 +29,8 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 def __getattr__(name: str) -> Any:
-    """`schemas.ChatRequest` and the other models: defined once in localrt.wire."""
+    """`schemas.ChatRequest` and the other models of localrt.wire, for localrt/api/responses.py, which
+    reads them through this module; every other module imports them from localrt.wire."""
     try:
         return getattr(wire, name)
     except AttributeError:

@@ -11,7 +11,6 @@ output are therefore decided here once; the protocols differ only in spelling.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -23,12 +22,11 @@ from typing import Literal
 
 from localrt.api.openai import EXTRA_OPTIONS
 from localrt.api.openai import OpenAIParamError
-from localrt.errors import LocalrtError
 from localrt.runtime import images as image_input
 from localrt.runtime import thinking
-from localrt.runtime.manager import Chunk
-from localrt.runtime.manager import Metrics
-from localrt.runtime.manager import Runtime
+from localrt.runtime.generate import Chunk
+from localrt.runtime.generate import Metrics
+from localrt.runtime.generate import Runtime
 
 ParamError = OpenAIParamError  # "<param>: <message>", a 400 that names the field
 Think = bool | str | None
@@ -219,14 +217,6 @@ def parse_arguments(raw: Any, where: str) -> dict[str, Any]:
     return raw
 
 
-def accepts(method: Any, name: str) -> bool:
-    """Does this runtime method take keyword `name`? (The runtime grows think and tool_choice.)"""
-    try:
-        return name in inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 @dataclass
 class ChatCall:
     """The runtime's one chat request, as every protocol route builds it."""
@@ -253,33 +243,28 @@ class ChatCall:
         # checked now, so a bad choice is a 400 before the model loads
         constrain_tools(self.tools, self.tool_choice, self.format, "tool_choice")
 
-    def _start(self, runtime: Runtime, think: Think) -> AsyncIterator[Chunk]:
+    def _start(self, runtime: Runtime) -> AsyncIterator[Chunk]:
         kwargs: dict[str, Any] = {}
-        # `think` and `tool_choice` go to the runtime where it takes them (it knows each model
-        # family's thinking and call format); a runtime without them gets no think, and a tool
-        # choice enforced here by a grammar of one call.
-        if think is not None and accepts(runtime.chat, "think"):
-            kwargs["think"] = think
-            if self.think_budget is not None:  # the budget travels in the runtime's Think
-                wanted = thinking.parse_think(think)
-                kwargs["think"] = thinking.Think(wanted.enabled, wanted.level, self.think_budget)
+        # the runtime takes `think` and `tool_choice` itself: it knows each model family's thinking and
+        # call format
+        if self.think is not None:
+            wanted = thinking.parse_think(self.think)
+            # the budget travels in the runtime's Think
+            kwargs["think"] = thinking.Think(
+                wanted.enabled, wanted.level, self.think_budget, optional=self.relax_think
+            )
         if self.truncate is not None:
             kwargs["truncate"] = self.truncate
-        tools, fmt = self.tools, self.format
-        if accepts(runtime.chat, "tool_choice"):
-            kwargs["tool_choice"] = openai_tool_choice(self.tool_choice)
-            if self.parallel_tool_calls is not None and accepts(runtime.chat, "parallel_tool_calls"):
-                kwargs["parallel_tool_calls"] = self.parallel_tool_calls
-        else:
-            tools, fmt = constrain_tools(self.tools, self.tool_choice, self.format, "tool_choice")
         return runtime.chat(
             self.model,
             self.messages,
             options=self.options,
-            tools=tools,
-            format=fmt,
+            tools=self.tools,
+            format=self.format,
             keep_alive=self.keep_alive,
             stream=self.stream,
+            tool_choice=openai_tool_choice(self.tool_choice),
+            parallel_tool_calls=self.parallel_tool_calls,
             **kwargs,
         )
 
@@ -287,14 +272,8 @@ class ChatCall:
         """Start the generation and wait for its first chunk, so errors (unknown model, bad option,
         prompt too long) raise here, before any byte of an answer is sent."""
         await resolve_images(self.messages)
-        chunks = self._start(runtime, self.think)
-        try:
-            first = await anext(aiter(chunks))
-        except LocalrtError as e:
-            if not (self.relax_think and self.think and "does not support thinking" in str(e)):
-                raise
-            chunks = self._start(runtime, None)
-            first = await anext(aiter(chunks))
+        chunks = self._start(runtime)
+        first = await anext(aiter(chunks))
 
         async def chain() -> AsyncIterator[Chunk]:
             yield first

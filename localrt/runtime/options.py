@@ -21,6 +21,7 @@ from localrt.backends.base import NUMERICS
 from localrt.backends.base import SPECULATIVE_MODES
 from localrt.backends.base import LoadOptions
 from localrt.backends.base import SamplingParams
+from localrt.backends.registry import ALIASES as BACKEND_ALIASES
 from localrt.errors import OptionError
 
 MAX_NUM_CTX = 1 << 20
@@ -32,12 +33,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1000
 MAX_GRAMMAR_LENGTH = 64 * 1024
 BACKEND_NAMES = ("auto", "llama.cpp", "mlx", "torch")
-BACKEND_ALIASES = {
-    "llamacpp": "llama.cpp",
-    "llama_cpp": "llama.cpp",
-    "llama-cpp": "llama.cpp",
-    "llama": "llama.cpp",
-}
 KV_ALIASES = {"int8": "q8_0", "q8": "q8_0", "q4": "q4_0", "fp16": "f16", "float16": "f16", "bfloat16": "bf16"}
 
 # Ollama options we accept so existing clients keep working, but which change nothing here.

@@ -64,11 +64,14 @@ class ThinkError(LocalrtError):
 class Think:
     """A request's `think`: unset (None), off, or on at a level (`true` is "medium", as Ollama reads it);
     `budget`: at most this many reply tokens of thinking (Anthropic's `budget_tokens`), then the runtime
-    closes the thinking and the answer follows."""
+    closes the thinking and the answer follows; `optional`: asked only where the model can think, so a
+    model that cannot answers without thinking instead of refusing (Anthropic clients such as Claude Code
+    ask every model to think, and Ollama answers them so on /v1/messages)."""
 
     enabled: bool | None = None
     level: str | None = None
     budget: int | None = None
+    optional: bool = False
 
     @property
     def is_set(self) -> bool:
@@ -190,6 +193,8 @@ def check_think(fmt: ModelFormat, think: Think, model: str) -> Think:
     """Ollama's rule: asking a model that cannot think to think is a 400 naming it; unset on a model that
     thinks means on."""
     if not fmt.can_think:
+        if think.enabled and think.optional:
+            return Think()
         if think.enabled:
             raise ThinkError(f'"{model}" does not support thinking')
         return Think(False) if think.is_set else Think()
