@@ -43,7 +43,7 @@ def create_app(
     api_key: str | None = None,
     max_body: int | None = None,
 ) -> FastAPI:
-    """Build the app; `runtime` is the shared localrt.runtime manager (made lazily when None)."""
+    """Build the app; `runtime` is the shared `Runtime` (made lazily when None)."""
     app = FastAPI(
         title="localrt",
         version=__version__,

@@ -29,7 +29,8 @@ from pydantic import Field
 from starlette.exceptions import HTTPException
 
 from localrt import config
-from localrt.api import schemas as wire
+from localrt import wire
+from localrt.api import schemas
 from localrt.api.ollama import observe
 from localrt.api.ollama import runtime_of
 from localrt.api.sealing import Sealer
@@ -682,7 +683,7 @@ class EventWriter:
 
 
 # ---- routes -------------------------------------------------------------------------------------------
-ERRORS = wire.error_responses(True, 404, 499, 501, 503)
+ERRORS = schemas.error_responses(True, 404, 499, 501, 503)
 
 
 def history_for(request: Request, f: dict[str, Any]) -> list[dict[str, Any]]:
@@ -697,11 +698,11 @@ def history_for(request: Request, f: dict[str, Any]) -> list[dict[str, Any]]:
 
 @router.post(
     "/responses",
-    openapi_extra=wire.request_body(ResponsesRequest),
-    responses={200: wire.ok(ResponseObject, wire.SSE), **ERRORS},
+    openapi_extra=schemas.request_body(ResponsesRequest),
+    responses={200: schemas.ok(ResponseObject, schemas.SSE), **ERRORS},
 )
 async def create_response(request: Request) -> Response:
-    f = await wire.read_json(request, ResponsesRequest)
+    f = await schemas.read_json(request, ResponsesRequest)
     sealer = sealer_of(request)
     translated = chat_call(f, history_for(request, f), sealer)
     call = translated.call
@@ -741,7 +742,7 @@ ResponseId = Annotated[str, Path(json_schema_extra={"pattern": "^resp_[0-9a-f]{1
 
 @router.get(
     "/responses/{response_id}",
-    responses={200: wire.ok(ResponseObject), **wire.error_responses(True, 404)},
+    responses={200: schemas.ok(ResponseObject), **schemas.error_responses(True, 404)},
 )
 async def get_response(request: Request, response_id: ResponseId) -> dict[str, Any]:
     not_the_counting_route(response_id)
@@ -769,7 +770,7 @@ class DeletedResponse(wire.Out):
 
 @router.delete(
     "/responses/{response_id}",
-    responses={200: wire.ok(DeletedResponse), **wire.error_responses(True, 404)},
+    responses={200: schemas.ok(DeletedResponse), **schemas.error_responses(True, 404)},
 )
 async def delete_response(request: Request, response_id: ResponseId) -> dict[str, Any]:
     """Forget a stored response: it can no longer be read or continued (`previous_response_id`)."""
@@ -789,7 +790,7 @@ class InputItemList(wire.Out):
 
 @router.get(
     "/responses/{response_id}/input_items",
-    responses={200: wire.ok(InputItemList), **wire.error_responses(True, 404)},
+    responses={200: schemas.ok(InputItemList), **schemas.error_responses(True, 404)},
 )
 async def list_input_items(
     request: Request,
@@ -826,13 +827,13 @@ class InputTokens(wire.Out):
 
 @router.post(
     "/responses/input_tokens",
-    openapi_extra=wire.request_body(InputTokensRequest),
-    responses={200: wire.ok(InputTokens), **wire.error_responses(True, 404, 501, 503)},
+    openapi_extra=schemas.request_body(InputTokensRequest),
+    responses={200: schemas.ok(InputTokens), **schemas.error_responses(True, 404, 501, 503)},
 )
 async def count_input_tokens(request: Request) -> dict[str, Any]:
     """The prompt a `POST /v1/responses` with this body would start from, counted like Anthropic's
     count_tokens: the same messages, instructions, tools and thinking switch, through the template."""
-    f = await wire.read_json(request, InputTokensRequest)
+    f = await schemas.read_json(request, InputTokensRequest)
     call = chat_call(f, history_for(request, f), sealer_of(request)).call
     await resolve_images(call.messages)
     runtime = runtime_of(request)

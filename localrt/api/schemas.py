@@ -19,22 +19,12 @@ from pydantic import BaseModel
 from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 
-from localrt import wire
 from localrt.errors import LocalrtError
 from localrt.wire import OllamaError
 from localrt.wire import OpenAIError
 from localrt.wire import error_text
 
 Body = TypeVar("Body", bound=BaseModel)
-
-
-def __getattr__(name: str) -> Any:
-    """`schemas.ChatRequest` and the other models of localrt.wire, for localrt/api/responses.py, which
-    reads them through this module; every other module imports them from localrt.wire."""
-    try:
-        return getattr(wire, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
 REF = "#/components/schemas/{model}"
