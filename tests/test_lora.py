@@ -91,6 +91,13 @@ def test_show_modelfile_writes_the_adapter_back(server: LocalrtServer, files: di
     ]
 
 
+def test_a_model_made_from_a_model_keeps_its_adapters(files: dict[str, Path], tmp_path: Path) -> None:
+    store = Store(tmp_path / "models")
+    create("with:lora", from_path=files["base"], adapters=[files["lora"]], store=store)
+    create("derived:1", modelfile_text="FROM with:lora\nSYSTEM hi\n", store=store)
+    assert store.resolve("derived:1").adapter_paths == store.resolve("with:lora").adapter_paths
+
+
 def test_a_model_gguf_given_as_adapter_is_refused(files: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(LocalrtError, match="is not a LoRA adapter GGUF \\(general.type 'model'"):
         create(
