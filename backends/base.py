@@ -81,6 +81,7 @@ class LoadOptions:
     num_parallel: int = 0  # sequences decoded at once (LOCALRT_NUM_PARALLEL); 0 = the backend's default
     projector: Path | None = None  # a multimodal projector GGUF (mmproj) for images
     numerics: str = "auto"  # the torch engine's weights and arithmetic (NUMERICS)
+    adapters: tuple[Path, ...] = ()  # LoRA adapter GGUFs applied over the weights at scale 1.0, in order
 
 
 @dataclass

@@ -20,6 +20,19 @@ from localrt.errors import LocalrtError
 from localrt.errors import OptionError
 
 
+class AdaptersUnsupported(LocalrtError):
+    status = 501  # the model is fine; this engine does not run LoRA adapters yet
+
+
+def check_no_adapters(adapters: Sequence[Path], backend: str) -> None:
+    """A model with LoRA adapters (ADAPTER) loads only where they are applied: on llama.cpp."""
+    if adapters:
+        raise AdaptersUnsupported(
+            f"this model has LoRA adapters (ADAPTER), which the {backend} backend does not apply: "
+            "load it with the llama.cpp backend (option backend llama.cpp)"
+        )
+
+
 def check_loaded(closed: bool) -> None:
     """A request to a model that was unloaded (or is being unloaded) is refused."""
     if closed:

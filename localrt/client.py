@@ -103,6 +103,7 @@ class ModelDetails:
     endpoints: list[tuple[str, str]] = field(default_factory=list)  # (url, "ok" or why it is down)
     capabilities: list[str] = field(default_factory=list)  # completion, tools, vision, rerank, ...
     projector: list[tuple[str, str]] = field(default_factory=list)  # a vision model's projector facts
+    adapters: list[str] = field(default_factory=list)  # LoRA adapter blobs (ADAPTER lines), in order
 
 
 @dataclass
@@ -122,6 +123,7 @@ class CreateSpec:
     insecure: bool = False
     projector_path: str | None = None
     imatrix_path: str | None = None
+    adapter_paths: Sequence[str] = ()  # LoRA adapter GGUFs, after the Modelfile's ADAPTER lines
 
 
 Message = Mapping[str, Any]
@@ -365,6 +367,7 @@ class RuntimeClient:
             projector=projector_rows(read_gguf(resolved.projector_path).summary())
             if resolved.projector_path is not None
             else [],
+            adapters=[str(path) for path in resolved.adapter_paths],
         )
 
     async def has_model(self, model: str) -> bool:
@@ -420,6 +423,7 @@ class RuntimeClient:
             insecure=spec.insecure,
             projector_path=spec.projector_path,
             imatrix=spec.imatrix_path,
+            adapters=spec.adapter_paths,
         )
         return name.display
 
@@ -624,6 +628,7 @@ class ServerClient:
             endpoints=[(e.get("url", ""), e.get("health", "")) for e in remote.get("endpoints", [])],
             capabilities=list(data.capabilities),
             projector=_projector_rows(data.projector_info),
+            adapters=adapter_lines(data.modelfile),
         )
 
     async def has_model(self, model: str) -> bool:
@@ -715,7 +720,26 @@ class ServerClient:
         fields["quantize"] = spec.quantize or None
         if spec.imatrix_path is not None:  # uploaded like the GGUF; the server weights --quantize with it
             fields["imatrix"] = await self._upload(Path(spec.imatrix_path), emit)
+        adapters = [value for value, _ in mf.adapters] + list(spec.adapter_paths)
+        if adapters:  # Ollama's `adapters`: file name -> digest, each checked here before it goes up
+            fields["adapters"] = await self._adapter_fields(adapters, here, emit)
         return fields
+
+    async def _adapter_fields(self, values: list[str], here: Path, emit: StatusFn) -> dict[str, str]:
+        from localrt.store.importer import check_adapter_file
+        from localrt.store.names import DIGEST_RE
+        from localrt.store.names import normalize_digest
+
+        out: dict[str, str] = {}
+        for i, value in enumerate(values):
+            if DIGEST_RE.match(value):  # a blob the server already holds
+                out[f"adapter-{i}.gguf"] = normalize_digest(value)
+                continue
+            path = Path(value).expanduser()
+            path = path if path.is_absolute() else here / path
+            await asyncio.to_thread(check_adapter_file, path)
+            out[f"{i}-{path.name}"] = await self._upload(path, emit)  # the index keeps equal names apart
+        return out
 
     async def _upload(self, path: Path, emit: StatusFn) -> str:
         """The blob's digest, uploaded first unless the server already has it (HEAD /api/blobs)."""
@@ -757,6 +781,11 @@ class ServerClient:
     async def close(self) -> None:
         if self._http is not None:
             await self._http.aclose()
+
+
+def adapter_lines(modelfile: str) -> list[str]:
+    """The ADAPTER values of a Modelfile as `show` writes it (the server's blob paths)."""
+    return [line.split(None, 1)[1].strip() for line in modelfile.splitlines() if line.startswith("ADAPTER ")]
 
 
 def _projector_rows(info: Any) -> list[tuple[str, str]]:

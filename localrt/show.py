@@ -137,6 +137,7 @@ def modelfile_text(model: ResolvedModel, info: GGUFInfo) -> str:
     ]
     if model.projector_path is not None:
         out.append(f"FROM {model.projector_path}")
+    out += [f"ADAPTER {path}" for path in model.adapter_paths]
     template = template_of(model, info)
     if template:
         out.append(f'TEMPLATE """{template}"""')

@@ -246,6 +246,21 @@ class CreateRequest(Named):
     imatrix: str | None = Field(
         None, description="sha256 digest of an uploaded importance matrix weighting `quantize`"
     )
+    adapters: Annotated[
+        dict[str, str] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"type": "object", "additionalProperties": {"type": "string", "pattern": DIGEST_PATTERN}},
+                    {"type": "null"},
+                ]
+            }
+        ),
+    ] = Field(
+        None,
+        description="file name -> sha256 digest of an uploaded LoRA adapter GGUF (POST /api/blobs first), "
+        "applied in order; the llama.cpp backend runs them",
+    )
 
 
 class Generation(Named):

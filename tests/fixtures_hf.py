@@ -382,6 +382,60 @@ def llama_cpp_src() -> Path:
     return root
 
 
+def convert_lora_script() -> Path:
+    """llama.cpp's convert_lora_to_gguf.py from the pinned sdist, placed beside convert_hf_to_gguf.py
+    (it imports that script's conversion/ and gguf-py/)."""
+    script = llama_cpp_src() / "convert_lora_to_gguf.py"
+    if script.is_file():
+        return script
+    with tarfile.open(llama_cpp_sdist()) as tar:
+        member = next(
+            m for m in tar.getmembers() if m.name.endswith("/vendor/llama.cpp/convert_lora_to_gguf.py")
+        )
+        data = tar.extractfile(member).read()  # type: ignore[union-attr]
+    tmp = script.with_name(script.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.rename(script)
+    return script
+
+
+def peft_lora_gguf(model_dir: Path, work: Path, seed: int = 0) -> tuple[Path, Path]:
+    """A PEFT LoRA on the checkpoint at `model_dir` with random non-zero B matrices (so it changes the
+    outputs without training), and its GGUF made by llama.cpp's convert_lora_to_gguf.py (f32).
+    Returns (the PEFT folder, the GGUF)."""
+    peft_dir, out = work / "peft-lora", work / "lora-f32.gguf"
+    if not out.is_file():
+        proc = subprocess.run(
+            [sys.executable, "-c", PEFT_DRIVER, str(model_dir), str(peft_dir), str(seed)],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"making the PEFT LoRA failed:\n{proc.stderr[-3000:]}")
+        cmd = [sys.executable, str(convert_lora_script()), "--base", str(model_dir), "--outtype", "f32"]
+        proc = subprocess.run([*cmd, "--outfile", str(out), str(peft_dir)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"convert_lora_to_gguf failed:\n{proc.stderr[-3000:]}")
+    return peft_dir, out
+
+
+PEFT_DRIVER = """
+import sys, torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+base, out, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+lora = get_peft_model(model, config)
+g = torch.Generator().manual_seed(seed)
+with torch.no_grad():  # PEFT starts B at zero (no change); random B makes the adapter matter
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+lora.save_pretrained(out)
+"""
+
+
 LLAMA_CPP_TOOLS = ("llama-server", "llama-imatrix", "llama-quantize")
 
 

@@ -54,6 +54,7 @@ from localrt.errors import LocalrtError
 from .admission import copy_threshold
 from .lib import KV_TYPES
 from .lib import Batch
+from .lib import LoraAdapters
 from .lib import _lib
 from .lib import check_kv_options
 from .lib import context_params
@@ -84,6 +85,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         self.path, self.opts = path, opts
         self.lib = _lib()
         self.model, self.on_gpu = load_model(path, opts)
+        self.adapters: LoraAdapters | None = None
         self.engine: BatchedContext | None = None
         self._draft_model: Any = None
         self._embed: PooledContext | None = None
@@ -96,6 +98,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
 
     def _setup(self, opts: LoadOptions) -> None:
         m = self.model
+        self.adapters = LoraAdapters(m, opts.adapters)  # over the weights, before any context
         self._take_vocab(Vocab(m))
         self.metadata: dict[str, str] = m.metadata()
         self.context_length = loaded_context(opts.num_ctx, m.n_ctx_train())
@@ -109,6 +112,11 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         params = context_params(opts, n_ctx, step_tokens, n_seq_max, self.threads)
         self.ctx_params = params
         ctx = create_context(m, params)
+        try:
+            self.adapters.apply(ctx.ctx)
+        except LocalrtError:
+            ctx.close()
+            raise
         draft = self._load_draft(Path(opts.draft_model), params) if opts.draft_model is not None else None
         self.engine = BatchedContext(
             m,
@@ -139,6 +147,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         )
         kv = per_token * self.context_length * self.n_parallel
         self.memory_bytes = int(m.size()) + kv + (int(self._draft_model.size()) if self._draft_model else 0)
+        self.memory_bytes += sum(Path(p).stat().st_size for p in opts.adapters)
         if self._projector is not None:
             self.memory_bytes += self._projector.size
         if opts.embedding:
@@ -245,9 +254,9 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         with self._embed_lock:
             check_loaded(self._closed)
             if self._reranker is None:
-                self._reranker = Reranker(
-                    self.lib, self.model, self.metadata, self.context_length, self.threads
-                )
+                reranker = Reranker(self.lib, self.model, self.metadata, self.context_length, self.threads)
+                self._with_adapters(reranker.pooled)
+                self._reranker = reranker
             return self._reranker.scores(query, documents)
 
     def cancel(self) -> None:
@@ -321,8 +330,21 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             )
             threads = (self.ctx_params.n_threads, self.ctx_params.n_threads_batch)
             n_ctx = min(self.context_length, 8192)
-            self._embed = PooledContext(self.lib, self.model, n_ctx, threads, pooling, "embedding")
+            pooled = PooledContext(self.lib, self.model, n_ctx, threads, pooling, "embedding")
+            self._with_adapters(pooled)
+            self._embed = pooled
         return self._embed
+
+    def _with_adapters(self, pooled: PooledContext) -> None:
+        """The model's LoRA adapters on a pooled context too: embeddings and scores come from the
+        adapted weights, as generation does."""
+        if self.adapters is None:
+            return
+        try:
+            self.adapters.apply(pooled.ctx.ctx)
+        except LocalrtError:
+            pooled.close()
+            raise
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
         return await asyncio.to_thread(self._embed_blocking, list(texts))
@@ -348,7 +370,9 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             # the embedding, projector and rerank contexts sit on the weights, so they go first
             close_each(self._embed, self._projector, self._reranker)
             self._embed = self._projector = self._reranker = None
-        close_each(self._draft_model, self.model)
+        # the adapters after every context that applies them, before the weights they sit on
+        close_each(self.adapters, self._draft_model, self.model)
+        self.adapters = None
 
 
 def _end_timings(job: Job, generated: int | None) -> Timings:

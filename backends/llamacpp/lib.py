@@ -132,6 +132,41 @@ def create_context(model: Any, params: Any) -> Any:
         raise LocalrtError(f"llama.cpp could not create a context of {params.n_ctx} tokens: {e}") from None
 
 
+class LoraAdapters:
+    """LoRA adapter GGUFs loaded over a model's weights (`model`: an `_internals.LlamaModel`), applied at
+    scale 1.0 in their order to each context made on those weights, as llama-server's `--lora` does.
+    They must be closed before the model, after the contexts that use them."""
+
+    def __init__(self, model: Any, paths: Sequence[Path]) -> None:
+        self.lib = _lib()
+        self.handles: list[Any] = []
+        for path in paths:
+            check_model_file(path, "adapter")
+            handle = self.lib.llama_adapter_lora_init(model.model, str(path).encode())
+            if not handle:
+                self.close()
+                raise LocalrtError(
+                    f"llama.cpp could not load the LoRA adapter {path.name}: it is not an adapter for these "
+                    "weights (another architecture or shape)"
+                )
+            self.handles.append(handle)
+        n = len(self.handles)
+        self._array = (self.lib.llama_adapter_lora_p_ctypes * n)(*self.handles)
+        self._scales = (ctypes.c_float * n)(*([1.0] * n))
+
+    def apply(self, ctx: Any) -> None:
+        """Set the adapters on a context (`ctx`: a raw llama_context pointer); nothing without adapters."""
+        if not self.handles:
+            return
+        if self.lib.llama_set_adapters_lora(ctx, self._array, len(self.handles), self._scales) != 0:
+            raise LocalrtError("llama.cpp could not apply the LoRA adapters to a context")
+
+    def close(self) -> None:
+        for handle in self.handles:
+            self.lib.llama_adapter_lora_free(handle)
+        self.handles = []
+
+
 class Batch:
     """A `llama_batch` of up to `capacity` entries, each one token of one sequence at one position."""
 

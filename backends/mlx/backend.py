@@ -37,6 +37,7 @@ from localrt.backends.base import modules_installed
 from localrt.backends.checks import check_draft_tokens
 from localrt.backends.checks import check_kv_cache_type
 from localrt.backends.checks import check_model_file
+from localrt.backends.checks import check_no_adapters
 from localrt.backends.engine_thread import EngineModel
 from localrt.backends.engine_thread import EngineStreams
 from localrt.backends.engine_thread import OutputStream
@@ -102,6 +103,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         self.capabilities = MLXBackend.capabilities()
         check_kv_cache_type(opts.kv_cache_type, KV_CACHE_TYPES, "MLX")
         check_model_file(path)
+        check_no_adapters(opts.adapters, "MLX")
         if opts.draft_model is not None:
             check_model_file(opts.draft_model, "draft model")
         self.slots = min(MAX_SLOTS, opts.num_parallel or DEFAULT_SLOTS["gpu" if _on_gpu() else "cpu"])

@@ -33,6 +33,7 @@ from localrt.backends.base import loaded_context
 from localrt.backends.checks import check_draft_tokens
 from localrt.backends.checks import check_kv_cache_type
 from localrt.backends.checks import check_model_file
+from localrt.backends.checks import check_no_adapters
 from localrt.backends.engine_thread import EngineModel
 from localrt.backends.engine_thread import EngineStreams
 from localrt.backends.grammar import Grammar
@@ -95,6 +96,7 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         # engine thread would wait for its workers to wake: a 2-thread decode step at batch 1 took
         # 21-25 ms instead of 13. Loading on the caller's thread (often a pool thread that lives on)
         # left such a second pool behind; a loader thread that exits takes its pool with it.
+        check_no_adapters(opts.adapters, NAME)  # before any weight is read
         on_a_thread_of_its_own(lambda: self._load(path, opts, device, numerics))
 
     def _load(self, path: Path, opts: LoadOptions, device: str | None, numerics: str | None) -> None:

@@ -159,6 +159,8 @@ def show_text(details: ModelDetails) -> str:
         out = ["  Model", *(f"    {key:<20}{value}" for key, value in rows)]
         if details.projector:
             out += ["", "  Projector", *(f"    {key:<20}{value}" for key, value in details.projector)]
+        if details.adapters:  # LoRA adapters, in the order they apply (llama.cpp backend)
+            out += ["", "  Adapters", *(f"    {path}" for path in details.adapters)]
         if details.capabilities:
             out += ["", "  Capabilities", *(f"    {cap}" for cap in details.capabilities)]
     if details.parameter_lines:
@@ -218,6 +220,13 @@ def add_create(sub: Subparsers) -> argparse.ArgumentParser:
     add_remote_args(p)
     p.add_argument("--mmproj", default=None, help="a vision model's projector GGUF (mmproj-*.gguf)")
     p.add_argument("--imatrix", default=None, help="importance matrix weighting --quantize (localrt imatrix)")
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a LoRA adapter GGUF (convert_lora_to_gguf.py), after the Modelfile's ADAPTER lines; repeatable",
+    )
     p.set_defaults(func=cmd_create)
     return p
 
@@ -262,6 +271,7 @@ def cmd_create(args: argparse.Namespace) -> int:
         **remote_kwargs(args),
         projector_path=args.mmproj,
         imatrix_path=args.imatrix,
+        adapter_paths=tuple(args.adapter),
     )
     name = create_remote_here(spec) if is_remote(spec) else with_client(lambda client: client.create(spec))
     print(f"success: created '{name}'")

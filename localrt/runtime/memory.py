@@ -94,7 +94,11 @@ def for_model(store: Store, model: str, options: Mapping[str, Any] | None = None
         return None
     opts = Options.merge(resolved.params, options, lenient=(True, False))
     draft = resolved.draft_path if opts.speculative in ("auto", "draft") else None
-    load_opts = replace(opts.load_options(draft_path=draft), projector=resolved.projector_path)
+    load_opts = replace(
+        opts.load_options(draft_path=draft),
+        projector=resolved.projector_path,
+        adapters=tuple(resolved.adapter_paths),
+    )
     fits = ladder(registry.resolve(opts.backend), resolved.model_path, load_opts)
     return fits[0].estimate if fits else None
 

@@ -221,7 +221,9 @@ class ModelPool:
         backend = remote.BACKEND if remote.is_remote(resolved) else registry.resolve(opts.backend)
         draft = self._draft_path(resolved, opts)
         load_opts = dataclasses.replace(
-            opts.load_options(draft_path=draft), projector=resolved.projector_path
+            opts.load_options(draft_path=draft),
+            projector=resolved.projector_path,
+            adapters=tuple(resolved.adapter_paths),
         )
         fits = (
             []
@@ -240,6 +242,7 @@ class ModelPool:
             opts.numerics,
             num_parallel(),
             str(resolved.projector_path),
+            tuple(map(str, resolved.adapter_paths)),  # other adapters over the same weights: another load
         )
         async with self._cond:
             while True:
@@ -516,3 +519,5 @@ def _check_blobs(resolved: ResolvedModel, draft: Path | None) -> None:
         check_blob(resolved.projector_path, "projector")
     if draft is not None:
         check_blob(draft, "draft model")
+    for adapter in resolved.adapter_paths:
+        check_blob(adapter, "adapter")

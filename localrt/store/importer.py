@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from localrt.store.names import ModelName
 from localrt.store.names import normalize_digest
 from localrt.store.names import parse_name
 from localrt.store.store import CONFIG_MEDIA_TYPE
+from localrt.store.store import MEDIA_ADAPTER
 from localrt.store.store import MEDIA_DRAFT
 from localrt.store.store import MEDIA_LICENSE
 from localrt.store.store import MEDIA_MESSAGES
@@ -54,6 +56,49 @@ def check_gguf_file(path: Path, what: str = "model") -> None:
         raise LocalrtError(f"cannot read {path}: {e.strerror or e}") from None
     if magic != GGUF_MAGIC:
         raise LocalrtError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
+
+
+CONVERT_LORA_HINT = "convert it with llama.cpp's convert_lora_to_gguf.py first"
+
+
+def check_adapter_file(path: Path) -> None:
+    """A LoRA adapter as llama.cpp loads it: a GGUF of general.type "adapter" and adapter.type "lora".
+    Anything else (a PEFT folder, safetensors, a model GGUF) is refused with one line."""
+    if path.is_dir():
+        raise LocalrtError(
+            f"adapter {path.name} is a folder (a PEFT adapter?), not a GGUF: {CONVERT_LORA_HINT}"
+        )
+    if path.exists():
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise LocalrtError(f"cannot read adapter {path.name}: {e.strerror or e}") from None
+        if magic != GGUF_MAGIC:
+            raise LocalrtError(f"adapter {path.name} is not a GGUF file (safetensors?): {CONVERT_LORA_HINT}")
+    else:
+        raise LocalrtError(f"adapter file not found: {path}")
+    meta = read_blob(path, "adapter").metadata
+    kind, lora = meta.get("general.type"), meta.get("adapter.type")
+    if kind != "adapter" or lora != "lora":
+        found = f"general.type {kind!r}" if kind != "adapter" else f"adapter.type {lora!r}"
+        raise LocalrtError(
+            f"adapter {path.name} is not a LoRA adapter GGUF ({found}; an adapter has general.type "
+            f"'adapter' and adapter.type 'lora'): {CONVERT_LORA_HINT}"
+        )
+
+
+def _adapter_blob(store: Store, source: Path | str) -> tuple[str, int]:
+    """A LoRA adapter (a file or a stored blob's digest), checked, then stored as a blob."""
+    if isinstance(source, Path):
+        check_adapter_file(source)
+        return store.add_blob_file(source)
+    digest = normalize_digest(source)
+    if not store.has_blob(digest):
+        raise LocalrtError(f"adapter blob {digest} is not in the store")
+    path = store.blob_path(digest)
+    check_adapter_file(path)
+    return digest, path.stat().st_size
 
 
 def _blob(store: Store, source: Path | str, what: str) -> tuple[str, int, dict[str, Any]]:
@@ -113,12 +158,14 @@ def import_gguf(
     projector: Path | str | None = None,
     messages: list[dict[str, Any]] | None = None,
     formats: dict[str, str] | None = None,
+    adapters: Sequence[Path | str] = (),
 ) -> str:
     """Store a model made of `gguf` (a path or a stored blob's digest) plus optional text layers and a
     multimodal projector GGUF (`projector`, checked to be one: general.architecture "clip");
     `hf_source` records the HF repo id or directory it was converted from (for `serve-engine`);
     `messages`: a Modelfile's MESSAGE turns (Ollama's messages layer); `formats`: its `renderer`,
-    `parser` and `requires`, kept in the config blob where Ollama keeps them.
+    `parser` and `requires`, kept in the config blob where Ollama keeps them; `adapters`: LoRA adapter
+    GGUFs (paths or stored digests, each checked to be one), layers in this order.
 
     Returns the manifest digest. A malformed GGUF raises GGUFError before anything is written.
     """
@@ -146,6 +193,9 @@ def import_gguf(
                     "projector (mmproj-*.gguf, general.architecture clip)"
                 )
             layers.append({"mediaType": MEDIA_PROJECTOR, "digest": proj_digest, "size": proj_size})
+        for adapter in adapters:
+            digest, size = _adapter_blob(store, adapter)
+            layers.append({"mediaType": MEDIA_ADAPTER, "digest": digest, "size": size})
         if draft is not None:
             draft_digest, draft_size, _ = _blob(store, draft, "draft")
             layers.append({"mediaType": MEDIA_DRAFT, "digest": draft_digest, "size": draft_size})

@@ -8,6 +8,7 @@
     SYSTEM "one line"
     LICENSE \"\"\"...\"\"\"
     DRAFT ./draft.gguf | name:tag         (a draft model for speculative decoding)
+    ADAPTER ./lora.gguf | sha256:...      (repeatable: a LoRA adapter GGUF, llama.cpp backend only)
     FROM https://host:port/v1             (a remote model; several FROM URLs make a pool)
     PARAMETER remote_model ID             (the upstream's model id; PARAMETER api_key_env VAR for a key)
     MESSAGE user "..."                    (repeatable: few-shot turns every prompt starts with)
@@ -40,6 +41,7 @@ from localrt.store.names import normalize_digest
 from localrt.store.names import parse_name
 from localrt.store.remote import REMOTE_PARAMETERS
 from localrt.store.remote import is_remote_url
+from localrt.store.store import MEDIA_ADAPTER
 from localrt.store.store import MEDIA_DRAFT
 from localrt.store.store import MEDIA_MODEL
 from localrt.store.store import MEDIA_PROJECTOR
@@ -84,7 +86,6 @@ PARAMETER_TYPES: dict[str, type] = {
 _PARAM_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _TRUE = {"1", "t", "true", "yes", "on"}
 _FALSE = {"0", "f", "false", "no", "off"}
-_UNSUPPORTED = {"ADAPTER"}
 MESSAGE_ROLES = ("system", "user", "assistant")  # what Ollama's parser allows in a MESSAGE line
 _SEMVER = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
 
@@ -240,6 +241,7 @@ class Modelfile:
     requires: str | None = None
     parser: str | None = None
     renderer: str | None = None
+    adapters: list[tuple[str, int]] = field(default_factory=list)  # ADAPTER lines: (value, line number)
 
     def formats(self) -> dict[str, str]:
         """The config blob's `renderer`, `parser` and `requires` that this Modelfile sets."""
@@ -284,6 +286,7 @@ _INSTRUCTIONS = (
     "SYSTEM",
     "LICENSE",
     "DRAFT",
+    "ADAPTER",
     "MESSAGE",
     "REQUIRES",
     "PARSER",
@@ -305,8 +308,6 @@ def parse_modelfile(text: str) -> Modelfile:
         keyword, rest = (re.split(r"\s+", line, maxsplit=1) + [""])[:2]
         word = keyword.upper()
         where = f"Modelfile line {i + 1}"
-        if word in _UNSUPPORTED:
-            raise ModelfileError(f"{where}: {word} is not supported yet")
         if word not in _INSTRUCTIONS:
             raise ModelfileError(f"{where}: unknown instruction {keyword!r}")
         if not rest.strip():
@@ -401,6 +402,8 @@ def _instruction(mf: Modelfile, word: str, value: str, line_no: int, where: str)
             mf.from_, mf.from_line = value, line_no
     elif word == "DRAFT":
         mf.draft, mf.draft_line = value, line_no
+    elif word == "ADAPTER":
+        mf.adapters.append((value.strip(), line_no))
     elif word in ("REQUIRES", "PARSER", "RENDERER"):
         try:
             setattr(mf, word.lower(), check_format_name(word.lower(), value.strip()))
@@ -449,6 +452,26 @@ def _resolve_source(value: str, base_dir: Path, store: Store, where: str) -> Pat
     return name
 
 
+def _resolve_adapter(value: str, base_dir: Path, store: Store, where: str) -> Path | str:
+    """ADAPTER value -> an existing file (relative to the Modelfile), or a stored blob's digest."""
+    if DIGEST_RE.match(value):
+        blob = normalize_digest(value)
+        if not store.has_blob(blob):
+            raise LocalrtError(f"{where}adapter blob {blob} is not in the store")
+        return blob
+    candidate = Path(value).expanduser()
+    if not candidate.is_absolute():
+        candidate = base_dir / candidate
+    if not candidate.exists():
+        raise LocalrtError(f"{where}adapter file not found: {value}")
+    return candidate
+
+
+def _layer_digests(store: Store, name: ModelName, media: str) -> list[str]:
+    manifest, _ = store.read_manifest(name)
+    return [layer["digest"] for layer in manifest.get("layers", []) if layer.get("mediaType") == media]
+
+
 def _layer_digest(store: Store, name: ModelName, media: str) -> str | None:
     manifest, _ = store.read_manifest(name)
     return next(
@@ -470,6 +493,7 @@ def create(
     insecure: bool = False,
     projector_path: str | Path | None = None,
     imatrix: str | Path | None = None,
+    adapters: Sequence[str | Path] = (),
 ) -> ModelName:
     """`localrt create`: a model from a GGUF file or an existing model, plus Modelfile overrides.
 
@@ -484,12 +508,14 @@ def create(
         remote_model, api_key_env, insecure: its upstream model id, key variable, plain-http consent.
         projector_path: a multimodal projector GGUF (mmproj) for a vision model; overrides a second FROM.
         imatrix: an importance-matrix file that weights that quantization (`localrt imatrix`).
+        adapters: LoRA adapter GGUFs (`--adapter`), after the Modelfile's ADAPTER lines.
     """
     store = store or Store()
     dest = parse_name(name) if isinstance(name, str) else name
     mf = parse_modelfile(modelfile_text) if modelfile_text is not None else Modelfile()
     if remote:
         mf.remotes, mf.from_ = list(remote), str(remote[0])
+    mf.adapters += [(str(path), 0) for path in adapters]
     if mf.remotes:
         if projector_path is not None:
             raise ModelfileError("--mmproj does not apply to a remote model")
@@ -514,6 +540,7 @@ def create(
     if mf.projector is not None:
         projector = _resolve_source(mf.projector, base, store, where(mf.projector_line))
         source, projector = _model_first(source, projector)
+    lora = [_resolve_adapter(value, base, store, where(line)) for value, line in mf.adapters]
     with quantized(store, source, quantize, _load_imatrix(imatrix, quantize)) as source:
         build_model(
             store,
@@ -527,6 +554,7 @@ def create(
             projector=projector,
             messages=mf.messages,
             formats=mf.formats(),
+            adapters=lora,
         )
     return dest
 
@@ -548,6 +576,8 @@ def _create_remote(
         raise ModelfileError("MESSAGE, REQUIRES, PARSER and RENDERER do not apply to a remote model")
     if mf.draft is not None:
         raise ModelfileError("DRAFT does not apply to a remote model")
+    if mf.adapters:
+        raise ModelfileError("ADAPTER does not apply to a remote model (its weights live upstream)")
     create_remote(
         store,
         dest,
@@ -626,21 +656,25 @@ def build_model(
     projector: Path | str | ModelName | None = None,
     messages: list[dict[str, str]] | None = None,
     formats: dict[str, str] | None = None,
+    adapters: Sequence[Path | str] = (),
 ) -> None:
     """Write `dest` from a GGUF (path or stored digest) or from a stored model whose layers it inherits;
     the given template/system/license/parameters/draft/projector override the inherited ones, and
-    MESSAGE turns (when any) replace the inherited history, as in Ollama."""
+    MESSAGE turns (when any) replace the inherited history, as in Ollama; `adapters` (LoRA GGUFs) come
+    after the inherited ones."""
     from localrt.store.importer import import_gguf
 
     params: dict[str, Any] = {}
     inherited_draft: str | None = None
     inherited_projector: str | None = None
+    inherited_adapters: list[str] = []
     if isinstance(source, ModelName):
         # derive: inherit every layer of the stored model, then apply the overrides
         base_model = store.resolve(source)
         gguf: Path | str = _layer_digest(store, source, MEDIA_MODEL) or ""
         inherited_draft = _layer_digest(store, source, MEDIA_DRAFT)
         inherited_projector = _layer_digest(store, source, MEDIA_PROJECTOR)
+        inherited_adapters = _layer_digests(store, source, MEDIA_ADAPTER)
         template = template if template is not None else base_model.template
         system = system if system is not None else base_model.system
         license_text = license_text if license_text is not None else base_model.license
@@ -675,6 +709,7 @@ def build_model(
         projector=projector_source,
         messages=messages or None,
         formats=formats,
+        adapters=[*inherited_adapters, *adapters],
     )
 
 
@@ -739,6 +774,7 @@ def create_from_request(
     draft = _draft_from_request(store, fields.get("draft"))
     messages = _messages_from_request(fields.get("messages"))
     formats = _formats_from_request(fields)
+    adapters = _adapters_from_request(store, fields.get("adapters"))
     if file_type:
         progress(f"quantizing model to {file_type}")
     with quantized(store, source, file_type, weights) as model_source:
@@ -755,7 +791,26 @@ def create_from_request(
             projector=projector,
             messages=messages,
             formats=formats,
+            adapters=adapters,
         )
+
+
+def _adapters_from_request(store: Store, value: Any) -> list[str]:
+    """The `adapters` field of /api/create (Ollama's): file name -> sha256 digest of an uploaded LoRA
+    adapter GGUF, applied in the order given."""
+    if not value:
+        return []
+    if not isinstance(value, dict):
+        raise LocalrtError("adapters must map file names to sha256 digests of uploaded blobs")
+    out = []
+    for file_name, digest in value.items():
+        if not isinstance(digest, str) or not DIGEST_RE.match(digest):
+            raise LocalrtError(f"adapters: {file_name} must map to the sha256 digest of an uploaded blob")
+        blob = normalize_digest(digest)
+        if not store.has_blob(blob):
+            raise LocalrtError(f"blob {blob} not found: upload it with POST /api/blobs/{blob} first")
+        out.append(blob)
+    return out
 
 
 def _messages_from_request(value: Any) -> list[dict[str, str]]:
@@ -827,6 +882,8 @@ def _remote_from_request(
 
     if fields.get("draft") is not None:
         raise LocalrtError("draft does not apply to a remote model")
+    if fields.get("adapters"):
+        raise LocalrtError("adapters do not apply to a remote model (its weights live upstream)")
     urls = fields["remote"]
     urls = [urls] if isinstance(urls, str) else urls
     if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):

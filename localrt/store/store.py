@@ -46,6 +46,7 @@ MEDIA_DRAFT = MEDIA_PREFIX + "draft"
 REMOTE_FORMAT = "remote"  # config `model_format` of a remote model (localrt/store/remote.py)
 MEDIA_PROJECTOR = MEDIA_PREFIX + "projector"  # Ollama's: a vision model's multimodal projector GGUF
 MEDIA_MESSAGES = MEDIA_PREFIX + "messages"  # Ollama's: a Modelfile's MESSAGE turns, a JSON list
+MEDIA_ADAPTER = MEDIA_PREFIX + "adapter"  # Ollama's: a LoRA adapter GGUF (a Modelfile's ADAPTER), in order
 MAX_MANIFEST_BYTES = 4 << 20
 # left free after an upload: the store's disk is usually the system's too, and a full disk stops more
 # than this server
@@ -94,6 +95,8 @@ class ResolvedModel:
     projector_path: Path | None = None  # the mmproj GGUF of a vision model
     # a Modelfile's MESSAGE turns ({role, content}): the few-shot history every prompt starts with
     messages: list[dict[str, Any]] = field(default_factory=list)
+    # LoRA adapter GGUFs (ADAPTER lines), applied over the weights in this order at scale 1.0
+    adapter_paths: list[Path] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -272,6 +275,10 @@ class Store:
             raise LocalrtError(
                 f"model '{name.display}' is damaged: its projector blob is missing; pull it again"
             )
+        if not all(path.is_file() for path in extras.get("adapter_paths", [])):
+            raise LocalrtError(
+                f"model '{name.display}' is damaged: an adapter blob is missing; pull it again"
+            )
         return ResolvedModel(name=name, manifest=manifest, manifest_digest=digest, config=cfg, **extras)
 
     def _layer_fields(self, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -290,6 +297,8 @@ class Store:
             media, blob = layer.get("mediaType", ""), self.blob_path(layer["digest"])
             if media in first_paths:
                 extras.setdefault(first_paths[media], blob)
+            elif media == MEDIA_ADAPTER:
+                extras.setdefault("adapter_paths", []).append(blob)
             elif media in paths:
                 extras[paths[media]] = blob
             elif media in readers:
