@@ -173,6 +173,9 @@ class GenerateRequest:
     # the runtime parses them out of the text, as llama-server's preserved tokens
     preserve_tokens: frozenset[int] = frozenset()
     images: list[ImageInput] = field(default_factory=list)  # needs Capabilities.vision
+    # the model's LoRA adapters' scales for this request, one per adapter in load order (llama-server's
+    # per-request `lora`); None: each at 1.0, as they loaded. Only the llama.cpp backend applies them.
+    lora: tuple[float, ...] | None = None
 
     @property
     def wants_logprobs(self) -> bool:

@@ -149,6 +149,27 @@ ThinkValue = Annotated[
 ]
 
 
+class LoraScale(Wire):
+    """One LoRA adapter's scale for a request, as llama-server's per-request `lora` entries."""
+
+    id: Annotated[Int, Field(description="the adapter's index in the model's ADAPTER order, from 0")]
+    scale: Annotated[float, Field(allow_inf_nan=False, description="its scale (1.0: as trained, 0: off)")]
+
+
+LoraList = Annotated[
+    list[LoraScale] | None,
+    Field(
+        description="LoRA adapter scales for this request (llama.cpp backend): adapters not listed are off; "
+        "absent or empty: every adapter at 1.0"
+    ),
+]
+
+
+def lora_setting(entries: list[LoraScale] | None) -> list[dict[str, Any]] | None:
+    """The runtime's `lora` setting (`localrt.runtime.lora`) from the wire's entries."""
+    return None if entries is None else [{"id": e.id, "scale": e.scale} for e in entries]
+
+
 class Message(Wire):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
@@ -275,6 +296,7 @@ class Generation(Named):
     think: ThinkValue = None
     truncate: bool | None = None  # drop the oldest turns when the prompt exceeds num_ctx (default true)
     shift: bool | None = None  # shift the context when generation reaches its end (default true)
+    lora: LoraList = None
 
 
 class GenerateRequest(Generation):
@@ -398,6 +420,7 @@ class OpenAISampling(Wire):
     keep_alive: KeepAlive = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    lora: LoraList = None
 
 
 class NamedFunction(Wire):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,7 +53,8 @@ def server(files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     srv = LocalrtServer(
         root / "models",
         root / "serve.log",
-        env={"LOCALRT_KEEP_ALIVE": "10m", "LOCALRT_BACKEND": "llama.cpp"},
+        # several sequences, so that concurrent requests share steps (or, under other scales, alternate)
+        env={"LOCALRT_KEEP_ALIVE": "10m", "LOCALRT_BACKEND": "llama.cpp", "LOCALRT_NUM_PARALLEL": "4"},
     )
     # the CLI against the running server: the Modelfile's ADAPTER is uploaded and sent as `adapters`
     modelfile = files["work"] / "Modelfile"
@@ -71,9 +73,21 @@ def cli(server: LocalrtServer, *args: str) -> str:
     return proc.stdout
 
 
-def generate(server: LocalrtServer, model: str, **options: object) -> httpx.Response:
+def generate(
+    server: LocalrtServer, model: str, lora: list[dict[str, float]] | None = None, **options: object
+) -> httpx.Response:
     body = {"model": model, "prompt": PROMPT, "raw": True, "stream": False, "options": {**GREEDY, **options}}
+    if lora is not None:
+        body["lora"] = lora
     return httpx.post(server.url + "/api/generate", json=body, timeout=300)
+
+
+def text(
+    server: LocalrtServer, model: str, lora: list[dict[str, float]] | None = None, **options: object
+) -> str:
+    answer = generate(server, model, lora, **options)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["response"]
 
 
 # ---- the store ---------------------------------------------------------------------------------------
@@ -186,3 +200,102 @@ def test_greedy_tokens_equal_llama_server_with_lora(server: LocalrtServer, llama
     ours = generate(server, "lora:tiny").json()
     # the raw route returns no context ids: the text and the token count, together, stand for the tokens
     assert (ours["response"], ours["eval_count"]) == (theirs["content"], len(theirs["tokens"]))
+
+
+@pytest.mark.oracle
+def test_greedy_tokens_equal_llama_server_at_scale_half(server: LocalrtServer, llama_server: str) -> None:
+    lora = [{"id": 0, "scale": 0.5}]
+    body = {"prompt": PROMPT, "n_predict": 12, "temperature": 0, "top_k": 1, "cache_prompt": False}
+    body.update(return_tokens=True, lora=lora)
+    theirs = httpx.post(llama_server + "/completion", json=body, timeout=300).json()
+    ours = generate(server, "lora:tiny", lora).json()
+    assert (ours["response"], ours["eval_count"]) == (theirs["content"], len(theirs["tokens"]))
+
+
+# ---- per-request scales (llama-server's `lora` field) ------------------------------------------------
+def test_scale_zero_gives_the_base_model(server: LocalrtServer) -> None:
+    # the default (scale 1.0) ran this prompt before: its cached KV must not be reused at scale 0
+    text(server, "lora:tiny")
+    assert text(server, "lora:tiny", [{"id": 0, "scale": 0.0}]) == text(server, "base:tiny")
+
+
+def test_scale_one_equals_the_default(server: LocalrtServer) -> None:
+    assert text(server, "lora:tiny", [{"id": 0, "scale": 1.0}]) == text(server, "lora:tiny")
+
+
+def test_an_empty_list_is_the_default(server: LocalrtServer) -> None:
+    assert text(server, "lora:tiny", []) == text(server, "lora:tiny")
+
+
+def test_scale_half_is_neither_off_nor_full(server: LocalrtServer) -> None:
+    half = text(server, "lora:tiny", [{"id": 0, "scale": 0.5}])
+    assert half not in (text(server, "lora:tiny"), text(server, "base:tiny"))
+
+
+def test_concurrent_requests_under_other_scales_answer_as_alone(server: LocalrtServer) -> None:
+    scales = [0.0, 1.0, 0.0, 1.0]
+    alone = {s: text(server, "lora:tiny", [{"id": 0, "scale": s}], num_predict=48) for s in set(scales)}
+    start = threading.Barrier(len(scales))
+    together: list[str] = [""] * len(scales)
+
+    def run(i: int) -> None:
+        start.wait()
+        together[i] = text(server, "lora:tiny", [{"id": 0, "scale": scales[i]}], num_predict=48)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(scales))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert together == [alone[s] for s in scales]
+
+
+def test_the_openai_completions_route_takes_scales(server: LocalrtServer) -> None:
+    def completion(model: str, lora: list[dict[str, float]] | None) -> str:
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "lora": lora}
+        return httpx.post(server.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
+
+    assert completion("lora:tiny", [{"id": 0, "scale": 0}]) == completion("base:tiny", None)
+
+
+def test_an_unknown_adapter_id_is_refused(server: LocalrtServer) -> None:
+    answer = generate(server, "lora:tiny", [{"id": 1, "scale": 0.5}])
+    assert (answer.status_code, answer.json()["error"]) == (
+        400,
+        "lora: unknown adapter id 1 (the model 'lora:tiny' has 1 LoRA adapter: id 0)",
+    )
+
+
+def test_an_adapter_listed_twice_is_refused(server: LocalrtServer) -> None:
+    answer = generate(server, "lora:tiny", [{"id": 0, "scale": 0.5}, {"id": 0, "scale": 1}])
+    assert (answer.status_code, answer.json()["error"]) == (400, "lora: adapter id 0 is listed twice")
+
+
+def test_scales_for_a_model_without_adapters_are_refused(server: LocalrtServer) -> None:
+    answer = generate(server, "base:tiny", [{"id": 0, "scale": 0.5}])
+    assert (answer.status_code, answer.json()["error"]) == (
+        400,
+        "lora: the model 'base:tiny' has no LoRA adapters (ADAPTER) to scale",
+    )
+
+
+def test_scales_on_the_torch_backend_are_refused(server: LocalrtServer) -> None:
+    answer = generate(server, "lora:tiny", [{"id": 0, "scale": 0.5}], backend="torch")
+    assert (answer.status_code, answer.json()["error"]) == (
+        400,
+        "lora: the torch backend does not apply LoRA adapters; use the llama.cpp backend "
+        "(option backend llama.cpp)",
+    )
+
+
+def test_the_chat_routes_check_scales(server: LocalrtServer) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": "lora:tiny", "messages": messages, "stream": False, "lora": [{"id": 3, "scale": 1}]}
+    ollama_chat = httpx.post(server.url + "/api/chat", json=body, timeout=60)
+    openai_chat = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert (ollama_chat.status_code, openai_chat.status_code) == (400, 400)
+
+
+def test_a_malformed_entry_is_refused(server: LocalrtServer) -> None:
+    answer = generate(server, "lora:tiny", [{"id": 0}])  # type: ignore[list-item]
+    assert answer.status_code == 400

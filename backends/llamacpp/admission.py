@@ -55,10 +55,12 @@ def copy_threshold(stream_bytes: int, weight_bytes: int) -> int:
 
 @dataclass
 class SavedSeq:
-    """An evicted idle sequence: its cells and its KV state as llama_state_seq_get_data wrote it."""
+    """An evicted idle sequence: its cells, its KV state as llama_state_seq_get_data wrote it, and the
+    LoRA scale set the state was computed under."""
 
     cells: list[Hashable]
     data: Any  # a ctypes uint8 array
+    lora: tuple[float, ...] = ()
 
 
 class Admission(SeqContext):
@@ -71,6 +73,7 @@ class Admission(SeqContext):
     copy_min: int
     ram_cache_bytes: int
     draft_cost: dict[str, float]
+    tick: int  # the step loop's step count
     saved: list[SavedSeq]  # evicted idle sequences' states, least recently saved first
     owner: list[Job | None]
     last_used: list[float]
@@ -118,9 +121,9 @@ class Admission(SeqContext):
         two and copying it beats evaluating the same tokens twice (N clients behind one system prompt)."""
         if not job.prompt_cells:
             job.prompt_cells = cells_of(job.prompt)
-        cached = self._best_prefix(job.prompt_cells)[1]
+        cached = self._best_prefix(job.prompt_cells, job.lora)[1]
         for other in self.running:
-            if other.generating or not other.pending:
+            if other.generating or not other.pending or other.lora != job.lora:
                 continue
             shared = common_prefix(other.prompt_cells, job.prompt_cells)
             # a wait of a step or more pays only for a long shared part, however cheap the copy is
@@ -133,9 +136,11 @@ class Admission(SeqContext):
         job.t_admit = time.perf_counter_ns()
         prompt_cells = job.prompt_cells or cells_of(job.prompt)
         job.prompt_cells = prompt_cells
-        seq, n = self._place(job.prompt, prompt_cells)
+        seq, n = self._place(job.prompt, prompt_cells, job.lora)
         job.seq = seq
         self.owner[seq] = job
+        self.cell_lora[seq] = job.lora
+        job.turn = self.tick
         job.pending = items_from(job.prompt, n)
         job.timings.prompt_eval_count = len(prompt_cells) - n
         job.history = [t for t in job.prompt if isinstance(t, int)]
@@ -148,11 +153,14 @@ class Admission(SeqContext):
         self.running.append(job)
         job.timings.cached_count = n
 
-    def _place(self, prompt: list[PromptItem], prompt_cells: list[Hashable]) -> tuple[int, int]:
+    def _place(
+        self, prompt: list[PromptItem], prompt_cells: list[Hashable], lora: tuple[float, ...]
+    ) -> tuple[int, int]:
         """A seq id for a new prompt and how many of its cells it already holds (a live sequence's prefix,
-        copied or taken over, or a saved one restored from RAM); the rest of the seq's cells are gone."""
-        src, n = self._best_prefix(prompt_cells)
-        saved, n_saved = self._best_saved(prompt_cells)
+        copied or taken over, or a saved one restored from RAM, made under the same LoRA scales); the rest
+        of the seq's cells are gone."""
+        src, n = self._best_prefix(prompt_cells, lora)
+        saved, n_saved = self._best_saved(prompt_cells, lora)
         if saved is not None and n_saved > n:
             src = self._free_seq(-1, 0, len(prompt_cells))
             n = n_saved if self._restore(saved, src) else 0
@@ -170,8 +178,10 @@ class Admission(SeqContext):
     # ---- the RAM prompt cache: states of idle sequences that lost their cells ---------------------
     def _save(self, seq: int) -> None:
         """Keep seq's KV state (llama_state_seq_get_data) in RAM, newest last, within ram_cache_bytes."""
-        cells = self.cells[seq]
-        if self.ram_cache_bytes <= 0 or any(s.cells[: len(cells)] == cells for s in self.saved):
+        cells, lora = self.cells[seq], self.cell_lora[seq]
+        if self.ram_cache_bytes <= 0 or any(
+            s.lora == lora and s.cells[: len(cells)] == cells for s in self.saved
+        ):
             return  # off, or a saved state already holds all of it
         size = int(self.lib.llama_state_seq_get_size(self.ctx.ctx, seq))
         if size <= 0 or size > self.ram_cache_bytes:
@@ -179,13 +189,14 @@ class Admission(SeqContext):
         buf = (ctypes.c_uint8 * size)()
         if int(self.lib.llama_state_seq_get_data(self.ctx.ctx, buf, size, seq)) == 0:
             return
-        self.saved = [s for s in self.saved if cells[: len(s.cells)] != s.cells]  # prefixes of this one
-        self.saved.append(SavedSeq(list(cells), buf))
+        # prefixes of this one go
+        self.saved = [s for s in self.saved if s.lora != lora or cells[: len(s.cells)] != s.cells]
+        self.saved.append(SavedSeq(list(cells), buf, lora))
         while sum(len(s.data) for s in self.saved) > self.ram_cache_bytes:
             self.saved.pop(0)
 
-    def _best_saved(self, cells: list[Hashable]) -> tuple[SavedSeq | None, int]:
-        return longest_prefix(((saved, saved.cells) for saved in self.saved), cells, None)
+    def _best_saved(self, cells: list[Hashable], lora: tuple[float, ...]) -> tuple[SavedSeq | None, int]:
+        return longest_prefix(((s, s.cells) for s in self.saved if s.lora == lora), cells, None)
 
     def _restore(self, saved: SavedSeq, seq: int) -> bool:
         """Load a saved state into seq (whatever it held is saved or dropped first); False if llama.cpp
@@ -199,10 +210,12 @@ class Admission(SeqContext):
             self._evict(seq)
             return False
         self.cells[seq] = list(saved.cells)
+        self.cell_lora[seq] = saved.lora
         return True
 
-    def _best_prefix(self, cells: list[Hashable]) -> tuple[int, int]:
-        return longest_prefix(enumerate(self.cells), cells, -1)
+    def _best_prefix(self, cells: list[Hashable], lora: tuple[float, ...]) -> tuple[int, int]:
+        held = ((seq, held) for seq, held in enumerate(self.cells) if self.cell_lora[seq] == lora)
+        return longest_prefix(held, cells, -1)
 
     def _free_seq(self, src: int, n: int, prompt_len: int) -> int:
         """A seq id for a new request whose best cached prefix is n cells of seq `src`.

@@ -128,6 +128,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             draft=draft,
             verify_cost=verify_cost_per_draft(self.on_gpu),
             copy_min=copy_threshold(per_token * self.context_length, int(m.size())),
+            adapters=self.adapters if self.adapters.handles else None,
         )
         self._streams = EngineStreams(lambda out: out.job.id)
         self.engine.start(self._streams.route)
@@ -175,7 +176,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         media = await asyncio.to_thread(self._expand_images, request) if request.images else None
         try:
             prompt = self._media_items(media) if media is not None else list(request.prompt_tokens)
-            job = Job(request, prompt=prompt)
+            job = Job(request, prompt=prompt, lora=self._lora(request))
             async with self._streams.open(self, job.id, request.cancel, job.finished.is_set, None) as queue:
                 self._require_engine().submit(job)
                 stream = OutputStream(self, request, lambda generated: _end_timings(job, generated))
@@ -191,7 +192,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         media = self._expand_images(req)  # None without images
         try:
             prompt = self._media_items(media) if media is not None else list(req.prompt_tokens)
-            job = Job(replace(req, num_predict=1), prompt=prompt, capture=True)
+            job = Job(replace(req, num_predict=1), prompt=prompt, capture=True, lora=self._lora(req))
             self._require_engine().submit(job)
             job.finished.wait()
         finally:
@@ -279,6 +280,17 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         check_prompt(
             req.prompt_tokens, self.context_length, self.n_vocab, (IMAGE_TOKEN,) if req.images else ()
         )
+        self._lora(req)
+
+    def _lora(self, req: GenerateRequest) -> tuple[float, ...]:
+        """The request's LoRA scale set (the step loop batches only jobs of equal sets); () without
+        adapters."""
+        adapters = self.adapters
+        if adapters is None or not adapters.handles:
+            if req.lora:
+                raise LocalrtError("lora: this model has no LoRA adapters (ADAPTER) to scale")
+            return ()
+        return adapters.scales_for(req.lora)
 
     # -- scoring --
     async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:

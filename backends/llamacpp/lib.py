@@ -134,7 +134,8 @@ def create_context(model: Any, params: Any) -> Any:
 
 class LoraAdapters:
     """LoRA adapter GGUFs loaded over a model's weights (`model`: an `_internals.LlamaModel`), applied at
-    scale 1.0 in their order to each context made on those weights, as llama-server's `--lora` does.
+    scale 1.0 in their order to each context made on those weights, as llama-server's `--lora` does; a
+    request may ask for other scales (`scales_for`), which the step loop sets on its context (`apply`).
     They must be closed before the model, after the contexts that use them."""
 
     def __init__(self, model: Any, paths: Sequence[Path]) -> None:
@@ -152,13 +153,26 @@ class LoraAdapters:
             self.handles.append(handle)
         n = len(self.handles)
         self._array = (self.lib.llama_adapter_lora_p_ctypes * n)(*self.handles)
-        self._scales = (ctypes.c_float * n)(*([1.0] * n))
+        self.default: tuple[float, ...] = (1.0,) * n
 
-    def apply(self, ctx: Any) -> None:
-        """Set the adapters on a context (`ctx`: a raw llama_context pointer); nothing without adapters."""
+    def scales_for(self, scales: Sequence[float] | None) -> tuple[float, ...]:
+        """A request's scale set (None: the default, every adapter at 1.0); one scale per adapter."""
+        if scales is None:
+            return self.default
+        if len(scales) != len(self.handles):
+            raise LocalrtError(
+                f"lora: {len(scales)} scales for a model with {len(self.handles)} LoRA adapters"
+            )
+        return tuple(float(s) for s in scales)
+
+    def apply(self, ctx: Any, scales: Sequence[float] | None = None) -> None:
+        """Set the adapters on a context (`ctx`: a raw llama_context pointer) at `scales` (None: the
+        default); nothing without adapters. llama.cpp compares with what the context has and does nothing
+        when equal; a change makes its next decode reserve the compute graph again."""
         if not self.handles:
             return
-        if self.lib.llama_set_adapters_lora(ctx, self._array, len(self.handles), self._scales) != 0:
+        values = (ctypes.c_float * len(self.handles))(*self.scales_for(scales))
+        if self.lib.llama_set_adapters_lora(ctx, self._array, len(self.handles), values) != 0:
             raise LocalrtError("llama.cpp could not apply the LoRA adapters to a context")
 
     def close(self) -> None:

@@ -87,6 +87,10 @@ class Job:
     # the reader ended it at a stop string: its cancel then keeps the sequence cached, as an end would
     stopped_by_text: bool = False
     capture: bool = False  # keep a copy of the logits after the prompt in `logits` (tests, inspection)
+    # the LoRA scale set it runs under (one per adapter; () without adapters): llama.cpp applies adapters
+    # to the whole context, so a step batches only jobs of one set, and reuses only KV made under it
+    lora: tuple[float, ...] = ()
+    turn: int = 0  # the step it last ran in (or was admitted at): the set of the longest-waiting job runs
     logits: np.ndarray | None = None
     id: int = field(default_factory=lambda: next(_job_ids))
 
@@ -114,6 +118,9 @@ class SeqContext:
         self.mem = self.lib.llama_get_memory(ctx.ctx)
         self.batch = Batch(n_batch)
         self.cells: list[list[Hashable]] = [[] for _ in range(n_seq_max)]
+        # the LoRA scale set each seq's cells were computed under: KV made under one set is not reused
+        # for a request under another (the same tokens give other keys and values)
+        self.cell_lora: list[tuple[float, ...]] = [() for _ in range(n_seq_max)]
 
     def logits(self, row: int) -> np.ndarray:
         """Batch row `row`'s logits from the last decode (llama.cpp's buffer: copy to keep them)."""
@@ -141,15 +148,18 @@ class SeqContext:
     def _evict(self, seq: int) -> None:
         self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
         self.cells[seq] = []
+        self.cell_lora[seq] = ()
 
     def _evict_all(self) -> None:
         self.lib.llama_memory_clear(self.mem, True)
         self.cells = [[] for _ in self.cells]
+        self.cell_lora = [() for _ in self.cell_lora]
 
     def _copy(self, src: int, dst: int) -> None:
         """dst holds what src holds: each sequence has a KV stream of its own, so the whole stream is copied."""
         self.lib.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
         self.cells[dst] = list(self.cells[src])
+        self.cell_lora[dst] = self.cell_lora[src]
 
 
 class DraftContext(SeqContext):

@@ -32,6 +32,7 @@ from .admission import RAM_CACHE_BYTES
 from .admission import Admission
 from .admission import SavedSeq
 from .lib import Batch
+from .lib import LoraAdapters
 from .lib import sample
 from .sequences import EXACT_ROWS
 from .sequences import DraftContext
@@ -60,6 +61,7 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
         verify_cost: float = VERIFY_COST_PER_DRAFT["cpu"],
         copy_min: int = COPY_MIN,
         ram_cache_bytes: int = RAM_CACHE_BYTES,
+        adapters: LoraAdapters | None = None,
     ) -> None:
         SeqContext.__init__(self, model, ctx, n_seq_max, step_tokens)
         self.vocab = model.vocab
@@ -82,6 +84,12 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
         self.room = step_tokens  # batch rows this step has not planned yet
         self.waiting: list[Job] = []  # taken from the inbox, not yet admitted (owned by the step thread)
         self.running: list[Job] = []
+        # the model's LoRA adapters (none: None) and the scale set the context has now (the caller
+        # applied the default) and this step's: a step batches only jobs of one set (`_choose_lora`)
+        self.adapters = adapters
+        self.lora_now: tuple[float, ...] = adapters.default if adapters is not None else ()
+        self.lora = self.lora_now
+        self.tick = 0  # steps taken, decoding or not (a job's `turn`)
         self._init_thread()
         self.steps = 0  # decodes run (for tests and benchmarks)
 
@@ -123,7 +131,9 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
         for job in [j for j in self.running if j.req.cancel.cancelled]:
             self._finish(job, "cancel")
         self._admit()
+        self.tick += 1
         if self.running:
+            self._choose_lora()
             self._add_decodes()
             self._add_prefills()
             self._fill_batch()
@@ -142,8 +152,24 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
         return outputs
 
     # ---- building the batch --------------------------------------------------------------------
+    def _choose_lora(self) -> None:
+        """This step's LoRA scale set: the one of the job that has waited longest (the oldest of equals).
+
+        llama.cpp applies adapters to the whole context, not per sequence, so a step batches only the jobs
+        of one set and the others sit it out: with two sets running they take alternate steps, each at
+        about half its speed alone (as llama-server, which batches only slots with equal adapters)."""
+        self.lora = min(self.running, key=lambda j: j.turn).lora
+        self._set_lora(self.lora)
+
+    def _set_lora(self, scales: tuple[float, ...]) -> None:
+        """The context under `scales`; only on a change, which makes the next decode reserve its compute
+        graph again (a few milliseconds)."""
+        if self.adapters is not None and scales != self.lora_now:
+            self.adapters.apply(self.ctx.ctx, scales)
+            self.lora_now = scales
+
     def _add_decodes(self) -> None:
-        decoding = [j for j in self.running if j.generating and not j.pending]
+        decoding = [j for j in self.running if j.lora == self.lora and j.generating and not j.pending]
         for job in decoding:
             if len(self.cells[job.seq]) + 1 > self.n_ctx_seq:
                 self._context_full(job)
@@ -161,6 +187,7 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
 
     def _plan_rows(self, job: Job, tokens: list[int], output: bool | list[bool]) -> None:
         seq = job.seq
+        job.turn = self.tick
         self.plan.append((seq, tokens, len(self.cells[seq]), output, job))
         self.cells[seq].extend(tokens)
         self.room -= len(tokens)
@@ -198,7 +225,7 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
 
     def _add_prefills(self) -> None:
         for job in self.running:
-            if not job.pending or job in (e[4] for e in self.plan):
+            if job.lora != self.lora or not job.pending or job in (e[4] for e in self.plan):
                 continue
             self._run_external(job)
             take: list[int] = []
@@ -343,6 +370,8 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
             raise LocalrtError("no free sequence for this request")
         seq = min(idle, key=lambda s: (bool(self.cells[s]), self.last_used[s]))
         self._evict(seq)
+        if self.adapters is not None:
+            self._set_lora(self.adapters.default)  # scoring takes no scales: the model as it loaded
         try:
             return fn(self.ctx.ctx, seq)
         finally:

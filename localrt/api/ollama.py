@@ -487,6 +487,7 @@ def generation_args(body: wire.Generation) -> Settings:
         think=body.think,
         truncate=body.truncate is not False,
         shift=body.shift is not False,
+        lora=wire.lora_setting(body.lora),
     )
 
 

@@ -350,6 +350,7 @@ async def chat_completions(request: Request) -> Response:
         think=think_from_effort(body.reasoning_effort),
         tool_choice=tool_choice_of(body),
         parallel_tool_calls=body.parallel_tool_calls,
+        lora=wire.lora_setting(body.lora),
     )
 
     def whole(final: Chunk) -> dict[str, Any]:
@@ -425,6 +426,7 @@ async def completions(request: Request) -> Response:
         logprobs=want_logprobs,
         top_logprobs=top,
         stream=body.stream is True,
+        lora=wire.lora_setting(body.lora),
     )
 
     def logprobs_legacy(items: list[TokenLogprob] | None) -> dict[str, Any] | None:

@@ -40,6 +40,7 @@ from localrt.backends.base import TokenLogprob
 from localrt.errors import LocalrtError
 from localrt.runtime import fim
 from localrt.runtime import images as image_input
+from localrt.runtime import lora as lora_scales
 from localrt.runtime import remote
 from localrt.runtime import tenants
 from localrt.runtime import thinking
@@ -122,7 +123,8 @@ class Settings(TypedDict, total=False):
     keep_alive: a duration or seconds (0 unloads after the answer); logprobs / top_logprobs (0..20);
     stream: chunks as they come, else one final chunk; think: Ollama's value (None, bool, "low"|"medium"|
     "high") or a Think; truncate: drop the oldest turns to fit the context; shift: shift the context when
-    generation reaches its end. Unset means the default."""
+    generation reaches its end; lora: llama-server's per-request adapter scales, [{"id": N, "scale":
+    S}] (`localrt.runtime.lora`). Unset means the default."""
 
     options: Mapping[str, Any] | None
     format: str | dict[str, Any] | None
@@ -133,6 +135,7 @@ class Settings(TypedDict, total=False):
     think: Any
     truncate: bool
     shift: bool
+    lora: Sequence[Mapping[str, Any]] | None
 
 
 def _now_rfc3339() -> str:
@@ -158,6 +161,7 @@ class _Call:
     shift: bool
     start: int  # perf_counter_ns at arrival
     tenant: str | None  # whose prompt prefixes a reported cache hit may cover (tenants.py)
+    lora: tuple[float, ...] | None = None  # one scale per adapter; None: the model's default
 
 
 class Runtime:
@@ -343,6 +347,7 @@ class Runtime:
             shift=settings.get("shift", True),
             start=start,
             tenant=tenants.current_tenant.get(),
+            lora=lora_scales.scales(settings.get("lora"), resolved, opts.backend),
         )
 
     async def _load_only(self, call: _Call) -> AsyncIterator[Chunk]:
@@ -390,6 +395,7 @@ class Runtime:
             constraint = GBNF(turn.grammar())
         if constraint is not None and not m.capabilities.grammar:
             raise LocalrtError(f"the {entry.backend} backend does not support format (JSON output)")
+        lora_scales.check_backend(call.lora, entry.backend)
         # with a context shift an answer may go past the context end (-1: up to 10 contexts, as Ollama)
         shifting = call.shift and m.capabilities.context_shift
         return GenerateRequest(
@@ -403,6 +409,7 @@ class Runtime:
             speculative=opts.speculative,
             num_draft=opts.num_draft,
             preserve_tokens=entry.preserve_tokens if turn is not None else frozenset(),
+            lora=call.lora,
         )
 
     async def _run(
