@@ -162,8 +162,8 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
         self._set_lora(self.lora)
 
     def _set_lora(self, scales: tuple[float, ...]) -> None:
-        """The context under `scales`; only on a change, which makes the next decode reserve its compute
-        graph again (a few milliseconds)."""
+        """The context under `scales`, set only on a change: a change makes llama.cpp reserve its compute
+        graph again at the next decode."""
         if self.adapters is not None and scales != self.lora_now:
             self.adapters.apply(self.ctx.ctx, scales)
             self.lora_now = scales
