@@ -7,6 +7,7 @@ oracle is llama-server with `--lora` on the same two files.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -299,3 +300,30 @@ def test_the_chat_routes_check_scales(server: LocalrtServer) -> None:
 def test_a_malformed_entry_is_refused(server: LocalrtServer) -> None:
     answer = generate(server, "lora:tiny", [{"id": 0}])  # type: ignore[list-item]
     assert answer.status_code == 400
+
+
+def test_cached_prompts_are_reused_only_under_equal_scales(files: dict[str, Path]) -> None:
+    """One sequence: the prompt held under 1.0 is evaluated again at 0.0 (the 1.0 state goes to the RAM
+    cache), and a later request at 1.0 gets that state back."""
+    from localrt.backends.base import DoneEvent
+    from localrt.backends.base import GenerateRequest
+    from localrt.backends.base import LoadOptions
+    from localrt.backends.base import SamplingParams
+    from localrt.backends.llamacpp import LlamaCppBackend
+
+    opts = LoadOptions(num_ctx=CTX, num_thread=2, num_parallel=1, adapters=(files["lora"],))
+    m = LlamaCppBackend.load(files["base"], opts)
+
+    async def cached(tokens: list[int], lora: tuple[float, ...] | None) -> int:
+        request = GenerateRequest(tokens, SamplingParams(temperature=0), num_predict=2, lora=lora)
+        async for event in m.generate(request):
+            if isinstance(event, DoneEvent):
+                return event.timings.cached_count
+        return -1
+
+    try:
+        tokens = m.tokenize(PROMPT * 4, True, True)
+        counts = [asyncio.run(cached(tokens, lora)) for lora in (None, (0.0,), (1.0,))]
+    finally:
+        m.unload()
+    assert counts == [0, 0, len(tokens) - 1]
