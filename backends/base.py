@@ -164,11 +164,6 @@ class GenerateRequest:
     )
     num_keep: int = 4  # tokens a context shift keeps at the start
     cancel: CancelToken = field(default_factory=CancelToken)
-    # A remote model's prompt (backends/remote): the upstream templates and tokenizes it itself, so the
-    # runtime sends the conversation (`messages`, OpenAI tools) or the raw text instead of tokens.
-    messages: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    prompt_text: str | None = None
     # control tokens whose text the answer keeps (thinking tags, tool-call markers, harmony headers):
     # the runtime parses them out of the text, as llama-server's preserved tokens
     preserve_tokens: frozenset[int] = frozenset()

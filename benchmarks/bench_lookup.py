@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--num-draft", type=int, default=8)
     args = parser.parse_args()
 
-    from localrt.runtime.generate import Runtime
+    from localrt.runtime.front import Runtime
 
     temp_store(
         find_gguf(args.gguf),

@@ -115,7 +115,7 @@ def main() -> None:
 
     from llama_cpp import Llama
 
-    from localrt.runtime.generate import Runtime
+    from localrt.runtime.front import Runtime
 
     gguf = find_gguf(args.gguf)
     params = {

@@ -402,7 +402,7 @@ def install_hooks(backend: str, out_path: str) -> None:
     import signal
 
     from localrt.backends import base
-    from localrt.runtime.generate import Runtime
+    from localrt.runtime.front import Runtime
 
     if os.environ.get("PROFILE_HAND_OVER") == "1":
         from localrt.backends.engine_thread import EngineThread

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from localrt.errors import LocalrtError
-from localrt.runtime.generate import Runtime
+from localrt.runtime.front import Runtime
 
 # Different questions, so that a round measures decoding rather than the prefix cache.
 QUESTIONS = [

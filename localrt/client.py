@@ -31,8 +31,8 @@ from localrt.errors import BackendUnavailable
 from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 from localrt.errors import PullError
+from localrt.runtime.answers import Chunk
 from localrt.runtime.bridge import run_in_thread_stream
-from localrt.runtime.generate import Chunk
 from localrt.store.sources.common import Progress
 
 # ---- what the interfaces see ----------------------------------------------------------------------
@@ -245,7 +245,7 @@ class RuntimeClient:
     @property
     def runtime(self) -> Any:
         if self._runtime is None:
-            from localrt.runtime.generate import Runtime
+            from localrt.runtime.front import Runtime
 
             self._runtime = Runtime(self.store)
         return self._runtime

@@ -24,11 +24,11 @@ from pydantic import ValidationError
 from pydantic import WithJsonSchema
 
 from localrt.errors import LocalrtError
+from localrt.runtime.answers import Metrics
+from localrt.runtime.answers import TokenLogprob
 from localrt.runtime.bridge import KV_CACHE_TYPES
 from localrt.runtime.bridge import NUMERICS
 from localrt.runtime.bridge import SPECULATIVE_MODES
-from localrt.runtime.generate import Metrics
-from localrt.runtime.generate import TokenLogprob
 from localrt.runtime.options import _RANGES
 from localrt.runtime.options import BACKEND_ALIASES
 from localrt.runtime.options import BACKEND_NAMES

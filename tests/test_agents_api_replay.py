@@ -21,7 +21,7 @@ import pytest
 
 from localrt.api import anthropic as anthropic_route
 from localrt.api import responses as responses_route
-from localrt.runtime.generate import Runtime
+from localrt.runtime.front import Runtime
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
 from tests import families

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from localrt.runtime.generate import ContextLengthError  # noqa: E402
-from localrt.runtime.generate import Runtime  # noqa: E402
+from localrt.runtime.answers import ContextLengthError  # noqa: E402
+from localrt.runtime.front import Runtime  # noqa: E402
 from localrt.runtime.options import OPEN_ENDED_CONTEXTS  # noqa: E402
 from localrt.runtime.truncate import fit_messages  # noqa: E402
 from localrt.runtime.truncate import fit_tokens  # noqa: E402

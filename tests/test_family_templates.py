@@ -115,7 +115,7 @@ def test_real_gemma3_file_renders_gemma_turns(gemma3_gguf: Path, models_dir: Pat
     tokenizer keeps as single special tokens (ChatML's would be split into plain text pieces)."""
     import asyncio
 
-    from localrt.runtime.generate import Runtime
+    from localrt.runtime.front import Runtime
     from localrt.store.importer import import_gguf
     from localrt.store.names import parse_name
     from localrt.store.store import Store

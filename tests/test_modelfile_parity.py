@@ -19,7 +19,7 @@ import ollama
 import pytest
 
 import localrt
-from localrt.runtime.generate import Runtime
+from localrt.runtime.front import Runtime
 from localrt.show import modelfile_text
 from localrt.store.gguf import read_gguf
 from localrt.store.importer import import_gguf

@@ -19,8 +19,8 @@ from localrt.errors import LocalrtError  # noqa: E402
 from localrt.errors import ModelNotFound  # noqa: E402
 from localrt.errors import OptionError  # noqa: E402
 from localrt.errors import ServerBusy  # noqa: E402
-from localrt.runtime.generate import Chunk  # noqa: E402
-from localrt.runtime.generate import Runtime  # noqa: E402
+from localrt.runtime.answers import Chunk  # noqa: E402
+from localrt.runtime.front import Runtime  # noqa: E402
 from localrt.runtime.templates import TemplateError  # noqa: E402
 from localrt.store.store import Store  # noqa: E402
 

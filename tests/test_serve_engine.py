@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from localrt.runtime.generate import Runtime
+from localrt.runtime.front import Runtime
 from localrt.store.importer import import_gguf
 from localrt.store.names import parse_name
 from localrt.store.store import Store

@@ -17,7 +17,7 @@ from pathlib import Path
 import ollama
 import pytest
 
-from localrt.runtime.generate import Runtime
+from localrt.runtime.front import Runtime
 from localrt.store.gguf import GGUFError
 from localrt.store.importer import import_gguf
 from localrt.store.modelfile import create

@@ -22,8 +22,8 @@ import openai
 import pytest
 
 from localrt.errors import LocalrtError
-from localrt.runtime.generate import Chunk
-from localrt.runtime.generate import Runtime
+from localrt.runtime.answers import Chunk
+from localrt.runtime.front import Runtime
 from localrt.runtime.thinking import ThinkError
 from localrt.runtime.thinking import model_format
 from localrt.store.importer import import_gguf

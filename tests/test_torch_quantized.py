@@ -236,7 +236,7 @@ def test_numerics_is_a_load_option() -> None:
 def test_ps_reports_the_numerics_and_the_weights(models_dir: Path, smollm2_gguf: Path) -> None:
     """The runtime's ps rows carry the torch engine's numerics and resident weight bytes; changing
     the option reloads the model."""
-    from localrt.runtime.generate import Runtime
+    from localrt.runtime.front import Runtime
     from localrt.store.store import Store
     from tests.test_runtime import FRANCE
     from tests.test_runtime import collect

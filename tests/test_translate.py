@@ -22,8 +22,8 @@ from localrt.api.translate import constrain_tools
 from localrt.api.translate import function_tool
 from localrt.api.translate import think_from_anthropic
 from localrt.api.translate import think_from_effort
-from localrt.runtime.generate import Chunk
-from localrt.runtime.generate import Metrics
+from localrt.runtime.answers import Chunk
+from localrt.runtime.answers import Metrics
 
 WEATHER = function_tool(
     "get_weather", "weather", {"type": "object", "properties": {"city": {"type": "string"}}}, "tools"

@@ -37,8 +37,8 @@ from localrt.client import ModelRow  # noqa: E402
 from localrt.client import RuntimeClient  # noqa: E402
 from localrt.client import ServerClient  # noqa: E402
 from localrt.client import connect  # noqa: E402
-from localrt.runtime.generate import Chunk  # noqa: E402
-from localrt.runtime.generate import Metrics  # noqa: E402
+from localrt.runtime.answers import Chunk  # noqa: E402
+from localrt.runtime.answers import Metrics  # noqa: E402
 from localrt.store.importer import import_gguf  # noqa: E402
 from localrt.store.names import parse_name  # noqa: E402
 from localrt.store.pull import Progress  # noqa: E402

@@ -24,7 +24,7 @@ from localrt.backends.base import IMAGE_TOKEN
 from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
 from localrt.errors import LocalrtError
-from localrt.runtime.generate import Runtime
+from localrt.runtime.front import Runtime
 from localrt.runtime.images import decode_image
 from localrt.store.modelfile import create
 from localrt.store.store import MEDIA_PROJECTOR

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from localrt.runtime import images
-from localrt.runtime.generate import Runtime
+from localrt.runtime.front import Runtime
 from localrt.store.pull import pull
 from localrt.store.store import Store
 from tests.fixtures_vision import png_bytes

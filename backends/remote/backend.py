@@ -1,10 +1,11 @@
 """The remote backend: a model served by OpenAI-compatible upstreams (vLLM, SGLang, llama-server,
-another localrt), behind the same protocol as the local backends.
+another localrt), behind a protocol of their own.
 
 `RemoteBackend.load(path, opts)` takes the model's config blob (what the store wrote at `create
---remote`), probes the endpoints and returns a `RemoteModel`. Chat requests go to the upstream's
-/v1/chat/completions as messages (the upstream applies its own template), raw prompts to
-/v1/completions. Answers are always streamed from the upstream, so closing our iterator (our client
+--remote`), probes the endpoints and returns a `RemoteModel`. A `RemoteModel` is not a `LoadedModel`:
+it has no vocabulary and no chat template, and generates from a `RemoteRequest` (messages or text, never
+token ids). Chat requests go to the upstream's /v1/chat/completions as messages (the upstream applies
+its own template), raw prompts to /v1/completions. Answers are always streamed from the upstream, so closing our iterator (our client
 went away) closes the upstream connection and the upstream stops generating.
 
 Retries: a request that fails before its first token is tried on the next endpoint of the pool;
@@ -33,14 +34,13 @@ import httpx
 from localrt.backends.base import Capabilities
 from localrt.backends.base import DoneEvent
 from localrt.backends.base import Event
-from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
-from localrt.backends.base import ScoreResult
 from localrt.backends.base import TextEvent
 from localrt.backends.base import Timings
 from localrt.backends.remote import wire
 from localrt.backends.remote.pool import Endpoint
 from localrt.backends.remote.pool import Pool
+from localrt.backends.remote.wire import RemoteRequest
 from localrt.errors import LocalrtError
 from localrt.errors import ServerBusy
 from localrt.store.remote import check_endpoint
@@ -55,7 +55,6 @@ SLOTS_PER_ENDPOINT = 64  # requests in flight per endpoint before the runtime's 
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 600.0  # between two chunks: a busy cluster may queue a request for minutes
 PROBE_TIMEOUT = 5.0
-REMOTE_VOCAB = 2**31 - 1  # the upstream's vocabulary is not known here; it checks token ids itself
 
 
 class RemoteError(LocalrtError):
@@ -114,11 +113,12 @@ class RemoteBackend:
 
 
 class RemoteModel:
+    """A model served by the pool of endpoints: generate, embed, tokenize and detokenize by the upstream;
+    `memory_bytes`, `processor`, `context_length` and `capabilities.parallel_slots` are what `ps` and the
+    runtime's queue read."""
+
     backend_name = "remote"
     memory_bytes = 0
-    bos_token_id = None
-    add_bos = False
-    n_vocab = REMOTE_VOCAB
 
     def __init__(
         self,
@@ -136,8 +136,6 @@ class RemoteModel:
         self.upstream_model = model
         self.api_key_env = api_key_env or None
         self._headers(urls[0])  # a missing key is one clear error now, not every endpoint "down"
-        self.eos_token_ids: list[int] = []
-        self.metadata = {"general.architecture": "remote", "general.name": model}
         self.processor = f"remote ({len(urls)} endpoint{'s' if len(urls) != 1 else ''})"
         self._cancelled = 0  # bumped by cancel(): running streams compare their start value
         self._clients: dict[int, tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]] = {}  # one per loop
@@ -241,11 +239,11 @@ class RemoteModel:
         )
 
     # ---- generation --------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def generate(self, request: RemoteRequest) -> AsyncIterator[Event]:
         if request.num_predict == 0:
             yield DoneEvent("length", Timings())
             return
-        chat = request.messages is not None
+        chat = request.chat
         body = (
             wire.chat_body(self.upstream_model, request)
             if chat
@@ -279,9 +277,9 @@ class RemoteModel:
         raise self._all_failed(failures)
 
     async def _attempt(
-        self, endpoint: Endpoint, path: str, body: dict[str, Any], request: GenerateRequest
+        self, endpoint: Endpoint, path: str, body: dict[str, Any], request: RemoteRequest
     ) -> AsyncIterator[Event]:
-        answer = wire.Answer(chat=request.messages is not None, top_logprobs=request.top_logprobs)
+        answer = wire.Answer(chat=request.chat, top_logprobs=request.top_logprobs)
         sent = time.perf_counter_ns()
         first = 0
         cancelled_at_start = self._cancelled
@@ -441,17 +439,6 @@ class RemoteModel:
             if isinstance(obj.get(key), str):
                 return obj[key]
         raise RemoteError(f"the detokenizer of {m} answered no text")
-
-    def token_text(self, token_id: int) -> str:
-        return ""
-
-    def special_tokens(self) -> list[str]:
-        return []
-
-    async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
-        raise LocalrtError(
-            f"remote model {self.upstream_model} cannot score tokens: perplexity and KL need a local model"
-        )
 
     def unload(self) -> None:
         self.pool.stop()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
-from localrt.backends.base import GenerateRequest
+from localrt.backends.base import CancelToken
 from localrt.backends.base import SamplingParams
 from localrt.backends.base import TextEvent
 from localrt.backends.base import Timings
@@ -34,6 +34,27 @@ class UpstreamErrorEvent(Exception):
 
 
 # ---- requests -----------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class RemoteRequest:
+    """One chat or completion for the upstream. The upstream templates and tokenizes, so a request
+    carries the conversation (`messages`, OpenAI `tools`) or the raw text (`prompt`), never token ids."""
+
+    messages: list[dict[str, Any]] | None = None  # chat: the runtime's (Ollama-shaped) messages
+    tools: list[dict[str, Any]] | None = None
+    prompt: str | None = None  # completions: the text as given
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_predict: int = -1  # -1: no max_tokens (the upstream bounds the answer by its context)
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    format: str | dict[str, Any] | None = None  # "json" or a JSON schema (as `response_format`)
+    cancel: CancelToken = field(default_factory=CancelToken)
+
+    @property
+    def chat(self) -> bool:
+        return self.messages is not None
+
+
 def sampling_fields(s: SamplingParams) -> dict[str, Any]:
     """Ollama's sampling options under the names OpenAI-compatible servers take: the standard fields,
     and vLLM/SGLang/llama-server's extras (both names of the repeat penalty, as servers differ)."""
@@ -63,7 +84,7 @@ def response_format(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": "response", "schema": fmt}}
 
 
-def chat_body(model: str, request: GenerateRequest) -> dict[str, Any]:
+def chat_body(model: str, request: RemoteRequest) -> dict[str, Any]:
     fields: dict[str, Any] = {"messages": openai_messages(request.messages or [])}
     if request.tools:
         fields["tools"] = request.tools
@@ -73,14 +94,14 @@ def chat_body(model: str, request: GenerateRequest) -> dict[str, Any]:
     return _streamed(model, fields, request)
 
 
-def completion_body(model: str, request: GenerateRequest) -> dict[str, Any]:
-    fields: dict[str, Any] = {"prompt": request.prompt_text or ""}
+def completion_body(model: str, request: RemoteRequest) -> dict[str, Any]:
+    fields: dict[str, Any] = {"prompt": request.prompt or ""}
     if request.logprobs:
         fields["logprobs"] = max(1, request.top_logprobs)  # the legacy field is a count; 0 asks for none
     return _streamed(model, fields, request)
 
 
-def _streamed(model: str, fields: dict[str, Any], request: GenerateRequest) -> dict[str, Any]:
+def _streamed(model: str, fields: dict[str, Any], request: RemoteRequest) -> dict[str, Any]:
     """A streamed request's body: the model, the endpoint's own `fields` (its prompt, ...), then what
     chat and completions read the same way (sampling, length, stop strings, response format)."""
     body: dict[str, Any] = {

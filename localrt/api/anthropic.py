@@ -54,8 +54,8 @@ from localrt.api.translate import sampling_options
 from localrt.api.translate import think_from_anthropic
 from localrt.api.translate import tool_message
 from localrt.errors import LocalrtError
-from localrt.runtime.generate import Chunk
-from localrt.runtime.generate import ContextLengthError
+from localrt.runtime.answers import Chunk
+from localrt.runtime.answers import ContextLengthError
 
 router = APIRouter(prefix="/v1")
 

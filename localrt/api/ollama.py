@@ -24,10 +24,10 @@ from localrt.api.streaming import first_and_rest
 from localrt.api.streaming import ndjson_response
 from localrt.api.streaming import unless_client_leaves
 from localrt.errors import LocalrtError
+from localrt.runtime.answers import Chunk
+from localrt.runtime.answers import Settings
 from localrt.runtime.bridge import run_in_thread_stream
-from localrt.runtime.generate import Chunk
-from localrt.runtime.generate import Runtime
-from localrt.runtime.generate import Settings
+from localrt.runtime.front import Runtime
 from localrt.store.names import DIGEST_RE
 from localrt.store.names import normalize_digest
 from localrt.store.names import parse_name

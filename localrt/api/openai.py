@@ -30,9 +30,9 @@ from localrt.api.streaming import with_warnings
 from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 from localrt.runtime import images as image_input
-from localrt.runtime.generate import Chunk
-from localrt.runtime.generate import Metrics
-from localrt.runtime.generate import TokenLogprob
+from localrt.runtime.answers import Chunk
+from localrt.runtime.answers import Metrics
+from localrt.runtime.answers import TokenLogprob
 from localrt.runtime.thinking import think_from_effort
 from localrt.store.names import parse_name
 

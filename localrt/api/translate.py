@@ -24,9 +24,9 @@ from localrt.api.openai import EXTRA_OPTIONS
 from localrt.api.openai import OpenAIParamError
 from localrt.runtime import images as image_input
 from localrt.runtime import thinking
-from localrt.runtime.generate import Chunk
-from localrt.runtime.generate import Metrics
-from localrt.runtime.generate import Runtime
+from localrt.runtime.answers import Chunk
+from localrt.runtime.answers import Metrics
+from localrt.runtime.front import Runtime
 
 ParamError = OpenAIParamError  # "<param>: <message>", a 400 that names the field
 Think = bool | str | None

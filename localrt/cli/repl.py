@@ -24,8 +24,8 @@ from localrt.client import ModelDetails
 from localrt.client import connect
 from localrt.errors import LocalrtError
 from localrt.format import go_duration
-from localrt.runtime.generate import Chunk
-from localrt.runtime.generate import Metrics
+from localrt.runtime.answers import Chunk
+from localrt.runtime.answers import Metrics
 from localrt.runtime.options import Options
 from localrt.runtime.options import parse_option_value
 

@@ -26,7 +26,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from localrt.api.app import create_app
     from localrt.runtime.bridge import compute_device_report
-    from localrt.runtime.generate import Runtime
+    from localrt.runtime.front import Runtime
 
     host, port = config.host()
     runtime = Runtime()

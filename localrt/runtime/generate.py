@@ -1,12 +1,9 @@
-"""Generation: the runtime's answers to chat, generate, embed, rerank, score and tokenize requests.
+"""Local generation: chat, generate, embed, rerank, score and tokenize on a model this process loads.
 
-    rt = Runtime()
-    async for chunk in rt.chat("smollm2:135m", [{"role": "user", "content": "Hi"}]):
-        print(chunk.content, end="")
-
-A request is checked once (`_begin`), holds a loaded model through `ModelPool.use`, has its prompt
-rendered by the model's `Prompter`, and streams `Chunk`s from one loop (`_run`). All methods are
-coroutines of one event loop; blocking backend work runs in worker threads.
+`Runtime` (`front.py`) hands a request here once it knows the model is local. A request is checked once
+(`_begin`), holds a loaded model through `ModelPool.use`, has its prompt rendered by the model's
+`Prompter`, and streams `Chunk`s from one loop (`_run`). All methods are coroutines of one event loop;
+blocking backend work runs in worker threads.
 """
 
 from __future__ import annotations
@@ -21,10 +18,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
-from datetime import datetime
-from datetime import timezone
 from typing import Any
-from typing import TypedDict
 from typing import Unpack
 
 from localrt.backends.base import GBNF
@@ -41,11 +35,17 @@ from localrt.errors import LocalrtError
 from localrt.runtime import fim
 from localrt.runtime import images as image_input
 from localrt.runtime import lora as lora_scales
-from localrt.runtime import remote
 from localrt.runtime import tenants
 from localrt.runtime import thinking
-from localrt.runtime.models import Entry
-from localrt.runtime.models import LoadedInfo
+from localrt.runtime.answers import Chunk
+from localrt.runtime.answers import ContextLengthError
+from localrt.runtime.answers import EmbedResult
+from localrt.runtime.answers import Metrics
+from localrt.runtime.answers import RerankResult
+from localrt.runtime.answers import Settings
+from localrt.runtime.answers import check_format
+from localrt.runtime.answers import check_logprobs
+from localrt.runtime.models import LocalEntry as Entry
 from localrt.runtime.models import ModelPool
 from localrt.runtime.options import Options
 from localrt.runtime.prompt import Turn
@@ -56,90 +56,6 @@ from localrt.runtime.thinking import ReplyParser
 from localrt.runtime.thinking import Think
 from localrt.runtime.truncate import fit_tokens
 from localrt.store.store import ResolvedModel
-from localrt.store.store import Store
-
-
-class ContextLengthError(LocalrtError):
-    """A prompt longer than the context; `tokens` and `limit` let a protocol word it its own way."""
-
-    status = 400
-
-    def __init__(self, message: str, tokens: int | None = None, limit: int | None = None) -> None:
-        super().__init__(message)
-        self.tokens, self.limit = tokens, limit
-
-
-@dataclass
-class Metrics(Timings):
-    """A request's numbers, in nanoseconds: the backend's timings plus the request's total (`localrt.wire`
-    gives them their names on Ollama's wire)."""
-
-    total_ns: int = 0
-    # the whole prompt, a reused (cached) prefix included: prompt_eval_count counts only what was
-    # evaluated; OpenAI's and Anthropic's usage count the whole input
-    prompt_tokens: int = 0
-    reasoning_tokens: int = 0  # of eval_count: generated inside the thinking (Responses' reasoning_tokens)
-
-
-@dataclass
-class Chunk:
-    """One streamed piece of a chat or generate answer; the last one has done=True and metrics."""
-
-    model: str
-    content: str = ""
-    thinking: str = ""  # a reasoning model's thinking, split out of content (Ollama's message.thinking)
-    done: bool = False
-    done_reason: str | None = None  # stop | length | cancel | load | unload
-    stop_sequence: str | None = None  # done_reason "stop" because this stop string matched (not an end token)
-    tool_calls: list[dict[str, Any]] | None = None
-    logprobs: list[TokenLogprob] | None = None  # the API routes write them in their own wire shape
-    metrics: Metrics | None = None
-    context: list[int] | None = None  # generate only: prompt + answer tokens, for the next call
-    created_at: str = field(default_factory=lambda: _now_rfc3339())
-
-
-@dataclass
-class EmbedResult:
-    model: str
-    embeddings: list[list[float]]
-    prompt_eval_count: int
-    total_ns: int
-    load_ns: int
-
-
-@dataclass
-class RerankResult:
-    model: str
-    scores: list[float]  # per document, in the order given
-    prompt_eval_count: int
-    total_ns: int
-    load_ns: int
-
-
-class Settings(TypedDict, total=False):
-    """What chat and generate share, in the runtime's names (each API translates its fields to these).
-
-    options: option name -> value (`localrt.runtime.options`); format: "json" or a JSON schema;
-    keep_alive: a duration or seconds (0 unloads after the answer); logprobs / top_logprobs (0..20);
-    stream: chunks as they come, else one final chunk; think: Ollama's value (None, bool, "low"|"medium"|
-    "high") or a Think; truncate: drop the oldest turns to fit the context; shift: shift the context when
-    generation reaches its end; lora: llama-server's per-request adapter scales, [{"id": N, "scale":
-    S}] (`localrt.runtime.lora`). Unset means the default."""
-
-    options: Mapping[str, Any] | None
-    format: str | dict[str, Any] | None
-    keep_alive: str | float | None
-    logprobs: bool
-    top_logprobs: int
-    stream: bool
-    think: Any
-    truncate: bool
-    shift: bool
-    lora: Sequence[Mapping[str, Any]] | None
-
-
-def _now_rfc3339() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 @dataclass
@@ -164,27 +80,17 @@ class _Call:
     lora: tuple[float, ...] | None = None  # one scale per adapter; None: the model's default
 
 
-class Runtime:
-    """The runtime every interface shares (CLI, HTTP server, TUI): a `ModelPool` and the request paths."""
+class LocalRuntime:
+    """The request paths of local models (`front.Runtime` picks this path for them), over the shared pool."""
 
-    def __init__(
-        self,
-        store: Store | None = None,
-        *,
-        max_loaded: int | None = None,
-        max_queue: int | None = None,
-        keep_alive: float | None = None,
-    ) -> None:
-        self.models = ModelPool(store, max_loaded=max_loaded, max_queue=max_queue, keep_alive=keep_alive)
+    def __init__(self, models: ModelPool) -> None:
+        self.models = models
         self.prefixes = tenants.PrefixRecord()
-
-    @property
-    def store(self) -> Store:
-        return self.models.store
 
     # ---- chat and generate -----------------------------------------------------------------------
     async def chat(
         self,
+        resolved: ResolvedModel,
         model: str,
         messages: Sequence[Mapping[str, Any]],
         *,
@@ -197,7 +103,7 @@ class Runtime:
 
         `tool_choice`: OpenAI's (None/"auto", "none", "required", {"type": "function", "function":
         {"name": ...}}); `settings`: what chat and generate share (`Settings`)."""
-        call = self._begin(model, settings, tools=tools, choice=tool_choice)
+        call = self._begin(resolved, model, settings, tools=tools, choice=tool_choice)
         if not messages:
             async for chunk in self._load_only(call):
                 yield chunk
@@ -213,17 +119,15 @@ class Runtime:
             prompter = entry.prompter
             _check_tools(entry, call.tools)
             turn = prompter.turn(model, call.think, call.tools, call.required, parallel_tool_calls)
-            upstream = remote.chat_prompt(msgs, call.tools) if remote.is_remote(call.resolved) else None
-            tokens: list[int] = []
-            if upstream is None:  # a remote model's upstream templates, tokenizes and fits it itself
-                tokens = await prompter.render(msgs, turn, pictures)
-                if call.truncate and not pictures and len(tokens) >= entry.model.context_length:
-                    tokens = await prompter.fit(msgs, turn, tokens)
-            async for chunk in self._run(call, entry, load_ns, tokens, turn, upstream, pictures):
+            tokens = await prompter.render(msgs, turn, pictures)
+            if call.truncate and not pictures and len(tokens) >= entry.model.context_length:
+                tokens = await prompter.fit(msgs, turn, tokens)
+            async for chunk in self._run(call, entry, load_ns, tokens, turn, pictures):
                 yield chunk
 
     async def generate(
         self,
+        resolved: ResolvedModel,
         model: str,
         prompt: str = "",
         *,
@@ -239,7 +143,7 @@ class Runtime:
         `images`: base64 strings or bytes, placed at `[img]` in the prompt or in front of it;
         `suffix`: the text after the completion (fill-in-the-middle, `prompt` is the text before);
         `settings`: what chat and generate share (`Settings`)."""
-        call = self._begin(model, settings)
+        call = self._begin(resolved, model, settings)
         if suffix:
             fim.check_insert(call.resolved.name.display, True, raw, bool(images))
             async for chunk in self._infill(call, prompt, suffix, context):
@@ -256,16 +160,12 @@ class Runtime:
             (marked,), pending = await image_input.check_images([{"content": prompt, "images": list(images)}])
             prompt = marked["content"]
         _check_vision(call.resolved, pending)
-        resolved = call.resolved
         async with self.models.use(resolved, call.opts, call.keep_alive) as (entry, load_ns):
             _check_generates(entry, "generate")
             pictures = await image_input.decode_all(pending)
             m = entry.model
             turn: Turn | None = None
-            upstream = remote.generate_prompt(resolved, prompt, system, raw, context)
-            if upstream is not None:  # a remote model: the upstream templates and tokenizes
-                tokens = []
-            elif raw:  # the text as given: no template, so no thinking switch and no parsing
+            if raw:  # the text as given: no template, so no thinking switch and no parsing
                 tokenize = image_input.split_markers(
                     lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special)
                 )
@@ -278,13 +178,10 @@ class Runtime:
                 turn = entry.prompter.turn(model, call.think)
                 tokens = await entry.prompter.render(msgs, turn, pictures, add_bos=not context)
                 tokens = [*(context or []), *tokens]
-            if call.truncate and not pictures and upstream is None:
+            if call.truncate and not pictures:
                 tokens = fit_tokens(tokens, m.context_length, call.opts.num_keep)
-            # image cells have no token ids, and a remote upstream's are not ours
-            want_context = not raw and not pictures and upstream is None
-            async for chunk in self._run(
-                call, entry, load_ns, tokens, turn, upstream, pictures, want_context
-            ):
+            want_context = not raw and not pictures  # image cells have no token ids
+            async for chunk in self._run(call, entry, load_ns, tokens, turn, pictures, want_context):
                 yield chunk
 
     async def _infill(
@@ -308,11 +205,12 @@ class Runtime:
                 budget = m.context_length - len(context or ()) - m.context_length // 4
                 tokens = fim.infill_tokens(entry.fim_tokens, prefix, suffix, tokenize, bos, budget)
             tokens = [*(context or []), *tokens]
-            async for chunk in self._run(call, entry, load_ns, tokens, None, None, (), True):
+            async for chunk in self._run(call, entry, load_ns, tokens, None, (), True):
                 yield chunk
 
     def _begin(
         self,
+        resolved: ResolvedModel,
         model: str,
         settings: Settings,
         *,
@@ -321,13 +219,10 @@ class Runtime:
     ) -> _Call:
         """The checks chat and generate share, done once before any load."""
         start = time.perf_counter_ns()
-        unknown = set(settings) - set(Settings.__annotations__)
-        if unknown:  # what a signature would refuse: a misspelt setting must not pass silently
-            raise TypeError(f"unexpected keyword argument {sorted(unknown)[0]!r}")
-        resolved, opts = self.models.prepare(model, settings.get("options"))
-        format = _check_format(settings.get("format"))
+        opts = self.models.options(resolved, settings.get("options"))
+        format = check_format(settings.get("format"))
         top_logprobs = settings.get("top_logprobs", 0)
-        _check_logprobs(top_logprobs)
+        check_logprobs(top_logprobs)
         think = settings.get("think")
         wanted = think if isinstance(think, Think) else thinking.parse_think(think)
         listed, required = tool_choice(choice, tools)
@@ -353,7 +248,7 @@ class Runtime:
     async def _load_only(self, call: _Call) -> AsyncIterator[Chunk]:
         name = call.resolved.name.display
         if call.keep_alive <= 0:
-            await self.unload(name)
+            await self.models.unload(name)
             yield Chunk(
                 model=name,
                 done=True,
@@ -419,7 +314,6 @@ class Runtime:
         load_ns: int,
         tokens: list[int],
         turn: Turn | None,
-        upstream: dict[str, Any] | None,
         images: Sequence[ImageInput] = (),
         want_context: bool = False,
     ) -> AsyncIterator[Chunk]:
@@ -435,9 +329,7 @@ class Runtime:
         request = self._request(call, entry, tokens, turn)
         request.images = list(images)
         request.shift, request.num_keep = call.shift, call.opts.num_keep
-        request = remote.with_upstream(request, call.opts, upstream)  # a remote model: messages or text
-        # a remote upstream has parsed thinking and tool calls already
-        parser = turn.parser() if turn is not None and upstream is None else None
+        parser = turn.parser() if turn is not None else None
         reply = _Reply()
         budget = (
             turn.thinking_budget(request, call.format) if turn is not None and parser is not None else None
@@ -465,9 +357,8 @@ class Runtime:
             reply.whole.add(last)
             last = reply.whole
         timings = _merged_timings(reply.dones)
-        if upstream is None:  # a remote upstream's cache is its own to report
-            # hashing a long prompt takes a while: not on the event loop
-            await asyncio.to_thread(self._own_cache_only, call, name, tokens, images, reply.ids, timings)
+        # hashing a long prompt takes a while: not on the event loop
+        await asyncio.to_thread(self._own_cache_only, call, name, tokens, images, reply.ids, timings)
         metrics = Metrics(
             **{
                 **dataclasses.asdict(timings),
@@ -484,7 +375,7 @@ class Runtime:
             done=True,
             done_reason=done.finish_reason,
             stop_sequence=done.stop_sequence,
-            tool_calls=last.tool_calls or done.tool_calls or None,  # a remote upstream parsed its own
+            tool_calls=last.tool_calls or done.tool_calls or None,
             logprobs=(reply.lps or None) if not call.stream else None,
             metrics=metrics,
             context=[*tokens, *reply.ids] if want_context else None,
@@ -542,28 +433,20 @@ class Runtime:
     # ---- the other paths ---------------------------------------------------------------------
     async def embed(
         self,
-        model: str,
-        inputs: str | Sequence[str],
+        resolved: ResolvedModel,
+        texts: list[str],
         *,
         options: Mapping[str, Any] | None = None,
         keep_alive: str | float | None = None,
         truncate: bool = True,
     ) -> EmbedResult:
         start = time.perf_counter_ns()
-        texts = [inputs] if isinstance(inputs, str) else list(inputs)
-        if not all(isinstance(t, str) for t in texts):
-            raise LocalrtError("input must be a string or a list of strings")
-        resolved, opts = self.models.prepare(model, options)
+        opts = self.models.options(resolved, options)
         keep = self.models.keep_alive(keep_alive)
         async with self.models.use(resolved, opts, keep) as (entry, load_ns):
             m = entry.model
             if not m.capabilities.embedding:
                 raise LocalrtError(f'"{resolved.name.display}" does not support embeddings')
-            if remote.is_remote(resolved):  # the upstream tokenizes and counts
-                vectors, count = await m.embed_counted(texts)  # type: ignore[attr-defined]
-                return EmbedResult(
-                    resolved.name.display, vectors, count, time.perf_counter_ns() - start, load_ns
-                )
             counts = [len(m.tokenize(t)) for t in texts]
             if not truncate and any(c > m.context_length for c in counts):
                 raise ContextLengthError(
@@ -580,7 +463,7 @@ class Runtime:
 
     async def rerank(
         self,
-        model: str,
+        resolved: ResolvedModel,
         query: str,
         documents: Sequence[str],
         *,
@@ -589,11 +472,7 @@ class Runtime:
     ) -> RerankResult:
         """Relevance of each document to the query, from a reranker model (rank pooling)."""
         start = time.perf_counter_ns()
-        if not isinstance(query, str) or not query:
-            raise LocalrtError("query is required (a string)")
-        if not isinstance(documents, (list, tuple)) or not all(isinstance(d, str) for d in documents):
-            raise LocalrtError("documents must be a list of strings")
-        resolved, opts = self.models.prepare(model, options)
+        opts = self.models.options(resolved, options)
         keep = self.models.keep_alive(keep_alive)
         async with self.models.use(resolved, opts, keep) as (entry, load_ns):
             m = entry.model
@@ -604,24 +483,22 @@ class Runtime:
 
     async def tokenize(
         self,
-        model: str,
+        resolved: ResolvedModel,
         text: str,
         *,
         add_special: bool = True,
         parse_special: bool = False,
         options: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        resolved, opts = self.models.prepare(model, options)
+        opts = self.models.options(resolved, options)
         keep = self.models.keep_alive(None)
         async with self.models.use(resolved, opts, keep, exclusive=False) as (entry, _):
-            if remote.is_remote(resolved):  # an HTTP round trip: off the event loop
-                return await asyncio.to_thread(entry.model.tokenize, text, add_special, parse_special)
             return entry.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     async def detokenize(
-        self, model: str, tokens: Sequence[int], *, options: Mapping[str, Any] | None = None
+        self, resolved: ResolvedModel, tokens: Sequence[int], *, options: Mapping[str, Any] | None = None
     ) -> str:
-        resolved, opts = self.models.prepare(model, options)
+        opts = self.models.options(resolved, options)
         keep = self.models.keep_alive(None)
         async with self.models.use(resolved, opts, keep, exclusive=False) as (entry, _):
             bad = [
@@ -631,20 +508,18 @@ class Runtime:
             ]
             if bad:
                 raise LocalrtError(f"invalid token id {bad[0]!r}")
-            if remote.is_remote(resolved):
-                return await asyncio.to_thread(entry.model.detokenize, tokens)
             return entry.model.detokenize(tokens)
 
     async def score(
         self,
-        model: str,
+        resolved: ResolvedModel,
         tokens: Sequence[int] | str,
         *,
         return_logits: bool = False,
         options: Mapping[str, Any] | None = None,
     ) -> ScoreResult:
         """Per-position log p(token_i | prefix) for perplexity / KL (a text is tokenized with BOS)."""
-        resolved, opts = self.models.prepare(model, options)
+        opts = self.models.options(resolved, options)
         async with self.models.use(resolved, opts, self.models.keep_alive(None)) as (entry, _):
             ids = entry.model.tokenize(tokens, add_special=True) if isinstance(tokens, str) else list(tokens)
             if len(ids) > entry.model.context_length:
@@ -655,6 +530,7 @@ class Runtime:
 
     async def render(
         self,
+        resolved: ResolvedModel,
         model: str,
         messages: Sequence[Mapping[str, Any]],
         *,
@@ -664,7 +540,7 @@ class Runtime:
     ) -> tuple[str, list[int]]:
         """The prompt text and tokens a chat request would use (debugging, `_debug_render_only`, and
         Anthropic's count_tokens, which must match the answer's input_tokens)."""
-        resolved, opts = self.models.prepare(model, options)
+        opts = self.models.options(resolved, options)
         wanted = think if isinstance(think, Think) else thinking.parse_think(think)
         msgs = with_history(messages, resolved.system, resolved.messages)
         keep = self.models.keep_alive(None)
@@ -673,22 +549,6 @@ class Runtime:
             _check_tools(entry, listed)
             turn = entry.prompter.turn(model, wanted, listed)
             return await entry.prompter.render_text(msgs, turn)
-
-    # ---- the pool's state -------------------------------------------------------------------------
-    def ps(self) -> list[LoadedInfo]:
-        return self.models.ps()
-
-    def queue_depth(self) -> dict[str, int]:
-        """Requests waiting or running, per model (for /metrics)."""
-        return self.models.queue_depth()
-
-    async def unload(self, model: str) -> bool:
-        """Unload now if idle, else as soon as its running requests finish. False when not loaded."""
-        return await self.models.unload(model)
-
-    async def close(self) -> None:
-        """Cancel what runs and unload everything (server shutdown, end of `localrt run`)."""
-        await self.models.close()
 
 
 def _after_budget(
@@ -770,30 +630,17 @@ def _piece_chunk(name: str, piece: Piece, logprobs: list[TokenLogprob] | None) -
 def _check_generates(entry: Entry, route: str) -> None:
     """An embedding model asked to chat or complete is a 400 in Ollama's words ('"x" does not support
     chat'), not a stream of whatever its head makes of a prompt."""
-    if entry.backend != remote.BACKEND and thinking.embedding_only(entry.model.metadata):
+    if thinking.embedding_only(entry.model.metadata):
         raise LocalrtError(f'"{entry.resolved.name.display}" does not support {route}')
 
 
 def _check_tools(entry: Entry, tools: Sequence[Mapping[str, Any]] | None) -> None:
     """Tools for a model whose template cannot show them are a 400 naming it (as Ollama answers), never
-    dropped: the model would answer as if it had none. A remote model's upstream decides for itself."""
-    if tools and entry.backend != remote.BACKEND and not entry.prompter.format.renders_tools:
+    dropped: the model would answer as if it had none."""
+    if tools and not entry.prompter.format.renders_tools:
         raise LocalrtError(f'"{entry.resolved.name.display}" does not support tools')
 
 
 def _check_vision(resolved: ResolvedModel, pictures: Sequence[image_input.PendingImage]) -> None:
     if pictures and resolved.projector_path is None:
         raise image_input.ImageError(f'"{resolved.name.display}" does not support images')
-
-
-def _check_format(format: Any) -> str | dict[str, Any] | None:
-    if format is None or format == "":
-        return None
-    if format == "json" or isinstance(format, dict):
-        return format
-    raise LocalrtError(f'invalid format {format!r}: use "json" or a JSON schema object')
-
-
-def _check_logprobs(top_logprobs: Any) -> None:
-    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
-        raise LocalrtError("top_logprobs must be between 0 and 20")

@@ -18,8 +18,8 @@ from localrt.backends.memory import MemoryEstimate
 from localrt.backends.memory import available_memory
 from localrt.backends.memory import human_bytes
 from localrt.errors import InsufficientMemory
-from localrt.runtime import remote
 from localrt.runtime.options import Options
+from localrt.store.remote import is_remote
 from localrt.store.store import Store
 
 # a fitted context stops here: shorter would refuse most chat prompts anyway
@@ -90,7 +90,7 @@ def for_model(store: Store, model: str, options: Mapping[str, Any] | None = None
     """The estimate for a stored model with its Modelfile's parameters and `options` over them, on the
     backend a load would choose; None for a remote model. Nothing is loaded."""
     resolved = store.resolve(model)
-    if remote.is_remote(resolved):
+    if is_remote(resolved):  # its weights live upstream
         return None
     opts = Options.merge(resolved.params, options, lenient=(True, False))
     draft = resolved.draft_path if opts.speculative in ("auto", "draft") else None

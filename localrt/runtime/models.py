@@ -1,5 +1,10 @@
 """Model lifecycle: models loaded on demand, kept alive, evicted least-recently-used, and requests
 queued per model. `ModelPool.use` is the one door a request goes through to hold a loaded model.
+
+The pool holds every kind of model the same way (queue, slots, keep-alive, `ps`, `stop`); what a kind
+loads, and whether it holds memory in this process, comes from its `Loader`. `LocalLoader` (here) loads a
+stored GGUF into a backend and builds its prompt machinery; a model served elsewhere brings its own loader
+from its own path, so nothing here knows about it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from dataclasses import dataclass
 from dataclasses import field
 from pathlib import Path
 from typing import Any
+from typing import Protocol
+from typing import TypeVar
 
 from localrt import config
 from localrt.backends import registry
@@ -25,7 +32,6 @@ from localrt.errors import OptionError
 from localrt.errors import ServerBusy
 from localrt.runtime import fim
 from localrt.runtime import memory
-from localrt.runtime import remote
 from localrt.runtime import thinking
 from localrt.runtime.options import Options
 from localrt.runtime.options import num_parallel
@@ -56,18 +62,20 @@ class LoadedInfo:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Entry:
-    """One loaded model."""
+    """One loaded model, as the pool holds it whatever its kind."""
 
     key: str
     resolved: ResolvedModel
     backend: str
     load_key: tuple[Any, ...]
     draft_path: Path | None
-    model: LoadedModel
-    prompter: Prompter  # its template, how it thinks and calls tools
-    preserve_tokens: frozenset[int] = frozenset()  # special tokens the reply parser must see
+    # what `ps`, `stop` and shutdown use: memory_bytes, context_length, capabilities.parallel_slots,
+    # cancel(), unload(); each path reaches the rest of its own kind of model through its own entry type
+    model: Any
+    family: str = ""  # what `ps` shows as the model's family
+    in_memory: bool = True  # held in this process: counts toward LOCALRT_MAX_LOADED_MODELS and the memory
     slots: asyncio.Semaphore = field(default_factory=asyncio.Semaphore)  # sized by the backend; FIFO, so fair
     refs: int = 0  # requests holding or waiting for this entry
     last_used: float = field(default_factory=time.monotonic)
@@ -75,7 +83,16 @@ class Entry:
     expires_at: float | None = None  # epoch
     timer: asyncio.TimerHandle | None = None
     stop_requested: bool = False  # `localrt stop`: unload as soon as the running requests finish
-    held_bytes: int = 0  # what the load was estimated to hold (0: not estimated, e.g. remote)
+    held_bytes: int = 0  # what the load was estimated to hold (0: not estimated)
+
+
+@dataclass(kw_only=True)
+class LocalEntry(Entry):
+    """A model loaded into a local backend, with its prompt machinery."""
+
+    model: LoadedModel
+    prompter: Prompter  # its template, how it thinks and calls tools
+    preserve_tokens: frozenset[int] = frozenset()  # special tokens the reply parser must see
     # fill-in-the-middle: the vocabulary's FIM tokens, and a Go TEMPLATE's {{ if .Suffix }} branch
     fim_tokens: fim.FimTokens | None = None
     fim_template: list[tuple[str, bool]] | None = None
@@ -83,6 +100,77 @@ class Entry:
     @property
     def can_insert(self) -> bool:
         return self.fim_tokens is not None or self.fim_template is not None
+
+
+E = TypeVar("E", bound=Entry)
+E_co = TypeVar("E_co", bound=Entry, covariant=True)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What the pool settled for one load, handed to the kind's loader."""
+
+    key: str
+    resolved: ResolvedModel
+    backend: str
+    load_opts: LoadOptions
+    load_key: tuple[Any, ...]
+    draft: Path | None
+    held: int  # bytes the load was estimated to take (0: not estimated)
+
+
+class Loader(Protocol[E_co]):
+    """A kind of model the pool can hold."""
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether its models hold memory in this process (the count limit and the memory ladder)."""
+        ...
+
+    def backend(self, opts: Options) -> str: ...
+
+    async def load(self, spec: LoadSpec) -> E_co: ...
+
+
+class LocalLoader:
+    """A stored GGUF into the backend the options choose, with its template, reply format and FIM."""
+
+    in_memory = True
+
+    def backend(self, opts: Options) -> str:
+        return registry.resolve(opts.backend)
+
+    async def load(self, spec: LoadSpec) -> LocalEntry:
+        resolved = spec.resolved
+        backend = registry.get(spec.backend)
+        await asyncio.to_thread(_check_blobs, resolved, spec.draft)
+        model: LoadedModel = await asyncio.to_thread(backend.load, resolved.model_path, spec.load_opts)
+        try:
+            template = make_template(resolved, model)
+            fmt = parser_format(thinking.model_format(template.source, model.special_tokens()), resolved)
+            preserve = preserved_tokens(model, fmt.markers)
+            infill = model_fim_tokens(model)
+        except BaseException:
+            await asyncio.to_thread(model.unload)
+            raise
+        return LocalEntry(
+            key=spec.key,
+            resolved=resolved,
+            backend=spec.backend,
+            load_key=spec.load_key,
+            draft_path=spec.draft,
+            model=model,
+            family=model.metadata.get("general.architecture", ""),
+            prompter=Prompter(spec.key, model, template, fmt),
+            preserve_tokens=preserve,
+            slots=asyncio.Semaphore(max(1, model.capabilities.parallel_slots)),
+            held_bytes=spec.held,
+            fim_tokens=infill,
+            fim_template=fim.suffix_branch(resolved.template),
+        )
+
+
+LOCAL = LocalLoader()
 
 
 class ModelPool:
@@ -112,16 +200,18 @@ class ModelPool:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- what a request asks for ---------------------------------------------------------------
-    def prepare(self, model: str, options: Mapping[str, Any] | None) -> tuple[ResolvedModel, Options]:
-        """The stored model and the options in force (its Modelfile's parameters, then the request's)."""
+    def resolve(self, model: str) -> ResolvedModel:
+        """The stored model a request names."""
         if not isinstance(model, str) or not model.strip():
             raise LocalrtError("model is required")
-        resolved = self.store.resolve(model)
+        return self.store.resolve(model)
+
+    @staticmethod
+    def options(resolved: ResolvedModel, options: Mapping[str, Any] | None) -> Options:
+        """The options in force: the model's Modelfile parameters, then the request's."""
         if options is not None and not isinstance(options, Mapping):
             raise OptionError("options must be an object of name: value pairs")
-        opts = Options.merge(resolved.params, options, lenient=(True, False))
-        remote.check_options(resolved, opts)
-        return resolved, opts
+        return Options.merge(resolved.params, options, lenient=(True, False))
 
     def keep_alive(self, value: str | float | None) -> float:
         if value is None:
@@ -162,10 +252,15 @@ class ModelPool:
     # ---- scheduling ------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def use(
-        self, resolved: ResolvedModel, opts: Options, keep_alive: float, exclusive: bool = True
-    ) -> AsyncIterator[tuple[Entry, int]]:
+        self,
+        resolved: ResolvedModel,
+        opts: Options,
+        keep_alive: float,
+        exclusive: bool = True,
+        loader: Loader[E] = LOCAL,  # type: ignore[assignment]
+    ) -> AsyncIterator[tuple[E, int]]:
         """Hold a loaded model for one request: queue, load or reuse, then release with keep-alive.
-        Yields the entry and the load time in ns (0 when it was loaded already)."""
+        Yields the entry (of the loader's kind) and the load time in ns (0 when it was loaded already)."""
         key = resolved.name.display
         waiting = self._pending.get(key, 0)
         if waiting >= self.max_queue:
@@ -177,7 +272,7 @@ class ModelPool:
         locked = False
         try:
             try:
-                entry, loaded_now = await self._acquire(resolved, opts)
+                entry, loaded_now = await self._acquire(resolved, opts, loader)
                 if exclusive:
                     await entry.slots.acquire()  # as many generations at once as the model has slots
                     locked = True
@@ -189,7 +284,7 @@ class ModelPool:
                 self._pending[key] -= 1
             load_ns = time.perf_counter_ns() - started if loaded_now else 0
             try:
-                yield entry, load_ns
+                yield entry, load_ns  # type: ignore[misc]
             finally:
                 if locked:
                     entry.slots.release()
@@ -216,9 +311,9 @@ class ModelPool:
             return resolved.draft_path
         return None
 
-    async def _acquire(self, resolved: ResolvedModel, opts: Options) -> tuple[Entry, bool]:
+    async def _acquire(self, resolved: ResolvedModel, opts: Options, loader: Loader[E]) -> tuple[Entry, bool]:
         key = resolved.name.display
-        backend = remote.BACKEND if remote.is_remote(resolved) else registry.resolve(opts.backend)
+        backend = loader.backend(opts)
         draft = self._draft_path(resolved, opts)
         load_opts = dataclasses.replace(
             opts.load_options(draft_path=draft),
@@ -226,9 +321,9 @@ class ModelPool:
             adapters=tuple(resolved.adapter_paths),
         )
         fits = (
-            []
-            if backend == remote.BACKEND
-            else await asyncio.to_thread(memory.ladder, backend, resolved.model_path, load_opts)
+            await asyncio.to_thread(memory.ladder, backend, resolved.model_path, load_opts)
+            if loader.in_memory
+            else []
         )
         load_key = (
             backend,
@@ -262,7 +357,7 @@ class ModelPool:
                 if entry is not None:
                     self._grab(entry)
                     return entry, False
-                if backend != remote.BACKEND and self._local_count() >= self.max_loaded:
+                if loader.in_memory and self._local_count() >= self.max_loaded:
                     await self._make_room()
                     continue
                 fit = self._fit(fits)
@@ -276,7 +371,8 @@ class ModelPool:
                 self._loading.add(key)
                 break
         # load outside the lock, so requests for other (loaded) models keep flowing
-        load = asyncio.ensure_future(self._load(key, resolved, load_opts, backend, load_key, draft))
+        spec = LoadSpec(key, resolved, backend, load_opts, load_key, draft, self._reserved.get(key, 0))
+        load: asyncio.Future[Entry] = asyncio.ensure_future(loader.load(spec))
         try:
             await asyncio.wait((load,))  # a cancelled wait leaves the load running
         except asyncio.CancelledError:
@@ -389,50 +485,12 @@ class ModelPool:
         return loaded + sum(self._reserved.values())
 
     def _local_count(self) -> int:
-        """Models held in this process's memory; remote ones do not count toward the limit."""
-        return sum(e.backend != remote.BACKEND for e in self._entries.values()) + len(self._loading)
+        """Models held in this process's memory; models served elsewhere do not count toward the limit."""
+        return sum(e.in_memory for e in self._entries.values()) + len(self._loading)
 
     def _lru_idle(self) -> Entry | None:
-        idle = [e for e in self._entries.values() if e.refs == 0 and e.backend != remote.BACKEND]
+        idle = [e for e in self._entries.values() if e.refs == 0 and e.in_memory]
         return min(idle, key=lambda e: e.last_used) if idle else None
-
-    async def _load(
-        self,
-        key: str,
-        resolved: ResolvedModel,
-        load_opts: LoadOptions,
-        backend_name: str,
-        load_key: tuple[Any, ...],
-        draft: Path | None,
-    ) -> Entry:
-        backend = registry.get(backend_name)
-        if backend_name != remote.BACKEND:  # a remote model's blob is its config, not a GGUF
-            await asyncio.to_thread(_check_blobs, resolved, draft)
-        held = self._reserved.get(key, 0)
-        model: LoadedModel = await asyncio.to_thread(backend.load, resolved.model_path, load_opts)
-        try:
-            template = make_template(resolved, model)
-            fmt = parser_format(thinking.model_format(template.source, model.special_tokens()), resolved)
-            preserve = preserved_tokens(model, fmt.markers)
-            infill = model_fim_tokens(model) if backend_name != remote.BACKEND else None
-        except BaseException:
-            await asyncio.to_thread(model.unload)
-            raise
-        slots = asyncio.Semaphore(max(1, model.capabilities.parallel_slots))
-        return Entry(
-            key=key,
-            resolved=resolved,
-            backend=backend_name,
-            load_key=load_key,
-            draft_path=draft,
-            model=model,
-            prompter=Prompter(key, model, template, fmt),
-            preserve_tokens=preserve,
-            slots=slots,
-            held_bytes=held,
-            fim_tokens=infill,
-            fim_template=fim.suffix_branch(resolved.template),
-        )
 
     async def _unload_locked(self, entry: Entry) -> None:
         """Unload while holding self._cond."""
@@ -491,7 +549,7 @@ def _loaded_info(e: Entry) -> LoadedInfo:
     size = int(e.model.memory_bytes)
     details = {
         "format": e.resolved.config.get("model_format", "gguf"),
-        "family": e.model.metadata.get("general.architecture", ""),
+        "family": e.family,
     }
     weights = getattr(e.model, "weight_bytes", None)  # backends that report their resident weights
     if callable(weights):

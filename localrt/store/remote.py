@@ -32,6 +32,7 @@ from localrt.store.store import MEDIA_PARAMS
 from localrt.store.store import MEDIA_SYSTEM
 from localrt.store.store import MEDIA_TEMPLATE
 from localrt.store.store import REMOTE_FORMAT
+from localrt.store.store import ResolvedModel
 from localrt.store.store import Store
 
 MAX_ENDPOINTS = 64
@@ -42,6 +43,11 @@ REMOTE_PARAMETERS = ("remote_model", "api_key_env")
 
 class RemoteConfigError(LocalrtError):
     pass
+
+
+def is_remote(resolved: ResolvedModel) -> bool:
+    """A model whose manifest names endpoints (served upstream) rather than holding weights here."""
+    return resolved.remote is not None
 
 
 def is_remote_url(text: str) -> bool:
