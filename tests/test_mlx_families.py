@@ -29,13 +29,11 @@ from localrt.backends.mlx.batch import Row  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
 from localrt.backends.mlx.engine import DraftModelProposer  # noqa: E402
 from localrt.backends.mlx.engine import Runner  # noqa: E402
-from localrt.backends.mlx.engine import SelfProposer  # noqa: E402
-from localrt.backends.mlx.engine import generate  # noqa: E402
+from localrt.backends.mlx.engine import SelfOnRow  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.model import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
 from localrt.backends.mlx.sampling import RowSampler  # noqa: E402
-from localrt.backends.sampler import Sampler  # noqa: E402
 from localrt.backends.speculation import SpecState  # noqa: E402
 from tests.fixtures_families import GEMMA3_WINDOW  # noqa: E402
 from tests.fixtures_families import family_gguf  # noqa: E402
@@ -299,22 +297,16 @@ def test_the_prompt_cache_respects_the_window(family_files: Callable[[str, str],
 
 
 def decode(
-    runner: Runner, prompt: list[int], n: int, mode: str = "off", proposer: Any = None
+    model: Transformer, prompt: list[int], n: int, mode: str = "off", proposer: Any = None
 ) -> tuple[list[int], SpecState | None]:
-    out: list[int] = []
-    spec = SpecState(mode, 5, 0.0) if mode != "off" else None
-    generate(
-        runner,
-        prompt,
-        Sampler(SamplingParams(temperature=0.0), 1024),
-        max_tokens=len(prompt) + n,
-        eog=set(),
-        on_token=lambda token, _logits: out.append(token) is not None,
-        cancelled=lambda: False,
-        proposer=proposer,
-        spec=spec,
-    )
-    return out, spec
+    """Greedy, one row on a fresh engine (no prompt cache): `proposer` makes the row's proposer."""
+    engine = BatchEngine("f32", 16, model, eog=set())
+    row = engine.new_row(prompt, RowSampler(SamplingParams(temperature=0.0), 1024), len(prompt) + n)
+    if mode != "off":  # "lookup": the SpecState's own n-gram index proposes
+        row.proposer = proposer(row) if proposer is not None else None
+        row.spec = SpecState(mode, 5, 0.0)
+    engine.run([row])
+    return row.output, row.spec
 
 
 @pytest.mark.parametrize("mode", ["self", "lookup", "draft"])
@@ -329,16 +321,15 @@ def test_greedy_output_identical_with_speculation(
     rng = np.random.default_rng(3)
     base = rng.integers(3, min(model.cfg.vocab_size, 400), 10).tolist()
     prompt = [*base, *base, *base, *base[:4]]  # 34 tokens, repetitive: the proposers find drafts
-    plain, _ = decode(Runner(model, "f32", 16), prompt, 40)
-    runner = Runner(model, "f32", 16)
+    plain, _ = decode(model, prompt, 40)
     proposer: Any = {
-        "self": lambda: SelfProposer(runner, model.cfg.block_count - 1),
-        "lookup": lambda: None,  # the SpecState's own n-gram index proposes
-        "draft": lambda: DraftModelProposer(
+        "self": lambda row: SelfOnRow(row, model.cfg.block_count - 1, 0.0),  # on the row's own caches
+        "lookup": None,
+        "draft": lambda row: DraftModelProposer(
             Runner(load(path, SMALL_SLACK), "f32", 16), 0.5
         ),  # the same weights
-    }[mode]()
-    fast, spec = decode(runner, prompt, 40, mode, proposer)
+    }[mode]
+    fast, spec = decode(model, prompt, 40, mode, proposer)
     assert fast == plain
     assert spec is not None
     assert spec.drafted > 0

@@ -15,16 +15,16 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from localrt.backends.base import SamplingParams  # noqa: E402
+from localrt.backends.mlx.batch import BatchEngine  # noqa: E402
 from localrt.backends.mlx.cache import STEP  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
-from localrt.backends.mlx.engine import Runner  # noqa: E402
-from localrt.backends.mlx.engine import generate  # noqa: E402
 from localrt.backends.mlx.gguf_load import EXACT  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.gguf_load import QuantizedWeight  # noqa: E402
 from localrt.backends.mlx.gguf_load import repack  # noqa: E402
 from localrt.backends.mlx.model import Transformer  # noqa: E402
-from localrt.backends.sampler import Sampler  # noqa: E402
+from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
+from localrt.backends.mlx.sampling import RowSampler  # noqa: E402
 from localrt.converters.quants import bf16_to_f32  # noqa: E402
 from localrt.converters.quants import quantize  # noqa: E402
 from tests.gguf_factory import write_random_model  # noqa: E402
@@ -192,38 +192,31 @@ def test_8bit_kv_cache_stays_close_and_is_smaller(tiny: Transformer) -> None:
     np.testing.assert_allclose(_feed(tiny, q8_caches, tokens[70:]), q8[70:], atol=1e-5)  # trim then refeed
 
 
-def _run(runner: Runner, prompt: list[int], n: int) -> tuple[list[int], int]:
-    out: list[int] = []
+def _engine(model: Transformer, kv: str) -> BatchEngine:
+    """One row at a time, prompts in chunks of 16, finished conversations kept in the prompt cache."""
+    return BatchEngine(kv, 16, model, prompt_cache=PromptCache(1 << 30))
 
-    def on_token(token: int, logits: np.ndarray) -> bool:
-        out.append(token)
-        return False  # no stop strings here
 
-    result = generate(
-        runner,
-        prompt,
-        Sampler(SamplingParams(temperature=0.0), 1024),
-        max_tokens=len(prompt) + n,
-        eog=set(),
-        on_token=on_token,
-        cancelled=lambda: False,
-    )
-    return out, result.prompt_eval_count
+def _run(engine: BatchEngine, prompt: list[int], n: int) -> tuple[list[int], int]:
+    """A greedy request's output and how many prompt tokens it evaluated."""
+    row = engine.new_row(prompt, RowSampler(SamplingParams(temperature=0.0), 1024), len(prompt) + n)
+    engine.run([row])
+    return row.output, row.prompt_eval_count
 
 
 @pytest.mark.parametrize("kv", ["f16", "q8_0"])
 def test_prefix_reuse_recomputes_only_the_new_turn(tiny: Transformer, kv: str) -> None:
     rng = np.random.default_rng(4)
     first = rng.integers(0, 96, 40).tolist()
-    runner = Runner(tiny, kv, num_batch=16)
-    answer, evaluated = _run(runner, first, 8)
+    engine = _engine(tiny, kv)
+    answer, evaluated = _run(engine, first, 8)
     assert evaluated == len(first)
     assert len(answer) == 8
     follow_up = rng.integers(0, 96, 9).tolist()
     second = first + answer + follow_up
-    again, evaluated = _run(runner, second, 8)
+    again, evaluated = _run(engine, second, 8)
     assert evaluated == len(follow_up) + 1  # the last answer token was sampled, never fed
-    assert again == _run(Runner(tiny, kv, num_batch=16), second, 8)[0]  # same as from scratch
+    assert again == _run(_engine(tiny, kv), second, 8)[0]  # same as from scratch
     # a different conversation shares nothing past the common start
     other = first[:10] + rng.integers(0, 96, 5).tolist()
-    assert _run(runner, other, 2)[1] == 5
+    assert _run(engine, other, 2)[1] == 5

@@ -1,6 +1,7 @@
-"""Speculative decoding in the MLX engine: sampled output keeps the target's distribution (Monte Carlo)
-with each proposer, greedy output is unchanged by every proposer, speculation switches itself off
-when it does not pay; and the numpy sampler reads the runtime's parameters as the torch one does."""
+"""Speculative decoding in the MLX engine (the batched engine the backend runs, one row at a time):
+sampled output keeps the target's distribution (Monte Carlo) with each proposer, greedy output is
+unchanged by every proposer, speculation switches itself off when it does not pay; and the numpy
+sampler reads the runtime's parameters as the torch one does."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from localrt.backends.base import SamplingParams  # noqa: E402
+from localrt.backends.mlx.batch import BatchEngine  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
 from localrt.backends.mlx.engine import DraftModelProposer  # noqa: E402
 from localrt.backends.mlx.engine import Runner  # noqa: E402
-from localrt.backends.mlx.engine import SelfProposer  # noqa: E402
-from localrt.backends.mlx.engine import generate  # noqa: E402
+from localrt.backends.mlx.engine import SelfOnRow  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.model import Transformer  # noqa: E402
+from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
+from localrt.backends.mlx.sampling import RowSampler  # noqa: E402
 from localrt.backends.sampler import Sampler  # noqa: E402
 from localrt.backends.speculation import SpecState  # noqa: E402
 from localrt.backends.speculation import break_even_acceptance  # noqa: E402
@@ -33,44 +36,38 @@ def load(tmp: Path, name: str, **kwargs: object) -> Transformer:
     return Transformer(GGUFTensors(write_random_model(tmp / f"{name}.gguf", **kwargs)), mx.float32)  # type: ignore[arg-type]
 
 
-def proposer_for(mode: str, runner: Runner, draft: Transformer | None, self_layers: int) -> object:
-    if mode == "lookup":  # the SpecState's own n-gram index proposes
-        return None
-    if mode == "self":
-        return SelfProposer(runner, self_layers)
-    assert draft is not None
-    return DraftModelProposer(Runner(draft, runner.kv_cache_type, runner.num_batch), 0.5)
+def engine_for(target: Transformer, num_batch: int) -> BatchEngine:
+    """One row at a time; the prompt cache lets the next request reuse the prompt's caches."""
+    return BatchEngine("f32", num_batch, target, prompt_cache=PromptCache(1 << 22))
+
+
+def draft_proposer(draft: Transformer, engine: BatchEngine) -> DraftModelProposer:
+    """A draft model on its own caches, which catch up with each request by prefix reuse."""
+    return DraftModelProposer(Runner(draft, engine.kv_cache_type, engine.num_batch), 0.5)
 
 
 def decode(
-    runner: Runner,
+    engine: BatchEngine,
     prompt: list[int],
     params: SamplingParams,
     n: int,
     mode: str = "off",
-    proposer: object | None = None,
+    draft: DraftModelProposer | None = None,
     k: int = 4,
     cost: float = 0.0,
+    self_layers: int = 1,
 ) -> tuple[list[int], SpecState | None]:
-    out: list[int] = []
-
-    def on_token(token: int, logits: np.ndarray) -> bool:
-        out.append(token)
-        return False
-
-    spec = SpecState(mode, k, cost) if mode != "off" else None
-    generate(
-        runner,
-        prompt,
-        Sampler(params, 1024),
-        max_tokens=len(prompt) + n,
-        eog=set(),
-        on_token=on_token,
-        cancelled=lambda: False,
-        proposer=proposer,
-        spec=spec,
-    )
-    return out, spec
+    """One request's output tokens, and its speculation state (`draft`: the "draft" mode's proposer)."""
+    row = engine.new_row(prompt, RowSampler(params, 1024), len(prompt) + n)
+    if mode == "self":  # on the row's own caches, once the engine gives them
+        row.proposer = SelfOnRow(row, self_layers, 0.0)
+    elif mode == "draft":
+        row.proposer = draft
+    if mode != "off":  # "lookup": the SpecState's own n-gram index proposes
+        row.spec = SpecState(mode, k, cost)
+    engine.run([row])
+    assert row.finish == "length"
+    return row.output, row.spec
 
 
 # ---- Monte Carlo on a model with a vocabulary of 8 ----------------------------------------------------
@@ -92,9 +89,8 @@ def target_pair_distribution(model: Transformer, prompt: list[int], params: Samp
 def test_speculative_sampling_keeps_the_target_distribution(tmp_path: Path, mode: str) -> None:
     dims = dict(n_vocab=MC_VOCAB, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, context_length=256)
     target = load(tmp_path, "target", seed=2, **dims)
-    draft = load(tmp_path, "draft", seed=9, **dims) if mode == "draft" else None
-    runner = Runner(target, "f32", num_batch=256)
-    proposer = proposer_for(mode, runner, draft, self_layers=1)
+    engine = engine_for(target, num_batch=256)
+    draft = draft_proposer(load(tmp_path, "draft", seed=9, **dims), engine) if mode == "draft" else None
     prompt = de_bruijn_prompt(MC_VOCAB)
     params = SamplingParams(temperature=0.9, top_k=6, top_p=0.97, min_p=0.0, repeat_penalty=1.0)
     trials = 1500
@@ -103,7 +99,7 @@ def test_speculative_sampling_keeps_the_target_distribution(tmp_path: Path, mode
     for i in range(trials):
         seeded = SamplingParams(**{**params.__dict__, "seed": 10_000 + i})
         # cost 0: keep speculating whatever the acceptance, this checks exactness
-        tokens, spec = decode(runner, prompt, seeded, 3, mode, proposer, k=3, cost=0.0)
+        tokens, spec = decode(engine, prompt, seeded, 3, mode, draft, k=3, cost=0.0)
         counts[tokens[1] * MC_VOCAB + tokens[2]] += 1
         assert spec is not None
         drafted, accepted = drafted + spec.drafted, accepted + spec.accepted
@@ -148,18 +144,12 @@ def test_greedy_output_identical_with_each_proposer(
     params = SamplingParams(temperature=0.0, repeat_penalty=penalty, repeat_last_n=16)
     rng = np.random.default_rng(2)
     base = rng.integers(3, 96, 12).tolist()
+    method = mode.split("-")[0]
     for prompt in ([*base, *base, *base[:5]], rng.integers(3, 96, 30).tolist()):
-        plain, _ = decode(Runner(target, "f32", 64), prompt, params, 30)
-        runner = Runner(target, "f32", 64)
-        fast, spec = decode(
-            runner,
-            prompt,
-            params,
-            30,
-            mode.split("-")[0],
-            proposer_for(mode.split("-")[0], runner, draft, self_layers=2),
-            k=5,
-        )
+        plain, _ = decode(engine_for(target, 64), prompt, params, 30)
+        engine = engine_for(target, 64)
+        proposer = draft_proposer(draft, engine) if method == "draft" else None
+        fast, spec = decode(engine, prompt, params, 30, method, proposer, k=5, self_layers=2)
         assert fast == plain
         assert spec is not None
         assert spec.drafted > 0
@@ -167,14 +157,14 @@ def test_greedy_output_identical_with_each_proposer(
 
 def test_speculation_switches_off_below_break_even(greedy_models: tuple[Transformer, Transformer]) -> None:
     target, other = greedy_models  # a draft that rarely agrees
-    runner = Runner(target, "f32", 64)
+    engine = engine_for(target, 64)
     _, spec = decode(
-        runner,
+        engine,
         list(range(3, 40)),
         SamplingParams(temperature=0.0),
         120,
         "draft",
-        proposer_for("draft", runner, other, 2),
+        draft_proposer(other, engine),
         k=4,
         cost=0.5,
     )

@@ -183,7 +183,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
     def _row(self, req: GenerateRequest, mode: str, grammar: Grammar | None) -> Any:
         """The engine row of a request: sampler, limits, its own proposer (on its own caches)."""
         from .engine import DraftModelProposer
-        from .engine import SelfProposer
+        from .engine import SelfOnRow
         from .sampling import RowSampler
 
         prompt = list(req.prompt_tokens)
@@ -202,7 +202,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
             row.proposer = DraftModelProposer(self._new_runner(self.draft_model), self.draft_cost)
         elif mode == "self":  # the row's own caches, once the engine gives them
             cost = self.self_spec_layers / self.model.cfg.block_count
-            row.proposer = _SelfOnRow(row, self.self_spec_layers, cost, SelfProposer)
+            row.proposer = SelfOnRow(row, self.self_spec_layers, cost)
         if row.proposer is not None:
             row.spec = SpecState.begin(mode, req.num_draft, row.proposer.cost_per_draft, self.verify_cost)
         return row
@@ -262,20 +262,6 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
 
     def _hidden_rows(self, ids: list[int]) -> np.ndarray:
         return np.array(self._hidden(ids))
-
-
-class _SelfOnRow:
-    """Self-speculation on a row's own caches, which the engine gives the row when it admits it."""
-
-    def __init__(self, row: Any, num_layers: int, cost_per_draft: float, proposer: Any) -> None:
-        self.row, self.num_layers, self.make = row, num_layers, proposer
-        self.cost_per_draft = cost_per_draft
-        self._inner: Any = None
-
-    def propose(self, tokens: list[int], k: int, sampler: Any) -> Any:
-        if self._inner is None or self._inner.target is not self.row.runner:
-            self._inner = self.make(self.row.runner, self.num_layers)
-        return self._inner.propose(tokens, k, sampler)
 
 
 def capabilities() -> Capabilities:

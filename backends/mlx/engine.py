@@ -1,16 +1,14 @@
-"""The MLX decode loop for one sequence at a time: prefix reuse, chunked prefill, speculation.
+"""A model's caches and the model-based proposers of the batched engine (batch.py).
 
-The caches always hold exactly `Engine.tokens`. A request first trims them to the longest prefix
-it shares with the prompt (a conversation's next turn recomputes only the new turn), prefills the
-rest in chunks of `num_batch`, then runs steps. A step feeds the last token plus any draft tokens,
-verifies them (speculation.verify: exact for sampling too) and trims the rejected ones. A request's
-speculation state and policy are the engines' shared ones (`speculation.SpecState`).
-Invariant: before a step the caches hold every token but the last.
+A `Runner` is a model with its own caches and the tokens they hold: the batched engine gives each row
+one (its target), and a draft model has its own. `SelfProposer` and `DraftModelProposer` propose a
+step's draft tokens for one row (with their distributions when sampling); the engine verifies them
+(speculation.verify: exact for sampling too) and trims the rejected ones from the row's caches.
+"lookup" draft tokens come from the row's own n-gram index, `SpecState.ngram`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import InitVar
 from dataclasses import dataclass
@@ -23,8 +21,6 @@ import numpy as np
 
 from localrt.backends.base import common_prefix
 from localrt.backends.sampler import Sampler
-from localrt.backends.speculation import SpecState
-from localrt.backends.speculation import verify
 
 from .cache import trim_caches
 from .model import Transformer
@@ -156,69 +152,16 @@ class DraftModelProposer:
         return drafts, np.stack(qs) if qs else None
 
 
-# on_token(token, logits row) -> a stop string was hit
-OnToken = Callable[[int, np.ndarray], bool]
+class SelfOnRow:
+    """Self-speculation on a row's own caches, which the engine gives the row (`row.runner`) when it
+    admits it: a `SelfProposer` on whichever runner the row holds now."""
 
+    def __init__(self, row: Any, num_layers: int, cost_per_draft: float) -> None:
+        self.row, self.num_layers = row, num_layers
+        self.cost_per_draft = cost_per_draft
+        self._inner: SelfProposer | None = None
 
-@dataclass
-class Outcome:
-    reason: str
-    prompt_eval_count: int = 0
-    generated: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    first_token_ns: int = 0
-
-
-def generate(
-    target: Runner,
-    prompt: list[int],
-    sampler: Sampler,
-    *,
-    max_tokens: int,
-    eog: set[int],
-    on_token: OnToken,
-    cancelled: Callable[[], bool],
-    proposer: Proposer | None = None,
-    spec: SpecState | None = None,
-    clock: Callable[[], int] = lambda: 0,
-) -> Outcome:
-    """Decode after `prompt` until EOS, a stop string, `max_tokens` total tokens, or cancel."""
-    reused = target.reuse(prompt)
-    out = Outcome("length", prompt_eval_count=len(prompt) - reused)
-    target.feed(prompt[reused:-1], "none")  # chunked prefill; the last prompt token opens the first step
-    tokens = list(prompt)
-    while True:
-        if cancelled():
-            out.reason = "cancel"
-            return out
-        drafts: list[int] = []
-        q = None
-        room = max_tokens - len(tokens) - 1
-        if spec is not None and spec.enabled and room > 0:
-            if spec.ngram is not None:  # lookup: nothing runs a model, so no distributions
-                drafts = spec.ngram.propose(tokens, min(spec.k, room))
-            elif proposer is not None:
-                drafts, q = proposer.propose(tokens, min(spec.k, room), sampler)
-        logits = target.feed([tokens[-1], *drafts], "all")  # [1 + k, V]
-        assert logits is not None
-        if drafts:
-            new, accepted = verify(sampler, logits, drafts, q, tokens)
-            target.trim(len(drafts) - accepted)
-            assert spec is not None
-            spec.record(len(drafts), accepted)
-            out.drafted += len(drafts)
-            out.accepted += accepted
-        else:
-            new = [sampler.sample(logits[0], tokens)]
-        if not out.first_token_ns:
-            out.first_token_ns = clock()
-        for j, token in enumerate(new):
-            tokens.append(token)
-            out.generated += 1
-            if token in eog or on_token(token, logits[j]):
-                out.reason = "stop"
-                return out
-            if len(tokens) >= max_tokens:
-                out.reason = "length"
-                return out
+    def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
+        if self._inner is None or self._inner.target is not self.row.runner:
+            self._inner = SelfProposer(self.row.runner, self.num_layers)
+        return self._inner.propose(tokens, k, sampler)

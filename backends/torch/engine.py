@@ -27,6 +27,7 @@ from localrt.backends.checks import check_prompt
 from localrt.backends.engine_thread import EngineThread
 from localrt.backends.grammar import Grammar
 from localrt.backends.grammar import GrammarDeadEnd
+from localrt.backends.lookup import NgramProposer
 from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
 
@@ -52,7 +53,6 @@ from .sliding import WindowBlocks
 from .sliding import window_pool_blocks
 from .speculative import DraftModelProposer
 from .speculative import DraftTokens
-from .speculative import LookupProposer
 from .speculative import SelfProposer
 from .speculative import SpecState
 from .speculative import verify
@@ -167,8 +167,8 @@ class Engine(EngineThread):
         self.runner = ModelRunner(model, self.cache, self.device, self.graphs)
         verify_cost = verify_cost_per_draft(self.device.type != "cpu")
         layers = config.self_spec_layers or max(1, cfg.block_count - cfg.block_count // 5)
-        self.proposers: dict[str, Any] = {"lookup": LookupProposer()}
-        self.proposers["self"] = SelfProposer(model, self.cache, self.device, layers)
+        # the model-based proposers; "lookup" drafts from each sequence's own n-gram index (SpecState.ngram)
+        self.proposers: dict[str, Any] = {"self": SelfProposer(model, self.cache, self.device, layers)}
         self.verify_cost = verify_cost
         self.draft_model = draft_model
         if draft_model is not None:
@@ -225,7 +225,9 @@ class Engine(EngineThread):
             cancel or CancelToken(),
             top_logprobs=top_logprobs,
         )
-        if speculative not in ("off", "auto"):
+        if speculative == "lookup":
+            seq.spec = SpecState.begin(speculative, num_draft, NgramProposer.cost_per_draft, self.verify_cost)
+        elif speculative not in ("off", "auto"):
             if speculative not in self.proposers:
                 raise LocalrtError(
                     f"speculative mode {speculative!r} needs a draft model"
@@ -300,9 +302,12 @@ class Engine(EngineThread):
             if item.num_draft > 0 and item.seq.spec is not None:
                 by_mode.setdefault(item.seq.spec.mode, []).append(i)
         for mode, members in by_mode.items():
-            drafts: list[DraftTokens] = self.proposers[mode].propose(
-                [work.plan[i].seq for i in members], [work.plan[i].num_draft for i in members]
-            )
+            seqs = [work.plan[i].seq for i in members]
+            ks = [work.plan[i].num_draft for i in members]
+            if mode == "lookup":  # each sequence's own n-gram index: nothing runs a model, so no q
+                drafts = [DraftTokens(_ngram_of(seq).propose(seq.tokens, k)) for seq, k in zip(seqs, ks)]
+            else:
+                drafts = self.proposers[mode].propose(seqs, ks)
             for i, draft in zip(members, drafts):
                 n = min(len(draft.tokens), work.plan[i].num_draft)
                 work.plan[i].drafts = draft.tokens[:n]
@@ -397,6 +402,11 @@ class Engine(EngineThread):
             seq.error = LocalrtError("the model was unloaded")
             self.scheduler.finish(seq, "error")
         return self._collect({})
+
+
+def _ngram_of(seq: Sequence) -> NgramProposer:
+    assert seq.spec is not None and seq.spec.ngram is not None
+    return seq.spec.ngram
 
 
 def _graphs_available(device: torch.device) -> bool:

@@ -5,9 +5,10 @@ from, or none for deterministic draft tokens). The target then scores [last, d1.
 batched with every other running sequence; the exact verifier, the request's speculation state and
 its policy are the engines' shared ones (backends/speculation.py).
 
-Proposers: `LookupProposer` (prompt-lookup n-grams, backends/lookup.py), `SelfProposer` (the target's
-first layers + its final norm and head, sharing the target's KV cache for those layers) and
-`DraftModelProposer` (a small model with the same vocabulary and its own paged cache).
+Proposers: `SelfProposer` (the target's first layers + its final norm and head, sharing the target's
+KV cache for those layers) and `DraftModelProposer` (a small model with the same vocabulary and its own
+paged cache). "lookup" draft tokens come from each sequence's own n-gram index, `SpecState.ngram`
+(backends/lookup.py), as in the other engines.
 """
 
 from __future__ import annotations
@@ -56,22 +57,6 @@ class Seq(Protocol):
 
 
 # ---- proposers -----------------------------------------------------------------------------------
-class LookupProposer:
-    """Each sequence's own n-gram index (`SpecState.ngram`), batched as the engine asks."""
-
-    cost_per_draft = 0.0  # no model runs to propose
-
-    def propose(self, seqs: Sequence[Seq], ks: Sequence[int]) -> list[DraftTokens]:
-        out = []
-        for seq, k in zip(seqs, ks):
-            assert seq.spec is not None and seq.spec.ngram is not None
-            out.append(DraftTokens(seq.spec.ngram.propose(seq.tokens, k)))
-        return out
-
-    def release(self, seq: Seq) -> None:
-        pass
-
-
 def _draft_step(
     model: Transformer,
     cache: KVCache,

@@ -33,6 +33,7 @@ from localrt.errors import LocalrtError
 from localrt.errors import OptionError
 from localrt.runtime import fim
 from localrt.runtime import images as image_input
+from localrt.runtime import lora as lora_scales
 from localrt.runtime import thinking
 from localrt.runtime.answers import Chunk
 from localrt.runtime.answers import EmbedResult
@@ -256,6 +257,7 @@ class RemoteRuntime:
     ) -> _Call:
         start = time.perf_counter_ns()
         opts = self._options(resolved, settings.get("options"))
+        lora_scales.scales(settings.get("lora"), resolved, BACKEND)  # a 400: the upstream has its own
         format = check_format(settings.get("format"))
         top_logprobs = settings.get("top_logprobs", 0)
         check_logprobs(top_logprobs)
