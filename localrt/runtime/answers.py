@@ -17,6 +17,8 @@ from typing import TypedDict
 from localrt.backends.base import Timings
 from localrt.backends.base import TokenLogprob as TokenLogprob  # the API names it through the runtime
 from localrt.errors import LocalrtError
+from localrt.runtime import thinking
+from localrt.runtime.prompt import tool_choice
 
 
 class ContextLengthError(LocalrtError):
@@ -120,3 +122,24 @@ def check_format(format: Any) -> str | dict[str, Any] | None:
 def check_logprobs(top_logprobs: Any) -> None:
     if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
         raise LocalrtError("top_logprobs must be between 0 and 20")
+
+
+def asked(
+    settings: Mapping[str, Any], tools: Sequence[Mapping[str, Any]] | None, choice: Any
+) -> dict[str, Any]:
+    """What a chat or generate request asks besides its options and model, checked once before any load,
+    the same for a local and a remote model: the fields of both paths' `_Call` they share."""
+    format = check_format(settings.get("format"))
+    top_logprobs = settings.get("top_logprobs", 0)
+    check_logprobs(top_logprobs)
+    think = settings.get("think")
+    listed, required = tool_choice(choice, tools)
+    return {
+        "format": format,
+        "logprobs": settings.get("logprobs", False),
+        "top_logprobs": top_logprobs,
+        "stream": settings.get("stream", True),
+        "think": think if isinstance(think, thinking.Think) else thinking.parse_think(think),
+        "tools": listed,
+        "required": required,
+    }

@@ -43,8 +43,7 @@ from localrt.runtime.answers import EmbedResult
 from localrt.runtime.answers import Metrics
 from localrt.runtime.answers import RerankResult
 from localrt.runtime.answers import Settings
-from localrt.runtime.answers import check_format
-from localrt.runtime.answers import check_logprobs
+from localrt.runtime.answers import asked
 from localrt.runtime.models import LocalEntry as Entry
 from localrt.runtime.models import ModelPool
 from localrt.runtime.options import Options
@@ -220,23 +219,11 @@ class LocalRuntime:
         """The checks chat and generate share, done once before any load."""
         start = time.perf_counter_ns()
         opts = self.models.options(resolved, settings.get("options"))
-        format = check_format(settings.get("format"))
-        top_logprobs = settings.get("top_logprobs", 0)
-        check_logprobs(top_logprobs)
-        think = settings.get("think")
-        wanted = think if isinstance(think, Think) else thinking.parse_think(think)
-        listed, required = tool_choice(choice, tools)
         return _Call(
             model=model,
             resolved=resolved,
             opts=opts,
-            format=format,
-            logprobs=settings.get("logprobs", False),
-            top_logprobs=top_logprobs,
-            stream=settings.get("stream", True),
-            think=wanted,
-            tools=listed,
-            required=required,
+            **asked(settings, tools, choice),
             keep_alive=self.models.keep_alive(settings.get("keep_alive")),
             truncate=settings.get("truncate", True),
             shift=settings.get("shift", True),

@@ -40,8 +40,7 @@ from localrt.runtime.answers import EmbedResult
 from localrt.runtime.answers import Metrics
 from localrt.runtime.answers import RerankResult
 from localrt.runtime.answers import Settings
-from localrt.runtime.answers import check_format
-from localrt.runtime.answers import check_logprobs
+from localrt.runtime.answers import asked
 from localrt.runtime.models import Entry
 from localrt.runtime.models import LoadSpec
 from localrt.runtime.models import ModelPool
@@ -258,23 +257,11 @@ class RemoteRuntime:
         start = time.perf_counter_ns()
         opts = self._options(resolved, settings.get("options"))
         lora_scales.scales(settings.get("lora"), resolved, BACKEND)  # a 400: the upstream has its own
-        format = check_format(settings.get("format"))
-        top_logprobs = settings.get("top_logprobs", 0)
-        check_logprobs(top_logprobs)
-        think = settings.get("think")
-        wanted = think if isinstance(think, Think) else thinking.parse_think(think)
-        listed, required = parse_tool_choice(choice, tools)
         return _Call(
             model=model,
             resolved=resolved,
             opts=opts,
-            format=format,
-            logprobs=settings.get("logprobs", False),
-            top_logprobs=top_logprobs,
-            stream=settings.get("stream", True),
-            think=wanted,
-            tools=listed,
-            required=required,
+            **asked(settings, tools, choice),
             keep_alive=self.models.keep_alive(settings.get("keep_alive")),
             start=start,
         )
