@@ -220,9 +220,7 @@ def gguf_name(base: LoraBase, hf_name: str) -> str:
     return name
 
 
-def _pair(
-    base: LoraBase, hf_name: str, a: SafeTensor, b: SafeTensor
-) -> tuple[LoraTensor, LoraTensor]:
+def _pair(base: LoraBase, hf_name: str, a: SafeTensor, b: SafeTensor) -> tuple[LoraTensor, LoraTensor]:
     name = gguf_name(base, hf_name)
     if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
         raise ConvertError(
@@ -252,7 +250,9 @@ def collect(base: LoraBase, source: dict[str, SafeTensor]) -> list[LoraTensor]:
             continue
         elif "_layernorm" in name or ".norm" in name:
             target = gguf_name(base, hf_name)
-            vectors.append(LoraTensor(target, st.shape, value_changes(base.arch, base.hp(), hf_name, st.read, None)))
+            vectors.append(
+                LoraTensor(target, st.shape, value_changes(base.arch, base.hp(), hf_name, st.read, None))
+            )
         else:
             raise ConvertError(
                 f"adapter tensor {name} is not a lora_A or lora_B matrix (embedding rows added in "
@@ -287,9 +287,7 @@ def parameter_counts(tensors: list[LoraTensor]) -> tuple[int, int, int, int]:
 
 
 # ---- the conversion ------------------------------------------------------------------------------
-def convert_lora(
-    peft_dir: Path, out: Path, base: LoraBase | None = None, outtype: str = "f32"
-) -> Result:
+def convert_lora(peft_dir: Path, out: Path, base: LoraBase | None = None, outtype: str = "f32") -> Result:
     """Convert the PEFT adapter in `peft_dir` to a GGUF LoRA at `out`.
 
     `base`: the base model (None: the folder or HF repo the adapter's config names); `outtype`: f32

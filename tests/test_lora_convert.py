@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,7 @@ from tests.fixtures_hf import oracle_lora
 from tests.fixtures_hf import peft_lora_gguf
 from tests.fixtures_hf import write_safetensors
 from tests.fixtures_hf import write_tiny_model
+from tests.servers.serve import LocalrtServer
 
 pytest.importorskip("peft")
 pytest.importorskip("llama_cpp")
@@ -132,6 +135,23 @@ def test_a_modelfile_adapter_line_takes_a_peft_folder(files: dict[str, Path], tm
     assert [sha256_file(p) for p in store.resolve("peft:1").adapter_paths] == [sha256_file(files["lora"])]
 
 
+def test_the_cli_against_a_server_uploads_the_converted_adapter(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    """`localrt create` against a running server converts the folder on the client (the server takes
+    files) and uploads the GGUF: the server stores llama.cpp's file."""
+    srv = LocalrtServer(tmp_path / "models", tmp_path / "serve.log")
+    try:
+        modelfile = files["work"] / "Modelfile.peft"
+        modelfile.write_text(f"FROM {files['base']}\nADAPTER ./{files['peft'].name}\n")
+        cmd = [sys.executable, "-m", "localrt", "create", "peft:1", "-f", str(modelfile)]
+        proc = subprocess.run(cmd, env=srv.env, capture_output=True, text=True, timeout=300)
+        stored = [sha256_file(p) for p in Store(tmp_path / "models").resolve("peft:1").adapter_paths]
+    finally:
+        srv.stop()
+    assert (proc.returncode, stored) == (0, [sha256_file(files["lora"])]), proc.stderr
+
+
 def greedy_tokens(model: Path, adapter: Path) -> list[int]:
     from localrt.backends.base import GenerateRequest
     from localrt.backends.base import LoadOptions
@@ -139,11 +159,15 @@ def greedy_tokens(model: Path, adapter: Path) -> list[int]:
     from localrt.backends.base import TextEvent
     from localrt.backends.llamacpp import LlamaCppBackend
 
-    m = LlamaCppBackend.load(model, LoadOptions(num_ctx=256, num_thread=2, num_parallel=1, adapters=(adapter,)))
+    m = LlamaCppBackend.load(
+        model, LoadOptions(num_ctx=256, num_thread=2, num_parallel=1, adapters=(adapter,))
+    )
 
     async def run() -> list[int]:
         out: list[int] = []
-        request = GenerateRequest(m.tokenize(PROMPT, True, True), SamplingParams(temperature=0), num_predict=12)
+        request = GenerateRequest(
+            m.tokenize(PROMPT, True, True), SamplingParams(temperature=0), num_predict=12
+        )
         async for event in m.generate(request):
             if isinstance(event, TextEvent):
                 out += event.token_ids
@@ -198,7 +222,9 @@ def test_a_gguf_adapter_for_another_hidden_size_is_refused_naming_the_tensor(
         create("x:1", from_path=base, adapters=[files["lora"]], store=Store(tmp_path / "models"))
 
 
-def test_an_adapter_tensor_the_base_lacks_is_refused_naming_it(files: dict[str, Path], tmp_path: Path) -> None:
+def test_an_adapter_tensor_the_base_lacks_is_refused_naming_it(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
     base = other_base(files, "one-layer", hidden=256, ff=512, n_layer=1)
     with pytest.raises(LocalrtError, match="tensor blk.1.ffn_down.weight is not in the base model"):
         create("x:1", from_path=base, adapters=[files["lora"]], store=Store(tmp_path / "models"))
