@@ -305,16 +305,21 @@ def _pieces(arch: Arch, hp: dict[str, Any], source: dict[str, SafeTensor]) -> li
     return out
 
 
-def _value_changes(
+def qk_heads(arch: Arch, hp: dict[str, Any], hf_name: str) -> int | None:
+    """The head count whose rows `permute_rows` reorders in this tensor, or None: no permutation."""
+    if arch.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return hp["num_attention_heads"]
+    if arch.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        n_kv = hp.get("num_key_value_heads")
+        return n_kv if n_kv is not None and n_kv != hp["num_attention_heads"] else hp["num_attention_heads"]
+    return None
+
+
+def value_changes(
     arch: Arch, hp: dict[str, Any], hf_name: str, load: Callable[[], np.ndarray], rows: int | None
 ) -> Callable[[], np.ndarray]:
     """load() with the converter's changes: Q/K permutation, Gemma's 1 + w norms, token_embd rows."""
-    heads = None
-    if arch.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-        heads = hp["num_attention_heads"]
-    elif arch.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-        n_kv = hp.get("num_key_value_heads")
-        heads = n_kv if n_kv is not None and n_kv != hp["num_attention_heads"] else hp["num_attention_heads"]
+    heads = qk_heads(arch, hp, hf_name)
     shift = arch.norm_shift and hf_name.endswith("norm.weight")
     cut = rows if "embed_tokens.weight" in hf_name else None
 
@@ -358,7 +363,7 @@ def collect_tensors(
             raise ConvertError(f"tensor {hf_name} has shape {list(shape)}, config.json implies {list(want)}")
         if rows is not None and name == "token_embd.weight":
             shape = (min(rows, shape[0]), *shape[1:])
-        out.append(Tensor(name, shape, dtype, _value_changes(arch, hp, hf_name, load, rows)))
+        out.append(Tensor(name, shape, dtype, value_changes(arch, hp, hf_name, load, rows)))
     incomplete = sorted(base for base, layers in seen.items() if len(layers) != n_layer)
     if incomplete:
         raise ConvertError(f"tensors missing for some of the {n_layer} layers: {', '.join(incomplete)}")

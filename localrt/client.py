@@ -722,10 +722,13 @@ class ServerClient:
             fields["imatrix"] = await self._upload(Path(spec.imatrix_path), emit)
         adapters = [value for value, _ in mf.adapters] + list(spec.adapter_paths)
         if adapters:  # Ollama's `adapters`: file name -> digest, each checked here before it goes up
-            fields["adapters"] = await self._adapter_fields(adapters, here, emit)
+            fields["adapters"] = await self._adapter_fields(adapters, here, source, emit)
         return fields
 
-    async def _adapter_fields(self, values: list[str], here: Path, emit: StatusFn) -> dict[str, str]:
+    async def _adapter_fields(
+        self, values: list[str], here: Path, base: Path | None, emit: StatusFn
+    ) -> dict[str, str]:
+        from localrt.converters.lora import is_peft_dir
         from localrt.store.importer import check_adapter_file
         from localrt.store.names import DIGEST_RE
         from localrt.store.names import normalize_digest
@@ -738,8 +741,29 @@ class ServerClient:
             path = Path(value).expanduser()
             path = path if path.is_absolute() else here / path
             await asyncio.to_thread(check_adapter_file, path)
+            if is_peft_dir(path):
+                out[f"{i}-{path.name}.gguf"] = await self._converted_upload(path, base, emit)
+                continue
             out[f"{i}-{path.name}"] = await self._upload(path, emit)  # the index keeps equal names apart
         return out
+
+    async def _converted_upload(self, peft_dir: Path, base: Path | None, emit: StatusFn) -> str:
+        """A PEFT adapter folder goes up as the GGUF LoRA it converts to here: the server takes
+        files, and the conversion reads the base model's GGUF, which is here too."""
+        import tempfile
+
+        from localrt.store.importer import convert_peft_adapter
+
+        if base is None:
+            raise LocalrtError(
+                f"adapter {peft_dir.name} is a PEFT folder, converted here before it goes up to the "
+                "server: that needs FROM to be a local GGUF file"
+            )
+        with tempfile.TemporaryDirectory(prefix="localrt-lora-") as tmp:
+            out = Path(tmp) / f"{peft_dir.name}.gguf"
+            emit(f"converting adapter {peft_dir.name}")
+            await asyncio.to_thread(convert_peft_adapter, peft_dir, out, base)
+            return await self._upload(out, emit)
 
     async def _upload(self, path: Path, emit: StatusFn) -> str:
         """The blob's digest, uploaded first unless the server already has it (HEAD /api/blobs)."""

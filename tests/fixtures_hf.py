@@ -412,11 +412,17 @@ def peft_lora_gguf(model_dir: Path, work: Path, seed: int = 0) -> tuple[Path, Pa
         )
         if proc.returncode != 0:
             raise RuntimeError(f"making the PEFT LoRA failed:\n{proc.stderr[-3000:]}")
-        cmd = [sys.executable, str(convert_lora_script()), "--base", str(model_dir), "--outtype", "f32"]
-        proc = subprocess.run([*cmd, "--outfile", str(out), str(peft_dir)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"convert_lora_to_gguf failed:\n{proc.stderr[-3000:]}")
+        oracle_lora(model_dir, peft_dir, out, "f32")
     return peft_dir, out
+
+
+def oracle_lora(model_dir: Path, peft_dir: Path, out: Path, outtype: str) -> Path:
+    """llama.cpp's convert_lora_to_gguf.py on the PEFT folder `peft_dir` for the base at `model_dir`."""
+    cmd = [sys.executable, str(convert_lora_script()), "--base", str(model_dir), "--outtype", outtype]
+    proc = subprocess.run([*cmd, "--outfile", str(out), str(peft_dir)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"convert_lora_to_gguf failed:\n{proc.stderr[-3000:]}")
+    return out
 
 
 PEFT_DRIVER = """

@@ -122,11 +122,6 @@ def test_a_model_gguf_given_as_adapter_is_refused(files: dict[str, Path], tmp_pa
         )
 
 
-def test_a_peft_folder_is_refused_naming_the_converter(files: dict[str, Path], tmp_path: Path) -> None:
-    with pytest.raises(LocalrtError, match="convert it with llama.cpp's convert_lora_to_gguf.py first"):
-        create("x:1", from_path=files["base"], adapters=[files["peft"]], store=Store(tmp_path / "models"))
-
-
 def test_the_create_api_refuses_a_model_blob_as_adapter(
     server: LocalrtServer, files: dict[str, Path]
 ) -> None:

@@ -224,8 +224,9 @@ def add_create(sub: Subparsers) -> argparse.ArgumentParser:
         "--adapter",
         action="append",
         default=[],
-        metavar="FILE",
-        help="a LoRA adapter GGUF (convert_lora_to_gguf.py), after the Modelfile's ADAPTER lines; repeatable",
+        metavar="PATH",
+        help="a LoRA adapter: a GGUF, or a PEFT adapter folder (converted); after the Modelfile's ADAPTER "
+        "lines; repeatable",
     )
     p.set_defaults(func=cmd_create)
     return p

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import platform
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -58,16 +59,22 @@ def check_gguf_file(path: Path, what: str = "model") -> None:
         raise LocalrtError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
 
 
-CONVERT_LORA_HINT = "convert it with llama.cpp's convert_lora_to_gguf.py first"
+ADAPTER_HINT = (
+    "give a LoRA adapter GGUF, or a PEFT adapter's folder (adapter_config.json and "
+    "adapter_model.safetensors), which is converted"
+)
 
 
 def check_adapter_file(path: Path) -> None:
-    """A LoRA adapter as llama.cpp loads it: a GGUF of general.type "adapter" and adapter.type "lora".
-    Anything else (a PEFT folder, safetensors, a model GGUF) is refused with one line."""
+    """A LoRA adapter as llama.cpp loads it: a GGUF of general.type "adapter" and adapter.type "lora",
+    or a PEFT adapter folder (converted when it is stored). Anything else (another folder,
+    safetensors, a model GGUF) is refused with one line."""
+    from localrt.converters.lora import is_peft_dir
+
     if path.is_dir():
-        raise LocalrtError(
-            f"adapter {path.name} is a folder (a PEFT adapter?), not a GGUF: {CONVERT_LORA_HINT}"
-        )
+        if is_peft_dir(path):
+            return
+        raise LocalrtError(f"adapter {path.name} is a folder without adapter_config.json: {ADAPTER_HINT}")
     if path.exists():
         try:
             with open(path, "rb") as f:
@@ -75,7 +82,7 @@ def check_adapter_file(path: Path) -> None:
         except OSError as e:
             raise LocalrtError(f"cannot read adapter {path.name}: {e.strerror or e}") from None
         if magic != GGUF_MAGIC:
-            raise LocalrtError(f"adapter {path.name} is not a GGUF file (safetensors?): {CONVERT_LORA_HINT}")
+            raise LocalrtError(f"adapter {path.name} is not a GGUF file (safetensors?): {ADAPTER_HINT}")
     else:
         raise LocalrtError(f"adapter file not found: {path}")
     meta = read_blob(path, "adapter").metadata
@@ -84,20 +91,85 @@ def check_adapter_file(path: Path) -> None:
         found = f"general.type {kind!r}" if kind != "adapter" else f"adapter.type {lora!r}"
         raise LocalrtError(
             f"adapter {path.name} is not a LoRA adapter GGUF ({found}; an adapter has general.type "
-            f"'adapter' and adapter.type 'lora'): {CONVERT_LORA_HINT}"
+            f"'adapter' and adapter.type 'lora'): {ADAPTER_HINT}"
         )
 
 
-def _adapter_blob(store: Store, source: Path | str) -> tuple[str, int]:
-    """A LoRA adapter (a file or a stored blob's digest), checked, then stored as a blob."""
+def convert_peft_adapter(peft_dir: Path, out: Path, base: Path) -> None:
+    """The PEFT adapter in `peft_dir` as a GGUF LoRA at `out`, for the model GGUF `base` (its
+    architecture and head counts come from the GGUF's keys, so no HF checkpoint is needed)."""
+    from localrt.converters.lora import base_from_gguf
+    from localrt.converters.lora import convert_lora
+
+    convert_lora(peft_dir, out, base_from_gguf(read_blob(base, "model").metadata, peft_dir))
+
+
+def check_adapter_fits(adapter: Path, base: Path, label: str) -> None:
+    """What llama.cpp checks when it loads a LoRA, checked when the model is made: the same
+    architecture, and each lora_a / lora_b pair shaped for the base tensor of its name.
+
+    Shapes are in GGUF order (ne0 first); A is (in, rank) and B (rank, out) against a base of (in,
+    out), except the embedding, whose A and B are swapped (llama.cpp's `llm_build_inp_embd`)."""
+    info, base_info = read_blob(adapter, "adapter"), read_blob(base, "model")
+    if info.architecture != base_info.architecture:
+        raise LocalrtError(
+            f"adapter {label} is for a {info.architecture!r} model, but the base model is "
+            f"{base_info.architecture!r}"
+        )
+    base_shapes = {t.name: _ne2(t.shape) for t in base_info.tensors}
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for t in info.tensors:
+        if t.name.endswith((".lora_a", ".lora_b")):
+            pairs.setdefault(t.name[: -len(".lora_a")], {})[t.name[-1]] = t.shape
+        elif not t.name.endswith("_norm.weight"):  # llama.cpp skips an adapter's norms
+            raise LocalrtError(f"adapter {label}: tensor {t.name} is not a lora_a or lora_b")
+    for name, pair in pairs.items():
+        if len(pair) != 2:
+            raise LocalrtError(f"adapter {label}: tensor {name} has lora_{''.join(pair)} alone")
+        want = base_shapes.get(name)
+        if want is None:
+            raise LocalrtError(
+                f"adapter {label}: tensor {name} is not in the base model (an adapter for another model?)"
+            )
+        a, b = _ne2(pair["a"]), _ne2(pair["b"])
+        if name.endswith("token_embd.weight"):
+            fits = want == (b[1], a[1])
+        else:
+            fits = want == (a[0], b[1]) and a[1] == b[0]
+        if not fits:
+            raise LocalrtError(
+                f"adapter {label}: tensor {name} has lora_a {list(pair['a'])} and lora_b "
+                f"{list(pair['b'])}, which do not fit the base's {list(want)} (an adapter for another model?)"
+            )
+
+
+def _ne2(shape: Sequence[int]) -> tuple[int, int]:
+    """A GGUF shape's first two dimensions (ggml's ne0, ne1; 1 where the tensor has fewer)."""
+    padded = (*shape, 1, 1)
+    return padded[0], padded[1]
+
+
+def _adapter_blob(store: Store, source: Path | str, base: Path) -> tuple[str, int]:
+    """A LoRA adapter (a GGUF, a PEFT folder converted for `base`, or a stored blob's digest), checked
+    against the base model GGUF `base`, then stored as a blob."""
+    from localrt.converters.lora import is_peft_dir
+
+    if isinstance(source, Path) and is_peft_dir(source):
+        with tempfile.TemporaryDirectory(dir=store.root, prefix=".lora-") as tmp:
+            out = Path(tmp) / "adapter.gguf"
+            convert_peft_adapter(source, out, base)
+            check_adapter_fits(out, base, source.name)
+            return store.add_blob_file(out)
     if isinstance(source, Path):
         check_adapter_file(source)
+        check_adapter_fits(source, base, source.name)
         return store.add_blob_file(source)
     digest = normalize_digest(source)
     if not store.has_blob(digest):
         raise LocalrtError(f"adapter blob {digest} is not in the store")
     path = store.blob_path(digest)
     check_adapter_file(path)
+    check_adapter_fits(path, base, digest)
     return digest, path.stat().st_size
 
 
@@ -165,7 +237,8 @@ def import_gguf(
     `hf_source` records the HF repo id or directory it was converted from (for `serve-engine`);
     `messages`: a Modelfile's MESSAGE turns (Ollama's messages layer); `formats`: its `renderer`,
     `parser` and `requires`, kept in the config blob where Ollama keeps them; `adapters`: LoRA adapter
-    GGUFs (paths or stored digests, each checked to be one), layers in this order.
+    GGUFs or PEFT adapter folders (converted), paths or stored digests, each checked to be one and to
+    fit the model's tensors, layers in this order.
 
     Returns the manifest digest. A malformed GGUF raises GGUFError before anything is written.
     """
@@ -194,7 +267,7 @@ def import_gguf(
                 )
             layers.append({"mediaType": MEDIA_PROJECTOR, "digest": proj_digest, "size": proj_size})
         for adapter in adapters:
-            digest, size = _adapter_blob(store, adapter)
+            digest, size = _adapter_blob(store, adapter, store.blob_path(model_digest))
             layers.append({"mediaType": MEDIA_ADAPTER, "digest": digest, "size": size})
         if draft is not None:
             draft_digest, draft_size, _ = _blob(store, draft, "draft")

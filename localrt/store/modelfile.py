@@ -8,7 +8,7 @@
     SYSTEM "one line"
     LICENSE \"\"\"...\"\"\"
     DRAFT ./draft.gguf | name:tag         (a draft model for speculative decoding)
-    ADAPTER ./lora.gguf | sha256:...      (repeatable: a LoRA adapter GGUF, llama.cpp backend only)
+    ADAPTER ./lora.gguf | ./peft-dir | sha256:...  (repeatable: a LoRA GGUF or PEFT folder, llama.cpp only)
     FROM https://host:port/v1             (a remote model; several FROM URLs make a pool)
     PARAMETER remote_model ID             (the upstream's model id; PARAMETER api_key_env VAR for a key)
     MESSAGE user "..."                    (repeatable: few-shot turns every prompt starts with)

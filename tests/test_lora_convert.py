@@ -1,0 +1,241 @@
+"""Our PEFT LoRA -> GGUF converter, and `create` taking a PEFT folder as an adapter.
+
+The oracle is llama.cpp's own convert_lora_to_gguf.py (from the pinned llama-cpp-python sdist) on the
+same PEFT folder and base checkpoint: the files must be equal byte for byte. The base is the tiny random
+Llama of tests/test_lora.py, its adapter the PEFT LoRA made there (q_proj, v_proj, down_proj, f32);
+a second adapter, written here, adds k_proj (its own head count under GQA), o_proj and gate_proj in bf16.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from localrt.converters.convert import convert
+from localrt.converters.hf import read_part
+from localrt.converters.lora import base_from_gguf
+from localrt.converters.lora import base_from_hf
+from localrt.converters.lora import convert_lora
+from localrt.errors import LocalrtError
+from localrt.store.gguf import read_gguf
+from localrt.store.modelfile import create
+from localrt.store.store import MEDIA_ADAPTER
+from localrt.store.store import Store
+from localrt.store.store import sha256_file
+from tests.fixtures_hf import oracle_float
+from tests.fixtures_hf import oracle_lora
+from tests.fixtures_hf import peft_lora_gguf
+from tests.fixtures_hf import write_safetensors
+from tests.fixtures_hf import write_tiny_model
+from tests.servers.serve import LocalrtServer
+
+pytest.importorskip("peft")
+pytest.importorskip("llama_cpp")
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    work = tmp_path_factory.mktemp("lora-convert")
+    model_dir = write_tiny_model(work / "hf", arch="llama", hidden=256, ff=512, n_layer=2, seed=5)
+    base = oracle_float(model_dir, work, "f32")
+    peft_dir, lora = peft_lora_gguf(model_dir, work)
+    return {"hf": model_dir, "base": base, "lora": lora, "peft": peft_dir, "work": work}
+
+
+@pytest.fixture(scope="module")
+def wide_peft(files: dict[str, Path]) -> Path:
+    """The fixture's adapter plus bf16 pairs on k_proj (4 heads, 1 KV head), o_proj and gate_proj."""
+    out = files["work"] / "peft-wide"
+    out.mkdir(exist_ok=True)
+    config = json.loads((files["peft"] / "adapter_config.json").read_text())
+    config["target_modules"] = sorted({*config["target_modules"], "k_proj", "o_proj", "gate_proj"})
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    tensors = {n: st.read() for n, st in read_part(files["peft"] / "adapter_model.safetensors").items()}
+    rng = np.random.default_rng(7)
+    rank = 8
+    for layer in range(2):
+        for module, rows, cols in (
+            ("self_attn.k_proj", 64, 256),
+            ("self_attn.o_proj", 256, 256),
+            ("mlp.gate_proj", 512, 256),
+        ):
+            p = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[p + ".lora_A.weight"] = rng.standard_normal((rank, cols))
+            tensors[p + ".lora_B.weight"] = rng.standard_normal((rows, rank))
+    write_safetensors(out / "adapter_model.safetensors", tensors, "BF16")
+    return out
+
+
+def other_base(files: dict[str, Path], name: str, **shape: object) -> Path:
+    """A tiny model other than the adapter's base, converted by our own converter (F32)."""
+    out = files["work"] / f"{name}.gguf"
+    if not out.is_file():
+        model_dir = write_tiny_model(files["work"] / name, seed=9, **shape)  # type: ignore[arg-type]
+        convert(model_dir, out, "F32")
+    return out
+
+
+# ---- the converter against llama.cpp's -------------------------------------------------------------
+def test_the_f32_adapter_equals_llama_cpps_byte_for_byte(files: dict[str, Path], tmp_path: Path) -> None:
+    ours = convert_lora(files["peft"], tmp_path / "ours.gguf", base_from_hf(files["hf"])).path
+    assert sha256_file(ours) == sha256_file(files["lora"])
+
+
+@pytest.mark.parametrize("outtype", ["f32", "f16", "bf16"])
+def test_a_bf16_adapter_with_k_proj_equals_llama_cpps_byte_for_byte(
+    files: dict[str, Path], wide_peft: Path, tmp_path: Path, outtype: str
+) -> None:
+    theirs = oracle_lora(files["hf"], wide_peft, tmp_path / "theirs.gguf", outtype)
+    ours = convert_lora(wide_peft, tmp_path / "ours.gguf", base_from_hf(files["hf"]), outtype).path
+    assert sha256_file(ours) == sha256_file(theirs)
+
+
+def test_the_base_gguf_alone_gives_the_same_file(files: dict[str, Path], tmp_path: Path) -> None:
+    base = base_from_gguf(read_gguf(files["base"]).metadata, files["peft"])
+    ours = convert_lora(files["peft"], tmp_path / "ours.gguf", base).path
+    assert sha256_file(ours) == sha256_file(files["lora"])
+
+
+def test_the_base_named_in_the_adapter_config_is_found(files: dict[str, Path], tmp_path: Path) -> None:
+    ours = convert_lora(files["peft"], tmp_path / "ours.gguf").path
+    assert sha256_file(ours) == sha256_file(files["lora"])
+
+
+def test_a_dora_adapter_is_refused(files: dict[str, Path], tmp_path: Path) -> None:
+    peft = tmp_path / "dora"
+    shutil.copytree(files["peft"], peft)
+    config = json.loads((peft / "adapter_config.json").read_text())
+    (peft / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(LocalrtError, match="is a DoRA adapter"):
+        convert_lora(peft, tmp_path / "out.gguf", base_from_hf(files["hf"]))
+
+
+# ---- create ----------------------------------------------------------------------------------------
+def test_create_stores_llama_cpps_adapter_file(files: dict[str, Path], tmp_path: Path) -> None:
+    store = Store(tmp_path / "models")
+    create("peft:1", from_path=files["base"], adapters=[files["peft"]], store=store)
+    manifest = store.read_manifest(store.resolve("peft:1").name)[0]
+    adapters = [layer["digest"] for layer in manifest["layers"] if layer["mediaType"] == MEDIA_ADAPTER]
+    assert adapters == [sha256_file(files["lora"])]
+
+
+def test_a_modelfile_adapter_line_takes_a_peft_folder(files: dict[str, Path], tmp_path: Path) -> None:
+    store = Store(tmp_path / "models")
+    text = f"FROM {files['base']}\nADAPTER ./{files['peft'].name}\n"
+    create("peft:1", modelfile_text=text, base_dir=files["work"], store=store)
+    assert [sha256_file(p) for p in store.resolve("peft:1").adapter_paths] == [sha256_file(files["lora"])]
+
+
+def test_the_cli_against_a_server_uploads_the_converted_adapter(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    """`localrt create` against a running server converts the folder on the client (the server takes
+    files) and uploads the GGUF: the server stores llama.cpp's file."""
+    srv = LocalrtServer(tmp_path / "models", tmp_path / "serve.log")
+    try:
+        modelfile = files["work"] / "Modelfile.peft"
+        modelfile.write_text(f"FROM {files['base']}\nADAPTER ./{files['peft'].name}\n")
+        cmd = [sys.executable, "-m", "localrt", "create", "peft:1", "-f", str(modelfile)]
+        proc = subprocess.run(cmd, env=srv.env, capture_output=True, text=True, timeout=300)
+        stored = [sha256_file(p) for p in Store(tmp_path / "models").resolve("peft:1").adapter_paths]
+    finally:
+        srv.stop()
+    assert (proc.returncode, stored) == (0, [sha256_file(files["lora"])]), proc.stderr
+
+
+def greedy_tokens(model: Path, adapter: Path) -> list[int]:
+    from localrt.backends.base import GenerateRequest
+    from localrt.backends.base import LoadOptions
+    from localrt.backends.base import SamplingParams
+    from localrt.backends.base import TextEvent
+    from localrt.backends.llamacpp import LlamaCppBackend
+
+    m = LlamaCppBackend.load(
+        model, LoadOptions(num_ctx=256, num_thread=2, num_parallel=1, adapters=(adapter,))
+    )
+
+    async def run() -> list[int]:
+        out: list[int] = []
+        request = GenerateRequest(
+            m.tokenize(PROMPT, True, True), SamplingParams(temperature=0), num_predict=12
+        )
+        async for event in m.generate(request):
+            if isinstance(event, TextEvent):
+                out += event.token_ids
+        return out
+
+    try:
+        return asyncio.run(run())
+    finally:
+        m.unload()
+
+
+def test_greedy_tokens_equal_those_under_llama_cpps_adapter(files: dict[str, Path], tmp_path: Path) -> None:
+    store = Store(tmp_path / "models")
+    create("peft:1", from_path=files["base"], adapters=[files["peft"]], store=store)
+    create("gguf:1", from_path=files["base"], adapters=[files["lora"]], store=store)
+    ours, theirs = store.resolve("peft:1"), store.resolve("gguf:1")
+    assert greedy_tokens(ours.model_path, ours.adapter_paths[0]) == greedy_tokens(
+        theirs.model_path, theirs.adapter_paths[0]
+    )
+
+
+def test_the_adapter_changes_the_greedy_tokens(files: dict[str, Path], tmp_path: Path) -> None:
+    """The equality above means something only if the adapter moves the output."""
+    store = Store(tmp_path / "models")
+    create("peft:1", from_path=files["base"], adapters=[files["peft"]], store=store)
+    ours = store.resolve("peft:1")
+    zero = tmp_path / "zero"
+    shutil.copytree(files["peft"], zero)
+    config = json.loads((zero / "adapter_config.json").read_text())
+    (zero / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 0}))
+    create("zero:1", from_path=files["base"], adapters=[zero], store=store)
+    off = store.resolve("zero:1")
+    assert greedy_tokens(ours.model_path, ours.adapter_paths[0]) != greedy_tokens(
+        off.model_path, off.adapter_paths[0]
+    )
+
+
+# ---- the adapter against its base --------------------------------------------------------------------
+def test_a_peft_folder_for_another_hidden_size_is_refused_naming_the_tensor(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    base = other_base(files, "hidden128", hidden=128, ff=512, n_layer=2)
+    with pytest.raises(LocalrtError, match="tensor blk.0.ffn_down.weight has lora_a"):
+        create("x:1", from_path=base, adapters=[files["peft"]], store=Store(tmp_path / "models"))
+
+
+def test_a_gguf_adapter_for_another_hidden_size_is_refused_naming_the_tensor(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    base = other_base(files, "hidden128", hidden=128, ff=512, n_layer=2)
+    with pytest.raises(LocalrtError, match="tensor blk.0.ffn_down.weight has lora_a"):
+        create("x:1", from_path=base, adapters=[files["lora"]], store=Store(tmp_path / "models"))
+
+
+def test_an_adapter_tensor_the_base_lacks_is_refused_naming_it(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    base = other_base(files, "one-layer", hidden=256, ff=512, n_layer=1)
+    with pytest.raises(LocalrtError, match="tensor blk.1.ffn_down.weight is not in the base model"):
+        create("x:1", from_path=base, adapters=[files["lora"]], store=Store(tmp_path / "models"))
+
+
+def test_an_adapter_for_another_architecture_is_refused(files: dict[str, Path], tmp_path: Path) -> None:
+    base = other_base(files, "qwen2", arch="qwen2", hidden=256, ff=512, n_layer=2)
+    with pytest.raises(LocalrtError, match="is for a 'llama' model, but the base model is 'qwen2'"):
+        create("x:1", from_path=base, adapters=[files["lora"]], store=Store(tmp_path / "models"))
+
+
+def test_a_folder_that_is_no_peft_adapter_is_refused(files: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(LocalrtError, match="is a folder without adapter_config.json"):
+        create("x:1", from_path=files["base"], adapters=[files["hf"]], store=Store(tmp_path / "models"))
