@@ -29,6 +29,9 @@ import httpx
 import numpy as np
 
 from tests.conftest import CACHE
+from tests.gguf_factory import LlamaShape
+from tests.gguf_factory import add_llama_hparams
+from tests.gguf_factory import add_llama_tensors
 
 # the versions the end-to-end tests are run with; .ci/run installs exactly these
 PINS = {
@@ -83,19 +86,11 @@ def write_agent_model(path: Path, *, context_length: int, template: str, seed: i
     tokens = strings("tokenizer.ggml.tokens")
     f = source.fields["tokenizer.ggml.token_type"]
     types = [int(f.parts[i][0]) for i in f.data]
-    n_vocab, n_embd, n_layer, n_head, n_head_kv, n_ff = len(tokens), 64, 2, 4, 2, 128
+    shape = LlamaShape(n_vocab=len(tokens), n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128)
     im_end = tokens.index("<|im_end|>")
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-agent")
-    w.add_context_length(context_length)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(n_embd // n_head)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    add_llama_hparams(w, shape, context_length)
     w.add_file_type(0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(str(bytes(source.fields["tokenizer.ggml.pre"].parts[-1]), "utf-8"))
@@ -111,24 +106,7 @@ def write_agent_model(path: Path, *, context_length: int, template: str, seed: i
     def weight(name: str, rows: int, cols: int) -> None:
         w.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32))
 
-    def norm(name: str) -> None:
-        w.add_tensor(name, np.ones(n_embd, dtype=np.float32))
-
-    head_dim = n_embd // n_head
-    weight("token_embd.weight", n_vocab, n_embd)
-    for layer in range(n_layer):
-        p = f"blk.{layer}"
-        norm(f"{p}.attn_norm.weight")
-        weight(f"{p}.attn_q.weight", n_head * head_dim, n_embd)
-        weight(f"{p}.attn_k.weight", n_head_kv * head_dim, n_embd)
-        weight(f"{p}.attn_v.weight", n_head_kv * head_dim, n_embd)
-        weight(f"{p}.attn_output.weight", n_embd, n_head * head_dim)
-        norm(f"{p}.ffn_norm.weight")
-        weight(f"{p}.ffn_gate.weight", n_ff, n_embd)
-        weight(f"{p}.ffn_up.weight", n_ff, n_embd)
-        weight(f"{p}.ffn_down.weight", n_embd, n_ff)
-    norm("output_norm.weight")
-    weight("output.weight", n_vocab, n_embd)
+    add_llama_tensors(w, shape, weight)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

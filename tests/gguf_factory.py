@@ -10,6 +10,7 @@ Two kinds:
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,6 +88,55 @@ def tiny_spm_vocab(
     return tokens, scores, types
 
 
+@dataclass(frozen=True)
+class LlamaShape:
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+
+
+def add_llama_hparams(writer: gguf.GGUFWriter, shape: LlamaShape, context_length: int) -> None:
+    """The hyperparameter keys of a Llama of `shape` (RoPE base 10000, RMS eps 1e-5)."""
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+
+
+def add_llama_tensors(
+    writer: gguf.GGUFWriter, shape: LlamaShape, weight: Callable[[str, int, int], None]
+) -> None:
+    """Every tensor of a Llama of `shape`, in llama.cpp's order: the matrices through `weight(name,
+    rows, cols)` (which draws and encodes them), the norms as ones in f32."""
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, np.ones(shape.n_embd, dtype=np.float32))
+
+    n_embd, head_dim = shape.n_embd, shape.n_embd // shape.n_head
+    weight("token_embd.weight", shape.n_vocab, n_embd)
+    for layer in range(shape.n_layer):
+        prefix = f"blk.{layer}"
+        norm(f"{prefix}.attn_norm.weight")
+        weight(f"{prefix}.attn_q.weight", shape.n_head * head_dim, n_embd)
+        weight(f"{prefix}.attn_k.weight", shape.n_head_kv * head_dim, n_embd)
+        weight(f"{prefix}.attn_v.weight", shape.n_head_kv * head_dim, n_embd)
+        weight(f"{prefix}.attn_output.weight", n_embd, shape.n_head * head_dim)
+        norm(f"{prefix}.ffn_norm.weight")
+        weight(f"{prefix}.ffn_gate.weight", shape.n_ff, n_embd)
+        weight(f"{prefix}.ffn_up.weight", shape.n_ff, n_embd)
+        weight(f"{prefix}.ffn_down.weight", n_embd, shape.n_ff)
+    norm("output_norm.weight")
+    weight("output.weight", shape.n_vocab, n_embd)
+
+
 def write_tiny_llama(
     path: str | Path,
     *,
@@ -107,22 +157,14 @@ def write_tiny_llama(
     ftype_id, weight_type = FILE_TYPES[file_type]
     tokens, scores, token_types = tiny_spm_vocab(n_vocab, extra_specials)
     n_vocab = len(tokens)
-    head_dim = n_embd // n_head
     rng = np.random.default_rng(seed)
 
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
     writer.add_license("apache-2.0")
     writer.add_file_type(ftype_id)
-    writer.add_context_length(context_length)
-    writer.add_embedding_length(n_embd)
-    writer.add_block_count(n_layer)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head_kv)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    shape = LlamaShape(n_vocab, n_embd, n_layer, n_head, n_head_kv, n_ff)
+    add_llama_hparams(writer, shape, context_length)
     writer.add_vocab_size(n_vocab)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
@@ -147,24 +189,7 @@ def write_tiny_llama(
         else:
             writer.add_tensor(name, gguf.quants.quantize(data, weight_type), raw_dtype=weight_type)
 
-    def norm(name: str) -> None:
-        writer.add_tensor(name, np.ones(n_embd, dtype=np.float32))
-
-    weight("token_embd.weight", n_vocab, n_embd)
-    for layer in range(n_layer):
-        prefix = f"blk.{layer}"
-        norm(f"{prefix}.attn_norm.weight")
-        weight(f"{prefix}.attn_q.weight", n_head * head_dim, n_embd)
-        weight(f"{prefix}.attn_k.weight", n_head_kv * head_dim, n_embd)
-        weight(f"{prefix}.attn_v.weight", n_head_kv * head_dim, n_embd)
-        weight(f"{prefix}.attn_output.weight", n_embd, n_head * head_dim)
-        norm(f"{prefix}.ffn_norm.weight")
-        weight(f"{prefix}.ffn_gate.weight", n_ff, n_embd)
-        weight(f"{prefix}.ffn_up.weight", n_ff, n_embd)
-        weight(f"{prefix}.ffn_down.weight", n_embd, n_ff)
-    norm("output_norm.weight")
-    weight("output.weight", n_vocab, n_embd)
-
+    add_llama_tensors(writer, shape, weight)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

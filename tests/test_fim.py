@@ -9,8 +9,6 @@ oracle is llama-server's /infill on the same file.
 from __future__ import annotations
 
 import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,10 +25,10 @@ from localrt.store.gguf import read_gguf
 from localrt.store.importer import import_gguf
 from localrt.store.modelfile import create
 from localrt.store.store import Store
-from tests.conftest import free_port
 from tests.fixtures_hf import CORPUS
 from tests.fixtures_hf import oracle_convert_many
 from tests.fixtures_hf import write_tiny_model
+from tests.servers.llama_server import running_llama_server
 from tests.servers.serve import LocalrtServer
 
 FIM_TEXTS = [
@@ -179,18 +177,15 @@ def test_suffix_in_raw_mode_is_a_400(server: LocalrtServer) -> None:
 
 
 # ---- the prompt -----------------------------------------------------------------------------------------
-def test_prompt_is_llama_servers_infill_order(server: LocalrtServer) -> None:
+def fim_ids(server: LocalrtServer) -> tuple[list[int], list[int]]:
+    """The special-token ids of the FIM texts, and the tokens an empty text begins with (the BOS)."""
     ids = {t: tokenize(server, t, special=True)[0] for t in FIM_TEXTS}
     bos = httpx.post(
         server.url + "/api/tokenize",
         json={"model": "coder:tiny", "text": "", "add_special": True},
         timeout=60,
     ).json()["tokens"]
-    expected = [
-        ids["<|fim_repo|>"],
-        *tokenize(server, REPO_NAME),
-        ids["<|file_sep|>"],
-        *tokenize(server, FILE_NAME),
+    middle = [
         *bos,
         ids["<|fim_prefix|>"],
         *tokenize(server, PREFIX),
@@ -198,6 +193,18 @@ def test_prompt_is_llama_servers_infill_order(server: LocalrtServer) -> None:
         *tokenize(server, SUFFIX),
         ids["<|fim_middle|>"],
     ]
+    repo = [
+        ids["<|fim_repo|>"],
+        *tokenize(server, REPO_NAME),
+        ids["<|file_sep|>"],
+        *tokenize(server, FILE_NAME),
+    ]
+    return repo, middle
+
+
+def test_prompt_is_llama_servers_infill_order(server: LocalrtServer) -> None:
+    repo, middle = fim_ids(server)
+    expected = [*repo, *middle]
     reply = generate(server, "coder:tiny", prompt=PREFIX, suffix=SUFFIX).json()
     assert reply["context"][: len(expected)] == expected
 
@@ -210,20 +217,7 @@ def test_user_text_never_becomes_a_fim_token(server: LocalrtServer) -> None:
 
 
 def test_a_go_templates_branch_builds_the_prompt(server: LocalrtServer) -> None:
-    ids = {t: tokenize(server, t, special=True)[0] for t in FIM_TEXTS}
-    bos = httpx.post(
-        server.url + "/api/tokenize",
-        json={"model": "coder:tiny", "text": "", "add_special": True},
-        timeout=60,
-    ).json()["tokens"]
-    expected = [
-        *bos,
-        ids["<|fim_prefix|>"],
-        *tokenize(server, PREFIX),
-        ids["<|fim_suffix|>"],
-        *tokenize(server, SUFFIX),
-        ids["<|fim_middle|>"],
-    ]
+    _, expected = fim_ids(server)
     reply = generate(server, "coder:gotemplate", prompt=PREFIX, suffix=SUFFIX).json()
     assert reply["context"][: len(expected)] == expected
 
@@ -247,30 +241,10 @@ def test_openai_completions_with_suffix_fill_the_same_middle(server: LocalrtServ
 # ---- the oracle: llama-server's /infill ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_server(fim_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from tests.fixtures_hf import llama_cpp_tools
-
-    binary = llama_cpp_tools() / "llama-server"
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("llama-server") / "log.txt", "wb")
     # -b 512 leaves llama-server room (n_ctx - n_batch - 2 n_predict) for its repository preamble
-    cmd = [str(binary), "-m", str(fim_gguf), "--port", str(port), "-c", str(CTX), "-b", "512", "-ub", "512"]
-    proc = subprocess.Popen([*cmd, "-t", "2", "-np", "1"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, "llama-server exited"
-            time.sleep(0.2)
+    args = ["-m", str(fim_gguf), "-c", str(CTX), "-b", "512", "-ub", "512", "-t", "2", "-np", "1"]
+    with running_llama_server(args, tmp_path_factory.mktemp("llama-server") / "log.txt") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.mark.parametrize(("prefix", "suffix"), [(PREFIX, SUFFIX), ("x = [1, 2", "]\nprint(x)\n")])

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,10 +26,10 @@ from localrt.store.names import parse_name
 from localrt.store.store import MEDIA_ADAPTER
 from localrt.store.store import Store
 from localrt.store.store import sha256_file
-from tests.conftest import free_port
 from tests.fixtures_hf import oracle_float
 from tests.fixtures_hf import peft_lora_gguf
 from tests.fixtures_hf import write_tiny_model
+from tests.servers.llama_server import running_llama_server
 from tests.servers.serve import LocalrtServer
 
 PROMPT = "The quick brown fox"
@@ -161,31 +160,9 @@ def test_torch_refuses_a_model_with_adapters(server: LocalrtServer) -> None:
 # ---- the oracle: llama-server --lora -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_server(files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from tests.fixtures_hf import llama_cpp_tools
-
-    binary = llama_cpp_tools() / "llama-server"
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("llama-server") / "log.txt", "wb")
-    cmd = [str(binary), "-m", str(files["base"]), "--lora", str(files["lora"]), "--port", str(port)]
-    proc = subprocess.Popen(
-        [*cmd, "-c", str(CTX), "-t", "2", "-np", "1"], stdout=log, stderr=subprocess.STDOUT
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, "llama-server exited"
-            time.sleep(0.2)
+    args = ["-m", str(files["base"]), "--lora", str(files["lora"]), "-c", str(CTX), "-t", "2", "-np", "1"]
+    with running_llama_server(args, tmp_path_factory.mktemp("llama-server") / "log.txt") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.mark.oracle

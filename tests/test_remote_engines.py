@@ -26,9 +26,9 @@ from localrt.store.names import parse_name
 from localrt.store.remote import create_remote
 from localrt.store.store import Store
 from tests.conftest import CACHE
+from tests.servers.llama_server import running_llama_server
 from tests.servers.serve import LocalrtServer
 from tests.servers.serve import ctrl_c_reaches_the_child
-from tests.servers.serve import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -38,19 +38,6 @@ CITY_SCHEMA = {
     "required": ["city", "country"],
 }
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], limit: float = 900) -> None:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the upstream exited with code {proc.returncode}"
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"{url} did not become healthy")
 
 
 def front_for(tmp_path: Path, name: str, endpoint: str, model: str) -> LocalrtServer:
@@ -63,35 +50,20 @@ def front_for(tmp_path: Path, name: str, endpoint: str, model: str) -> LocalrtSe
 # ---- llama-server ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_server(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from tests.fixtures_hf import llama_cpp_tools
-
-    exe = llama_cpp_tools() / "llama-server"
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("llama-server") / "log", "wb")
-    cmd = [
-        str(exe),
+    args = [
         "-m",
         str(smollm2_gguf),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
         "-c",
         "4096",
         "--alias",
         "smollm2",
+        "--jinja",
+        "--embeddings",
+        "--metrics",
     ]
-    proc = subprocess.Popen(
-        [*cmd, "--jinja", "--embeddings", "--metrics", "-np", "2"], stdout=log, stderr=log
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
+    log = tmp_path_factory.mktemp("llama-server") / "log"
+    with running_llama_server([*args, "-np", "2"], log, limit=900) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        log.close()
 
 
 def test_llama_server_upstream(llama_server: str, tmp_path: Path) -> None:

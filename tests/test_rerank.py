@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from localrt.store.modelfile import create
 from localrt.store.store import Store
 from tests.fixtures_vision import tiny_reranker
 from tests.fixtures_vision import tiny_vlm
+from tests.servers.llama_server import running_llama_server
 from tests.servers.serve import LocalrtServer
 
 MODEL = "tiny-rerank:latest"
@@ -174,48 +173,12 @@ def test_bad_rerank_requests(
 @pytest.mark.oracle
 def test_llama_servers_own_rerank_agrees(server: LocalrtServer, reranker: Path, tmp_path: Path) -> None:
     """llama.cpp's llama-server --rerank on the same GGUF: the same order and scores."""
-    from tests.fixtures_hf import llama_cpp_tools
-
-    binary = llama_cpp_tools() / "llama-server"
-    port = 18000 + int(time.time()) % 1000
-    log = open(tmp_path / "llama-server.log", "wb")
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "-m",
-            str(reranker),
-            "--rerank",
-            "--port",
-            str(port),
-            "-c",
-            "128",
-            "-ub",
-            "128",
-            "-t",
-            "1",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, (tmp_path / "llama-server.log").read_text(errors="replace")
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+    args = ["-m", str(reranker), "--rerank", "-c", "128", "-ub", "128", "-t", "1"]
+    with running_llama_server(args, tmp_path / "llama-server.log") as url:
         their_body = httpx.post(
-            f"http://127.0.0.1:{port}/v1/rerank", json={"query": QUERY, "documents": DOCS}, timeout=60
+            url + "/v1/rerank", json={"query": QUERY, "documents": DOCS}, timeout=60
         ).json()
-        theirs = their_body["results"]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    theirs = their_body["results"]
     our_body = httpx.post(
         server.url + "/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": DOCS}, timeout=60
     ).json()

@@ -31,6 +31,7 @@ from localrt.store.store import MEDIA_PROJECTOR
 from localrt.store.store import Store
 from tests.fixtures_vision import png_bytes
 from tests.fixtures_vision import tiny_vlm
+from tests.servers.llama_server import running_llama_server
 from tests.servers.serve import LocalrtServer
 
 MODEL = "tiny-vlm:latest"
@@ -346,36 +347,14 @@ def test_torch_and_mlx_answer_an_image_request_with_a_400(server: LocalrtServer,
 def test_llama_servers_own_mtmd_agrees(server: LocalrtServer, vlm: tuple[Path, Path], tmp_path: Path) -> None:
     """llama.cpp's llama-server --mmproj on the same files and prompt: the same prompt length and the same
     greedy answer (its media marker fixed through LLAMA_MEDIA_MARKER)."""
-    import subprocess
-    import time
-
-    from tests.fixtures_hf import llama_cpp_tools
-
     model, proj = vlm
-    port = 18000 + int(time.time()) % 1000
-    log = open(tmp_path / "llama-server.log", "wb")
-    proc = subprocess.Popen(
-        [str(llama_cpp_tools() / "llama-server"), "-m", str(model), "--mmproj", str(proj)]
-        + ["--port", str(port), "-c", "512", "-t", "1", "--no-warmup"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={"PATH": "/usr/bin:/bin", "LLAMA_MEDIA_MARKER": "<__media__>"},
-    )
+    args = ["-m", str(model), "--mmproj", str(proj), "-c", "512", "-t", "1", "--no-warmup"]
+    env = {"PATH": "/usr/bin:/bin", "LLAMA_MEDIA_MARKER": "<__media__>"}
     image = b64(png_bytes(3))
     turn = "<|im_start|>user\n{}describe this<|im_end|>\n<|im_start|>assistant\n"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, (tmp_path / "llama-server.log").read_text(errors="replace")
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+    with running_llama_server(args, tmp_path / "llama-server.log", env=env) as url:
         theirs = httpx.post(
-            f"http://127.0.0.1:{port}/completion",
+            url + "/completion",
             json={
                 "prompt": {"prompt_string": turn.format("<__media__>"), "multimodal_data": [image]},
                 "n_predict": GREEDY["num_predict"],
@@ -384,10 +363,6 @@ def test_llama_servers_own_mtmd_agrees(server: LocalrtServer, vlm: tuple[Path, P
             },
             timeout=120,
         ).json()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
     ours = httpx.post(
         server.url + "/api/generate",
         json={
