@@ -208,20 +208,13 @@ def test_the_adapter_changes_the_greedy_tokens(files: dict[str, Path], tmp_path:
 
 
 # ---- the adapter against its base --------------------------------------------------------------------
-def test_a_peft_folder_for_another_hidden_size_is_refused_naming_the_tensor(
-    files: dict[str, Path], tmp_path: Path
+@pytest.mark.parametrize("adapter", ["peft", "lora"])  # a PEFT folder, a GGUF adapter
+def test_an_adapter_for_another_hidden_size_is_refused_naming_the_tensor(
+    files: dict[str, Path], tmp_path: Path, adapter: str
 ) -> None:
     base = other_base(files, "hidden128", hidden=128, ff=512, n_layer=2)
     with pytest.raises(LocalrtError, match="tensor blk.0.ffn_down.weight has lora_a"):
-        create("x:1", from_path=base, adapters=[files["peft"]], store=Store(tmp_path / "models"))
-
-
-def test_a_gguf_adapter_for_another_hidden_size_is_refused_naming_the_tensor(
-    files: dict[str, Path], tmp_path: Path
-) -> None:
-    base = other_base(files, "hidden128", hidden=128, ff=512, n_layer=2)
-    with pytest.raises(LocalrtError, match="tensor blk.0.ffn_down.weight has lora_a"):
-        create("x:1", from_path=base, adapters=[files["lora"]], store=Store(tmp_path / "models"))
+        create("x:1", from_path=base, adapters=[files[adapter]], store=Store(tmp_path / "models"))
 
 
 def test_an_adapter_tensor_the_base_lacks_is_refused_naming_it(
