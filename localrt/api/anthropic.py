@@ -287,32 +287,26 @@ _BASH = (
     },
 )
 _EDITOR_DESCRIPTION = "View, create and edit text files: view, create, str_replace and insert"
+_EDITOR_WITH_UNDO = (
+    "str_replace_editor",
+    _EDITOR_DESCRIPTION + ", and undo_edit to revert the last edit.",
+    _editor_input(["view", "create", "str_replace", "insert", "undo_edit"]),
+)
+_EDITOR = (
+    "str_replace_based_edit_tool",
+    _EDITOR_DESCRIPTION + ".",
+    _editor_input(["view", "create", "str_replace", "insert"]),
+)
 # Anthropic's client tools: the API gives each a fixed name and input shape and the client runs it, so a
 # local model is shown them as function tools of that shape. Server tools (web search, code execution)
 # run on Anthropic's side and have no counterpart here.
 CLIENT_TOOLS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bash_20241022": _BASH,
     "bash_20250124": _BASH,
-    "text_editor_20241022": (
-        "str_replace_editor",
-        _EDITOR_DESCRIPTION + ", and undo_edit to revert the last edit.",
-        _editor_input(["view", "create", "str_replace", "insert", "undo_edit"]),
-    ),
-    "text_editor_20250124": (
-        "str_replace_editor",
-        _EDITOR_DESCRIPTION + ", and undo_edit to revert the last edit.",
-        _editor_input(["view", "create", "str_replace", "insert", "undo_edit"]),
-    ),
-    "text_editor_20250429": (
-        "str_replace_based_edit_tool",
-        _EDITOR_DESCRIPTION + ".",
-        _editor_input(["view", "create", "str_replace", "insert"]),
-    ),
-    "text_editor_20250728": (
-        "str_replace_based_edit_tool",
-        _EDITOR_DESCRIPTION + ".",
-        _editor_input(["view", "create", "str_replace", "insert"]),
-    ),
+    "text_editor_20241022": _EDITOR_WITH_UNDO,
+    "text_editor_20250124": _EDITOR_WITH_UNDO,
+    "text_editor_20250429": _EDITOR,
+    "text_editor_20250728": _EDITOR,
 }
 
 
