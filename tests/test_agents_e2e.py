@@ -7,9 +7,9 @@ the agent's own file-read or shell tool, the agent run it and send its output ba
 answer. The note's secret word exists only in the file, so seeing it in the next request proves the
 agent ran the tool with the model's arguments.
 
-Slow: each agent's first request is a system prompt and tool list of 8,000 to 20,000 tokens, evaluated
-on this machine's CPU (minutes on 2 cores); the tests of one agent share the server, so the second
-evaluates only what the prefix cache does not hold.
+They run in the default suite (about two minutes on 2 cores): the model is tiny, so each agent's first
+request (a system prompt and tool list of 8,000 to 20,000 tokens) costs seconds, and the tests share one
+server, so a later run evaluates only what the prefix cache does not hold.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ if BIN is None:
         allow_module_level=True,
     )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = pytest.mark.timeout(1800)
 
 MODEL = "agent:tiny"
 HELLO = "Hello from localrt."

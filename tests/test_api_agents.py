@@ -22,6 +22,8 @@ import openai
 import pytest
 
 from localrt.api.anthropic import CLIENT_TOOLS
+from localrt.api.anthropic import COMPUTER_TOOLS
+from localrt.api.anthropic import computer_tool
 from localrt.store.catalog import load_catalog
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
@@ -462,6 +464,128 @@ def test_messages_client_tool_under_another_name_is_refused(claude: anthropic.An
             messages=[{"role": "user", "content": "Hi"}],
             tools=[{"type": "bash_20250124", "name": "shell"}],
         )
+
+
+@pytest.mark.parametrize("kind", sorted(COMPUTER_TOOLS))
+def test_messages_computer_tool_call_fits_its_input_shape(claude: anthropic.Anthropic, kind: str) -> None:
+    """The computer-use tool is a client tool too: the agent takes the screenshots and runs the clicks."""
+    tool = {"type": kind, "name": "computer", "display_width_px": 1024, "display_height_px": 768}
+    m = claude.messages.create(
+        model=MODEL,
+        max_tokens=96,
+        messages=[{"role": "user", "content": "Take a screenshot."}],
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "computer", "disable_parallel_tool_use": True},
+        extra_body=GREEDY,
+    )
+    [use] = [b for b in m.content if b.type == "tool_use"]
+    jsonschema.validate(use.input, computer_tool(kind, tool)["function"]["parameters"])
+
+
+def test_messages_computer_tool_needs_the_screen_size(claude: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError, match="display_width_px"):
+        claude.messages.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=[{"role": "user", "content": "Hi"}],
+            tools=[{"type": "computer_20250124", "name": "computer"}],
+        )
+
+
+SEARCH_TOOL = {
+    "name": "ToolSearch",
+    "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}},
+}
+DEFERRED_TOOL = {**ANTHROPIC_TOOL, "defer_loading": True}
+
+
+def searched(reference: str) -> list[dict[str, Any]]:
+    """A conversation in which the agent's own tool search answered with a reference to a deferred tool."""
+    found = [{"type": "tool_reference", "tool_name": reference}]
+    return [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "ToolSearch", "input": {"query": "weather"}}
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": found,
+                }
+            ],
+        },
+    ]
+
+
+def test_messages_deferred_tool_is_not_in_the_prompt(claude: anthropic.Anthropic) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    shown = claude.messages.count_tokens(
+        model=MODEL, messages=messages, tools=[SEARCH_TOOL], extra_body=GREEDY
+    )
+    deferred = claude.messages.count_tokens(
+        model=MODEL, messages=messages, tools=[SEARCH_TOOL, DEFERRED_TOOL], extra_body=GREEDY
+    )
+    assert deferred.input_tokens == shown.input_tokens
+
+
+def test_messages_deferred_tool_referenced_by_a_tool_result_is_shown_as_any_tool(
+    claude: anthropic.Anthropic,
+) -> None:
+    messages = searched("get_weather")
+    shown = claude.messages.count_tokens(
+        model=MODEL, messages=messages, tools=[SEARCH_TOOL, ANTHROPIC_TOOL], extra_body=GREEDY
+    )
+    revealed = claude.messages.count_tokens(
+        model=MODEL, messages=messages, tools=[SEARCH_TOOL, DEFERRED_TOOL], extra_body=GREEDY
+    )
+    assert revealed.input_tokens == shown.input_tokens
+
+
+def test_messages_deferred_tool_is_callable_once_referenced(claude: anthropic.Anthropic) -> None:
+    m = claude.messages.create(
+        model=MODEL,
+        max_tokens=64,
+        messages=searched("get_weather"),
+        tools=[SEARCH_TOOL, DEFERRED_TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body=GREEDY,
+    )
+    assert [b.name for b in m.content if b.type == "tool_use"] == ["get_weather"]
+
+
+def test_messages_deferred_tool_is_not_callable_before_it_is_referenced(claude: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError, match="get_weather"):
+        claude.messages.create(
+            model=MODEL,
+            max_tokens=16,
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=[SEARCH_TOOL, DEFERRED_TOOL],
+            tool_choice={"type": "tool", "name": "get_weather"},
+            extra_body=GREEDY,
+        )
+
+
+def test_messages_tool_reference_to_an_unknown_tool_is_refused(claude: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError, match="'get_time', which is not among the tools"):
+        claude.messages.create(
+            model=MODEL, max_tokens=4, messages=searched("get_time"), tools=[SEARCH_TOOL, DEFERRED_TOOL]
+        )
+
+
+def test_messages_screenshot_in_a_tool_result_reaches_the_runtime(claude: anthropic.Anthropic) -> None:
+    """A computer tool's screenshot is an image of the tool's turn: SmolLM2 cannot see, which it says."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+    messages = searched("get_weather")[:2] + [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [image]}]}
+    ]
+    with pytest.raises(anthropic.BadRequestError, match="does not support images"):
+        claude.messages.create(model=MODEL, max_tokens=4, messages=messages, tools=[SEARCH_TOOL])
 
 
 def test_messages_stop_sequences_and_options(claude: anthropic.Anthropic) -> None:

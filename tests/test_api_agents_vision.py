@@ -67,3 +67,29 @@ def test_responses_input_image_reaches_the_model(server: LocalrtServer) -> None:
     assert ask([image, text]).usage.input_tokens > ask([text]).usage.input_tokens
     with pytest.raises(openai.BadRequestError, match="does not fetch image URLs"):
         ask([{"type": "input_image", "image_url": "http://127.0.0.1:9/x.png"}, text])
+
+
+def test_anthropic_screenshot_in_a_tool_result_reaches_the_model(server: LocalrtServer) -> None:
+    """A computer-use agent sends its screenshots back as images in tool results (this tiny model's
+    template shows no tools, so the history alone carries the call)."""
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    call = {"type": "tool_use", "id": "toolu_1", "name": "computer", "input": {"action": "screenshot"}}
+
+    def ask(result: list[dict]) -> int:
+        m = claude.messages.create(
+            model=MODEL,
+            max_tokens=1,
+            messages=[
+                {"role": "user", "content": "Take a screenshot."},
+                {"role": "assistant", "content": [call]},
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}],
+                },
+            ],
+            extra_body=OPTIONS,
+        )
+        return m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": picture(2)}}
+    assert ask([image]) > ask([{"type": "text", "text": ""}])

@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from collections.abc import Awaitable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from dataclasses import field
 from typing import Annotated
 from typing import Any
 from typing import Literal
@@ -152,16 +154,42 @@ def image_url(block: dict[str, Any], where: str) -> str:
     raise ParamError(where, "an image block's source must be base64 or url")
 
 
-def result_text(content: Any, where: str) -> str:
+@dataclass
+class ToolResult:
+    """A tool_result's content: its text, its images (a computer tool's screenshots), and the deferred
+    tools it references (a tool search's answer), which become callable from then on."""
+
+    text: str = ""
+    images: list[str] = field(default_factory=list)
+    references: list[str] = field(default_factory=list)
+
+
+def tool_result(content: Any, where: str) -> ToolResult:
     if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        return "".join(block_text(b, where) for b in content)
-    raise ParamError(where, "tool_result content must be a string or a list of blocks")
+        return ToolResult(content or "")
+    if not isinstance(content, list):
+        raise ParamError(where, "tool_result content must be a string or a list of blocks")
+    result, texts = ToolResult(), []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "image":
+            result.images.append(image_url(block, where))
+        elif kind == "tool_reference":
+            name = block.get("tool_name")
+            if not isinstance(name, str) or not name:
+                raise ParamError(where, "a tool_reference block needs tool_name")
+            result.references.append(name)
+            # the API puts the tool's definition here; the template shows it among the tools instead
+            texts.append(f"Tool {name} is now available.")
+        else:
+            texts.append(block_text(block, where))
+    result.text = "\n".join(t for t in texts if t) if result.references else "".join(texts)
+    return result
 
 
-def user_turn(content: list[Any], where: str) -> list[dict[str, Any]]:
-    """One user turn: its tool results first (each a tool message, in order), then its text."""
+def user_turn(content: list[Any], where: str, revealed: set[str]) -> list[dict[str, Any]]:
+    """One user turn: its tool results first (each a tool message, in order), then its text. The
+    deferred tools its results reference are added to `revealed`."""
     results, texts, images = [], [], []
     for block in content:
         if isinstance(block, dict) and block.get("type") == "image":
@@ -170,10 +198,13 @@ def user_turn(content: list[Any], where: str) -> list[dict[str, Any]]:
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or not call_id:
                 raise ParamError(where, "a tool_result block needs tool_use_id")
-            text = result_text(block.get("content"), where)
-            if block.get("is_error") is True:
-                text = f"Error: {text}"
-            results.append(tool_message(call_id, None, text))
+            result = tool_result(block.get("content"), where)
+            revealed.update(result.references)
+            text = f"Error: {result.text}" if block.get("is_error") is True else result.text
+            message = tool_message(call_id, None, text)
+            if result.images:
+                message["images"] = result.images
+            results.append(message)
         else:
             texts.append(block_text(block, where))
     if texts or images or not results:
@@ -214,7 +245,11 @@ def system_text(system: Any) -> str:
     raise ParamError("system", "must be a string or a list of text blocks")
 
 
-def messages_from(f: dict[str, Any], sealer: Sealer | None = None) -> list[dict[str, Any]]:
+def messages_from(
+    f: dict[str, Any], sealer: Sealer | None = None, revealed: set[str] | None = None
+) -> list[dict[str, Any]]:
+    """The runtime's messages; the deferred tools that tool results reference are added to `revealed`."""
+    revealed = set() if revealed is None else revealed
     raw = f.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ParamError("messages", "messages is required")
@@ -236,7 +271,7 @@ def messages_from(f: dict[str, Any], sealer: Sealer | None = None) -> list[dict[
         elif m.get("role") == "system":  # Claude Code's reminders: kept in place, as Ollama does
             out.append({"role": "system", "content": "".join(block_text(b, where) for b in blocks)})
         elif m.get("role") == "user":
-            for message in user_turn(blocks, where):
+            for message in user_turn(blocks, where, revealed):
                 if message["role"] == "tool" and message["tool_call_id"] in names:
                     message["tool_name"] = names[message["tool_call_id"]]
                 out.append(message)
@@ -310,12 +345,88 @@ CLIENT_TOOLS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def tools_from(raw: Any) -> list[dict[str, Any]] | None:
+_COMPUTER_ACTIONS_2024 = [
+    "key",
+    "type",
+    "mouse_move",
+    "left_click",
+    "left_click_drag",
+    "right_click",
+    "middle_click",
+    "double_click",
+    "screenshot",
+    "cursor_position",
+]
+_COMPUTER_ACTIONS_2025 = [
+    *_COMPUTER_ACTIONS_2024,
+    "triple_click",
+    "left_mouse_down",
+    "left_mouse_up",
+    "scroll",
+    "hold_key",
+    "wait",
+]
+# the computer-use tool's actions per version; the client takes the screenshots and sends them back
+COMPUTER_TOOLS: dict[str, list[str]] = {
+    "computer_20241022": _COMPUTER_ACTIONS_2024,
+    "computer_20250124": _COMPUTER_ACTIONS_2025,
+    "computer_20251124": [*_COMPUTER_ACTIONS_2025, "zoom"],
+}
+_POINT = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}
+
+
+def computer_tool(kind: str, t: dict[str, Any]) -> dict[str, Any]:
+    """The computer-use tool as a function tool: its actions, and the screen's size in the description
+    (the model's coordinates are pixels of that screen)."""
+    if t.get("name") != "computer":
+        raise ParamError("tools", f"a {kind} tool must be named 'computer', not {t.get('name')!r}")
+    size = [t.get("display_width_px"), t.get("display_height_px")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size):
+        raise ParamError("tools", f"a {kind} tool needs display_width_px and display_height_px (positive)")
+    actions = COMPUTER_TOOLS[kind]
+    if "zoom" in actions and t.get("enable_zoom") is not True:
+        actions = [a for a in actions if a != "zoom"]
+    properties: dict[str, Any] = {
+        "action": {"type": "string", "enum": actions, "description": "The action to perform."},
+        "coordinate": {**_POINT, "description": "[x, y] in screen pixels from the top left."},
+        "text": {"type": "string", "description": "Text to type, or the key (combination) to press."},
+    }
+    if kind != "computer_20241022":
+        properties |= {
+            "start_coordinate": {**_POINT, "description": "[x, y] where a drag starts."},
+            "scroll_direction": {"type": "string", "enum": ["up", "down", "left", "right"]},
+            "scroll_amount": {"type": "integer", "description": "Scroll wheel clicks."},
+            "duration": {"type": "number", "description": "Seconds to hold a key or to wait."},
+        }
+    if "zoom" in actions:
+        properties["region"] = {
+            "type": "array",
+            "items": {"type": "integer"},
+            "minItems": 4,
+            "maxItems": 4,
+            "description": "[x1, y1, x2, y2] of the screen area to zoom into.",
+        }
+    display = f" (X display :{t['display_number']})" if isinstance(t.get("display_number"), int) else ""
+    description = (
+        "Use a mouse and keyboard to interact with a computer, and take screenshots. "
+        f"The screen is {size[0]}x{size[1]} pixels{display}."
+    )
+    schema = {"type": "object", "properties": properties, "required": ["action"]}
+    return function_tool("computer", description, schema, "tools")
+
+
+def tools_from(raw: Any, revealed: AbstractSet[str] = frozenset()) -> list[dict[str, Any]] | None:
+    """The tools the model is shown: those not deferred, then the deferred ones that a tool result has
+    referenced, so the prompt's prefix (and its cache) stays as it was when a tool is revealed."""
     if raw is None:
+        if revealed:
+            raise ParamError(
+                "tools", f"a tool_reference names {sorted(revealed)[0]!r}, but there are no tools"
+            )
         return None
     if not isinstance(raw, list):
         raise ParamError("tools", "must be a list")
-    tools = []
+    tools, deferred = [], {}
     for t in raw:
         if not isinstance(t, dict):
             raise ParamError("tools", "every tool must be an object")
@@ -324,15 +435,26 @@ def tools_from(raw: Any) -> list[dict[str, Any]] | None:
             name, description, schema = CLIENT_TOOLS[kind]
             if t.get("name") != name:
                 raise ParamError("tools", f"a {kind} tool must be named {name!r}, not {t.get('name')!r}")
-            tools.append(function_tool(name, description, schema, "tools"))
-            continue
-        if kind not in (None, "custom"):
+            tool = function_tool(name, description, schema, "tools")
+        elif kind in COMPUTER_TOOLS:
+            tool = computer_tool(kind, t)
+        elif kind in (None, "custom"):
+            tool = function_tool(t.get("name"), t.get("description"), t.get("input_schema"), "tools")
+        else:
             raise ParamError(
                 "tools",
                 f"tool type {kind!r} is not supported (custom tools and Anthropic's client tools "
-                f"{', '.join(sorted(CLIENT_TOOLS))} are; server tools such as web search run only on Anthropic's side)",
+                f"{', '.join(sorted([*CLIENT_TOOLS, *COMPUTER_TOOLS]))} are; server tools such as web search "
+                "and tool search run only on Anthropic's side)",
             )
-        tools.append(function_tool(t.get("name"), t.get("description"), t.get("input_schema"), "tools"))
+        if t.get("defer_loading") is True:
+            deferred[tool["function"]["name"]] = tool
+        else:
+            tools.append(tool)
+    unknown = sorted(revealed - set(deferred) - {tool["function"]["name"] for tool in tools})
+    if unknown:
+        raise ParamError("tools", f"a tool_reference names {unknown[0]!r}, which is not among the tools")
+    tools += [tool for name, tool in deferred.items() if name in revealed]
     return tools or None
 
 
@@ -375,11 +497,13 @@ def chat_call(
     choice = f.get("tool_choice") if isinstance(f.get("tool_choice"), dict) else {}
     renamed = {"max_tokens": "num_predict", "stop_sequences": "stop"}
     edited, report = apply_edits(f.get("context_management"), f.get("messages") or [])
+    revealed: set[str] = set()
+    messages = messages_from({**f, "messages": edited}, sealer, revealed)
     call = ChatCall(
         model=model,
-        messages=messages_from({**f, "messages": edited}, sealer),
+        messages=messages,
         options=sampling_options(f, renamed, {"temperature": 1.0}),
-        tools=tools_from(f.get("tools")),
+        tools=tools_from(f.get("tools"), revealed),
         format=format_from(output_config),
         think=think_from_anthropic(f.get("thinking"), output_config.get("effort")),
         think_budget=budget_from_anthropic(f.get("thinking")),
