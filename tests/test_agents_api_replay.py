@@ -122,10 +122,13 @@ def texts_of(blocks: Any) -> list[str]:
 
 
 def expected_in_prompt(request: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(tool names as the model is shown them, system and developer texts) of one agent request."""
+    """(tool names as the model is shown them, system and developer texts) of one agent request. A
+    deferred tool is not shown: no first request references one."""
     body = request["body"]
     names, texts = [], []
     for tool in body.get("tools") or []:
+        if tool.get("defer_loading") is True:
+            continue
         if tool.get("type") == "namespace":
             names += [f"{tool['name']}.{member['name']}" for member in tool["tools"]]
         elif tool.get("type") == "function" and "function" in tool:
