@@ -146,7 +146,7 @@ def chat_of(request: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[st
     """The runtime's messages and tools for a replayed body, through the route's own translation."""
     body = replayed(request)
     if request["path"].startswith("/v1/messages"):
-        call, _ = anthropic_route.chat_call(body)
+        call, _, _ = anthropic_route.chat_call(body)
         return call.messages, call.tools
     if request["path"].startswith("/v1/responses"):
         call = responses_route.chat_call(body, []).call

@@ -588,6 +588,44 @@ def test_messages_screenshot_in_a_tool_result_reaches_the_runtime(claude: anthro
         claude.messages.create(model=MODEL, max_tokens=4, messages=messages, tools=[SEARCH_TOOL])
 
 
+WEB_SEARCH = {"type": "web_search_20250305", "name": "web_search"}
+
+
+def test_messages_server_tool_is_left_out_with_a_warning(claude: anthropic.Anthropic) -> None:
+    """Anthropic's server tools run on its side: the request is answered, the tool is not offered to the
+    model, and the warning header names it."""
+    raw = claude.messages.with_raw_response.create(
+        model=MODEL,
+        max_tokens=2,
+        messages=[{"role": "user", "content": "Hi"}],
+        tools=[ANTHROPIC_TOOL, WEB_SEARCH],
+        extra_body=GREEDY,
+    )
+    assert "web_search" in raw.headers["x-localrt-warning"]
+
+
+def test_messages_server_tool_is_not_in_the_prompt(claude: anthropic.Anthropic) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    alone = claude.messages.count_tokens(
+        model=MODEL, messages=messages, tools=[ANTHROPIC_TOOL], extra_body=GREEDY
+    )
+    with_server = claude.messages.count_tokens(
+        model=MODEL, messages=messages, tools=[ANTHROPIC_TOOL, WEB_SEARCH], extra_body=GREEDY
+    )
+    assert with_server.input_tokens == alone.input_tokens
+
+
+def test_messages_server_tool_demanded_by_tool_choice_is_refused(claude: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError, match="server tool 'web_search' cannot run here"):
+        claude.messages.create(
+            model=MODEL,
+            max_tokens=2,
+            messages=[{"role": "user", "content": "Hi"}],
+            tools=[ANTHROPIC_TOOL, WEB_SEARCH],
+            tool_choice={"type": "tool", "name": "web_search"},
+        )
+
+
 def test_messages_stop_sequences_and_options(claude: anthropic.Anthropic) -> None:
     m = claude.messages.create(
         model=MODEL,
@@ -633,13 +671,6 @@ def test_messages_errors_have_anthropic_shape(claude: anthropic.Anthropic, serve
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
     with pytest.raises(anthropic.BadRequestError, match="does not support images"):
         claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [image]}])
-    with pytest.raises(anthropic.BadRequestError, match="server tools"):
-        claude.messages.create(
-            model=MODEL,
-            max_tokens=4,
-            messages=[{"role": "user", "content": "Hi"}],
-            tools=[{"type": "web_search_20250305", "name": "web_search"}],
-        )
     r = httpx.post(
         server.url + "/v1/messages", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
     )

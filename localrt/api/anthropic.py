@@ -415,7 +415,26 @@ def computer_tool(kind: str, t: dict[str, Any]) -> dict[str, Any]:
     return function_tool("computer", description, schema, "tools")
 
 
-def tools_from(raw: Any, revealed: AbstractSet[str] = frozenset()) -> list[dict[str, Any]] | None:
+# Anthropic's server tools run on its side; here they are not offered to the model, and a warning names them
+SERVER_TOOL_PREFIXES = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_")
+
+
+@dataclass
+class Tools:
+    """The tools the model is shown, and the server tools left out (by name)."""
+
+    shown: list[dict[str, Any]] | None = None
+    server: list[str] = field(default_factory=list)
+
+    def warnings(self) -> list[str]:
+        if not self.server:
+            return []
+        return [
+            f"server tools are not offered to the model (they run on Anthropic's side): {', '.join(self.server)}"
+        ]
+
+
+def tools_from(raw: Any, revealed: AbstractSet[str] = frozenset()) -> Tools:
     """The tools the model is shown: those not deferred, then the deferred ones that a tool result has
     referenced, so the prompt's prefix (and its cache) stays as it was when a tool is revealed."""
     if raw is None:
@@ -423,14 +442,17 @@ def tools_from(raw: Any, revealed: AbstractSet[str] = frozenset()) -> list[dict[
             raise ParamError(
                 "tools", f"a tool_reference names {sorted(revealed)[0]!r}, but there are no tools"
             )
-        return None
+        return Tools()
     if not isinstance(raw, list):
         raise ParamError("tools", "must be a list")
-    tools, deferred = [], {}
+    tools, deferred, server = [], {}, []
     for t in raw:
         if not isinstance(t, dict):
             raise ParamError("tools", "every tool must be an object")
         kind = t.get("type")
+        if isinstance(kind, str) and kind.startswith(SERVER_TOOL_PREFIXES):
+            server.append(str(t.get("name") or kind))
+            continue
         if kind in CLIENT_TOOLS:
             name, description, schema = CLIENT_TOOLS[kind]
             if t.get("name") != name:
@@ -443,9 +465,8 @@ def tools_from(raw: Any, revealed: AbstractSet[str] = frozenset()) -> list[dict[
         else:
             raise ParamError(
                 "tools",
-                f"tool type {kind!r} is not supported (custom tools and Anthropic's client tools "
-                f"{', '.join(sorted([*CLIENT_TOOLS, *COMPUTER_TOOLS]))} are; server tools such as web search "
-                "and tool search run only on Anthropic's side)",
+                f"tool type {kind!r} is not supported (custom tools, Anthropic's client tools "
+                f"{', '.join(sorted([*CLIENT_TOOLS, *COMPUTER_TOOLS]))} and its server tools are)",
             )
         if t.get("defer_loading") is True:
             deferred[tool["function"]["name"]] = tool
@@ -455,7 +476,7 @@ def tools_from(raw: Any, revealed: AbstractSet[str] = frozenset()) -> list[dict[
     if unknown:
         raise ParamError("tools", f"a tool_reference names {unknown[0]!r}, which is not among the tools")
     tools += [tool for name, tool in deferred.items() if name in revealed]
-    return tools or None
+    return Tools(tools or None, server)
 
 
 def tool_choice_from(raw: Any) -> ToolChoice:
@@ -486,7 +507,8 @@ def format_from(output_config: Any) -> dict[str, Any] | None:
 
 def chat_call(
     f: dict[str, Any], *, counting: bool = False, sealer: Sealer | None = None
-) -> tuple[ChatCall, EditReport]:
+) -> tuple[ChatCall, EditReport, list[str]]:
+    """The runtime's call, the context edits applied, and what was accepted but not done (warnings)."""
     model = f.get("model")
     if not isinstance(model, str) or not model:
         raise ParamError("model", "model is required")
@@ -499,11 +521,14 @@ def chat_call(
     edited, report = apply_edits(f.get("context_management"), f.get("messages") or [])
     revealed: set[str] = set()
     messages = messages_from({**f, "messages": edited}, sealer, revealed)
+    tools = tools_from(f.get("tools"), revealed)
+    if choice.get("type") == "tool" and choice.get("name") in tools.server:
+        raise ParamError("tool_choice", f"the server tool {choice['name']!r} cannot run here")
     call = ChatCall(
         model=model,
         messages=messages,
         options=sampling_options(f, renamed, {"temperature": 1.0}),
-        tools=tools_from(f.get("tools"), revealed),
+        tools=tools.shown,
         format=format_from(output_config),
         think=think_from_anthropic(f.get("thinking"), output_config.get("effort")),
         think_budget=budget_from_anthropic(f.get("thinking")),
@@ -513,7 +538,7 @@ def chat_call(
         parallel_tool_calls=False if choice.get("disable_parallel_tool_use") is True else None,
         relax_think=True,
     )
-    return call, report
+    return call, report, [*report.skipped, *tools.warnings()]
 
 
 # ---- answer -> message -------------------------------------------------------------------------------
@@ -620,7 +645,7 @@ def stream_error(e: LocalrtError) -> dict[str, Any]:
 async def create_message(request: Request) -> Response:
     f = await schemas.read_json(request, MessagesRequest)
     sealer = sealer_of(request)
-    call, edits = chat_call(f, sealer=sealer)
+    call, edits, warnings = chat_call(f, sealer=sealer)
     shape = Shape(sealer, isinstance(f.get("thinking"), dict) and f["thinking"].get("display") == "omitted")
     message_id = f"msg_{new_id()}"
     chunks = await unless_client_leaves(request, too_long_worded(call.start(runtime_of(request))))
@@ -635,7 +660,7 @@ async def create_message(request: Request) -> Response:
 
         await unless_client_leaves(request, whole())
         body = {**message(message_id, call.model, answer, shape), **managed}
-        return with_warnings(JSONResponse(body), edits.skipped)
+        return with_warnings(JSONResponse(body), warnings)
 
     async def events() -> AsyncIterator[dict[str, Any]]:
         yield {"type": "message_start", "message": message(message_id, call.model, None, shape)}
@@ -653,7 +678,7 @@ async def create_message(request: Request) -> Response:
         }
         yield {"type": "message_stop"}
 
-    return with_warnings(typed_sse_response(events(), stream_error), edits.skipped)
+    return with_warnings(typed_sse_response(events(), stream_error), warnings)
 
 
 async def too_long_worded(start: Awaitable[AsyncIterator[Chunk]]) -> AsyncIterator[Chunk]:
@@ -674,7 +699,7 @@ async def too_long_worded(start: Awaitable[AsyncIterator[Chunk]]) -> AsyncIterat
 )
 async def count_tokens(request: Request) -> dict[str, int]:
     f = await schemas.read_json(request, CountTokensRequest)
-    call, _ = chat_call(f, counting=True, sealer=sealer_of(request))
+    call, _, _ = chat_call(f, counting=True, sealer=sealer_of(request))
     await resolve_images(call.messages)
     runtime = runtime_of(request)
     # the prompt the answer would start from: thinking switched on or off in the template as asked
