@@ -28,8 +28,8 @@ from localrt.runtime.answers import RerankResult
 from localrt.runtime.answers import Settings
 from localrt.runtime.answers import check_settings
 from localrt.runtime.generate import LocalRuntime
-from localrt.runtime.models import LoadedInfo
-from localrt.runtime.models import ModelPool
+from localrt.runtime.lifecycle import LoadedInfo
+from localrt.runtime.lifecycle import ModelPool
 from localrt.runtime.tenants import PrefixRecord
 from localrt.store.store import ResolvedModel
 from localrt.store.store import Store

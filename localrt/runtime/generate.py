@@ -44,8 +44,8 @@ from localrt.runtime.answers import Metrics
 from localrt.runtime.answers import RerankResult
 from localrt.runtime.answers import Settings
 from localrt.runtime.answers import asked
-from localrt.runtime.models import LocalEntry as Entry
-from localrt.runtime.models import ModelPool
+from localrt.runtime.lifecycle import LocalEntry as Entry
+from localrt.runtime.lifecycle import ModelPool
 from localrt.runtime.options import Options
 from localrt.runtime.prompt import Turn
 from localrt.runtime.prompt import tool_choice

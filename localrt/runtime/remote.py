@@ -41,9 +41,9 @@ from localrt.runtime.answers import Metrics
 from localrt.runtime.answers import RerankResult
 from localrt.runtime.answers import Settings
 from localrt.runtime.answers import asked
-from localrt.runtime.models import Entry
-from localrt.runtime.models import LoadSpec
-from localrt.runtime.models import ModelPool
+from localrt.runtime.lifecycle import Entry
+from localrt.runtime.lifecycle import LoadSpec
+from localrt.runtime.lifecycle import ModelPool
 from localrt.runtime.options import Options
 from localrt.runtime.prompt import tool_choice as parse_tool_choice
 from localrt.runtime.prompt import with_history
