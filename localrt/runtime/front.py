@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 from typing import Unpack
 
+from localrt.backends import devices
+from localrt.backends import registry
 from localrt.backends.base import ScoreResult
 from localrt.errors import LocalrtError
 from localrt.runtime import remote
@@ -220,3 +222,15 @@ class Runtime:
     async def close(self) -> None:
         """Cancel what runs and unload everything (server shutdown, end of `localrt run`)."""
         await self.models.close()
+
+    # ---- the machine, as the interfaces may tell it --------------------------------------------------
+    @staticmethod
+    def backend_for(name: str | None) -> str:
+        """The backend a request naming `name` (`auto`, None, or a backend) would load on here."""
+        return registry.resolve(name)
+
+    @staticmethod
+    def device_report() -> list[str]:
+        """What `localrt serve` logs at start-up: llama.cpp's compute devices, and how to reinstall it when
+        the machine has a GPU the build cannot use."""
+        return devices.startup_report()
