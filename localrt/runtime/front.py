@@ -48,13 +48,13 @@ class Runtime:
         max_queue: int | None = None,
         keep_alive: float | None = None,
     ) -> None:
-        self.models = ModelPool(store, max_loaded=max_loaded, max_queue=max_queue, keep_alive=keep_alive)
-        self.local = LocalRuntime(self.models)
-        self.remote = remote.RemoteRuntime(self.models)
+        self.pool = ModelPool(store, max_loaded=max_loaded, max_queue=max_queue, keep_alive=keep_alive)
+        self.local = LocalRuntime(self.pool)
+        self.remote = remote.RemoteRuntime(self.pool)
 
     @property
     def store(self) -> Store:
-        return self.models.store
+        return self.pool.store
 
     @property
     def prefixes(self) -> PrefixRecord:
@@ -62,7 +62,7 @@ class Runtime:
 
     def _path(self, model: str) -> tuple[ResolvedModel, LocalRuntime | remote.RemoteRuntime]:
         """The stored model and the path that serves it: the one place that tells remote from local."""
-        resolved = self.models.resolve(model)
+        resolved = self.pool.resolve(model)
         return resolved, self.remote if remote.is_remote(resolved) else self.local
 
     # ---- chat and generate -----------------------------------------------------------------------
@@ -209,19 +209,19 @@ class Runtime:
 
     # ---- the pool's state -------------------------------------------------------------------------
     def ps(self) -> list[LoadedInfo]:
-        return self.models.ps()
+        return self.pool.ps()
 
     def queue_depth(self) -> dict[str, int]:
         """Requests waiting or running, per model (for /metrics)."""
-        return self.models.queue_depth()
+        return self.pool.queue_depth()
 
     async def unload(self, model: str) -> bool:
         """Unload now if idle, else as soon as its running requests finish. False when not loaded."""
-        return await self.models.unload(model)
+        return await self.pool.unload(model)
 
     async def close(self) -> None:
         """Cancel what runs and unload everything (server shutdown, end of `localrt run`)."""
-        await self.models.close()
+        await self.pool.close()
 
     # ---- the machine, as the interfaces may tell it --------------------------------------------------
     @staticmethod
