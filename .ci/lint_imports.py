@@ -1,6 +1,6 @@
 """`lint-imports` on the installed layout of the package.
 
-pyproject maps `backends/`, `converters/`, `tui/` and `models/` into `localrt.*` (package-dir), which an
+pyproject maps `backends/`, `converters/`, `tui/` and `catalog/` into `localrt.*` (package-dir), which an
 editable install resolves at import time but import-linter's graph builder cannot see: it reads the
 `localrt/` folder only. So this copies the sources into a temporary tree shaped as site-packages
 would hold them and runs `lint-imports` there with the repository's contracts (pyproject.toml).

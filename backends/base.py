@@ -6,14 +6,11 @@ sequences (perplexity, KL), embeds and unloads. Sampling parameters, stop string
 settings arrive already validated by the runtime (`localrt/runtime/options.py`); backends map them.
 
 Blocking work (decode loops) runs in a worker thread; `generate` must never block the event loop.
-`run_in_thread_stream` below is the shared bridge from a blocking producer to an async iterator.
 """
 
 from __future__ import annotations
 
-import asyncio
 import codecs
-import concurrent.futures
 import threading
 from collections.abc import AsyncIterator
 from collections.abc import Callable
@@ -488,59 +485,3 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64, copy=False)
     m = x.max(axis=-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-async def run_in_thread_stream(
-    work: Callable[[Callable[[T], None]], None],
-    cancel: CancelToken | None = None,
-    executor: concurrent.futures.Executor | None = None,
-    *,
-    wait: bool = True,
-    name: str = "localrt-worker",
-) -> AsyncIterator[T]:
-    """Run blocking `work(emit)` in a thread of its own and yield what it emits, without blocking the loop.
-
-    The one bridge from blocking producers (decode loops, pulls, creates) to async consumers. A thread of
-    its own rather than the loop's executor: that pool has fewer workers than a model can have slots.
-    `executor` pins the work to given threads instead (MLX's streams belong to the thread that made them).
-    When the consumer stops early (client gone, `aclose()`), `cancel` is set and, with `wait`, the worker
-    is awaited, so the model is free again when this generator finishes. An error in `work` is raised
-    in the consumer.
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    finished: asyncio.Future[None] = loop.create_future()
-
-    def post(callback: Callable[..., object], *args: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the loop has closed (a pull still running at exit): nobody is listening
-            pass
-
-    def target() -> None:
-        try:
-            work(lambda item: post(queue.put_nowait, ("item", item)))
-            post(queue.put_nowait, ("done", None))
-        except BaseException as e:
-            post(queue.put_nowait, ("error", e))
-        finally:
-            post(lambda: finished.done() or finished.set_result(None))
-
-    if executor is not None:
-        executor.submit(target)
-    else:
-        threading.Thread(target=target, daemon=True, name=name).start()
-    try:
-        while True:
-            kind, value = await queue.get()
-            if kind == "item":
-                yield value
-            elif kind == "error":
-                raise value
-            else:
-                return
-    finally:
-        if cancel is not None:
-            cancel.cancel()
-        if wait:
-            await asyncio.shield(finished)

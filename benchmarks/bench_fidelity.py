@@ -42,7 +42,7 @@ DEFAULT_GGUF = Path.home() / ".cache" / "localrt-tests" / "SmolLM2-135M-Instruct
 def english_tokens(gguf: Path, n: int) -> list[int]:
     import llama_cpp
 
-    from tests.test_torch_model import english_text
+    from tests.test_torch_llama import english_text
 
     vocab = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
     try:
@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="also print every figure as one JSON line")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))  # tests.test_torch_model: the English text the fidelity tests use
+    sys.path.insert(0, str(ROOT))  # tests.test_torch_llama: the English text the fidelity tests use
     builds = args.llama_cpp or ["default", "blas"]
     engines = [e for e in args.engines.split(",") if e]
     figures: dict[str, dict[str, dict[str, dict[str, float]]]] = {}

@@ -216,7 +216,7 @@ def imatrix_table(model: Path, calib: Path, text: Path, ctx: int, out_dir: Path 
     from localrt.converters import imatrix as imx
     from localrt.converters.convert import convert
     from localrt.converters.requantize import requantize
-    from localrt.imatrix import compute
+    from localrt.runtime.calibration import compute
 
     work = out_dir or Path(tempfile.mkdtemp(prefix="imatrix-table-"))
     work.mkdir(parents=True, exist_ok=True)

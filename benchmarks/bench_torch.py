@@ -27,7 +27,7 @@ from localrt.backends.base import LoadOptions
 from localrt.backends.base import SamplingParams
 from localrt.backends.torch import TorchBackend
 from localrt.backends.torch.gguf_load import GGUFTensors
-from localrt.backends.torch.model import weight_bytes
+from localrt.backends.torch.llama import weight_bytes
 
 DEFAULT_MODEL = Path.home() / ".cache" / "localrt-tests" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"

@@ -13,7 +13,7 @@ Formats (as llama-imatrix writes and llama-quantize reads them):
 - legacy `.dat`: int32 n_entries; per entry int32 name length, name, int32 ncall, int32 nval, nval
   float32 `(sum / count) * ncall`; an optional trailer int32 chunk count, int32 length, dataset name.
 
-This module only reads, writes and converts; computing an imatrix needs a model run (localrt/imatrix.py).
+This module only reads, writes and converts; computing an imatrix needs a model run (localrt/runtime/calibration.py).
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 from localrt.errors import PullError
 from localrt.runtime.answers import Chunk
-from localrt.runtime.bridge import run_in_thread_stream
 from localrt.store.sources.common import Progress
+from localrt.threads import run_in_thread_stream
 
 # ---- what the interfaces see ----------------------------------------------------------------------
 
@@ -293,7 +293,6 @@ class RuntimeClient:
             raise LocalrtError(f"model '{model}' is not loaded")
 
     async def show(self, model: str, options: Mapping[str, Any] | None = None) -> ModelInfo:
-        from localrt.runtime.bridge import resolve_backend
         from localrt.runtime.options import Options
         from localrt.store.gguf import format_parameter_count
         from localrt.store.gguf import read_gguf
@@ -318,7 +317,7 @@ class RuntimeClient:
             loaded_ctx = None
             try:
                 wanted = Options.merge(resolved.params, options, lenient=(True, False)).backend
-                backend = f"{resolve_backend(wanted)} (not loaded)"
+                backend = f"{self.runtime.backend_for(wanted)} (not loaded)"
             except LocalrtError as e:
                 backend = f"unavailable: {e}"
         return ModelInfo(
@@ -383,7 +382,7 @@ class RuntimeClient:
         def work(emit: Any) -> None:
             pull(model, store=self.store, insecure=insecure, progress=emit)
 
-        return run_in_thread_stream(work, wait=False, name="localrt-client-pull")
+        return run_in_thread_stream(work, name="localrt-client-pull")
 
     def push(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
         from localrt.store.push import push
@@ -391,7 +390,7 @@ class RuntimeClient:
         def work(emit: Any) -> None:
             push(model, store=self.store, insecure=insecure, progress=emit)
 
-        return run_in_thread_stream(work, wait=False, name="localrt-client-push")
+        return run_in_thread_stream(work, name="localrt-client-push")
 
     async def delete(self, model: str) -> None:
         from localrt.store.names import parse_name

@@ -59,7 +59,7 @@ def media_capabilities(model: ResolvedModel, info: GGUFInfo, capabilities: list[
 def model_capabilities(model: ResolvedModel, info: GGUFInfo) -> list[str]:
     """`capabilities` of /api/show and `localrt show`: completion (or embedding), tools and thinking
     from the template the runtime renders with, then vision and rerank."""
-    from localrt.runtime.models import parser_format
+    from localrt.runtime.lifecycle import parser_format
     from localrt.runtime.thinking import capabilities
     from localrt.runtime.thinking import model_format
 

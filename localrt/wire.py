@@ -26,18 +26,18 @@ from pydantic import WithJsonSchema
 from localrt.errors import LocalrtError
 from localrt.runtime.answers import Metrics
 from localrt.runtime.answers import TokenLogprob
-from localrt.runtime.bridge import KV_CACHE_TYPES
-from localrt.runtime.bridge import NUMERICS
-from localrt.runtime.bridge import SPECULATIVE_MODES
 from localrt.runtime.options import _RANGES
 from localrt.runtime.options import BACKEND_ALIASES
 from localrt.runtime.options import BACKEND_NAMES
 from localrt.runtime.options import IGNORED_OPTIONS
 from localrt.runtime.options import KV_ALIASES
+from localrt.runtime.options import KV_CACHE_TYPES
 from localrt.runtime.options import MAX_GRAMMAR_LENGTH
 from localrt.runtime.options import MAX_NUM_CTX
 from localrt.runtime.options import MAX_STOP_LENGTH
 from localrt.runtime.options import MAX_STOP_STRINGS
+from localrt.runtime.options import NUMERICS
+from localrt.runtime.options import SPECULATIVE_MODES
 from localrt.store import names
 
 M = TypeVar("M", bound=BaseModel)

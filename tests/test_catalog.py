@@ -1,4 +1,4 @@
-"""The catalog (models/*.toml): validation with the file named, and `pull` trying each source in order."""
+"""The catalog (catalog/*.toml): validation with the file named, and `pull` trying each source in order."""
 
 from __future__ import annotations
 

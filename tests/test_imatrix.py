@@ -321,7 +321,7 @@ GOLDEN = Path(__file__).parent / "golden"
 
 def test_imatrix_shared_inputs_have_equal_sums(smollm2_gguf: Path) -> None:
     """attn_q/k/v read the same normed hidden state, as do ffn_gate/up: their sums must be equal."""
-    from localrt.imatrix import compute
+    from localrt.runtime.calibration import compute
 
     text = (GOLDEN / "imatrix_calibration.txt").read_text(encoding="utf-8")
     im = compute(smollm2_gguf, text, "calib", ctx=64, chunks=2, threads=2).imatrix
@@ -337,7 +337,7 @@ def test_imatrix_shared_inputs_have_equal_sums(smollm2_gguf: Path) -> None:
 
 def test_text_too_short_is_refused(smollm2_gguf: Path) -> None:
     from localrt.errors import LocalrtError
-    from localrt.imatrix import compute
+    from localrt.runtime.calibration import compute
 
     with pytest.raises(LocalrtError, match="needs at least 1024"):
         compute(smollm2_gguf, "Too short.", "x", ctx=512)

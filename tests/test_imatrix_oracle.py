@@ -75,7 +75,7 @@ def theirs(work: Path) -> Path:
 def ours(work: Path) -> imx.Imatrix:
     import os
 
-    from localrt.imatrix import compute
+    from localrt.runtime.calibration import compute
 
     cwd = os.getcwd()
     os.chdir(work)
@@ -111,7 +111,7 @@ def test_imatrix_on_a_real_quantized_model_equals_llama_imatrix(
 ) -> None:
     """SmolLM2's Q4_1 file, run by both on this machine: its quantized kernels differ between CPUs, so
     the reference is made here rather than stored."""
-    from localrt.imatrix import compute
+    from localrt.runtime.calibration import compute
 
     monkeypatch.chdir(CALIBRATION.parent)  # the dataset name is recorded as given, as -f records it
     tool(

@@ -24,7 +24,7 @@ from localrt.backends.base import TextEvent  # noqa: E402
 from localrt.backends.mlx.batch import BatchEngine  # noqa: E402
 from localrt.backends.mlx.batch import Row  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
-from localrt.backends.mlx.model import Transformer  # noqa: E402
+from localrt.backends.mlx.llama import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
 from localrt.backends.mlx.sampling import RowSampler  # noqa: E402
 from localrt.backends.mlx.sampling import sample_rows  # noqa: E402

@@ -31,7 +31,7 @@ from localrt.backends.mlx.engine import DraftModelProposer  # noqa: E402
 from localrt.backends.mlx.engine import Runner  # noqa: E402
 from localrt.backends.mlx.engine import SelfOnRow  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
-from localrt.backends.mlx.model import Transformer  # noqa: E402
+from localrt.backends.mlx.llama import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
 from localrt.backends.mlx.sampling import RowSampler  # noqa: E402
 from localrt.backends.speculation import SpecState  # noqa: E402
@@ -86,7 +86,7 @@ def torch_reference(path: Path, tokens: list[int]) -> tuple[np.ndarray, list[int
     """The torch engine's dense fp32 forward of the same file (weights dequantized), and its windows."""
     from localrt.backends.torch.architectures import load_model as torch_load
     from localrt.backends.torch.gguf_load import GGUFTensors as TorchTensors
-    from localrt.backends.torch.model import DenseCausal
+    from localrt.backends.torch.llama import DenseCausal
 
     tensors = TorchTensors(path)
     try:
@@ -384,7 +384,7 @@ def test_gemma3_270m_matches_llama_cpp(gemma3_gguf: Path) -> None:
     from localrt.eval import evaluate
     from tests.fixtures_hf import LlamaCppBuildReference
     from tests.fixtures_hf import llama_cpp_blas
-    from tests.test_torch_model import english_text
+    from tests.test_torch_llama import english_text
 
     opts = LoadOptions(num_ctx=1024, num_thread=2, num_batch=512)
     model = registry.get("mlx").load(gemma3_gguf, opts)

@@ -19,7 +19,7 @@ from localrt.backends.mlx.engine import DraftModelProposer  # noqa: E402
 from localrt.backends.mlx.engine import Runner  # noqa: E402
 from localrt.backends.mlx.engine import SelfOnRow  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
-from localrt.backends.mlx.model import Transformer  # noqa: E402
+from localrt.backends.mlx.llama import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
 from localrt.backends.mlx.sampling import RowSampler  # noqa: E402
 from localrt.backends.sampler import Sampler  # noqa: E402

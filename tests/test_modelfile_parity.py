@@ -169,7 +169,7 @@ async def test_chat_prompt_is_system_then_history_then_request(smollm2_gguf: Pat
         with_history, _ = await runtime.render("fewshot:latest", request)
         by_hand, _ = await runtime.render("plain:latest", spelled_out)
     finally:
-        await runtime.models.close()
+        await runtime.pool.close()
     assert with_history == by_hand
     assert with_history.index("No. It is blue.") < with_history.index("What is 2+2?")
 

@@ -16,7 +16,7 @@ MAPPED = {
     "backends": "localrt.backends",
     "converters": "localrt.converters",
     "tui": "localrt.tui",
-    "models": "localrt.catalog",
+    "catalog": "localrt.catalog",
 }
 
 
@@ -40,7 +40,7 @@ def test_top_level_layout() -> None:
         "converters",
         "tui",
         "tests",
-        "models",
+        "catalog",
     ):
         assert (ROOT / entry).exists(), entry
 
@@ -52,6 +52,6 @@ def test_installed_names_do_not_leak() -> None:
     import localrt.tui
 
     assert Path(localrt.backends.__file__).parent == ROOT / "backends"
-    assert Path(localrt.catalog.__file__).parent == ROOT / "models"
+    assert Path(localrt.catalog.__file__).parent == ROOT / "catalog"
     assert localrt.converters
     assert localrt.tui

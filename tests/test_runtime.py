@@ -247,7 +247,7 @@ def test_a_request_cancelled_mid_load_leaves_the_model_loaded(store: Store) -> N
         rt = Runtime(store)
         try:
             task = asyncio.ensure_future(collect(rt.chat("smollm2:135m", FRANCE, options={"num_predict": 2})))
-            while not rt.models._loading:  # the load has started (in its thread)
+            while not rt.pool._loading:  # the load has started (in its thread)
                 await asyncio.sleep(0.001)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):

@@ -248,7 +248,7 @@ async def test_pulled_split_model_answers_as_the_whole_file(
             async for chunk in runtime.generate(model, "Hello there", options=greedy, stream=False):
                 answers.append(chunk.context)
     finally:
-        await runtime.models.close()
+        await runtime.pool.close()
     assert answers[0] == answers[1]
 
 

@@ -25,7 +25,7 @@ from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.torch import TorchBackend  # noqa: E402
 from localrt.backends.torch import TorchModel  # noqa: E402
 from localrt.errors import LocalrtError  # noqa: E402
-from tests.test_torch_model import english_text  # noqa: E402
+from tests.test_torch_llama import english_text  # noqa: E402
 
 CHAT = "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
@@ -278,7 +278,7 @@ def test_fidelity_through_score_against_llama_cpp_blas(
     half-group (per-row int8 requantization of those cost 1.5% top-1 / 0.9% perplexity). The
     reference is llama.cpp built with OpenBLAS, whose batched matmuls compute the file's exact function; the default CPU build rounds every activation row to 8 bits first, which
     it does not reproduce itself (its batch-1 and batch-512 logits agree on only ~97% of top-1
-    tokens, `tests/test_torch_model.py::test_smollm2_fidelity_2k_tokens`)."""
+    tokens, `tests/test_torch_llama.py::test_smollm2_fidelity_2k_tokens`)."""
     from localrt.eval import evaluate
     from tests.fixtures_hf import LlamaCppBuildReference
     from tests.fixtures_hf import llama_cpp_blas

@@ -23,9 +23,9 @@ from localrt.backends.torch.cuda_graphs import DecodeGraphs  # noqa: E402
 from localrt.backends.torch.engine import Engine  # noqa: E402
 from localrt.backends.torch.engine import EngineConfig  # noqa: E402
 from localrt.backends.torch.kv_cache import KVCache  # noqa: E402
-from localrt.backends.torch.model import LlamaConfig  # noqa: E402
-from localrt.backends.torch.model import Transformer  # noqa: E402
-from localrt.backends.torch.model import random_transformer  # noqa: E402
+from localrt.backends.torch.llama import LlamaConfig  # noqa: E402
+from localrt.backends.torch.llama import Transformer  # noqa: E402
+from localrt.backends.torch.llama import random_transformer  # noqa: E402
 from localrt.backends.torch.sampling import RequestSampler  # noqa: E402
 
 needs_triton = pytest.mark.skipif(

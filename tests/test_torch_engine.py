@@ -21,9 +21,9 @@ from localrt.backends.torch.engine import EngineConfig  # noqa: E402
 from localrt.backends.torch.kv_cache import BlockPool  # noqa: E402
 from localrt.backends.torch.kv_cache import KVCache  # noqa: E402
 from localrt.backends.torch.kv_cache import OutOfBlocks  # noqa: E402
-from localrt.backends.torch.model import LlamaConfig  # noqa: E402
-from localrt.backends.torch.model import Transformer  # noqa: E402
-from localrt.backends.torch.model import random_transformer  # noqa: E402
+from localrt.backends.torch.llama import LlamaConfig  # noqa: E402
+from localrt.backends.torch.llama import Transformer  # noqa: E402
+from localrt.backends.torch.llama import random_transformer  # noqa: E402
 from localrt.backends.torch.scheduler import Sequence  # noqa: E402
 from localrt.errors import LocalrtError  # noqa: E402
 

@@ -23,7 +23,7 @@ from localrt.backends.torch.architectures import load_model  # noqa: E402
 from localrt.backends.torch.engine import Engine  # noqa: E402
 from localrt.backends.torch.engine import EngineConfig  # noqa: E402
 from localrt.backends.torch.gguf_load import GGUFTensors  # noqa: E402
-from localrt.backends.torch.model import DenseCausal  # noqa: E402
+from localrt.backends.torch.llama import DenseCausal  # noqa: E402
 from tests.fixtures_families import GEMMA3_WINDOW  # noqa: E402
 from tests.fixtures_families import family_gguf  # noqa: E402
 from tests.fixtures_families import tiny_hf  # noqa: E402
@@ -201,7 +201,7 @@ def test_gemma3_270m_perplexity_matches_llama_cpp(gemma3_gguf: Path) -> None:
     from localrt.backends.llamacpp.backend import LlamaCppBackend
     from localrt.backends.torch import TorchModel
     from localrt.eval import evaluate
-    from tests.test_torch_model import english_text
+    from tests.test_torch_llama import english_text
 
     opts = LoadOptions(num_ctx=1024, num_thread=2, num_batch=512)
     model = TorchModel(gemma3_gguf, opts, numerics="dequantized")
@@ -237,7 +237,7 @@ def test_gemma3_270m_top1_against_exact_llama_cpp(gemma3_gguf: Path) -> None:
     from localrt.eval import evaluate
     from tests.fixtures_hf import LlamaCppBuildReference
     from tests.fixtures_hf import llama_cpp_blas
-    from tests.test_torch_model import english_text
+    from tests.test_torch_llama import english_text
 
     model = TorchModel(gemma3_gguf, LoadOptions(num_ctx=512, num_thread=2, num_batch=512))
     try:

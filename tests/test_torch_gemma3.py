@@ -22,7 +22,7 @@ from localrt.backends.torch.engine import EngineConfig  # noqa: E402
 from localrt.backends.torch.gemma3 import Gemma3  # noqa: E402
 from localrt.backends.torch.gemma3 import random_gemma3  # noqa: E402
 from localrt.backends.torch.kv_cache import KVCache  # noqa: E402
-from localrt.backends.torch.model import DenseCausal  # noqa: E402
+from localrt.backends.torch.llama import DenseCausal  # noqa: E402
 from localrt.backends.torch.scheduler import Sequence  # noqa: E402
 from tests.test_torch_engine import Req  # noqa: E402
 from tests.test_torch_engine import random_requests  # noqa: E402

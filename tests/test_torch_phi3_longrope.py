@@ -93,7 +93,7 @@ def test_engine_runs_past_the_original_context(phi3: tuple[Path, Path]) -> None:
 
 
 def test_backend_loads_the_whole_context_with_long_factors(phi3: tuple[Path, Path]) -> None:
-    """`num_ctx` past the original context is no longer capped: the backend loads it and picks the
+    """`num_ctx` past the original context is not capped: the backend loads it and picks the
     long factors (the short ones for a context within the original)."""
     from localrt.backends.torch import TorchModel
 

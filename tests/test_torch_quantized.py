@@ -18,8 +18,8 @@ from localrt.backends.torch import quantized  # noqa: E402
 from localrt.backends.torch.backend import TorchModel  # noqa: E402
 from localrt.backends.torch.gguf_load import DEQUANTIZERS  # noqa: E402
 from localrt.backends.torch.gguf_load import GGUFTensors  # noqa: E402
-from tests.test_torch_model import F16_FIELDS  # noqa: E402
-from tests.test_torch_model import write_kquant_llama  # noqa: E402
+from tests.test_torch_llama import F16_FIELDS  # noqa: E402
+from tests.test_torch_llama import write_kquant_llama  # noqa: E402
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210, **quantized.PAIR_BLOCK_BYTES}
 BLOCK_ELEMS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32}

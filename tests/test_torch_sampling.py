@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.torch.engine import Engine  # noqa: E402
 from localrt.backends.torch.engine import EngineConfig  # noqa: E402
-from localrt.backends.torch.model import LlamaConfig  # noqa: E402
-from localrt.backends.torch.model import random_transformer  # noqa: E402
+from localrt.backends.torch.llama import LlamaConfig  # noqa: E402
+from localrt.backends.torch.llama import random_transformer  # noqa: E402
 from localrt.backends.torch.sampling import RequestSampler  # noqa: E402
 
 

@@ -14,8 +14,8 @@ pytest.importorskip("triton")
 from localrt.backends.torch.attention import PagedAttention  # noqa: E402
 from localrt.backends.torch.attention import SeqChunk  # noqa: E402
 from localrt.backends.torch.kv_cache import KVCache  # noqa: E402
-from localrt.backends.torch.model import LlamaConfig  # noqa: E402
-from localrt.backends.torch.model import random_transformer  # noqa: E402
+from localrt.backends.torch.llama import LlamaConfig  # noqa: E402
+from localrt.backends.torch.llama import random_transformer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

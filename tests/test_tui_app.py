@@ -47,6 +47,8 @@ from localrt.tui.app import ACTIONS  # noqa: E402
 from localrt.tui.app import INPUT_KEYS  # noqa: E402
 from localrt.tui.app import ChatApp  # noqa: E402
 from localrt.tui.app import key_label  # noqa: E402
+from localrt.tui.conversations import ConversationStore  # noqa: E402
+from localrt.tui.conversations import Settings  # noqa: E402
 from localrt.tui.screens import ConfirmScreen  # noqa: E402
 from localrt.tui.screens import HelpScreen  # noqa: E402
 from localrt.tui.screens import ModelInfoScreen  # noqa: E402
@@ -54,8 +56,6 @@ from localrt.tui.screens import ModelPickerScreen  # noqa: E402
 from localrt.tui.screens import PromptScreen  # noqa: E402
 from localrt.tui.screens import PullScreen  # noqa: E402
 from localrt.tui.screens import SettingsScreen  # noqa: E402
-from localrt.tui.store import ConversationStore  # noqa: E402
-from localrt.tui.store import Settings  # noqa: E402
 from localrt.tui.widgets import ChatInput  # noqa: E402
 from localrt.tui.widgets import MessageView  # noqa: E402
 from tests.conftest import async_test  # noqa: E402

@@ -18,10 +18,10 @@ pytest.importorskip("textual")
 pytest_textual_snapshot = pytest.importorskip("pytest_textual_snapshot")
 
 from localrt.tui.app import ChatApp  # noqa: E402
+from localrt.tui.conversations import ConversationStore  # noqa: E402
+from localrt.tui.conversations import Message  # noqa: E402
+from localrt.tui.conversations import Settings  # noqa: E402
 from localrt.tui.screens import ModelInfoScreen  # noqa: E402
-from localrt.tui.store import ConversationStore  # noqa: E402
-from localrt.tui.store import Message  # noqa: E402
-from localrt.tui.store import Settings  # noqa: E402
 from tests.test_tui_app import MODEL  # noqa: E402
 from tests.test_tui_app import T0  # noqa: E402
 from tests.test_tui_app import FakeClient  # noqa: E402

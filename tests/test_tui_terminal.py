@@ -27,7 +27,7 @@ if importlib.util.find_spec("llama_cpp") is None:
 
 from localrt.store.importer import import_gguf  # noqa: E402
 from localrt.store.store import Store  # noqa: E402
-from localrt.tui.store import ConversationStore  # noqa: E402
+from localrt.tui.conversations import ConversationStore  # noqa: E402
 from tests.test_tui_app import FRANCE  # noqa: E402
 from tests.test_tui_app import MODEL  # noqa: E402
 from tests.test_tui_app import PARAMS  # noqa: E402
@@ -112,7 +112,7 @@ from pathlib import Path
 from localrt.store.store import Store
 from localrt.tui.app import ChatApp
 from localrt.client import RuntimeClient
-from localrt.tui.store import Settings
+from localrt.tui.conversations import Settings
 
 async def wait(pilot, condition):
     while not condition():

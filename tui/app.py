@@ -41,6 +41,12 @@ from localrt.client import ModelRow
 from localrt.client import connect
 from localrt.errors import LocalrtError
 from localrt.format import human_size
+from localrt.tui.conversations import Conversation
+from localrt.tui.conversations import ConversationStore
+from localrt.tui.conversations import Message
+from localrt.tui.conversations import Settings
+from localrt.tui.conversations import slug
+from localrt.tui.conversations import to_markdown
 from localrt.tui.screens import ConfirmScreen
 from localrt.tui.screens import HelpScreen
 from localrt.tui.screens import ModelInfoScreen
@@ -49,12 +55,6 @@ from localrt.tui.screens import PromptScreen
 from localrt.tui.screens import PullScreen
 from localrt.tui.screens import SettingsScreen
 from localrt.tui.settings import summary
-from localrt.tui.store import Conversation
-from localrt.tui.store import ConversationStore
-from localrt.tui.store import Message
-from localrt.tui.store import Settings
-from localrt.tui.store import slug
-from localrt.tui.store import to_markdown
 from localrt.tui.widgets import ChatInput
 from localrt.tui.widgets import ConversationItem
 from localrt.tui.widgets import MessageView

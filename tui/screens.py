@@ -31,11 +31,11 @@ from textual.widgets.option_list import Option
 
 from localrt.errors import LocalrtError
 from localrt.format import human_size
+from localrt.tui.conversations import Settings
 from localrt.tui.settings import CHOICE_FIELDS
 from localrt.tui.settings import TEXT_FIELDS
 from localrt.tui.settings import field_text
 from localrt.tui.settings import parse_fields
-from localrt.tui.store import Settings
 
 if TYPE_CHECKING:
     from localrt.client import Client

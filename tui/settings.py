@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from localrt.errors import OptionError
-from localrt.runtime.bridge import SPECULATIVE_MODES
 from localrt.runtime.options import BACKEND_NAMES
+from localrt.runtime.options import SPECULATIVE_MODES
 from localrt.runtime.options import Options
 from localrt.runtime.options import parse_option_value
 from localrt.runtime.options import validate_option

@@ -126,7 +126,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         from .cache import kv_dtype
         from .engine import Runner
         from .gguf_load import GGUFTensors
-        from .model import Transformer
+        from .llama import Transformer
         from .prompt_cache import PromptCache
 
         # fp16 on Apple GPUs; fp32 on the CPU, where MLX's half matmuls are slower and inexact

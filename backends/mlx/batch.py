@@ -43,7 +43,7 @@ from localrt.backends.speculation import verify
 
 from .engine import Proposer
 from .engine import Runner
-from .model import Transformer
+from .llama import Transformer
 from .prompt_cache import PromptCache
 from .sampling import Logprobs
 from .sampling import RowSampler

@@ -23,7 +23,7 @@ from localrt.backends.base import common_prefix
 from localrt.backends.sampler import Sampler
 
 from .cache import trim_caches
-from .model import Transformer
+from .llama import Transformer
 
 
 @dataclass(eq=False)

@@ -1,6 +1,6 @@
 """Gemma 3 (text) in MLX, read straight from GGUF (GGUF architecture `gemma3`).
 
-What differs from the Llama file (`model.py`), as llama.cpp's gemma3 graph computes it, is listed in
+What differs from the Llama file (`llama.py`), as llama.cpp's gemma3 graph computes it, is listed in
 `backends/family_config.py` (which also reads the hyper-parameters and the layer pattern, for this file
 and torch's `gemma3.py`). Here the sliding layers get rotating caches (`cache.py`: their memory stays
 bounded however long the sequence grows).
@@ -21,10 +21,10 @@ from localrt.backends.family_config import gemma_config
 
 from .cache import Cache
 from .gguf_load import GGUFTensors
-from .model import Block
-from .model import Rope
-from .model import Transformer
-from .model import rms_norm
+from .llama import Block
+from .llama import Rope
+from .llama import Transformer
+from .llama import rms_norm
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 

@@ -1,4 +1,4 @@
-"""Phi-3 / Phi-3.5 / Phi-4 in MLX (GGUF architecture `phi3`): the Llama block (`model.py`) as the file
+"""Phi-3 / Phi-3.5 / Phi-4 in MLX (GGUF architecture `phi3`): the Llama block (`llama.py`) as the file
 stores it; what Phi-3's graph is in llama.cpp is listed in `backends/family_config.py` (one list with
 torch's `phi3.py`).
 
@@ -18,12 +18,12 @@ from localrt.backends.family_config import longrope_scaling
 from localrt.backends.llama_config import LlamaConfig
 
 from .gguf_load import GGUFTensors
-from .model import Block
-from .model import Rope
-from .model import Transformer
-from .model import linear
-from .model import linears
-from .model import silu
+from .llama import Block
+from .llama import Rope
+from .llama import Transformer
+from .llama import linear
+from .llama import linears
+from .llama import silu
 
 ARCH = "phi3"
 

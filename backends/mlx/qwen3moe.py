@@ -1,4 +1,4 @@
-"""Qwen3-MoE in MLX (GGUF architecture `qwen3moe`): Qwen3's attention block (`model.py`) with a mixture
+"""Qwen3-MoE in MLX (GGUF architecture `qwen3moe`): Qwen3's attention block (`llama.py`) with a mixture
 of experts in place of every layer's MLP, as llama.cpp's qwen3moe graph computes it.
 
 Routing, per token x: p = softmax(W_router x) over all experts; the top k (`expert_used_count`) are
@@ -24,10 +24,10 @@ from localrt.errors import LocalrtError
 
 from .gguf_load import GGUFTensors
 from .gguf_load import QuantizedWeight
-from .model import Block
-from .model import Linear
-from .model import Transformer
-from .model import silu
+from .llama import Block
+from .llama import Linear
+from .llama import Transformer
+from .llama import silu
 
 ARCH = "qwen3moe"
 MIN_WEIGHT_SUM = 6.103515625e-5  # llama.cpp's floor for the renormalising sum (the smallest normal f16)

@@ -4,6 +4,6 @@ localrt). `RemoteBackend` is what `localrt.backends.registry` loads for a remote
 from .backend import RemoteBackend
 from .backend import RemoteError
 from .backend import RemoteModel
-from .wire import RemoteRequest
+from .upstream import RemoteRequest
 
 __all__ = ["RemoteBackend", "RemoteError", "RemoteModel", "RemoteRequest"]

@@ -37,10 +37,10 @@ from localrt.backends.base import Event
 from localrt.backends.base import LoadOptions
 from localrt.backends.base import TextEvent
 from localrt.backends.base import Timings
-from localrt.backends.remote import wire
+from localrt.backends.remote import upstream
 from localrt.backends.remote.pool import Endpoint
 from localrt.backends.remote.pool import Pool
-from localrt.backends.remote.wire import RemoteRequest
+from localrt.backends.remote.upstream import RemoteRequest
 from localrt.errors import LocalrtError
 from localrt.errors import ServerBusy
 from localrt.store.remote import check_endpoint
@@ -221,7 +221,7 @@ class RemoteModel:
         """A non-200 answer. The request's fault (our 4xx) or refused credentials raise RemoteError: no
         endpoint would answer better. The endpoint's fault is returned, for the caller to try the next."""
         where = f"{endpoint.url} answered HTTP {status}"
-        message = self._scrub(wire.body_message(raw))
+        message = self._scrub(upstream.body_message(raw))
         if status in (400, 413, 422):
             raise RemoteError(f"{where}: {message}", 400)
         if status in (401, 403):
@@ -245,9 +245,9 @@ class RemoteModel:
             return
         chat = request.chat
         body = (
-            wire.chat_body(self.upstream_model, request)
+            upstream.chat_body(self.upstream_model, request)
             if chat
-            else wire.completion_body(self.upstream_model, request)
+            else upstream.completion_body(self.upstream_model, request)
         )
         path = "/chat/completions" if chat else "/completions"
         failures: list[str] = []
@@ -279,7 +279,7 @@ class RemoteModel:
     async def _attempt(
         self, endpoint: Endpoint, path: str, body: dict[str, Any], request: RemoteRequest
     ) -> AsyncIterator[Event]:
-        answer = wire.Answer(chat=request.chat, top_logprobs=request.top_logprobs)
+        answer = upstream.Answer(chat=request.chat, top_logprobs=request.top_logprobs)
         sent = time.perf_counter_ns()
         first = 0
         cancelled_at_start = self._cancelled
@@ -300,34 +300,34 @@ class RemoteModel:
                     raise EndpointFailure("the answer ended before its end")
         except httpx.HTTPError as e:
             raise EndpointFailure(_transport_reason(e)) from None
-        except wire.Garbage as e:
+        except upstream.Garbage as e:
             raise EndpointFailure(str(e)) from None
-        except wire.UpstreamErrorEvent as e:
+        except upstream.UpstreamErrorEvent as e:
             if 400 <= e.status < 500:
                 raise RemoteError(f"{endpoint.url}: {self._scrub(str(e))}", 400) from None
             raise EndpointFailure(f"error event: {self._scrub(str(e))}") from None
         try:
             calls = answer.tool_calls()
-        except wire.Garbage as e:
+        except upstream.Garbage as e:
             raise RemoteError(f"{endpoint.url} {e}") from None
         timings = answer.timings(sent, first, time.perf_counter_ns())
         yield DoneEvent(finish or answer.finish_reason(), timings, tool_calls=calls)  # type: ignore[arg-type]
 
     @staticmethod
-    async def _events(resp: httpx.Response, answer: wire.Answer) -> AsyncIterator[TextEvent]:
+    async def _events(resp: httpx.Response, answer: upstream.Answer) -> AsyncIterator[TextEvent]:
         """Server-sent events, or one JSON answer from a server that does not stream."""
         ctype = resp.headers.get("content-type", "")
         if "application/json" in ctype:
             try:
                 whole = json.loads(await resp.aread())
             except ValueError:
-                raise wire.Garbage("answered JSON that does not parse") from None
+                raise upstream.Garbage("answered JSON that does not parse") from None
             for event in answer.chunk(whole):
                 yield event
             answer.done = True
             return
         if "text/event-stream" not in ctype:
-            raise wire.Garbage(f"answered {ctype or 'no content type'}, not an event stream")
+            raise upstream.Garbage(f"answered {ctype or 'no content type'}, not an event stream")
         async for line in resp.aiter_lines():
             for event in answer.line(line):
                 yield event
@@ -394,7 +394,7 @@ class RemoteModel:
                 tried.append(f"{endpoint.root}{suffix} (HTTP {r.status_code})")
                 if r.status_code in (400, 422):
                     raise RemoteError(
-                        f"{endpoint.root}{suffix}: {self._scrub(wire.body_message(r.content))}", 400
+                        f"{endpoint.root}{suffix}: {self._scrub(upstream.body_message(r.content))}", 400
                     )
         raise RemoteError(
             f"the upstream of {self.upstream_model} offers no tokenizer here: {'; '.join(tried)}", 501

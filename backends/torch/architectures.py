@@ -1,6 +1,6 @@
 """The GGUF architectures the torch engine runs: `general.architecture` -> the model file that builds it.
 
-One model file per architecture family (`model.py`: the Llama family, `gemma3.py`: Gemma 3, `gemma2.py`: Gemma 2 on the same layer,
+One model file per architecture family (`llama.py`: the Llama family, `gemma3.py`: Gemma 3, `gemma2.py`: Gemma 2 on the same layer,
 `phi3.py`: Phi-3 on the Llama block,
 `qwen3moe.py`: Qwen3-MoE, Qwen3's attention with routed experts, and OLMoE on the same code); each
 class has `from_gguf(tensors, dtype, device, modules)` and the same forward contract (tokens and an
@@ -18,8 +18,8 @@ from localrt.backends.llama_config import SUPPORTED_ARCHS
 
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
-from .model import ModuleFactory
-from .model import Transformer
+from .llama import ModuleFactory
+from .llama import Transformer
 from .phi3 import Phi3
 from .qwen3moe import OLMoE
 from .qwen3moe import Qwen3MoE

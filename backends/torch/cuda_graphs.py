@@ -27,7 +27,7 @@ from .attention import AttnLayer
 from .attention import SeqChunk
 from .attention import fused_decode
 from .kv_cache import KVCache
-from .model import Transformer
+from .llama import Transformer
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 

@@ -37,9 +37,9 @@ from .kv_cache import BLOCK_SIZE
 from .kv_cache import BlockPool
 from .kv_cache import KVCache
 from .kv_cache import num_blocks_for
-from .model import DenseCausal
-from .model import Transformer
-from .model import weight_bytes
+from .llama import DenseCausal
+from .llama import Transformer
+from .llama import weight_bytes
 from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .runner import StepBatch

@@ -1,6 +1,6 @@
 """Gemma 3 (text), read straight from GGUF (GGUF architecture `gemma3`).
 
-What differs from the Llama file (`model.py`), as llama.cpp's gemma3 graph computes it, is listed in
+What differs from the Llama file (`llama.py`), as llama.cpp's gemma3 graph computes it, is listed in
 `backends/family_config.py` (one list for this file and MLX's `gemma3.py`).
 
 The model and its block are the Llama file's (`model.Transformer`, `model.Block`: the fused `attn_qkv`
@@ -24,13 +24,13 @@ from localrt.backends.family_config import GemmaFamily
 from localrt.backends.family_config import gemma_config
 
 from .attention import AttnLayer
-from .model import AttentionContext
-from .model import Block as LlamaBlock
-from .model import RMSNorm
-from .model import Rotary
-from .model import Transformer
-from .model import random_model
-from .model import vocab_size_of
+from .llama import AttentionContext
+from .llama import Block as LlamaBlock
+from .llama import RMSNorm
+from .llama import Rotary
+from .llama import Transformer
+from .llama import random_model
+from .llama import vocab_size_of
 
 
 class Block(LlamaBlock):

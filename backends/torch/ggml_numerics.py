@@ -27,8 +27,8 @@ from localrt.errors import LocalrtError
 
 from .attention import AttnLayer
 from .gguf_load import GGUFTensors
-from .model import DenseCausal
-from .model import gguf_parts
+from .llama import DenseCausal
+from .llama import gguf_parts
 
 # weight type -> activation format of its dot product (ggml-cpu.c type_traits_cpu[].vec_dot_type)
 VEC_DOT_TYPE: dict[str, str] = {

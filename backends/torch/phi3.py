@@ -1,4 +1,4 @@
-"""Phi-3 / Phi-3.5 / Phi-4 (GGUF architecture `phi3`): the Llama block (`model.py`) as the file stores it;
+"""Phi-3 / Phi-3.5 / Phi-4 (GGUF architecture `phi3`): the Llama block (`llama.py`) as the file stores it;
 what Phi-3's graph is in llama.cpp is listed in `backends/family_config.py` (one list with MLX's `phi3.py`).
 
 Its fused projections are the Llama file's own fused layout, so the weights load as they are. The
@@ -15,9 +15,9 @@ import torch
 from localrt.backends.family_config import llama_like_config
 from localrt.backends.family_config import longrope_scaling
 
-from .model import Rotary
-from .model import Transformer
-from .model import vocab_size_of
+from .llama import Rotary
+from .llama import Transformer
+from .llama import vocab_size_of
 
 ARCH = "phi3"
 

@@ -1,4 +1,4 @@
-"""Qwen3-MoE (GGUF architecture `qwen3moe`): Qwen3's attention block (`model.py`) with a mixture of
+"""Qwen3-MoE (GGUF architecture `qwen3moe`): Qwen3's attention block (`llama.py`) with a mixture of
 experts in place of every layer's MLP, as llama.cpp's qwen3moe graph computes it.
 
 Routing, per token x: p = softmax(W_router x) over all experts; the top k (`expert_used_count`) are
@@ -29,12 +29,12 @@ from torch import nn
 from localrt.backends.family_config import llama_like_config
 from localrt.errors import LocalrtError
 
-from .model import Block
-from .model import LlamaConfig
-from .model import RMSNorm
-from .model import Rotary
-from .model import Transformer
-from .model import vocab_size_of
+from .llama import Block
+from .llama import LlamaConfig
+from .llama import RMSNorm
+from .llama import Rotary
+from .llama import Transformer
+from .llama import vocab_size_of
 
 ARCH = "qwen3moe"
 MIN_WEIGHT_SUM = 6.103515625e-5  # llama.cpp's floor for the renormalising sum (the smallest normal f16)

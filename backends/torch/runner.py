@@ -19,7 +19,7 @@ from .attention import SeqChunk
 from .attention import upload
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache
-from .model import Transformer
+from .llama import Transformer
 from .sampling import Sampled
 from .sampling import sample_batch
 from .scheduler import Scheduled

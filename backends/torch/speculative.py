@@ -34,7 +34,7 @@ from .kv_cache import OutOfBlocks
 from .kv_cache import blocks_needed
 
 if TYPE_CHECKING:
-    from .model import Transformer
+    from .llama import Transformer
     from .sampling import RequestSampler
 
 

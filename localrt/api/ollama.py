@@ -26,7 +26,6 @@ from localrt.api.streaming import unless_client_leaves
 from localrt.errors import LocalrtError
 from localrt.runtime.answers import Chunk
 from localrt.runtime.answers import Settings
-from localrt.runtime.bridge import run_in_thread_stream
 from localrt.runtime.front import Runtime
 from localrt.store.names import DIGEST_RE
 from localrt.store.names import normalize_digest
@@ -34,6 +33,7 @@ from localrt.store.names import parse_name
 from localrt.store.store import ResolvedModel
 from localrt.store.store import Store
 from localrt.store.store import check_room
+from localrt.threads import run_in_thread_stream
 
 router = APIRouter()
 
@@ -67,7 +67,7 @@ def store_job(
                 with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for the slot
                     loop.call_soon_threadsafe(slots.release)
 
-        async for item in run_in_thread_stream(guarded, wait=False, name=name):
+        async for item in run_in_thread_stream(guarded, name=name):
             yield item
 
     return run()

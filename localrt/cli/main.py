@@ -4,7 +4,7 @@ Every user mistake ends as one line on stderr and a non-zero exit; a missing opt
 extra to install; tracebacks only with LOCALRT_DEBUG=1.
 
 To add a command: write `add_NAME(sub)` (building its parser, `set_defaults(func=...)`) beside its
-group (models.py for store commands, run.py for runtime commands, tools.py for the rest) and list it
+group (store.py for store commands, run.py for runtime commands, tools.py for the rest) and list it
 in COMMANDS below; a flag for an existing command goes into that command's `add_*` function.
 """
 
@@ -22,24 +22,24 @@ from localrt import config
 from localrt.cli import chat
 from localrt.cli import engine
 from localrt.cli import launch
-from localrt.cli import models
 from localrt.cli import run
 from localrt.cli import serve
+from localrt.cli import store
 from localrt.cli import tools
 from localrt.errors import LocalrtError
 
 # in `localrt --help` order
 COMMANDS: list[Callable[[Any], Any]] = [
-    models.add_pull,
-    models.add_push,
+    store.add_pull,
+    store.add_push,
     run.add_run,
-    models.add_list,
+    store.add_list,
     run.add_ps,
-    models.add_show,
-    models.add_rm,
-    models.add_cp,
+    store.add_show,
+    store.add_rm,
+    store.add_cp,
     run.add_stop,
-    models.add_create,
+    store.add_create,
     chat.add_chat,
     serve.add_serve,
     tools.add_convert,

@@ -25,7 +25,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from localrt.api.app import create_app
-    from localrt.runtime.bridge import compute_device_report
     from localrt.runtime.front import Runtime
 
     host, port = config.host()
@@ -39,7 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("localrt")
     log.info("localrt serving on http://%s:%d (models: %s)", host, port, config.models_dir())
-    report = compute_device_report()
+    report = runtime.device_report()
     log.info("%s", report[0])
     for line in report[1:]:  # a GPU the build leaves idle: said once, as a warning
         log.warning("%s", line)

@@ -1,5 +1,5 @@
-"""The tool commands: `convert` (the `convert` extra), `eval` and `bench`. They work in this process:
-they measure or write files here, not on a server."""
+"""The tool commands: `convert` (the `convert` extra), `eval`, `imatrix` and `bench`. They work in this
+process: they measure or write files here, not on a server."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from localrt.errors import LocalrtError
 
 if TYPE_CHECKING:
     from localrt.converters.convert import Result
+    from localrt.runtime import calibration
 
 QUANT_HELP = "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K_S/M/L Q4_K_S/M Q5_K_S/M Q6_K IQ4_NL IQ4_XS"
 # the text models localrt convert writes (converters/arch/: one table per architecture)
@@ -159,9 +160,67 @@ def add_imatrix(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_imatrix(args: argparse.Namespace) -> int:
-    from localrt.imatrix import imatrix_command
+    """`localrt imatrix NAME|FILE.gguf --text FILE [-o imatrix.gguf] [--ctx 512] [--chunks N] [--threads N]`."""
+    from localrt.converters import imatrix as imatrix_io
+    from localrt.eval import model_path
 
-    return imatrix_command(args)
+    try:
+        text = Path(args.text).read_text(encoding="utf-8")
+    except OSError as e:
+        raise LocalrtError(f"cannot read {args.text}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise LocalrtError(f"{args.text} is not UTF-8 text") from None
+    out = Path(args.output or "imatrix.gguf")
+    if not out.parent.is_dir():
+        raise LocalrtError(f"output directory {out.parent} does not exist")
+    path = model_path(args.model)
+    result = calibrate_with_progress(path, text, args.text, args.ctx or 512, args.chunks, args.threads or 0)
+    imatrix_io.write(result.imatrix, out)
+    print(
+        f"Final estimate: PPL = {result.perplexity:.4f} +/- {result.ppl_error:.5f} "
+        f"({result.chunks} chunks of {args.ctx or 512} tokens, {result.tokens / result.seconds:.1f} tokens/s)"
+    )
+    print(f"wrote {out}: {len(result.imatrix.entries)} entries", file=sys.stderr)
+    return 0
+
+
+def calibrate_with_progress(
+    path: Path, text: str, dataset: str, ctx: int, chunks: int, threads: int
+) -> calibration.Result:
+    """The imatrix run, with a transient rich bar on a terminal, one line per group of chunks elsewhere."""
+    from rich.console import Console
+    from rich.progress import BarColumn
+    from rich.progress import MofNCompleteColumn
+    from rich.progress import Progress
+    from rich.progress import TextColumn
+    from rich.progress import TimeRemainingColumn
+
+    from localrt.runtime.calibration import compute
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+
+        def log(done: int, total: int, seconds: float) -> None:
+            rate = done * ctx / seconds if seconds > 0 else 0.0
+            print(f"imatrix: chunk {done}/{total}, {rate:.1f} tokens/s", file=sys.stderr)
+
+        return compute(path, text, dataset, ctx, chunks, threads, log)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("imatrix chunks", total=None, rate="")
+
+        def update(done: int, total: int, seconds: float) -> None:
+            rate = done * ctx / seconds if seconds > 0 else 0.0
+            bar.update(task, completed=done, total=total, rate=f"{rate:.0f} tokens/s")
+
+        return compute(path, text, dataset, ctx, chunks, threads, update)
 
 
 def add_bench(sub: Subparsers) -> argparse.ArgumentParser:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 from typing import Unpack
 
+from localrt.backends import devices
+from localrt.backends import registry
 from localrt.backends.base import ScoreResult
 from localrt.errors import LocalrtError
 from localrt.runtime import remote
@@ -28,8 +30,8 @@ from localrt.runtime.answers import RerankResult
 from localrt.runtime.answers import Settings
 from localrt.runtime.answers import check_settings
 from localrt.runtime.generate import LocalRuntime
-from localrt.runtime.models import LoadedInfo
-from localrt.runtime.models import ModelPool
+from localrt.runtime.lifecycle import LoadedInfo
+from localrt.runtime.lifecycle import ModelPool
 from localrt.runtime.tenants import PrefixRecord
 from localrt.store.store import ResolvedModel
 from localrt.store.store import Store
@@ -46,13 +48,13 @@ class Runtime:
         max_queue: int | None = None,
         keep_alive: float | None = None,
     ) -> None:
-        self.models = ModelPool(store, max_loaded=max_loaded, max_queue=max_queue, keep_alive=keep_alive)
-        self.local = LocalRuntime(self.models)
-        self.remote = remote.RemoteRuntime(self.models)
+        self.pool = ModelPool(store, max_loaded=max_loaded, max_queue=max_queue, keep_alive=keep_alive)
+        self.local = LocalRuntime(self.pool)
+        self.remote = remote.RemoteRuntime(self.pool)
 
     @property
     def store(self) -> Store:
-        return self.models.store
+        return self.pool.store
 
     @property
     def prefixes(self) -> PrefixRecord:
@@ -60,7 +62,7 @@ class Runtime:
 
     def _path(self, model: str) -> tuple[ResolvedModel, LocalRuntime | remote.RemoteRuntime]:
         """The stored model and the path that serves it: the one place that tells remote from local."""
-        resolved = self.models.resolve(model)
+        resolved = self.pool.resolve(model)
         return resolved, self.remote if remote.is_remote(resolved) else self.local
 
     # ---- chat and generate -----------------------------------------------------------------------
@@ -207,16 +209,28 @@ class Runtime:
 
     # ---- the pool's state -------------------------------------------------------------------------
     def ps(self) -> list[LoadedInfo]:
-        return self.models.ps()
+        return self.pool.ps()
 
     def queue_depth(self) -> dict[str, int]:
         """Requests waiting or running, per model (for /metrics)."""
-        return self.models.queue_depth()
+        return self.pool.queue_depth()
 
     async def unload(self, model: str) -> bool:
         """Unload now if idle, else as soon as its running requests finish. False when not loaded."""
-        return await self.models.unload(model)
+        return await self.pool.unload(model)
 
     async def close(self) -> None:
         """Cancel what runs and unload everything (server shutdown, end of `localrt run`)."""
-        await self.models.close()
+        await self.pool.close()
+
+    # ---- the machine, as the interfaces may tell it --------------------------------------------------
+    @staticmethod
+    def backend_for(name: str | None) -> str:
+        """The backend a request naming `name` (`auto`, None, or a backend) would load on here."""
+        return registry.resolve(name)
+
+    @staticmethod
+    def device_report() -> list[str]:
+        """What `localrt serve` logs at start-up: llama.cpp's compute devices, and how to reinstall it when
+        the machine has a GPU the build cannot use."""
+        return devices.startup_report()

@@ -44,8 +44,8 @@ from localrt.runtime.answers import Metrics
 from localrt.runtime.answers import RerankResult
 from localrt.runtime.answers import Settings
 from localrt.runtime.answers import asked
-from localrt.runtime.models import LocalEntry as Entry
-from localrt.runtime.models import ModelPool
+from localrt.runtime.lifecycle import LocalEntry as Entry
+from localrt.runtime.lifecycle import ModelPool
 from localrt.runtime.options import Options
 from localrt.runtime.prompt import Turn
 from localrt.runtime.prompt import tool_choice
@@ -82,8 +82,8 @@ class _Call:
 class LocalRuntime:
     """The request paths of local models (`front.Runtime` picks this path for them), over the shared pool."""
 
-    def __init__(self, models: ModelPool) -> None:
-        self.models = models
+    def __init__(self, pool: ModelPool) -> None:
+        self.pool = pool
         self.prefixes = tenants.PrefixRecord()
 
     # ---- chat and generate -----------------------------------------------------------------------
@@ -112,7 +112,7 @@ class LocalRuntime:
         # so the decoded pixels in memory are bounded by the slots, not by the requests waiting
         msgs, pending = await image_input.check_images(msgs)
         _check_vision(call.resolved, pending)
-        async with self.models.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
+        async with self.pool.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
             _check_generates(entry, "chat")
             pictures = await image_input.decode_all(pending)
             prompter = entry.prompter
@@ -159,7 +159,7 @@ class LocalRuntime:
             (marked,), pending = await image_input.check_images([{"content": prompt, "images": list(images)}])
             prompt = marked["content"]
         _check_vision(call.resolved, pending)
-        async with self.models.use(resolved, call.opts, call.keep_alive) as (entry, load_ns):
+        async with self.pool.use(resolved, call.opts, call.keep_alive) as (entry, load_ns):
             _check_generates(entry, "generate")
             pictures = await image_input.decode_all(pending)
             m = entry.model
@@ -188,7 +188,7 @@ class LocalRuntime:
     ) -> AsyncIterator[Chunk]:
         """Fill-in-the-middle: the prompt from the model's FIM template branch or FIM tokens, no chat
         template and no reply parsing (the answer is code, not a turn)."""
-        async with self.models.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
+        async with self.pool.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
             m = entry.model
             fim.check_insert(call.resolved.name.display, entry.can_insert, False, False)
             bos = m.bos_token_id if m.add_bos and not context else None
@@ -218,13 +218,13 @@ class LocalRuntime:
     ) -> _Call:
         """The checks chat and generate share, done once before any load."""
         start = time.perf_counter_ns()
-        opts = self.models.options(resolved, settings.get("options"))
+        opts = self.pool.options(resolved, settings.get("options"))
         return _Call(
             model=model,
             resolved=resolved,
             opts=opts,
             **asked(settings, tools, choice),
-            keep_alive=self.models.keep_alive(settings.get("keep_alive")),
+            keep_alive=self.pool.keep_alive(settings.get("keep_alive")),
             truncate=settings.get("truncate", True),
             shift=settings.get("shift", True),
             start=start,
@@ -235,7 +235,7 @@ class LocalRuntime:
     async def _load_only(self, call: _Call) -> AsyncIterator[Chunk]:
         name = call.resolved.name.display
         if call.keep_alive <= 0:
-            await self.models.unload(name)
+            await self.pool.unload(name)
             yield Chunk(
                 model=name,
                 done=True,
@@ -243,7 +243,7 @@ class LocalRuntime:
                 metrics=Metrics(total_ns=time.perf_counter_ns() - call.start),
             )
             return
-        async with self.models.use(call.resolved, call.opts, call.keep_alive, exclusive=False) as (
+        async with self.pool.use(call.resolved, call.opts, call.keep_alive, exclusive=False) as (
             _,
             load_ns,
         ):
@@ -428,9 +428,9 @@ class LocalRuntime:
         truncate: bool = True,
     ) -> EmbedResult:
         start = time.perf_counter_ns()
-        opts = self.models.options(resolved, options)
-        keep = self.models.keep_alive(keep_alive)
-        async with self.models.use(resolved, opts, keep) as (entry, load_ns):
+        opts = self.pool.options(resolved, options)
+        keep = self.pool.keep_alive(keep_alive)
+        async with self.pool.use(resolved, opts, keep) as (entry, load_ns):
             m = entry.model
             if not m.capabilities.embedding:
                 raise LocalrtError(f'"{resolved.name.display}" does not support embeddings')
@@ -459,9 +459,9 @@ class LocalRuntime:
     ) -> RerankResult:
         """Relevance of each document to the query, from a reranker model (rank pooling)."""
         start = time.perf_counter_ns()
-        opts = self.models.options(resolved, options)
-        keep = self.models.keep_alive(keep_alive)
-        async with self.models.use(resolved, opts, keep) as (entry, load_ns):
+        opts = self.pool.options(resolved, options)
+        keep = self.pool.keep_alive(keep_alive)
+        async with self.pool.use(resolved, opts, keep) as (entry, load_ns):
             m = entry.model
             if not m.capabilities.rerank or not hasattr(m, "rerank"):
                 raise LocalrtError(f'"{resolved.name.display}" does not support reranking')
@@ -477,17 +477,17 @@ class LocalRuntime:
         parse_special: bool = False,
         options: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        opts = self.models.options(resolved, options)
-        keep = self.models.keep_alive(None)
-        async with self.models.use(resolved, opts, keep, exclusive=False) as (entry, _):
+        opts = self.pool.options(resolved, options)
+        keep = self.pool.keep_alive(None)
+        async with self.pool.use(resolved, opts, keep, exclusive=False) as (entry, _):
             return entry.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     async def detokenize(
         self, resolved: ResolvedModel, tokens: Sequence[int], *, options: Mapping[str, Any] | None = None
     ) -> str:
-        opts = self.models.options(resolved, options)
-        keep = self.models.keep_alive(None)
-        async with self.models.use(resolved, opts, keep, exclusive=False) as (entry, _):
+        opts = self.pool.options(resolved, options)
+        keep = self.pool.keep_alive(None)
+        async with self.pool.use(resolved, opts, keep, exclusive=False) as (entry, _):
             bad = [
                 t
                 for t in tokens
@@ -506,8 +506,8 @@ class LocalRuntime:
         options: Mapping[str, Any] | None = None,
     ) -> ScoreResult:
         """Per-position log p(token_i | prefix) for perplexity / KL (a text is tokenized with BOS)."""
-        opts = self.models.options(resolved, options)
-        async with self.models.use(resolved, opts, self.models.keep_alive(None)) as (entry, _):
+        opts = self.pool.options(resolved, options)
+        async with self.pool.use(resolved, opts, self.pool.keep_alive(None)) as (entry, _):
             ids = entry.model.tokenize(tokens, add_special=True) if isinstance(tokens, str) else list(tokens)
             if len(ids) > entry.model.context_length:
                 raise ContextLengthError(
@@ -527,11 +527,11 @@ class LocalRuntime:
     ) -> tuple[str, list[int]]:
         """The prompt text and tokens a chat request would use (debugging, `_debug_render_only`, and
         Anthropic's count_tokens, which must match the answer's input_tokens)."""
-        opts = self.models.options(resolved, options)
+        opts = self.pool.options(resolved, options)
         wanted = think if isinstance(think, Think) else thinking.parse_think(think)
         msgs = with_history(messages, resolved.system, resolved.messages)
-        keep = self.models.keep_alive(None)
-        async with self.models.use(resolved, opts, keep, exclusive=False) as (entry, _):
+        keep = self.pool.keep_alive(None)
+        async with self.pool.use(resolved, opts, keep, exclusive=False) as (entry, _):
             listed = tool_choice(None, tools)[0]
             _check_tools(entry, listed)
             turn = entry.prompter.turn(model, wanted, listed)

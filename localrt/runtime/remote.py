@@ -41,9 +41,9 @@ from localrt.runtime.answers import Metrics
 from localrt.runtime.answers import RerankResult
 from localrt.runtime.answers import Settings
 from localrt.runtime.answers import asked
-from localrt.runtime.models import Entry
-from localrt.runtime.models import LoadSpec
-from localrt.runtime.models import ModelPool
+from localrt.runtime.lifecycle import Entry
+from localrt.runtime.lifecycle import LoadSpec
+from localrt.runtime.lifecycle import ModelPool
 from localrt.runtime.options import Options
 from localrt.runtime.prompt import tool_choice as parse_tool_choice
 from localrt.runtime.prompt import with_history
@@ -157,18 +157,18 @@ class RemoteRuntime:
     """The request paths of remote models, over the shared pool: chat and generate as the upstream's
     chat and completions, embed, tokenize and detokenize by the upstream; no scoring or reranking."""
 
-    def __init__(self, models: ModelPool) -> None:
-        self.models = models
+    def __init__(self, pool: ModelPool) -> None:
+        self.pool = pool
 
     def _options(self, resolved: ResolvedModel, options: Mapping[str, Any] | None) -> Options:
-        opts = self.models.options(resolved, options)
+        opts = self.pool.options(resolved, options)
         check_options(resolved, opts)
         return opts
 
     def _use(
         self, resolved: ResolvedModel, opts: Options, keep_alive: float, exclusive: bool = True
     ) -> contextlib.AbstractAsyncContextManager[tuple[RemoteEntry, int]]:
-        return self.models.use(resolved, opts, keep_alive, exclusive, loader=LOADER)
+        return self.pool.use(resolved, opts, keep_alive, exclusive, loader=LOADER)
 
     # ---- chat and generate -----------------------------------------------------------------------
     async def chat(
@@ -262,14 +262,14 @@ class RemoteRuntime:
             resolved=resolved,
             opts=opts,
             **asked(settings, tools, choice),
-            keep_alive=self.models.keep_alive(settings.get("keep_alive")),
+            keep_alive=self.pool.keep_alive(settings.get("keep_alive")),
             start=start,
         )
 
     async def _load_only(self, call: _Call) -> AsyncIterator[Chunk]:
         name = call.resolved.name.display
         if call.keep_alive <= 0:
-            await self.models.unload(name)
+            await self.pool.unload(name)
             yield Chunk(
                 model=name,
                 done=True,
@@ -357,7 +357,7 @@ class RemoteRuntime:
         """The upstream's `/v1/embeddings`; it tokenizes, truncates and counts."""
         start = time.perf_counter_ns()
         opts = self._options(resolved, options)
-        async with self._use(resolved, opts, self.models.keep_alive(keep_alive)) as (entry, load_ns):
+        async with self._use(resolved, opts, self.pool.keep_alive(keep_alive)) as (entry, load_ns):
             vectors, count = await entry.model.embed_counted(texts)
         return EmbedResult(resolved.name.display, vectors, count, time.perf_counter_ns() - start, load_ns)
 
@@ -371,7 +371,7 @@ class RemoteRuntime:
         keep_alive: str | float | None = None,
     ) -> RerankResult:
         opts = self._options(resolved, options)
-        async with self._use(resolved, opts, self.models.keep_alive(keep_alive)):
+        async with self._use(resolved, opts, self.pool.keep_alive(keep_alive)):
             raise LocalrtError(f'"{resolved.name.display}" does not support reranking')
 
     async def tokenize(
@@ -385,14 +385,14 @@ class RemoteRuntime:
     ) -> list[int]:
         """The upstream's tokenizer (an HTTP round trip: off the event loop)."""
         opts = self._options(resolved, options)
-        async with self._use(resolved, opts, self.models.keep_alive(None), exclusive=False) as (entry, _):
+        async with self._use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
             return await asyncio.to_thread(entry.model.tokenize, text, add_special, parse_special)
 
     async def detokenize(
         self, resolved: ResolvedModel, tokens: Sequence[int], *, options: Mapping[str, Any] | None = None
     ) -> str:
         opts = self._options(resolved, options)
-        async with self._use(resolved, opts, self.models.keep_alive(None), exclusive=False) as (entry, _):
+        async with self._use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
             bad = [
                 t
                 for t in tokens
@@ -411,7 +411,7 @@ class RemoteRuntime:
         options: Mapping[str, Any] | None = None,
     ) -> Any:
         opts = self._options(resolved, options)
-        async with self._use(resolved, opts, self.models.keep_alive(None)) as (entry, _):
+        async with self._use(resolved, opts, self.pool.keep_alive(None)) as (entry, _):
             raise LocalrtError(
                 f"remote model {entry.model.upstream_model} cannot score tokens: perplexity and KL need a "
                 "local model"
@@ -435,7 +435,7 @@ class RemoteRuntime:
         parse_tool_choice(None, tools)
         thinking.check_think(_NO_THINKING, wanted, model)
         text = "\n".join(str(m.get("content") or "") for m in msgs)
-        async with self._use(resolved, opts, self.models.keep_alive(None), exclusive=False) as (entry, _):
+        async with self._use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
             return text, await asyncio.to_thread(entry.model.tokenize, text, True, False)
 
 

@@ -1,4 +1,4 @@
-"""The catalog: `models/*.toml` (installed as the package `localrt.catalog`) maps short names to sources.
+"""The catalog: `catalog/*.toml` (installed as the package `localrt.catalog`) maps short names to sources.
 
 [model]
 name = "smollm2:135m"

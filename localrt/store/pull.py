@@ -1,6 +1,6 @@
 """`pull`: fetch a model into the store from the catalog's sources, a registry, or the Hugging Face Hub.
 
-Order: a catalog entry for the name (models/*.toml) tries its sources in order, each
+Order: a catalog entry for the name (catalog/*.toml) tries its sources in order, each
 failing fast with a reason; otherwise the reference itself names the place: `hf.co/...` goes to
 the Hub, anything else to an Ollama-compatible registry. Progress events are Ollama's.
 """
@@ -46,7 +46,7 @@ def pull(
         store: the store (default: LOCALRT_MODELS).
         insecure: allow plain-http registries.
         progress: called with every Progress event.
-        catalog: the catalog to consult (default: the packaged models/*.toml).
+        catalog: the catalog to consult (default: the packaged catalog/*.toml).
     """
     store = store or Store()
     emit = coalesce(progress or _ignore)

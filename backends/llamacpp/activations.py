@@ -1,4 +1,4 @@
-"""`localrt imatrix`: an importance matrix computed on the user's text, as llama-imatrix computes it.
+"""Activations of a model over a text, collected as llama-imatrix collects them.
 
 llama.cpp runs the model; its scheduler's eval callback (the hook llama-imatrix uses) hands over every
 matrix multiplication by a `blk.*` weight whose activation batch has at least 16 rows, and every
@@ -6,10 +6,11 @@ expert multiplication (MUL_MAT_ID). For each, the squared activations are added 
 per-column sums, row after row in float32 as llama-imatrix adds them, and the rows are counted (per
 expert for MoE). The text is cut as llama-imatrix cuts it: tokens with BOS, chunks of `ctx` tokens
 (each chunk's first token replaced by BOS when the vocabulary adds one), `max(1, 2048 // ctx)` chunks
-decoded together as separate sequences; the perplexity of the second half of each chunk is printed.
+decoded together as separate sequences; the perplexity of the second half of each chunk is measured.
 
 The same library, the same graph and the same kernels as llama-imatrix give the same activations, so
-the sums agree with llama-imatrix's to float rounding (tests/test_imatrix.py compares them).
+the sums agree with llama-imatrix's to float rounding (tests/test_imatrix_oracle.py compares them).
+What the sums become, an importance matrix, is the runtime's (`localrt/runtime/calibration.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 
 from localrt import config
-from localrt.converters import imatrix as imatrix_io
 from localrt.errors import LocalrtError
 
 F32 = np.float32
@@ -206,12 +205,6 @@ class Collector:
     def _advance(self, counts: np.ndarray) -> None:
         self.last_chunk = max(self.last_chunk, int(counts.max()) // self.chunk_size)
 
-    def result(self, datasets: list[str]) -> imatrix_io.Imatrix:
-        im = imatrix_io.Imatrix(datasets=datasets, chunk_count=self.last_chunk, chunk_size=self.chunk_size)
-        for name in sorted(self.sums):
-            im.entries[name] = imatrix_io.Entry(self.sums[name].copy(), self.counts[name].copy())
-        return im
-
 
 def _accumulate(acc: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """acc + rows[0]^2 + rows[1]^2 + ... left to right in float32 (numpy adds an outer axis in order)."""
@@ -222,8 +215,14 @@ def _accumulate(acc: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 @dataclass
-class Result:
-    imatrix: imatrix_io.Imatrix
+class Activations:
+    """What one run over the text collected: per weight, the sums of squared activations (n_mat, ne0)
+    and the rows counted (n_mat,), with the chunking that produced them and the text's perplexity."""
+
+    sums: dict[str, np.ndarray]
+    counts: dict[str, np.ndarray]
+    chunk_count: int
+    chunk_size: int
     perplexity: float
     ppl_error: float
     tokens: int
@@ -231,16 +230,15 @@ class Result:
     seconds: float
 
 
-def compute(
+def collect(
     model_path: Path,
     text: str,
-    dataset: str,
     ctx: int = 512,
     chunks: int = -1,
     threads: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
-) -> Result:
-    """Run `model_path` over `text` in chunks of `ctx` and collect its importance matrix."""
+) -> Activations:
+    """Run `model_path` over `text` in chunks of `ctx` and collect its activations."""
     import llama_cpp
 
     if ctx < 8:
@@ -257,7 +255,7 @@ def compute(
     if not model:
         raise LocalrtError(f"llama.cpp could not load {model_path}")
     try:
-        return _run(llama_cpp, lib, model, text, dataset, ctx, chunks, threads, progress)
+        return _run(llama_cpp, lib, model, text, ctx, chunks, threads, progress)
     finally:
         llama_cpp.llama_model_free(model)
 
@@ -279,12 +277,11 @@ def _run(
     lib: ctypes.CDLL,
     model: Any,
     text: str,
-    dataset: str,
     ctx: int,
     chunks: int,
     threads: int,
     progress: Callable[[int, int, float], None] | None,
-) -> Result:
+) -> Activations:
     vocab = llama_cpp.llama_model_get_vocab(model)
     tokens = _tokenize(llama_cpp, vocab, text)
     if len(tokens) < 2 * ctx:
@@ -327,7 +324,17 @@ def _run(
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(lctx)
     value, err = ppl.estimate()
-    return Result(collector.result([dataset]), value, err, n_chunk * ctx, n_chunk, time.monotonic() - start)
+    return Activations(
+        sums=collector.sums,
+        counts=collector.counts,
+        chunk_count=collector.last_chunk,
+        chunk_size=ctx,
+        perplexity=value,
+        ppl_error=err,
+        tokens=n_chunk * ctx,
+        chunks=n_chunk,
+        seconds=time.monotonic() - start,
+    )
 
 
 def _decode_group(
@@ -394,64 +401,3 @@ class _Perplexity:
         ppl = math.exp(nll)
         err = math.sqrt(var / (self.count - 1)) * ppl if var > 0 and self.count > 1 else float("nan")
         return ppl, err
-
-
-# ---- CLI ---------------------------------------------------------------------------------------------
-def imatrix_command(args: Any) -> int:
-    """`localrt imatrix NAME|FILE.gguf --text FILE [-o imatrix.gguf] [--ctx 512] [--chunks N] [--threads N]`."""
-    from localrt.eval import model_path
-
-    try:
-        text = Path(args.text).read_text(encoding="utf-8")
-    except OSError as e:
-        raise LocalrtError(f"cannot read {args.text}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise LocalrtError(f"{args.text} is not UTF-8 text") from None
-    out = Path(args.output or "imatrix.gguf")
-    if not out.parent.is_dir():
-        raise LocalrtError(f"output directory {out.parent} does not exist")
-    path = model_path(args.model)
-    result = _compute_with_progress(path, text, args.text, args.ctx or 512, args.chunks, args.threads or 0)
-    imatrix_io.write(result.imatrix, out)
-    print(
-        f"Final estimate: PPL = {result.perplexity:.4f} +/- {result.ppl_error:.5f} "
-        f"({result.chunks} chunks of {args.ctx or 512} tokens, {result.tokens / result.seconds:.1f} tokens/s)"
-    )
-    print(f"wrote {out}: {len(result.imatrix.entries)} entries", file=sys.stderr)
-    return 0
-
-
-def _compute_with_progress(
-    path: Path, text: str, dataset: str, ctx: int, chunks: int, threads: int
-) -> Result:
-    from rich.console import Console
-    from rich.progress import BarColumn
-    from rich.progress import MofNCompleteColumn
-    from rich.progress import Progress
-    from rich.progress import TextColumn
-    from rich.progress import TimeRemainingColumn
-
-    console = Console(stderr=True)
-    if not console.is_terminal:
-
-        def log(done: int, total: int, seconds: float) -> None:
-            rate = done * ctx / seconds if seconds > 0 else 0.0
-            print(f"imatrix: chunk {done}/{total}, {rate:.1f} tokens/s", file=sys.stderr)
-
-        return compute(path, text, dataset, ctx, chunks, threads, log)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]}"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("imatrix chunks", total=None, rate="")
-
-        def update(done: int, total: int, seconds: float) -> None:
-            rate = done * ctx / seconds if seconds > 0 else 0.0
-            bar.update(task, completed=done, total=total, rate=f"{rate:.0f} tokens/s")
-
-        return compute(path, text, dataset, ctx, chunks, threads, update)

@@ -22,7 +22,7 @@ from localrt.backends.mlx.gguf_load import EXACT  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.gguf_load import QuantizedWeight  # noqa: E402
 from localrt.backends.mlx.gguf_load import repack  # noqa: E402
-from localrt.backends.mlx.model import Transformer  # noqa: E402
+from localrt.backends.mlx.llama import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
 from localrt.backends.mlx.sampling import RowSampler  # noqa: E402
 from localrt.converters.quants import bf16_to_f32  # noqa: E402
@@ -99,8 +99,8 @@ def test_gguf_file_types_load_quantized_or_dense(tmp_path: Path) -> None:
 def _logits_pair(path: Path, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
     torch = pytest.importorskip("torch")
     from localrt.backends.torch.gguf_load import GGUFTensors as TorchTensors
-    from localrt.backends.torch.model import DenseCausal
-    from localrt.backends.torch.model import Transformer as TorchTransformer
+    from localrt.backends.torch.llama import DenseCausal
+    from localrt.backends.torch.llama import Transformer as TorchTransformer
 
     model = Transformer(GGUFTensors(path), mx.float32)
     got = np.array(model(mx.array(tokens), make_caches(model.cfg.block_count, "f32")))

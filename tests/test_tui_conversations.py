@@ -17,16 +17,16 @@ from localrt.errors import ModelNotFound
 from localrt.errors import OptionError
 from localrt.runtime.options import Options
 from localrt.runtime.options import validate_option
+from localrt.tui.conversations import SCHEMA_VERSION
+from localrt.tui.conversations import ConversationStore
+from localrt.tui.conversations import Message
+from localrt.tui.conversations import Settings
+from localrt.tui.conversations import default_path
+from localrt.tui.conversations import make_title
+from localrt.tui.conversations import slug
+from localrt.tui.conversations import to_markdown
 from localrt.tui.settings import parse_fields
 from localrt.tui.settings import summary
-from localrt.tui.store import SCHEMA_VERSION
-from localrt.tui.store import ConversationStore
-from localrt.tui.store import Message
-from localrt.tui.store import Settings
-from localrt.tui.store import default_path
-from localrt.tui.store import make_title
-from localrt.tui.store import slug
-from localrt.tui.store import to_markdown
 
 T0 = 1_700_000_000.0
 
@@ -133,7 +133,7 @@ def test_default_path_honours_localrt_data(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_markdown_export() -> None:
-    from localrt.tui.store import Conversation
+    from localrt.tui.conversations import Conversation
 
     conv = Conversation(
         1,
@@ -255,7 +255,7 @@ def test_the_stylesheet_ships_with_the_package() -> None:
 def test_a_version_1_database_gains_the_thinking_column(tmp_path: Path) -> None:
     import sqlite3
 
-    from localrt.tui.store import MIGRATIONS
+    from localrt.tui.conversations import MIGRATIONS
 
     path = tmp_path / "old.db"
     raw = sqlite3.connect(path)

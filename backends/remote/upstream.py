@@ -1,5 +1,6 @@
-"""The OpenAI wire for the remote backend: request bodies from our requests, and the upstream's answer
-(server-sent events or one JSON object) back into text events, tool calls, logprobs and timings."""
+"""What the remote backend says to an upstream and reads back, in OpenAI's format: request bodies from
+our requests, and the upstream's answer (server-sent events or one JSON object) back into text events,
+tool calls, logprobs and timings."""
 
 from __future__ import annotations
 

@@ -23,10 +23,10 @@ from localrt.backends.torch.attention import SeqChunk  # noqa: E402
 from localrt.backends.torch.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.torch.gguf_load import dequantize  # noqa: E402
 from localrt.backends.torch.kv_cache import KVCache  # noqa: E402
-from localrt.backends.torch.model import DenseCausal  # noqa: E402
-from localrt.backends.torch.model import LlamaConfig  # noqa: E402
-from localrt.backends.torch.model import Transformer  # noqa: E402
-from localrt.backends.torch.model import random_transformer  # noqa: E402
+from localrt.backends.torch.llama import DenseCausal  # noqa: E402
+from localrt.backends.torch.llama import LlamaConfig  # noqa: E402
+from localrt.backends.torch.llama import Transformer  # noqa: E402
+from localrt.backends.torch.llama import random_transformer  # noqa: E402
 from tests.gguf_factory import write_tiny_llama  # noqa: E402
 
 # byte offsets of the fp16 scale fields in each block (random bytes there could be NaN or inf)
@@ -248,7 +248,7 @@ def test_smollm2_equals_fp32_reference(smollm2: Transformer, smollm2_gguf: Path)
 def test_neox_rope_pairs_halves() -> None:
     cfg = LlamaConfig("qwen2", 16, 64, 32, 64, 1, 2, 2, 16, rope_neox=True)
     normal = LlamaConfig("llama", 16, 64, 32, 64, 1, 2, 2, 16)
-    from localrt.backends.torch.model import Rotary
+    from localrt.backends.torch.llama import Rotary
 
     x = torch.randn(3, 2, 16)
     pos = torch.tensor([0, 1, 5])
