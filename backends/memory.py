@@ -36,10 +36,21 @@ class MemoryEstimate:
     projector: int = 0
     draft: int = 0
     device: str = "CPU"
+    gpu: int = 0  # of the total, the bytes that go to GPU memory (layers offloaded, their KV, buffers)
+    gpu_free: int | None = None  # the GPUs' room when estimated (None: no GPU)
 
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.buffers + self.projector + self.draft
+
+    @property
+    def ram(self) -> int:
+        """What stays in system memory: the total less the GPU's part."""
+        return self.total - self.gpu
+
+    def fits(self, available_ram: int) -> bool:
+        """The RAM part fits what is left, and the GPU part fits the GPUs' room."""
+        return self.ram <= available_ram and (self.gpu_free is None or self.gpu <= self.gpu_free)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -51,6 +62,7 @@ class MemoryEstimate:
             "buffers": self.buffers,
             "projector": self.projector,
             "draft": self.draft,
+            "gpu": self.gpu,
             "context_length": self.context_length,
             "parallel": self.parallel,
         }
@@ -69,6 +81,9 @@ class MemoryEstimate:
         if self.draft:
             rows.append(("draft model", human_bytes(self.draft)))
         rows.append(("total", human_bytes(self.total)))
+        if self.gpu:
+            rows.append(("on GPU", human_bytes(self.gpu)))
+            rows.append(("in RAM", human_bytes(self.ram)))
         return [f"{name:<12}{value}" for name, value in rows]
 
 

@@ -19,6 +19,7 @@ from localrt.backends.devices import ComputeDevice
 from localrt.backends.devices import gpu_room
 from localrt.backends.llamacpp.memory import estimate as llamacpp_estimate
 from localrt.backends.llamacpp.memory import gpu_layers
+from localrt.backends.memory import MemoryEstimate
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
 from tests.servers.serve import LocalrtServer
@@ -281,3 +282,35 @@ def test_no_gpu_means_no_gpu_room() -> None:
 
 def test_this_cpu_build_estimates_for_the_cpu(smollm2_gguf: Path) -> None:
     assert llamacpp_estimate(smollm2_gguf, GPU_OPTS).device == "CPU"
+
+
+# ---- the GPU's part and the RAM's part of one estimate ------------------------------------------------
+def test_no_gpu_room_leaves_everything_in_ram(smollm2_gguf: Path) -> None:
+    assert llamacpp_estimate(smollm2_gguf, GPU_OPTS, room=0).gpu == 0
+
+
+def test_every_layer_offloaded_leaves_less_than_the_file_in_ram(smollm2_gguf: Path) -> None:
+    """Only the token embeddings (and what llama.cpp keeps on the host) stay in RAM."""
+    est = llamacpp_estimate(smollm2_gguf, GPU_OPTS, room=1 << 40)
+    assert est.ram < est.weights
+
+
+def test_the_gpu_part_fits_the_room_it_was_sized_for(smollm2_gguf: Path) -> None:
+    room = llamacpp_estimate(smollm2_gguf, GPU_OPTS, room=None).total // 2
+    assert llamacpp_estimate(smollm2_gguf, GPU_OPTS, room=room).gpu <= room
+
+
+def test_more_gpu_room_never_moves_more_into_ram(smollm2_gguf: Path) -> None:
+    total = llamacpp_estimate(smollm2_gguf, GPU_OPTS, room=None).total
+    rams = [llamacpp_estimate(smollm2_gguf, GPU_OPTS, room=total * k // 10).ram for k in range(11)]
+    assert rams == sorted(rams, reverse=True)
+
+
+def test_an_estimate_whose_gpu_part_overflows_the_gpus_does_not_fit() -> None:
+    est = MemoryEstimate("llama.cpp", 8 << 30, 0, 0, 4096, 1, gpu=6 << 30, gpu_free=4 << 30)
+    assert not est.fits(1 << 40)
+
+
+def test_the_ram_check_counts_only_the_ram_part() -> None:
+    est = MemoryEstimate("llama.cpp", 8 << 30, 0, 0, 4096, 1, gpu=6 << 30, gpu_free=8 << 30)
+    assert est.fits(3 << 30)

@@ -73,34 +73,53 @@ def padded(context: int) -> int:
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
-def gpu_layers(path: Path, opts: LoadOptions, room: int) -> int:
-    """`n_gpu_layers` for "as many layers as fit" in `room` bytes of GPU memory. llama.cpp puts the last
-    n blocks on the GPU, each with its weights and its share of the KV cache, and the output layer too
-    once n passes the block count; the compute buffers are set aside first. 0 when not one block fits."""
+def layer_bytes(path: Path, opts: LoadOptions) -> tuple[list[int], int, int]:
+    """(each block's bytes on a GPU: its weights and its share of the KV cache, the output layer's
+    bytes, the compute buffers')."""
     shape = model_shape(path)
     context = context_for(shape, opts.num_ctx)
     per_token = kv_bytes_per_token(shape.text_metadata(), opts.kv_cache_type)
     parallel = parallel_for(per_token * context, opts.num_parallel)
     n_layer = max(1, shape.n_layer)
     kv_per_block = per_token * padded(context) * parallel // n_layer
-    blocks, output = [0] * n_layer, 0
+    blocks, output = [kv_per_block] * n_layer, 0
     for t in shape.info.tensors:
         m = _BLOCK.match(t.name)
         if m is not None and int(m[1]) < n_layer:
             blocks[int(m[1])] += t.n_bytes
         elif t.name.startswith("output"):
             output += t.n_bytes
-    left = room - (BUFFER_BASE + BUFFER_PER_VOCAB_TOKEN * shape.n_vocab)
+    return blocks, output, BUFFER_BASE + BUFFER_PER_VOCAB_TOKEN * shape.n_vocab
+
+
+def gpu_layers(path: Path, opts: LoadOptions, room: int) -> int:
+    """`n_gpu_layers` for "as many layers as fit" in `room` bytes of GPU memory. llama.cpp puts the last
+    n blocks on the GPU, each with its weights and its share of the KV cache, and the output layer too
+    once n passes the block count; the compute buffers are set aside first. 0 when not one block fits."""
+    blocks, output, buffers = layer_bytes(path, opts)
+    left = room - buffers
     placed = 0
     for block in reversed(blocks):
-        if block + kv_per_block > left:
+        if block > left:
             return placed
-        left -= block + kv_per_block
+        left -= block
         placed += 1
     return placed + 1 if output <= left else placed
 
 
-def estimate(path: Path, opts: LoadOptions) -> MemoryEstimate:
+def gpu_bytes(path: Path, opts: LoadOptions, layers: int) -> int:
+    """What `layers` offloaded layers take on the GPU: the last blocks, the output layer once `layers`
+    passes the block count, and the compute buffers (none when nothing is offloaded)."""
+    if layers <= 0:
+        return 0
+    blocks, output, buffers = layer_bytes(path, opts)
+    placed = blocks[len(blocks) - min(layers, len(blocks)) :]
+    return buffers + sum(placed) + (output if layers > len(blocks) else 0)
+
+
+def estimate(path: Path, opts: LoadOptions, room: int | None | bool = True) -> MemoryEstimate:
+    """The estimate, with the GPU's part for the GPUs' free memory now (`room` True), or for `room` bytes
+    of GPU memory (None: no GPU)."""
     shape = model_shape(path)
     metadata = shape.text_metadata()
     context = context_for(shape, opts.num_ctx)
@@ -111,12 +130,14 @@ def estimate(path: Path, opts: LoadOptions) -> MemoryEstimate:
     if opts.draft_model is not None:  # the draft gets a context with the target's parameters
         draft_meta = model_shape(opts.draft_model).text_metadata()
         draft = file_size(opts.draft_model) + kv_bytes_per_token(draft_meta, opts.kv_cache_type) * kv_tokens
-    room = gpu_room(compute_devices(), config.gpu_overhead()) if opts.num_gpu != 0 else None
+    if room is True:
+        room = gpu_room(compute_devices(), config.gpu_overhead()) if opts.num_gpu != 0 else None
+    layers = 0
     if room is None:
         device = "CPU"
     else:  # the layers llama.cpp would get on the GPUs as asked, of the blocks and the output layer
-        layers = gpu_layers(path, opts, room) if opts.num_gpu < 0 else opts.num_gpu
-        device = f"GPU: {min(layers, shape.n_layer + 1)} of {shape.n_layer + 1} layers"
+        layers = min(gpu_layers(path, opts, room) if opts.num_gpu < 0 else opts.num_gpu, shape.n_layer + 1)
+        device = f"GPU: {layers} of {shape.n_layer + 1} layers"
     return MemoryEstimate(
         backend="llama.cpp",
         device=device,
@@ -127,4 +148,6 @@ def estimate(path: Path, opts: LoadOptions) -> MemoryEstimate:
         parallel=parallel,
         projector=file_size(opts.projector),
         draft=draft,
+        gpu=gpu_bytes(path, opts, layers) if room is not None else 0,
+        gpu_free=room,
     )

@@ -366,7 +366,7 @@ class ModelPool:
                     continue
                 if fit is not None:
                     load_opts = fit.opts
-                    self._reserved[key] = fit.estimate.total
+                    self._reserved[key] = fit.estimate.ram
                 self._unloaded_for_room = 0
                 self._loading.add(key)
                 break
@@ -456,7 +456,7 @@ class ModelPool:
         victim = self._lru_idle()
         if fits is not None:
             available, source = self._available()
-            hopeless = fits[-1].estimate.total > available + self._held()
+            hopeless = not fits[-1].estimate.fits(available + self._held())
             if hopeless or (victim is None and not self._local_count()):
                 unloaded, self._unloaded_for_room = self._unloaded_for_room, 0
                 raise memory.refusal(fits, available, source, unloaded)
@@ -469,7 +469,7 @@ class ModelPool:
     def _fit(self, fits: list[memory.Fit]) -> memory.Fit | None:
         """The first settings on the ladder that fit the room left, or None."""
         available, _ = self._available()
-        return next((f for f in fits if f.estimate.total <= available), None)
+        return next((f for f in fits if f.estimate.fits(available)), None)
 
     def _available(self) -> tuple[int, str]:
         """Bytes a new load may take now, and where the figure comes from. The free RAM already excludes

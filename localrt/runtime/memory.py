@@ -60,6 +60,14 @@ def ladder(backend: str, path: Path, opts: LoadOptions) -> list[Fit]:
         o = replace(opts, num_parallel=parallel, num_ctx=context)
         changes = (f"parallel {asked_parallel} -> {parallel}",) if parallel != asked_parallel else ()
         fits.append(Fit(o, estimate(backend, path, o), (*changes, f"context {asked_context} -> {context}")))
+    last = fits[-1]
+    if opts.num_gpu > 0 and last.estimate.gpu_free is not None and last.estimate.gpu > last.estimate.gpu_free:
+        # the layers asked for do not fit the GPUs even at the smallest settings: as many as fit
+        o = replace(last.opts, num_gpu=-1)
+        fitted = estimate(backend, path, o)
+        fits.append(
+            Fit(o, fitted, (*last.changes, f"GPU layers {opts.num_gpu} -> as many as fit ({fitted.device})"))
+        )
     return fits
 
 
@@ -75,11 +83,11 @@ def room(held: int) -> tuple[int, str]:
 
 def refusal(fits: list[Fit], available: int, source: str, unloaded: int) -> InsufficientMemory:
     """Ollama's words, then what was tried."""
-    need = fits[0].estimate.total
+    need = fits[0].estimate.ram
     smallest = fits[-1]
     tried = [f"unloaded {unloaded} idle model{'s' * (unloaded != 1)}"] if unloaded else []
     tried += list(smallest.changes)
-    detail = f"; tried {', '.join(tried)} (still {human_bytes(smallest.estimate.total)})" if tried else ""
+    detail = f"; tried {', '.join(tried)} (still {human_bytes(smallest.estimate.ram)})" if tried else ""
     return InsufficientMemory(
         f"model requires more system memory ({human_bytes(need)}) than is available "
         f"({human_bytes(max(0, available))}, {source}){detail}"
@@ -106,4 +114,4 @@ def for_model(store: Store, model: str, options: Mapping[str, Any] | None = None
 def fits_now(estimate: MemoryEstimate) -> tuple[bool, int, str]:
     """Whether the estimate fits what this machine (or LOCALRT_MAX_MEMORY) leaves now."""
     available, source = room(0)
-    return estimate.total <= available, available, source
+    return estimate.fits(available), available, source
