@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from localrt import config
 from localrt.backends.base import LoadOptions
 from localrt.backends.memory import MemoryEstimate
 from localrt.backends.memory import ModelShape
@@ -33,6 +34,17 @@ def _cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # not installed, or no working CUDA runtime
         return False
+
+
+def _cuda_room() -> int | None:
+    """The CUDA device's free memory less LOCALRT_GPU_OVERHEAD, or None where it cannot be asked."""
+    try:
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+    except Exception:  # no working CUDA runtime
+        return None
+    return max(0, int(free) - config.gpu_overhead())
 
 
 def _device(opts: LoadOptions) -> str:
@@ -107,13 +119,18 @@ def estimate(path: Path, opts: LoadOptions) -> MemoryEstimate:
     if opts.draft_model is not None:
         draft = weight_bytes(model_shape(opts.draft_model), numerics == "quantized", dense)
     weights = weight_bytes(shape, numerics == "quantized", dense)
+    kv = kv_bytes(shape, opts, context, parallel)
+    # on CUDA the weights and the KV cache live on the device; the buffers stay on the host
+    on_gpu = device == "cuda"
     return MemoryEstimate(
         backend="torch",
         weights=weights,
-        kv=kv_bytes(shape, opts, context, parallel),
+        kv=kv,
         buffers=RUNTIME_BASE + int(LOAD_SHARE * weights),
         context_length=context,
         parallel=parallel,
         draft=draft,
-        device="GPU" if device == "cuda" else "CPU",
+        device="GPU" if on_gpu else "CPU",
+        gpu=weights + kv + draft if on_gpu else 0,
+        gpu_free=_cuda_room() if on_gpu else None,
     )
