@@ -30,12 +30,8 @@ class GGUFTensorSource:
         return self.info.metadata
 
     def text_metadata(self) -> dict[str, str]:
-        """The metadata's single values as text (the loaded model's `metadata`); arrays are left out."""
-        return {
-            k: str(v)
-            for k, v in self.metadata.items()
-            if not isinstance(v, (list, tuple)) and not hasattr(v, "tobytes")
-        }
+        """The metadata's single values as text (the loaded model's `metadata`)."""
+        return self.info.text_metadata()
 
     def vocabulary(self) -> list[Any]:
         """The tokenizer's entries (`tokenizer.ggml.tokens`), empty when the file has none."""

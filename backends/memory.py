@@ -109,8 +109,10 @@ class ModelShape:
     sliding_window: int  # 0 when no layer slides
     sliding_layers: int
 
+    @functools.cached_property
     def text_metadata(self) -> dict[str, str]:
-        return {k: str(v) for k, v in self.info.metadata.items() if not isinstance(v, (list, tuple))}
+        """The header's single values as text, made once per file (the shape is cached per file)."""
+        return self.info.text_metadata()
 
 
 def model_shape(path: Path | str) -> ModelShape:

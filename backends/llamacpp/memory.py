@@ -78,7 +78,7 @@ def layer_bytes(path: Path, opts: LoadOptions) -> tuple[list[int], int, int]:
     bytes, the compute buffers')."""
     shape = model_shape(path)
     context = context_for(shape, opts.num_ctx)
-    per_token = kv_bytes_per_token(shape.text_metadata(), opts.kv_cache_type)
+    per_token = kv_bytes_per_token(shape.text_metadata, opts.kv_cache_type)
     parallel = parallel_for(per_token * context, opts.num_parallel)
     n_layer = max(1, shape.n_layer)
     kv_per_block = per_token * padded(context) * parallel // n_layer
@@ -121,14 +121,14 @@ def estimate(path: Path, opts: LoadOptions, room: int | None | bool = True) -> M
     """The estimate, with the GPU's part for the GPUs' free memory now (`room` True), or for `room` bytes
     of GPU memory (None: no GPU)."""
     shape = model_shape(path)
-    metadata = shape.text_metadata()
+    metadata = shape.text_metadata
     context = context_for(shape, opts.num_ctx)
     per_token = kv_bytes_per_token(metadata, opts.kv_cache_type)
     parallel = parallel_for(per_token * context, opts.num_parallel)
     kv_tokens = padded(context) * parallel
     draft = 0
     if opts.draft_model is not None:  # the draft gets a context with the target's parameters
-        draft_meta = model_shape(opts.draft_model).text_metadata()
+        draft_meta = model_shape(opts.draft_model).text_metadata
         draft = file_size(opts.draft_model) + kv_bytes_per_token(draft_meta, opts.kv_cache_type) * kv_tokens
     if room is True:
         room = gpu_room(compute_devices(), config.gpu_overhead()) if opts.num_gpu != 0 else None

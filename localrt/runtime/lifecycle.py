@@ -320,11 +320,8 @@ class ModelPool:
             projector=resolved.projector_path,
             adapters=tuple(resolved.adapter_paths),
         )
-        fits = (
-            await asyncio.to_thread(memory.ladder, backend, resolved.model_path, load_opts)
-            if loader.in_memory
-            else []
-        )
+        # the settings to try are estimated only when a load is due: a loaded model's requests skip it
+        fits: list[memory.Fit] | None = None if loader.in_memory else []
         load_key = (
             backend,
             str(resolved.model_path),
@@ -359,6 +356,13 @@ class ModelPool:
                     return entry, False
                 if loader.in_memory and self._local_count() >= self.max_loaded:
                     await self._make_room()
+                    continue
+                if fits is None:  # estimated off the lock (it reads the file's header), then look again
+                    self._cond.release()
+                    try:
+                        fits = await asyncio.to_thread(memory.ladder, backend, resolved.model_path, load_opts)
+                    finally:
+                        await self._cond.acquire()
                     continue
                 fit = self._fit(fits)
                 if fits and fit is None:

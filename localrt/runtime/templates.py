@@ -334,14 +334,24 @@ class RenderedPrompt:
         return "".join(s for s, _ in self.segments)
 
 
+@functools.lru_cache(maxsize=16)
+def _special_parts(specials: tuple[str, ...]) -> tuple[re.Pattern[str], frozenset[str], frozenset[str], int]:
+    """For one vocabulary's special tokens: the pattern finding them (and the placeholders' marks), every
+    proper prefix and every proper suffix of them, and the longest such fragment. Built once: a model
+    such as Gemma 3 has thousands of special tokens, and a prompt thousands of strings to check."""
+    pattern = re.compile("|".join(re.escape(t) for t in [*specials, "\ue000", "\ue001"]))
+    prefixes = frozenset(s[:n] for s in specials for n in range(1, len(s)))
+    suffixes = frozenset(s[-n:] for s in specials for n in range(1, len(s)))
+    return pattern, prefixes, suffixes, max((len(s) - 1 for s in specials), default=0)
+
+
 class _Protector:
     """Swaps special-token text (and fragments that could complete one) in user strings for placeholders."""
 
     def __init__(self, special_tokens: Sequence[str]) -> None:
-        specials = sorted({t for t in special_tokens if t}, key=len, reverse=True)
+        specials = tuple(sorted({t for t in special_tokens if t}, key=len, reverse=True))
         self.specials = specials
-        pattern = "|".join(re.escape(t) for t in [*specials, "\ue000", "\ue001"])
-        self.pattern = re.compile(pattern)
+        self.pattern, self.prefixes, self.suffixes, self.longest = _special_parts(specials)
         self.originals: list[str] = []
 
     def _hold(self, text: str) -> str:
@@ -350,17 +360,11 @@ class _Protector:
 
     def protect_text(self, text: str) -> str:
         out = self.pattern.sub(lambda m: self._hold(m.group(0)), text)
-        # a fragment at either end could join the template's text into a special token
-        head = tail = ""
-        for special in self.specials:
-            for n in range(min(len(special) - 1, len(out)), 0, -1):
-                if len(tail) < n and out.endswith(special[:n]) and "\ue001" not in out[-n:]:
-                    tail = out[-n:]
-                    break
-            for n in range(min(len(special) - 1, len(out)), 0, -1):
-                if len(head) < n and out.startswith(special[-n:]) and "\ue000" not in out[:n]:
-                    head = out[:n]
-                    break
+        # a fragment at either end could join the template's text into a special token: the longest end
+        # that begins a special token, and the longest start that ends one
+        sizes = range(min(self.longest, len(out)), 0, -1)
+        tail = next((out[-n:] for n in sizes if out[-n:] in self.prefixes and "\ue001" not in out[-n:]), "")
+        head = next((out[:n] for n in sizes if out[:n] in self.suffixes and "\ue000" not in out[:n]), "")
         if tail and len(tail) < len(out):
             out = out[: -len(tail)] + self._hold(tail)
         if head and len(head) < len(out):

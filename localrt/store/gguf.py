@@ -223,6 +223,10 @@ class GGUFInfo:
     # within the reader's memory bound.
     metadata_offsets: array.array = field(default_factory=lambda: array.array("Q"), repr=False)
 
+    def text_metadata(self) -> dict[str, str]:
+        """The single values as text; arrays (the vocabulary, 262k entries on Gemma 3) are left out."""
+        return {k: str(v) for k, v in self.metadata.items() if isinstance(v, (str, int, float, bool))}
+
     def metadata_spans(self) -> dict[str, tuple[int, int]]:
         """Each key's entry as [start, end) bytes of the file, key included."""
         o = self.metadata_offsets
