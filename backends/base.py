@@ -309,6 +309,8 @@ class EngineBackend:
     capabilities: Callable[[], Capabilities]
     availability: Callable[[], tuple[bool, str]] = importable
     estimate: Callable[[Path, LoadOptions], Any] | None = None  # -> backends.memory.MemoryEstimate
+    # models loaded from one file (with different adapters) hold its weights once, not once each
+    shares_weights: bool = False
 
     def load(self, path: Path | str, opts: LoadOptions) -> LoadedModel:
         return self.model_class(Path(path), opts)

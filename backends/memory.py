@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,16 @@ class MemoryEstimate:
     device: str = "CPU"
     gpu: int = 0  # of the total, the bytes that go to GPU memory (layers offloaded, their KV, buffers)
     gpu_free: int | None = None  # the GPUs' room when estimated (None: no GPU)
+    gpu_weights: int = 0  # of the GPU's part, the weights' bytes
+
+    @property
+    def weights_ram(self) -> int:
+        """The weights' bytes that stay in system memory."""
+        return self.weights - self.gpu_weights
+
+    def without_weights(self) -> MemoryEstimate:
+        """What the load adds where another loaded model already holds the same weights."""
+        return replace(self, weights=0, gpu=self.gpu - self.gpu_weights, gpu_weights=0)
 
     @property
     def total(self) -> int:

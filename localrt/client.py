@@ -68,6 +68,8 @@ class LoadedRow:
     expires_at: float | None  # epoch seconds; None = kept until stopped
     weight_bytes: int = 0  # the weights' share of size, where the backend reports it (torch); 0: unknown
     numerics: str = ""  # the torch engine's weights: "quantized", "dequantized", ...; "": not reported
+    # the other loaded models on the same weights (one base file, other adapters); the first loaded counts them
+    shares_weights_with: tuple[str, ...] = ()
 
 
 @dataclass
@@ -284,6 +286,7 @@ class RuntimeClient:
                 expires_at=row.expires_at,
                 weight_bytes=int(row.details.get("weight_bytes", 0)),
                 numerics=str(row.details.get("numerics", "")),
+                shares_weights_with=tuple(row.details.get("shares_weights_with", ())),
             )
             for row in self.runtime.ps()
         ]
@@ -566,6 +569,7 @@ class ServerClient:
                 expires_at=_epoch(m.expires_at),
                 weight_bytes=int((m.details or {}).get("weight_bytes") or 0),
                 numerics=str((m.details or {}).get("numerics") or ""),
+                shares_weights_with=tuple((m.details or {}).get("shares_weights_with") or ()),
             )
             for m in loaded.models
         ]

@@ -19,6 +19,8 @@ import httpx
 import ollama
 import pytest
 
+from localrt.backends.base import LoadOptions
+from localrt.backends.llamacpp.memory import estimate as llamacpp_estimate
 from localrt.errors import LocalrtError
 from localrt.store.importer import import_gguf
 from localrt.store.modelfile import create
@@ -272,6 +274,59 @@ def test_the_chat_routes_check_scales(server: LocalrtServer) -> None:
 def test_a_malformed_entry_is_refused(server: LocalrtServer) -> None:
     answer = generate(server, "lora:tiny", [{"id": 0}])  # type: ignore[list-item]
     assert answer.status_code == 400
+
+
+# ---- models made from one base with other adapters share its weights ---------------------------------
+def loaded(server: LocalrtServer) -> dict[str, dict]:
+    return {m["name"]: m for m in httpx.get(server.url + "/api/ps", timeout=30).json()["models"]}
+
+
+def load_both(server: LocalrtServer) -> None:
+    for model in ("base:tiny", "lora:tiny"):
+        assert generate(server, model).status_code == 200
+
+
+def test_ps_names_the_models_that_share_the_weights(server: LocalrtServer) -> None:
+    load_both(server)
+    assert loaded(server)["lora:tiny"]["details"]["shares_weights_with"] == ["base:tiny"]
+
+
+def test_shared_weights_count_once_in_ps(server: LocalrtServer, files: dict[str, Path]) -> None:
+    """The first of the two loaded counts the weights; the other only its own context and adapter."""
+    load_both(server)
+    sizes = sorted(m["size"] for name, m in loaded(server).items() if name in ("base:tiny", "lora:tiny"))
+    assert sizes[0] < files["base"].stat().st_size
+
+
+def test_the_model_that_stays_counts_the_weights(server: LocalrtServer, files: dict[str, Path]) -> None:
+    load_both(server)
+    unload = {"model": "base:tiny", "keep_alive": 0, "stream": False}
+    assert httpx.post(server.url + "/api/generate", json=unload, timeout=60).status_code == 200
+    assert loaded(server)["lora:tiny"]["size"] >= files["base"].stat().st_size
+
+
+def test_the_base_answers_as_itself_beside_its_adapter_model(server: LocalrtServer) -> None:
+    """The adapter is set on the adapter model's own context, never on the weights both run on."""
+    load_both(server)
+    assert text(server, "base:tiny") == text(server, "lora:tiny", [{"id": 0, "scale": 0.0}])
+
+
+def test_an_adapter_model_fits_beside_its_base_where_two_copies_would_not(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    """LOCALRT_MAX_MEMORY holds both loads with one copy of the weights, not with two."""
+    full = llamacpp_estimate(files["base"], LoadOptions(num_ctx=CTX, num_parallel=1))
+    limit = full.total + full.without_weights().total + full.weights // 2
+    store = Store(tmp_path / "models")
+    import_gguf(store, "base:tiny", files["base"], params={"num_ctx": CTX})
+    create("lora:tiny", modelfile_text=f"FROM base:tiny\nADAPTER {files['lora']}\n", store=store)
+    env = {"LOCALRT_NUM_PARALLEL": "1", "LOCALRT_BACKEND": "llama.cpp", "LOCALRT_MAX_MEMORY": str(limit)}
+    srv = LocalrtServer(tmp_path / "models", tmp_path / "serve.log", env={**env, "LOCALRT_KEEP_ALIVE": "10m"})
+    try:
+        load_both(srv)
+        assert sorted(loaded(srv)) == ["base:tiny", "lora:tiny"]
+    finally:
+        srv.stop()
 
 
 def test_cached_prompts_are_reused_only_under_equal_scales(files: dict[str, Path]) -> None:

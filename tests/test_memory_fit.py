@@ -295,6 +295,19 @@ def test_every_layer_offloaded_leaves_less_than_the_file_in_ram(smollm2_gguf: Pa
     assert est.ram < est.weights
 
 
+def test_without_its_weights_a_fully_offloaded_load_puts_only_kv_and_buffers_on_the_gpu(
+    smollm2_gguf: Path,
+) -> None:
+    """A load whose weights another loaded model already holds (one base file, other adapters)."""
+    est = llamacpp_estimate(smollm2_gguf, GPU_OPTS, room=1 << 40).without_weights()
+    assert est.gpu == est.kv + est.buffers
+
+
+def test_without_its_weights_a_cpu_load_holds_its_kv_and_buffers(smollm2_gguf: Path) -> None:
+    est = llamacpp_estimate(smollm2_gguf, GPU_OPTS, room=None).without_weights()
+    assert est.ram == est.kv + est.buffers
+
+
 def test_the_gpu_part_fits_the_room_it_was_sized_for(smollm2_gguf: Path) -> None:
     room = llamacpp_estimate(smollm2_gguf, GPU_OPTS, room=None).total // 2
     assert llamacpp_estimate(smollm2_gguf, GPU_OPTS, room=room).gpu <= room

@@ -55,6 +55,7 @@ from .admission import copy_threshold
 from .lib import KV_TYPES
 from .lib import Batch
 from .lib import LoraAdapters
+from .lib import SharedWeights
 from .lib import _lib
 from .lib import check_kv_options
 from .lib import context_params
@@ -84,7 +85,9 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         check_kv_options(opts)
         self.path, self.opts = path, opts
         self.lib = _lib()
-        self.model, self.on_gpu = load_model(path, opts)
+        # another model on the same file (another adapter set) shares its weights: its own contexts over them
+        self.weights = SharedWeights.acquire(path, opts, self)
+        self.model, self.on_gpu = self.weights.model, self.weights.on_gpu
         self.adapters: LoraAdapters | None = None
         self.engine: BatchedContext | None = None
         self._draft_model: Any = None
@@ -94,7 +97,18 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         self._reranker: Reranker | None = None
         self._closed = False
         self._active = set()
+        self._own_bytes = 0  # what this model holds beside the weights (KV cache, adapters, draft, projector)
         self._load_or_free(lambda: self._setup(opts))
+
+    @property
+    def memory_bytes(self) -> int:
+        """Its own memory, and the weights where it is the first of the models sharing them (once in `ps`)."""
+        return self._own_bytes + (self.weights.size if self.weights.counts(self) else 0)
+
+    @property
+    def shared_weights(self) -> object:
+        """What identifies its weights in this process: models with the same one share them."""
+        return self.weights
 
     def _setup(self, opts: LoadOptions) -> None:
         m = self.model
@@ -147,10 +161,10 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             rerank=is_reranker(self.lib, m.model, self.metadata),
         )
         kv = per_token * self.context_length * self.n_parallel
-        self.memory_bytes = int(m.size()) + kv + (int(self._draft_model.size()) if self._draft_model else 0)
-        self.memory_bytes += sum(Path(p).stat().st_size for p in opts.adapters)
+        self._own_bytes = kv + (int(self._draft_model.size()) if self._draft_model else 0)
+        self._own_bytes += sum(Path(p).stat().st_size for p in opts.adapters)
         if self._projector is not None:
-            self.memory_bytes += self._projector.size
+            self._own_bytes += self._projector.size
         if opts.embedding:
             self._embed_context()
 
@@ -383,8 +397,9 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             close_each(self._embed, self._projector, self._reranker)
             self._embed = self._projector = self._reranker = None
         # the adapters after every context that applies them, before the weights they sit on
-        close_each(self.adapters, self._draft_model, self.model)
+        close_each(self.adapters, self._draft_model)
         self.adapters = None
+        self.weights.release(self)
 
 
 def _end_timings(job: Job, generated: int | None) -> Timings:
@@ -412,4 +427,4 @@ def capabilities() -> Capabilities:
     )
 
 
-LlamaCppBackend = EngineBackend(NAME, LlamaCppModel, capabilities, estimate=estimate)
+LlamaCppBackend = EngineBackend(NAME, LlamaCppModel, capabilities, estimate=estimate, shares_weights=True)

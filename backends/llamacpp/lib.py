@@ -100,6 +100,57 @@ def load_model(path: Path, opts: LoadOptions) -> tuple[Any, bool]:
     return model, use_gpu and n_gpu != 0
 
 
+class SharedWeights:
+    """A GGUF's weights, loaded once in the process for every model that runs on them (models made from one
+    base with different LoRA adapters). Each holder makes its own contexts and adapters over them, and the
+    weights are freed when the last holder releases them. The first holder still holding them is the one
+    whose memory counts them (`counts`), so `ps` adds them up once."""
+
+    _lock = threading.Lock()
+    _loaded: dict[tuple[str, int], SharedWeights] = {}
+    _loading: dict[tuple[str, int], threading.Lock] = {}
+
+    def __init__(self, key: tuple[str, int], model: Any, on_gpu: bool) -> None:
+        self.key, self.model, self.on_gpu = key, model, on_gpu
+        self.size = int(model.size())
+        self.holders: list[object] = []
+
+    @classmethod
+    def acquire(cls, path: Path, opts: LoadOptions, holder: object) -> SharedWeights:
+        """The weights of `path` with `opts`' GPU layers, loaded now or already loaded, held by `holder`."""
+        key = (str(Path(path).resolve()), opts.num_gpu)
+        with cls._lock:
+            loading = cls._loading.setdefault(key, threading.Lock())
+        with loading:  # one load per file at a time; loads of other files go on meanwhile
+            with cls._lock:  # found and held in one step: a release cannot free it in between
+                weights = cls._loaded.get(key)
+                if weights is not None:
+                    weights.holders.append(holder)
+                    return weights
+            model, on_gpu = load_model(path, opts)
+            weights = cls(key, model, on_gpu)
+            with cls._lock:
+                cls._loaded[key] = weights
+                weights.holders.append(holder)
+        return weights
+
+    def counts(self, holder: object) -> bool:
+        """Whether `holder`'s memory includes the weights: the earliest holder still holding them."""
+        with self._lock:
+            return bool(self.holders) and self.holders[0] is holder
+
+    def release(self, holder: object) -> None:
+        """`holder` is done with the weights (its contexts and adapters closed); the last one frees them."""
+        with self._lock:
+            if holder in self.holders:
+                self.holders.remove(holder)
+            if self.holders:
+                return
+            if self._loaded.get(self.key) is self:
+                del self._loaded[self.key]
+        self.model.close()
+
+
 def context_params(opts: LoadOptions, n_ctx: int, step_tokens: int, n_seq_max: int, threads: int) -> Any:
     """A batched context's parameters: `n_ctx` cells over `n_seq_max` sequences, up to `step_tokens`
     batch rows a step."""

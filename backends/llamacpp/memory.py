@@ -132,22 +132,26 @@ def estimate(path: Path, opts: LoadOptions, room: int | None | bool = True) -> M
         draft = file_size(opts.draft_model) + kv_bytes_per_token(draft_meta, opts.kv_cache_type) * kv_tokens
     if room is True:
         room = gpu_room(compute_devices(), config.gpu_overhead()) if opts.num_gpu != 0 else None
-    layers = 0
+    layers = gpu = gpu_kv = 0
+    buffers = BUFFER_BASE + BUFFER_PER_VOCAB_TOKEN * shape.n_vocab
     if room is None:
         device = "CPU"
     else:  # the layers llama.cpp would get on the GPUs as asked, of the blocks and the output layer
         layers = min(gpu_layers(path, opts, room) if opts.num_gpu < 0 else opts.num_gpu, shape.n_layer + 1)
         device = f"GPU: {layers} of {shape.n_layer + 1} layers"
+        gpu = gpu_bytes(path, opts, layers)
+        gpu_kv = per_token * kv_tokens // max(1, shape.n_layer) * min(layers, shape.n_layer)
     return MemoryEstimate(
         backend="llama.cpp",
         device=device,
         weights=file_size(path),
         kv=per_token * kv_tokens,
-        buffers=BUFFER_BASE + BUFFER_PER_VOCAB_TOKEN * shape.n_vocab,
+        buffers=buffers,
         context_length=context,
         parallel=parallel,
         projector=file_size(opts.projector),
         draft=draft,
-        gpu=gpu_bytes(path, opts, layers) if room is not None else 0,
+        gpu=gpu,
         gpu_free=room,
+        gpu_weights=max(0, gpu - gpu_kv - buffers) if layers > 0 else 0,
     )

@@ -122,7 +122,13 @@ def cmd_ps(args: argparse.Namespace) -> int:
             [
                 m.name,
                 m.digest[:12],
-                human_size(m.size) + (f" (weights {human_size(m.weight_bytes)})" if m.weight_bytes else ""),
+                human_size(m.size)
+                + (f" (weights {human_size(m.weight_bytes)})" if m.weight_bytes else "")
+                + (
+                    f" (weights shared with {', '.join(m.shares_weights_with)})"
+                    if m.shares_weights_with
+                    else ""
+                ),
                 processor,
                 str(m.context_length or ""),
                 human_until(m.expires_at),

@@ -26,6 +26,7 @@ from localrt import config
 from localrt.backends import registry
 from localrt.backends.base import LoadedModel
 from localrt.backends.base import LoadOptions
+from localrt.backends.memory import MemoryEstimate
 from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 from localrt.errors import OptionError
@@ -83,7 +84,11 @@ class Entry:
     expires_at: float | None = None  # epoch
     timer: asyncio.TimerHandle | None = None
     stop_requested: bool = False  # `localrt stop`: unload as soon as the running requests finish
-    held_bytes: int = 0  # what the load was estimated to hold (0: not estimated)
+    held_bytes: int = 0  # what the load was estimated to hold beside shared weights (0: not estimated)
+    # the weights it shares with the other loads of the same file (the backend's `shares_weights`: llama.cpp),
+    # and their bytes in RAM, which count once however many loads share them; None: its own weights
+    base: tuple[Any, ...] | None = None
+    base_bytes: int = 0
 
 
 @dataclass(kw_only=True)
@@ -116,7 +121,9 @@ class LoadSpec:
     load_opts: LoadOptions
     load_key: tuple[Any, ...]
     draft: Path | None
-    held: int  # bytes the load was estimated to take (0: not estimated)
+    held: int  # bytes the load was estimated to take beside shared weights (0: not estimated)
+    base: tuple[Any, ...] | None = None  # Entry.base
+    base_bytes: int = 0
 
 
 class Loader(Protocol[E_co]):
@@ -165,6 +172,8 @@ class LocalLoader:
             preserve_tokens=preserve,
             slots=asyncio.Semaphore(max(1, model.capabilities.parallel_slots)),
             held_bytes=spec.held,
+            base=spec.base,
+            base_bytes=spec.base_bytes,
             fim_tokens=infill,
             fim_template=fim.suffix_branch(resolved.template),
         )
@@ -220,7 +229,10 @@ class ModelPool:
 
     # ---- what `ps`, `stop` and shutdown see ------------------------------------------------------
     def ps(self) -> list[LoadedInfo]:
-        return [_loaded_info(e) for e in sorted(self._entries.values(), key=lambda e: -e.last_used)]
+        entries = sorted(self._entries.values(), key=lambda e: -e.last_used)
+        return [
+            _loaded_info(e, [o.key for o in entries if o is not e and _same_weights(o, e)]) for e in entries
+        ]
 
     def queue_depth(self) -> dict[str, int]:
         """Requests waiting or running, per model (for /metrics)."""
@@ -322,6 +334,8 @@ class ModelPool:
         )
         # the settings to try are estimated only when a load is due: a loaded model's requests skip it
         fits: list[memory.Fit] | None = None if loader.in_memory else []
+        base = _weights_key(backend, resolved, opts) if loader.in_memory else None
+        base_bytes = held = 0
         load_key = (
             backend,
             str(resolved.model_path),
@@ -364,18 +378,23 @@ class ModelPool:
                     finally:
                         await self._cond.acquire()
                     continue
-                fit = self._fit(fits)
+                fit = self._fit(fits, base)
                 if fits and fit is None:
                     await self._make_room(fits)
                     continue
                 if fit is not None:
                     load_opts = fit.opts
-                    self._reserved[key] = fit.estimate.ram
+                    self._reserved[key] = self._adds(fit.estimate, base).ram
+                    if base is not None:  # the weights count in base_bytes, once for all their loads
+                        base_bytes = fit.estimate.weights_ram
+                        held = fit.estimate.without_weights().ram
+                    else:
+                        held = fit.estimate.ram
                 self._unloaded_for_room = 0
                 self._loading.add(key)
                 break
         # load outside the lock, so requests for other (loaded) models keep flowing
-        spec = LoadSpec(key, resolved, backend, load_opts, load_key, draft, self._reserved.get(key, 0))
+        spec = LoadSpec(key, resolved, backend, load_opts, load_key, draft, held, base, base_bytes)
         load: asyncio.Future[Entry] = asyncio.ensure_future(loader.load(spec))
         try:
             await asyncio.wait((load,))  # a cancelled wait leaves the load running
@@ -470,10 +489,18 @@ class ModelPool:
         else:
             await self._cond.wait()  # every loaded model is busy
 
-    def _fit(self, fits: list[memory.Fit]) -> memory.Fit | None:
+    def _fit(self, fits: list[memory.Fit], base: tuple[Any, ...] | None = None) -> memory.Fit | None:
         """The first settings on the ladder that fit the room left, or None."""
         available, _ = self._available()
-        return next((f for f in fits if f.estimate.fits(available)), None)
+        return next((f for f in fits if self._adds(f.estimate, base).fits(available)), None)
+
+    def _shares(self, base: tuple[Any, ...] | None) -> bool:
+        """Whether a loaded model holds the weights a load on `base` would share."""
+        return base is not None and any(e.base == base for e in self._entries.values())
+
+    def _adds(self, estimate: MemoryEstimate, base: tuple[Any, ...] | None) -> MemoryEstimate:
+        """What a load adds: without the weights where a loaded model already holds them."""
+        return estimate.without_weights() if self._shares(base) else estimate
 
     def _available(self) -> tuple[int, str]:
         """Bytes a new load may take now, and where the figure comes from. The free RAM already excludes
@@ -486,7 +513,8 @@ class ModelPool:
     def _held(self) -> int:
         """What loaded models and loads under way were estimated to hold."""
         loaded = sum(e.held_bytes for e in self._entries.values())
-        return loaded + sum(self._reserved.values())
+        shared = {e.base: e.base_bytes for e in self._entries.values() if e.base is not None}
+        return loaded + sum(shared.values()) + sum(self._reserved.values())
 
     def _local_count(self) -> int:
         """Models held in this process's memory; models served elsewhere do not count toward the limit."""
@@ -548,13 +576,31 @@ def parser_format(fmt: thinking.ModelFormat, resolved: ResolvedModel) -> thinkin
     )
 
 
-def _loaded_info(e: Entry) -> LoadedInfo:
+def _weights_key(backend: str, resolved: ResolvedModel, opts: Options) -> tuple[Any, ...] | None:
+    """What a load on `backend` shares with the other loads of the same file, where the backend shares
+    weights (Entry.base); None where each load holds its own."""
+    if not getattr(registry.get(backend), "shares_weights", False):
+        return None
+    return (backend, str(resolved.model_path), opts.num_gpu)
+
+
+def _same_weights(a: Entry, b: Entry) -> bool:
+    """Whether two loaded models run on one copy of the weights (the backend says so)."""
+    weights = getattr(a.model, "shared_weights", None)
+    return weights is not None and weights is getattr(b.model, "shared_weights", None)
+
+
+def _loaded_info(e: Entry, sharing: list[str]) -> LoadedInfo:
+    """`sharing`: the other loaded models on the same weights; the first of them loaded counts the
+    weights in its size, so the sizes add up to what is held."""
     on_gpu = bool(getattr(e.model, "on_gpu", False))
     size = int(e.model.memory_bytes)
-    details = {
+    details: dict[str, Any] = {
         "format": e.resolved.config.get("model_format", "gguf"),
         "family": e.family,
     }
+    if sharing:
+        details["shares_weights_with"] = sharing
     weights = getattr(e.model, "weight_bytes", None)  # backends that report their resident weights
     if callable(weights):
         details["weight_bytes"] = int(weights())
