@@ -207,6 +207,80 @@ def test_the_adapter_changes_the_greedy_tokens(files: dict[str, Path], tmp_path:
     )
 
 
+# ---- rsLoRA against PEFT itself ------------------------------------------------------------------------
+# llama.cpp's script writes lora_alpha unchanged whatever use_rslora says, so the oracle for rsLoRA's scale
+# (alpha / sqrt(rank), not alpha / rank) is PEFT's own forward pass on the same folder, in a child process
+# (importing peft loads triton: tests/conftest.py).
+PEFT_LOGITS = """
+import json, sys, torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+base, adapter, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+with torch.no_grad():
+    print(json.dumps(model(torch.tensor([ids])).logits[0].tolist()))
+"""
+IDS = [1, 25, 60, 7, 99, 14, 200, 33]
+
+
+def peft_logits(base: Path, adapter: Path) -> np.ndarray:
+    cmd = [sys.executable, "-c", PEFT_LOGITS, str(base), str(adapter), json.dumps(IDS)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return np.array(json.loads(proc.stdout), dtype=np.float32)[:-1]  # the rows score() gives
+
+
+def our_logits(files: dict[str, Path], adapter: Path, tmp_path: Path) -> np.ndarray:
+    from localrt.backends.base import LoadOptions
+    from localrt.backends.llamacpp import LlamaCppBackend
+
+    store = Store(tmp_path / "models")
+    create("rs:1", from_path=files["base"], adapters=[adapter], store=store)
+    resolved = store.resolve("rs:1")
+    opts = LoadOptions(
+        num_ctx=256, num_thread=2, num_parallel=1, kv_cache_type="f32", adapters=tuple(resolved.adapter_paths)
+    )
+    m = LlamaCppBackend.load(resolved.model_path, opts)
+    try:
+        logits = asyncio.run(m.score(IDS, return_logits=True)).logits
+    finally:
+        m.unload()
+    assert logits is not None
+    return logits
+
+
+@pytest.fixture(scope="module")
+def rslora(files: dict[str, Path]) -> Path:
+    """The fixture's PEFT folder with use_rslora: the same tensors under a scale sqrt(rank) times larger."""
+    out = files["work"] / "peft-rslora"
+    if not out.is_dir():
+        shutil.copytree(files["peft"], out)
+        config = json.loads((out / "adapter_config.json").read_text())
+        (out / "adapter_config.json").write_text(json.dumps({**config, "use_rslora": True}))
+    return out
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("kind", ["lora", "rslora"])
+def test_logits_under_the_converted_adapter_equal_pefts(
+    files: dict[str, Path], rslora: Path, tmp_path: Path, kind: str
+) -> None:
+    """Plain LoRA shows the comparison holds where llama.cpp's file agrees too; rsLoRA is the case
+    only PEFT can judge. llama.cpp's float32 and torch's differ by about 1e-3 of the largest logit on this
+    model; a wrong scale (alpha / rank for rsLoRA) moves them by about as much as the largest logit."""
+    adapter = files["peft"] if kind == "lora" else rslora
+    theirs = peft_logits(files["hf"], adapter)
+    assert np.abs(our_logits(files, adapter, tmp_path) - theirs).max() <= 1e-2 * np.abs(theirs).max()
+
+
+def test_rslora_moves_the_logits_away_from_plain_lora(
+    files: dict[str, Path], rslora: Path, tmp_path: Path
+) -> None:
+    """The rsLoRA comparison above means something only if its scale changes the output."""
+    plain = our_logits(files, files["peft"], tmp_path / "plain")
+    assert np.abs(our_logits(files, rslora, tmp_path / "rs") - plain).max() > 0.1 * np.abs(plain).max()
+
+
 # ---- the adapter against its base --------------------------------------------------------------------
 @pytest.mark.parametrize("adapter", ["peft", "lora"])  # a PEFT folder, a GGUF adapter
 def test_an_adapter_for_another_hidden_size_is_refused_naming_the_tensor(
