@@ -130,6 +130,8 @@ class CreateSpec:
 
 Message = Mapping[str, Any]
 StatusFn = Callable[[str], None]
+# the files of a PEFT adapter folder a server needs to convert it: its config, its weights, its model card
+PEFT_UPLOAD = ("adapter_config.json", "adapter_model.safetensors", "README.md")
 
 
 class Client(Protocol):
@@ -744,24 +746,29 @@ class ServerClient:
             path = Path(value).expanduser()
             path = path if path.is_absolute() else here / path
             await asyncio.to_thread(check_adapter_file, path)
-            if is_peft_dir(path):
+            if is_peft_dir(path) and base is not None:
                 out[f"{i}-{path.name}.gguf"] = await self._converted_upload(path, base, emit)
+                continue
+            if is_peft_dir(path):  # FROM is the server's model: its files go up, and the server converts
+                if any(not name.endswith(".gguf") for name in out):
+                    raise LocalrtError(
+                        "one PEFT adapter folder per create when FROM is a model on the server "
+                        "(the server converts it; convert the others with FROM a local GGUF)"
+                    )
+                for name in PEFT_UPLOAD:
+                    if (path / name).is_file():
+                        out[name] = await self._upload(path / name, emit)
                 continue
             out[f"{i}-{path.name}"] = await self._upload(path, emit)  # the index keeps equal names apart
         return out
 
-    async def _converted_upload(self, peft_dir: Path, base: Path | None, emit: StatusFn) -> str:
+    async def _converted_upload(self, peft_dir: Path, base: Path, emit: StatusFn) -> str:
         """A PEFT adapter folder goes up as the GGUF LoRA it converts to here: the server takes
         files, and the conversion reads the base model's GGUF, which is here too."""
         import tempfile
 
         from localrt.store.importer import convert_peft_adapter
 
-        if base is None:
-            raise LocalrtError(
-                f"adapter {peft_dir.name} is a PEFT folder, converted here before it goes up to the "
-                "server: that needs FROM to be a local GGUF file"
-            )
         with tempfile.TemporaryDirectory(prefix="localrt-lora-") as tmp:
             out = Path(tmp) / f"{peft_dir.name}.gguf"
             emit(f"converting adapter {peft_dir.name}")

@@ -14,9 +14,12 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
+import ollama
 import pytest
 
 from localrt.converters.convert import convert
@@ -152,6 +155,81 @@ def test_the_cli_against_a_server_uploads_the_converted_adapter(
     finally:
         srv.stop()
     assert (proc.returncode, stored) == (0, [sha256_file(files["lora"])]), proc.stderr
+
+
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def api_server(files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalrtServer]:
+    """A server whose store has the base model, created through the API from the uploaded GGUF."""
+    root = tmp_path_factory.mktemp("peft-api")
+    srv = LocalrtServer(root / "models", root / "serve.log")
+    try:
+        client = ollama.Client(host=srv.url)
+        client.create(model="base:1", files={"base.gguf": client.create_blob(files["base"])})
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_the_cli_against_a_server_uploads_a_peft_folder_for_a_stored_base(
+    api_server: LocalrtServer, files: dict[str, Path]
+) -> None:
+    """`FROM` a model the server holds: the folder's files go up and the server converts them."""
+    modelfile = files["work"] / "Modelfile.stored"
+    modelfile.write_text(f"FROM base:1\nADAPTER ./{files['peft'].name}\n")
+    cmd = [sys.executable, "-m", "localrt", "create", "stored:1", "-f", str(modelfile)]
+    proc = subprocess.run(cmd, env=api_server.env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (stored,) = Store(Path(api_server.env["LOCALRT_MODELS"])).resolve("stored:1").adapter_paths
+    assert adapter_content(stored) == adapter_content(files["lora"])
+
+
+def adapter_content(path: Path) -> tuple[float, list[tuple[str, str, tuple[int, ...]]], bytes]:
+    """What an adapter GGUF applies: its alpha, its tensors (name, type, shape) and their data."""
+    info = read_gguf(path)
+    tensors = [(t.name, t.ggml_type, tuple(t.shape)) for t in info.tensors]
+    return info.metadata["adapter.lora.alpha"], tensors, path.read_bytes()[info.data_offset :]
+
+
+def create_with(server: LocalrtServer, name: str, adapters: dict[str, str]) -> httpx.Response:
+    body = {"model": name, "from": "base:1", "adapters": adapters, "stream": False}
+    return httpx.post(server.url + "/api/create", json=body, timeout=300)
+
+
+def test_the_create_api_takes_a_peft_adapters_files(
+    api_server: LocalrtServer, files: dict[str, Path]
+) -> None:
+    """Ollama's `adapters` with a PEFT adapter's files (the official client): the server converts them, and
+    the stored adapter has the tensors and the alpha of llama.cpp's file. The rest of the header may differ:
+    llama.cpp names the model card after the folder, which an upload does not have."""
+    client = ollama.Client(host=api_server.url)
+    adapters = {name: client.create_blob(files["peft"] / name) for name in PEFT_FILES}
+    client.create(model="peft:api", from_="base:1", adapters=adapters)
+    (stored,) = Store(Path(api_server.env["LOCALRT_MODELS"])).resolve("peft:api").adapter_paths
+    assert adapter_content(stored) == adapter_content(files["lora"])
+
+
+def test_a_peft_adapter_without_its_weights_is_refused(
+    api_server: LocalrtServer, files: dict[str, Path]
+) -> None:
+    config = ollama.Client(host=api_server.url).create_blob(files["peft"] / PEFT_FILES[0])
+    answer = create_with(api_server, "half:api", {PEFT_FILES[0]: config})
+    assert (answer.status_code, "needs adapter_config.json and adapter_model.safetensors" in answer.text) == (
+        400,
+        True,
+    )
+
+
+def test_an_adapter_file_name_with_a_path_is_refused(
+    api_server: LocalrtServer, files: dict[str, Path]
+) -> None:
+    client = ollama.Client(host=api_server.url)
+    adapters = {name: client.create_blob(files["peft"] / name) for name in PEFT_FILES}
+    adapters["../adapter_config.json"] = adapters.pop(PEFT_FILES[0])
+    answer = create_with(api_server, "path:api", adapters)
+    assert (answer.status_code, "is not a plain file name" in answer.text) == (400, True)
 
 
 def greedy_tokens(model: Path, adapter: Path) -> list[int]:

@@ -774,10 +774,12 @@ def create_from_request(
     draft = _draft_from_request(store, fields.get("draft"))
     messages = _messages_from_request(fields.get("messages"))
     formats = _formats_from_request(fields)
-    adapters = _adapters_from_request(store, fields.get("adapters"))
     if file_type:
         progress(f"quantizing model to {file_type}")
-    with quantized(store, source, file_type, weights) as model_source:
+    with (
+        _adapters_from_request(store, fields.get("adapters")) as adapters,
+        quantized(store, source, file_type, weights) as model_source,
+    ):
         progress("writing manifest")
         build_model(
             store,
@@ -795,22 +797,54 @@ def create_from_request(
         )
 
 
-def _adapters_from_request(store: Store, value: Any) -> list[str]:
-    """The `adapters` field of /api/create (Ollama's): file name -> sha256 digest of an uploaded LoRA
-    adapter GGUF, applied in the order given."""
+PEFT_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+PEFT_SLOT = "<peft>"  # where the request's PEFT folder goes among its adapters
+
+
+@contextlib.contextmanager
+def _adapters_from_request(store: Store, value: Any) -> Iterator[list[str | Path]]:
+    """The `adapters` field of /api/create (Ollama's): file name -> sha256 digest of an uploaded blob, applied
+    in the order given. A `.gguf` name is a LoRA adapter GGUF; the other files together are one PEFT adapter
+    folder (`adapter_config.json` and `adapter_model.safetensors`, as Ollama takes them), laid out under
+    their names in a temporary folder for the converter, which lives while the model is built."""
     if not value:
-        return []
+        yield []
+        return
     if not isinstance(value, dict):
         raise LocalrtError("adapters must map file names to sha256 digests of uploaded blobs")
-    out = []
+    out: list[str | Path] = []
+    peft: dict[str, Path] = {}
     for file_name, digest in value.items():
         if not isinstance(digest, str) or not DIGEST_RE.match(digest):
             raise LocalrtError(f"adapters: {file_name} must map to the sha256 digest of an uploaded blob")
         blob = normalize_digest(digest)
         if not store.has_blob(blob):
             raise LocalrtError(f"blob {blob} not found: upload it with POST /api/blobs/{blob} first")
-        out.append(blob)
-    return out
+        name = str(file_name)
+        if name.lower().endswith(".gguf"):
+            out.append(blob)
+            continue
+        if not PEFT_FILE_NAME.fullmatch(name):  # a plain file name: nothing outside the folder
+            raise LocalrtError(f"adapters: {name!r} is not a plain file name")
+        if not peft:
+            out.append(PEFT_SLOT)  # the folder goes where its first file was listed
+        peft[name] = store.blob_path(blob)
+    if not peft:
+        yield out
+        return
+    from localrt.converters.lora import ADAPTER_CONFIG
+
+    if ADAPTER_CONFIG not in peft or not any(name.endswith(".safetensors") for name in peft):
+        raise LocalrtError(
+            f"adapters: a PEFT adapter needs {ADAPTER_CONFIG} and adapter_model.safetensors "
+            f"(got {', '.join(sorted(peft))})"
+        )
+    with tempfile.TemporaryDirectory(dir=store.root, prefix=".peft-") as tmp:
+        folder = Path(tmp) / "adapter"
+        folder.mkdir()
+        for name, blob_path in peft.items():
+            (folder / name).symlink_to(blob_path)
+        yield [folder if item is PEFT_SLOT else item for item in out]
 
 
 def _messages_from_request(value: Any) -> list[dict[str, str]]:
