@@ -118,7 +118,9 @@ def llama_server(
         "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(ctx * slots), "--kv-unified",
         "--no-webui", "--jinja", *(spec or []),
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = Path(os.environ.get("BENCH_LLAMA_SERVER_LOG", os.devnull))
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, proc)
@@ -168,6 +170,17 @@ def localrt_server(gguf: Path, threads: int, slots: int, ctx: int, backend: str)
 
 
 # ---- the load -------------------------------------------------------------------------------------
+def bench_client(url: str) -> Any:
+    """The `openai` client of every run, with a fresh connection per request: llama-server may close a
+    kept-alive connection after a streamed answer, and a request sent on it then fails with "Server
+    disconnected without sending a response". Both servers are driven alike."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=3600)
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=3600, http_client=http)
+
+
 async def one_request(
     client: Any, model: str, messages: list[dict[str, str]], max_tokens: int, extra: dict
 ) -> Sample:
@@ -200,9 +213,8 @@ async def drive(
     max_tokens: int,
     extra: dict | None = None,
 ) -> tuple[float, list[Sample]]:
-    from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=3600)
+    client = bench_client(url)
     await one_request(client, model, [{"role": "user", "content": "Hi"}], 2, extra or {})  # load, warm up
     start = time.perf_counter()
     samples = await asyncio.gather(
@@ -274,9 +286,8 @@ async def agent_conversation(
 async def drive_agents(
     url: str, model: str, agents: int, turns: int, system: str, max_tokens: int
 ) -> tuple[float, list[list[Sample]]]:
-    from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=3600)
+    client = bench_client(url)
     await one_request(client, model, [{"role": "user", "content": "Hi"}], 2, {})  # load, warm up
     start = time.perf_counter()
     runs = await asyncio.gather(
