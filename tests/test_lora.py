@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import ollama
 import pytest
 
@@ -185,6 +186,33 @@ def test_greedy_tokens_equal_llama_server_at_scale_half(server: LocalrtServer, l
     theirs = httpx.post(llama_server + "/completion", json=body, timeout=300).json()
     ours = generate(server, "lora:tiny", lora).json()
     assert (ours["response"], ours["eval_count"]) == (theirs["content"], len(theirs["tokens"]))
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_logprobs_equal_llama_servers_within_1e_3(
+    server: LocalrtServer, llama_server: str, scale: float
+) -> None:
+    """The top-5 log-probabilities at each of the 12 greedy steps (the logits less their log-sum-exp), from
+    llama-server's `n_probs` and localrt's `top_logprobs`. llama-server reports the tokens of a character
+    split over several tokens as one entry, with the last token's probabilities (and drops a split one at
+    the end), so each of its rows must equal, in order, one of localrt's rows."""
+    lora = [{"id": 0, "scale": scale}]
+    body = {"prompt": PROMPT, "n_predict": 12, "temperature": 0, "top_k": 1, "cache_prompt": False}
+    body.update(n_probs=5, lora=lora)
+    theirs = httpx.post(llama_server + "/completion", json=body, timeout=300).json()[
+        "completion_probabilities"
+    ]
+    ask = {"model": "lora:tiny", "prompt": PROMPT, "raw": True, "stream": False, "options": GREEDY}
+    ask.update(lora=lora, logprobs=True, top_logprobs=5)
+    ours = httpx.post(server.url + "/api/generate", json=ask, timeout=300).json()["logprobs"]
+    mine, reference = (
+        [np.array([t["logprob"] for t in row["top_logprobs"]]) for row in rows] for rows in (ours, theirs)
+    )
+    assert reference, "llama-server reported no probabilities"
+    rows = iter(mine)
+    matched = [any(np.abs(row - want).max() <= 1e-3 for row in rows) for want in reference]
+    assert matched == [True] * len(reference)
 
 
 # ---- per-request scales (llama-server's `lora` field) ------------------------------------------------
