@@ -55,6 +55,8 @@ from localrt.converters.hf import read_part
 QT = GGMLQuantizationType
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# what a conversion reads of a PEFT folder: the config, the weights, the model card (gguf-py's metadata)
+PEFT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, "README.md")
 OUT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16}
 PEFT_PREFIX = "base_model.model."
 # suffix of an adapter tensor -> which matrix of the pair it is; embeddings use their own names

@@ -130,8 +130,6 @@ class CreateSpec:
 
 Message = Mapping[str, Any]
 StatusFn = Callable[[str], None]
-# the files of a PEFT adapter folder a server needs to convert it: its config, its weights, its model card
-PEFT_UPLOAD = ("adapter_config.json", "adapter_model.safetensors", "README.md")
 
 
 class Client(Protocol):
@@ -733,6 +731,7 @@ class ServerClient:
     async def _adapter_fields(
         self, values: list[str], here: Path, base: Path | None, emit: StatusFn
     ) -> dict[str, str]:
+        from localrt.converters.lora import PEFT_FILES
         from localrt.converters.lora import is_peft_dir
         from localrt.store.importer import check_adapter_file
         from localrt.store.names import DIGEST_RE
@@ -755,7 +754,7 @@ class ServerClient:
                         "one PEFT adapter folder per create when FROM is a model on the server "
                         "(the server converts it; convert the others with FROM a local GGUF)"
                     )
-                for name in PEFT_UPLOAD:
+                for name in PEFT_FILES:
                     if (path / name).is_file():
                         out[name] = await self._upload(path / name, emit)
                 continue

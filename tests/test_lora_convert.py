@@ -157,7 +157,7 @@ def test_the_cli_against_a_server_uploads_the_converted_adapter(
     assert (proc.returncode, stored) == (0, [sha256_file(files["lora"])]), proc.stderr
 
 
-PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+PEFT_PAIR = ("adapter_config.json", "adapter_model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_the_create_api_takes_a_peft_adapters_files(
     the stored adapter has the tensors and the alpha of llama.cpp's file. The rest of the header may differ:
     llama.cpp names the model card after the folder, which an upload does not have."""
     client = ollama.Client(host=api_server.url)
-    adapters = {name: client.create_blob(files["peft"] / name) for name in PEFT_FILES}
+    adapters = {name: client.create_blob(files["peft"] / name) for name in PEFT_PAIR}
     client.create(model="peft:api", from_="base:1", adapters=adapters)
     (stored,) = Store(Path(api_server.env["LOCALRT_MODELS"])).resolve("peft:api").adapter_paths
     assert adapter_content(stored) == adapter_content(files["lora"])
@@ -214,8 +214,8 @@ def test_the_create_api_takes_a_peft_adapters_files(
 def test_a_peft_adapter_without_its_weights_is_refused(
     api_server: LocalrtServer, files: dict[str, Path]
 ) -> None:
-    config = ollama.Client(host=api_server.url).create_blob(files["peft"] / PEFT_FILES[0])
-    answer = create_with(api_server, "half:api", {PEFT_FILES[0]: config})
+    config = ollama.Client(host=api_server.url).create_blob(files["peft"] / PEFT_PAIR[0])
+    answer = create_with(api_server, "half:api", {PEFT_PAIR[0]: config})
     assert (answer.status_code, "needs adapter_config.json and adapter_model.safetensors" in answer.text) == (
         400,
         True,
@@ -226,8 +226,8 @@ def test_an_adapter_file_name_with_a_path_is_refused(
     api_server: LocalrtServer, files: dict[str, Path]
 ) -> None:
     client = ollama.Client(host=api_server.url)
-    adapters = {name: client.create_blob(files["peft"] / name) for name in PEFT_FILES}
-    adapters["../adapter_config.json"] = adapters.pop(PEFT_FILES[0])
+    adapters = {name: client.create_blob(files["peft"] / name) for name in PEFT_PAIR}
+    adapters["../adapter_config.json"] = adapters.pop(PEFT_PAIR[0])
     answer = create_with(api_server, "path:api", adapters)
     assert (answer.status_code, "is not a plain file name" in answer.text) == (400, True)
 

@@ -385,11 +385,9 @@ class ModelPool:
                 if fit is not None:
                     load_opts = fit.opts
                     self._reserved[key] = self._adds(fit.estimate, base).ram
-                    if base is not None:  # the weights count in base_bytes, once for all their loads
-                        base_bytes = fit.estimate.weights_ram
-                        held = fit.estimate.without_weights().ram
-                    else:
-                        held = fit.estimate.ram
+                    # shared weights count in base_bytes, once for all their loads
+                    base_bytes = fit.estimate.weights_ram if base is not None else 0
+                    held = fit.estimate.ram - base_bytes
                 self._unloaded_for_room = 0
                 self._loading.add(key)
                 break

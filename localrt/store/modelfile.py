@@ -807,9 +807,7 @@ def _adapters_from_request(store: Store, value: Any) -> Iterator[list[str | Path
     in the order given. A `.gguf` name is a LoRA adapter GGUF; the other files together are one PEFT adapter
     folder (`adapter_config.json` and `adapter_model.safetensors`, as Ollama takes them), laid out under
     their names in a temporary folder for the converter, which lives while the model is built."""
-    if not value:
-        yield []
-        return
+    value = value or {}
     if not isinstance(value, dict):
         raise LocalrtError("adapters must map file names to sha256 digests of uploaded blobs")
     out: list[str | Path] = []
@@ -833,11 +831,11 @@ def _adapters_from_request(store: Store, value: Any) -> Iterator[list[str | Path
         yield out
         return
     from localrt.converters.lora import ADAPTER_CONFIG
+    from localrt.converters.lora import ADAPTER_WEIGHTS
 
-    if ADAPTER_CONFIG not in peft or not any(name.endswith(".safetensors") for name in peft):
+    if not {ADAPTER_CONFIG, ADAPTER_WEIGHTS} <= peft.keys():
         raise LocalrtError(
-            f"adapters: a PEFT adapter needs {ADAPTER_CONFIG} and adapter_model.safetensors "
-            f"(got {', '.join(sorted(peft))})"
+            f"adapters: a PEFT adapter needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} (got {', '.join(sorted(peft))})"
         )
     with tempfile.TemporaryDirectory(dir=store.root, prefix=".peft-") as tmp:
         folder = Path(tmp) / "adapter"
