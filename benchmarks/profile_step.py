@@ -131,8 +131,9 @@ def localrt_run(gguf: Path, prompt: list[int], n_new: int, threads: int, slots: 
 
     def timed_step():  # type: ignore[no-untyped-def]
         t = time.thread_time_ns()
-        orig_step()
+        outputs = orig_step()
         step_ns.append(time.thread_time_ns() - t)
+        return outputs
 
     engine.batch.decode = timed_decode  # type: ignore[method-assign]
     engine.step = timed_step  # type: ignore[method-assign]
@@ -221,8 +222,9 @@ def batch_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, clie
 
     def timed_step():  # type: ignore[no-untyped-def]
         t = time.thread_time_ns()
-        orig_step()
+        outputs = orig_step()
         step_ns.append(time.thread_time_ns() - t)
+        return outputs
 
     def timed_decode(ctx):  # type: ignore[no-untyped-def]
         t = time.thread_time_ns()
