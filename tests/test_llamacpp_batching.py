@@ -243,6 +243,23 @@ def test_context_shift_goes_past_the_context_end(smollm2_gguf: Path) -> None:
     assert text == counting  # still counting, right, after the shifts
 
 
+@pytest.mark.parametrize(("fast", "decodes"), [("", 4), ("1", 1)])
+def test_a_long_prompt_takes_48_rows_a_step_unless_fast_prefill_is_on(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch, fast: str, decodes: int
+) -> None:
+    monkeypatch.setenv("LOCALRT_FAST_PREFILL", fast)
+    opts = LoadOptions(num_ctx=512, num_thread=THREADS, num_batch=256, num_parallel=2)
+    m = LlamaCppBackend.load(smollm2_gguf, opts)
+    try:
+        prompt = m.tokenize(REPEAT * 8, add_special=True)[:150]
+        asyncio.run(run_one(m, GenerateRequest(prompt, GREEDY, num_predict=1)))
+        assert m.engine is not None
+        steps = m.engine.steps
+    finally:
+        m.unload()
+    assert steps == decodes  # 150 rows: 48 + 48 + 48 + 6, or all at once
+
+
 def test_clients_arriving_together_evaluate_a_shared_prompt_once(model: LlamaCppModel) -> None:
     system = " ".join(f"Law {i}: stay calm and answer with care." for i in range(12))
     prompts = [

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from localrt import config
 from localrt.backends.base import IMAGE_TOKEN
 from localrt.backends.base import Capabilities
 from localrt.backends.base import EngineBackend
@@ -143,6 +144,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             verify_cost=verify_cost_per_draft(self.on_gpu),
             copy_min=copy_threshold(per_token * self.context_length, int(m.size())),
             adapters=self.adapters if self.adapters.handles else None,
+            prefill_rows=step_tokens if config.fast_prefill() else EXACT_ROWS,
         )
         self._streams = EngineStreams(lambda out: out.job.id)
         self.engine.start(self._streams.route)

@@ -62,6 +62,7 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
         copy_min: int = COPY_MIN,
         ram_cache_bytes: int = RAM_CACHE_BYTES,
         adapters: LoraAdapters | None = None,
+        prefill_rows: int = EXACT_ROWS,
     ) -> None:
         SeqContext.__init__(self, model, ctx, n_seq_max, step_tokens)
         self.vocab = model.vocab
@@ -69,6 +70,9 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
         self.n_seq_max = n_seq_max
         self.n_ctx_seq = n_ctx_seq
         self.step_tokens = step_tokens
+        # a sequence's prompt rows per step: EXACT_ROWS keeps batching invisible (sequences.py); more
+        # (LOCALRT_FAST_PREFILL) lets the CPU's tiled attention kernel take a long prompt
+        self.prefill_rows = prefill_rows
         self.draft = draft
         # draft + verify cost of one draft token, in target decode steps (speculation.SpecState)
         self.draft_cost = {"lookup": verify_cost}
@@ -229,7 +233,7 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
                 continue
             self._run_external(job)
             take: list[int] = []
-            limit = min(self.room, EXACT_ROWS)
+            limit = min(self.room, self.prefill_rows)
             for item in job.pending:
                 if not isinstance(item, int) or len(take) >= limit:
                     break
