@@ -104,11 +104,12 @@ def one_line(result: subprocess.CompletedProcess[str]) -> str:
 
 def test_the_venv_has_only_the_base_install_and_llama(venv: Path) -> None:
     probe = "import importlib.util as u; print(*[m for m in %r if u.find_spec(m)])"
-    wanted = ("fastapi", "uvicorn", "PIL", "llama_cpp", "textual", "torch", "mlx", "gguf", "tokenizers")
+    base = ("fastapi", "uvicorn", "httptools", "uvloop", "PIL", "llama_cpp")
+    wanted = (*base, "textual", "torch", "mlx", "gguf", "tokenizers")
     found = subprocess.run(
         [str(venv / "python"), "-c", probe % (wanted,)], capture_output=True, text=True, check=True
     )
-    assert found.stdout.split() == ["fastapi", "uvicorn", "PIL", "llama_cpp"]
+    assert found.stdout.split() == list(base)
 
 
 def test_store_and_run_commands_work(user: dict[str, str], tmp_path: Path) -> None:
