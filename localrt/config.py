@@ -120,7 +120,8 @@ VARIABLES: tuple[Variable, ...] = (
         SERVER,
         "`1`: the llama.cpp backend evaluates up to `num_batch` rows of a prompt per step instead of 48, "
         "which makes a long prompt about 1.25x faster on the CPU; a request's results then depend, in their "
-        "last bits, on what else runs beside it (see [limitations.md](limitations.md)).",
+        "last bits, on what else runs beside it (see [limitations.md](limitations.md)). A model with layers on a "
+        "GPU always does so: the 48-row cap is made for the CPU's kernels.",
         shown="off",
     ),
     Variable(

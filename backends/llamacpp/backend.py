@@ -144,7 +144,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             verify_cost=verify_cost_per_draft(self.on_gpu),
             copy_min=copy_threshold(per_token * self.context_length, int(m.size())),
             adapters=self.adapters if self.adapters.handles else None,
-            prefill_rows=step_tokens if config.fast_prefill() else EXACT_ROWS,
+            prefill_rows=step_tokens if config.fast_prefill() or self.on_gpu else EXACT_ROWS,
         )
         self._streams = EngineStreams(lambda out: out.job.id)
         self.engine.start(self._streams.route)

@@ -70,8 +70,9 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
         self.n_seq_max = n_seq_max
         self.n_ctx_seq = n_ctx_seq
         self.step_tokens = step_tokens
-        # a sequence's prompt rows per step: EXACT_ROWS keeps batching invisible (sequences.py); more
-        # (LOCALRT_FAST_PREFILL) lets the CPU's tiled attention kernel take a long prompt
+        # a sequence's prompt rows per step: EXACT_ROWS keeps batching invisible on the CPU's kernels
+        # (sequences.py); more (LOCALRT_FAST_PREFILL, or layers on a GPU, whose kernels that cap was not
+        # made for) lets a long prompt go through the faster kernels of large batches
         self.prefill_rows = prefill_rows
         self.draft = draft
         # draft + verify cost of one draft token, in target decode steps (speculation.SpecState)
