@@ -46,6 +46,19 @@ CACHED_GGUF = (
 PROFILE_MODEL = "profile-step:latest"
 
 
+def cpu_timed(fn, into: list[int]):  # type: ignore[no-untyped-def]
+    """fn, appending the calling thread's CPU ns of each call to `into` (its result passed on)."""
+
+    def timed(*args):  # type: ignore[no-untyped-def]
+        t = time.thread_time_ns()
+        try:
+            return fn(*args)
+        finally:
+            into.append(time.thread_time_ns() - t)
+
+    return timed
+
+
 def raw_loop(
     gguf: Path, prompt: list[int], n_new: int, threads: int, *, streams: int, n_ubatch: int, n_ctx: int
 ) -> dict[str, float]:
@@ -119,7 +132,7 @@ def localrt_run(gguf: Path, prompt: list[int], n_new: int, threads: int, slots: 
     decode_ns: list[int] = []
     rows: list[int] = []
     step_ns: list[int] = []
-    orig_decode, orig_step = engine.batch.decode, engine.step
+    orig_decode = engine.batch.decode
 
     # CPU time of the step thread (with one llama.cpp thread the decode runs on it too): robust to load
     def timed_decode(ctx):  # type: ignore[no-untyped-def]
@@ -129,14 +142,8 @@ def localrt_run(gguf: Path, prompt: list[int], n_new: int, threads: int, slots: 
         decode_ns.append(time.thread_time_ns() - t)
         return ret
 
-    def timed_step():  # type: ignore[no-untyped-def]
-        t = time.thread_time_ns()
-        outputs = orig_step()
-        step_ns.append(time.thread_time_ns() - t)
-        return outputs
-
     engine.batch.decode = timed_decode  # type: ignore[method-assign]
-    engine.step = timed_step  # type: ignore[method-assign]
+    engine.step = cpu_timed(engine.step, step_ns)  # type: ignore[method-assign]
 
     async def go() -> tuple[float, float, list[int], int]:
         req = GenerateRequest(prompt_tokens=prompt, sampling=SamplingParams(temperature=0), num_predict=n_new)
@@ -218,13 +225,7 @@ def batch_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, clie
     step_ns: list[int] = []
     decode_ns: list[int] = []
     rows: list[int] = []
-    orig_step, orig_decode = engine.step, engine.batch.decode
-
-    def timed_step():  # type: ignore[no-untyped-def]
-        t = time.thread_time_ns()
-        outputs = orig_step()
-        step_ns.append(time.thread_time_ns() - t)
-        return outputs
+    orig_decode = engine.batch.decode
 
     def timed_decode(ctx):  # type: ignore[no-untyped-def]
         t = time.thread_time_ns()
@@ -238,7 +239,7 @@ def batch_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, clie
 
     n_ubatch = model.ctx_params.n_ubatch
     ubatches: list[int] = []
-    engine.step = timed_step  # type: ignore[method-assign]
+    engine.step = cpu_timed(engine.step, step_ns)  # type: ignore[method-assign]
     engine.batch.decode = timed_decode  # type: ignore[method-assign]
 
     async def one(prompt: list[int]) -> list[int]:
