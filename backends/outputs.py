@@ -18,6 +18,7 @@ from localrt.backends.base import log_softmax
 from localrt.errors import LocalrtError
 
 TextOf = Callable[[Sequence[int]], str]  # token ids -> their text (the model's detokenize)
+SCORE_HEAD_ROWS = 256  # scoring computes logits this many rows at a time (the head is n x vocab)
 
 
 def token_logprob(

@@ -33,21 +33,23 @@ KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 QUANTIZED_KV = {"q4_0", "q8_0"}
 
 _init_lock = threading.Lock()
-_initialized = False
+_ready: Any = None  # llama_cpp once initialised: the sampling path asks for it per token, past the lock
 
 
 def _lib() -> Any:
     """Import llama_cpp once, quietly (only errors reach stderr), and initialise the ggml backend."""
-    global _initialized
+    global _ready
+    if _ready is not None:
+        return _ready
     import llama_cpp
 
     with _init_lock:
-        if not _initialized:
+        if _ready is None:
             from llama_cpp import _logger
 
             _logger.set_verbose(False)
             llama_cpp.llama_backend_init()
-            _initialized = True
+            _ready = llama_cpp
     return llama_cpp
 
 
@@ -260,6 +262,12 @@ class Batch:
         end = start + count
         if end > self.capacity:
             raise LocalrtError("llama.cpp batch overflow")
+        if count == 1:  # a decode row: item writes, not a numpy slice assignment (several per token)
+            self.tokens[start], self.pos[start] = tokens[0], pos0
+            self.logits[start] = output if isinstance(output, bool) else output[0]
+            self._seq_rows[start][0] = seq_id
+            self.n = end
+            return start
         self.tokens[start:end] = tokens
         self.pos[start:end] = np.arange(pos0, pos0 + count, dtype=np.int32)
         self.logits[start:end] = output if not isinstance(output, bool) else int(output)

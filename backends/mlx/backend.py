@@ -45,6 +45,7 @@ from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.vocab import Vocab
 from localrt.backends.llamacpp.vocab import VocabMethods
 from localrt.backends.lookup import NgramProposer
+from localrt.backends.outputs import SCORE_HEAD_ROWS
 from localrt.backends.outputs import fill_score
 from localrt.backends.speculation import SpecState
 from localrt.backends.speculation import verify_cost_per_draft
@@ -60,7 +61,6 @@ from .memory import estimate
 NAME = "mlx"
 PIP_HINT = "pip install 'localrt[mlx]' (on Linux that installs mlx[cpu])"
 KV_CACHE_TYPES = ("f16", "bf16", "f32", "q8_0")
-SCORE_HEAD_ROWS = 256  # logits computed this many rows at a time (the head is n x vocab)
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 

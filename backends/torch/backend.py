@@ -40,6 +40,7 @@ from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.lib import default_threads
 from localrt.backends.llamacpp.vocab import Vocab
 from localrt.backends.llamacpp.vocab import VocabMethods
+from localrt.backends.outputs import SCORE_HEAD_ROWS
 from localrt.errors import OptionError
 
 from .memory import CPU_PARALLEL
@@ -49,7 +50,6 @@ from .memory import estimate
 
 NAME = "torch"
 KV_TYPES_CPU = ("f16", "bf16", "f32", "q8_0")
-SCORE_HEAD_ROWS = 256  # logits computed this many rows at a time (the head is n x vocab)
 log = logging.getLogger("localrt.backends.torch")
 
 

@@ -25,6 +25,9 @@ from localrt.errors import LocalrtError
 
 log = logging.getLogger("localrt.api")
 
+# json.dumps(item, ensure_ascii=False) without building an encoder per call: streams encode one item a token
+encode = json.JSONEncoder(ensure_ascii=False).encode
+
 T = TypeVar("T")
 
 
@@ -73,7 +76,7 @@ def ndjson_response(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         try:
             async for item in items:
-                yield (json.dumps(item, ensure_ascii=False) + "\n").encode()
+                yield (encode(item) + "\n").encode()
         except LocalrtError as e:
             yield (json.dumps({"error": str(e)}) + "\n").encode()
 
@@ -86,7 +89,7 @@ def sse_response(
     async def body() -> AsyncIterator[bytes]:
         try:
             async for item in items:
-                yield f"data: {json.dumps(item, ensure_ascii=False)}\n\n".encode()
+                yield f"data: {encode(item)}\n\n".encode()
         except LocalrtError as e:
             yield f"data: {json.dumps(on_error(e))}\n\n".encode()
         yield b"data: [DONE]\n\n"
@@ -105,7 +108,7 @@ def typed_sse_response(
     clients dispatch on the name and end on their own terminal event, so there is no `[DONE]`."""
 
     def frame(item: dict[str, Any]) -> bytes:
-        return f"event: {item['type']}\ndata: {json.dumps(item, ensure_ascii=False)}\n\n".encode()
+        return f"event: {item['type']}\ndata: {encode(item)}\n\n".encode()
 
     async def body() -> AsyncIterator[bytes]:
         try:

@@ -5,6 +5,7 @@ metrics, the results of embed and rerank, and the settings chat and generate sha
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,8 +44,21 @@ class Metrics(Timings):
     reasoning_tokens: int = 0  # of eval_count: generated inside the thinking (Responses' reasoning_tokens)
 
 
+_second: tuple[int, str] = (-1, "")  # the last whole second formatted: chunks come many a second
+
+
 def now_rfc3339() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    """UTC now as RFC 3339 with microseconds (Ollama's `created_at`), stamped on every streamed chunk: the
+    date and time of day are formatted once a second, not once a token."""
+    global _second
+    seconds, ns = divmod(time.time_ns(), 1_000_000_000)
+    stamp = _second
+    if stamp[0] != seconds:
+        stamp = _second = (
+            seconds,
+            datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S"),
+        )
+    return f"{stamp[1]}.{ns // 1000:06d}Z"
 
 
 @dataclass
@@ -61,7 +75,7 @@ class Chunk:
     logprobs: list[TokenLogprob] | None = None  # the API routes write them in their own wire shape
     metrics: Metrics | None = None
     context: list[int] | None = None  # generate only: prompt + answer tokens, for the next call
-    created_at: str = field(default_factory=lambda: now_rfc3339())
+    created_at: str = field(default_factory=now_rfc3339)
 
 
 @dataclass
