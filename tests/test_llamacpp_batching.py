@@ -23,6 +23,7 @@ from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.base import TextEvent  # noqa: E402
 from localrt.backends.llamacpp import LlamaCppBackend  # noqa: E402
 from localrt.backends.llamacpp import LlamaCppModel  # noqa: E402
+from localrt.backends.llamacpp import backend as llamacpp_backend  # noqa: E402
 
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
 CHAT = (
@@ -258,6 +259,37 @@ def test_a_long_prompt_takes_48_rows_a_step_unless_fast_prefill_is_on(
     finally:
         m.unload()
     assert steps == decodes  # 150 rows: 48 + 48 + 48 + 6, or all at once
+
+
+@pytest.mark.parametrize(("work", "decodes"), [(1000, 2), (None, 1)])
+def test_a_prompt_past_the_steps_prompt_work_waits_for_the_next_step(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch, work: int | None, decodes: int
+) -> None:
+    """Two 40-token prompts admitted together: 40 rows over 40 cells is 1,600 of work, so under a budget
+    of 1,000 the second waits a step; without one, both go in the first."""
+    monkeypatch.setattr(llamacpp_backend, "PROMPT_WORK", work)
+    opts = LoadOptions(num_ctx=512, num_thread=THREADS, num_batch=256, num_parallel=2)
+    m = LlamaCppBackend.load(smollm2_gguf, opts)
+    engine = m.engine
+    assert engine is not None
+    prompts = [m.tokenize(text * 8, add_special=True)[:40] for text in (REPEAT, QUESTIONS[0])]
+
+    async def together() -> int:
+        gate = threading.Event()
+        engine.call(gate.wait)  # the step thread waits here until both requests are queued
+        runs = [asyncio.create_task(run_one(m, GenerateRequest(p, GREEDY, num_predict=1))) for p in prompts]
+        while len(engine.jobs()) < 2:
+            await asyncio.sleep(0.01)
+        before = engine.steps
+        gate.set()
+        await asyncio.gather(*runs)
+        return engine.steps - before
+
+    try:
+        steps = asyncio.run(together())
+    finally:
+        m.unload()
+    assert steps == decodes
 
 
 def test_clients_arriving_together_evaluate_a_shared_prompt_once(model: LlamaCppModel) -> None:

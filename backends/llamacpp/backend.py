@@ -68,6 +68,7 @@ from .memory import estimate
 from .memory import kv_bytes_per_token
 from .memory import parallel_for
 from .sequences import EXACT_ROWS
+from .sequences import PROMPT_WORK
 from .sequences import DraftContext
 from .sequences import ExternalChunk
 from .sequences import Job
@@ -145,6 +146,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             copy_min=copy_threshold(per_token * self.context_length, int(m.size())),
             adapters=self.adapters if self.adapters.handles else None,
             prefill_rows=step_tokens if config.fast_prefill() or self.on_gpu else EXACT_ROWS,
+            prompt_work=None if self.on_gpu else PROMPT_WORK,
         )
         self._streams = EngineStreams(lambda out: out.job.id)
         self.engine.start(self._streams.route)

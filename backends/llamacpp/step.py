@@ -35,6 +35,7 @@ from .lib import Batch
 from .lib import LoraAdapters
 from .lib import sample
 from .sequences import EXACT_ROWS
+from .sequences import PROMPT_WORK
 from .sequences import DraftContext
 from .sequences import ExternalChunk
 from .sequences import Job
@@ -63,6 +64,7 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
         ram_cache_bytes: int = RAM_CACHE_BYTES,
         adapters: LoraAdapters | None = None,
         prefill_rows: int = EXACT_ROWS,
+        prompt_work: int | None = PROMPT_WORK,
     ) -> None:
         SeqContext.__init__(self, model, ctx, n_seq_max, step_tokens)
         self.vocab = model.vocab
@@ -74,6 +76,9 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
         # (sequences.py); more (LOCALRT_FAST_PREFILL, or layers on a GPU, whose kernels that cap was not
         # made for) lets a long prompt go through the faster kernels of large batches
         self.prefill_rows = prefill_rows
+        # a step's prompt work (sequences.PROMPT_WORK); None: every prompt that fits (a GPU's kernels
+        # batch prompt rows for little more than one costs, where that estimate was not made)
+        self.prompt_work = prompt_work
         self.draft = draft
         # draft + verify cost of one draft token, in target decode steps (speculation.SpecState)
         self.draft_cost = {"lookup": verify_cost}
@@ -229,9 +234,13 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
                 job.drafts = tokens
 
     def _add_prefills(self) -> None:
+        """Prompt chunks, oldest request first, up to `prompt_work` (rows x the cells they attend to)."""
+        work = 0
         for job in self.running:
             if job.lora != self.lora or not job.pending or job in (e[4] for e in self.plan):
                 continue
+            if self.prompt_work is not None and work >= self.prompt_work:
+                break
             self._run_external(job)
             take: list[int] = []
             limit = min(self.room, self.prefill_rows)
@@ -241,6 +250,7 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
                 take.append(item)
             if not take:
                 continue
+            work += len(take) * (len(self.cells[job.seq]) + len(take))
             flags = [False] * len(take)
             flags[-1] = len(take) == len(job.pending)
             del job.pending[: len(take)]
