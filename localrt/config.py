@@ -322,6 +322,11 @@ def setting(name: str, default: str = "") -> str:
     return os.environ.get(name, default).strip()
 
 
+def flag(name: str) -> bool:
+    """An on/off variable: on for `1`, `true`, `yes` or `on` (any case)."""
+    return setting(name).lower() in ("1", "true", "yes", "on")
+
+
 def debug() -> bool:
     """`LOCALRT_DEBUG=1`: the CLI re-raises errors so the traceback shows."""
     return (setting("LOCALRT_DEBUG") or default_of("LOCALRT_DEBUG")) not in ("", "0")
@@ -455,10 +460,6 @@ def fetch_images() -> bool:
 def fast_prefill() -> bool:
     """LOCALRT_FAST_PREFILL: prompt rows per step up to `num_batch` (batching then shows in the last bits)."""
     return flag("LOCALRT_FAST_PREFILL")
-
-
-def flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 MAX_NUM_PARALLEL = 256
