@@ -24,6 +24,7 @@ from localrt.backends.base import TextEvent  # noqa: E402
 from localrt.backends.llamacpp import LlamaCppBackend  # noqa: E402
 from localrt.backends.llamacpp import LlamaCppModel  # noqa: E402
 from localrt.backends.llamacpp import backend as llamacpp_backend  # noqa: E402
+from localrt.backends.rerank import PooledContext  # noqa: E402
 
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
 CHAT = (
@@ -432,3 +433,21 @@ def test_drafts_of_a_step_are_evened_to_the_length_that_keeps_most_rows() -> Non
     # length 5 keeps 2 x 5 rows, length 2 keeps 3 x 2: the short draft goes, the long one is cut
     assert [len(j.drafts) for j in jobs] == [5, 5, 0, 0]
     assert jobs[1].drafts == [1, 2, 3, 4, 5]
+
+
+def test_embeddings_are_computed_on_the_step_thread(
+    model: LlamaCppModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph run on any other thread leaves libgomp a second pool of workers, which slows every
+    later step (see `_on_step_thread`)."""
+    threads: list[threading.Thread] = []
+    pool = PooledContext.pool
+
+    def recorded(self: PooledContext, *args: object) -> object:
+        threads.append(threading.current_thread())
+        return pool(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PooledContext, "pool", recorded)
+    asyncio.run(model.embed(["The cat sat on the mat.", "Quantum chromodynamics"]))
+    assert model.engine is not None
+    assert set(threads) == {model.engine._thread}

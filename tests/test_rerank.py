@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,6 +54,28 @@ def pair_scores(path: Path) -> tuple[list[float], list[list[int]]]:
     finally:
         m.unload()
     return scores, tokens
+
+
+def test_scores_are_computed_on_the_step_thread(reranker: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As embeddings: no graph of the model runs on a thread other than its step thread."""
+    from localrt.backends.llamacpp import LlamaCppBackend
+    from localrt.backends.rerank import PooledContext
+
+    threads: list[threading.Thread] = []
+    pool = PooledContext.pool
+
+    def recorded(self: PooledContext, *args: object) -> object:
+        threads.append(threading.current_thread())
+        return pool(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PooledContext, "pool", recorded)
+    m = LlamaCppBackend.load(reranker, LoadOptions(num_ctx=128))
+    try:
+        asyncio.run(m.rerank(QUERY, DOCS))
+        step_thread = m.engine._thread
+    finally:
+        m.unload()
+    assert set(threads) == {step_thread}
 
 
 def test_scores_are_the_checkpoints_own(reranker: Path) -> None:
