@@ -24,6 +24,13 @@ queues, the backend's stream on the event loop), `runtime` (the runtime's reply 
 worker threads), `http+loop` (the rest of the event loop thread: the API's chunk encoding, uvicorn, wakeups):
 
     python benchmarks/profile_step.py --breakdown --seqs 1,16 --tokens 128 --repeat 3
+
+Most of `http+loop` is the socket write of each chunk (the kernel's loopback send), which any server that
+streams token by token pays. `--versus` measures the host work side by side instead: one streamed client
+against `localrt serve` and against llama-server, interleaved rounds, each server's CPU per token (every
+thread) beside the raw loop's; with `--threads 1` no worker thread spins, so the difference is host work:
+
+    python benchmarks/profile_step.py --versus --threads 1 --tokens 512 --repeat 3
 """
 
 from __future__ import annotations
@@ -349,6 +356,65 @@ def http_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, repea
             )
 
 
+def versus_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, repeat: int) -> None:
+    """One streamed OpenAI chat client against `localrt serve` and llama-server in turn (`repeat` rounds,
+    interleaved, 3 answers a round after a warm-up): the stream's time per token (first chunk to last)
+    and the server's CPU per token (every thread: the forward, sampling, HTTP), beside the raw loop's.
+    With --threads 1 no worker spins, so the CPU left over the raw loop's is the host work."""
+    import httpx
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import psutil
+    from bench_memory import listening_pid
+    from bench_serve import llama_server
+    from bench_serve import localrt_server
+
+    def answer(url: str, model: str, n: int) -> tuple[float, int]:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Write a long story about a cat who sails the sea."}],
+            "max_tokens": n,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        first = None
+        tokens = 0
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    first = first or time.perf_counter()
+                    tokens = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens", tokens)
+        return time.perf_counter() - (first or time.perf_counter()), tokens
+
+    servers = {
+        "llama-server": lambda: llama_server(gguf, threads, slots, n_ctx),
+        "localrt": lambda: localrt_server(gguf, threads, slots, n_ctx, "llama.cpp"),
+    }
+    prompt = [1] + [(i * 37) % 4000 + 100 for i in range(39)]
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for _ in range(repeat):
+        for name, server in servers.items():
+            with server() as url:
+                model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+                answer(url, model, 16)
+                proc = psutil.Process(listening_pid(int(url.rsplit(":", 1)[1])))
+                cpu0 = sum(proc.cpu_times()[:2])
+                spans, tokens = zip(*(answer(url, model, n_new) for _ in range(3)))
+                cpu = sum(proc.cpu_times()[:2]) - cpu0
+            rows.setdefault(name, []).append((sum(spans) * 1e3 / sum(tokens), cpu * 1e6 / sum(tokens)))
+        raw = on_a_thread_that_ends(
+            lambda: raw_loop(gguf, prompt, n_new, threads, streams=slots, n_ubatch=48, n_ctx=n_ctx)
+        )
+        rows.setdefault("raw loop", []).append((raw["per_token_ms"], raw["process_cpu_ms_per_token"] * 1e3))
+    print(f"one client, {n_new} new tokens, {threads} thread(s); load average {os.getloadavg()[0]:.1f}")
+    print("| | ms per token (each round) | CPU us per token (each round) |\n|---|---|---|")
+    for name, runs in rows.items():
+        print(
+            f"| {name} | {' / '.join(f'{t:.2f}' for t, _ in runs)} | {' / '.join(f'{c:.0f}' for _, c in runs)} |"
+        )
+
+
 # ---- the host overhead per token, by where it goes (through `localrt serve`) ----------------------
 # The server runs in a child process with the hooks below installed; SIGUSR1 makes it write its counters.
 # Every figure is CPU time (per-thread clocks, not the wall clock): other load on the machine slows the
@@ -636,6 +702,11 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--http", action="store_true", help="also through localrt serve: client vs server times")
     p.add_argument(
+        "--versus",
+        action="store_true",
+        help="instead: one streamed client, localrt serve vs llama-server (per token: time, server CPU)",
+    )
+    p.add_argument(
         "--batch",
         type=int,
         default=0,
@@ -661,6 +732,9 @@ def main() -> None:
         from localrt.cli.main import main as cli
 
         raise SystemExit(cli(["serve"]))
+    if a.versus:
+        versus_run(gguf, a.threads, a.slots, a.ctx, a.tokens, a.repeat)
+        return
     if a.breakdown:
         for seqs in (int(s) for s in a.seqs.split(",") if s):
             results = breakdown_run(gguf, a.backend, a.ctx, a.tokens, seqs, a.repeat, a.hand_over)
