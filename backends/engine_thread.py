@@ -80,12 +80,20 @@ class EngineThread:
     # quiet A/B (`benchmarks/profile_step.py --breakdown --hand-over`) shows it pays: on the loaded 2-core
     # machine it was within the noise (llama.cpp, one sequence: 878 vs 1142 and 940 vs 946 us per token).
     hand_over = False
+    # Seconds the thread waits without work before it ends (None: it lives until `stop`); the next
+    # request or job starts a new one. libgomp keeps a pool of workers for each thread that runs a
+    # parallel region, and while more of its threads exist than cores it stops spinning at barriers:
+    # an idle model's thread kept its pool, and a second llama.cpp model loaded beside the first made
+    # the first 60% slower per token (5.6 -> 9.1 ms, 2 threads each on 2 cores) until it was unloaded.
+    # A thread that ends takes its pool with it. The linger keeps one thread across back-to-back requests.
+    idle_end: float | None = None
 
     def _init_thread(self) -> None:
         self._cv = threading.Condition()
         self._inbox: deque[Any] = deque()
         self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._thread: threading.Thread | None = None
+        self._started = False
         self._sink: Sink | None = None
         self._handing: queue.SimpleQueue[list[Any] | None] | None = None
         self._stopping = False
@@ -136,6 +144,12 @@ class EngineThread:
             self._handing = handing
             name = f"hand-over-{self.thread_name}"
             threading.Thread(target=self._hand_over, args=(handing, sink), name=name, daemon=True).start()
+        with self._cv:
+            self._started = True
+            self._spawn()
+
+    def _spawn(self) -> None:
+        """A new engine thread (the caller holds the lock)."""
         self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
         self._thread.start()
 
@@ -154,6 +168,8 @@ class EngineThread:
             if self._stopping:  # nothing would take it
                 raise LocalrtError("the model was unloaded")
             queue.append(item)
+            if self._started and self._thread is None:  # it ended, idle
+                self._spawn()
             self._cv.notify()
 
     def stop(self) -> None:
@@ -162,10 +178,11 @@ class EngineThread:
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        if self._thread is None:  # never started: nothing else ends them
+            thread = self._thread
+        if thread is None:  # never started, or ended idle: nothing else ends them
             self._shut_down()
-        elif self._thread is not threading.current_thread():
-            self._thread.join()
+        elif thread is not threading.current_thread():
+            thread.join()
 
     # ---- on the engine thread -------------------------------------------------------------------
     def _deliver(self, outputs: list[Any]) -> None:
@@ -185,8 +202,9 @@ class EngineThread:
         with self._thread_context():
             while True:
                 with self._cv:
-                    while not (self._stopping or self._inbox or self._jobs or self.has_work):
-                        self._cv.wait()
+                    if not self._cv.wait_for(self._ready, self.idle_end):
+                        self._thread = None  # under the lock: the next `_put` starts another
+                        return
                     if self._stopping:
                         break
                     queued, jobs = self._queued()
@@ -204,6 +222,9 @@ class EngineThread:
                         outputs = self._fail_step(e)
                     self._deliver(outputs)
             self._shut_down()
+
+    def _ready(self) -> bool:
+        return bool(self._stopping or self._inbox or self._jobs or self.has_work)
 
     def _queued(self) -> tuple[list[Any], list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]]:
         """Takes the requests and jobs queued so far (the caller holds the lock)."""

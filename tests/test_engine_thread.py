@@ -148,3 +148,45 @@ def test_the_hand_over_thread_delivers_in_order_and_ends_with_the_engine() -> No
     engine.stop()
     hand_over[0].join(timeout=30)
     assert not hand_over[0].is_alive()
+
+
+class IdleEndingCountdown(Countdown):
+    idle_end = 0.01
+
+
+def ended_idle(engine: Countdown) -> threading.Thread:
+    """The engine's first thread, once it has ended for want of work."""
+    first = engine._thread
+    assert first is not None
+    first.join(timeout=30)
+    return first
+
+
+def test_an_idle_thread_ends() -> None:
+    engine, sink = IdleEndingCountdown(), Sink()
+    engine.start(sink)
+    engine.submit(("a", 2))
+    sink.wait_for(1)
+    first = ended_idle(engine)
+    engine.stop()
+    assert not first.is_alive()
+
+
+def test_work_after_an_idle_end_runs_on_a_new_thread() -> None:
+    engine, sink = IdleEndingCountdown(), Sink()
+    engine.start(sink)
+    ended_idle(engine)
+    engine.submit(("b", 2))
+    try:
+        assert sink.wait_for(1) == [("b", "done")]
+    finally:
+        engine.stop()
+
+
+def test_stopping_after_an_idle_end_refuses_new_work() -> None:
+    engine, sink = IdleEndingCountdown(), Sink()
+    engine.start(sink)
+    ended_idle(engine)
+    engine.stop()
+    with pytest.raises(LocalrtError, match="unloaded"):
+        engine.submit(("c", 1))

@@ -24,6 +24,7 @@ from localrt.backends.base import TextEvent  # noqa: E402
 from localrt.backends.llamacpp import LlamaCppBackend  # noqa: E402
 from localrt.backends.llamacpp import LlamaCppModel  # noqa: E402
 from localrt.backends.llamacpp import backend as llamacpp_backend  # noqa: E402
+from localrt.backends.llamacpp.step import BatchedContext  # noqa: E402
 from localrt.backends.rerank import PooledContext  # noqa: E402
 
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
@@ -449,5 +450,13 @@ def test_embeddings_are_computed_on_the_step_thread(
 
     monkeypatch.setattr(PooledContext, "pool", recorded)
     asyncio.run(model.embed(["The cat sat on the mat.", "Quantum chromodynamics"]))
+    assert {t.name for t in threads} == {BatchedContext.thread_name}
+
+
+def test_the_step_thread_ends_when_the_model_is_idle(model: LlamaCppModel) -> None:
+    """Its OpenMP workers go with it, so an idle model does not slow a busy one down (`idle_end`)."""
+    asyncio.run(run_one(model, GenerateRequest(ask(model, QUESTIONS[0]), GREEDY, num_predict=2)))
     assert model.engine is not None
-    assert set(threads) == {model.engine._thread}
+    stepper = model.engine.call(threading.current_thread).result(timeout=30)
+    stepper.join(timeout=30)
+    assert not stepper.is_alive()

@@ -59,6 +59,7 @@ def pair_scores(path: Path) -> tuple[list[float], list[list[int]]]:
 def test_scores_are_computed_on_the_step_thread(reranker: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """As embeddings: no graph of the model runs on a thread other than its step thread."""
     from localrt.backends.llamacpp import LlamaCppBackend
+    from localrt.backends.llamacpp.step import BatchedContext
     from localrt.backends.rerank import PooledContext
 
     threads: list[threading.Thread] = []
@@ -72,10 +73,9 @@ def test_scores_are_computed_on_the_step_thread(reranker: Path, monkeypatch: pyt
     m = LlamaCppBackend.load(reranker, LoadOptions(num_ctx=128))
     try:
         asyncio.run(m.rerank(QUERY, DOCS))
-        step_thread = m.engine._thread
     finally:
         m.unload()
-    assert set(threads) == {step_thread}
+    assert {t.name for t in threads} == {BatchedContext.thread_name}
 
 
 def test_scores_are_the_checkpoints_own(reranker: Path) -> None:
