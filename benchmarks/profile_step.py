@@ -31,6 +31,12 @@ against `localrt serve` and against llama-server, interleaved rounds, each serve
 thread) beside the raw loop's; with `--threads 1` no worker thread spins, so the difference is host work:
 
     python benchmarks/profile_step.py --versus --threads 1 --tokens 512 --repeat 3
+
+`--beside` streams one client on a model alone, then with a second model loaded beside it and idle, in one
+`localrt serve`: what an idle model costs a busy one (an engine thread that outlived its work kept an
+OpenMP pool, and libgomp stops spinning while it has more threads than cores):
+
+    python benchmarks/profile_step.py --beside --backend llama.cpp --tokens 256 --repeat 3
 """
 
 from __future__ import annotations
@@ -356,6 +362,80 @@ def http_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, repea
             )
 
 
+def stream_answer(url: str, model: str, n: int) -> tuple[float, int]:
+    """One streamed OpenAI chat answer of up to n tokens: (seconds from its first chunk to its end, tokens)."""
+    import httpx
+
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Write a long story about a cat who sails the sea."}],
+        "max_tokens": n,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first = None
+    tokens = 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                first = first or time.perf_counter()
+                tokens = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens", tokens)
+    return time.perf_counter() - (first or time.perf_counter()), tokens
+
+
+def beside_run(gguf: Path, backend: str, threads: int, n_ctx: int, n_new: int, repeat: int) -> None:
+    """One streamed client on a model, alone and then with a second model loaded beside it and idle, in
+    one `localrt serve` (`repeat` rounds of 3 answers each way): what an idle model costs a busy one."""
+    import subprocess
+    import tempfile
+
+    import httpx
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_serve import free_port
+    from bench_serve import wait_ready
+
+    from localrt.store.importer import import_gguf
+    from localrt.store.store import Store
+
+    root = Path(tempfile.mkdtemp(prefix="localrt-beside-"))
+    params = {"num_thread": threads, "num_ctx": n_ctx, "temperature": 0}
+    for name in ("busy:latest", "idle:latest"):
+        import_gguf(Store(root / "models"), name, gguf, params=params)
+    port = free_port()
+    env = {
+        **os.environ,
+        "LOCALRT_MODELS": str(root / "models"),
+        "LOCALRT_BACKEND": backend,
+        "LOCALRT_NUM_PARALLEL": "4",
+        "LOCALRT_KEEP_ALIVE": "-1",
+        "LOCALRT_HOST": f"127.0.0.1:{port}",
+    }
+    url = f"http://127.0.0.1:{port}"
+    rows: dict[str, list[float]] = {}
+    for _ in range(repeat):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "localrt", "serve"], env=env, stderr=subprocess.DEVNULL
+        )
+        try:
+            wait_ready(url, proc)
+            for label, loaded in (("alone", ("busy:latest",)), ("an idle model beside it", ("idle:latest",))):
+                for name in loaded:
+                    stream_answer(url, name, 8)  # loads it
+                spans, tokens = zip(*(stream_answer(url, "busy:latest", n_new) for _ in range(3)))
+                rows.setdefault(label, []).append(sum(spans) * 1e3 / sum(tokens))
+            assert len(httpx.get(f"{url}/api/ps").json()["models"]) == 2, "the second model was not kept"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    print(
+        f"{backend}, one client, {n_new} new tokens, {threads} threads; load average {os.getloadavg()[0]:.1f}"
+    )
+    for label, runs in rows.items():
+        print(f"{label:>24}: {' / '.join(f'{t:.2f}' for t in runs)} ms per token")
+
+
 def versus_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, repeat: int) -> None:
     """One streamed OpenAI chat client against `localrt serve` and llama-server in turn (`repeat` rounds,
     interleaved, 3 answers a round after a warm-up): the stream's time per token (first chunk to last)
@@ -369,24 +449,6 @@ def versus_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, rep
     from bench_serve import llama_server
     from bench_serve import localrt_server
 
-    def answer(url: str, model: str, n: int) -> tuple[float, int]:
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": "Write a long story about a cat who sails the sea."}],
-            "max_tokens": n,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        first = None
-        tokens = 0
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    first = first or time.perf_counter()
-                    tokens = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens", tokens)
-        return time.perf_counter() - (first or time.perf_counter()), tokens
-
     servers = {
         "llama-server": lambda: llama_server(gguf, threads, slots, n_ctx),
         "localrt": lambda: localrt_server(gguf, threads, slots, n_ctx, "llama.cpp"),
@@ -397,10 +459,10 @@ def versus_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, rep
         for name, server in servers.items():
             with server() as url:
                 model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-                answer(url, model, 16)
+                stream_answer(url, model, 16)
                 proc = psutil.Process(listening_pid(int(url.rsplit(":", 1)[1])))
                 cpu0 = sum(proc.cpu_times()[:2])
-                spans, tokens = zip(*(answer(url, model, n_new) for _ in range(3)))
+                spans, tokens = zip(*(stream_answer(url, model, n_new) for _ in range(3)))
                 cpu = sum(proc.cpu_times()[:2]) - cpu0
             rows.setdefault(name, []).append((sum(spans) * 1e3 / sum(tokens), cpu * 1e6 / sum(tokens)))
         raw = on_a_thread_that_ends(
@@ -718,7 +780,12 @@ def main() -> None:
         help="instead: host CPU per generated token through localrt serve, by where it goes (see above)",
     )
     p.add_argument("--seqs", default="1,16", help="--breakdown: sequences at once, a comma list")
-    p.add_argument("--backend", default="llama.cpp", help="--breakdown: llama.cpp or torch")
+    p.add_argument("--backend", default="llama.cpp", help="--breakdown, --beside: llama.cpp or torch")
+    p.add_argument(
+        "--beside",
+        action="store_true",
+        help="instead: one streamed client on a model, alone and with a second model loaded and idle",
+    )
     p.add_argument(
         "--hand-over",
         action="store_true",
@@ -732,6 +799,9 @@ def main() -> None:
         from localrt.cli.main import main as cli
 
         raise SystemExit(cli(["serve"]))
+    if a.beside:
+        beside_run(gguf, a.backend, a.threads, a.ctx, a.tokens, a.repeat)
+        return
     if a.versus:
         versus_run(gguf, a.threads, a.slots, a.ctx, a.tokens, a.repeat)
         return
