@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import zipfile
 from collections.abc import Awaitable
 from collections.abc import Callable
@@ -165,3 +166,19 @@ def async_test(test: Callable[..., Awaitable[None]]) -> Callable[..., None]:
         asyncio.run(test(*args, **kwargs))
 
     return run
+
+
+@pytest.fixture
+def pooled_threads(monkeypatch: pytest.MonkeyPatch) -> list[threading.Thread]:
+    """The threads that run a llama.cpp pooled context's graph (embeddings, rerank scores) in the test."""
+    from localrt.backends.rerank import PooledContext
+
+    threads: list[threading.Thread] = []
+    pool = PooledContext.pool
+
+    def recorded(self: PooledContext, *args: Any) -> Any:
+        threads.append(threading.current_thread())
+        return pool(self, *args)
+
+    monkeypatch.setattr(PooledContext, "pool", recorded)
+    return threads

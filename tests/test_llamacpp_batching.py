@@ -25,7 +25,6 @@ from localrt.backends.llamacpp import LlamaCppBackend  # noqa: E402
 from localrt.backends.llamacpp import LlamaCppModel  # noqa: E402
 from localrt.backends.llamacpp import backend as llamacpp_backend  # noqa: E402
 from localrt.backends.llamacpp.step import BatchedContext  # noqa: E402
-from localrt.backends.rerank import PooledContext  # noqa: E402
 
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
 CHAT = (
@@ -437,20 +436,12 @@ def test_drafts_of_a_step_are_evened_to_the_length_that_keeps_most_rows() -> Non
 
 
 def test_embeddings_are_computed_on_the_step_thread(
-    model: LlamaCppModel, monkeypatch: pytest.MonkeyPatch
+    model: LlamaCppModel, pooled_threads: list[threading.Thread]
 ) -> None:
     """A graph run on any other thread leaves libgomp a second pool of workers, which slows every
     later step (see `_on_step_thread`)."""
-    threads: list[threading.Thread] = []
-    pool = PooledContext.pool
-
-    def recorded(self: PooledContext, *args: object) -> object:
-        threads.append(threading.current_thread())
-        return pool(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(PooledContext, "pool", recorded)
     asyncio.run(model.embed(["The cat sat on the mat.", "Quantum chromodynamics"]))
-    assert {t.name for t in threads} == {BatchedContext.thread_name}
+    assert {t.name for t in pooled_threads} == {BatchedContext.thread_name}
 
 
 def test_the_step_thread_ends_when_the_model_is_idle(model: LlamaCppModel) -> None:

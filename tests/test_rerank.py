@@ -56,26 +56,19 @@ def pair_scores(path: Path) -> tuple[list[float], list[list[int]]]:
     return scores, tokens
 
 
-def test_scores_are_computed_on_the_step_thread(reranker: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_scores_are_computed_on_the_step_thread(
+    reranker: Path, pooled_threads: list[threading.Thread]
+) -> None:
     """As embeddings: no graph of the model runs on a thread other than its step thread."""
     from localrt.backends.llamacpp import LlamaCppBackend
     from localrt.backends.llamacpp.step import BatchedContext
-    from localrt.backends.rerank import PooledContext
 
-    threads: list[threading.Thread] = []
-    pool = PooledContext.pool
-
-    def recorded(self: PooledContext, *args: object) -> object:
-        threads.append(threading.current_thread())
-        return pool(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(PooledContext, "pool", recorded)
     m = LlamaCppBackend.load(reranker, LoadOptions(num_ctx=128))
     try:
         asyncio.run(m.rerank(QUERY, DOCS))
     finally:
         m.unload()
-    assert {t.name for t in threads} == {BatchedContext.thread_name}
+    assert {t.name for t in pooled_threads} == {BatchedContext.thread_name}
 
 
 def test_scores_are_the_checkpoints_own(reranker: Path) -> None:
