@@ -81,12 +81,13 @@ class EngineThread:
     # machine it was within the noise (llama.cpp, one sequence: 878 vs 1142 and 940 vs 946 us per token).
     hand_over = False
     # Seconds the thread waits without work before it ends (None: it lives until `stop`); the next
-    # request or job starts a new one. libgomp keeps a pool of workers for each thread that runs a
-    # parallel region, and while more of its threads exist than cores it stops spinning at barriers:
-    # an idle model's thread kept its pool, and a second llama.cpp model loaded beside the first made
-    # the first 60% slower per token (5.6 -> 9.1 ms, 2 threads each on 2 cores) until it was unloaded.
-    # A thread that ends takes its pool with it. The linger keeps one thread across back-to-back requests.
-    idle_end: float | None = None
+    # request or job starts a new one. libgomp (llama.cpp's and torch's OpenMP) keeps a pool of workers
+    # for each thread that runs a parallel region, and while more of its threads exist than cores it
+    # stops spinning at barriers: an idle model's thread kept its pool, and a second llama.cpp model
+    # loaded beside the first made the first 60% slower per token (5.6 -> 9.1 ms, 2 threads each on 2
+    # cores) until it was unloaded. A thread that ends takes its pool with it. The linger keeps one
+    # thread across back-to-back requests.
+    idle_end: float | None = 0.1
 
     def _init_thread(self) -> None:
         self._cv = threading.Condition()

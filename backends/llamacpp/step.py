@@ -48,7 +48,6 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
     any thread, taken between steps); `submit` jobs, `run_task` exclusive work."""
 
     thread_name = "localrt-llamacpp-step"
-    idle_end = 0.1  # see EngineThread.idle_end: its OpenMP pool goes with the thread
 
     def __init__(
         self,

@@ -124,6 +124,7 @@ class _InFlight:
 
 class BatchEngine(RequestQueues, EngineThread):
     thread_name = "mlx-engine"
+    idle_end = None  # MLX runs no OpenMP pool to free, and its streams were not tried from a new thread
 
     def __init__(
         self,

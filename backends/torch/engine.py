@@ -92,7 +92,6 @@ class _Work:
 
 class Engine(EngineThread):
     thread_name = "torch-engine"
-    idle_end = 0.1  # see EngineThread.idle_end: its OpenMP pool goes with the thread
 
     def __init__(
         self,
