@@ -72,20 +72,6 @@ def cpu_timed(fn, into: list[int]):  # type: ignore[no-untyped-def]
     return timed
 
 
-def on_a_thread_that_ends(fn):  # type: ignore[no-untyped-def]
-    """fn's result, run on a new thread that then ends. An OpenMP build of llama.cpp keeps a pool of
-    workers for each thread that ran a graph; a raw loop's pool left on the main thread made libgomp stop
-    spinning at its barriers, and the localrt row after it took 1.4-1.5x the raw time per token (1.0x
-    with the raw loops on threads of their own)."""
-    out: list = []
-    worker = threading.Thread(target=lambda: out.append(fn()))
-    worker.start()
-    worker.join()
-    if not out:
-        raise RuntimeError("the run failed (its error is printed above)")
-    return out[0]
-
-
 def raw_loop(
     gguf: Path, prompt: list[int], n_new: int, threads: int, *, streams: int, n_ubatch: int, n_ctx: int
 ) -> dict[str, float]:
@@ -449,6 +435,8 @@ def versus_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, rep
     from bench_serve import llama_server
     from bench_serve import localrt_server
 
+    from localrt.backends.engine_thread import on_a_thread_of_its_own
+
     servers = {
         "llama-server": lambda: llama_server(gguf, threads, slots, n_ctx),
         "localrt": lambda: localrt_server(gguf, threads, slots, n_ctx, "llama.cpp"),
@@ -465,8 +453,9 @@ def versus_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, rep
                 spans, tokens = zip(*(stream_answer(url, model, n_new) for _ in range(3)))
                 cpu = sum(proc.cpu_times()[:2]) - cpu0
             rows.setdefault(name, []).append((sum(spans) * 1e3 / sum(tokens), cpu * 1e6 / sum(tokens)))
-        raw = on_a_thread_that_ends(
-            lambda: raw_loop(gguf, prompt, n_new, threads, streams=slots, n_ubatch=48, n_ctx=n_ctx)
+        raw = on_a_thread_of_its_own(
+            lambda: raw_loop(gguf, prompt, n_new, threads, streams=slots, n_ubatch=48, n_ctx=n_ctx),
+            "raw-loop",
         )
         rows.setdefault("raw loop", []).append((raw["per_token_ms"], raw["process_cpu_ms_per_token"] * 1e3))
     print(f"one client, {n_new} new tokens, {threads} thread(s); load average {os.getloadavg()[0]:.1f}")
@@ -825,17 +814,23 @@ def main() -> None:
             figures = {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0] if k != "outputs"}
             print(f"{spec:>8}: outputs as speculation off: {same} {figures}")
         return
+    from localrt.backends.engine_thread import on_a_thread_of_its_own
+
     prompt = [1] + [(i * 37) % 4000 + 100 for i in range(a.prompt - 1)]
     rows: dict[str, list[dict]] = {}
     for _ in range(a.repeat):  # interleaved, so a load change hits every variant alike
         rows.setdefault("raw", []).append(
-            on_a_thread_that_ends(
-                lambda: raw_loop(gguf, prompt, a.tokens, a.threads, streams=1, n_ubatch=512, n_ctx=a.ctx)
+            on_a_thread_of_its_own(
+                lambda: raw_loop(gguf, prompt, a.tokens, a.threads, streams=1, n_ubatch=512, n_ctx=a.ctx),
+                "raw-loop",
             )
         )
         rows.setdefault("raw-streams", []).append(
-            on_a_thread_that_ends(
-                lambda: raw_loop(gguf, prompt, a.tokens, a.threads, streams=a.slots, n_ubatch=48, n_ctx=a.ctx)
+            on_a_thread_of_its_own(
+                lambda: raw_loop(
+                    gguf, prompt, a.tokens, a.threads, streams=a.slots, n_ubatch=48, n_ctx=a.ctx
+                ),
+                "raw-loop",
             )
         )
         rows.setdefault("localrt", []).append(localrt_run(gguf, prompt, a.tokens, a.threads, a.slots, a.ctx))

@@ -154,12 +154,18 @@ class IdleEndingCountdown(Countdown):
     idle_end = 0.01
 
 
-def ended_idle(engine: Countdown) -> threading.Thread:
-    """The engine's first thread, once it has ended for want of work."""
+def first_thread_joined(engine: Countdown) -> threading.Thread:
+    """The engine's first thread, waited for (up to 30 s) to end for want of work."""
     first = engine._thread
     assert first is not None
     first.join(timeout=30)
     return first
+
+
+def ended_idle(engine: Countdown) -> None:
+    """Wait until the engine's first thread has ended idle (the tests below start from there)."""
+    if first_thread_joined(engine).is_alive():
+        raise RuntimeError("the engine thread did not end idle")
 
 
 def test_an_idle_thread_ends() -> None:
@@ -167,12 +173,14 @@ def test_an_idle_thread_ends() -> None:
     engine.start(sink)
     engine.submit(("a", 2))
     sink.wait_for(1)
-    first = ended_idle(engine)
-    engine.stop()
-    assert not first.is_alive()
+    try:
+        first = first_thread_joined(engine)
+        assert not first.is_alive()  # before `stop`, which would end it anyway
+    finally:
+        engine.stop()
 
 
-def test_work_after_an_idle_end_runs_on_a_new_thread() -> None:
+def test_work_after_an_idle_end_is_served() -> None:
     engine, sink = IdleEndingCountdown(), Sink()
     engine.start(sink)
     ended_idle(engine)

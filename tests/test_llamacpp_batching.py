@@ -439,7 +439,7 @@ def test_embeddings_are_computed_on_the_step_thread(
     model: LlamaCppModel, pooled_threads: list[threading.Thread]
 ) -> None:
     """A graph run on any other thread leaves libgomp a second pool of workers, which slows every
-    later step (see `_on_step_thread`)."""
+    later step (see `EngineThread.job`)."""
     asyncio.run(model.embed(["The cat sat on the mat.", "Quantum chromodynamics"]))
     assert {t.name for t in pooled_threads} == {BatchedContext.thread_name}
 

@@ -12,12 +12,10 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator
-from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-from typing import TypeVar
 
 import numpy as np
 
@@ -80,7 +78,6 @@ from .vocab import Vocab
 from .vocab import VocabMethods
 
 NAME = "llama.cpp"
-T = TypeVar("T")
 
 
 class LlamaCppModel(VocabMethods, ModelLifetime):
@@ -271,15 +268,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         if not self.capabilities.rerank:
             raise LocalrtError("this model is not a reranker (its GGUF has no rank pooling)")
         documents = list(documents)
-        return await self._on_step_thread(lambda: self._rerank_now(query, documents))
-
-    async def _on_step_thread(self, fn: Callable[[], T]) -> T:
-        """fn on the step thread, between two steps: every graph of a model runs on that one thread.
-        libgomp keeps a pool of workers for each thread that ever ran a graph, and once more of its
-        threads exist than cores it stops spinning at the barriers between a graph's nodes: one embedding
-        computed on a pool thread (which lives on) left every later token a third slower (6.1 -> 7.9 ms,
-        2 threads on 2 cores)."""
-        return await asyncio.wrap_future(self._require_engine().call(fn))
+        return await self._require_engine().job(lambda: self._rerank_now(query, documents))
 
     def _rerank_now(self, query: str, documents: list[str]) -> tuple[list[float], int]:
         with self._embed_lock:
@@ -390,7 +379,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
         texts = list(texts)
-        return await self._on_step_thread(lambda: self._embed_now(texts))
+        return await self._require_engine().job(lambda: self._embed_now(texts))
 
     def _embed_now(self, texts: list[str]) -> list[list[float]]:
         with self._embed_lock:

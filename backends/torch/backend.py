@@ -11,10 +11,8 @@ that thread through the event loop, so no worker thread is held per request.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from localrt.backends.checks import check_model_file
 from localrt.backends.checks import check_no_adapters
 from localrt.backends.engine_thread import EngineModel
 from localrt.backends.engine_thread import EngineStreams
+from localrt.backends.engine_thread import on_a_thread_of_its_own
 from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.lib import default_threads
 from localrt.backends.llamacpp.vocab import Vocab
@@ -51,23 +50,6 @@ from .memory import estimate
 NAME = "torch"
 KV_TYPES_CPU = ("f16", "bf16", "f32", "q8_0")
 log = logging.getLogger("localrt.backends.torch")
-
-
-def on_a_thread_of_its_own(fn: Callable[[], None]) -> None:
-    """Run fn on a new thread and wait for it; its exception is raised here."""
-    failure: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            fn()
-        except BaseException as e:  # re-raised on the caller's thread
-            failure.append(e)
-
-    thread = threading.Thread(target=target, name="localrt-torch-load")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
 
 
 class TorchModel(VocabMethods, EngineModel, ModelLifetime):
@@ -97,7 +79,7 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         # 21-25 ms instead of 13. Loading on the caller's thread (often a pool thread that lives on)
         # left such a second pool behind; a loader thread that exits takes its pool with it.
         check_no_adapters(opts.adapters, NAME)  # before any weight is read
-        on_a_thread_of_its_own(lambda: self._load(path, opts, device, numerics))
+        on_a_thread_of_its_own(lambda: self._load(path, opts, device, numerics), "localrt-torch-load")
 
     def _load(self, path: Path, opts: LoadOptions, device: str | None, numerics: str | None) -> None:
         import torch
