@@ -128,10 +128,19 @@ class SeqContext:
         # the LoRA scale set each seq's cells were computed under: KV made under one set is not reused
         # for a request under another (the same tokens give other keys and values)
         self.cell_lora: list[tuple[float, ...]] = [() for _ in range(n_seq_max)]
+        self._ends: dict[int, bool] = {}
+
+    def ends_generation(self, token: int) -> bool:
+        """llama.cpp's end-of-generation test, asked once per generated token and remembered per token
+        (a dictionary lookup, not a call into C through ctypes)."""
+        end = self._ends.get(token)
+        if end is None:
+            end = self._ends[token] = bool(self.lib.llama_vocab_is_eog(self.model.vocab, token))
+        return end
 
     def logits(self, row: int) -> np.ndarray:
         """Batch row `row`'s logits from the last decode (llama.cpp's buffer: copy to keep them)."""
-        return logits_row(self.lib, self.ctx.ctx, row, self.n_vocab)
+        return logits_row(self.ctx.ctx, row, self.n_vocab)
 
     def _append(self, seq: int, tokens: list[int], output: bool | list[bool]) -> int:
         """Add tokens to the batch at seq's next positions (recorded as held); their first batch index."""
@@ -217,7 +226,7 @@ class DraftContext(SeqContext):
     def _take(self, i: int, row: int, wants: list[tuple[int, list[int], int]], out: list[list[int]]) -> bool:
         """Append the argmax of `row` to entry i's draft tokens; True while it wants more."""
         token = int(np.argmax(self.logits(row)))
-        if self.lib.llama_vocab_is_eog(self.model.vocab, token):
+        if self.ends_generation(token):
             return False
         out[i].append(token)
         return len(out[i]) < wants[i][2]

@@ -67,7 +67,6 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
         prompt_work: int | None = PROMPT_WORK,
     ) -> None:
         SeqContext.__init__(self, model, ctx, n_seq_max, step_tokens)
-        self.vocab = model.vocab
         self.n_parallel = n_parallel
         self.n_seq_max = n_seq_max
         self.n_ctx_seq = n_ctx_seq
@@ -337,7 +336,7 @@ class BatchedContext(RequestQueues, EngineThread, Admission):
         job.n_gen += 1
         job.history.append(token)
         job.last = token
-        if self.lib.llama_vocab_is_eog(self.vocab, token):
+        if self.ends_generation(token):
             return token, "stop"
         req = job.req
         out = self._output(job)
