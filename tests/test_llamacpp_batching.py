@@ -24,7 +24,10 @@ from localrt.backends.base import TextEvent  # noqa: E402
 from localrt.backends.llamacpp import LlamaCppBackend  # noqa: E402
 from localrt.backends.llamacpp import LlamaCppModel  # noqa: E402
 from localrt.backends.llamacpp import backend as llamacpp_backend  # noqa: E402
+from localrt.backends.llamacpp.lib import Batch  # noqa: E402
+from localrt.backends.llamacpp.lib import logits_row  # noqa: E402
 from localrt.backends.llamacpp.step import BatchedContext  # noqa: E402
+from localrt.errors import LocalrtError  # noqa: E402
 
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
 CHAT = (
@@ -451,3 +454,42 @@ def test_the_step_thread_ends_when_the_model_is_idle(model: LlamaCppModel) -> No
     stepper = model.engine.call(threading.current_thread).result(timeout=30)
     stepper.join(timeout=30)
     assert not stepper.is_alive()
+
+
+def test_end_of_generation_is_llama_cpps_for_every_token(model: LlamaCppModel) -> None:
+    """The step loop remembers llama.cpp's end-of-generation answer per token (`ends_generation`)."""
+    engine = model.engine
+    assert engine is not None
+    lib, vocab = engine.lib, engine.model.vocab
+    ids = range(engine.n_vocab)
+    truth = [bool(lib.llama_vocab_is_eog(vocab, t)) for t in ids]
+    first = [engine.ends_generation(t) for t in ids]  # asked of llama.cpp (most of them), then kept
+    again = [engine.ends_generation(t) for t in ids]
+    assert first == truth
+    assert again == truth
+
+
+def test_a_batch_row_without_logits_is_an_error_not_a_read(model: LlamaCppModel) -> None:
+    """`logits_row` reads llama.cpp's buffer at the address it returns; a row the batch did not ask
+    logits for has none, and reading there would be a read of freed or foreign memory."""
+    engine = model.engine
+    assert engine is not None
+    tokens = ask(model, QUESTIONS[0])[:3]
+
+    def decode(ctx: object, seq: int) -> tuple[tuple[int, ...], str]:
+        batch = Batch(len(tokens))
+        try:
+            batch.add(tokens, 0, seq, [False, False, True])
+            engine.decode_exclusive(batch)
+            shape = logits_row(ctx, 2, engine.n_vocab).shape
+            try:
+                logits_row(ctx, 0, engine.n_vocab)
+            except LocalrtError as e:
+                return shape, str(e)
+            return shape, ""
+        finally:
+            batch.close()
+
+    shape, error = engine.run_task(decode)
+    assert shape == (engine.n_vocab,)
+    assert "no logits for batch row 0" in error
