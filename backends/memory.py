@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any
 from localrt.store.gguf import GGUFInfo
 from localrt.store.gguf import read_blob
 
+from .base import LoadOptions
 from .base import loaded_context
 
 GiB = 1 << 30
@@ -98,6 +101,28 @@ class MemoryEstimate:
         return [f"{name:<12}{value}" for name, value in rows]
 
 
+@dataclass(frozen=True)
+class Sizing:
+    """The settings an estimate is for, as a backend's rules give them: the context each sequence is
+    loaded with and the sequences decoded together."""
+
+    backend: str
+    context: int
+    parallel: int
+
+    def estimate(self, **parts: Any) -> MemoryEstimate:
+        """The estimate at these settings; `parts`: the bytes by part and where they go (the other fields
+        of `MemoryEstimate`)."""
+        return MemoryEstimate(
+            backend=self.backend, context_length=self.context, parallel=self.parallel, **parts
+        )
+
+
+def draft_bytes(opts: LoadOptions, size: Callable[[ModelShape], int]) -> int:
+    """The draft model's bytes by the backend's rule for a model (`size` of its header); 0 without one."""
+    return 0 if opts.draft_model is None else size(model_shape(opts.draft_model))
+
+
 def human_bytes(n: float) -> str:
     """Sizes as Ollama prints them in its memory errors: "2.3 GiB", "241.5 MiB"."""
     for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
@@ -126,6 +151,30 @@ class ModelShape:
         return self.info.text_metadata()
 
 
+class HeaderNumbers:
+    """The architecture's numbers in a GGUF header: `num("block_count")` reads `<arch>.block_count`, the
+    default where the key is missing or not a number."""
+
+    def __init__(self, metadata: Mapping[str, Any]) -> None:
+        self.metadata = metadata
+        self.arch = str(metadata.get("general.architecture", "llama"))
+
+    def __call__(self, key: str, default: int = 0) -> int:
+        try:
+            return int(float(self.metadata.get(f"{self.arch}.{key}", default)))
+        except (TypeError, ValueError):
+            return default
+
+    def n_head(self) -> int:
+        return max(1, self("attention.head_count", 1))
+
+    def n_head_kv(self) -> int:
+        return self("attention.head_count_kv", self.n_head())
+
+    def head_dim(self) -> int:
+        return self("attention.key_length", self("embedding_length") // self.n_head())
+
+
 def model_shape(path: Path | str) -> ModelShape:
     p = Path(path)
     st = p.stat()
@@ -136,37 +185,26 @@ def model_shape(path: Path | str) -> ModelShape:
 def _model_shape(path: Path, size: int, mtime_ns: int) -> ModelShape:
     """Cached by the file's identity: a fit tries several settings on one header."""
     info = read_blob(path)  # a malformed file gets the same refusal as at load, and the verdict is kept
-    meta = info.metadata
-    arch = str(meta.get("general.architecture", "llama"))
-
-    def num(key: str, default: int = 0) -> int:
-        value = meta.get(f"{arch}.{key}", default)
-        try:
-            return int(float(value))
-        except (TypeError, ValueError):
-            return default
-
-    n_layer, n_embd = num("block_count"), num("embedding_length")
-    n_head = max(1, num("attention.head_count", 1))
-    tokens = meta.get("tokenizer.ggml.tokens")
-    n_vocab = num("vocab_size") or (len(tokens) if isinstance(tokens, (list, tuple)) else 0)
+    num = HeaderNumbers(info.metadata)
+    tokens = info.metadata.get("tokenizer.ggml.tokens")
     window = num("attention.sliding_window")
     return ModelShape(
         info=info,
-        arch=arch,
-        n_layer=n_layer,
-        n_head_kv=num("attention.head_count_kv", n_head),
-        head_dim=num("attention.key_length", n_embd // n_head),
-        n_vocab=n_vocab,
+        arch=num.arch,
+        n_layer=num("block_count"),
+        n_head_kv=num.n_head_kv(),
+        head_dim=num.head_dim(),
+        n_vocab=num("vocab_size") or (len(tokens) if isinstance(tokens, (list, tuple)) else 0),
         trained_context=num("context_length"),
         sliding_window=window,
-        sliding_layers=_sliding_layers(meta, arch, n_layer) if window else 0,
+        sliding_layers=_sliding_layers(num) if window else 0,
     )
 
 
-def _sliding_layers(meta: dict[str, Any], arch: str, n_layer: int) -> int:
+def _sliding_layers(num: HeaderNumbers) -> int:
     """How many layers attend through a window: a pattern in the header, else Gemma 3's five in six."""
-    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    arch, n_layer = num.arch, num("block_count")
+    pattern = num.metadata.get(f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, (list, tuple)):
         return sum(bool(p) for p in pattern[:n_layer])
     if isinstance(pattern, int) and pattern > 1:

@@ -12,9 +12,13 @@ from localrt import config
 from localrt.backends.base import LoadOptions
 from localrt.backends.devices import compute_devices
 from localrt.backends.devices import gpu_room
+from localrt.backends.memory import HeaderNumbers
 from localrt.backends.memory import MemoryEstimate
+from localrt.backends.memory import ModelShape
+from localrt.backends.memory import Sizing
 from localrt.backends.memory import available_memory
 from localrt.backends.memory import context_for
+from localrt.backends.memory import draft_bytes
 from localrt.backends.memory import file_size
 from localrt.backends.memory import model_shape
 
@@ -33,20 +37,10 @@ AUTO_MEMORY_SHARE = 0.25  # of the available memory, for the KV cache of the aut
 
 
 def kv_bytes_per_token(metadata: dict[str, str], kv_type: str) -> int:
-    arch = metadata.get("general.architecture", "llama")
-
-    def num(key: str, default: int) -> int:
-        try:
-            return int(float(metadata.get(f"{arch}.{key}", default)))
-        except ValueError:
-            return default
-
-    n_layer, n_embd = num("block_count", 0), num("embedding_length", 0)
-    n_head = max(1, num("attention.head_count", 1))
-    n_head_kv = num("attention.head_count_kv", n_head)
-    head_dim = num("attention.key_length", n_embd // n_head)
+    num = HeaderNumbers(metadata)
     # a type llama.cpp lacks is refused by the load itself, naming the types it has; size it as f16
-    return int(2 * n_layer * n_head_kv * head_dim * KV_BYTES.get(kv_type, KV_BYTES["f16"]))
+    per_element = KV_BYTES.get(kv_type, KV_BYTES["f16"])
+    return int(2 * num("block_count") * num.n_head_kv() * num.head_dim() * per_element)
 
 
 def auto_parallel(per_sequence: int, budget: int) -> int:
@@ -73,15 +67,21 @@ def padded(context: int) -> int:
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
-def layer_bytes(path: Path, opts: LoadOptions) -> tuple[list[int], int, int]:
-    """(each block's bytes on a GPU: its weights and its share of the KV cache, the output layer's
-    bytes, the compute buffers')."""
+def _sizing(path: Path, opts: LoadOptions) -> tuple[ModelShape, int, Sizing]:
+    """The header, a token's KV bytes and the settings llama.cpp would load the model with."""
     shape = model_shape(path)
     context = context_for(shape, opts.num_ctx)
     per_token = kv_bytes_per_token(shape.text_metadata, opts.kv_cache_type)
     parallel = parallel_for(per_token * context, opts.num_parallel)
+    return shape, per_token, Sizing("llama.cpp", context, parallel)
+
+
+def layer_bytes(path: Path, opts: LoadOptions) -> tuple[list[int], int, int]:
+    """(each block's bytes on a GPU: its weights and its share of the KV cache, the output layer's
+    bytes, the compute buffers')."""
+    shape, per_token, sizing = _sizing(path, opts)
     n_layer = max(1, shape.n_layer)
-    kv_per_block = per_token * padded(context) * parallel // n_layer
+    kv_per_block = per_token * padded(sizing.context) * sizing.parallel // n_layer
     blocks, output = [kv_per_block] * n_layer, 0
     for t in shape.info.tensors:
         m = _BLOCK.match(t.name)
@@ -120,16 +120,13 @@ def gpu_bytes(path: Path, opts: LoadOptions, layers: int) -> int:
 def estimate(path: Path, opts: LoadOptions, room: int | None | bool = True) -> MemoryEstimate:
     """The estimate, with the GPU's part for the GPUs' free memory now (`room` True), or for `room` bytes
     of GPU memory (None: no GPU)."""
-    shape = model_shape(path)
-    metadata = shape.text_metadata
-    context = context_for(shape, opts.num_ctx)
-    per_token = kv_bytes_per_token(metadata, opts.kv_cache_type)
-    parallel = parallel_for(per_token * context, opts.num_parallel)
-    kv_tokens = padded(context) * parallel
-    draft = 0
-    if opts.draft_model is not None:  # the draft gets a context with the target's parameters
-        draft_meta = model_shape(opts.draft_model).text_metadata
-        draft = file_size(opts.draft_model) + kv_bytes_per_token(draft_meta, opts.kv_cache_type) * kv_tokens
+    shape, per_token, sizing = _sizing(path, opts)
+    kv_tokens = padded(sizing.context) * sizing.parallel
+
+    def draft_size(draft: ModelShape) -> int:  # the draft gets a context with the target's parameters
+        draft_per_token = kv_bytes_per_token(draft.text_metadata, opts.kv_cache_type)
+        return file_size(opts.draft_model) + draft_per_token * kv_tokens
+
     if room is True:
         room = gpu_room(compute_devices(), config.gpu_overhead()) if opts.num_gpu != 0 else None
     layers = gpu = gpu_kv = 0
@@ -141,16 +138,13 @@ def estimate(path: Path, opts: LoadOptions, room: int | None | bool = True) -> M
         device = f"GPU: {layers} of {shape.n_layer + 1} layers"
         gpu = gpu_bytes(path, opts, layers)
         gpu_kv = per_token * kv_tokens // max(1, shape.n_layer) * min(layers, shape.n_layer)
-    return MemoryEstimate(
-        backend="llama.cpp",
+    return sizing.estimate(
         device=device,
         weights=file_size(path),
         kv=per_token * kv_tokens,
         buffers=buffers,
-        context_length=context,
-        parallel=parallel,
         projector=file_size(opts.projector),
-        draft=draft,
+        draft=draft_bytes(opts, draft_size),
         gpu=gpu,
         gpu_free=room,
         gpu_weights=max(0, gpu - gpu_kv - buffers) if layers > 0 else 0,

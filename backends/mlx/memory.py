@@ -11,7 +11,9 @@ from pathlib import Path
 from localrt.backends.base import LoadOptions
 from localrt.backends.memory import MemoryEstimate
 from localrt.backends.memory import ModelShape
+from localrt.backends.memory import Sizing
 from localrt.backends.memory import context_for
+from localrt.backends.memory import draft_bytes
 from localrt.backends.memory import model_shape
 from localrt.store.gguf import TensorInfo
 
@@ -69,18 +71,12 @@ def estimate(path: Path, opts: LoadOptions) -> MemoryEstimate:
     all_dense = active()
     context = context_for(shape, opts.num_ctx)
     slots = min(MAX_SLOTS, opts.num_parallel or DEFAULT_SLOTS["gpu" if on_gpu else "cpu"])
-    draft = 0
-    if opts.draft_model is not None:
-        draft = weight_bytes(model_shape(opts.draft_model), dense, all_dense)
     # the slots' caches, and the prompt cache that keeps finished conversations up to as much again
     kv = 2 * kv_ceiling(shape, opts, context, dense) * slots
-    return MemoryEstimate(
-        backend="mlx",
+    return Sizing("mlx", context, slots).estimate(
         weights=weight_bytes(shape, dense, all_dense),
         kv=kv,
         buffers=BUFFER_BASE + BUFFER_PER_VOCAB_TOKEN * shape.n_vocab,
-        context_length=context,
-        parallel=slots,
-        draft=draft,
+        draft=draft_bytes(opts, lambda draft: weight_bytes(draft, dense, all_dense)),
         device="GPU" if on_gpu else "CPU",
     )

@@ -10,7 +10,9 @@ from localrt import config
 from localrt.backends.base import LoadOptions
 from localrt.backends.memory import MemoryEstimate
 from localrt.backends.memory import ModelShape
+from localrt.backends.memory import Sizing
 from localrt.backends.memory import context_for
+from localrt.backends.memory import draft_bytes
 from localrt.backends.memory import model_shape
 from localrt.store.gguf import TensorInfo
 
@@ -115,20 +117,16 @@ def estimate(path: Path, opts: LoadOptions) -> MemoryEstimate:
     dense = 2 if device == "cuda" and numerics == "dequantized" else 4
     context = context_for(shape, opts.num_ctx)
     parallel = opts.num_parallel or (CPU_PARALLEL if device == "cpu" else MAX_SEQS)
-    draft = 0
-    if opts.draft_model is not None:
-        draft = weight_bytes(model_shape(opts.draft_model), numerics == "quantized", dense)
-    weights = weight_bytes(shape, numerics == "quantized", dense)
+    quantized = numerics == "quantized"
+    weights = weight_bytes(shape, quantized, dense)
     kv = kv_bytes(shape, opts, context, parallel)
+    draft = draft_bytes(opts, lambda draft: weight_bytes(draft, quantized, dense))
     # on CUDA the weights and the KV cache live on the device; the buffers stay on the host
     on_gpu = device == "cuda"
-    return MemoryEstimate(
-        backend="torch",
+    return Sizing("torch", context, parallel).estimate(
         weights=weights,
         kv=kv,
         buffers=RUNTIME_BASE + int(LOAD_SHARE * weights),
-        context_length=context,
-        parallel=parallel,
         draft=draft,
         device="GPU" if on_gpu else "CPU",
         gpu=weights + kv + draft if on_gpu else 0,
