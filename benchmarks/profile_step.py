@@ -37,6 +37,14 @@ thread) beside the raw loop's; with `--threads 1` no worker thread spins, so the
 OpenMP pool, and libgomp stops spinning while it has more threads than cores):
 
     python benchmarks/profile_step.py --beside --backend llama.cpp --tokens 256 --repeat 3
+
+`--floor` measures what no Python server on this stack avoids per streamed token: a bare Starlette app on
+uvicorn (httptools, uvloop, as `localrt serve` runs) streams SSE chunks of an OpenAI chunk's shape, each
+handed over from a thread as an engine thread hands over a token. It prints the handing thread's CPU per
+chunk (the event loop's wake-up) and the event loop's (the chunk's JSON, Starlette, uvicorn, the socket
+write), the floor under `--breakdown`'s `hand-off` and `http+loop`:
+
+    python benchmarks/profile_step.py --floor --tokens 1000 --repeat 3
 """
 
 from __future__ import annotations
@@ -466,6 +474,89 @@ def versus_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, rep
         )
 
 
+# ---- the floor: a bare server on the same stack, per streamed chunk --------------------------------
+FLOOR_GAP_S = 0.006  # a token's pace at one client (SmolLM2-135M, 2 threads)
+
+
+def floor_app(n_chunks: int) -> object:
+    """A Starlette app: POST /stream sends `n_chunks` SSE chunks handed over one by one from a thread
+    (`call_soon_threadsafe`, as `EngineStreams.route` does); GET /stats gives each side's CPU per chunk
+    of the last stream."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    stats: dict[str, float] = {}
+
+    def hand_over(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        cpu = 0
+        for i in [*range(n_chunks), None]:
+            time.sleep(FLOOR_GAP_S)
+            t = time.thread_time_ns()
+            loop.call_soon_threadsafe(queue.put_nowait, i)
+            cpu += time.thread_time_ns() - t
+        stats["hand-off"] = cpu / 1000 / n_chunks
+
+    async def stream(request: object) -> StreamingResponse:
+        queue: asyncio.Queue = asyncio.Queue()
+        threading.Thread(target=hand_over, args=(asyncio.get_running_loop(), queue), daemon=True).start()
+
+        async def body():  # type: ignore[no-untyped-def]
+            created, t0 = int(time.time()), time.thread_time_ns()
+            while (i := await queue.get()) is not None:
+                delta = {"content": f" word{i}"}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+                chunk = {"id": "chatcmpl-floor", "object": "chat.completion.chunk", "created": created}
+                yield f"data: {json.dumps({**chunk, 'model': PROFILE_MODEL, 'choices': [choice]})}\n\n".encode()
+            stats["event loop"] = (time.thread_time_ns() - t0) / 1000 / n_chunks
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def read_stats(request: object) -> JSONResponse:
+        return JSONResponse(stats)
+
+    return Starlette(routes=[Route("/stream", stream, methods=["POST"]), Route("/stats", read_stats)])
+
+
+def floor_run(n_chunks: int, repeat: int) -> None:
+    import subprocess
+
+    import httpx
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_serve import free_port
+
+    port = free_port()
+    cmd = [sys.executable, __file__, "--serve-floor", str(port), "--tokens", str(n_chunks)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                httpx.get(f"{url}/stats", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        rows = []
+        for _ in range(repeat):
+            with httpx.stream("POST", f"{url}/stream", timeout=600) as r:
+                for _ in r.iter_lines():
+                    pass
+            rows.append({**httpx.get(f"{url}/stats").json(), "load": os.getloadavg()[0]})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    print(
+        f"\nbare Starlette on uvicorn, {n_chunks} chunks a round, CPU us per chunk; loadavg after each round"
+    )
+    print("| round | hand-off (the handing thread) | event loop | load |")
+    print("|---|---|---|---|")
+    for i, row in enumerate(rows, 1):
+        print(f"| {i} | {row['hand-off']:.0f} | {row['event loop']:.0f} | {row['load']:.2f} |")
+
+
 # ---- the host overhead per token, by where it goes (through `localrt serve`) ----------------------
 # The server runs in a child process with the hooks below installed; SIGUSR1 makes it write its counters.
 # Every figure is CPU time (per-thread clocks, not the wall clock): other load on the machine slows the
@@ -780,7 +871,13 @@ def main() -> None:
         action="store_true",
         help="--breakdown: engine outputs reach the sink through EngineThread's hand-over thread (A/B)",
     )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="instead: a bare Starlette app on uvicorn streaming chunks handed from a thread (CPU per chunk)",
+    )
     p.add_argument("--serve-hooked", metavar="OUT", help=argparse.SUPPRESS)  # the child server of --breakdown
+    p.add_argument("--serve-floor", type=int, metavar="PORT", help=argparse.SUPPRESS)  # --floor's server
     a = p.parse_args()
     gguf = Path(a.gguf)
     if a.serve_hooked:
@@ -788,6 +885,14 @@ def main() -> None:
         from localrt.cli.main import main as cli
 
         raise SystemExit(cli(["serve"]))
+    if a.serve_floor:
+        import uvicorn
+
+        uvicorn.run(floor_app(a.tokens), host="127.0.0.1", port=a.serve_floor, log_level="warning")
+        return
+    if a.floor:
+        floor_run(a.tokens, a.repeat)
+        return
     if a.beside:
         beside_run(gguf, a.backend, a.threads, a.ctx, a.tokens, a.repeat)
         return
