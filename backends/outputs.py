@@ -79,12 +79,13 @@ def unit_vector(vector: np.ndarray) -> list[float]:
 
 
 def float_array(ptr: Any, shape: tuple[int, ...], missing: str) -> np.ndarray:
-    """The floats at a pointer llama.cpp returned, as an array of `shape` (a view into its buffer, valid
-    until its next call); `missing` is the error when it returned none. Through a ctypes array of the
-    right length at that address: `np.ctypeslib.as_array` on a pointer builds a new array type per call,
-    about 100 us, paid per generated token on the sampling path."""
+    """The floats at a pointer llama.cpp returned (a float pointer, or its address as an int), as an array
+    of `shape` (a view into its buffer, valid until its next call); `missing` is the error when it
+    returned none. Through a ctypes array of the right length at that address: `np.ctypeslib.as_array` on
+    a pointer builds a new array type per call, about 100 us, paid per generated token on the sampling
+    path."""
     if not ptr:
         raise LocalrtError(missing)
-    address = ctypes.cast(ptr, ctypes.c_void_p).value
+    address = ptr if isinstance(ptr, int) else ctypes.cast(ptr, ctypes.c_void_p).value
     floats = (ctypes.c_float * math.prod(shape)).from_address(address)
     return np.frombuffer(floats, dtype=np.float32).reshape(shape)

@@ -23,6 +23,7 @@ from localrt.backends.devices import gpu_room
 from localrt.backends.grammar import Candidates
 from localrt.backends.grammar import grammar_sampler
 from localrt.backends.llama_params import flash_attn_type
+from localrt.backends.outputs import float_array
 from localrt.errors import LocalrtError
 from localrt.errors import OptionError
 
@@ -296,12 +297,9 @@ class Batch:
 def logits_row(ctx: Any, row: int, n_vocab: int) -> np.ndarray:
     """Batch row `row`'s logits, a view into llama.cpp's buffer until the next decode. Read once per
     generated token right after a decode has pushed the interpreter's objects out of the caches, so it
-    touches few of them: the address as an int (not a float pointer to cast), the row's array type from
-    ctypes' own cache. That took the greedy pick from 49 to 30 us a token (SmolLM2-135M, one thread)."""
-    address = _logits_at(ctx, row)
-    if not address:
-        raise LocalrtError(f"llama.cpp has no logits for batch row {row}")
-    return np.frombuffer((ctypes.c_float * n_vocab).from_address(address), dtype=np.float32)
+    touches few of them: the row's address as an int, not a float pointer to cast (the greedy pick went
+    from 49 to 30 us a token, SmolLM2-135M on one thread)."""
+    return float_array(_logits_at(ctx, row), (n_vocab,), f"llama.cpp has no logits for batch row {row}")
 
 
 def make_sampler(
