@@ -29,6 +29,18 @@ MODELS: dict[str, Any] = dict.fromkeys(sorted(SUPPORTED_ARCHS), Transformer)
 MODELS.update({family.arch: family for family in (Gemma2, Gemma3, Phi3, Qwen3MoE, OLMoE)})
 
 
+def settle(model: torch.nn.Module) -> None:
+    """Every module's parameters, buffers and submodules placed in its instance dict as well, where
+    attribute lookup finds them first. Without this each `self.weight` of a forward falls through to
+    `nn.Module.__getattr__` (three dictionary lookups), about 800 times a token for a 30-layer model:
+    about 4% of a batch-1 decode step on the CPU. For a model whose module tree no longer changes: the
+    last step of a load. A module or parameter assigned later replaces its entry (nn.Module removes it
+    from the instance dict); a buffer replaced later (an assignment, `.to()`) would not be seen."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers, module._modules):
+            module.__dict__.update(table)
+
+
 def load_model(
     tensors: Any, dtype: torch.dtype, device: torch.device | str, modules: ModuleFactory | None = None
 ) -> Any:

@@ -84,6 +84,7 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
     def _load(self, path: Path, opts: LoadOptions, device: str | None, numerics: str | None) -> None:
         import torch
 
+        from .architectures import settle
         from .engine import Engine
         from .engine import EngineConfig
         from .gguf_load import GGUFTensors
@@ -126,6 +127,9 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         self.context_length = loaded_context(opts.num_ctx, self.model.cfg.context_length)
         if hasattr(self.model, "fit_context"):  # Phi-3's LongRoPE factors depend on the context length
             self.model.fit_context(self.context_length)
+        for model in (self.model, draft):
+            if model is not None:
+                settle(model)
         config = EngineConfig(
             context_length=self.context_length,
             kv_cache_type=opts.kv_cache_type,

@@ -13,6 +13,7 @@ are adjacent (x[2i], x[2i+1]) -- the "normal" rope mode; Qwen models keep HF's h
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 from typing import Protocol
@@ -239,7 +240,7 @@ class Transformer(nn.Module):
         """tokens [N] -> hidden states [N, dim] after the first `num_layers` blocks (all when None),
         before the final norm."""
         x = self.embed(tokens)  # [N, dim]
-        for block in self.blk[: num_layers or len(self.blk)]:
+        for block in itertools.islice(self.blk, num_layers or None):  # a slice would build a ModuleList
             x = block(x, self.rotary_of(block), ctx)
         return x
 

@@ -220,7 +220,8 @@ class Int4Linear(SplitLinear):
         )
 
     def _kernel(self, x2: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, sz)
+        # torch's own binding of the op, not `torch.ops.aten`'s Python wrapper (a frame more per matmul)
+        return torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, sz)
 
     def combine(self, y: torch.Tensor) -> torch.Tensor:
         n = self.out_features
@@ -238,7 +239,7 @@ class Int8Linear(SplitLinear):
         self.register_buffer("scale", scale.to(torch.bfloat16))
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scale)
+        return torch._weight_int8pack_mm(x2, self.weight_int8, self.scale)
 
 
 class BF16Linear(SplitLinear):
