@@ -22,13 +22,15 @@ llama-server comes from `tests/fixtures_hf.py::llama_cpp_tools()` (built once, c
     python benchmarks/bench_serve.py --smoke   # tiny settings, to check that everything runs
 
 At 1 client a round is a single request: `--rounds 3` (or more) runs each concurrency that many times, with
-other questions each round, and pools the samples.
+other questions each round, and pools the samples. The load keeps every server up at once and takes each
+round on one server after the other, so a drift of the machine's speed moves them alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -343,16 +345,21 @@ def servers(cfg: Config) -> list[tuple[str, Any]]:
 
 
 def run_load(cfg: Config) -> dict[str, list[Row]]:
+    """Every server up at once and each round taken by one server after the other: a machine whose speed
+    drifts (this shared VM runs 10-20% slower for a minute at a time) then moves every server's figure
+    alike instead of the ratio between them."""
     results: dict[str, list[Row]] = {}
-    for name, start in servers(cfg):
-        model = MODEL if name.startswith("localrt") else "default"
-        with start() as url:
-            for c in cfg.concurrency:
-                row = Row(name, c, 0.0)
-                for r in range(cfg.rounds):  # each round asks other questions: no prompt is repeated
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(start()) for name, start in servers(cfg)}
+        for c in cfg.concurrency:
+            rows = {name: Row(name, c, 0.0) for name in urls}
+            for r in range(cfg.rounds):  # each round asks other questions: no prompt is repeated
+                for name, url in urls.items():
+                    model = MODEL if name.startswith("localrt") else "default"
                     wall, samples = asyncio.run(drive(url, model, questions(c, salt=r * c), cfg.max_tokens))
-                    row.wall += wall
-                    row.samples += samples
+                    rows[name].wall += wall
+                    rows[name].samples += samples
+            for name, row in rows.items():
                 results.setdefault(name, []).append(row)
     return results
 
