@@ -517,7 +517,8 @@ def floor_app(n_chunks: int) -> object:
     async def read_stats(request: object) -> JSONResponse:
         return JSONResponse(stats)
 
-    return Starlette(routes=[Route("/stream", stream, methods=["POST"]), Route("/stats", read_stats)])
+    routes = [Route("/stream", stream, methods=["POST"]), Route("/stats", read_stats)]
+    return Starlette(routes=[*routes, Route("/health", read_stats)])  # bench_serve.wait_ready asks /health
 
 
 def floor_run(n_chunks: int, repeat: int) -> None:
@@ -527,18 +528,14 @@ def floor_run(n_chunks: int, repeat: int) -> None:
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_serve import free_port
+    from bench_serve import wait_ready
 
     port = free_port()
     cmd = [sys.executable, __file__, "--serve-floor", str(port), "--tokens", str(n_chunks)]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
-            try:
-                httpx.get(f"{url}/stats", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_ready(url, proc)
         rows = []
         for _ in range(repeat):
             with httpx.stream("POST", f"{url}/stream", timeout=600) as r:
