@@ -34,6 +34,13 @@ class ComputeDevice:
         return f"{self.name} ({self.kind}: {self.description})"
 
 
+def declare(fn: Any, restype: Any, *argtypes: Any) -> None:
+    """Give a C function of a ctypes library its result and argument types (undeclared, ctypes takes and
+    returns C ints, which truncates pointers and sizes)."""
+    fn.restype = restype
+    fn.argtypes = list(argtypes)
+
+
 def _ggml_library() -> Any:
     """The ggml library llama_cpp loaded (its device registry), with the backend initialised."""
     import llama_cpp
@@ -41,18 +48,13 @@ def _ggml_library() -> Any:
 
     llama_cpp.llama_backend_init()
     lib = libggml
-    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_dev_count.argtypes = []
-    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
-        getattr(lib, name).restype = ctypes.c_char_p
-        getattr(lib, name).argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_type.restype = ctypes.c_int
-    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_memory.restype = None
     size_p = ctypes.POINTER(ctypes.c_size_t)
-    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, size_p, size_p]
+    declare(lib.ggml_backend_dev_count, ctypes.c_size_t)
+    declare(lib.ggml_backend_dev_get, ctypes.c_void_p, ctypes.c_size_t)
+    declare(lib.ggml_backend_dev_name, ctypes.c_char_p, ctypes.c_void_p)
+    declare(lib.ggml_backend_dev_description, ctypes.c_char_p, ctypes.c_void_p)
+    declare(lib.ggml_backend_dev_type, ctypes.c_int, ctypes.c_void_p)
+    declare(lib.ggml_backend_dev_memory, None, ctypes.c_void_p, size_p, size_p)
     return lib
 
 

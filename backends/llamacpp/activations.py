@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from localrt import config
+from localrt.backends.devices import declare
 from localrt.errors import LocalrtError
 
 F32 = np.float32
@@ -64,19 +65,12 @@ def _ggml_base() -> ctypes.CDLL:
     if not found:
         raise LocalrtError(f"llama.cpp's libggml-base was not found in {lib_dir}")
     lib = ctypes.CDLL(str(found[0]))
-    lib.ggml_op_name.restype = ctypes.c_char_p
-    lib.ggml_op_name.argtypes = [ctypes.c_int]
-    lib.ggml_nbytes.restype = ctypes.c_size_t
-    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_buffer_is_host.restype = ctypes.c_bool
-    lib.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_tensor_get.restype = None
-    lib.ggml_backend_tensor_get.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_size_t,
-    ]
+    declare(lib.ggml_op_name, ctypes.c_char_p, ctypes.c_int)
+    declare(lib.ggml_nbytes, ctypes.c_size_t, ctypes.c_void_p)
+    declare(lib.ggml_backend_buffer_is_host, ctypes.c_bool, ctypes.c_void_p)
+    declare(
+        lib.ggml_backend_tensor_get, None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t
+    )
     return lib
 
 
