@@ -274,13 +274,12 @@ class Batch:
             self.tokens[start], self.pos[start] = tokens[0], pos0
             self.logits[start] = output if isinstance(output, bool) else output[0]
             self._seq_rows[start][0] = seq_id
-            self.n = end
-            return start
-        self.tokens[start:end] = tokens
-        self.pos[start:end] = np.arange(pos0, pos0 + count, dtype=np.int32)
-        self.logits[start:end] = output if not isinstance(output, bool) else int(output)
-        for i in range(start, end):
-            self._seq_rows[i][0] = seq_id
+        else:
+            self.tokens[start:end] = tokens
+            self.pos[start:end] = np.arange(pos0, pos0 + count, dtype=np.int32)
+            self.logits[start:end] = output if not isinstance(output, bool) else int(output)
+            for i in range(start, end):
+                self._seq_rows[i][0] = seq_id
         self.n = end
         return start
 
