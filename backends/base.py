@@ -146,14 +146,33 @@ class ImageInput:
 
 
 @dataclass
-class GenerateRequest:
-    prompt_tokens: list[int]  # IMAGE_TOKEN marks where each of `images` goes
+class OutputSettings:
+    """What a request asks of its answer, the same for a loaded model (GenerateRequest) and an upstream
+    (remote.RemoteRequest): sampling, length, stop strings, logprobs and format."""
+
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_predict: int = -1  # -1: until the context is full
+    num_predict: int = -1  # -1: until the context is full (an upstream's: no max_tokens is sent)
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
-    format: str | dict[str, Any] | GBNF | None = None  # "json", a JSON schema or GBNF (Capabilities.grammar)
+    # "json", a JSON schema or GBNF (Capabilities.grammar; an upstream takes no GBNF)
+    format: str | dict[str, Any] | GBNF | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Each generated token comes with its logprob (asked for, or implied by top_logprobs)."""
+        return self.logprobs or self.top_logprobs > 0
+
+
+@dataclass
+class _PromptTokens:
+    prompt_tokens: list[int]  # IMAGE_TOKEN marks where each of `images` goes
+
+
+# prompt_tokens has a base of its own, named last, because a dataclass's fields start with those of its
+# last base: GenerateRequest(prompt_tokens, sampling, num_predict, ...) in that order, as callers pass them.
+@dataclass
+class GenerateRequest(OutputSettings, _PromptTokens):
     speculative: str = "off"
     num_draft: int | None = None  # None = the backend's default for the mode
     shift: bool = (
@@ -168,11 +187,6 @@ class GenerateRequest:
     # the model's LoRA adapters' scales for this request, one per adapter in load order (llama-server's
     # per-request `lora`); None: each at 1.0, as they loaded. Only the llama.cpp backend applies them.
     lora: tuple[float, ...] | None = None
-
-    @property
-    def wants_logprobs(self) -> bool:
-        """Each generated token comes with its logprob (asked for, or implied by top_logprobs)."""
-        return self.logprobs or self.top_logprobs > 0
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import field
 from typing import Any
 
 from localrt.backends.base import CancelToken
+from localrt.backends.base import OutputSettings
 from localrt.backends.base import SamplingParams
 from localrt.backends.base import TextEvent
 from localrt.backends.base import Timings
@@ -36,19 +37,13 @@ class UpstreamErrorEvent(Exception):
 
 # ---- requests -----------------------------------------------------------------------------------
 @dataclass(kw_only=True)
-class RemoteRequest:
+class RemoteRequest(OutputSettings):
     """One chat or completion for the upstream. The upstream templates and tokenizes, so a request
     carries the conversation (`messages`, OpenAI `tools`) or the raw text (`prompt`), never token ids."""
 
     messages: list[dict[str, Any]] | None = None  # chat: the runtime's (Ollama-shaped) messages
     tools: list[dict[str, Any]] | None = None
     prompt: str | None = None  # completions: the text as given
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_predict: int = -1  # -1: no max_tokens (the upstream bounds the answer by its context)
-    stop: list[str] = field(default_factory=list)
-    logprobs: bool = False
-    top_logprobs: int = 0
-    format: str | dict[str, Any] | None = None  # "json" or a JSON schema (as `response_format`)
     cancel: CancelToken = field(default_factory=CancelToken)
 
     @property
@@ -215,12 +210,10 @@ class Answer:
             self.usage = obj["usage"]
         if isinstance(obj.get("timings"), dict):
             self.llama_timings = obj["timings"]
-        events = []
-        for choice in choices[:1]:
-            event = self._choice(choice if isinstance(choice, dict) else {})
-            if event is not None:
-                events.append(event)
-        return events
+        if not choices:  # a chunk with the usage alone
+            return []
+        event = self._choice(choices[0] if isinstance(choices[0], dict) else {})  # one answer is asked for
+        return [] if event is None else [event]
 
     def _choice(self, choice: dict[str, Any]) -> TextEvent | None:
         if choice.get("finish_reason"):
