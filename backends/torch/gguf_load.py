@@ -7,6 +7,7 @@ Work happens in float32 on the CPU; the caller casts to the compute dtype and mo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -192,6 +193,8 @@ DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "IQ4_XS": dequant_iq4_xs,
 }
 ROWS_PER_CHUNK = 1 << 14  # blocks dequantized at once: bounds the int16/float temporaries
+# type name -> (elements, bytes) of one block, looked up once per dequantize (every step's embedding)
+BLOCK_SHAPES = {name: (elems, nbytes) for name, elems, nbytes in GGML_TYPES.values()}
 
 
 def dequantize(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -199,12 +202,14 @@ def dequantize(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...]) -> tor
     fn = DEQUANTIZERS.get(ggml_type)
     if fn is None:
         raise LocalrtError(f"the torch backend cannot read {ggml_type} tensors yet")
-    _, block_elems, block_bytes = next(v for v in GGML_TYPES.values() if v[0] == ggml_type)
-    n_elements = int(np.prod(shape))
+    block_elems, block_bytes = BLOCK_SHAPES[ggml_type]
+    n_elements = math.prod(shape)
     if block_elems == 1:
         out = fn(raw)
     elif raw.numel() == 0:  # no rows asked for (a step whose chunks all stop short of their prompt's end)
         out = torch.empty(0, dtype=torch.float32)
+    elif raw.numel() <= ROWS_PER_CHUNK * block_bytes:  # a step's few rows (an embedding, a head's refine)
+        out = fn(raw.view(-1, block_bytes))
     else:
         blocks = raw.view(-1, block_bytes)  # [n_blocks, bytes per block]
         out = torch.cat(

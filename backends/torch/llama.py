@@ -73,8 +73,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 (as llama.cpp does), scale in the compute dtype; casts only where the
         # dtype differs (a no-op cast still costs a dispatch, and a decode step is mostly dispatches)
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight  # one fused kernel
+        if x.dtype == torch.float32:  # the scale inside the call: the same products, one op fewer
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
 
 
@@ -161,13 +161,16 @@ class Block(nn.Module):
 
     def attention(self, x: torch.Tensor, rotary: Rotary, ctx: AttentionContext) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.attn_qkv(x).split(self.qkv_sizes, -1)  # one matmul for the three projections
-        q = q.view(n, self.n_head, self.head_dim)  # [N, H, D]
-        k = k.view(n, self.n_kv, self.head_dim)  # [N, Hkv, D]
-        v = v.view(n, self.n_kv, self.head_dim)
+        qkv = self.attn_qkv(x)  # one matmul for the three projections: [N, (H + 2 Hkv) D]
+        n_q, n_qk = self.qkv_sizes[0], self.qkv_sizes[0] + self.qkv_sizes[1]
+        v = qkv[:, n_qk:].view(n, self.n_kv, self.head_dim)  # [N, Hkv, D]
         if self.attn_q_norm is not None and self.attn_k_norm is not None:
-            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-        qk = rotary(torch.cat([q, k], 1), ctx.positions)  # one rotation for q and k: [N, H + Hkv, D]
+            q = self.attn_q_norm(qkv[:, :n_q].view(n, self.n_head, self.head_dim))
+            k = self.attn_k_norm(qkv[:, n_q:n_qk].view(n, self.n_kv, self.head_dim))
+            qk = torch.cat([q, k], 1)
+        else:  # q's heads then k's lie side by side in the projection: viewed as one, not copied
+            qk = qkv[:, :n_qk].view(n, self.n_head + self.n_kv, self.head_dim)
+        qk = rotary(qk, ctx.positions)  # one rotation for q and k: [N, H + Hkv, D]
         q, k = qk[:, : self.n_head], qk[:, self.n_head :]
         if self.q_scale != 1.0:
             q = q * self.q_scale

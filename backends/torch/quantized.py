@@ -164,7 +164,7 @@ class SplitLinear(nn.Module):
         m = flat.shape[0]
         if split:
             y = self.matmul(split_bf16(flat))
-            y = y[:m].float().add_(y[m:])  # the halves added in fp32
+            y = y.view(2, m, -1).float().sum(0)  # the halves added in fp32 (a sum of two: one rounding)
         else:
             y = self.matmul(flat.to(torch.bfloat16)).float()
         y = self.combine(y)  # [M, N]
