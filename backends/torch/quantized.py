@@ -163,8 +163,8 @@ class SplitLinear(nn.Module):
             flat = flat.float()
         m = flat.shape[0]
         if split:
-            y = self.matmul(split_bf16(flat))
-            y = y.view(2, m, -1).float().sum(0)  # the halves added in fp32 (a sum of two: one rounding)
+            y = self.matmul(split_bf16(flat)).float()
+            y = y[:m].add_(y[m:])  # the halves added in fp32 (widened first: an add of one dtype is faster)
         else:
             y = self.matmul(flat.to(torch.bfloat16)).float()
         y = self.combine(y)  # [M, N]
