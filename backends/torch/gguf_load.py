@@ -208,16 +208,13 @@ def dequantize(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...]) -> tor
         out = fn(raw)
     elif raw.numel() == 0:  # no rows asked for (a step whose chunks all stop short of their prompt's end)
         out = torch.empty(0, dtype=torch.float32)
-    elif raw.numel() <= ROWS_PER_CHUNK * block_bytes:  # a step's few rows (an embedding, a head's refine)
-        out = fn(raw.view(-1, block_bytes))
     else:
         blocks = raw.view(-1, block_bytes)  # [n_blocks, bytes per block]
-        out = torch.cat(
-            [
-                fn(blocks[i : i + ROWS_PER_CHUNK]).reshape(-1)
-                for i in range(0, blocks.shape[0], ROWS_PER_CHUNK)
-            ]
-        )
+        if blocks.shape[0] <= ROWS_PER_CHUNK:  # one chunk (a step's embedding rows, a head's refined rows)
+            out = fn(blocks)
+        else:
+            chunks = range(0, blocks.shape[0], ROWS_PER_CHUNK)
+            out = torch.cat([fn(blocks[i : i + ROWS_PER_CHUNK]).reshape(-1) for i in chunks])
     if out.numel() != n_elements:
         raise LocalrtError(f"tensor of {n_elements} elements decoded to {out.numel()}")
     return out.reshape(tuple(reversed(shape)))
