@@ -151,6 +151,41 @@ def test_logits_do_not_depend_on_the_cache_state(model: LlamaCppModel) -> None:
     assert reused == fresh
 
 
+def test_greedy_pick_is_the_greedy_chains_across_decodes(model: LlamaCppModel) -> None:
+    """The plain greedy sampler keeps a view of each row's logits by address. Across decodes of 1, 40
+    and 1 output rows (llama.cpp grows its output buffer when it must) it picks what llama.cpp's own
+    greedy chain picks, at every row."""
+    from llama_cpp import _internals
+
+    from localrt.backends.llamacpp.lib import ArgmaxSampler
+    from localrt.backends.llamacpp.lib import Batch
+    from localrt.backends.llamacpp.lib import sample
+
+    tokens = model.tokenize(PARAGRAPH * 2, add_special=True, parse_special=False)
+    assert len(tokens) > 41
+    engine = model.engine
+    assert engine is not None
+
+    def run(ctx: object, seq: int) -> list[tuple[int, int]]:
+        fast, chain, batch = ArgmaxSampler(model.n_vocab), _internals.LlamaSampler(), Batch(64)
+        chain.add_greedy()
+        picks, pos = [], 0
+        try:
+            for part in ([tokens[0]], tokens[1:41], [tokens[41]]):
+                batch.clear()
+                batch.add(part, pos, seq, True)
+                pos += len(part)
+                engine.decode_exclusive(batch)
+                picks += [(fast.pick(ctx, row), sample(chain, ctx, row)) for row in range(len(part))]
+        finally:
+            batch.close()
+            chain.close()
+        return picks
+
+    picks = engine.run_task(run)
+    assert [ours for ours, _ in picks] == [theirs for _, theirs in picks]
+
+
 def test_speculative_errors(model: LlamaCppModel) -> None:
     with pytest.raises(OptionError, match="'self' is not supported by the llama.cpp backend"):
         generate(model, GenerateRequest(ask(model, "Hi"), GREEDY, num_predict=2, speculative="self"))
