@@ -45,6 +45,12 @@ chunk (the event loop's wake-up) and the event loop's (the chunk's JSON, Starlet
 write), the floor under `--breakdown`'s `hand-off` and `http+loop`:
 
     python benchmarks/profile_step.py --floor --tokens 1000 --repeat 3
+
+Between two tokens a decode streams the model's weights through the caches, so the server's code runs on
+cold caches. `--weights-mb 94` makes the handing thread read that many MB between chunks (SmolLM2-135M
+Q4_1's file) instead of sleeping, for the floor under that pressure:
+
+    python benchmarks/profile_step.py --floor --weights-mb 94 --tokens 1000 --repeat 3
 """
 
 from __future__ import annotations
@@ -478,10 +484,12 @@ def versus_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, rep
 FLOOR_GAP_S = 0.006  # a token's pace at one client (SmolLM2-135M, 2 threads)
 
 
-def floor_app(n_chunks: int) -> object:
+def floor_app(n_chunks: int, weights_mb: int) -> object:
     """A Starlette app: POST /stream sends `n_chunks` SSE chunks handed over one by one from a thread
     (`call_soon_threadsafe`, as `EngineStreams.route` does); GET /stats gives each side's CPU per chunk
-    of the last stream."""
+    of the last stream. Between chunks the thread sleeps a token's pace, or with `weights_mb` reads that
+    many MB, as a decode reads the weights."""
+    import numpy as np
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.responses import StreamingResponse
@@ -491,8 +499,12 @@ def floor_app(n_chunks: int) -> object:
 
     def hand_over(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
         cpu = 0
+        weights = np.ones(weights_mb << 18, dtype=np.float32)
         for i in [*range(n_chunks), None]:
-            time.sleep(FLOOR_GAP_S)
+            if weights.size:
+                weights.sum()
+            else:
+                time.sleep(FLOOR_GAP_S)
             t = time.thread_time_ns()
             loop.call_soon_threadsafe(queue.put_nowait, i)
             cpu += time.thread_time_ns() - t
@@ -521,7 +533,7 @@ def floor_app(n_chunks: int) -> object:
     return Starlette(routes=[*routes, Route("/health", read_stats)])  # bench_serve.wait_ready asks /health
 
 
-def floor_run(n_chunks: int, repeat: int) -> None:
+def floor_run(n_chunks: int, repeat: int, weights_mb: int) -> None:
     import subprocess
 
     import httpx
@@ -532,6 +544,7 @@ def floor_run(n_chunks: int, repeat: int) -> None:
 
     port = free_port()
     cmd = [sys.executable, __file__, "--serve-floor", str(port), "--tokens", str(n_chunks)]
+    cmd += ["--weights-mb", str(weights_mb)]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -546,7 +559,9 @@ def floor_run(n_chunks: int, repeat: int) -> None:
         proc.terminate()
         proc.wait(timeout=30)
     print(
-        f"\nbare Starlette on uvicorn, {n_chunks} chunks a round, CPU us per chunk; loadavg after each round"
+        f"\nbare Starlette on uvicorn, {n_chunks} chunks a round, "
+        + (f"{weights_mb} MB read between chunks, " if weights_mb else "")
+        + "CPU us per chunk; loadavg after each round"
     )
     print("| round | hand-off (the handing thread) | event loop | load |")
     print("|---|---|---|---|")
@@ -873,6 +888,12 @@ def main() -> None:
         action="store_true",
         help="instead: a bare Starlette app on uvicorn streaming chunks handed from a thread (CPU per chunk)",
     )
+    p.add_argument(
+        "--weights-mb",
+        type=int,
+        default=0,
+        help="--floor: MB read between chunks, as a decode reads the weights",
+    )
     p.add_argument("--serve-hooked", metavar="OUT", help=argparse.SUPPRESS)  # the child server of --breakdown
     p.add_argument("--serve-floor", type=int, metavar="PORT", help=argparse.SUPPRESS)  # --floor's server
     a = p.parse_args()
@@ -885,10 +906,12 @@ def main() -> None:
     if a.serve_floor:
         import uvicorn
 
-        uvicorn.run(floor_app(a.tokens), host="127.0.0.1", port=a.serve_floor, log_level="warning")
+        uvicorn.run(
+            floor_app(a.tokens, a.weights_mb), host="127.0.0.1", port=a.serve_floor, log_level="warning"
+        )
         return
     if a.floor:
-        floor_run(a.tokens, a.repeat)
+        floor_run(a.tokens, a.repeat, a.weights_mb)
         return
     if a.beside:
         beside_run(gguf, a.backend, a.threads, a.ctx, a.tokens, a.repeat)
