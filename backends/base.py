@@ -11,6 +11,7 @@ Blocking work (decode loops) runs in a worker thread; `generate` must never bloc
 from __future__ import annotations
 
 import codecs
+import contextlib
 import threading
 from collections.abc import AsyncIterator
 from collections.abc import Callable
@@ -284,6 +285,10 @@ class LoadedModel(Protocol):
         """Cancel every running request of this model."""
         ...
 
+    def expecting(self, cancel: CancelToken) -> contextlib.AbstractContextManager[None]:
+        """Announce a request being prepared under the cancel token it will carry (`ModelLifetime`)."""
+        ...
+
     async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult: ...
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
@@ -355,6 +360,14 @@ class ModelLifetime:
 
     _closed: bool = False
     _active: set[CancelToken]  # the cancel tokens of the requests in flight
+    engine: Any  # the model's EngineThread (None while a llama.cpp model has none)
+
+    def expecting(self, cancel: CancelToken) -> contextlib.AbstractContextManager[None]:
+        """A request being prepared (its prompt rendered), announced to the engine under the cancel token
+        its `GenerateRequest` will carry, until it is submitted or the block ends: requests sent together
+        start in one step (`EngineThread.gather_s`)."""
+        engine = self.engine
+        return engine.expecting(cancel) if engine is not None else contextlib.nullcontext()
 
     def cancel(self) -> None:
         """Cancel every running request of this model."""

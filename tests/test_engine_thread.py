@@ -198,3 +198,55 @@ def test_stopping_after_an_idle_end_refuses_new_work() -> None:
     engine.stop()
     with pytest.raises(LocalrtError, match="unloaded"):
         engine.submit(("c", 1))
+
+
+class GatheringCountdown(Countdown):
+    """Records what each step ran; an idle engine holds its first step for announced requests as long as
+    any test here lasts, so whether it waited never depends on timing."""
+
+    gather_s = 60.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stepped: list[list[str]] = []
+
+    def step(self) -> list[Any]:
+        self.stepped.append(sorted(self.running))
+        return super().step()
+
+
+def test_an_idle_engine_waits_for_announced_requests_and_steps_them_together() -> None:
+    engine, sink = GatheringCountdown(), Sink()
+    engine.start(sink)
+    try:
+        with engine.expecting("b's key"):
+            engine.submit(("a", 1))
+            threading.Event().wait(0.05)  # an engine that did not wait would step `a` alone meanwhile
+            engine.submit(("b", 1), "b's key")
+            sink.wait_for(2)
+        assert engine.stepped == [["a", "b"]]
+    finally:
+        engine.stop()
+
+
+def test_an_announcement_withdrawn_unsubmitted_lets_the_engine_go_on() -> None:
+    engine, sink = GatheringCountdown(), Sink()
+    engine.start(sink)
+    try:
+        with engine.expecting("never submitted"):
+            engine.submit(("a", 1))
+            threading.Event().wait(0.05)  # the engine is holding its step by now
+        assert sink.wait_for(1) == [("a", "done")]  # within 30 s: the 60 s hold ended with the block
+    finally:
+        engine.stop()
+
+
+def test_a_request_submitted_under_its_own_announcement_does_not_wait() -> None:
+    engine, sink = GatheringCountdown(), Sink()
+    engine.start(sink)
+    try:
+        with engine.expecting("a's key"):
+            engine.submit(("a", 1), "a's key")
+            assert sink.wait_for(1) == [("a", "done")]  # inside the block, within 30 s of a 60 s hold
+    finally:
+        engine.stop()

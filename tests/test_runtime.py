@@ -340,6 +340,32 @@ def test_parallel_slots_serve_requests_side_by_side(
     asyncio.run(scenario())
 
 
+def test_requests_sent_together_start_in_one_step(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime announces a request to its model while it renders the prompt, so the first of two
+    requests sent at once waits for the other: one decode evaluates both prompts and samples both first
+    tokens. The engine's hold is made long enough that timing cannot decide it."""
+    monkeypatch.setenv("LOCALRT_NUM_PARALLEL", "2")
+
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            await collect(rt.chat("smollm2:135m", []))  # loaded
+            (entry,) = rt.pool._entries.values()
+            engine = entry.model.engine
+            engine.gather_s = 60.0
+            steps = engine.steps
+            one = {"num_predict": 1}
+            await asyncio.gather(
+                collect(rt.chat("smollm2:135m", FRANCE, options=one)),
+                collect(rt.chat("smollm2:135m", [{"role": "user", "content": "Name a bird."}], options=one)),
+            )
+            assert engine.steps - steps == 1
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
 def test_one_slot_serves_waiting_requests_in_arrival_order(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -196,7 +196,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             prompt = self._media_items(media) if media is not None else list(request.prompt_tokens)
             job = Job(request, prompt=prompt, lora=self._lora(request))
             async with self._streams.open(self, job.id, request.cancel, job.finished.is_set, None) as queue:
-                self._require_engine().submit(job)
+                self._require_engine().submit(job, request.cancel)
                 stream = OutputStream(self, request, lambda generated: _end_timings(job, generated))
                 async for event in stream.read(queue, lambda: job.error):
                     yield event

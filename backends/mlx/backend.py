@@ -224,7 +224,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         async with self._streams.open(
             self, row.id, request.cancel, lambda: row.finish is not None, grammar
         ) as queue:
-            self.engine.submit(row)
+            self.engine.submit(row, request.cancel)
             async for event in stream.read(queue, lambda: row.error):
                 yield event
 

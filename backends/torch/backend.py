@@ -210,7 +210,7 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         async with self._streams.open(
             self, seq.seq_id, request.cancel, lambda: seq.finished, grammar
         ) as queue:
-            self.engine.submit(seq)
+            self.engine.submit(seq, request.cancel)
             while not stream.done:
                 # detokenize and stop strings: here, on the event loop, not on the engine thread
                 for event in stream.events(await queue.get()):
