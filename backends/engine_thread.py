@@ -199,9 +199,8 @@ class EngineThread:
             yield
         finally:
             with self._cv:
-                if key in self._expected:
-                    self._expected.discard(key)
-                    self._cv.notify()
+                self._expected.discard(key)
+                self._cv.notify()
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         """Run fn on the engine thread between steps."""

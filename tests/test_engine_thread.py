@@ -3,7 +3,9 @@ engine of its own: requests are countdowns, a step takes one from each."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -215,38 +217,35 @@ class GatheringCountdown(Countdown):
         return super().step()
 
 
-def test_an_idle_engine_waits_for_announced_requests_and_steps_them_together() -> None:
+@contextlib.contextmanager
+def gathering() -> Iterator[tuple[GatheringCountdown, Sink]]:
     engine, sink = GatheringCountdown(), Sink()
     engine.start(sink)
     try:
+        yield engine, sink
+    finally:
+        engine.stop()
+
+
+def test_an_idle_engine_waits_for_announced_requests_and_steps_them_together() -> None:
+    with gathering() as (engine, sink):
         with engine.expecting("b's key"):
             engine.submit(("a", 1))
             threading.Event().wait(0.05)  # an engine that did not wait would step `a` alone meanwhile
             engine.submit(("b", 1), "b's key")
             sink.wait_for(2)
         assert engine.stepped == [["a", "b"]]
-    finally:
-        engine.stop()
 
 
 def test_an_announcement_withdrawn_unsubmitted_lets_the_engine_go_on() -> None:
-    engine, sink = GatheringCountdown(), Sink()
-    engine.start(sink)
-    try:
+    with gathering() as (engine, sink):
         with engine.expecting("never submitted"):
             engine.submit(("a", 1))
             threading.Event().wait(0.05)  # the engine is holding its step by now
         assert sink.wait_for(1) == [("a", "done")]  # within 30 s: the 60 s hold ended with the block
-    finally:
-        engine.stop()
 
 
 def test_a_request_submitted_under_its_own_announcement_does_not_wait() -> None:
-    engine, sink = GatheringCountdown(), Sink()
-    engine.start(sink)
-    try:
-        with engine.expecting("a's key"):
-            engine.submit(("a", 1), "a's key")
-            assert sink.wait_for(1) == [("a", "done")]  # inside the block, within 30 s of a 60 s hold
-    finally:
-        engine.stop()
+    with gathering() as (engine, sink), engine.expecting("a's key"):
+        engine.submit(("a", 1), "a's key")
+        assert sink.wait_for(1) == [("a", "done")]  # inside the block, within 30 s of a 60 s hold
