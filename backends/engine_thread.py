@@ -3,7 +3,7 @@ engines.
 
 `EngineThread`: an engine steps on a thread of its own; requests (`submit`) and jobs (`call`: load,
 score, embed) come from any thread and are taken between two steps; each step's outputs go to a sink
-on that thread (or through a hand-over thread: `EngineThread.hand_over`). `EngineStreams`: the
+on that thread. `EngineStreams`: the
 adapter's side, that sink: every output goes to its request's asyncio queue on the request's event
 loop, where the text is assembled (`OutputStream`, `text_events`: for every engine, never on the
 engine thread). `EngineModel`: what the torch and MLX adapters do the same way over such an engine
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
@@ -97,12 +96,6 @@ class EngineThread:
     request still in it, the queued ones included)."""
 
     thread_name = "engine"
-    # On, outputs go to the sink through a second thread (`_hand_over`), not from the engine thread: the
-    # sink wakes an event loop, which then competes for the GIL with the engine thread's next step;
-    # handed over, the loop's work can run while the step is in its forward (no GIL held). Off until a
-    # quiet A/B (`benchmarks/profile_step.py --breakdown --hand-over`) shows it pays: on the loaded 2-core
-    # machine it was within the noise (llama.cpp, one sequence: 878 vs 1142 and 940 vs 946 us per token).
-    hand_over = False
     # Seconds the thread waits without work before it ends (None: it lives until `stop`); the next
     # request or job starts a new one. libgomp (llama.cpp's and torch's OpenMP) keeps a pool of workers
     # for each thread that runs a parallel region, and while more of its threads exist than cores it
@@ -126,7 +119,6 @@ class EngineThread:
         self._thread: threading.Thread | None = None
         self._started = False
         self._sink: Sink | None = None
-        self._handing: queue.SimpleQueue[list[Any] | None] | None = None
         self._stopping = False
 
     # ---- what the engine gives ------------------------------------------------------------------
@@ -170,11 +162,6 @@ class EngineThread:
     def start(self, sink: Sink | None = None) -> None:
         """Step on the engine's thread; `sink` receives each step's outputs there (keep it quick)."""
         self._sink = sink
-        if sink is not None and self.hand_over:
-            handing: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
-            self._handing = handing
-            name = f"hand-over-{self.thread_name}"
-            threading.Thread(target=self._hand_over, args=(handing, sink), name=name, daemon=True).start()
         with self._cv:
             self._started = True
             self._spawn()
@@ -239,17 +226,8 @@ class EngineThread:
 
     # ---- on the engine thread -------------------------------------------------------------------
     def _deliver(self, outputs: list[Any]) -> None:
-        if not outputs or self._sink is None:
-            return
-        if self._handing is not None:
-            self._handing.put(outputs)
-        else:
+        if outputs and self._sink is not None:
             self._sink(outputs)
-
-    @staticmethod
-    def _hand_over(handing: queue.SimpleQueue[list[Any] | None], sink: Sink) -> None:
-        while (outputs := handing.get()) is not None:
-            sink(outputs)
 
     def _loop(self) -> None:
         with self._thread_context():
@@ -298,8 +276,6 @@ class EngineThread:
             if future.set_running_or_notify_cancel():
                 future.set_exception(LocalrtError("the model was unloaded"))
         self._deliver(self._unload(queued))
-        if self._handing is not None:
-            self._handing.put(None)  # after the last outputs: the hand-over thread ends
 
 
 class _Closable(Protocol):

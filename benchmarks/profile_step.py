@@ -19,9 +19,10 @@ ratios between rows of one run; on a loaded machine say so next to any figure.
 requests at once and prints, per generated token, the server's CPU time in the forward (`llama_decode`, or
 the torch forward with `--backend torch`) and outside it, by where it goes: `engine` (the step thread
 outside the forward: batch building, sampling, bookkeeping), `text` (detokenizing, UTF-8, stop strings,
-wherever they run), `hand-off` (from the step's outputs to the backend's event stream: hand-over threads,
-queues, the backend's stream on the event loop), `runtime` (the runtime's reply parsing, prompt rendering in
-worker threads), `http+loop` (the rest of the event loop thread: the API's chunk encoding, uvicorn, wakeups):
+wherever they run), `hand-off` (from the step's outputs to the backend's event stream: queues, the
+backend's stream on the event loop, any other thread), `runtime` (the runtime's reply parsing, prompt
+rendering in worker threads), `http+loop` (the rest of the event loop thread: the API's chunk encoding,
+uvicorn, wakeups):
 
     python benchmarks/profile_step.py --breakdown --seqs 1,16 --tokens 128 --repeat 3
 
@@ -641,10 +642,6 @@ def install_hooks(backend: str, out_path: str) -> None:
     from localrt.backends import base
     from localrt.runtime.front import Runtime
 
-    if os.environ.get("PROFILE_HAND_OVER") == "1":
-        from localrt.backends.engine_thread import EngineThread
-
-        EngineThread.hand_over = True
     counters = dict.fromkeys(HOOK_BUCKETS, 0)
     counters["tokens"] = 0
 
@@ -733,7 +730,7 @@ def split(before: dict, after: dict, tokens: int) -> dict[str, float]:
     step = by_prefix(*STEP_THREAD_PREFIX)
     pool = by_prefix("asyncio_")  # asyncio.to_thread: prompt rendering, tokenizing
     process = after["process_ns"] - before["process_ns"]
-    rest = process - main - step - pool  # hand-over and per-request threads (also those that ended)
+    rest = process - main - step - pool  # any other thread (those that ended too)
     out = {
         "forward": d["forward"],
         "engine": step - d["forward"] - d["text_step"],
@@ -765,9 +762,7 @@ async def _stream_chat(client, url: str, prompt: str, n_new: int) -> int:  # typ
     return tokens
 
 
-def breakdown_run(
-    gguf: Path, backend: str, n_ctx: int, n_new: int, seqs: int, repeat: int, hand_over: bool = False
-) -> list[dict]:
+def breakdown_run(gguf: Path, backend: str, n_ctx: int, n_new: int, seqs: int, repeat: int) -> list[dict]:
     """`seqs` streamed OpenAI chat requests at once through a hooked `localrt serve` (one llama.cpp
     thread, so the forward runs on the step thread alone), `repeat` rounds after a warm-up."""
     import subprocess
@@ -796,8 +791,6 @@ def breakdown_run(
         "LOCALRT_KEEP_ALIVE": "-1",
         "LOCALRT_HOST": f"127.0.0.1:{port}",
     }
-    if hand_over:
-        env["PROFILE_HAND_OVER"] = "1"
     cmd = [sys.executable, __file__, "--serve-hooked", str(out_path), "--backend", backend]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -879,11 +872,6 @@ def main() -> None:
         help="instead: one streamed client on a model, alone and with a second model loaded and idle",
     )
     p.add_argument(
-        "--hand-over",
-        action="store_true",
-        help="--breakdown: engine outputs reach the sink through EngineThread's hand-over thread (A/B)",
-    )
-    p.add_argument(
         "--floor",
         action="store_true",
         help="instead: a bare Starlette app on uvicorn streaming chunks handed from a thread (CPU per chunk)",
@@ -921,7 +909,7 @@ def main() -> None:
         return
     if a.breakdown:
         for seqs in (int(s) for s in a.seqs.split(",") if s):
-            results = breakdown_run(gguf, a.backend, a.ctx, a.tokens, seqs, a.repeat, a.hand_over)
+            results = breakdown_run(gguf, a.backend, a.ctx, a.tokens, seqs, a.repeat)
             print_breakdown(a.backend, seqs, a.tokens, results)
         return
     if a.batch:

@@ -54,15 +54,6 @@ class Countdown(EngineThread):
         return ended
 
 
-class HandedCountdown(Countdown):
-    """The same engine with its outputs handed to the sink by EngineThread's hand-over thread."""
-
-    hand_over = True
-
-
-ENGINES = [Countdown, HandedCountdown]
-
-
 class Sink:
     def __init__(self) -> None:
         self.outputs: list[Any] = []
@@ -79,9 +70,8 @@ class Sink:
             return list(self.outputs)
 
 
-@pytest.mark.parametrize("engine_class", ENGINES)
-def test_requests_step_on_the_engine_thread_and_jobs_run_there_too(engine_class: type[Countdown]) -> None:
-    engine, sink = engine_class(), Sink()
+def test_requests_step_on_the_engine_thread_and_jobs_run_there_too() -> None:
+    engine, sink = Countdown(), Sink()
     engine.start(sink)
     try:
         engine.submit(("a", 3))
@@ -93,9 +83,8 @@ def test_requests_step_on_the_engine_thread_and_jobs_run_there_too(engine_class:
         engine.stop()
 
 
-@pytest.mark.parametrize("engine_class", ENGINES)
-def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine_class: type[Countdown]) -> None:
-    engine, sink = engine_class(fail_at=1), Sink()
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on() -> None:
+    engine, sink = Countdown(fail_at=1), Sink()
     engine.start(sink)
     try:
         engine.submit(("a", 2))
@@ -106,9 +95,8 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine_class: t
         engine.stop()
 
 
-@pytest.mark.parametrize("engine_class", ENGINES)
-def test_stopping_ends_the_requests_and_refuses_new_work(engine_class: type[Countdown]) -> None:
-    engine, sink = engine_class(), Sink()
+def test_stopping_ends_the_requests_and_refuses_new_work() -> None:
+    engine, sink = Countdown(), Sink()
     engine.start(sink)
     started, gate = threading.Event(), threading.Event()
     blocked = engine.call(lambda: started.set() or gate.wait())  # holds the thread: what follows stays queued
@@ -137,19 +125,6 @@ def test_an_engine_never_started_ends_its_requests_on_stop() -> None:
     engine.submit(("a", 2))
     engine.stop()
     assert sink.outputs == [("a", "unloaded")]
-
-
-def test_the_hand_over_thread_delivers_in_order_and_ends_with_the_engine() -> None:
-    engine, sink = HandedCountdown(), Sink()
-    engine.start(sink)
-    engine.submit(("a", 1))
-    engine.submit(("b", 3))
-    assert sink.wait_for(2) == [("a", "done"), ("b", "done")]  # the order the steps gave them
-    hand_over = [t for t in threading.enumerate() if t.name == "hand-over-countdown-engine"]
-    assert len(hand_over) == 1
-    engine.stop()
-    hand_over[0].join(timeout=30)
-    assert not hand_over[0].is_alive()
 
 
 class IdleEndingCountdown(Countdown):
