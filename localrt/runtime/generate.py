@@ -77,7 +77,7 @@ class _Call:
     start: int  # perf_counter_ns at arrival
     tenant: str | None  # whose prompt prefixes a reported cache hit may cover (tenants.py)
     lora: tuple[float, ...] | None = None  # one scale per adapter; None: the model's default
-    # the request's, made before its prompt is rendered: the model is told it is coming (`expecting`)
+    # the request's, made before its prompt is rendered: the model is told it is coming (`_held`)
     cancel: CancelToken = field(default_factory=CancelToken)
 
 
@@ -114,18 +114,17 @@ class LocalRuntime:
         # so the decoded pixels in memory are bounded by the slots, not by the requests waiting
         msgs, pending = await image_input.check_images(msgs)
         _check_vision(call.resolved, pending)
-        async with self.pool.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
-            with entry.model.expecting(call.cancel):
-                _check_generates(entry, "chat")
-                pictures = await image_input.decode_all(pending)
-                prompter = entry.prompter
-                _check_tools(entry, call.tools)
-                turn = prompter.turn(model, call.think, call.tools, call.required, parallel_tool_calls)
-                tokens = await prompter.render(msgs, turn, pictures)
-                if call.truncate and not pictures and len(tokens) >= entry.model.context_length:
-                    tokens = await prompter.fit(msgs, turn, tokens)
-                async for chunk in self._run(call, entry, load_ns, tokens, turn, pictures):
-                    yield chunk
+        async with self._held(call) as (entry, load_ns):
+            _check_generates(entry, "chat")
+            pictures = await image_input.decode_all(pending)
+            prompter = entry.prompter
+            _check_tools(entry, call.tools)
+            turn = prompter.turn(model, call.think, call.tools, call.required, parallel_tool_calls)
+            tokens = await prompter.render(msgs, turn, pictures)
+            if call.truncate and not pictures and len(tokens) >= entry.model.context_length:
+                tokens = await prompter.fit(msgs, turn, tokens)
+            async for chunk in self._run(call, entry, load_ns, tokens, turn, pictures):
+                yield chunk
 
     async def generate(
         self,
@@ -162,55 +161,53 @@ class LocalRuntime:
             (marked,), pending = await image_input.check_images([{"content": prompt, "images": list(images)}])
             prompt = marked["content"]
         _check_vision(call.resolved, pending)
-        async with self.pool.use(resolved, call.opts, call.keep_alive) as (entry, load_ns):
-            with entry.model.expecting(call.cancel):
-                _check_generates(entry, "generate")
-                pictures = await image_input.decode_all(pending)
-                m = entry.model
-                turn: Turn | None = None
-                if raw:  # the text as given: no template, so no thinking switch and no parsing
-                    tokenize = image_input.split_markers(
-                        lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special)
-                    )
-                    tokens = tokenize(prompt, True, True)
-                else:
-                    sys_text = system if system is not None else resolved.system
-                    # a continued conversation (`context`) has had the model's history already
-                    history = call.resolved.messages if not context else []
-                    msgs = with_history([{"role": "user", "content": prompt}], sys_text, history)
-                    turn = entry.prompter.turn(model, call.think)
-                    tokens = await entry.prompter.render(msgs, turn, pictures, add_bos=not context)
-                    tokens = [*(context or []), *tokens]
-                if call.truncate and not pictures:
-                    tokens = fit_tokens(tokens, m.context_length, call.opts.num_keep)
-                want_context = not raw and not pictures  # image cells have no token ids
-                async for chunk in self._run(call, entry, load_ns, tokens, turn, pictures, want_context):
-                    yield chunk
+        async with self._held(call) as (entry, load_ns):
+            _check_generates(entry, "generate")
+            pictures = await image_input.decode_all(pending)
+            m = entry.model
+            turn: Turn | None = None
+            if raw:  # the text as given: no template, so no thinking switch and no parsing
+                tokenize = image_input.split_markers(
+                    lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special)
+                )
+                tokens = tokenize(prompt, True, True)
+            else:
+                sys_text = system if system is not None else resolved.system
+                # a continued conversation (`context`) has had the model's history already
+                history = call.resolved.messages if not context else []
+                msgs = with_history([{"role": "user", "content": prompt}], sys_text, history)
+                turn = entry.prompter.turn(model, call.think)
+                tokens = await entry.prompter.render(msgs, turn, pictures, add_bos=not context)
+                tokens = [*(context or []), *tokens]
+            if call.truncate and not pictures:
+                tokens = fit_tokens(tokens, m.context_length, call.opts.num_keep)
+            want_context = not raw and not pictures  # image cells have no token ids
+            async for chunk in self._run(call, entry, load_ns, tokens, turn, pictures, want_context):
+                yield chunk
 
     async def _infill(
         self, call: _Call, prefix: str, suffix: str, context: Sequence[int] | None
     ) -> AsyncIterator[Chunk]:
         """Fill-in-the-middle: the prompt from the model's FIM template branch or FIM tokens, no chat
         template and no reply parsing (the answer is code, not a turn)."""
-        async with self.pool.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
-            with entry.model.expecting(call.cancel):
-                m = entry.model
-                fim.check_insert(call.resolved.name.display, entry.can_insert, False, False)
-                bos = m.bos_token_id if m.add_bos and not context else None
+        async with self._held(call) as (entry, load_ns):
+            m = entry.model
+            fim.check_insert(call.resolved.name.display, entry.can_insert, False, False)
+            bos = m.bos_token_id if m.add_bos and not context else None
 
-                def tokenize(text: str, special: bool = False) -> list[int]:
-                    return m.tokenize(text, add_special=False, parse_special=special) if text else []
+            def tokenize(text: str, special: bool = False) -> list[int]:
+                return m.tokenize(text, add_special=False, parse_special=special) if text else []
 
-                if entry.fim_template is not None:
-                    tokens = fim.template_tokens(entry.fim_template, prefix, suffix, tokenize, bos)
-                else:
-                    assert entry.fim_tokens is not None
-                    # a quarter of the context stays free for the completion
-                    budget = m.context_length - len(context or ()) - m.context_length // 4
-                    tokens = fim.infill_tokens(entry.fim_tokens, prefix, suffix, tokenize, bos, budget)
-                tokens = [*(context or []), *tokens]
-                async for chunk in self._run(call, entry, load_ns, tokens, None, (), True):
-                    yield chunk
+            if entry.fim_template is not None:
+                tokens = fim.template_tokens(entry.fim_template, prefix, suffix, tokenize, bos)
+            else:
+                assert entry.fim_tokens is not None
+                # a quarter of the context stays free for the completion
+                budget = m.context_length - len(context or ()) - m.context_length // 4
+                tokens = fim.infill_tokens(entry.fim_tokens, prefix, suffix, tokenize, bos, budget)
+            tokens = [*(context or []), *tokens]
+            async for chunk in self._run(call, entry, load_ns, tokens, None, (), True):
+                yield chunk
 
     def _begin(
         self,
@@ -236,6 +233,14 @@ class LocalRuntime:
             tenant=tenants.current_tenant.get(),
             lora=lora_scales.scales(settings.get("lora"), resolved, opts.backend),
         )
+
+    @contextlib.asynccontextmanager
+    async def _held(self, call: _Call) -> AsyncIterator[tuple[Entry, int]]:
+        """The call's model, held (loaded and its slot taken), with the call announced to it while the
+        request is prepared (`LoadedModel.expecting`): an idle engine waits for requests sent together."""
+        async with self.pool.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
+            with entry.model.expecting(call.cancel):
+                yield entry, load_ns
 
     async def _load_only(self, call: _Call) -> AsyncIterator[Chunk]:
         name = call.resolved.name.display
