@@ -266,7 +266,7 @@ VARIABLES: tuple[Variable, ...] = (
         "",
         TESTS,
         "`1`: `tests/test_tui_terminal.py` retakes `docs/tui.svg`, and `tests/test_web.py` the chat page's "
-        "screenshots (`docs/web-*.png`).",
+        "screenshots in `docs/`.",
         shown="off",
     ),
     Variable(
