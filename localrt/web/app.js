@@ -50,9 +50,14 @@ function say(text, isError = false) {
   status.classList.toggle("error", isError);
 }
 
+function randomId() {
+  // crypto.randomUUID needs a secure context; a page opened over http at a LAN address is not one
+  return [...crypto.getRandomValues(new Uint8Array(16))].map((b) => b.toString(16).padStart(2, "0")).join("");
+}
+
 function newConversation(model) {
   return {
-    id: crypto.randomUUID(),
+    id: randomId(),
     title: "New chat",
     model: model || "",
     created: Date.now(),
@@ -488,7 +493,8 @@ function requestBody(conv) {
   const body = { model: conv.model, messages, stream: true };
   if (Object.keys(conv.settings.options).length) body.options = { ...conv.settings.options };
   const think = conv.settings.think;
-  if (think) body.think = think === "true" ? true : think === "false" ? false : think;
+  const thinks = state.shows.get(conv.model)?.capabilities?.includes("thinking");
+  if (think && thinks) body.think = think === "true" ? true : think === "false" ? false : think;
   const format = formatOf(conv.settings);
   if (format instanceof Error) throw new Error("The response format in the settings is neither json nor a JSON schema.");
   if (format !== undefined) body.format = format;
