@@ -64,6 +64,9 @@ ENDLESS = "tiny:latest"  # random weights: a greedy answer that never reaches an
 THINKER = "qwen3-forced:tiny"  # a tiny Qwen3 whose Modelfile grammar forces this reply
 THOUGHT = "The page folds this."
 THINKING_REPLY = f"<think>\n{THOUGHT}\n</think>\n\nIt is sunny."
+CODER = "smollm2:coder"  # SmolLM2 whose Modelfile grammar forces this reply
+CODE = "def add(a, b):\n    return a + b"
+CODE_REPLY = f"Here it is:\n\n```python\n{CODE}\n```\n"
 SMOL_TEMPERATURE = "0.3"  # in SmolLM2's Modelfile here, so the settings show it as the model's default
 TIMEOUT_MS = 120_000  # a bound for a busy machine, not a speed target
 LIVENESS = 60.0
@@ -89,6 +92,7 @@ def store_root(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     import_gguf(store, VLM, model, projector=projector, params={"num_thread": THREADS})
     endless = write_tiny_llama(root.parent / "tiny.gguf", context_length=2048)
     import_gguf(store, ENDLESS, endless, params={"num_thread": THREADS})
+    import_gguf(store, CODER, smollm2_gguf, params={"num_thread": THREADS, "grammar": forced(CODE_REPLY)})
     qwen3 = FAMILIES["qwen3"].write(root.parent / "qwen3.gguf")
     import_gguf(
         store,
@@ -138,6 +142,8 @@ class Page:
         self.errors: list[str] = []
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.requested: list[str] = []
+        self.page.on("request", lambda r: self.requested.append(r.url))
         self.url = url
 
     def open(self) -> Any:
@@ -155,6 +161,8 @@ def web(browser: Any, server: LocalrtServer) -> Iterator[Page]:
     yield page
     page.close()
     assert page.errors == []
+    elsewhere = [u for u in page.requested if not u.startswith((server.url + "/", "data:", "blob:"))]
+    assert elsewhere == []  # nothing fetched from another host
 
 
 def screenshot(page: Any, name: str, tmp_path: Path) -> Path:
@@ -481,6 +489,26 @@ def test_a_reply_with_html_and_script_runs_nothing(web: Page) -> None:
     assert body.locator("img, script, iframe, object, embed").count() == 0
     assert body.locator("a[href^='javascript']").count() == 0
     assert page.evaluate("window.ran") == []
+
+
+def test_code_is_highlighted_and_copied(web: Page) -> None:
+    web.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=web.url)
+    page = web.open()
+    pick(page, CODER)
+    page.fill("#prompt", "Add two numbers")
+    page.press("#prompt", "Shift+Enter")
+    page.keyboard.type("in Python.")
+    assert page.input_value("#prompt") == "Add two numbers\nin Python."  # Shift+Enter: a new line
+    assert page.locator("article.msg").count() == 0  # ... and nothing sent
+    page.press("#prompt", "Enter")
+    wait_for_reply(page)
+    assert replies(page) == [CODE_REPLY]
+    code = last_reply(page).locator("pre.code code")
+    assert code.text_content() == CODE
+    assert code.locator("span.hljs-keyword").first.text_content() == "def"  # highlighted as Python
+    last_reply(page).locator("button.copy").click()
+    assert page.evaluate("navigator.clipboard.readText()") == CODE
+    assert page.locator("#loaded li", has_text=CODER).locator("text=/MiB in RAM/").count() == 1
 
 
 def test_thinking_is_shown_folded(web: Page) -> None:
