@@ -509,6 +509,8 @@ def test_code_is_highlighted_and_copied(web: Page) -> None:
     last_reply(page).locator("button.copy").click()
     assert page.evaluate("navigator.clipboard.readText()") == CODE
     assert page.locator("#loaded li", has_text=CODER).locator("text=/MiB in RAM/").count() == 1
+    page.click(f"button[aria-label='Unload {CODER}']")
+    expect(page.locator("#loaded li", has_text=CODER)).to_have_count(0)
 
 
 def test_thinking_is_shown_folded(web: Page) -> None:

@@ -571,6 +571,8 @@ function setBusy(busy) {
   $("send").hidden = busy;
   $("stop").hidden = !busy;
   document.body.classList.toggle("busy", busy);
+  // a screen reader reads the reply once it is whole, not at every redraw of the stream
+  $("messages").setAttribute("aria-busy", String(busy));
 }
 
 async function send(event) {
