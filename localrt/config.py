@@ -189,6 +189,15 @@ VARIABLES: tuple[Variable, ...] = (
         shown="Hugging Face",
     ),
     Variable(
+        "LOCALRT_UI",
+        "flag",
+        "on",
+        SERVER,
+        "`off`: `/` answers a browser with the liveness text, as any other client, instead of the chat page "
+        "(see [web.md](web.md)), and the page's files under `/ui/` are not served.",
+        shown="on",
+    ),
+    Variable(
         "LOCALRT_API_KEY",
         "text",
         "",
@@ -256,7 +265,8 @@ VARIABLES: tuple[Variable, ...] = (
         "flag",
         "",
         TESTS,
-        "`1`: `tests/test_tui_terminal.py` retakes `docs/tui.svg`.",
+        "`1`: `tests/test_tui_terminal.py` retakes `docs/tui.svg`, and `tests/test_web.py` the chat page's "
+        "screenshots in `docs/`.",
         shown="off",
     ),
     Variable(
@@ -455,6 +465,11 @@ def fetch_images() -> bool:
     """`LOCALRT_FETCH_IMAGES=1`: OpenAI `image_url` parts may name http(s) URLs (off by default: a request
     must not make the server reach out to the network)."""
     return flag("LOCALRT_FETCH_IMAGES")
+
+
+def ui_enabled() -> bool:
+    """LOCALRT_UI: the chat page at `/` for browsers (on unless `0`, `off`, `false` or `no`)."""
+    return (setting("LOCALRT_UI") or default_of("LOCALRT_UI")).lower() not in ("0", "off", "false", "no")
 
 
 def fast_prefill() -> bool:

@@ -82,12 +82,16 @@ def create_app(
     from localrt.api import ollama
     from localrt.api import openai
     from localrt.api import responses
+    from localrt.api import web
 
     app.state.responses = responses.ResponseStore()
     app.include_router(ollama.router)
     app.include_router(openai.router)
     app.include_router(responses.router)
     app.include_router(anthropic.router)
+    app.state.ui = config.ui_enabled()
+    if app.state.ui:
+        app.include_router(web.router)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     app.add_middleware(TenantScope)  # whose cache hits a reply may report (runtime/tenants.py)
     app.add_middleware(RequestCounter, metrics=app.state.metrics)

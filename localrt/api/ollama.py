@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from localrt import __version__
 from localrt import wire
 from localrt.api import schemas
+from localrt.api import web
 from localrt.api.streaming import first_and_rest
 from localrt.api.streaming import ndjson_response
 from localrt.api.streaming import unless_client_leaves
@@ -126,8 +127,10 @@ BlobDigest = Annotated[str, Path(json_schema_extra={"pattern": wire.DIGEST_PATTE
 # GET and HEAD as two routes (stacked decorators), so each has its own operationId in /openapi.json.
 @router.get("/", response_class=PlainTextResponse, responses=ERRORS)
 @router.head("/", response_class=PlainTextResponse, operation_id="root_head", responses=ERRORS)
-async def root() -> str:
-    return "localrt is running"
+async def root(request: Request) -> Response:
+    if web.wants_page(request):
+        return web.page()  # a browser: the chat page (localrt/api/web.py)
+    return PlainTextResponse("localrt is running", headers={"Vary": "Accept"})
 
 
 @router.get("/api/version", responses={200: schemas.ok(wire.VersionResponse), **ERRORS})

@@ -21,6 +21,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 
 from localrt import config
+from localrt.api.web import UI_PREFIX
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -59,6 +60,8 @@ ALLOW_HEADERS = (
     "x-api-key, anthropic-version, anthropic-beta, anthropic-dangerous-direct-browser-access"
 )
 OPEN_PATHS = ("/", "/health")  # liveness answers without the API key, as `curl localhost:11434` expects
+# the chat page's own files (localrt/web/, public): a browser loads them before it can ask for the key
+OPEN_PREFIXES = (UI_PREFIX,)
 DEFAULT_MAX_BODY = int(config.default_of("LOCALRT_MAX_BODY"))
 UNCAPPED_PREFIXES = ("/api/blobs/",)  # blob uploads stream to disk and are verified by digest
 
@@ -154,7 +157,7 @@ class SecurityMiddleware:
         if scope["method"] == "OPTIONS":
             await preflight(send, cors_headers)
             return
-        if self.api_key and path not in OPEN_PATHS and not key_matches(headers, self.api_key):
+        if self.api_key and not is_open(path) and not key_matches(headers, self.api_key):
             await reply(
                 send,
                 401,
@@ -188,6 +191,10 @@ class SecurityMiddleware:
             return message
 
         return capped_receive
+
+
+def is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
 def key_matches(headers: dict[str, str], api_key: str) -> bool:
