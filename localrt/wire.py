@@ -180,6 +180,15 @@ class Message(Wire):
     tool_call_id: str | None = None
 
 
+class NamedFunction(Wire):
+    name: str
+
+
+class NamedToolChoice(Wire):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 # ---- Ollama requests -------------------------------------------------------------------------
 def _model_required(schema: dict[str, Any]) -> None:
     schema["required"] = ["model", *[k for k in schema.get("required", []) if k != "model"]]
@@ -284,11 +293,48 @@ class CreateRequest(Named):
     )
 
 
+# Sampling fields /api/chat and /api/generate also take at top level, where OpenAI-style clients put them
+# (the Vercel AI SDK's Ollama provider): localrt's addition to Ollama's API, which ignores them. The same
+# key in `options` wins; max_tokens and max_output_tokens are `num_predict`.
+TOP_LEVEL_OPTIONS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "frequency_penalty",
+    "presence_penalty",
+)
+TOP_LEVEL_LIMITS = ("max_output_tokens", "max_tokens")
+
+
+class FlatToolChoice(Wire):
+    """A named tool as the Responses API (and the Vercel AI SDK's Ollama provider) spells it."""
+
+    type: Literal["function"]
+    name: str
+
+
 class Generation(Named):
     """What generate and chat share."""
 
     format: Format = None
     options: OptionsField = None
+    temperature: option_field("temperature") = None
+    top_p: option_field("top_p") = None
+    top_k: option_field("top_k") = None
+    min_p: option_field("min_p") = None
+    seed: option_field("seed") = None
+    stop: option_field("stop") = None
+    frequency_penalty: option_field("frequency_penalty") = None
+    presence_penalty: option_field("presence_penalty") = None
+    max_output_tokens: option_field("num_predict") = None
+    max_tokens: option_field("num_predict") = None
+    tool_choice: Annotated[
+        Literal["none", "auto", "required"] | NamedToolChoice | FlatToolChoice | None,
+        Field(description="none, auto, required, or the function to call (a forced call is a grammar)"),
+    ] = None
     keep_alive: KeepAlive = None
     stream: bool | None = None
     logprobs: bool | None = None
@@ -297,6 +343,25 @@ class Generation(Named):
     truncate: bool | None = None  # drop the oldest turns when the prompt exceeds num_ctx (default true)
     shift: bool | None = None  # shift the context when generation reaches its end (default true)
     lora: LoraList = None
+
+
+def top_level_options(body: Generation) -> dict[str, Any] | None:
+    """`options` with the top-level sampling fields added where `options` does not set them (a null
+    option is not set), in the runtime's names; None when neither is there."""
+    options = dict(body.options or {})
+    for key in TOP_LEVEL_OPTIONS:
+        if getattr(body, key) is not None and options.get(key) is None:
+            value = getattr(body, key)
+            options[key] = [value] if key == "stop" and isinstance(value, str) else value
+    limit = next((getattr(body, k) for k in TOP_LEVEL_LIMITS if getattr(body, k) is not None), None)
+    if limit is not None and options.get("num_predict") is None:
+        options["num_predict"] = limit
+    return options or body.options
+
+
+def tool_choice_setting(choice: Any) -> Any:
+    """The runtime's `tool_choice` (OpenAI chat's form, which also reads the flat `{"type", "name"}`)."""
+    return choice.model_dump() if isinstance(choice, BaseModel) else choice
 
 
 class GenerateRequest(Generation):
@@ -421,15 +486,6 @@ class OpenAISampling(Wire):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     lora: LoraList = None
-
-
-class NamedFunction(Wire):
-    name: str
-
-
-class NamedToolChoice(Wire):
-    type: Literal["function"]
-    function: NamedFunction
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice

@@ -341,6 +341,61 @@ def test_parallel_calls_and_parallel_tool_calls_false(store: Store) -> None:
     assert [c["function"]["name"] for c in one] == ["get_weather"]
 
 
+# two calls, the second with a long argument for the token limit to cut into
+CUT_ARGUMENT = "Oslo, the capital of Norway, by the fjord"
+SECOND_CALL = {
+    "qwen3": '\n<tool_call>\n{"name": "get_time", "arguments": {"city": "CITY"}}\n</tool_call>',
+    "llama3": '; {"name": "get_time", "parameters": {"city": "CITY"}}',
+    "mistral": ', {"name": "get_time", "arguments": {"city": "CITY"}}]',
+    "gpt-oss": "<|end|><|start|>assistant<|channel|>commentary to=functions.get_time "
+    '<|constrain|>json<|message|>{"city": "CITY"}',
+    "qwen3-coder": "\n<tool_call>\n<function=get_time>\n<parameter=city>\nCITY\n</parameter>\n</function>\n"
+    "</tool_call>",
+}
+TWO_CALLS = {
+    family: CALL_REPLIES[family].removesuffix("]" if family == "mistral" else "")
+    + second.replace("CITY", CUT_ARGUMENT)
+    for family, second in SECOND_CALL.items()
+}
+
+
+@pytest.mark.parametrize("family", sorted(TWO_CALLS))
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_call_cut_by_the_token_limit_is_dropped(store: Store, family: str, stream: bool) -> None:
+    think = False if family == "qwen3" else None
+    grammar = forced(TWO_CALLS[family], FAMILIES[family])
+    whole = run(
+        store,
+        "chat",
+        family,
+        ASK,
+        options={**GREEDY, "grammar": grammar},
+        tools=[WEATHER, TIME],
+        think=think,
+        logprobs=True,
+        stream=False,
+    )
+    assert [c["function"]["name"] for c in calls(whole)] == ["get_weather", "get_time"]  # uncut: both
+    texts = [lp.token for lp in whole[-1].logprobs or []]
+    # the limit: the first tokens up to a few words into the second call's argument
+    limit = next(i for i in range(len(texts)) if CUT_ARGUMENT[:12] in "".join(texts[:i]))
+    chunks = run(
+        store,
+        "chat",
+        family,
+        ASK,
+        options={**GREEDY, "grammar": grammar, "num_predict": limit},
+        tools=[WEATHER, TIME],
+        think=think,
+        stream=stream,
+    )
+    assert chunks[-1].done_reason == "length"
+    assert [c["function"]["name"] for c in calls(chunks)] == ["get_weather"]  # the complete call is kept
+    assert calls(chunks)[0]["function"]["arguments"] == {"city": "Paris"}
+    assert joined(chunks, "content").strip() == ""  # no markup of the cut call
+    assert CUT_ARGUMENT[:4] not in joined(chunks, "content") + joined(chunks, "thinking")
+
+
 def test_thinking_then_a_call(store: Store) -> None:
     reply = "<think>\nI need the weather tool.\n</think>\n\n" + CALL_REPLIES["qwen3"]
     chunks = chat(store, "qwen3", reply, stream=True, tools=[WEATHER])

@@ -28,6 +28,7 @@ from localrt.errors import LocalrtError
 from localrt.runtime.answers import Chunk
 from localrt.runtime.answers import Settings
 from localrt.runtime.front import Runtime
+from localrt.runtime.prompt import tool_choice
 from localrt.store.names import DIGEST_RE
 from localrt.store.names import normalize_digest
 from localrt.store.names import parse_name
@@ -481,7 +482,7 @@ def generation_args(body: wire.Generation) -> Settings:
     """What /api/chat and /api/generate share, in the runtime's names with Ollama's defaults for the
     fields not sent: the one place an Ollama request becomes the runtime's."""
     return Settings(
-        options=body.options,
+        options=wire.top_level_options(body),
         format=body.format or None,
         keep_alive=body.keep_alive,
         logprobs=body.logprobs is True,
@@ -523,6 +524,7 @@ async def generate(request: Request) -> Response:
     body = await schemas.read_body(request, wire.GenerateRequest)
     runtime = runtime_of(request)
     args = generation_args(body)
+    tool_choice(wire.tool_choice_setting(body.tool_choice), None)  # a required call needs tools: 400
     chunks = runtime.generate(
         body.required_name(),
         body.prompt or "",
@@ -549,6 +551,7 @@ async def chat(request: Request) -> Response:
         body.required_name(),
         [m.model_dump(by_alias=True, exclude_unset=True) for m in body.messages or []],
         tools=body.tools or None,
+        tool_choice=wire.tool_choice_setting(body.tool_choice),
         **args,
     )
     return await generation_response(request, chunks, args["stream"], chunk_to_chat)

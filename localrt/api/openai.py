@@ -237,10 +237,12 @@ def usage_of(chunk: Chunk) -> dict[str, Any]:
     return usage
 
 
-def finish_reason(chunk: Chunk) -> str:
-    if chunk.tool_calls:
-        return "tool_calls"
-    return {"length": "length"}.get(chunk.done_reason or "", "stop")
+def finish_reason(chunk: Chunk, called: bool = False) -> str:
+    """The token limit's `length` first, even after complete calls (a cut call is dropped), then
+    `tool_calls` when the reply made any (`called`: in an earlier streamed chunk)."""
+    if chunk.done_reason == "length":
+        return "length"
+    return "tool_calls" if called or chunk.tool_calls else "stop"
 
 
 def logprob_flags(want: bool | int | None, top: int | None = None) -> tuple[bool, int]:
@@ -384,7 +386,7 @@ async def chat_completions(request: Request) -> Response:
             called = True
         reason = None
         if chunk.done:
-            reason = "tool_calls" if called or chunk.tool_calls else finish_reason(chunk)
+            reason = finish_reason(chunk, called)
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
         if want_logprobs and chunk.logprobs:
             choice["logprobs"] = openai_logprobs(chunk.logprobs)

@@ -379,9 +379,10 @@ class Assembler:
 
     @property
     def ending(self) -> Literal["tool_calls", "length", "stop"]:
-        if self.calls:
-            return "tool_calls"
-        return "length" if self.final is not None and self.final.done_reason == "length" else "stop"
+        """The token limit's ending first, even after complete calls (a call it cut off is dropped)."""
+        if self.final is not None and self.final.done_reason == "length":
+            return "length"
+        return "tool_calls" if self.calls else "stop"
 
     @property
     def stop_sequence(self) -> str | None:

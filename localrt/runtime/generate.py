@@ -350,7 +350,7 @@ class LocalRuntime:
             if request.num_predict <= 0:
                 break
         done = reply.dones[-1]
-        last = parser.finish() if parser is not None else Piece()
+        last = parser.finish(cut=done.finish_reason == "length") if parser is not None else Piece()
         if not call.stream:
             reply.whole.add(last)
             last = reply.whole

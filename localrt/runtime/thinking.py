@@ -427,19 +427,23 @@ class _HarmonySplitter:
     def thinking_now(self) -> bool:
         return self.state == "body" and self.kind == "thinking"
 
-    def _emit_call(self, out: Piece) -> None:
+    def _emit_call(self, out: Piece, cut: bool = False) -> None:
         call = parse_harmony_call(self.recipient, self.call_args, self.tool_names)
-        if call is None:  # malformed: the text comes back as content, never an error
-            out.content += self.call_args
-        else:
+        if call is not None:
             out.tool_calls.append(call)
+        elif not cut:  # malformed: the text comes back as content, never an error
+            out.content += self.call_args
         self.kind, self.call_args = "content", ""
 
-    def finish(self) -> Piece:
+    def finish(self, cut: bool = False) -> Piece:
+        """The rest; `cut`: the token limit ended the reply, so a call it cut off is dropped."""
         out = Piece()
-        if self.state == "body":
+        if self.state == "body" and self.kind == "call":
+            self.call_args += self.buffer
+            self._emit_call(out, cut)
+        elif self.state == "body":
             self._body(self.buffer, out, final=True)
-        elif self.state in ("header", "between") and self.buffer.strip():
+        elif self.state in ("header", "between") and self.buffer.strip() and not cut:
             # text that never became a message (no `<|message|>`): plain content, never lost
             out.content += self.buffer
         self.buffer = ""
@@ -488,14 +492,16 @@ class ReplyParser:
         splitter = self.harmony or self.tags
         return splitter is not None and splitter.thinking_now
 
-    def finish(self) -> Piece:
-        return self._finish_piece(self._split("", final=True))
+    def finish(self, cut: bool = False) -> Piece:
+        """What the reply still holds. `cut`: the token limit ended it, so a tool call it cut off is
+        dropped rather than given back as content (the complete calls are kept)."""
+        return self._finish_piece(self._split("", final=True, cut=cut))
 
-    def _split(self, text: str, final: bool) -> Piece:
+    def _split(self, text: str, final: bool, cut: bool = False) -> Piece:
         if self.harmony is not None:
             piece = self.harmony.feed(text)
             if final:
-                piece.add(self.harmony.finish())
+                piece.add(self.harmony.finish(cut))
             return piece
         piece = Piece()
         if self.tags is not None:
@@ -509,7 +515,7 @@ class ReplyParser:
         if self.calls is not None:
             released, calls = self.calls.feed(content)
             if final:
-                tail, more = self.calls.finish()
+                tail, more = self.calls.finish(cut)
                 released += tail
                 calls.extend(more)
             piece.content, piece.tool_calls = released, calls

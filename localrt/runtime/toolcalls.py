@@ -59,6 +59,28 @@ _MARKERS = {
 }
 _CLOSERS = {"hermes": "</tool_call>", **{s: b.closer for s, b in BLOCKS.items() if b.closer}}
 OPENERS = ("<tool_call>", "{", "[", "```", "<|python_tag|>")
+# the start of a bare JSON call (or list of calls), as a reply cut by the token limit may end in one
+_CALL_START = re.compile(r'\s*;?\s*(?:```(?:json)?\s*)?\[?\s*\{\s*"(?:name|function)"')
+
+
+def _whole_items(text: str) -> list[dict[str, Any]]:
+    """The complete calls at the start of a JSON list that was cut off (`[{call}, {call}, {"na`)."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        return []
+    found: list[dict[str, Any]] = []
+    pos = 1
+    while (decoded := decode_prefix(body[pos:])) is not None:
+        call = calls_of(decoded[0])
+        if call is None or isinstance(decoded[0], list):
+            break
+        found += call
+        pos += decoded[1]
+        rest = body[pos:].lstrip()
+        if not rest.startswith(","):
+            break
+        pos = len(body) - len(rest) + 1
+    return found
 
 
 def detect_tool_style(template: str, special_tokens: set[str] | None = None) -> str:
@@ -163,14 +185,21 @@ class ToolCallParser:
             calls.extend(found)
         return out, calls
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """The rest of the reply. `cut`: the token limit ended it, so a call it cut off is dropped (the
+        complete calls before it are kept), never given back as its markup."""
         out, calls = self.feed("")
         if self.state == "block":
+            closed = self._closer() is not None and self._closer() in self.buffer
             parsed = self._close_block(self.buffer, final=True)
+            if cut and not closed and (parsed is None or not parsed[1]):
+                whole = _whole_items(self.buffer)  # a list of calls cut inside: its complete ones
+                self.buffer = ""
+                return out, calls + (whole if whole and self._known(whole) else [])
             if parsed is None:  # malformed: the block comes back as text
                 out, self.buffer = out + self.marker + self.buffer, ""
                 return out, calls
-            more, more_calls = self.finish()  # the buffer now holds what followed the block
+            more, more_calls = self.finish(cut)  # the buffer now holds what followed the block
             return out + parsed[0] + more, calls + parsed[1] + more_calls
         rest, self.buffer = self.buffer, ""
         if self.state in ("start", "leading") and rest.strip():
@@ -181,7 +210,15 @@ class ToolCallParser:
                 found = pythonic[0] if pythonic is not None and not body[pythonic[1] :].strip() else None
             if found and self._known(found):
                 return out, calls + found
+            if cut and _CALL_START.match(body):  # a call the limit cut off; a list keeps its whole calls
+                whole = _whole_items(body)
+                return out, calls + (whole if whole and self._known(whole) else [])
+        if cut and self.state == "content":
+            rest = ""  # held back as the start of a call marker
         return out + rest, calls
+
+    def _closer(self) -> str | None:
+        return _CLOSERS.get(self.style) or ("</tool_call>" if self.marker == "<tool_call>" else None)
 
     def _known(self, calls: list[dict[str, Any]]) -> bool:
         """Every call names one of the request's tools (a model inventing a tool wrote text, not a call)."""
@@ -256,7 +293,7 @@ class ToolCallParser:
     def _close_block(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]] | None:
         """A block after the marker, once decided: its calls (the buffer moves on), or its text given back
         as content when it is malformed; None while it may still grow into a call."""
-        closer = _CLOSERS.get(self.style) or ("</tool_call>" if self.marker == "<tool_call>" else None)
+        closer = self._closer()
         if closer is not None:
             at = text.find(closer)
             if at < 0 and not final:
