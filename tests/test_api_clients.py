@@ -315,6 +315,112 @@ def test_metrics_and_tokenize(server: LocalrtServer) -> None:
     assert f"localrt_loaded_models {loaded}\n" in metrics
 
 
+# ---- top-level sampling fields and tool_choice (localrt's addition to Ollama's API) ----------------
+def post(server: LocalrtServer, route: str, **body: object) -> httpx.Response:
+    return httpx.post(server.url + route, json={"model": MODEL, "stream": False, **body}, timeout=300)
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_output_tokens"])
+@pytest.mark.parametrize("route", ["/api/generate", "/api/chat"])
+def test_top_level_token_limit_is_honoured(server: LocalrtServer, route: str, field: str) -> None:
+    ask = (
+        {"prompt": "Count from 1 to 100."}
+        if route == "/api/generate"
+        else {"messages": [{"role": "user", "content": "Count from 1 to 100."}]}
+    )
+    r = post(server, route, **ask, temperature=0, **{field: 7})
+    assert r.status_code == 200, r.text
+    assert r.json()["eval_count"] == 7
+    assert r.json()["done_reason"] == "length"
+
+
+def test_options_win_over_top_level_fields(server: LocalrtServer) -> None:
+    r = post(server, "/api/generate", prompt="Count from 1 to 100.", max_tokens=9, options={"num_predict": 4})
+    assert r.json()["eval_count"] == 4
+    # a null option is not set: the top-level value applies
+    r = post(
+        server, "/api/generate", prompt="Count from 1 to 100.", max_tokens=5, options={"num_predict": None}
+    )
+    assert r.json()["eval_count"] == 5
+
+
+def test_top_level_sampling_fields_are_honoured(server: LocalrtServer) -> None:
+    prompt = "Write a short poem about the sea."
+    greedy = post(server, "/api/generate", prompt=prompt, options={"temperature": 0, "num_predict": 16})
+    top_level = post(server, "/api/generate", prompt=prompt, temperature=0, max_tokens=16)
+    assert top_level.json()["response"] == greedy.json()["response"]
+    hot = {"prompt": prompt, "temperature": 1.5, "top_p": 1.0, "top_k": 0, "max_tokens": 16}
+    first, again = post(server, "/api/generate", **hot, seed=7), post(server, "/api/generate", **hot, seed=7)
+    other = post(server, "/api/generate", **hot, seed=8)
+    assert first.json()["response"] == again.json()["response"]
+    assert first.json()["response"] != other.json()["response"]
+    assert first.json()["response"] != greedy.json()["response"]
+    stopped = post(
+        server, "/api/generate", prompt="Count from 1 to 10: 1, 2,", temperature=0, stop=" 5", max_tokens=24
+    )
+    assert stopped.json()["done_reason"] == "stop"
+    assert " 5" not in stopped.json()["response"]
+
+
+def test_a_bad_top_level_field_is_a_400_naming_it(server: LocalrtServer) -> None:
+    r = post(server, "/api/chat", messages=[{"role": "user", "content": "Hi"}], temperature="hot")
+    assert r.status_code == 400
+    assert "temperature" in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        "required",
+        {"type": "function", "name": "get_weather"},
+        {"type": "function", "function": {"name": "get_weather"}},
+    ],
+)
+def test_tool_choice_on_api_chat_forces_a_call(server: LocalrtServer, choice: object) -> None:
+    r = httpx.post(
+        server.url + "/api/chat",
+        json={
+            "model": TOOLS_MODEL,
+            "messages": [{"role": "user", "content": "Hello there!"}],
+            "tools": [WEATHER_TOOL],
+            "tool_choice": choice,
+            "stream": False,
+            "options": {**GREEDY, "num_predict": 64},
+        },
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    calls = r.json()["message"].get("tool_calls") or []
+    assert [c["function"]["name"] for c in calls][:1] == ["get_weather"]
+
+
+def test_tool_choice_none_on_api_chat_hides_the_tools(server: LocalrtServer) -> None:
+    body = {"model": TOOLS_MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER_TOOL]}
+    r = post(
+        server,
+        "/api/chat",
+        **body,
+        tool_choice="none",
+        options={**GREEDY, "num_predict": 48},
+        format=CALL_SCHEMA,
+    )
+    assert r.status_code == 200, r.text
+    assert not r.json()["message"].get("tool_calls")  # the call-shaped JSON stays text: no tools were offered
+
+
+def test_tool_choice_without_tools_is_a_400(server: LocalrtServer) -> None:
+    for route, ask in (
+        ("/api/generate", {"prompt": "Hi"}),
+        ("/api/chat", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        r = post(server, route, **ask, tool_choice="required")
+        assert r.status_code == 400, route
+        assert "tool_choice" in r.json()["error"]
+    r = post(server, "/api/chat", messages=[], tool_choice={"type": "web_search_preview"})
+    assert r.status_code == 400
+    assert "tool_choice" in r.json()["error"]
+
+
 # ---- OpenAI client ----------------------------------------------------------------------------
 def test_openai_models(oai: openai.OpenAI) -> None:
     assert MODEL in [m.id for m in oai.models.list().data]

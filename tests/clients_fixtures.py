@@ -1,0 +1,44 @@
+"""The client apps the tests drive that do not install into the test environment: pinned versions and
+where .ci/run puts them (under LOCALRT_CLIENTS_PREFIX, by default ~/.cache/localrt-clients).
+
+- `npm/`: the Vercel AI SDK with its providers, `npm install --prefix` (run by the machine's Node);
+- `aider/`: aider in a venv of its own, because it pins every one of its dependencies;
+- `open-webui/`: Open WebUI in a venv of its own (it pins its own FastAPI and pydantic); the test that
+  starts it is `slow`, and .ci/run installs it only when asked (LOCALRT_CLIENTS_OPEN_WEBUI=1).
+
+.ci/run writes each folder's pins into its `.pins` file and installs again only when they change.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+NPM_PINS = {
+    "ai": "7.0.173",
+    "ollama-ai-provider-v2": "4.0.1",
+    "@ai-sdk/openai-compatible": "3.0.97",
+    "zod": "4.6.7",
+}
+AIDER_PIN = "aider-chat==0.86.2"
+OPEN_WEBUI_PIN = "open-webui==0.12.4"
+
+
+def prefix() -> Path:
+    return Path(os.environ.get("LOCALRT_CLIENTS_PREFIX") or Path.home() / ".cache" / "localrt-clients")
+
+
+def npm_specs() -> list[str]:
+    return [f"{package}@{version}" for package, version in NPM_PINS.items()]
+
+
+def node_modules() -> Path | None:
+    """The AI SDK's node_modules, or None when it is not installed at the pinned versions."""
+    folder = prefix() / "npm" / "node_modules"
+    return folder if all((folder / p / "package.json").is_file() for p in NPM_PINS) else None
+
+
+def venv_bin(name: str, program: str) -> Path | None:
+    """A program of one of the client venvs (`aider`, `open-webui`), or None when not installed."""
+    path = prefix() / name / "bin" / program
+    return path if path.is_file() else None
