@@ -9,7 +9,8 @@ that speaks Qwen3's tool-call format, and a proxy that forces each reply with a 
   `<tool_call>` JSON, results as `<tool_response>`).
 - The agents cannot send a grammar, so the test's replies are forced as the thinking tests force
   theirs, by a proxy between the agent and `localrt serve`: it adds one field, `grammar`, to each
-  generation request (chosen from what the request holds: a tool result, tools, or neither) and passes
+  generation request (chosen from what the request holds: a tool result, tools, or neither; in `options`
+  on Ollama's routes) and passes
   everything else through unchanged, both ways.
 """
 
@@ -178,7 +179,10 @@ class GrammarProxy:
         reply = self.replies.get(turn)
         if reply is None:
             return raw
-        return json.dumps({**body, "grammar": "root ::= " + json.dumps(reply)}).encode()
+        grammar = {"grammar": "root ::= " + json.dumps(reply)}
+        if path.startswith("/api/"):  # Ollama's routes take it as an option
+            return json.dumps({**body, "options": {**(body.get("options") or {}), **grammar}}).encode()
+        return json.dumps({**body, **grammar}).encode()
 
     def forward(self, handler: BaseHTTPRequestHandler) -> None:
         length = int(handler.headers.get("content-length") or 0)

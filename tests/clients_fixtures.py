@@ -3,15 +3,19 @@ where .ci/run puts them (under LOCALRT_CLIENTS_PREFIX, by default ~/.cache/local
 
 - `npm/`: the Vercel AI SDK with its providers, `npm install --prefix` (run by the machine's Node);
 - `aider/`: aider in a venv of its own, because it pins every one of its dependencies;
-- `open-webui/`: Open WebUI in a venv of its own (it pins its own FastAPI and pydantic); the test that
-  starts it is `slow`, and .ci/run installs it only when asked (LOCALRT_CLIENTS_OPEN_WEBUI=1).
+- `open-webui/`: Open WebUI in a venv of its own (it pins its own FastAPI and pydantic). Its install is
+  heavy (about 7 GiB and 18 minutes on 2 busy cores, CUDA torch included), so its test is `slow` and
+  installs it itself on first use (`open_webui()`), under a file lock, instead of .ci/run.
 
-.ci/run writes each folder's pins into its `.pins` file and installs again only when they change.
+.ci/run writes the npm and aider pins into each folder's `.pins` file and installs again only when they
+change.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 NPM_PINS = {
@@ -42,3 +46,19 @@ def venv_bin(name: str, program: str) -> Path | None:
     """A program of one of the client venvs (`aider`, `open-webui`), or None when not installed."""
     path = prefix() / name / "bin" / program
     return path if path.is_file() else None
+
+
+def open_webui() -> Path:
+    """Open WebUI's `open-webui` program, installed into its venv first when it is not there."""
+    from filelock import FileLock
+
+    folder = prefix() / "open-webui"
+    program = folder / "bin" / "open-webui"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if (folder / ".pins").is_file() and (folder / ".pins").read_text() == OPEN_WEBUI_PIN:
+            return program
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(folder)], check=True)
+        subprocess.run([str(folder / "bin" / "pip"), "install", "-q", OPEN_WEBUI_PIN], check=True)
+        (folder / ".pins").write_text(OPEN_WEBUI_PIN)
+    return program

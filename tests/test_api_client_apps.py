@@ -25,7 +25,9 @@ from localrt.store.catalog import load_catalog
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
 from tests.agent_templates import official_template
+from tests.agents_fixtures import GrammarProxy
 from tests.clients_fixtures import node_modules
+from tests.clients_fixtures import venv_bin
 from tests.servers.serve import LocalrtServer
 
 MODEL = "smollm2:135m"
@@ -221,3 +223,86 @@ def test_ai_sdk_embed(ai_sdk: dict[str, Any], provider: str) -> None:
     embedded = ai_sdk[provider]["embed"]
     assert embedded["dimensions"] == 576
     assert embedded["tokens"] > 0
+
+
+# ---- aider -----------------------------------------------------------------------------------------
+# aider's "whole" edit format: the file's name, then its new content in a fence. SmolLM2 is forced to
+# write exactly this (a grammar added by a proxy, as the agents' tests force their replies), so the
+# test shows aider's request accepted, its reply parsed and the edit applied, not the model's skill.
+AIDER_REPLY = 'hello.py\n```python\ndef greet():\n    return "Hello from localrt"\n```\n'
+# non-interactive, offline: no update check, no analytics, no release notes, no browser, no commits
+AIDER_FLAGS = [
+    "--yes-always",
+    "--no-check-update",
+    "--analytics-disable",
+    "--no-show-release-notes",
+    "--no-show-model-warnings",
+    "--no-check-model-accepts-settings",
+    "--no-auto-commits",
+    "--no-dirty-commits",
+    "--no-gitignore",
+    "--no-pretty",
+    "--no-fancy-input",
+    "--no-detect-urls",
+    "--no-suggest-shell-commands",
+    "--no-notifications",
+    "--no-browser",
+    "--map-tokens",
+    "0",
+    "--edit-format",
+    "whole",
+]
+
+
+def test_aider_edits_a_file(server: LocalrtServer, tmp_path: Path) -> None:
+    aider = venv_bin("aider", "aider")
+    if aider is None:
+        pytest.skip("aider is not installed (.ci/run installs it; see tests/clients_fixtures.py)")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "hello.py").write_text("def greet():\n    return 'hi'\n")
+    for cmd in (
+        ["init", "-q"],
+        ["config", "user.name", "t"],
+        ["config", "user.email", "t@t"],
+        ["add", "hello.py"],
+        ["commit", "-qm", "start"],
+    ):
+        subprocess.run(["git", *cmd], cwd=repo, check=True)
+    proxy = GrammarProxy(server.url)
+    proxy.replies["plain"] = AIDER_REPLY
+    home = tmp_path / "home"
+    # aider fetches model prices from GitHub unless a fresh copy is cached: a minimal one is
+    (home / ".aider" / "caches").mkdir(parents=True)
+    (home / ".aider" / "caches" / "model_prices_and_context_window.json").write_text('{"sample_spec": {}}')
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "OLLAMA_API_BASE": proxy.url,
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    }
+    try:
+        done = subprocess.run(
+            [
+                str(aider),
+                "--model",
+                f"ollama_chat/{MODEL}",
+                *AIDER_FLAGS,
+                "--message",
+                "Make greet say hello.",
+                "hello.py",
+            ],
+            cwd=repo,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=540,
+        )
+    finally:
+        proxy.close()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (repo / "hello.py").read_text() == 'def greet():\n    return "Hello from localrt"\n'
+    chats = [body for path, body in proxy.seen if path == "/api/chat"]
+    assert chats  # aider spoke Ollama's /api/chat
+    assert "Make greet say hello." in json.dumps(chats[-1]["messages"])
