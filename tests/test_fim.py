@@ -43,6 +43,7 @@ PREFIX = "def add(a, b):\n    "
 SUFFIX = "\n    return total\n"
 GREEDY = {"temperature": 0, "num_predict": 12}
 CTX = 1024
+QWEN_CTX = 2048
 GO_TEMPLATE = (
     "{{- if .Suffix }}<|fim_prefix|>{{ .Prompt }}<|fim_suffix|>{{ .Suffix }}<|fim_middle|>"
     "{{- else }}{{ .Prompt }}{{ end }}"
@@ -83,13 +84,42 @@ def fim_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+QWEN_FIM = [
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_fim_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama given Qwen's FIM tokens as a user would: `add_special_tokens` on its tokenizer
+    (saved by transformers as tokenizer.json, without the SentencePiece file), then llama.cpp's converter
+    at f32. The converter reads tokenizer.json and writes the tokens as control tokens, with no FIM ids."""
+    from transformers import AutoTokenizer
+
+    work = tmp_path_factory.mktemp("qwen-fim")
+    model_dir = write_tiny_model(work / "hf", arch="llama", hidden=256, ff=512, n_layer=2, seed=5, vocab=406)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.add_special_tokens({"additional_special_tokens": QWEN_FIM}) == len(QWEN_FIM)
+    (model_dir / "tokenizer.model").unlink()
+    tokenizer.save_pretrained(model_dir)
+    out = work / "qwen-fim-f32.gguf"
+    oracle_convert_many([(model_dir, out, "f32")])
+    return out
+
+
 @pytest.fixture(scope="module")
 def server(
-    fim_gguf: Path, smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
+    fim_gguf: Path, qwen_fim_gguf: Path, smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalrtServer]:
     root = tmp_path_factory.mktemp("fim-serve")
     store = Store(root / "models")
     import_gguf(store, "coder:tiny", fim_gguf, params={"num_ctx": CTX})
+    import_gguf(store, "qwen-fim:tiny", qwen_fim_gguf, params={"num_ctx": QWEN_CTX})
     import_gguf(store, "plain:latest", smollm2_gguf)
     create("coder:gotemplate", modelfile_text=f'FROM coder:tiny\nTEMPLATE """{GO_TEMPLATE}"""\n', store=store)
     srv = LocalrtServer(root / "models", root / "serve.log", env={"LOCALRT_KEEP_ALIVE": "10m"})
@@ -266,3 +296,55 @@ def test_same_greedy_middle_as_llama_server_infill(
     ours = ollama.Client(host=server.url).generate("coder:tiny", prefix, suffix=suffix, options=GREEDY)
     assert ours.response == theirs["content"]
     assert len(ours.context) - ours.eval_count == theirs["timings"]["prompt_n"]  # same prompt length
+
+
+@pytest.fixture(scope="module")
+def qwen_llama_server(qwen_fim_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # the settings /infill was compared with when localrt's prompts differed from it
+    args = ["-m", str(qwen_fim_gguf), "-c", str(QWEN_CTX), "-b", "512", "-ub", "512", "-t", "2"]
+    with running_llama_server(args, tmp_path_factory.mktemp("qwen-llama-server") / "log.txt") as url:
+        yield url
+
+
+LONG_PREFIX = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(60)) + "def add(a, b):\n    "
+LONG_SUFFIX = "\n    return total\n" + "".join(f"print(f{i}(1))\n" for i in range(40))
+INFILL_CASES = [(PREFIX, SUFFIX), ("x = [1, 2", "]\nprint(x)\n"), ("", "x"), (LONG_PREFIX, LONG_SUFFIX)]
+
+
+def first_token_top5(items: list[dict[str, object]]) -> list[float]:
+    return sorted((float(t["logprob"]) for t in items), reverse=True)  # type: ignore[arg-type]
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("model", ["coder:tiny", "qwen-fim:tiny"])
+@pytest.mark.parametrize(("prefix", "suffix"), INFILL_CASES, ids=["function", "list", "empty-prefix", "long"])
+def test_first_token_distribution_is_llama_servers_infill(
+    request: pytest.FixtureRequest, server: LocalrtServer, model: str, prefix: str, suffix: str
+) -> None:
+    url = request.getfixturevalue("llama_server" if model == "coder:tiny" else "qwen_llama_server")
+    theirs = httpx.post(
+        url + "/infill",
+        json={
+            "input_prefix": prefix,
+            "input_suffix": suffix,
+            "n_predict": 1,
+            "n_probs": 5,
+            "temperature": 0,
+            "cache_prompt": False,
+        },
+        timeout=300,
+    ).json()
+    ours = generate(
+        server,
+        model,
+        prompt=prefix,
+        suffix=suffix,
+        options={**GREEDY, "num_predict": 1},
+        logprobs=True,
+        top_logprobs=5,
+    ).json()
+    prompt_length = len(ours["context"]) - ours["eval_count"]
+    assert prompt_length == theirs["timings"]["prompt_n"]
+    want = first_token_top5(theirs["completion_probabilities"][0]["top_logprobs"])
+    got = first_token_top5(ours["logprobs"][0]["top_logprobs"])
+    assert got == pytest.approx(want, abs=1e-3)

@@ -113,24 +113,24 @@ def infill_tokens(
     suffix: str,
     tokenize: Callable[[str], list[int]],
     bos: int | None,
-    budget: int,
+    n_ctx: int,
+    n_batch: int,
 ) -> list[int]:
-    """The /infill prompt; `tokenize` reads text as plain text (no special tokens, no BOS). Over
-    `budget` tokens, the prefix keeps its end and the suffix its start (3:1, as llama-server splits)."""
+    """The /infill prompt; `tokenize` reads text as plain text (no special tokens, no BOS). What is kept
+    is llama-server's `format_prompt_infill` rule, token for token: the prefix's last 3/4 of a batch, the
+    suffix's first 1/4 of a batch less two, and the end of the repository preamble that fits in the
+    context beyond one batch (its n_predict being -1, which localrt's request does not change)."""
     extra: list[int] = []
     if fim.rep is not None:
         extra += [fim.rep, *tokenize(REPO_NAME)]
     if fim.sep is not None:
         extra += [fim.sep, *tokenize(FILE_NAME)]
-    head = [bos] if bos is not None else []
     pre, suf = tokenize(prefix), tokenize(suffix)
-    room = budget - len(head) - 3
-    if len(extra) + len(pre) + len(suf) > room:
-        extra = []  # the repository preamble goes first, as llama-server drops it first
-    if len(pre) + len(suf) > room:
-        keep_suf = min(len(suf), max(room // 4, room - len(pre)))
-        keep_pre = max(0, room - keep_suf)
-        pre, suf = pre[len(pre) - keep_pre :] if keep_pre else [], suf[:keep_suf]
+    keep_pre = min(len(pre), 3 * (n_batch // 4))
+    keep_suf = min(len(suf), max(0, n_batch // 4 - 2))
+    keep_extra = min(max(0, n_ctx - n_batch + 2), len(extra))
+    head = [bos] if bos is not None else []
+    pre, suf, extra = pre[len(pre) - keep_pre :], suf[:keep_suf], extra[len(extra) - keep_extra :]
     return [*extra, *head, fim.pre, *pre, fim.suf, *suf, fim.mid]
 
 

@@ -202,9 +202,10 @@ class LocalRuntime:
                 tokens = fim.template_tokens(entry.fim_template, prefix, suffix, tokenize, bos)
             else:
                 assert entry.fim_tokens is not None
-                # a quarter of the context stays free for the completion
-                budget = m.context_length - len(context or ()) - m.context_length // 4
-                tokens = fim.infill_tokens(entry.fim_tokens, prefix, suffix, tokenize, bos, budget)
+                n_ctx = m.context_length - len(context or ())
+                tokens = fim.infill_tokens(
+                    entry.fim_tokens, prefix, suffix, tokenize, bos, n_ctx, call.opts.num_batch
+                )
             tokens = [*(context or []), *tokens]
             async for chunk in self._run(call, entry, load_ns, tokens, None, (), True):
                 yield chunk
