@@ -381,6 +381,9 @@ class ChatRequest(Generation):
 class EmbedRequest(Named):
     input: str | list[str] | None = None
     truncate: bool | None = None
+    dimensions: Annotated[
+        Int | None, Field(ge=0, description="keep the first N dimensions, normalized again (0: all)")
+    ] = None
     options: OptionsField = None
     keep_alive: KeepAlive = None
 

@@ -24,6 +24,7 @@ import pytest
 from localrt.store.catalog import load_catalog
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
+from tests.agent_templates import CHATML_JSON_TOOLS
 from tests.agent_templates import official_template
 from tests.agents_fixtures import GrammarProxy
 from tests.clients_fixtures import node_modules
@@ -32,6 +33,8 @@ from tests.servers.serve import LocalrtServer
 
 MODEL = "smollm2:135m"
 TOOLS_MODEL = "smollm2-tools:135m"
+# the same file under ChatML with tools as JSON and no call markers: a reply that is a call's JSON is a call
+JSON_TOOLS_MODEL = "smollm2-json-tools:135m"
 QUESTION = "What is the capital of France?"
 WEATHER_TOOL = {
     "type": "function",
@@ -60,6 +63,9 @@ def server(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     # the official Qwen2.5 template (ChatML, as SmolLM2's own, with tools and `<tool_call>` blocks)
     template = official_template("Qwen-Qwen2.5-7B-Instruct.jinja")
     import_gguf(Store(root / "models"), TOOLS_MODEL, smollm2_gguf, system=system, template=template)
+    import_gguf(
+        Store(root / "models"), JSON_TOOLS_MODEL, smollm2_gguf, system=system, template=CHATML_JSON_TOOLS
+    )
     srv = LocalrtServer(root / "models", root / "serve.log", env={"LOCALRT_KEEP_ALIVE": "10m"})
     yield srv
     assert srv.stop() in (0, -signal.SIGTERM)
@@ -103,14 +109,15 @@ def test_litellm_completion_and_stream(litellm: Any, server: LocalrtServer, prov
 @pytest.mark.parametrize("provider", [0, 1], ids=["ollama_chat", "openai"])
 def test_litellm_tool_call_round_trip(litellm: Any, server: LocalrtServer, provider: int) -> None:
     model, where = litellm_models(server)[provider]
-    model = model.replace(MODEL, TOOLS_MODEL)
     messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
-    # LiteLLM's Ollama provider drops tool_choice (Ollama ignores it); its users force a call by schema
-    force = (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "call", "schema": CALL_SCHEMA}}}
-        if model.startswith("ollama_chat/")
-        else {"tool_choice": "required"}
-    )
+    # LiteLLM's Ollama provider drops tool_choice (Ollama ignores it): its users force a call by schema,
+    # which a template without call markers reads back as a call
+    if model.startswith("ollama_chat/"):
+        model = model.replace(MODEL, JSON_TOOLS_MODEL)
+        schema = {"type": "json_schema", "json_schema": {"name": "call", "schema": CALL_SCHEMA}}
+        force: dict[str, Any] = {"response_format": schema}
+    else:
+        model, force = model.replace(MODEL, TOOLS_MODEL), {"tool_choice": "required"}
     r = litellm.completion(
         model=model, messages=messages, tools=[WEATHER_TOOL], temperature=0, max_tokens=64, **force, **where
     )

@@ -184,6 +184,15 @@ def test_embed(client: ollama.Client) -> None:
     assert legacy.embedding == pytest.approx(r.embeddings[0], abs=1e-4)
 
 
+def test_embed_dimensions(client: ollama.Client) -> None:
+    whole = client.embed(MODEL, "The cat sat on the mat.").embeddings[0]
+    short = client.embed(MODEL, "The cat sat on the mat.", dimensions=64).embeddings[0]
+    assert len(short) == 64
+    assert sum(v * v for v in short) == pytest.approx(1.0, abs=1e-5)
+    norm = sum(v * v for v in whole[:64]) ** 0.5
+    assert short == pytest.approx([v / norm for v in whole[:64]], abs=1e-5)
+
+
 def test_ps_shows_the_loaded_model(client: ollama.Client) -> None:
     client.generate(MODEL, "Hi", options={**GREEDY, "num_predict": 1})
     [row] = [m for m in client.ps().models if m.model == MODEL]

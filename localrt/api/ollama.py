@@ -574,11 +574,20 @@ async def embed(request: Request) -> dict[str, Any]:
     )
     return {
         "model": result.model,
-        "embeddings": result.embeddings,
+        "embeddings": [shortened(v, body.dimensions or 0) for v in result.embeddings],
         "total_duration": result.total_ns,
         "load_duration": result.load_ns,
         "prompt_eval_count": result.prompt_eval_count,
     }
+
+
+def shortened(vector: list[float], dimensions: int) -> list[float]:
+    """Ollama's `dimensions`: the first N values, scaled back to unit length (a larger N keeps them all)."""
+    if not 0 < dimensions < len(vector):
+        return vector
+    kept = vector[:dimensions]
+    norm = sum(v * v for v in kept) ** 0.5
+    return [v / norm for v in kept] if norm > 0 else kept
 
 
 @router.post(
