@@ -217,6 +217,7 @@ def test_responses_function_call_streamed(oai: openai.OpenAI) -> None:
         input="What is the weather in Paris?",
         tools=[RESPONSES_TOOL],
         tool_choice="required",
+        parallel_tool_calls=False,  # one call, then the grammar ends the reply (more would reach the limit)
         max_output_tokens=64,
         extra_body=GREEDY,
     ) as stream:
@@ -378,7 +379,8 @@ def test_messages_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
         max_tokens=64,
         messages=[question],
         tools=[ANTHROPIC_TOOL],
-        tool_choice={"type": "tool", "name": "get_weather"},
+        # one call, then the grammar ends the reply: calls repeated up to max_tokens would stop at the limit
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
         extra_body=GREEDY,
     )
     assert m.stop_reason == "tool_use"
@@ -411,7 +413,7 @@ def test_messages_tool_use_streamed(claude: anthropic.Anthropic) -> None:
         max_tokens=64,
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
         tools=[ANTHROPIC_TOOL],
-        tool_choice={"type": "any"},
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
         extra_body=GREEDY,
     ) as stream:
         events = list(stream)
