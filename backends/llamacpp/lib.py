@@ -293,6 +293,21 @@ class Batch:
             self.raw = None
 
 
+class EndTokens:
+    """llama.cpp's end-of-generation test of a vocabulary (`vocab`: a llama_vocab pointer), asked once
+    per token and remembered: a dictionary lookup per generated token, not a call into C through ctypes."""
+
+    def __init__(self, vocab: Any) -> None:
+        self.lib, self.vocab = _lib(), vocab
+        self._ends: dict[int, bool] = {}
+
+    def __call__(self, token: int) -> bool:
+        end = self._ends.get(token)
+        if end is None:
+            end = self._ends[token] = bool(self.lib.llama_vocab_is_eog(self.vocab, token))
+        return end
+
+
 def logits_row(ctx: Any, row: int, n_vocab: int) -> np.ndarray:
     """Batch row `row`'s logits, a view into llama.cpp's buffer until the next decode. Read once per
     generated token right after a decode has pushed the interpreter's objects out of the caches, so it

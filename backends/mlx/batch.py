@@ -13,8 +13,13 @@ cache keeps the last token it was fed. Rows that need the host before their next
 (a grammar mask, speculative draft tokens) are read first: they are sampled on the host side from their
 logits rows, with the same per-request key stream (`sampling.RowSampler`).
 
-`step()` returns its outputs (tokens per sequence, logprobs, finish reasons); `start(sink)` runs it on
-the engine thread, which owns every MLX call of the model (`call` runs score/embed jobs between steps).
+A prompt-only request (an embedding, a score) is a row too: its whole prompt goes through in chunks
+like a prefill, beside the others, and each chunk's hidden rows (pooled) or logits (scored) are read
+back when the step is resolved; after its last chunk, the answer is its output.
+
+`step()` returns its outputs (`engine.EngineOutput`: tokens per request, logprobs, finish reasons,
+answers); `start(sink)` runs it on the engine thread, which owns every MLX call of the model (`call`
+runs the load there).
 """
 
 from __future__ import annotations
@@ -24,25 +29,33 @@ import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Iterable
-from dataclasses import KW_ONLY
 from dataclasses import dataclass
 from dataclasses import field
-from itertools import count
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from localrt.backends.base import CancelToken
+from localrt.backends.base import GenerateRequest
+from localrt.backends.engine import EngineOutput
+from localrt.backends.engine import EngineRequest
+from localrt.backends.engine import Pooled
+from localrt.backends.engine import StepOutputs
+from localrt.backends.engine import take_each
 from localrt.backends.engine_thread import EngineThread
 from localrt.backends.engine_thread import RequestQueues
 from localrt.backends.grammar import GrammarDeadEnd
+from localrt.backends.lookup import NgramProposer
+from localrt.backends.outputs import fill_score
 from localrt.backends.outputs import logprob_values
 from localrt.backends.speculation import SpecState
 from localrt.backends.speculation import verify
 
+from .engine import DraftModelProposer
 from .engine import Proposer
 from .engine import Runner
+from .engine import SelfOnRow
 from .llama import Transformer
 from .prompt_cache import PromptCache
 from .sampling import Logprobs
@@ -54,17 +67,13 @@ from .sampling import window_of
 
 @dataclass(eq=False)  # a row is itself: the engine finds and removes rows in its lists by identity
 class Row:
-    """One request in the engine: its prompt, sampler, limits and where its caches stand."""
+    """One request in the engine: its sampler (none for a prompt-only request), limits, proposer and
+    where its caches stand."""
 
-    id: int
-    prompt: list[int]
-    sampler: RowSampler
+    request: EngineRequest
+    sampler: RowSampler | None
     max_tokens: int  # prompt + output
-    _: KW_ONLY
-    cancel: CancelToken = field(default_factory=CancelToken)
-    top_logprobs: int = -1  # -1: no logprobs
     proposer: Proposer | None = None
-    spec: SpecState | None = None
     # ---- the engine's state of the row
     tokens: list[int] = field(init=False)  # every token known on the host (the last one is not in the caches)
     runner: Runner | None = field(default=None, init=False)
@@ -72,19 +81,40 @@ class Row:
     # step queued after them was fed that token
     pending: int = field(default=0, init=False)
     fed_pending: bool = field(default=False, init=False)
-    cached_count: int = field(default=0, init=False)
-    prompt_eval_count: int = field(default=0, init=False)
-    generated: int = field(default=0, init=False)  # tokens produced, an end token included
-    first_token_ns: int = field(default=0, init=False)
     finish: str | None = field(default=None, init=False)
-    error: BaseException | None = field(default=None, init=False)
+    pooled: Pooled | None = field(default=None, init=False)  # an embed request's pooled vector so far
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
 
     @property
+    def id(self) -> int:
+        return self.request.id
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt
+
+    @property
+    def cancel(self) -> CancelToken:
+        return self.request.cancel
+
+    @property
+    def top_logprobs(self) -> int:
+        return self.request.top_logprobs
+
+    @property
+    def spec(self) -> SpecState | None:
+        return self.request.spec
+
+    @property
+    def cached_count(self) -> int:
+        return self.request.timings.cached_count
+
+    @property
     def needs_host(self) -> bool:
         """Its next input depends on the host (a grammar's mask, the proposer's draft tokens)."""
+        assert self.sampler is not None
         return self.sampler.grammar is not None or (self.spec is not None and self.spec.enabled)
 
     @property
@@ -93,23 +123,17 @@ class Row:
 
 
 @dataclass
-class RowOutput:
-    """What one step did to one row."""
-
-    row: Row
-    tokens: list[int] = field(default_factory=list)  # for the client (an end token is not)
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
-    finish: str | None = None  # "stop", "length", "cancel" or "error" once it ended
-
-
-@dataclass
 class _Planned:
     row: Row
-    kind: str  # "prefill" (no logits), "device" (sampled on the device), "host" (logits read back)
+    # "prefill" (no logits), "device" (sampled on the device), "host" (logits read back), "prompt" (a
+    # prompt-only request's chunk: its hidden rows or logits read back)
+    kind: str
     index: int = -1  # its place among the device rows or the host rows
     drafts: list[int] = field(default_factory=list)
     q: Any = None  # the draft tokens' distributions (None: deterministic draft tokens)
     logits_rows: int = 0
+    start: int = 0  # "prompt": the chunk's first position in the prompt
+    rows: Any = None  # "prompt": the chunk's hidden rows (pooled) or logits (scored), on the device
 
 
 @dataclass
@@ -145,17 +169,27 @@ class BatchEngine(RequestQueues, EngineThread):
         self.waiting: deque[Row] = deque()
         self.running: list[Row] = []
         self._inflight: _InFlight | None = None
-        self._ids = count()
         self.steps = 0
         self._init_thread()
 
     def attach(
-        self, model: Transformer | None, *, max_rows: int, prompt_cache: PromptCache, eog: Iterable[int] = ()
+        self,
+        model: Transformer | None,
+        *,
+        max_rows: int,
+        prompt_cache: PromptCache,
+        eog: Iterable[int] = (),
+        context_length: int = 0,
+        speculation: Speculation | None = None,
     ) -> None:
+        """The model and what a request's row needs of it: its context (0: the model's own), and the
+        model-based proposers' settings."""
         self._model = model
         self.max_rows = max(1, max_rows)
         self.prompt_cache = prompt_cache
         self.eog = set(eog)
+        self.context_length = context_length or (model.cfg.context_length if model is not None else 0)
+        self.speculation = speculation or Speculation()
 
     @property
     def model(self) -> Transformer:
@@ -163,17 +197,60 @@ class BatchEngine(RequestQueues, EngineThread):
         return self._model
 
     # ---- requests ---------------------------------------------------------------------------
-    def new_row(self, prompt: list[int], sampler: RowSampler, max_tokens: int, **kw: Any) -> Row:
-        return Row(next(self._ids), list(prompt), sampler, max_tokens, **kw)
+    def row(self, request: EngineRequest) -> Row:
+        """The engine's row for a checked request: sampler, limits, its own proposer (on its own caches)."""
+        prompt = request.prompt
+        if request.prompt_only:
+            row = Row(request, None, len(prompt))
+            row.pooled = Pooled() if request.task == "embed" else None
+            return row
+        req = request.req
+        room = self.context_length - len(prompt)
+        max_tokens = len(prompt) + (room if req.num_predict < 0 else min(req.num_predict, room))
+        row = Row(request, RowSampler(req.sampling, self.context_length, request.grammar), max_tokens)
+        method, spec = request.method, self.speculation
+        if method == "lookup":  # the SpecState's own n-gram index proposes (backends/lookup.py)
+            request.spec = SpecState.begin(
+                method, req.num_draft, NgramProposer.cost_per_draft, spec.verify_cost
+            )
+        elif method == "draft" and spec.draft_model is not None:
+            draft = Runner(spec.draft_model, self.kv_cache_type, self.num_batch)
+            row.proposer = DraftModelProposer(draft, spec.draft_cost)
+        elif method == "self":  # the row's own caches, once the engine gives them
+            row.proposer = SelfOnRow(row, spec.self_layers, spec.self_layers / self.model.cfg.block_count)
+        if row.proposer is not None:
+            cost = row.proposer.cost_per_draft
+            request.spec = SpecState.begin(method, req.num_draft, cost, spec.verify_cost)
+        return row
+
+    def new_row(
+        self,
+        prompt: list[int],
+        sampler: RowSampler,
+        max_tokens: int,
+        *,
+        cancel: CancelToken | None = None,
+        top_logprobs: int = -1,
+        proposer: Proposer | None = None,
+        spec: SpecState | None = None,
+    ) -> Row:
+        """A row from loose settings, for synchronous use (tests): `add` it, `step` or `run`."""
+        req = GenerateRequest(list(prompt), cancel=cancel or CancelToken())
+        req.logprobs, req.top_logprobs = top_logprobs >= 0, max(0, top_logprobs)
+        request = EngineRequest(req, spec=spec)
+        return Row(request, sampler, max_tokens, proposer)
+
+    def _take(self, queued: list[EngineRequest]) -> list[EngineOutput]:
+        return take_each(lambda request: self.add(self.row(request)), queued)
 
     @property
     def has_work(self) -> bool:
         return super().has_work or self._inflight is not None
 
     # ---- a step -----------------------------------------------------------------------------
-    def step(self) -> list[RowOutput]:
+    def step(self) -> list[EngineOutput]:
         self.steps += 1
-        out: dict[int, RowOutput] = {}
+        out = StepOutputs()
         self._admit()
         previous, self._inflight = self._inflight, None
         if previous is not None and any(p.kind == "host" for p in previous.planned):
@@ -184,15 +261,17 @@ class BatchEngine(RequestQueues, EngineThread):
         self._inflight = self._queue(previous)
         if previous is not None:
             self._resolve(previous, out)
-        return list(out.values())
+        return out.take()
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_rows:
             row = self.waiting.popleft()
-            caches, n = self.prompt_cache.lookup(row.prompt)
+            # a prompt-only request needs every row's output: it reuses no cached prefix
+            caches, n = (None, 0) if row.request.prompt_only else self.prompt_cache.lookup(row.prompt)
             row.runner = Runner(self.model, self.kv_cache_type, self.num_batch, caches, row.prompt[:n])
-            row.cached_count = n
-            row.prompt_eval_count = len(row.prompt) - n
+            timings = row.request.timings
+            timings.cached_count, timings.prompt_eval_count = n, len(row.prompt) - n
+            row.request.admitted_ns = self.clock()
             self.running.append(row)
 
     def _plan_row(self, row: Row, previous: _InFlight | None, budget: int) -> tuple[_Planned, Any] | None:
@@ -200,6 +279,12 @@ class BatchEngine(RequestQueues, EngineThread):
         runner = row.runner
         assert runner is not None
         fed = len(runner.tokens)
+        if row.request.prompt_only:  # every token of the prompt, chunk by chunk
+            if fed >= len(row.prompt) or budget <= 0:
+                return None
+            chunk = row.prompt[fed : fed + self.num_batch]
+            runner.tokens.extend(chunk)
+            return _Planned(row, "prompt", start=fed), chunk
         if not row.pending and fed < len(row.prompt) - 1:  # prefill: chunks of the prompt but its last token
             if budget <= 0:
                 return None
@@ -238,7 +323,7 @@ class BatchEngine(RequestQueues, EngineThread):
             if plan is None:
                 continue
             p, ids = plan
-            if p.kind == "prefill":
+            if p.kind in ("prefill", "prompt"):
                 budget -= len(ids)
             planned.append(p)
             parts.append(ids if isinstance(ids, mx.array) else mx.array(ids, dtype=mx.int32))
@@ -260,11 +345,16 @@ class BatchEngine(RequestQueues, EngineThread):
             end = int(ends[planned.index(p)])
             pick += list(range(end - p.logits_rows, end))
         flight = _InFlight(planned, None, None, None, [], {p.row.id: p.index for p in device})
+        outs: list[mx.array] = []
+        for i, p in enumerate(planned):
+            if p.kind == "prompt":
+                chunk = hidden[int(ends[i]) - lengths[i] : int(ends[i])]
+                p.rows = chunk if p.row.pooled is not None else self.model.logits(chunk)
+                outs.append(p.rows)
         if not pick:
-            mx.async_eval(hidden)  # prefill only: the caches fill in the background
+            mx.async_eval(*outs, hidden)  # prefill only: the caches fill in the background
             return flight
         logits = self.model.logits(hidden[mx.array(pick)])  # [R, V], device rows first
-        outs: list[mx.array] = []
         if device:
             rows = logits[: len(device)]
             samplers = [p.row.sampler for p in device]
@@ -290,7 +380,7 @@ class BatchEngine(RequestQueues, EngineThread):
         mx.async_eval(*outs)
         return flight
 
-    def _resolve(self, flight: _InFlight, out: dict[int, RowOutput]) -> None:
+    def _resolve(self, flight: _InFlight, out: StepOutputs) -> None:
         """Read a step's results on the host and advance its rows."""
         tokens = flight.tokens.tolist() if flight.tokens is not None else []
         host = np.array(flight.host_logits) if flight.host_logits is not None else None
@@ -299,6 +389,9 @@ class BatchEngine(RequestQueues, EngineThread):
         for p in flight.planned:
             row = p.row
             if p.kind == "prefill":
+                continue
+            if p.kind == "prompt":
+                self._take_prompt(p, out)
                 continue
             if p.kind == "device":
                 new = [int(tokens[p.index])]
@@ -315,8 +408,7 @@ class BatchEngine(RequestQueues, EngineThread):
                 try:
                     new = self._host_tokens(p, rows)
                 except GrammarDeadEnd as error:  # this request's grammar, not the batch's fault
-                    row.error = error
-                    self._end(row, "error", out)
+                    self._end(row, "error", out, error)
                     continue
                 lp = [self._host_logprob(row, rows[j], t) for j, t in enumerate(new)]
             if row.finish is not None:
@@ -326,8 +418,26 @@ class BatchEngine(RequestQueues, EngineThread):
                 continue
             self._advance(row, new, lp, out)
 
+    def _take_prompt(self, p: _Planned, out: StepOutputs) -> None:
+        """A prompt-only row's chunk, read back: pooled or scored; after its last chunk, its answer."""
+        row, request = p.row, p.row.request
+        if row.finish is not None:
+            return
+        rows = np.array(p.rows)
+        if row.pooled is not None:
+            row.pooled.add(rows)
+        elif request.scores is not None:
+            scored = rows[: max(0, len(row.prompt) - 1 - p.start)]  # the last token scores nothing
+            if len(scored):
+                fill_score(request.scores, row.prompt, p.start, scored)
+        if p.start + len(rows) < len(row.prompt):
+            return
+        out.of(request).result = row.pooled.vector() if row.pooled is not None else request.scores
+        self._end(row, "stop", out)
+
     def _host_tokens(self, p: _Planned, rows: np.ndarray) -> list[int]:
         row = p.row
+        assert row.sampler is not None
         if not p.drafts:
             return [row.sampler.sample(rows[0], row.tokens)]
         new, accepted = verify(row.sampler, rows, p.drafts, p.q, row.tokens)
@@ -363,14 +473,15 @@ class BatchEngine(RequestQueues, EngineThread):
         row: Row,
         new: list[int],
         lps: list[tuple[float, list[tuple[int, float]]] | None],
-        out: dict[int, RowOutput],
+        out: StepOutputs,
     ) -> None:
-        if not row.first_token_ns:
-            row.first_token_ns = self.clock()
-        o = out.setdefault(row.id, RowOutput(row))
+        request = row.request
+        if not request.first_token_ns:
+            request.first_token_ns = self.clock()
+        o = out.of(request)
         for token, lp in zip(new, lps):
             row.tokens.append(token)
-            row.generated += 1
+            request.generated += 1
             if token in self.eog:
                 if row.runner is not None and len(row.runner.tokens) == len(row.tokens):
                     row.runner.trim(1)  # fed by the step queued ahead: the caches keep only the answer
@@ -382,36 +493,49 @@ class BatchEngine(RequestQueues, EngineThread):
                 self._end(row, "length", out)
                 return
 
-    def _end(self, row: Row, reason: str, out: dict[int, RowOutput]) -> None:
-        """A row leaves: its caches go to the prompt cache (holding exactly the tokens they were fed)."""
+    def _end(self, row: Row, reason: str, out: StepOutputs, error: BaseException | None = None) -> None:
+        """A row leaves: its caches go to the prompt cache (holding exactly the tokens they were fed); a
+        prompt-only row's do not (nobody continues an embedding)."""
         row.finish = reason
-        out.setdefault(row.id, RowOutput(row)).finish = reason
         if row in self.running:
             self.running.remove(row)
-        if row.runner is not None and reason != "error":
+        if row.runner is not None and reason != "error" and not row.request.prompt_only:
             self.prompt_cache.insert(row.runner.tokens, row.runner.caches)
-            row.runner = None
+        row.runner = None
+        out.end(row.request, reason, error)
 
-    def _fail_step(self, error: Exception) -> list[RowOutput]:
+    def _fail_step(self, error: Exception) -> list[EngineOutput]:
         """A step raised: every row ends with `error` (the caches are in an unknown state)."""
-        out: dict[int, RowOutput] = {}
+        out = StepOutputs()
         self._inflight = None
         for row in [*self.running, *self.waiting]:
-            row.error = error
-            self._end(row, "error", out)
+            self._end(row, "error", out, error)
         self.waiting.clear()
         self.prompt_cache.clear()
-        return list(out.values())
+        return out.take()
 
     # ---- threaded mode (engine_thread.py) ---------------------------------------------------------
     def _thread_context(self) -> Any:
         mx.set_default_stream(mx.new_stream(mx.default_device()))  # MLX streams belong to their thread
         return contextlib.nullcontext()
 
-    def _unload(self, queued: list[Row]) -> list[RowOutput]:
+    def _unload(self, queued: list[EngineRequest]) -> list[EngineOutput]:
         """Unloaded: the rows still running end as cancelled."""
-        out: dict[int, RowOutput] = {}
+        out = StepOutputs()
         self._inflight = None
-        for row in [*self.running, *self.waiting, *queued]:
+        for row in [*self.running, *self.waiting]:
             self._end(row, "cancel", out)
-        return list(out.values())
+        for request in queued:
+            out.end(request, "cancel")
+        return out.take()
+
+
+@dataclass
+class Speculation:
+    """What the model-based proposers need: the draft model (None: no "draft"), its cost in target decode
+    steps, the target layers "self" drafts with, and what verifying one draft token costs."""
+
+    draft_model: Transformer | None = None
+    draft_cost: float = 0.0
+    self_layers: int = 1
+    verify_cost: float = 0.0
