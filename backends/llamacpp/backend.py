@@ -28,12 +28,6 @@ from localrt.backends.checks import check_speculative
 from localrt.backends.engine import EngineModel
 from localrt.backends.engine import EngineRequest
 from localrt.backends.engine import EngineStreams
-from localrt.backends.mtmd import MediaPrompt  # images through libmtmd
-from localrt.backends.mtmd import Projector  # images through libmtmd
-from localrt.backends.rerank import POOLING_RANK
-from localrt.backends.rerank import PooledContexts
-from localrt.backends.rerank import is_reranker  # rank pooling
-from localrt.backends.rerank import rank_tokens
 from localrt.backends.speculation import speculative_method
 from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
@@ -55,6 +49,12 @@ from .lib import load_model
 from .memory import estimate
 from .memory import kv_bytes_per_token
 from .memory import parallel_for
+from .mtmd import MediaPrompt
+from .mtmd import Projector
+from .pooled import POOLING_RANK
+from .pooled import PooledContexts
+from .pooled import is_reranker
+from .pooled import rank_tokens
 from .runner import Runner
 from .scheduler import Scheduler
 from .scheduler import copy_threshold
@@ -241,7 +241,7 @@ class LlamaCppModel(VocabMethods, EngineModel, ModelLifetime):
             raise
         return EngineRequest(request, method=method, prompt=prompt, resources=[media])
 
-    # ---- images (backends/mtmd.py) and rerank (backends/rerank.py) ----
+    # ---- images (mtmd.py) and rerank (pooled.py) ----
     def _expand_images(self, req: GenerateRequest) -> MediaPrompt | None:
         if not req.images or self._projector is None:
             return None

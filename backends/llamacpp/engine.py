@@ -29,7 +29,6 @@ from localrt.backends.engine_thread import EngineThread
 from localrt.backends.grammar import GrammarDeadEnd
 from localrt.backends.outputs import fill_score
 from localrt.backends.outputs import logprob_values
-from localrt.backends.rerank import PooledContexts
 from localrt.backends.speculation import DEFAULT_NUM_DRAFT
 from localrt.backends.speculation import VERIFY_COST_PER_DRAFT
 from localrt.backends.speculation import SpecState
@@ -37,6 +36,7 @@ from localrt.errors import LocalrtError
 
 from .draft import DraftContext
 from .lib import make_sampler
+from .pooled import PooledContexts
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequences import MAX_VERIFY

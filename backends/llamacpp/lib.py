@@ -22,7 +22,6 @@ from localrt.backends.devices import compute_devices
 from localrt.backends.devices import gpu_room
 from localrt.backends.grammar import Candidates
 from localrt.backends.grammar import grammar_sampler
-from localrt.backends.llama_params import flash_attn_type
 from localrt.backends.outputs import float_array
 from localrt.errors import LocalrtError
 from localrt.errors import OptionError
@@ -182,6 +181,16 @@ def context_params(opts: LoadOptions, n_ctx: int, step_tokens: int, n_seq_max: i
     p.flash_attn_type = flash_attn_type(opts.flash_attn)
     p.no_perf = True
     return p
+
+
+def flash_attn_type(flash_attn: bool | None) -> int:
+    """LoadOptions.flash_attn as llama.cpp's `flash_attn_type` (text contexts and libmtmd's alike)."""
+    lib = _lib()
+    return {
+        None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+        True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    }[flash_attn]
 
 
 def create_context(model: Any, params: Any) -> Any:

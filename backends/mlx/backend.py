@@ -3,7 +3,7 @@
 Weights come from the GGUF itself (kept quantized where MLX has an exact form); tokens come from
 llama.cpp's vocab-only load of the same file, so tokenization is identical to the llama.cpp
 backend's. Requests (generation, scores and embeddings alike) are run together by the model's batched
-engine (`batch.py`): up to `parallel_slots` sequences per step, a prompt cache over finished
+engine (`engine.py`): up to `parallel_slots` sequences per step, a prompt cache over finished
 conversations. MLX's streams belong to the thread that created them, so every MLX call of a model
 (load, decode, score, embed) runs on the engine's thread; each stream is fed from it through the event
 loop, where the text is assembled.
@@ -83,7 +83,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
 
     def __init__(self, path: Path, opts: LoadOptions) -> None:
         install_blas()  # before `batch` imports MLX (blas.py)
-        from .batch import BatchEngine
+        from .engine import Engine
 
         self.path, self.opts = path, opts
         self.capabilities = MLXBackend.capabilities()
@@ -99,7 +99,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         self._take_vocab(Vocab.load(path))
         self._eog = set(self.vocab.eog_ids())
         # the engine's thread exists before the model: it makes every MLX array the model uses
-        self.engine = BatchEngine(opts.kv_cache_type, opts.num_batch)
+        self.engine = Engine(opts.kv_cache_type, opts.num_batch)
         self.engine.start(self._streams.route)
         self._load_or_free(lambda: self._call(lambda: self._load(opts)))
 
@@ -107,7 +107,7 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         import mlx.core as mx
 
         from .architectures import load_model
-        from .batch import Speculation
+        from .engine import Speculation
         from .cache import KV_GROUP
         from .cache import SLACK
         from .cache import kv_dtype
