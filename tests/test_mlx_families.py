@@ -24,9 +24,9 @@ from localrt.backends.base import CancelToken  # noqa: E402
 from localrt.backends.base import LoadOptions  # noqa: E402
 from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.mlx.architectures import load_model  # noqa: E402
+from localrt.backends.mlx.cache import make_caches  # noqa: E402
 from localrt.backends.mlx.engine import Engine  # noqa: E402
 from localrt.backends.mlx.engine import Row  # noqa: E402
-from localrt.backends.mlx.cache import make_caches  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.llama import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402

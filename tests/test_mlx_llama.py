@@ -15,9 +15,9 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from localrt.backends.base import SamplingParams  # noqa: E402
-from localrt.backends.mlx.engine import Engine  # noqa: E402
 from localrt.backends.mlx.cache import STEP  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
+from localrt.backends.mlx.engine import Engine  # noqa: E402
 from localrt.backends.mlx.gguf_load import EXACT  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.gguf_load import QuantizedWeight  # noqa: E402

@@ -13,8 +13,8 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from localrt.backends.base import SamplingParams  # noqa: E402
-from localrt.backends.mlx.engine import Engine  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
+from localrt.backends.mlx.engine import Engine  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.llama import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402

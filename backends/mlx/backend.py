@@ -107,10 +107,10 @@ class MLXModel(VocabMethods, EngineModel, ModelLifetime):
         import mlx.core as mx
 
         from .architectures import load_model
-        from .engine import Speculation
         from .cache import KV_GROUP
         from .cache import SLACK
         from .cache import kv_dtype
+        from .engine import Speculation
         from .gguf_load import GGUFTensors
         from .llama import Transformer
         from .prompt_cache import PromptCache
