@@ -52,9 +52,7 @@ SPECULATION_METHODS = frozenset({"draft", "lookup", "self"})
 class Capabilities:
     """What a backend can do; the runtime checks requests against it before submitting them."""
 
-    chat: bool = True
     embedding: bool = True
-    score: bool = True
     grammar: bool = True  # constrained output for `format: json` / JSON schema (every backend has it)
     speculative: frozenset[str] = frozenset()  # a subset of SPECULATION_METHODS
     kv_cache_types: tuple[str, ...] = ("f16",)

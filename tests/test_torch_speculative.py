@@ -9,6 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from localrt.backends.base import SamplingParams  # noqa: E402
+from localrt.backends.speculation import break_even_acceptance  # noqa: E402
+from localrt.backends.speculation import expected_tokens  # noqa: E402
+from localrt.backends.speculation import verify  # noqa: E402
 from localrt.backends.torch.engine import Engine  # noqa: E402
 from localrt.backends.torch.engine import EngineConfig  # noqa: E402
 from localrt.backends.torch.llama import DenseCausal  # noqa: E402
@@ -16,9 +19,6 @@ from localrt.backends.torch.llama import LlamaConfig  # noqa: E402
 from localrt.backends.torch.llama import Transformer  # noqa: E402
 from localrt.backends.torch.llama import random_transformer  # noqa: E402
 from localrt.backends.torch.sampling import RequestSampler  # noqa: E402
-from localrt.backends.torch.speculative import break_even_acceptance  # noqa: E402
-from localrt.backends.torch.speculative import expected_tokens  # noqa: E402
-from localrt.backends.torch.speculative import verify  # noqa: E402
 from tests.stats import assert_same_distribution  # noqa: E402
 from tests.stats import de_bruijn_prompt  # noqa: E402
 from tests.stats import exact_pair_distribution  # noqa: E402

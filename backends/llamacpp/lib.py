@@ -320,8 +320,8 @@ class EndTokens:
 def logits_row(ctx: Any, row: int, n_vocab: int) -> np.ndarray:
     """Batch row `row`'s logits, a view into llama.cpp's buffer until the next decode. Read once per
     generated token right after a decode has pushed the interpreter's objects out of the caches, so it
-    touches few of them: the row's address as an int, not a float pointer to cast (the greedy pick went
-    from 49 to 30 us a token, SmolLM2-135M on one thread)."""
+    touches few of them: the row's address as an int, not a float pointer to cast (benchmarks/README.md,
+    "Measurements once kept in code comments")."""
     return float_array(_logits_at(ctx, row), (n_vocab,), f"llama.cpp has no logits for batch row {row}")
 
 
@@ -405,9 +405,8 @@ class ArgmaxSampler:
     def __init__(self, n_vocab: int) -> None:
         self.n_vocab = n_vocab
         # views by the row's address: llama.cpp keeps its logits buffer from decode to decode, and a view
-        # made once skips the ctypes and numpy calls that made the pick cost 30-48 us a token on cold
-        # caches instead of 14-19 (SmolLM2-135M, one thread); any address llama.cpp hands back holds a
-        # whole row of the buffer it has now
+        # made once skips the ctypes and numpy calls of making one per token (their cost is in
+        # benchmarks/README.md); any address llama.cpp hands back holds a whole row of its buffer
         self._views: dict[int, np.ndarray] = {}
 
     def pick(self, ctx: Any, row: int) -> int:

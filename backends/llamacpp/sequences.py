@@ -27,10 +27,10 @@ EXACT_ROWS = 48
 MAX_VERIFY = EXACT_ROWS  # draft tokens + 1 per sequence and step
 # A CPU step's prompt work, in rows times the cells each row attends to. The row-at-a-time attention kernel
 # makes a prompt row cost about its sequence's length, so at long contexts attention, not the pass over the
-# weights, is most of a step, and batching prompts saves little: seven agent turns of 21 rows over 1,200
-# cells each take within a tenth as long in one step as one after the other. In one step they all get their first
-# token at its end; in steps of this much work, in arrival order, the first get theirs steps earlier. Short
-# prompts still share a step (30 rows over 30 cells is 900). The first prompt of a step always goes in.
+# weights, is most of a step, and batching long prompts saves little (benchmarks/README.md). In one step
+# they all get their first token at its end; in steps of this much work, in arrival order, the first get
+# theirs steps earlier. Short prompts still share a step (30 rows over 30 cells is 900). The first prompt of
+# a step always goes in.
 PROMPT_WORK = EXACT_ROWS * 1024
 
 

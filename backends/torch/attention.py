@@ -164,25 +164,6 @@ class PagedAttention:
         return out.to(dtype).transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
 
 
-class StoredKVCausal:
-    """One whole sequence without a cache (as `model.DenseCausal`), in `PagedAttention`'s CPU
-    arithmetic: keys and values rounded as the cache stores them, scores and sums in float64, so a
-    sequence scored at once gets the logits its paged prefill and decodes got (the quantized path's
-    bf16 kernel outputs would amplify the f16 rounding of the cache into other logprobs)."""
-
-    def __init__(self, cache: KVCache, n_tokens: int, device: torch.device | str = "cpu") -> None:
-        self.cache = cache
-        self.positions = torch.arange(n_tokens, device=device)
-
-    def attend(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, k, v = (
-            t.double().transpose(0, 1).unsqueeze(0) for t in (q, self.cache.stored(k), self.cache.stored(v))
-        )
-        mask = causal_mask(self.positions, layer.window)[None, None]
-        out = attention(q, k, v, mask, layer.softcap)  # [1, H, N, D]
-        return out.squeeze(0).transpose(0, 1).to(self.cache.compute_dtype)
-
-
 def fused_decode(
     cache: KVCache, layer: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
 ) -> torch.Tensor:

@@ -60,9 +60,9 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
     ) -> None:
         """`device` (None: CUDA when there is one and `opts.num_gpu` is not 0, else the CPU).
         `numerics` (None: the load option `opts.numerics`): "auto" is "quantized" on the CPU and
-        "dequantized" on CUDA; "quantized" keeps the weights quantized on the CPU (`quantized.py`:
-        about 1.3x the file instead of 5.6x, top-1 98.2% against exact on SmolLM2 Q4_1; float
-        tensors stay dense; on CUDA it is "dequantized"); "dequantized" is plain fp32 on the
+        "dequantized" on CUDA; "quantized" keeps the weights quantized on the CPU (`quantized.py`: a
+        fraction of the dense weights' memory, measured in benchmarks/README.md; float tensors stay
+        dense; on CUDA it is "dequantized"); "dequantized" is plain fp32 on the
         dequantized weights on the CPU (the file's exact function; bf16 on CUDA); "exact" is fp32
         everywhere; "llama.cpp" (CPU comparisons only) is fp32 rounded as llama.cpp's CPU kernels
         round activations and attention (`ggml_numerics.py`). `self.numerics` is what was applied:

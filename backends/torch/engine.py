@@ -31,6 +31,8 @@ from localrt.backends.engine_thread import EngineThread
 from localrt.backends.grammar import Grammar
 from localrt.backends.grammar import GrammarDeadEnd
 from localrt.backends.lookup import NgramProposer
+from localrt.backends.speculation import SpecState
+from localrt.backends.speculation import verify
 from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
 
@@ -56,8 +58,6 @@ from .sliding import window_pool_blocks
 from .speculative import DraftModelProposer
 from .speculative import DraftTokens
 from .speculative import SelfProposer
-from .speculative import SpecState
-from .speculative import verify
 
 
 @dataclass

@@ -22,6 +22,7 @@ from localrt.backends.base import CancelToken
 from localrt.backends.engine import EngineRequest
 from localrt.backends.engine import Pooled
 from localrt.backends.engine_thread import RequestQueues
+from localrt.backends.speculation import SpecState
 
 from .kv_cache import BlockPool
 from .kv_cache import KVCache
@@ -31,7 +32,6 @@ from .prefix_cache import PrefixCache
 from .prefix_cache import PrefixMatch
 from .sampling import RequestSampler
 from .sliding import WindowBlocks
-from .speculative import SpecState
 
 
 @dataclass(eq=False)
