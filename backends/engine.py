@@ -127,6 +127,53 @@ class EngineOutput:
     result: Any = None
 
 
+class OfRequest:
+    """An engine's record of a request (a sequence, a row), through which the request's own settings
+    and the engine's account of it are read: its id, prompt, cancel token, speculation, error."""
+
+    request: EngineRequest
+
+    @property
+    def id(self) -> int:
+        return self.request.id
+
+    @property
+    def req(self) -> GenerateRequest:
+        return self.request.req
+
+    @property
+    def prompt(self) -> list[Any]:
+        return self.request.prompt
+
+    @property
+    def cancel(self) -> CancelToken:
+        return self.request.cancel
+
+    @property
+    def top_logprobs(self) -> int:
+        return self.request.top_logprobs
+
+    @property
+    def prompt_only(self) -> bool:
+        return self.request.prompt_only
+
+    @property
+    def spec(self) -> SpecState | None:
+        return self.request.spec
+
+    @spec.setter
+    def spec(self, spec: SpecState | None) -> None:
+        self.request.spec = spec
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.request.error
+
+    @error.setter
+    def error(self, error: BaseException | None) -> None:
+        self.request.error = error
+
+
 class StepOutputs:
     """A step's outputs, one per request, made on first use (`of`)."""
 

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
-from localrt.backends.base import GenerateRequest
 from localrt.backends.engine import EngineRequest
+from localrt.backends.engine import OfRequest
 from localrt.backends.engine import Pooled
-from localrt.backends.speculation import SpecState
 
 # Rows of one sequence in a step (prompt chunk, or last token + drafts). Under 64 query rows of a KV stream
 # in a micro-batch the CPU flash-attention kernel computes every row on its own (a sequence's logits do
@@ -55,7 +54,7 @@ PromptItem = int | ExternalChunk
 
 
 @dataclass(eq=False)  # a sequence is itself: `seq in scheduler.running` must not compare field by field
-class Sequence:
+class Sequence(OfRequest):
     """A request as the llama.cpp engine runs it: its seq id, the prompt items still to evaluate, its
     sampler and draft tokens; a prompt-only request's pooled vector or scores so far."""
 
@@ -76,18 +75,6 @@ class Sequence:
     turn: int = 0  # the step it last ran in (or was admitted at): the set of the longest-waiting one runs
     pooled: Pooled | None = None  # an embed request's pooled vector so far
     scored: int = 0  # a score request's prompt positions whose logits were read
-
-    @property
-    def req(self) -> GenerateRequest:
-        return self.request.req
-
-    @property
-    def prompt(self) -> list[PromptItem]:
-        return self.request.prompt
-
-    @property
-    def spec(self) -> SpecState | None:
-        return self.request.spec
 
 
 def cells_of(prompt: Items[PromptItem]) -> list[Hashable]:

@@ -40,6 +40,7 @@ from localrt.backends.base import CancelToken
 from localrt.backends.base import GenerateRequest
 from localrt.backends.engine import EngineOutput
 from localrt.backends.engine import EngineRequest
+from localrt.backends.engine import OfRequest
 from localrt.backends.engine import Pooled
 from localrt.backends.engine import StepOutputs
 from localrt.backends.engine import take_each
@@ -66,7 +67,7 @@ from .speculative import SelfOnRow
 
 
 @dataclass(eq=False)  # a row is itself: the engine finds and removes rows in its lists by identity
-class Row:
+class Row(OfRequest):
     """One request in the engine: its sampler (none for a prompt-only request), limits, proposer and
     where its caches stand."""
 
@@ -86,30 +87,6 @@ class Row:
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
-
-    @property
-    def id(self) -> int:
-        return self.request.id
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.request.prompt
-
-    @property
-    def cancel(self) -> CancelToken:
-        return self.request.cancel
-
-    @property
-    def top_logprobs(self) -> int:
-        return self.request.top_logprobs
-
-    @property
-    def spec(self) -> SpecState | None:
-        return self.request.spec
-
-    @spec.setter
-    def spec(self, spec: SpecState | None) -> None:
-        self.request.spec = spec
 
     @property
     def cached_count(self) -> int:

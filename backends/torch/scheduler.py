@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Protocol
 
-from localrt.backends.base import CancelToken
 from localrt.backends.engine import EngineRequest
+from localrt.backends.engine import OfRequest
 from localrt.backends.engine import Pooled
 from localrt.backends.engine_thread import RequestQueues
-from localrt.backends.speculation import SpecState
 
 from .kv_cache import BlockPool
 from .kv_cache import KVCache
@@ -35,7 +34,7 @@ from .sliding import WindowBlocks
 
 
 @dataclass(eq=False)
-class Sequence:
+class Sequence(OfRequest):
     """A request in the engine: its tokens and where its KV stands in the block pool."""
 
     request: EngineRequest
@@ -54,30 +53,6 @@ class Sequence:
     @property
     def seq_id(self) -> int:
         return self.request.id
-
-    @property
-    def cancel(self) -> CancelToken:
-        return self.request.cancel
-
-    @property
-    def spec(self) -> SpecState | None:
-        return self.request.spec
-
-    @property
-    def error(self) -> BaseException | None:
-        return self.request.error
-
-    @error.setter
-    def error(self, error: BaseException | None) -> None:
-        self.request.error = error
-
-    @property
-    def top_logprobs(self) -> int:
-        return self.request.top_logprobs
-
-    @property
-    def prompt_only(self) -> bool:
-        return self.request.prompt_only
 
     @property
     def num_generated(self) -> int:
