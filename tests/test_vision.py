@@ -66,7 +66,11 @@ def first_logits(model: Any, tokens: list[int], images: list[Any]) -> np.ndarray
     them (prefix reuse included)."""
 
     async def first() -> np.ndarray:
-        request = GenerateRequest(tokens, SamplingParams(temperature=0), num_predict=1, images=images)
+        # sampled, not greedy: this tiny random model's likeliest first token is its end token, which ends
+        # the answer without a token; a seeded draw takes another, and its logprobs hold the top 20
+        request = GenerateRequest(
+            tokens, SamplingParams(temperature=1.0, seed=7), num_predict=1, images=images
+        )
         request.logprobs, request.top_logprobs = True, 20
         async for event in model.generate(request):
             if isinstance(event, TextEvent) and event.logprobs:
