@@ -66,7 +66,7 @@ async def chat(client: httpx.AsyncClient, url: str, tokens: int, started: asynci
         "options": {"temperature": 0, "num_predict": tokens, "seed": 1},
     }
     times: list[float] = []
-    async with client.stream("POST", f"{url}/api/chat", json=body, timeout=900) as r:
+    async with client.stream("POST", f"{url}/api/chat", json=body, timeout=3600) as r:
         async for line in r.aiter_lines():
             if not line:
                 continue
@@ -80,7 +80,7 @@ async def chat(client: httpx.AsyncClient, url: str, tokens: int, started: asynci
 async def embed(client: httpx.AsyncClient, url: str, texts: list[str]) -> tuple[float, float, float]:
     """(start, end, seconds) of one embed request of `texts`."""
     start = time.perf_counter()
-    r = await client.post(f"{url}/api/embed", json={"model": MODEL, "input": texts}, timeout=900)
+    r = await client.post(f"{url}/api/embed", json={"model": MODEL, "input": texts}, timeout=3600)
     r.raise_for_status()
     assert len(r.json()["embeddings"]) == len(texts)
     end = time.perf_counter()

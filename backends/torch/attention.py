@@ -68,6 +68,9 @@ class PagedAttention:
     device: torch.device | str
     # decode rows through the Triton kernel (None: on CUDA when Triton is installed)
     fused: bool | None = None
+    # numerics "llama.cpp": Q and the softmax weights rounded to fp16, as llama.cpp's CPU attention
+    # without flash attention rounds them (`ggml_numerics.py`)
+    fp16_rounding: bool = False
 
     def __post_init__(self) -> None:
         if self.fused is None:
@@ -158,7 +161,8 @@ class PagedAttention:
         if cpu:
             q = q.double()
         q = q.view(b, group.q_len, n_head, head_dim).transpose(1, 2)  # [B, H, q_len, D]
-        out = attention(
+        attend = fp16_rounded_attention if self.fp16_rounding else attention
+        out = attend(
             q, keys.transpose(1, 2), values.transpose(1, 2), group.mask, layer.softcap
         )  # [B, H, q_len, D]
         return out.to(dtype).transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
@@ -206,6 +210,20 @@ def attention(
     scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, -1) @ v
+
+
+def fp16_rounded_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, softcap: float = 0.0
+) -> torch.Tensor:
+    """`attention` with Q and the softmax weights rounded to fp16 (llama.cpp's F16 K.Q matmul and its
+    rounding of the weights before they multiply V); full attention only, as `ggml_numerics` emulates."""
+    if softcap > 0:
+        raise ValueError("llama.cpp numerics emulate attention without a soft-cap only")
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, H, L, D]
+    scores = (q.half().to(q.dtype) @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [B, H, Q, L]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+    return probs.half().to(q.dtype) @ v
 
 
 def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

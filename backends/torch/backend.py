@@ -113,7 +113,7 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         if numerics == "llama.cpp":
             from . import ggml_numerics
 
-            ggml_numerics.emulate(self.model, tensors)
+            ggml_numerics.emulate(self.model, tensors)  # the attention's rounding: `self.engine.runner`
         tensors.close()
         draft = None
         if opts.draft_model is not None:
@@ -132,6 +132,7 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
             eos_token_ids=self.vocab.eog_ids(),
         )
         self.engine = Engine(self.model, config, self.device, draft_model=draft)
+        self.engine.runner.fp16_attention = numerics == "llama.cpp"
         self.capabilities = replace(self.capabilities, parallel_slots=config.max_seqs)
         self.memory_bytes = self.engine.weight_bytes() + self.engine.cache.nbytes
         self._active = set()

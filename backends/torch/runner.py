@@ -41,6 +41,7 @@ class ModelRunner:
     cache: KVCache
     device: torch.device
     graphs: DecodeGraphs | None  # decode-only steps replay captured graphs (None: every step eager)
+    fp16_attention: bool = False  # numerics "llama.cpp": attention rounded as llama.cpp's CPU kernels
 
     def forward(self, plan: Sequence[Scheduled]) -> StepBatch:
         """One batched forward over every scheduled chunk (its tokens, then its draft tokens); a
@@ -71,7 +72,7 @@ class ModelRunner:
         decodes_only = len(feed) == len(rows) == len(plan) and not pooled
         if graphs is not None and decodes_only and graphs.fits(len(plan)):
             return StepBatch(graphs.run(feed, chunks), spans)  # every item one decode token, row i for item i
-        ctx = PagedAttention(self.cache, chunks, self.device)
+        ctx = PagedAttention(self.cache, chunks, self.device, fp16_rounding=self.fp16_attention)
         host = torch.tensor([*feed, *rows, *pooled], dtype=torch.long)  # one upload: ids and rows
         ids = upload(host, self.device)
         tokens, logits_rows = ids[: len(feed)], ids[len(feed) : len(feed) + len(rows)]
