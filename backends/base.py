@@ -28,6 +28,8 @@ from typing import Protocol
 from typing import TypeVar
 from typing import runtime_checkable
 
+from localrt import config
+
 if TYPE_CHECKING:  # numpy comes with the backends' extras, not with the base install
     import numpy as np
 
@@ -50,9 +52,7 @@ SPECULATION_METHODS = frozenset({"draft", "lookup", "self"})
 class Capabilities:
     """What a backend can do; the runtime checks requests against it before submitting them."""
 
-    chat: bool = True
     embedding: bool = True
-    score: bool = True
     grammar: bool = True  # constrained output for `format: json` / JSON schema (every backend has it)
     speculative: frozenset[str] = frozenset()  # a subset of SPECULATION_METHODS
     kv_cache_types: tuple[str, ...] = ("f16",)
@@ -80,6 +80,9 @@ class LoadOptions:
     projector: Path | None = None  # a multimodal projector GGUF (mmproj) for images
     numerics: str = "auto"  # the torch engine's weights and arithmetic (NUMERICS)
     adapters: tuple[Path, ...] = ()  # LoRA adapter GGUFs applied over the weights at scale 1.0, in order
+    # llama.cpp: a prompt's rows per step up to num_batch, not the 48 that keep batching invisible
+    # (LOCALRT_FAST_PREFILL, read when the options are made)
+    fast_prefill: bool = field(default_factory=config.fast_prefill)
 
 
 @dataclass

@@ -160,17 +160,17 @@ def localrt_run(gguf: Path, prompt: list[int], n_new: int, threads: int, slots: 
     decode_ns: list[int] = []
     rows: list[int] = []
     step_ns: list[int] = []
-    orig_decode = engine.batch.decode
+    orig_decode = engine.runner.batch.decode
 
     # CPU time of the step thread (with one llama.cpp thread the decode runs on it too): robust to load
     def timed_decode(ctx):  # type: ignore[no-untyped-def]
         t = time.thread_time_ns()
-        rows.append(engine.batch.n)
+        rows.append(engine.runner.batch.n)
         ret = orig_decode(ctx)
         decode_ns.append(time.thread_time_ns() - t)
         return ret
 
-    engine.batch.decode = timed_decode  # type: ignore[method-assign]
+    engine.runner.batch.decode = timed_decode  # type: ignore[method-assign]
     engine.step = cpu_timed(engine.step, step_ns)  # type: ignore[method-assign]
 
     async def go() -> tuple[float, float, list[int], int]:
@@ -253,13 +253,15 @@ def batch_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, clie
     step_ns: list[int] = []
     decode_ns: list[int] = []
     rows: list[int] = []
-    orig_decode = engine.batch.decode
+    orig_decode = engine.runner.batch.decode
 
     def timed_decode(ctx):  # type: ignore[no-untyped-def]
         t = time.thread_time_ns()
-        rows.append(engine.batch.n)
+        rows.append(engine.runner.batch.n)
         ubatches.append(
-            count_ubatches([engine.batch._seq_rows[i][0] for i in range(engine.batch.n)], n_ubatch)
+            count_ubatches(
+                [engine.runner.batch._seq_rows[i][0] for i in range(engine.runner.batch.n)], n_ubatch
+            )
         )
         ret = orig_decode(ctx)
         decode_ns.append(time.thread_time_ns() - t)
@@ -268,7 +270,7 @@ def batch_run(gguf: Path, threads: int, slots: int, n_ctx: int, n_new: int, clie
     n_ubatch = model.ctx_params.n_ubatch
     ubatches: list[int] = []
     engine.step = cpu_timed(engine.step, step_ns)  # type: ignore[method-assign]
-    engine.batch.decode = timed_decode  # type: ignore[method-assign]
+    engine.runner.batch.decode = timed_decode  # type: ignore[method-assign]
 
     async def one(prompt: list[int]) -> list[int]:
         req = GenerateRequest(

@@ -171,7 +171,7 @@ def async_test(test: Callable[..., Awaitable[None]]) -> Callable[..., None]:
 @pytest.fixture
 def pooled_threads(monkeypatch: pytest.MonkeyPatch) -> list[threading.Thread]:
     """The threads that run a llama.cpp pooled context's graph (embeddings, rerank scores) in the test."""
-    from localrt.backends.rerank import PooledContext
+    from localrt.backends.llamacpp.pooled import PooledContext
 
     threads: list[threading.Thread] = []
     pool = PooledContext.pool

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -218,13 +219,81 @@ def test_embed(model: LoadedModel) -> None:
 
 
 def test_timings_are_filled(model: LoadedModel) -> None:
+    """Both durations are measured (not the 1 ns floor they are clamped to when nothing was measured) and
+    together they lie within the call's own time."""
     ids = prompt_ids(model, "Name a colour.")
+    start = time.perf_counter_ns()
     _, done = run(model, GenerateRequest(ids + [198], GREEDY, num_predict=3))  # a fresh suffix to evaluate
+    wall = time.perf_counter_ns() - start
     t = done.timings
     assert t.prompt_eval_count > 0
-    assert t.prompt_eval_ns > 0
     assert t.eval_count > 0
-    assert t.eval_ns > 0
+    assert t.prompt_eval_ns > 1
+    assert t.eval_ns > 1
+    assert t.prompt_eval_ns + t.eval_ns <= wall
+
+
+STORY = CHAT.format(q="Write a long story about a dragon who learns to bake bread in a small village.")
+PASSAGE = " ".join(
+    f"Passage sentence {i} tells of rivers, hills and the old roads between towns." for i in range(40)
+)
+
+
+def test_batching_is_invisible(model: LoadedModel) -> None:
+    """Requests sent together, greedy and seeded, give exactly the tokens each gives alone."""
+    questions = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?"]
+    samplings = [GREEDY, SamplingParams(temperature=0.9, top_k=40, seed=3), GREEDY]
+    requests = [
+        lambda q=q, s=s: GenerateRequest(prompt_ids(model, q), s, num_predict=16)
+        for q, s in zip(questions, samplings)
+    ]
+    alone = [ids_of(run(model, make())[0]) for make in requests]
+
+    async def together() -> list[list[int]]:
+        async def one(request: GenerateRequest) -> list[int]:
+            return [t async for e in model.generate(request) if isinstance(e, TextEvent) for t in e.token_ids]
+
+        return list(await asyncio.gather(*(one(make()) for make in requests)))
+
+    assert asyncio.run(together()) == alone
+
+
+def test_an_embedding_runs_beside_a_stream(model: LoadedModel) -> None:
+    """An embedding is a sequence in the steps, not a pause between them: while it is computed, a
+    stream running beside it keeps getting tokens, step after step, and they are the tokens it gets
+    alone."""
+    engine = model.engine  # type: ignore[attr-defined]
+    story = model.tokenize(STORY, add_special=True, parse_special=True)
+    alone = ids_of(run(model, GenerateRequest(story, GREEDY, num_predict=120))[0])
+    log: list[str] = []
+
+    async def scenario() -> tuple[list[int], int]:
+        streamed: list[int] = []
+
+        async def chat() -> None:
+            async for event in model.generate(GenerateRequest(story, GREEDY, num_predict=120)):
+                if isinstance(event, TextEvent) and event.token_ids:
+                    streamed.extend(event.token_ids)
+                    log.append("token")
+
+        task = asyncio.create_task(chat())
+        while not streamed:
+            await asyncio.sleep(0.001)
+        before = engine.steps
+        log.append("embed")
+        await model.embed([PASSAGE])
+        log.append("embedded")
+        steps = engine.steps - before
+        await task
+        return streamed, steps
+
+    streamed, steps = asyncio.run(scenario())
+    during = log[log.index("embed") : log.index("embedded")].count("token")
+    assert len(model.tokenize(PASSAGE)) > 400
+    assert steps >= 2  # the embedding was split across steps
+    assert during >= 2  # and the stream was served between its chunks
+    assert "token" in log[log.index("embedded") :]  # the stream outlived it: it was running throughout
+    assert streamed == alone
 
 
 def test_prefix_reuse_evaluates_only_new_tokens(model: LoadedModel) -> None:

@@ -14,7 +14,6 @@ from typing import Any
 import gguf
 import pytest
 
-from localrt.errors import LocalrtError
 from localrt.store import gguf as gguf_module
 from localrt.store.gguf import GGML_TYPES
 from localrt.store.gguf import GGUFError
@@ -358,10 +357,6 @@ def test_unreadable_paths(tmp_path: Path) -> None:
     (tmp_path / "empty.gguf").write_bytes(b"")
     with pytest.raises(GGUFError, match="only 0 bytes"):
         read_gguf(tmp_path / "empty.gguf")
-
-
-def test_gguf_error_is_a_localrt_error() -> None:
-    assert issubclass(GGUFError, LocalrtError)
 
 
 def test_type_table_matches_gguf_py() -> None:

@@ -20,7 +20,7 @@ from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.base import TextEvent  # noqa: E402
 from localrt.backends.llamacpp import LlamaCppBackend  # noqa: E402
 from localrt.backends.llamacpp import LlamaCppModel  # noqa: E402
-from localrt.backends.llamacpp import NgramProposer  # noqa: E402
+from localrt.backends.lookup import NgramProposer  # noqa: E402
 from localrt.errors import LocalrtError  # noqa: E402
 from localrt.errors import OptionError  # noqa: E402
 
@@ -159,30 +159,27 @@ def test_greedy_pick_is_the_greedy_chains_across_decodes(model: LlamaCppModel) -
 
     from localrt.backends.llamacpp.lib import ArgmaxSampler
     from localrt.backends.llamacpp.lib import Batch
+    from localrt.backends.llamacpp.lib import context_params
+    from localrt.backends.llamacpp.lib import create_context
     from localrt.backends.llamacpp.lib import sample
 
     tokens = model.tokenize(PARAGRAPH * 2, add_special=True, parse_special=False)
     assert len(tokens) > 41
-    engine = model.engine
-    assert engine is not None
-
-    def run(ctx: object, seq: int) -> list[tuple[int, int]]:
-        fast, chain, batch = ArgmaxSampler(model.n_vocab), _internals.LlamaSampler(), Batch(64)
-        chain.add_greedy()
-        picks, pos = [], 0
-        try:
-            for part in ([tokens[0]], tokens[1:41], [tokens[41]]):
-                batch.clear()
-                batch.add(part, pos, seq, True)
-                pos += len(part)
-                engine.decode_exclusive(batch)
-                picks += [(fast.pick(ctx, row), sample(chain, ctx, row)) for row in range(len(part))]
-        finally:
-            batch.close()
-            chain.close()
-        return picks
-
-    picks = engine.run_task(run)
+    ctx = create_context(model.model, context_params(LoadOptions(num_ctx=256), 256, 64, 1, THREADS))
+    fast, chain, batch = ArgmaxSampler(model.n_vocab), _internals.LlamaSampler(), Batch(64)
+    chain.add_greedy()
+    picks, pos = [], 0
+    try:
+        for part in ([tokens[0]], tokens[1:41], [tokens[41]]):
+            batch.clear()
+            batch.add(part, pos, 0, True)
+            pos += len(part)
+            assert batch.decode(ctx.ctx) == 0
+            picks += [(fast.pick(ctx.ctx, row), sample(chain, ctx.ctx, row)) for row in range(len(part))]
+    finally:
+        batch.close()
+        chain.close()
+        ctx.close()
     assert [ours for ours, _ in picks] == [theirs for _, theirs in picks]
 
 
@@ -216,7 +213,12 @@ def test_mirostat_and_penalties_run(model: LlamaCppModel) -> None:
 
 
 def test_cpu_build_reports_cpu(model: LlamaCppModel, smollm2_gguf: Path) -> None:
-    assert model.on_gpu is False or "gpu" in LlamaCppBackend.capabilities().devices
+    from localrt.backends.llamacpp import gpu_offload_supported
+
+    if gpu_offload_supported():
+        pytest.skip("llama.cpp was built with GPU offload")
+    assert model.on_gpu is False
+    assert LlamaCppBackend.capabilities().devices == ("cpu",)
     assert model.memory_bytes > smollm2_gguf.stat().st_size
 
 

@@ -24,9 +24,11 @@ from localrt.backends.base import TextEvent  # noqa: E402
 from localrt.backends.llamacpp import LlamaCppBackend  # noqa: E402
 from localrt.backends.llamacpp import LlamaCppModel  # noqa: E402
 from localrt.backends.llamacpp import backend as llamacpp_backend  # noqa: E402
+from localrt.backends.llamacpp.engine import Engine  # noqa: E402
 from localrt.backends.llamacpp.lib import Batch  # noqa: E402
+from localrt.backends.llamacpp.lib import context_params  # noqa: E402
+from localrt.backends.llamacpp.lib import create_context  # noqa: E402
 from localrt.backends.llamacpp.lib import logits_row  # noqa: E402
-from localrt.backends.llamacpp.step import BatchedContext  # noqa: E402
 from localrt.errors import LocalrtError  # noqa: E402
 
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
@@ -157,14 +159,13 @@ def test_a_cancelled_sequence_frees_its_cache_at_once(model: LlamaCppModel) -> N
     req = GenerateRequest(ask(model, "Tell me a long story about dragons."), GREEDY, num_predict=200)
     out = asyncio.run(run_one(model, req, cancel_after=3))
     assert len(out.ids) >= 3
-    assert all(job.seq < 0 or job is not engine.owner[job.seq] for job in engine.running)
-    seqs = [
-        s for s in range(engine.n_seq_max) if engine.cells[s][: len(req.prompt_tokens)] == req.prompt_tokens
-    ]
+    sched, kv = engine.scheduler, engine.kv
+    assert all(seq.seq < 0 or seq is not sched.owner[seq.seq] for seq in sched.running)
+    seqs = [s for s in range(sched.n_seq_max) if kv.cells[s][: len(req.prompt_tokens)] == req.prompt_tokens]
     assert seqs == []  # the cancelled sequence kept nothing
-    for s in range(engine.n_seq_max):
-        held = engine.lib.llama_memory_seq_pos_max(engine.mem, s) + 1
-        assert held == len(engine.cells[s])  # the record matches llama.cpp's memory
+    for s in range(sched.n_seq_max):
+        held = kv.lib.llama_memory_seq_pos_max(kv.mem, s) + 1
+        assert held == len(kv.cells[s])  # the record matches llama.cpp's memory
 
 
 def test_a_second_request_evaluates_only_its_own_suffix(model: LlamaCppModel) -> None:
@@ -196,8 +197,6 @@ def test_a_short_shared_prefix_is_copied_when_the_copy_is_cheaper(model: LlamaCp
     second = ask(model, "How many legs does a spider have?")
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert shared < 32
-    assert model.engine is not None
-    assert model.engine.copy_min == 1
     asyncio.run(run_one(model, GenerateRequest(first, GREEDY, num_predict=2)))
     b = asyncio.run(run_one(model, GenerateRequest(second, GREEDY, num_predict=2)))
     assert b.done is not None
@@ -282,7 +281,7 @@ def test_a_prompt_past_the_steps_prompt_work_waits_for_the_next_step(
         gate = threading.Event()
         engine.call(gate.wait)  # the step thread waits here until both requests are queued
         runs = [asyncio.create_task(run_one(m, GenerateRequest(p, GREEDY, num_predict=1))) for p in prompts]
-        while len(engine.jobs()) < 2:
+        while len(engine._inbox) + len(engine.scheduler.waiting) < 2:  # queued, or taken and not admitted
             await asyncio.sleep(0.01)
         before = engine.steps
         gate.set()
@@ -369,7 +368,7 @@ def test_an_evicted_conversation_comes_back_from_the_ram_cache(smollm2_gguf: Pat
             asyncio.run(run_one(m, GenerateRequest(other, GREEDY, num_predict=3)))
         follow = first + answer.ids + m.tokenize("<|im_end|>\n<|im_start|>user\nAnd Chile?", False, True)
         again = asyncio.run(run_one(m, GenerateRequest(follow, GREEDY, num_predict=6)))
-        saved_after = len(m.engine.saved) if m.engine is not None else -1
+        saved_after = len(m.engine.kv.saved) if m.engine is not None else -1
     finally:
         m.unload()
     fresh_model = LlamaCppBackend.load(smollm2_gguf, opts)
@@ -403,8 +402,8 @@ def test_the_ram_cache_keeps_the_newest_states_within_its_budget(smollm2_gguf: P
         answers = {}
         for topic in ("rivers", "mountains"):  # the second conversation evicts the first: saved in RAM
             answers[topic] = asyncio.run(run_one(m, GenerateRequest(first[topic], GREEDY, num_predict=4)))
-        one_state = max(len(s.data) for s in m.engine.saved)
-        m.engine.ram_cache_bytes = one_state + one_state // 4  # room for one state, not two
+        one_state = max(len(s.data) for s in m.engine.kv.saved)
+        m.engine.kv.ram_cache_bytes = one_state + one_state // 4  # room for one state, not two
         answers["forests"] = asyncio.run(run_one(m, GenerateRequest(first["forests"], GREEDY, num_predict=4)))
         # saving "mountains" went past the budget: the oldest saved state ("rivers") was dropped
 
@@ -426,25 +425,35 @@ def test_the_ram_cache_keeps_the_newest_states_within_its_budget(smollm2_gguf: P
 
 def test_drafts_of_a_step_are_evened_to_the_length_that_keeps_most_rows() -> None:
     """Unequal draft lengths cost llama.cpp a micro-batch each (equal rows per KV stream): one length per step."""
-    from localrt.backends.llamacpp.sequences import Job
-    from localrt.backends.llamacpp.step import _even_drafts
+    from localrt.backends.engine import EngineRequest
+    from localrt.backends.llamacpp.engine import _even_drafts
+    from localrt.backends.llamacpp.sequences import Sequence
 
-    jobs = [Job(GenerateRequest([1])) for _ in range(4)]
-    for job, drafts in zip(jobs, ([5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6], [7, 8], [])):
-        job.drafts = drafts
-    _even_drafts(jobs)
+    seqs = [Sequence(EngineRequest(GenerateRequest([1]))) for _ in range(4)]
+    for seq, drafts in zip(seqs, ([5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6], [7, 8], [])):
+        seq.drafts = drafts
+    _even_drafts(seqs)
     # length 5 keeps 2 x 5 rows, length 2 keeps 3 x 2: the short draft goes, the long one is cut
-    assert [len(j.drafts) for j in jobs] == [5, 5, 0, 0]
-    assert jobs[1].drafts == [1, 2, 3, 4, 5]
+    assert [len(s.drafts) for s in seqs] == [5, 5, 0, 0]
+    assert seqs[1].drafts == [1, 2, 3, 4, 5]
 
 
 def test_embeddings_are_computed_on_the_step_thread(
-    model: LlamaCppModel, pooled_threads: list[threading.Thread]
+    model: LlamaCppModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A graph run on any other thread leaves libgomp a second pool of workers, which slows every
-    later step (see `EngineThread.job`)."""
+    later step (see `EngineThread`): an embedding is rows of the step's own decodes."""
+    threads: list[str] = []
+    decode = Batch.decode
+
+    def recorded(batch: Batch, ctx: object) -> int:
+        threads.append(threading.current_thread().name)
+        return decode(batch, ctx)
+
+    monkeypatch.setattr(Batch, "decode", recorded)
     asyncio.run(model.embed(["The cat sat on the mat.", "Quantum chromodynamics"]))
-    assert {t.name for t in pooled_threads} == {BatchedContext.thread_name}
+    assert threads
+    assert set(threads) == {Engine.thread_name}
 
 
 def test_the_step_thread_ends_when_the_model_is_idle(model: LlamaCppModel) -> None:
@@ -460,11 +469,12 @@ def test_end_of_generation_is_llama_cpps_for_every_token(model: LlamaCppModel) -
     """The step loop remembers llama.cpp's end-of-generation answer per token (`ends_generation`)."""
     engine = model.engine
     assert engine is not None
-    lib, vocab = engine.lib, engine.model.vocab
-    ids = range(engine.n_vocab)
+    runner = engine.runner
+    lib, vocab = runner.lib, runner.model.vocab
+    ids = range(runner.n_vocab)
     truth = [bool(lib.llama_vocab_is_eog(vocab, t)) for t in ids]
-    first = [engine.ends_generation(t) for t in ids]  # asked of llama.cpp (most of them), then kept
-    again = [engine.ends_generation(t) for t in ids]
+    first = [runner.ends_generation(t) for t in ids]  # asked of llama.cpp (most of them), then kept
+    again = [runner.ends_generation(t) for t in ids]
     assert first == truth
     assert again == truth
 
@@ -472,24 +482,15 @@ def test_end_of_generation_is_llama_cpps_for_every_token(model: LlamaCppModel) -
 def test_a_batch_row_without_logits_is_an_error_not_a_read(model: LlamaCppModel) -> None:
     """`logits_row` reads llama.cpp's buffer at the address it returns; a row the batch did not ask
     logits for has none, and reading there would be a read of freed or foreign memory."""
-    engine = model.engine
-    assert engine is not None
     tokens = ask(model, QUESTIONS[0])[:3]
-
-    def decode(ctx: object, seq: int) -> tuple[tuple[int, ...], str]:
-        batch = Batch(len(tokens))
-        try:
-            batch.add(tokens, 0, seq, [False, False, True])
-            engine.decode_exclusive(batch)
-            shape = logits_row(ctx, 2, engine.n_vocab).shape
-            try:
-                logits_row(ctx, 0, engine.n_vocab)
-            except LocalrtError as e:
-                return shape, str(e)
-            return shape, ""
-        finally:
-            batch.close()
-
-    shape, error = engine.run_task(decode)
-    assert shape == (engine.n_vocab,)
-    assert "no logits for batch row 0" in error
+    ctx = create_context(model.model, context_params(LoadOptions(num_ctx=64), 256, 16, 1, THREADS))
+    batch = Batch(len(tokens))
+    try:
+        batch.add(tokens, 0, 0, [False, False, True])
+        assert batch.decode(ctx.ctx) == 0
+        assert logits_row(ctx.ctx, 2, model.n_vocab).shape == (model.n_vocab,)
+        with pytest.raises(LocalrtError, match="no logits for batch row 0"):
+            logits_row(ctx.ctx, 0, model.n_vocab)
+    finally:
+        batch.close()
+        ctx.close()

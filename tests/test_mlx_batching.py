@@ -21,8 +21,8 @@ from localrt.backends.base import GenerateRequest  # noqa: E402
 from localrt.backends.base import LoadOptions  # noqa: E402
 from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.base import TextEvent  # noqa: E402
-from localrt.backends.mlx.batch import BatchEngine  # noqa: E402
-from localrt.backends.mlx.batch import Row  # noqa: E402
+from localrt.backends.mlx.engine import Engine  # noqa: E402
+from localrt.backends.mlx.engine import Row  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.llama import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
@@ -47,8 +47,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Transformer:
     return Transformer(GGUFTensors(path), mx.float32)
 
 
-def engine_for(model: Transformer, budget: int = 1 << 30, rows: int = 8, num_batch: int = 16) -> BatchEngine:
-    return BatchEngine("f16", num_batch, model, max_rows=rows, prompt_cache=PromptCache(budget), eog={2})
+def engine_for(model: Transformer, budget: int = 1 << 30, rows: int = 8, num_batch: int = 16) -> Engine:
+    return Engine("f16", num_batch, model, max_rows=rows, prompt_cache=PromptCache(budget), eog={2})
 
 
 @dataclass
@@ -90,7 +90,7 @@ def mixed_specs() -> list[Spec]:
     return specs
 
 
-def row_for(engine: BatchEngine, spec: Spec) -> Row:
+def row_for(engine: Engine, spec: Spec) -> Row:
     row = engine.new_row(
         spec.prompt,
         RowSampler(spec.params, 512),
@@ -103,7 +103,7 @@ def row_for(engine: BatchEngine, spec: Spec) -> Row:
     return row
 
 
-def drive(engine: BatchEngine, specs: list[Spec]) -> list[tuple[list[int], list[float]]]:
+def drive(engine: Engine, specs: list[Spec]) -> list[tuple[list[int], list[float]]]:
     """Run rows together; each client hangs up once it has `cancel_after` tokens."""
     rows = [row_for(engine, s) for s in specs]
     got: dict[int, tuple[list[int], list[float]]] = {r.id: ([], []) for r in rows}
@@ -111,14 +111,14 @@ def drive(engine: BatchEngine, specs: list[Spec]) -> list[tuple[list[int], list[
         engine.add(row)
     while engine.has_work:
         for out in engine.step():
-            ids, lps = got[out.row.id]
-            spec = specs[rows.index(out.row)]
+            ids, lps = got[out.request.id]
+            spec = specs[[r.request for r in rows].index(out.request)]
             if spec.cancel_after is not None and len(ids) >= spec.cancel_after:
                 continue  # the client has gone: what the engine still sends is not read
             ids += out.tokens
             lps += [lp[0] for lp in out.logprobs if lp is not None]
             if spec.cancel_after is not None and len(ids) >= spec.cancel_after:
-                out.row.cancel.cancel()
+                out.request.cancel.cancel()
     return [got[r.id] for r in rows]
 
 
@@ -166,7 +166,7 @@ def test_a_finished_row_leaves_its_cache_to_the_prompt_cache(tiny: Transformer) 
 
 
 def test_the_prompt_cache_keeps_conversations_under_its_budget(tiny: Transformer) -> None:
-    def converse(engine: BatchEngine, prompt: list[int]) -> Row:
+    def converse(engine: Engine, prompt: list[int]) -> Row:
         row = row_for(engine, Spec(prompt, SamplingParams(temperature=0.0), 3))
         engine.run([row])
         return row

@@ -24,16 +24,16 @@ from localrt.backends.base import CancelToken  # noqa: E402
 from localrt.backends.base import LoadOptions  # noqa: E402
 from localrt.backends.base import SamplingParams  # noqa: E402
 from localrt.backends.mlx.architectures import load_model  # noqa: E402
-from localrt.backends.mlx.batch import BatchEngine  # noqa: E402
-from localrt.backends.mlx.batch import Row  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
-from localrt.backends.mlx.engine import DraftModelProposer  # noqa: E402
-from localrt.backends.mlx.engine import Runner  # noqa: E402
-from localrt.backends.mlx.engine import SelfOnRow  # noqa: E402
+from localrt.backends.mlx.engine import Engine  # noqa: E402
+from localrt.backends.mlx.engine import Row  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.llama import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
+from localrt.backends.mlx.runner import Runner  # noqa: E402
 from localrt.backends.mlx.sampling import RowSampler  # noqa: E402
+from localrt.backends.mlx.speculative import DraftModelProposer  # noqa: E402
+from localrt.backends.mlx.speculative import SelfOnRow  # noqa: E402
 from localrt.backends.speculation import SpecState  # noqa: E402
 from tests.fixtures_families import GEMMA3_WINDOW  # noqa: E402
 from tests.fixtures_families import family_gguf  # noqa: E402
@@ -238,13 +238,13 @@ def specs_for(vocab: int) -> list[Spec]:
     return out
 
 
-def engine_for(model: Transformer) -> BatchEngine:
+def engine_for(model: Transformer) -> Engine:
     """Prompt chunks of up to 40 tokens: the MoE's (token, slot) pairs take the sorted dispatch in long
     prefill steps and the unsorted one in decode steps, alone and together."""
-    return BatchEngine("f32", 40, model, max_rows=6, prompt_cache=PromptCache(1 << 30), eog=set())
+    return Engine("f32", 40, model, max_rows=6, prompt_cache=PromptCache(1 << 30), eog=set())
 
 
-def row_for(engine: BatchEngine, spec: Spec) -> Row:
+def row_for(engine: Engine, spec: Spec) -> Row:
     row = engine.new_row(
         spec.prompt, RowSampler(spec.params, 512), len(spec.prompt) + spec.new, cancel=CancelToken()
     )
@@ -253,7 +253,7 @@ def row_for(engine: BatchEngine, spec: Spec) -> Row:
     return row
 
 
-def drive(engine: BatchEngine, specs: list[Spec]) -> list[list[int]]:
+def drive(engine: Engine, specs: list[Spec]) -> list[list[int]]:
     rows = [row_for(engine, s) for s in specs]
     engine.run(rows)
     return [r.output for r in rows]
@@ -300,7 +300,7 @@ def decode(
     model: Transformer, prompt: list[int], n: int, mode: str = "off", proposer: Any = None
 ) -> tuple[list[int], SpecState | None]:
     """Greedy, one row on a fresh engine (no prompt cache): `proposer` makes the row's proposer."""
-    engine = BatchEngine("f32", 16, model, eog=set())
+    engine = Engine("f32", 16, model, eog=set())
     row = engine.new_row(prompt, RowSampler(SamplingParams(temperature=0.0), 1024), len(prompt) + n)
     if mode != "off":  # "lookup": the SpecState's own n-gram index proposes
         row.proposer = proposer(row) if proposer is not None else None

@@ -15,9 +15,9 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from localrt.backends.base import SamplingParams  # noqa: E402
-from localrt.backends.mlx.batch import BatchEngine  # noqa: E402
 from localrt.backends.mlx.cache import STEP  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
+from localrt.backends.mlx.engine import Engine  # noqa: E402
 from localrt.backends.mlx.gguf_load import EXACT  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.gguf_load import QuantizedWeight  # noqa: E402
@@ -192,12 +192,12 @@ def test_8bit_kv_cache_stays_close_and_is_smaller(tiny: Transformer) -> None:
     np.testing.assert_allclose(_feed(tiny, q8_caches, tokens[70:]), q8[70:], atol=1e-5)  # trim then refeed
 
 
-def _engine(model: Transformer, kv: str) -> BatchEngine:
+def _engine(model: Transformer, kv: str) -> Engine:
     """One row at a time, prompts in chunks of 16, finished conversations kept in the prompt cache."""
-    return BatchEngine(kv, 16, model, prompt_cache=PromptCache(1 << 30))
+    return Engine(kv, 16, model, prompt_cache=PromptCache(1 << 30))
 
 
-def _run(engine: BatchEngine, prompt: list[int], n: int) -> tuple[list[int], int]:
+def _run(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], int]:
     """A greedy request's output and how many prompt tokens it evaluated."""
     row = engine.new_row(prompt, RowSampler(SamplingParams(temperature=0.0), 1024), len(prompt) + n)
     engine.run([row])

@@ -13,15 +13,15 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from localrt.backends.base import SamplingParams  # noqa: E402
-from localrt.backends.mlx.batch import BatchEngine  # noqa: E402
 from localrt.backends.mlx.cache import make_caches  # noqa: E402
-from localrt.backends.mlx.engine import DraftModelProposer  # noqa: E402
-from localrt.backends.mlx.engine import Runner  # noqa: E402
-from localrt.backends.mlx.engine import SelfOnRow  # noqa: E402
+from localrt.backends.mlx.engine import Engine  # noqa: E402
 from localrt.backends.mlx.gguf_load import GGUFTensors  # noqa: E402
 from localrt.backends.mlx.llama import Transformer  # noqa: E402
 from localrt.backends.mlx.prompt_cache import PromptCache  # noqa: E402
+from localrt.backends.mlx.runner import Runner  # noqa: E402
 from localrt.backends.mlx.sampling import RowSampler  # noqa: E402
+from localrt.backends.mlx.speculative import DraftModelProposer  # noqa: E402
+from localrt.backends.mlx.speculative import SelfOnRow  # noqa: E402
 from localrt.backends.sampler import Sampler  # noqa: E402
 from localrt.backends.speculation import SpecState  # noqa: E402
 from localrt.backends.speculation import break_even_acceptance  # noqa: E402
@@ -36,18 +36,18 @@ def load(tmp: Path, name: str, **kwargs: object) -> Transformer:
     return Transformer(GGUFTensors(write_random_model(tmp / f"{name}.gguf", **kwargs)), mx.float32)  # type: ignore[arg-type]
 
 
-def engine_for(target: Transformer, num_batch: int) -> BatchEngine:
+def engine_for(target: Transformer, num_batch: int) -> Engine:
     """One row at a time; the prompt cache lets the next request reuse the prompt's caches."""
-    return BatchEngine("f32", num_batch, target, prompt_cache=PromptCache(1 << 22))
+    return Engine("f32", num_batch, target, prompt_cache=PromptCache(1 << 22))
 
 
-def draft_proposer(draft: Transformer, engine: BatchEngine) -> DraftModelProposer:
+def draft_proposer(draft: Transformer, engine: Engine) -> DraftModelProposer:
     """A draft model on its own caches, which catch up with each request by prefix reuse."""
     return DraftModelProposer(Runner(draft, engine.kv_cache_type, engine.num_batch), 0.5)
 
 
 def decode(
-    engine: BatchEngine,
+    engine: Engine,
     prompt: list[int],
     params: SamplingParams,
     n: int,

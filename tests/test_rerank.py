@@ -50,7 +50,7 @@ def pair_scores(path: Path) -> tuple[list[float], list[list[int]]]:
     m = LlamaCppBackend.load(path, LoadOptions(num_ctx=128))
     try:
         scores = [asyncio.run(m.rerank(QUERY, [d]))[0][0] for d in DOCS]
-        tokens = [m._reranker.pair_tokens(QUERY, d) for d in DOCS]
+        tokens = [m.rank_tokens(QUERY, d) for d in DOCS]
     finally:
         m.unload()
     return scores, tokens
@@ -61,14 +61,14 @@ def test_scores_are_computed_on_the_step_thread(
 ) -> None:
     """As embeddings: no graph of the model runs on a thread other than its step thread."""
     from localrt.backends.llamacpp import LlamaCppBackend
-    from localrt.backends.llamacpp.step import BatchedContext
+    from localrt.backends.llamacpp.engine import Engine
 
     m = LlamaCppBackend.load(reranker, LoadOptions(num_ctx=128))
     try:
         asyncio.run(m.rerank(QUERY, DOCS))
     finally:
         m.unload()
-    assert {t.name for t in pooled_threads} == {BatchedContext.thread_name}
+    assert {t.name for t in pooled_threads} == {Engine.thread_name}
 
 
 def test_scores_are_the_checkpoints_own(reranker: Path) -> None:

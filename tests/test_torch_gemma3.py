@@ -161,7 +161,7 @@ def test_prefix_hits_across_the_window(model: Gemma3) -> None:
         second = engine.new_sequence(prompt + [5, 6], GREEDY, max_new=12)
         engine.run([second])
     assert engine.prefix.hit_tokens - hits >= 64  # most of the prompt came from the cache
-    assert second.prefill_fed < 30
+    assert second.request.timings.prompt_eval_count < 30
     reference = dense_logits(model, second.tokens[:-1]).argmax(-1).tolist()
     assert second.tokens[92:] == reference[91:]
 
@@ -174,7 +174,7 @@ def test_prefix_hits_across_the_window(model: Gemma3) -> None:
         again = small.new_sequence(prompt, GREEDY, max_new=12)
         small.run([again])
     # the global layers still had the prompt; its window's sliding blocks were reused by `other`
-    assert again.prefill_fed == len(prompt)
+    assert again.request.timings.prompt_eval_count == len(prompt)
     reference = dense_logits(model, again.tokens[:-1]).argmax(-1).tolist()
     assert again.tokens[90:] == reference[89:]
     small.pool.check()
@@ -224,7 +224,7 @@ def test_greedy_output_identical_with_speculation(model: Gemma3, mode: str) -> N
         engine.window_pool.check()
         assert engine.window_pool.num_used == 0
         if speculative != "off":
-            assert sum(s.timings.draft_count for s in seqs) > 0
+            assert sum(s.spec.drafted for s in seqs) > 0
         return [s.tokens[s.prompt_len :] for s in seqs]
 
     assert runs(mode) == runs("off")
@@ -277,8 +277,8 @@ def test_sampled_speculation_keeps_the_target_distribution(mode: str) -> None:
     for s in seqs:
         t2, t3 = s.tokens[len(prompt) + 1 : len(prompt) + 3]
         counts[t2 * MC_VOCAB + t3] += 1
-    drafted = sum(s.timings.draft_count for s in seqs)
-    accepted = sum(s.timings.draft_accepted_count for s in seqs)
+    drafted = sum(s.spec.drafted for s in seqs)
+    accepted = sum(s.spec.accepted for s in seqs)
     assert drafted > trials // 2
     assert 0 < accepted < drafted
     assert_same_distribution(counts, target_pair_distribution(target, prompt, params))

@@ -9,6 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from localrt.backends.base import SamplingParams  # noqa: E402
+from localrt.backends.speculation import break_even_acceptance  # noqa: E402
+from localrt.backends.speculation import expected_tokens  # noqa: E402
+from localrt.backends.speculation import verify  # noqa: E402
 from localrt.backends.torch.engine import Engine  # noqa: E402
 from localrt.backends.torch.engine import EngineConfig  # noqa: E402
 from localrt.backends.torch.llama import DenseCausal  # noqa: E402
@@ -16,9 +19,6 @@ from localrt.backends.torch.llama import LlamaConfig  # noqa: E402
 from localrt.backends.torch.llama import Transformer  # noqa: E402
 from localrt.backends.torch.llama import random_transformer  # noqa: E402
 from localrt.backends.torch.sampling import RequestSampler  # noqa: E402
-from localrt.backends.torch.speculative import break_even_acceptance  # noqa: E402
-from localrt.backends.torch.speculative import expected_tokens  # noqa: E402
-from localrt.backends.torch.speculative import verify  # noqa: E402
 from tests.stats import assert_same_distribution  # noqa: E402
 from tests.stats import de_bruijn_prompt  # noqa: E402
 from tests.stats import exact_pair_distribution  # noqa: E402
@@ -122,8 +122,8 @@ def test_speculative_sampling_keeps_the_target_distribution(mode: str) -> None:
     for s in seqs:
         t2, t3 = s.tokens[len(prompt) + 1 : len(prompt) + 3]
         counts[t2 * MC_VOCAB + t3] += 1
-    drafted = sum(s.timings.draft_count for s in seqs)
-    accepted = sum(s.timings.draft_accepted_count for s in seqs)
+    drafted = sum(s.spec.drafted for s in seqs)
+    accepted = sum(s.spec.accepted for s in seqs)
     assert drafted > trials // 2
     assert 0 < accepted < drafted
     assert_same_distribution(counts, target_pair_distribution(target, prompt, params))
@@ -139,7 +139,7 @@ def greedy_runs(
     engine.pool.check()
     assert engine.pool.num_free == engine.pool.num_blocks
     if mode != "off":
-        assert sum(s.timings.draft_count for s in seqs) > 0
+        assert sum(s.spec.drafted for s in seqs) > 0
     return [s.tokens[s.prompt_len :] for s in seqs]
 
 
@@ -178,5 +178,5 @@ def test_speculation_switches_off_below_break_even() -> None:
         engine.run([seq])
     assert seq.spec is not None
     assert not seq.spec.enabled
-    assert seq.timings.draft_count < 60  # it stopped guessing early, not after 150 tokens
+    assert seq.spec.drafted < 60  # it stopped guessing early, not after 150 tokens
     assert seq.spec.acceptance < break_even_acceptance(4, seq.spec.cost_per_draft)

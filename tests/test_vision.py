@@ -23,6 +23,8 @@ import pytest
 from localrt.backends.base import IMAGE_TOKEN
 from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
+from localrt.backends.base import SamplingParams
+from localrt.backends.base import TextEvent
 from localrt.errors import LocalrtError
 from localrt.runtime.front import Runtime
 from localrt.runtime.images import decode_image
@@ -60,8 +62,23 @@ def b64(data: bytes) -> str:
 
 # ---- the backend: an image changes the logits ---------------------------------------------------
 def first_logits(model: Any, tokens: list[int], images: list[Any]) -> np.ndarray:
-    """The logits after the prompt, evaluated the way generate evaluates it (prefix reuse included)."""
-    return model.prompt_logits(GenerateRequest(prompt_tokens=tokens, images=images))
+    """The logprobs of the 20 likeliest first tokens after the prompt, by token id, as generate gives
+    them (prefix reuse included)."""
+
+    async def first() -> np.ndarray:
+        # sampled, not greedy: this tiny random model's likeliest first token is its end token, which ends
+        # the answer without a token; a seeded draw takes another, and its logprobs hold the top 20
+        request = GenerateRequest(
+            tokens, SamplingParams(temperature=1.0, seed=7), num_predict=1, images=images
+        )
+        request.logprobs, request.top_logprobs = True, 20
+        async for event in model.generate(request):
+            if isinstance(event, TextEvent) and event.logprobs:
+                top = event.logprobs[0].top
+                return np.array([v for _, v in sorted((t.token_id, t.logprob) for t in top)])
+        raise AssertionError("no first token")
+
+    return asyncio.run(first())
 
 
 def test_an_image_changes_the_logits(vlm: tuple[Path, Path]) -> None:

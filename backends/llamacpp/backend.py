@@ -1,60 +1,42 @@
-"""The llama.cpp backend adapter: the protocol of backends/base.py over one batched context (step.py).
+"""The llama.cpp backend adapter: the protocol of backends/base.py over the engine (engine.py).
 
-Generation requests become jobs of the step loop; scoring runs as exclusive work between its steps;
-embeddings have a small context of their own. Tokenizing reads only the weights' vocabulary.
+Generation, scores and embeddings are requests of the engine, batched together (`engine.EngineModel`);
+reranking too, on a pooled context of the engine. Tokenizing reads only the weights' vocabulary.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import sys
-import threading
-import time
-from collections.abc import AsyncIterator
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from localrt import config
 from localrt.backends.base import IMAGE_TOKEN
 from localrt.backends.base import Capabilities
 from localrt.backends.base import EngineBackend
-from localrt.backends.base import Event
 from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
 from localrt.backends.base import ModelLifetime
-from localrt.backends.base import ScoreResult
-from localrt.backends.base import Timings
-from localrt.backends.base import close_each
 from localrt.backends.base import loaded_context
 from localrt.backends.checks import check_draft_vocabulary
 from localrt.backends.checks import check_loaded
 from localrt.backends.checks import check_prompt
 from localrt.backends.checks import check_prompt_fits
-from localrt.backends.checks import check_scored
 from localrt.backends.checks import check_speculative
-from localrt.backends.engine_thread import EngineStreams
-from localrt.backends.engine_thread import OutputStream
-from localrt.backends.mtmd import MediaPrompt  # images through libmtmd
-from localrt.backends.mtmd import Projector  # images through libmtmd
-from localrt.backends.outputs import embedding_tokens
-from localrt.backends.outputs import empty_score
-from localrt.backends.outputs import fill_score
-from localrt.backends.outputs import float_array
-from localrt.backends.outputs import unit_vector
-from localrt.backends.rerank import PooledContext
-from localrt.backends.rerank import Reranker  # rank pooling
-from localrt.backends.rerank import is_reranker  # rank pooling
+from localrt.backends.engine import EngineModel
+from localrt.backends.engine import EngineRequest
+from localrt.backends.engine import EngineStreams
+from localrt.backends.speculation import speculative_method
 from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
 
-from .admission import copy_threshold
+from .draft import DraftContext
+from .engine import Engine
+from .kv import RAM_CACHE_BYTES
+from .kv import KVRecord
 from .lib import KV_TYPES
-from .lib import Batch
 from .lib import LoraAdapters
 from .lib import SharedWeights
 from .lib import _lib
@@ -67,20 +49,30 @@ from .lib import load_model
 from .memory import estimate
 from .memory import kv_bytes_per_token
 from .memory import parallel_for
+from .mtmd import MediaPrompt
+from .mtmd import Projector
+from .pooled import POOLING_RANK
+from .pooled import PooledContexts
+from .pooled import is_reranker
+from .pooled import rank_tokens
+from .runner import Runner
+from .scheduler import Scheduler
+from .scheduler import copy_threshold
 from .sequences import EXACT_ROWS
 from .sequences import PROMPT_WORK
-from .sequences import DraftContext
 from .sequences import ExternalChunk
-from .sequences import Job
 from .sequences import PromptItem
-from .step import BatchedContext
 from .vocab import Vocab
 from .vocab import VocabMethods
+
+# a model's declared pooling (`{arch}.pooling_type`) -> how the engine pools an embedding's hidden rows;
+# none declared (a chat model): the mean, as Ollama does; NONE: the last row, as llama.cpp gives then
+IN_BATCH_POOLING = {None: "mean", 0: "last", 1: "mean", 2: "cls", 3: "last"}
 
 NAME = "llama.cpp"
 
 
-class LlamaCppModel(VocabMethods, ModelLifetime):
+class LlamaCppModel(VocabMethods, EngineModel, ModelLifetime):
     backend_name = NAME
 
     def __init__(self, path: Path, opts: LoadOptions) -> None:
@@ -91,14 +83,12 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         self.weights = SharedWeights.acquire(path, opts, self)
         self.model, self.on_gpu = self.weights.model, self.weights.on_gpu
         self.adapters: LoraAdapters | None = None
-        self.engine: BatchedContext | None = None
+        self.engine: Engine | None = None  # type: ignore[assignment]
         self._draft_model: Any = None
-        self._embed: PooledContext | None = None
-        self._embed_lock = threading.Lock()
         self._projector: Projector | None = None
-        self._reranker: Reranker | None = None
         self._closed = False
         self._active = set()
+        self._streams = EngineStreams()
         self._own_bytes = 0  # what this model holds beside the weights (KV cache, adapters, draft, projector)
         self._load_or_free(lambda: self._setup(opts))
 
@@ -126,6 +116,10 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         step_tokens = max(self.n_parallel * 2, min(opts.num_batch, self.context_length))
         n_ctx = -(-self.context_length // 256) * 256 * n_seq_max  # llama.cpp pads each stream to 256
         params = context_params(opts, n_ctx, step_tokens, n_seq_max, self.threads)
+        if self._declared_pooling() is not None:
+            # hidden states per row when a step embeds (`llama_set_embeddings`): the engine pools them
+            # itself, chunk by chunk, where llama.cpp would pool only the rows of one micro-batch
+            params.pooling_type = self.lib.LLAMA_POOLING_TYPE_NONE
         self.ctx_params = params
         ctx = create_context(m, params)
         try:
@@ -133,22 +127,36 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         except LocalrtError:
             ctx.close()
             raise
-        draft = self._load_draft(Path(opts.draft_model), params) if opts.draft_model is not None else None
-        self.engine = BatchedContext(
-            m,
-            ctx,
+        adapters = self.adapters if self.adapters.handles else None
+        runner = Runner(m, ctx, step_tokens, adapters)
+        scheduler = Scheduler(
+            KVRecord(ctx, n_seq_max, RAM_CACHE_BYTES),
             n_parallel=self.n_parallel,
             n_seq_max=n_seq_max,
             n_ctx_seq=self.context_length,
             step_tokens=step_tokens,
+            # a sequence's prompt rows per step: EXACT_ROWS keeps batching invisible on the CPU's kernels
+            # (sequences.py); more (fast_prefill, or layers on a GPU, whose kernels that cap was not made
+            # for) lets a long prompt go through the faster kernels of large batches
+            prefill_rows=step_tokens if opts.fast_prefill or self.on_gpu else EXACT_ROWS,
+            # a GPU's kernels batch prompt rows for little more than one costs, where PROMPT_WORK was not
+            # estimated: every prompt that fits
+            prompt_work=None if self.on_gpu else PROMPT_WORK,
+            copy_min=copy_threshold(per_token * self.context_length, int(m.size())),
+        )
+        try:
+            draft = self._load_draft(Path(opts.draft_model), params) if opts.draft_model is not None else None
+        except BaseException:
+            runner.close()
+            raise
+        self.engine = Engine(
+            runner,
+            scheduler,
             draft=draft,
             verify_cost=verify_cost_per_draft(self.on_gpu),
-            copy_min=copy_threshold(per_token * self.context_length, int(m.size())),
-            adapters=self.adapters if self.adapters.handles else None,
-            prefill_rows=step_tokens if config.fast_prefill() or self.on_gpu else EXACT_ROWS,
-            prompt_work=None if self.on_gpu else PROMPT_WORK,
+            pooling=self._in_batch_pooling(ctx),
+            pooled=self._pooled_contexts(),
         )
-        self._streams = EngineStreams(lambda out: out.job.id)
         self.engine.start(self._streams.route)
         if opts.projector is not None:
             self._projector = Projector(
@@ -169,8 +177,33 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         self._own_bytes += sum(Path(p).stat().st_size for p in opts.adapters)
         if self._projector is not None:
             self._own_bytes += self._projector.size
-        if opts.embedding:
-            self._embed_context()
+
+    def _declared_pooling(self) -> int | None:
+        arch = self.metadata.get("general.architecture", "")
+        value = self.metadata.get(f"{arch}.pooling_type")
+        try:
+            return None if value is None else int(float(value))
+        except ValueError:
+            return None
+
+    def _in_batch_pooling(self, ctx: Any) -> str | None:
+        """How an embedding pools in the model's own batch; None where it cannot: an encoder (its attention
+        is not causal, or it keeps no KV memory, so it needs the whole input at once) or rank pooling."""
+        causal = bool(self.lib.llama_get_causal_attn(ctx.ctx)) and bool(self.lib.llama_get_memory(ctx.ctx))
+        declared = self._declared_pooling()
+        if not causal or declared not in IN_BATCH_POOLING:
+            return None
+        return IN_BATCH_POOLING[declared]
+
+    def _pooled_contexts(self) -> PooledContexts:
+        lib = self.lib
+        # the model's own pooling where it declares one (an encoder's), else the mean, as Ollama does
+        declared = self._declared_pooling() not in (None, POOLING_RANK)
+        pooling = lib.LLAMA_POOLING_TYPE_UNSPECIFIED if declared else lib.LLAMA_POOLING_TYPE_MEAN
+        threads = (self.ctx_params.n_threads, self.ctx_params.n_threads_batch)
+        # embeddings and scores come from the adapted weights, as generation does
+        apply = self.adapters.apply if self.adapters is not None and self.adapters.handles else None
+        return PooledContexts(lib, self.model, pooling, self.context_length, threads, apply)
 
     def _load_draft(self, path: Path, params: Any) -> DraftContext:
         """The draft model's weights and one context with the target's parameters, so the same seq ids and
@@ -188,40 +221,27 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         return DraftContext(model, create_context(model, params), params.n_seq_max, params.n_batch)
 
     # -- generation --
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def _prepare(self, request: GenerateRequest) -> EngineRequest:
         self._check_request(request)
+        method = speculative_method(
+            request.speculative,
+            has_draft_model=self._draft_model is not None,
+            constrained=request.format is not None,
+        )
+        if not request.images:
+            return EngineRequest(request, method=method)
         # an image's preprocessing is heavy: off the event loop (its encoding runs on the step thread)
-        media = await asyncio.to_thread(self._expand_images, request) if request.images else None
+        media = await asyncio.to_thread(self._expand_images, request)
+        if media is None:
+            return EngineRequest(request, method=method)
         try:
-            prompt = self._media_items(media) if media is not None else list(request.prompt_tokens)
-            job = Job(request, prompt=prompt, lora=self._lora(request))
-            async with self._streams.open(self, job.id, request.cancel, job.finished.is_set, None) as queue:
-                self._require_engine().submit(job, request.cancel)
-                stream = OutputStream(self, request, lambda generated: _end_timings(job, generated))
-                async for event in stream.read(queue, lambda: job.error):
-                    yield event
-        finally:
-            if media is not None:
-                media.close()  # after the job: its chunks are evaluated on the step thread
+            prompt = self._media_items(media)
+        except BaseException:
+            media.close()
+            raise
+        return EngineRequest(request, method=method, prompt=prompt, resources=[media])
 
-    def prompt_logits(self, req: GenerateRequest) -> np.ndarray:
-        """The logits after the prompt (images included), evaluated as generate evaluates it."""
-        self._check_request(req)
-        media = self._expand_images(req)  # None without images
-        try:
-            prompt = self._media_items(media) if media is not None else list(req.prompt_tokens)
-            job = Job(replace(req, num_predict=1), prompt=prompt, capture=True, lora=self._lora(req))
-            self._require_engine().submit(job)
-            job.finished.wait()
-        finally:
-            if media is not None:
-                media.close()
-        if job.error is not None:
-            raise job.error
-        assert job.logits is not None
-        return job.logits
-
-    # ---- images (backends/mtmd.py) and rerank (backends/rerank.py) ----
+    # ---- images (mtmd.py) and rerank (pooled.py) ----
     def _expand_images(self, req: GenerateRequest) -> MediaPrompt | None:
         if not req.images or self._projector is None:
             return None
@@ -263,36 +283,29 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             i += span.n_tokens
         return items
 
+    def rank_tokens(self, query: str, document: str) -> list[int]:
+        """A (query, document) pair's tokens as the reranker reads them."""
+        template = self.metadata.get("tokenizer.chat_template.rerank")
+        return rank_tokens(self.lib, self.model, template, query, document)
+
     async def rerank(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
         """Relevance scores of documents for query (in order) and the tokens evaluated."""
+        check_loaded(self._closed)
         if not self.capabilities.rerank:
             raise LocalrtError("this model is not a reranker (its GGUF has no rank pooling)")
-        documents = list(documents)
-        return await self._require_engine().job(lambda: self._rerank_now(query, documents))
-
-    def _rerank_now(self, query: str, documents: list[str]) -> tuple[list[float], int]:
-        with self._embed_lock:
-            check_loaded(self._closed)
-            if self._reranker is None:
-                reranker = Reranker(self.lib, self.model, self.metadata, self.context_length, self.threads)
-                self._with_adapters(reranker.pooled)
-                self._reranker = reranker
-            return self._reranker.scores(query, documents)
-
-    def cancel(self) -> None:
-        engine = self.engine
-        if engine is None:
-            return
-        for job in engine.jobs():
-            job.req.cancel.cancel()
-
-    def _require_engine(self) -> BatchedContext:
-        check_loaded(self._closed or self.engine is None)
-        assert self.engine is not None
-        return self.engine
+        pairs = [self.rank_tokens(query, document) for document in documents]
+        for i, tokens in enumerate(pairs):
+            if len(tokens) > self.context_length:
+                raise LocalrtError(
+                    f"the query and document {i} are {len(tokens)} tokens, more than the reranker's "
+                    f"context of {self.context_length}"
+                )
+        requests = [EngineRequest(GenerateRequest(tokens), "rank") for tokens in pairs]
+        scores = await asyncio.gather(*(self._answer(r) for r in requests))
+        return [float(s) for s in scores], sum(len(t) for t in pairs)
 
     def _check_request(self, req: GenerateRequest) -> None:
-        self._require_engine()
+        check_loaded(self._closed or self.engine is None)
         check_speculative(req.speculative, self.capabilities.speculative, self._draft_model is not None, NAME)
         if req.images and self._projector is None:
             raise LocalrtError("this model has no projector loaded, so it does not support images")
@@ -302,7 +315,7 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
         self._lora(req)
 
     def _lora(self, req: GenerateRequest) -> tuple[float, ...]:
-        """The request's LoRA scale set (the step loop batches only jobs of equal sets); () without
+        """The request's LoRA scale set (the engine batches only sequences of equal sets); () without
         adapters."""
         adapters = self.adapters
         if adapters is None or not adapters.handles:
@@ -311,112 +324,22 @@ class LlamaCppModel(VocabMethods, ModelLifetime):
             return ()
         return adapters.scales_for(req.lora)
 
-    # -- scoring --
-    async def score(self, tokens: Sequence[int], return_logits: bool = False) -> ScoreResult:
-        return await asyncio.to_thread(self._score_blocking, list(tokens), return_logits)
-
-    def _score_blocking(self, tokens: list[int], return_logits: bool) -> ScoreResult:
-        n = len(tokens)
-        check_scored(tokens, self.context_length, self.n_vocab)
-        result = empty_score(n, self.n_vocab, return_logits)
-        if n < 2:
-            return result
-        engine = self._require_engine()
-
-        def run(ctx: Any, seq: int) -> None:
-            batch = Batch(EXACT_ROWS)  # the rows a prompt's chunk has in generation: the same logits
-            try:
-                for start in range(0, n, batch.capacity):
-                    chunk = tokens[start : start + batch.capacity]
-                    batch.clear()
-                    batch.add(chunk, start, seq, True)
-                    engine.decode_exclusive(batch)
-                    self._take_scores(ctx, tokens, start, len(chunk), result)
-            finally:
-                batch.close()
-
-        engine.run_task(run)
-        return result
-
-    def _take_scores(self, ctx: Any, tokens: list[int], start: int, count: int, result: ScoreResult) -> None:
-        """The chunk's logits rows (tokens[start : start+count]) into the result; the last token scores nothing."""
-        block = float_array(
-            self.lib.llama_get_logits(ctx), (count, self.n_vocab), "llama.cpp returned no logits to score"
-        )
-        for s in range(0, count, 64):  # bounded temporaries
-            first = start + s
-            last = min(first + min(64, count - s), len(tokens) - 1)
-            if last <= first:
-                break
-            fill_score(result, tokens, first, block[s : s + last - first])
-
-    # -- embeddings --
-    def _embed_context(self) -> PooledContext:
-        if self._embed is None:
-            arch = self.metadata.get("general.architecture", "")
-            # chat models declare no pooling; mean pooling is what Ollama uses for them
-            declared = f"{arch}.pooling_type" in self.metadata
-            pooling = (
-                self.lib.LLAMA_POOLING_TYPE_UNSPECIFIED if declared else self.lib.LLAMA_POOLING_TYPE_MEAN
-            )
-            threads = (self.ctx_params.n_threads, self.ctx_params.n_threads_batch)
-            n_ctx = min(self.context_length, 8192)
-            pooled = PooledContext(self.lib, self.model, n_ctx, threads, pooling, "embedding")
-            self._with_adapters(pooled)
-            self._embed = pooled
-        return self._embed
-
-    def _with_adapters(self, pooled: PooledContext) -> None:
-        """The model's LoRA adapters on a pooled context too: embeddings and scores come from the
-        adapted weights, as generation does."""
-        if self.adapters is None:
-            return
-        try:
-            self.adapters.apply(pooled.ctx.ctx)
-        except LocalrtError:
-            pooled.close()
-            raise
-
-    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        texts = list(texts)
-        return await self._require_engine().job(lambda: self._embed_now(texts))
-
-    def _embed_now(self, texts: list[str]) -> list[list[float]]:
-        with self._embed_lock:
-            check_loaded(self._closed)
-            pooled = self._embed_context()
-            n_embd = self.model.n_embd()
-            vectors = []
-            for text in texts:
-                tokens = embedding_tokens(self.tokenize, text, pooled.n_ctx, self.eos_token_ids)
-                vectors.append(unit_vector(pooled.pool(tokens, n_embd)))
-            return vectors
-
     # -- lifetime --
     def _free(self) -> None:
         self._closed = True
         if self.engine is not None:
             self.engine.stop()  # running requests end with the step in flight
-            close_each(self.engine.batch, self.engine.ctx, self.engine.draft)
-        with self._embed_lock:
-            # the embedding, projector and rerank contexts sit on the weights, so they go first
-            close_each(self._embed, self._projector, self._reranker)
-            self._embed = self._projector = self._reranker = None
+            self.engine.close()  # its contexts sit on the weights, so they go first
+        if self._projector is not None:
+            self._projector.close()
+            self._projector = None
         # the adapters after every context that applies them, before the weights they sit on
-        close_each(self.adapters, self._draft_model)
+        if self.adapters is not None:
+            self.adapters.close()
+        if self._draft_model is not None:
+            self._draft_model.close()
         self.adapters = None
         self.weights.release(self)
-
-
-def _end_timings(job: Job, generated: int | None) -> Timings:
-    """A job's done-event timings: the step thread's when it ended the job; else the reader ends it at a
-    stop string after `generated` tokens, and the cancel that follows keeps its sequence cached."""
-    if generated is None:
-        return job.timings
-    job.stopped_by_text = True
-    timings = dataclasses.replace(job.timings, eval_count=generated)
-    timings.eval_ns = max(1, time.perf_counter_ns() - job.t_prompt)
-    return timings
 
 
 def capabilities() -> Capabilities:

@@ -22,7 +22,6 @@ from localrt.backends.devices import compute_devices
 from localrt.backends.devices import gpu_room
 from localrt.backends.grammar import Candidates
 from localrt.backends.grammar import grammar_sampler
-from localrt.backends.llama_params import flash_attn_type
 from localrt.backends.outputs import float_array
 from localrt.errors import LocalrtError
 from localrt.errors import OptionError
@@ -184,6 +183,16 @@ def context_params(opts: LoadOptions, n_ctx: int, step_tokens: int, n_seq_max: i
     return p
 
 
+def flash_attn_type(flash_attn: bool | None) -> int:
+    """LoadOptions.flash_attn as llama.cpp's `flash_attn_type` (text contexts and libmtmd's alike)."""
+    lib = _lib()
+    return {
+        None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+        True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    }[flash_attn]
+
+
 def create_context(model: Any, params: Any) -> Any:
     from llama_cpp import _internals
 
@@ -293,11 +302,26 @@ class Batch:
             self.raw = None
 
 
+class EndTokens:
+    """llama.cpp's end-of-generation test of a vocabulary (`vocab`: a llama_vocab pointer), asked once
+    per token and remembered: a dictionary lookup per generated token, not a call into C through ctypes."""
+
+    def __init__(self, vocab: Any) -> None:
+        self.lib, self.vocab = _lib(), vocab
+        self._ends: dict[int, bool] = {}
+
+    def __call__(self, token: int) -> bool:
+        end = self._ends.get(token)
+        if end is None:
+            end = self._ends[token] = bool(self.lib.llama_vocab_is_eog(self.vocab, token))
+        return end
+
+
 def logits_row(ctx: Any, row: int, n_vocab: int) -> np.ndarray:
     """Batch row `row`'s logits, a view into llama.cpp's buffer until the next decode. Read once per
     generated token right after a decode has pushed the interpreter's objects out of the caches, so it
-    touches few of them: the row's address as an int, not a float pointer to cast (the greedy pick went
-    from 49 to 30 us a token, SmolLM2-135M on one thread)."""
+    touches few of them: the row's address as an int, not a float pointer to cast (benchmarks/README.md,
+    "Measurements once kept in code comments")."""
     return float_array(_logits_at(ctx, row), (n_vocab,), f"llama.cpp has no logits for batch row {row}")
 
 
@@ -381,9 +405,8 @@ class ArgmaxSampler:
     def __init__(self, n_vocab: int) -> None:
         self.n_vocab = n_vocab
         # views by the row's address: llama.cpp keeps its logits buffer from decode to decode, and a view
-        # made once skips the ctypes and numpy calls that made the pick cost 30-48 us a token on cold
-        # caches instead of 14-19 (SmolLM2-135M, one thread); any address llama.cpp hands back holds a
-        # whole row of the buffer it has now
+        # made once skips the ctypes and numpy calls of making one per token (their cost is in
+        # benchmarks/README.md); any address llama.cpp hands back holds a whole row of its buffer
         self._views: dict[int, np.ndarray] = {}
 
     def pick(self, ctx: Any, row: int) -> int:

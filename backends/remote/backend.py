@@ -94,7 +94,7 @@ class RemoteBackend:
 
     @classmethod
     def capabilities(cls) -> Capabilities:
-        return Capabilities(chat=True, embedding=True, score=False, grammar=True, devices=("remote",))
+        return Capabilities(embedding=True, grammar=True, devices=("remote",))
 
     @classmethod
     def load(cls, path: Path | str, opts: LoadOptions) -> RemoteModel:
@@ -147,7 +147,7 @@ class RemoteModel:
         self.context_length = self._upstream_context() or opts.num_ctx
         slots = opts.num_parallel or SLOTS_PER_ENDPOINT * len(urls)
         self.capabilities = Capabilities(
-            chat=True, embedding=True, score=False, grammar=True, devices=("remote",), parallel_slots=slots
+            embedding=True, grammar=True, devices=("remote",), parallel_slots=slots
         )
         self._slots = slots
         self.pool.start()

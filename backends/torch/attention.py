@@ -68,6 +68,9 @@ class PagedAttention:
     device: torch.device | str
     # decode rows through the Triton kernel (None: on CUDA when Triton is installed)
     fused: bool | None = None
+    # numerics "llama.cpp": Q and the softmax weights rounded to fp16, as llama.cpp's CPU attention
+    # without flash attention rounds them (`ggml_numerics.py`)
+    fp16_rounding: bool = False
 
     def __post_init__(self) -> None:
         if self.fused is None:
@@ -158,29 +161,11 @@ class PagedAttention:
         if cpu:
             q = q.double()
         q = q.view(b, group.q_len, n_head, head_dim).transpose(1, 2)  # [B, H, q_len, D]
-        out = attention(
+        attend = fp16_rounded_attention if self.fp16_rounding else attention
+        out = attend(
             q, keys.transpose(1, 2), values.transpose(1, 2), group.mask, layer.softcap
         )  # [B, H, q_len, D]
         return out.to(dtype).transpose(1, 2).reshape(b * group.q_len, n_head, head_dim)
-
-
-class StoredKVCausal:
-    """One whole sequence without a cache (as `model.DenseCausal`), in `PagedAttention`'s CPU
-    arithmetic: keys and values rounded as the cache stores them, scores and sums in float64, so a
-    sequence scored at once gets the logits its paged prefill and decodes got (the quantized path's
-    bf16 kernel outputs would amplify the f16 rounding of the cache into other logprobs)."""
-
-    def __init__(self, cache: KVCache, n_tokens: int, device: torch.device | str = "cpu") -> None:
-        self.cache = cache
-        self.positions = torch.arange(n_tokens, device=device)
-
-    def attend(self, layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, k, v = (
-            t.double().transpose(0, 1).unsqueeze(0) for t in (q, self.cache.stored(k), self.cache.stored(v))
-        )
-        mask = causal_mask(self.positions, layer.window)[None, None]
-        out = attention(q, k, v, mask, layer.softcap)  # [1, H, N, D]
-        return out.squeeze(0).transpose(0, 1).to(self.cache.compute_dtype)
 
 
 def fused_decode(
@@ -225,6 +210,20 @@ def attention(
     scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, -1) @ v
+
+
+def fp16_rounded_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, softcap: float = 0.0
+) -> torch.Tensor:
+    """`attention` with Q and the softmax weights rounded to fp16 (llama.cpp's F16 K.Q matmul and its
+    rounding of the weights before they multiply V); full attention only, as `ggml_numerics` emulates."""
+    if softcap > 0:
+        raise ValueError("llama.cpp numerics emulate attention without a soft-cap only")
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, H, L, D]
+    scores = (q.half().to(q.dtype) @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [B, H, Q, L]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+    return probs.half().to(q.dtype) @ v
 
 
 def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

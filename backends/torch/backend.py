@@ -2,17 +2,16 @@
 
 Weights come from the GGUF itself: on the CPU kept quantized by default (`quantized.py`, torch's
 int4/int8 weight-only kernels; float tensors load dense), dequantized with the load option `numerics`
-("dequantized", "exact") and on CUDA (no kept-quantized path there yet); tokens come from llama.cpp's vocab-only
-load of the same file, so tokenization is byte-identical to the llama.cpp backend's. Requests are
-submitted to one engine thread that batches them continuously; each `generate` stream is fed from
-that thread through the event loop, so no worker thread is held per request.
+("dequantized", "exact") and on CUDA (no kept-quantized path there yet); tokens come from llama.cpp's
+vocab-only load of the same file, so tokenization is byte-identical to the llama.cpp backend's. Requests
+(generation, scores and embeddings alike) are submitted to one engine thread that batches them
+continuously (`engine.EngineModel`); each stream is fed from that thread through the event loop, so no
+worker thread is held per request.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,25 +20,21 @@ from localrt.backends.base import NUMERICS
 from localrt.backends.base import SPECULATION_METHODS
 from localrt.backends.base import Capabilities
 from localrt.backends.base import EngineBackend
-from localrt.backends.base import Event
 from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
 from localrt.backends.base import ModelLifetime
-from localrt.backends.base import ScoreResult
-from localrt.backends.base import TextAssembler
 from localrt.backends.base import loaded_context
 from localrt.backends.checks import check_draft_tokens
 from localrt.backends.checks import check_kv_cache_type
 from localrt.backends.checks import check_model_file
 from localrt.backends.checks import check_no_adapters
-from localrt.backends.engine_thread import EngineModel
-from localrt.backends.engine_thread import EngineStreams
+from localrt.backends.engine import EngineModel
+from localrt.backends.engine import EngineRequest
+from localrt.backends.engine import EngineStreams
 from localrt.backends.engine_thread import on_a_thread_of_its_own
-from localrt.backends.grammar import Grammar
 from localrt.backends.llamacpp.lib import default_threads
 from localrt.backends.llamacpp.vocab import Vocab
 from localrt.backends.llamacpp.vocab import VocabMethods
-from localrt.backends.outputs import SCORE_HEAD_ROWS
 from localrt.errors import OptionError
 
 from .memory import CPU_PARALLEL
@@ -65,9 +60,9 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
     ) -> None:
         """`device` (None: CUDA when there is one and `opts.num_gpu` is not 0, else the CPU).
         `numerics` (None: the load option `opts.numerics`): "auto" is "quantized" on the CPU and
-        "dequantized" on CUDA; "quantized" keeps the weights quantized on the CPU (`quantized.py`:
-        about 1.3x the file instead of 5.6x, top-1 98.2% against exact on SmolLM2 Q4_1; float
-        tensors stay dense; on CUDA it is "dequantized"); "dequantized" is plain fp32 on the
+        "dequantized" on CUDA; "quantized" keeps the weights quantized on the CPU (`quantized.py`: a
+        fraction of the dense weights' memory, measured in benchmarks/README.md; float tensors stay
+        dense; on CUDA it is "dequantized"); "dequantized" is plain fp32 on the
         dequantized weights on the CPU (the file's exact function; bf16 on CUDA); "exact" is fp32
         everywhere; "llama.cpp" (CPU comparisons only) is fp32 rounded as llama.cpp's CPU kernels
         round activations and attention (`ggml_numerics.py`). `self.numerics` is what was applied:
@@ -75,9 +70,8 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         # Built on a thread of its own that ends when the model is built. libgomp keeps one pool of
         # workers per thread that ever ran a parallel torch op, and once more OpenMP threads exist
         # than CPUs it cuts their spinning to a few hundred turns, so every parallel region of the
-        # engine thread would wait for its workers to wake: a 2-thread decode step at batch 1 took
-        # 21-25 ms instead of 13. Loading on the caller's thread (often a pool thread that lives on)
-        # left such a second pool behind; a loader thread that exits takes its pool with it.
+        # engine thread would wait for its workers to wake (benchmarks/README.md). A loader thread
+        # that exits takes its pool with it.
         check_no_adapters(opts.adapters, NAME)  # before any weight is read
         on_a_thread_of_its_own(lambda: self._load(path, opts, device, numerics), "localrt-torch-load")
 
@@ -119,7 +113,7 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
         if numerics == "llama.cpp":
             from . import ggml_numerics
 
-            ggml_numerics.emulate(self.model, tensors)
+            ggml_numerics.emulate(self.model, tensors)  # the attention's rounding: `self.engine.runner`
         tensors.close()
         draft = None
         if opts.draft_model is not None:
@@ -138,20 +132,11 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
             eos_token_ids=self.vocab.eog_ids(),
         )
         self.engine = Engine(self.model, config, self.device, draft_model=draft)
+        self.engine.runner.fp16_attention = numerics == "llama.cpp"
         self.capabilities = replace(self.capabilities, parallel_slots=config.max_seqs)
-        if numerics == "llama.cpp":
-            from .ggml_numerics import GGMLDenseCausal
-
-            self.engine.dense_attention = GGMLDenseCausal  # score and embed see llama.cpp's f16 attention
-        if self.numerics == "quantized":
-            from .attention import StoredKVCausal
-
-            # score and embed in the paged path's arithmetic: its logprobs, not nearby ones
-            cache = self.engine.cache
-            self.engine.dense_attention = lambda n, device: StoredKVCausal(cache, n, device)
         self.memory_bytes = self.engine.weight_bytes() + self.engine.cache.nbytes
         self._active = set()
-        self._streams = EngineStreams(lambda out: out.seq.seq_id)
+        self._streams = EngineStreams()
         self.engine.start(self._streams.route)
 
     def weight_bytes(self) -> int:
@@ -183,91 +168,10 @@ class TorchModel(VocabMethods, EngineModel, ModelLifetime):
             tensors.close()
 
     # ---- generation -------------------------------------------------------------------------
-    def _sequence(self, req: GenerateRequest, mode: str, grammar: Grammar | None) -> Any:
-        """The engine sequence for a request (the grammar is closed here if it cannot be made)."""
-        try:
-            seq = self.engine.new_sequence(
-                req.prompt_tokens,
-                req.sampling,
-                max_new=req.num_predict,
-                speculative=mode,
-                num_draft=req.num_draft,
-                cancel=req.cancel,
-                grammar=grammar,
-                top_logprobs=req.top_logprobs if req.wants_logprobs else -1,
-            )
-        except BaseException:
-            if grammar is not None:
-                grammar.close()
-            raise
-        return seq
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        mode = self._check(request, "draft" in self.engine.proposers, NAME)
+    async def _prepare(self, request: GenerateRequest) -> EngineRequest:
+        method = self._check(request, "draft" in self.engine.proposers, NAME)
         grammar = self._grammar(request)
-        seq = self._sequence(request, mode, grammar)
-        stream = _Stream(self, seq, TextAssembler(request.stop), request.preserve_tokens)
-        async with self._streams.open(
-            self, seq.seq_id, request.cancel, lambda: seq.finished, grammar
-        ) as queue:
-            self.engine.submit(seq, request.cancel)
-            while not stream.done:
-                # detokenize and stop strings: here, on the event loop, not on the engine thread
-                for event in stream.events(await queue.get()):
-                    yield event
-
-    # ---- scoring and embeddings ---------------------------------------------------------------
-    def _score(self, ids: list[int], result: ScoreResult) -> ScoreResult:
-        import torch
-
-        n = len(ids)
-        hidden = self.engine.hidden_states(ids)  # [n, dim]
-        targets = torch.tensor(ids[1:], device=self.device)
-        # log-softmax and gather on the device: only the chosen logprobs cross to the host
-        for s in range(0, n - 1, SCORE_HEAD_ROWS):
-            e = min(s + SCORE_HEAD_ROWS, n - 1)
-            rows = self.model.output(hidden[s:e]).float()  # [rows, vocab]
-            lp = torch.log_softmax(rows.double(), -1)
-            result.logprobs[s:e] = lp.gather(1, targets[s:e, None]).squeeze(1).cpu().numpy()
-            if result.logits is not None:
-                result.logits[s:e] = rows.cpu().numpy()
-        return result
-
-    def _hidden_rows(self, ids: list[int]) -> Any:
-        return self.engine.hidden_states(ids).float().cpu().numpy()
-
-
-class _Stream:
-    """One request's engine outputs -> protocol events, on the event loop (text, stop strings, timings)."""
-
-    def __init__(self, model: TorchModel, seq: Any, text: TextAssembler, preserve: frozenset[int]) -> None:
-        self.model, self.seq, self.text = model, seq, text
-        self.preserve = preserve  # special tokens whose text stays in the output (thinking markers)
-        self.start_ns = time.perf_counter_ns()
-        self.generated = 0
-        self.done = False
-
-    def events(self, out: Any) -> list[Event]:
-        logprobs = [None if lp is None else (lp, top) for lp, top in zip(out.logprob, out.top)]
-        events, taken = self.model._text_events(out.tokens, logprobs, self.text, self.preserve)
-        if taken is not None:  # a stop string: the rest of the step's tokens are not the answer
-            self.generated += taken
-            return [*events, *self._finish("stop", ended=False)]
-        self.generated += len(out.tokens)
-        if out.finish is not None:
-            if self.seq.error is not None:
-                raise self.seq.error
-            events.extend(self._finish(out.finish, ended=True))
-        return events
-
-    def _finish(self, reason: str, ended: bool) -> list[Event]:
-        """The tail text and the done event; `ended`: the engine finished the sequence (else a stop string)."""
-        self.done = True
-        s = self.seq
-        t = s.timings.set_durations(self.start_ns, s.first_token_ns, time.perf_counter_ns())
-        t.prompt_eval_count = s.prefill_fed
-        t.eval_count = s.num_generated if ended else self.generated  # the engine's count has the end token
-        return self.text.end(reason, t)
+        return EngineRequest(request, method=method, grammar=grammar, resources=[grammar] if grammar else [])
 
 
 def capabilities() -> Capabilities:

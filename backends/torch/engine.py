@@ -1,33 +1,38 @@
-"""The engine: one model, one paged KV cache, a scheduler, and a loop that runs steps.
+"""The torch engine: one model, one paged KV cache, a scheduler, and a loop that runs steps.
 
 A step = schedule -> (propose) -> the runner's one batched forward over every scheduled chunk -> sample
 (every plain decode in one batch, one host sync) or verify per sequence -> commit, and it returns its
-outputs: the tokens each sequence gained, their logprobs when asked, and the sequences that ended.
-Nothing is called back from inside a step. On CUDA, a step made only of single-token decodes replays
-a captured CUDA graph instead (`cuda_graphs.DecodeGraphs`). `step()` is synchronous (tests drive it
-directly); `start(sink)` runs it in a background thread that hands each step's outputs to `sink`
-and executes jobs (`call`, for score/embed) between steps.
+outputs (`engine.EngineOutput`): the tokens each request gained, their logprobs when asked, the requests
+that ended, and a prompt-only request's pooled vector or scores once its last chunk ran. Nothing is
+called back from inside a step. On CUDA, a step made only of single-token decodes replays a captured
+CUDA graph instead (`cuda_graphs.DecodeGraphs`). `step()` is synchronous (tests drive it directly);
+`start(sink)` runs it on the engine's thread, which hands each step's outputs to `sink`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from collections.abc import Iterable
 from dataclasses import dataclass
 from dataclasses import field
-from itertools import count
 from typing import Any
 
 import torch
 
 from localrt.backends.base import CancelToken
+from localrt.backends.base import GenerateRequest
 from localrt.backends.base import SamplingParams
-from localrt.backends.checks import check_prompt
+from localrt.backends.engine import EngineOutput
+from localrt.backends.engine import EngineRequest
+from localrt.backends.engine import Pooled
+from localrt.backends.engine import StepOutputs
+from localrt.backends.engine import take_each
 from localrt.backends.engine_thread import EngineThread
 from localrt.backends.grammar import Grammar
 from localrt.backends.grammar import GrammarDeadEnd
 from localrt.backends.lookup import NgramProposer
+from localrt.backends.speculation import SpecState
+from localrt.backends.speculation import verify
 from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
 
@@ -37,7 +42,6 @@ from .kv_cache import BLOCK_SIZE
 from .kv_cache import BlockPool
 from .kv_cache import KVCache
 from .kv_cache import num_blocks_for
-from .llama import DenseCausal
 from .llama import Transformer
 from .llama import weight_bytes
 from .prefix_cache import PrefixCache
@@ -54,8 +58,6 @@ from .sliding import window_pool_blocks
 from .speculative import DraftModelProposer
 from .speculative import DraftTokens
 from .speculative import SelfProposer
-from .speculative import SpecState
-from .speculative import verify
 
 
 @dataclass
@@ -71,17 +73,6 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = ()
     block_size: int = BLOCK_SIZE
     cuda_graphs: bool = True  # decode-only steps replay captured graphs (CUDA with Triton only)
-
-
-@dataclass
-class StepOutput:
-    """What one step did to one sequence."""
-
-    seq: Sequence
-    tokens: list[int] = field(default_factory=list)  # appended to seq.tokens this step (an end token is not)
-    logprob: list[float | None] = field(default_factory=list)  # per token, when the request asked
-    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob), best first
-    finish: str | None = None  # "stop", "length", "cancel" or "error" (seq.error) once it ended
 
 
 @dataclass
@@ -174,8 +165,6 @@ class Engine(EngineThread):
         if draft_model is not None:
             self.proposers["draft"] = self._make_draft_proposer(draft_model, num_blocks)
         self.eos = set(config.eos_token_ids)
-        self.dense_attention: Callable[[int, torch.device], Any] = DenseCausal  # the whole-sequence passes
-        self._ids = count()
         self._init_thread()
         self.steps = 0
 
@@ -199,6 +188,22 @@ class Engine(EngineThread):
         return DraftModelProposer(draft, cache, pool, self.device, ratio)
 
     # ---- requests ---------------------------------------------------------------------------
+    def sequence(self, request: EngineRequest) -> Sequence:
+        """The engine's sequence for a checked request (the adapter checked its prompt and method)."""
+        tokens = list(request.prompt)
+        ctx = self.config.context_length
+        if request.prompt_only:
+            seq = Sequence(request, tokens, len(tokens), len(tokens))
+            seq.pooled = Pooled() if request.task == "embed" else None
+        else:
+            room = ctx - len(tokens)
+            max_new = request.req.num_predict
+            max_len = len(tokens) + (room if max_new < 0 else min(max_new, room))
+            sampler = RequestSampler(request.req.sampling, self.device, ctx, request.grammar)
+            seq = Sequence(request, tokens, len(tokens), max_len, sampler)
+            request.spec = self._spec_state(request)
+        return seq
+
     def new_sequence(
         self,
         prompt: Iterable[int],
@@ -211,51 +216,46 @@ class Engine(EngineThread):
         grammar: Grammar | None = None,
         top_logprobs: int = -1,
     ) -> Sequence:
-        tokens = list(prompt)
-        ctx = self.config.context_length
-        check_prompt(tokens, ctx, self.model.cfg.vocab_size)
-        room = ctx - len(tokens)
-        max_len = len(tokens) + (room if max_new < 0 else min(max_new, room))
-        seq = Sequence(
-            next(self._ids),
-            tokens,
-            len(tokens),
-            max_len,
-            RequestSampler(sampling, self.device, ctx, grammar),
-            cancel or CancelToken(),
-            top_logprobs=top_logprobs,
-        )
-        if speculative == "lookup":
-            seq.spec = SpecState.begin(speculative, num_draft, NgramProposer.cost_per_draft, self.verify_cost)
-        elif speculative not in ("off", "auto"):
-            if speculative not in self.proposers:
-                raise LocalrtError(
-                    f"speculative mode {speculative!r} needs a draft model"
-                    if speculative == "draft"
-                    else f"speculative mode {speculative!r} is not supported"
-                )
-            proposer = self.proposers[speculative]
-            seq.spec = SpecState.begin(speculative, num_draft, proposer.cost_per_draft, self.verify_cost)
-        return seq
+        """A sequence from loose settings, for synchronous use (tests, benchmarks): `add` it, `step`."""
+        req = GenerateRequest(list(prompt), sampling, num_predict=max_new, num_draft=num_draft)
+        req.logprobs, req.top_logprobs = top_logprobs >= 0, max(0, top_logprobs)
+        req.cancel = cancel or req.cancel
+        return self.sequence(EngineRequest(req, method=speculative, grammar=grammar))
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (engine thread or synchronous use)."""
         self.scheduler.add(seq)
+
+    def _take(self, queued: list[EngineRequest]) -> list[EngineOutput]:
+        return take_each(lambda request: self.add(self.sequence(request)), queued)
+
+    def _spec_state(self, request: EngineRequest) -> SpecState | None:
+        """The request's speculation: prompt lookup, or a model-based proposer (the adapter checked that
+        its method is there)."""
+        method = request.method
+        if method == "lookup":
+            return SpecState.begin(
+                method, request.req.num_draft, NgramProposer.cost_per_draft, self.verify_cost
+            )
+        if method in self.proposers:
+            cost = self.proposers[method].cost_per_draft
+            return SpecState.begin(method, request.req.num_draft, cost, self.verify_cost)
+        return None
 
     # ---- one step ---------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def step(self) -> list[StepOutput]:
-        """Run one iteration; returns what it did to each sequence (`has_work` says whether more is left)."""
+    def step(self) -> list[EngineOutput]:
+        """Run one iteration; returns what it did to each request (`has_work` says whether more is left)."""
         sched = self.scheduler
         for seq in [*sched.running, *sched.waiting]:
             if seq.cancel.cancelled:
                 sched.finish(seq, "cancel")  # frees its blocks at once
         plan = sched.schedule(self._draft_len)
         self._release_spec()
-        outputs: dict[int, StepOutput] = {}
+        outputs = StepOutputs()
         if plan:
             work = _Work(plan)
             self._propose(work)
@@ -264,22 +264,27 @@ class Engine(EngineThread):
             members = [
                 i
                 for i, item in enumerate(plan)
-                if i in batch.rows and not item.drafts and item.seq.sampler.grammar is None
+                if i in batch.rows
+                and not item.drafts
+                and not item.seq.prompt_only
+                and item.seq.sampler is not None
+                and item.seq.sampler.grammar is None
             ]
             sampled = self.runner.sample(plan, batch, members)
             for i, item in enumerate(plan):
-                out = self._advance(item, batch, i, work.q.get(i), sampled.get(i))
-                if out is not None:
-                    outputs[id(item.seq)] = out
+                if item.seq.prompt_only:
+                    self._pool(item, batch, i, outputs)
+                else:
+                    self._advance(item, batch, i, work.q.get(i), sampled.get(i), outputs)
         return self._collect(outputs)
 
-    def _collect(self, outputs: dict[int, StepOutput]) -> list[StepOutput]:
-        """The step's outputs plus every sequence that ended (cancelled, failed, finished) on the way."""
+    def _collect(self, outputs: StepOutputs) -> list[EngineOutput]:
+        """The step's outputs plus every request that ended (cancelled, failed, finished) on the way."""
         for seq, reason in self.scheduler.finished:
-            outputs.setdefault(id(seq), StepOutput(seq)).finish = reason
+            outputs.end(seq.request, reason)
         self.scheduler.finished.clear()
         self._release_spec()
-        return list(outputs.values())
+        return outputs.take()
 
     @property
     def graph_replays(self) -> int:
@@ -314,16 +319,22 @@ class Engine(EngineThread):
                 work.q[i] = None if draft.q is None else draft.q[:n]
 
     def _advance(
-        self, item: Scheduled, batch: StepBatch, i: int, q: torch.Tensor | None, drawn: Sampled | None
-    ) -> StepOutput | None:
-        seq, sched = item.seq, self.scheduler
+        self,
+        item: Scheduled,
+        batch: StepBatch,
+        i: int,
+        q: torch.Tensor | None,
+        drawn: Sampled | None,
+        outputs: StepOutputs,
+    ) -> None:
+        seq, sched, request = item.seq, self.scheduler, item.seq.request
         seq.num_computed += item.num_tokens
-        if seq.first_token_ns == 0:
-            seq.prefill_fed += item.num_tokens
+        if request.first_token_ns == 0:
+            request.timings.prompt_eval_count += item.num_tokens
         span = batch.rows.get(i)
         if span is None:  # a prefill chunk that has not reached the end of the prompt
             sched.commit(seq)
-            return None
+            return
         logits = batch.logits[span[0] : span[1]]
         if drawn is None:
             try:
@@ -331,19 +342,20 @@ class Engine(EngineThread):
             except GrammarDeadEnd as error:  # this request's grammar, not the batch's fault
                 seq.error = error
                 sched.finish(seq, "error")
-                return None
-        if seq.first_token_ns == 0:
-            seq.first_token_ns = time.perf_counter_ns()
-        out = StepOutput(seq)
+                return
+        if request.first_token_ns == 0:
+            request.first_token_ns = time.perf_counter_ns()
+        out = outputs.of(request)
         reason = None
         for j, token in enumerate(drawn.tokens):
             seq.tokens.append(token)
+            request.generated += 1
             if token in self.eos:  # ends the sequence; not part of its output
                 reason = "stop"
                 break
             out.tokens.append(token)
-            out.logprob.append(drawn.logprob[j])
-            out.top.append(drawn.top[j])
+            lp = drawn.logprob[j]
+            out.logprobs.append(None if lp is None else (lp, drawn.top[j]))
             if len(seq.tokens) >= seq.max_len:
                 reason = "length"
             if reason is not None:
@@ -354,7 +366,25 @@ class Engine(EngineThread):
             sched.finish(seq, reason)
         else:
             sched.commit(seq)
-        return out
+
+    def _pool(self, item: Scheduled, batch: StepBatch, i: int, outputs: StepOutputs) -> None:
+        """A prompt-only request's chunk: its hidden rows into the pooled vector, or its rows' logprobs
+        into the scores; after its last chunk, the answer."""
+        seq, request = item.seq, item.seq.request
+        start = seq.num_computed
+        seq.num_computed += item.num_tokens
+        request.timings.prompt_eval_count += item.num_tokens
+        a, b = batch.rows[i]
+        if seq.pooled is not None:
+            assert batch.hidden is not None
+            seq.pooled.add(batch.hidden[a:b].float().cpu().numpy())
+        elif request.scores is not None:
+            fill_scores(request.scores, seq.tokens, start, batch.logits[a:b])
+        if seq.num_computed < len(seq.tokens):
+            self.scheduler.commit(seq)
+            return
+        outputs.of(request).result = seq.pooled.vector() if seq.pooled is not None else request.scores
+        self.scheduler.finish(seq, "stop")
 
     def _draw_alone(self, item: Scheduled, logits: torch.Tensor, q: torch.Tensor | None) -> Sampled:
         """Tokens for a row outside the batched sampler: draft tokens to verify, or a grammar's constraint."""
@@ -364,9 +394,8 @@ class Engine(EngineThread):
             seq.num_computed += accepted
             assert seq.spec is not None
             seq.spec.record(len(item.drafts), accepted)
-            seq.timings.draft_count += len(item.drafts)
-            seq.timings.draft_accepted_count += accepted
         else:
+            assert seq.sampler is not None
             tokens = [seq.sampler.sample(logits[0], seq.tokens)]
         if seq.top_logprobs >= 0:
             return logprobs_of(logits, tokens, seq.top_logprobs)
@@ -379,29 +408,40 @@ class Engine(EngineThread):
                 self.proposers[seq.spec.mode].release(seq)
         self.scheduler.released.clear()
 
-    # ---- whole-sequence passes (score, embed) -------------------------------------------------
-    @torch.inference_mode()
-    def hidden_states(self, tokens: list[int]) -> torch.Tensor:
-        """Final-normed hidden states [n, dim] of one sequence, dense (no cache)."""
-        t = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.model.hidden(t, self.dense_attention(len(tokens), self.device))
-
     # ---- threaded mode (engine_thread.py) ---------------------------------------------------------
     def _thread_context(self) -> Any:
         return torch.inference_mode()
 
-    def _fail_step(self, error: Exception) -> list[StepOutput]:
+    def _fail_step(self, error: Exception) -> list[EngineOutput]:
         """A failed step fails the sequences in flight; the waiting ones and the engine go on."""
         for seq in [*self.scheduler.running]:
             seq.error = error
             self.scheduler.finish(seq, "error")
-        return self._collect({})
+        return self._collect(StepOutputs())
 
-    def _unload(self, queued: list[Sequence]) -> list[StepOutput]:
-        for seq in [*self.scheduler.running, *self.scheduler.waiting, *queued]:
+    def _unload(self, queued: list[EngineRequest]) -> list[EngineOutput]:
+        outputs = StepOutputs()
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             seq.error = LocalrtError("the model was unloaded")
             self.scheduler.finish(seq, "error")
-        return self._collect({})
+        for request in queued:
+            outputs.end(request, "error", LocalrtError("the model was unloaded"))
+        return self._collect(outputs)
+
+
+def fill_scores(scores: Any, tokens: list[int], start: int, logits: torch.Tensor) -> None:
+    """Rows `logits` [m, V] after tokens[start .. start+m-1] into a `ScoreResult`: each row scores the
+    token that follows (the prompt's last token scores nothing). Log-softmax and gather on the device:
+    only the chosen logprobs cross to the host."""
+    m = min(len(logits), len(tokens) - 1 - start)
+    if m <= 0:
+        return
+    rows = logits[:m].float()
+    targets = torch.tensor(tokens[start + 1 : start + 1 + m], device=rows.device)
+    lp = torch.log_softmax(rows.double(), -1)
+    scores.logprobs[start : start + m] = lp.gather(1, targets[:, None]).squeeze(1).cpu().numpy()
+    if scores.logits is not None:
+        scores.logits[start : start + m] = rows.cpu().numpy()
 
 
 def _ngram_of(seq: Sequence) -> NgramProposer:

@@ -12,9 +12,10 @@ loader). llama.cpp's CPU backend rounds in three more places (ggml-cpu.c, arch/x
   rounded to fp16 too, and the softmax weights are rounded to fp16 before they multiply V.
 - everything else (norms, RoPE, SwiGLU, softmax) is float32, as here.
 
-`emulate(model, tensors)` installs this on a loaded `Transformer` (hooks on its linears) and
-`GGMLDenseCausal` is the matching reference attention. Used by `localrt eval` comparisons and the
-fidelity tests; never by default.
+`emulate(model, tensors)` installs this on a loaded `Transformer` (hooks on its linears): the linears
+round as llama.cpp's do in every pass of the engine, scores included, whose attention is the paged
+cache's (its fp16 K and V). `GGMLDenseCausal` is the matching whole-sequence attention, for comparing a
+model's forward pass with llama.cpp's directly. Never by default.
 """
 
 from __future__ import annotations

@@ -190,14 +190,6 @@ class KVCache:
             q = (x.float() / scale.unsqueeze(-1)).to(self.storage)
         return q, scale
 
-    def stored(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, Hkv, D] as `gather` gives it back once written: rounded to the storage type (and
-        scaled back for the quantized types), in the compute dtype."""
-        if self.quantized:
-            q, scale = self._quantize(x)
-            return q.to(self.compute_dtype) * scale.unsqueeze(-1).to(self.compute_dtype)
-        return x.to(self.storage).to(self.compute_dtype)
-
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v [N, Hkv, D] go to flat slots (block * block_size + offset)."""
         if not self.quantized:

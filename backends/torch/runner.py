@@ -27,10 +27,12 @@ from .scheduler import Scheduled
 
 @dataclass
 class StepBatch:
-    """A step's forward: logits rows and where each plan item's rows are."""
+    """A step's forward: logits rows and where each plan item's rows are (an embed request's rows are
+    final-normed hidden states, in `hidden`)."""
 
     logits: torch.Tensor  # [R, vocab]
-    rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # plan index -> logits rows [a, b)
+    rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # plan index -> its rows [a, b)
+    hidden: torch.Tensor | None = None  # [H, dim]: the embed requests' rows
 
 
 @dataclass(eq=False)
@@ -39,31 +41,48 @@ class ModelRunner:
     cache: KVCache
     device: torch.device
     graphs: DecodeGraphs | None  # decode-only steps replay captured graphs (None: every step eager)
+    fp16_attention: bool = False  # numerics "llama.cpp": attention rounded as llama.cpp's CPU kernels
 
     def forward(self, plan: Sequence[Scheduled]) -> StepBatch:
-        """One batched forward over every scheduled chunk (its tokens, then its draft tokens)."""
+        """One batched forward over every scheduled chunk (its tokens, then its draft tokens); a
+        prompt-only request's chunk gives a row for each of its tokens (logits to score, or hidden
+        states to pool)."""
         feed: list[int] = []
         chunks: list[SeqChunk] = []
-        rows: list[int] = []
+        rows: list[int] = []  # positions in `feed` whose logits are needed
+        pooled: list[int] = []  # positions in `feed` whose hidden states are needed
         spans: dict[int, tuple[int, int]] = {}
         for i, item in enumerate(plan):
             seq = item.seq
             start = seq.num_computed
             tokens = seq.tokens[start : start + item.num_tokens] + item.drafts
             chunks.append(SeqChunk(len(tokens), start + len(tokens), seq.block_table, seq.window_table))
-            if start + item.num_tokens == len(seq.tokens):  # caught up: logits for the last (+ drafts)
+            if seq.pooled is not None:
+                spans[i] = (len(pooled), len(pooled) + len(tokens))
+                pooled.extend(range(len(feed), len(feed) + len(tokens)))
+            elif seq.prompt_only:
+                spans[i] = (len(rows), len(rows) + len(tokens))
+                rows.extend(range(len(feed), len(feed) + len(tokens)))
+            elif start + item.num_tokens == len(seq.tokens):  # caught up: logits for the last (+ drafts)
                 first = len(feed) + item.num_tokens - 1
                 spans[i] = (len(rows), len(rows) + 1 + len(item.drafts))
                 rows.extend(range(first, len(feed) + len(tokens)))
             feed.extend(tokens)
         graphs = self.graphs
-        if graphs is not None and len(feed) == len(rows) == len(plan) and graphs.fits(len(plan)):
+        decodes_only = len(feed) == len(rows) == len(plan) and not pooled
+        if graphs is not None and decodes_only and graphs.fits(len(plan)):
             return StepBatch(graphs.run(feed, chunks), spans)  # every item one decode token, row i for item i
-        ctx = PagedAttention(self.cache, chunks, self.device)
-        host = torch.tensor([*feed, *rows], dtype=torch.long)  # one upload for the ids and the rows
+        ctx = PagedAttention(self.cache, chunks, self.device, fp16_rounding=self.fp16_attention)
+        host = torch.tensor([*feed, *rows, *pooled], dtype=torch.long)  # one upload: ids and rows
         ids = upload(host, self.device)
-        logits = self.model(ids[: len(feed)], ctx, rows=ids[len(feed) :])
-        return StepBatch(logits, spans)
+        tokens, logits_rows = ids[: len(feed)], ids[len(feed) : len(feed) + len(rows)]
+        if not pooled:
+            return StepBatch(self.model(tokens, ctx, rows=logits_rows), spans)
+        # the same arithmetic as the model's forward, with the embed requests' normed rows kept aside
+        x = self.model.run_blocks(tokens, ctx)
+        hidden = self.model.output_norm(x[ids[len(feed) + len(rows) :]])
+        logits = self.model.output(self.model.output_norm(x[logits_rows])).float()
+        return StepBatch(logits, spans, hidden)
 
     def sample(
         self, plan: Sequence[Scheduled], batch: StepBatch, members: Sequence[int]

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Protocol
 
-from localrt.backends.base import CancelToken
-from localrt.backends.base import Timings
+from localrt.backends.engine import EngineRequest
+from localrt.backends.engine import OfRequest
+from localrt.backends.engine import Pooled
 from localrt.backends.engine_thread import RequestQueues
 
 from .kv_cache import BlockPool
@@ -27,33 +28,31 @@ from .kv_cache import KVCache
 from .kv_cache import blocks_needed
 from .prefix_cache import ROOT_KEY
 from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixMatch
 from .sampling import RequestSampler
 from .sliding import WindowBlocks
-from .speculative import SpecState
 
 
 @dataclass(eq=False)
-class Sequence:
-    seq_id: int
+class Sequence(OfRequest):
+    """A request in the engine: its tokens and where its KV stands in the block pool."""
+
+    request: EngineRequest
     tokens: list[int]  # prompt + generated
     prompt_len: int
     max_len: int  # stop ("length") when tokens reach this
-    sampler: RequestSampler
-    cancel: CancelToken = field(default_factory=CancelToken)
-    spec: SpecState | None = None
+    sampler: RequestSampler | None = None  # None: a prompt-only request
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # SHA-256 chain keys of the leading full blocks
     window_table: list[int] = field(default_factory=list)  # sliding layers' blocks, -1 when out of window
     num_computed: int = 0
     num_preemptions: int = 0
     finished: bool = False
-    error: BaseException | None = None
-    # reporting
-    timings: Timings = field(default_factory=Timings)
-    arrival_ns: int = field(default_factory=time.perf_counter_ns)
-    first_token_ns: int = 0
-    prefill_fed: int = 0  # tokens fed before the first sampled token
-    top_logprobs: int = -1  # -1: no logprobs; n >= 0: the chosen token's and n alternatives per token
+    pooled: Pooled | None = None  # an embed request's pooled vector so far
+
+    @property
+    def seq_id(self) -> int:
+        return self.request.id
 
     @property
     def num_generated(self) -> int:
@@ -153,7 +152,10 @@ class Scheduler(RequestQueues):
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Attach cached prefix blocks and blocks for the first chunk; returns tokens to feed (0: not now)."""
         bs = self.pool.block_size
-        match, covered = self.prefix.match(seq.tokens, len(seq.tokens) - 1)  # the last token makes logits
+        # the last token makes logits; a prompt-only request needs every row, so it reuses nothing
+        match, covered = (
+            (PrefixMatch(), 0) if seq.prompt_only else self.prefix.match(seq.tokens, len(seq.tokens) - 1)
+        )
         window_table: list[int] = []
         window_partial = None
         if self.window is not None:  # the sliding layers' blocks may cover less
@@ -188,6 +190,9 @@ class Scheduler(RequestQueues):
         if self.window is not None:
             self.window.attach(seq, window_table, window_partial, len(seq.block_table), covered)
         seq.num_computed = covered
+        if not seq.request.admitted_ns:  # its first admission (not a return after a preemption)
+            seq.request.admitted_ns = time.perf_counter_ns()
+            seq.request.timings.cached_count = covered
         return n
 
     # ---- leaving ----------------------------------------------------------------------------

@@ -21,10 +21,7 @@ from typing import Protocol
 
 import torch
 
-from localrt.backends.speculation import SpecState  # noqa: F401  (re-exported for the engine and tests)
-from localrt.backends.speculation import break_even_acceptance  # noqa: F401  (re-exported for the engine and tests)
-from localrt.backends.speculation import expected_tokens  # noqa: F401  (re-exported for the engine and tests)
-from localrt.backends.speculation import verify  # noqa: F401  (re-exported for the engine and tests)
+from localrt.backends.speculation import SpecState
 
 from .attention import PagedAttention
 from .attention import SeqChunk

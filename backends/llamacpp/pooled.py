@@ -1,6 +1,6 @@
-"""Pooled contexts for the llama.cpp backend (`PooledContext`: embeddings and reranking), and reranking:
-a context with rank pooling over a reranker GGUF (bge-reranker, Jina, Qwen3-Reranker), scoring each
-(query, document) pair the way llama-server's /v1/rerank does.
+"""Pooled contexts for the llama.cpp backend (`PooledContext`: reranking, and embeddings of encoder
+models), and reranking: a context with rank pooling over a reranker GGUF (bge-reranker, Jina,
+Qwen3-Reranker), scoring each (query, document) pair the way llama-server's /v1/rerank does.
 
 The pair is tokenized with the GGUF's `tokenizer.chat_template.rerank` when it has one ({query} and
 {document} substituted, special tokens parsed), else as `[BOS] query [EOS] [SEP] document [EOS]` with each
@@ -10,8 +10,6 @@ of the classification head's output for the sequence.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -78,55 +76,64 @@ class PooledContext:
         close_each(self.batch, self.ctx)
 
 
-class Reranker:
-    """A rank-pooling context on a loaded llama.cpp model (`model`: llama-cpp-python's LlamaModel)."""
+def rank_tokens(lib: Any, model: Any, template: str | None, query: str, document: str) -> list[int]:
+    """The tokens of a (query, document) pair as the reranker reads them (`model`: llama-cpp-python's
+    LlamaModel; `template`: the GGUF's `tokenizer.chat_template.rerank`, if any)."""
+    vocab = model.vocab
+    if template:
+        text = template.replace("{query}", query).replace("{document}", document)
+        return model.tokenize(text.encode("utf-8"), False, True)  # type: ignore[no-any-return]
 
-    def __init__(self, lib: Any, model: Any, metadata: dict[str, str], n_ctx: int, n_threads: int) -> None:
+    bos, eos, sep = lib.llama_vocab_bos(vocab), lib.llama_vocab_eos(vocab), lib.llama_vocab_sep(vocab)
+    eos = eos if eos >= 0 else sep
+    end = [eos] if lib.llama_vocab_get_add_eos(vocab) and eos >= 0 else []
+
+    def segment(text: str) -> list[int]:  # a text's tokens, then the end token where the vocab adds one
+        return (model.tokenize(text.encode("utf-8"), False, False) if text else []) + end
+
+    out: list[int] = [bos] if lib.llama_vocab_get_add_bos(vocab) and bos >= 0 else []
+    out += segment(query)
+    if lib.llama_vocab_get_add_sep(vocab) and sep >= 0:
+        out.append(sep)
+    return out + segment(document)
+
+
+class PooledContexts:
+    """The pooled contexts of a model, made on first use on the engine's thread: rank pooling (a
+    reranker's relevance score) and, for a model whose own context cannot give hidden states chunk by
+    chunk (an encoder: its attention sees the whole input at once), embeddings. `apply(ctx)` puts the
+    model's LoRA adapters on each (`ctx`: a raw llama_context pointer)."""
+
+    def __init__(
+        self,
+        lib: Any,
+        model: Any,
+        embedding_pooling: int,
+        n_ctx: int,
+        threads: tuple[int, int],
+        apply: Any = None,
+    ) -> None:
         self.lib, self.model = lib, model
-        self.template = metadata.get("tokenizer.chat_template.rerank")
-        # n_ctx: the loaded model's context (`base.loaded_context`: already within what it was trained for)
-        self.pooled = PooledContext(
-            lib, model, n_ctx, (n_threads, n_threads), lib.LLAMA_POOLING_TYPE_RANK, "rerank"
-        )
-        self._lock = threading.Lock()
+        self.embedding_pooling = embedding_pooling
+        self.n_ctx, self.threads = n_ctx, threads
+        self.apply = apply
+        self._contexts: dict[str, PooledContext] = {}
 
-    def pair_tokens(self, query: str, document: str) -> list[int]:
-        lib, vocab = self.lib, self.model.vocab
-        if self.template:
-            text = self.template.replace("{query}", query).replace("{document}", document)
-            return self.model.tokenize(text.encode("utf-8"), False, True)
-
-        bos, eos, sep = lib.llama_vocab_bos(vocab), lib.llama_vocab_eos(vocab), lib.llama_vocab_sep(vocab)
-        eos = eos if eos >= 0 else sep
-        end = [eos] if lib.llama_vocab_get_add_eos(vocab) and eos >= 0 else []
-
-        def segment(text: str) -> list[int]:  # a text's tokens, then the end token where the vocab adds one
-            return (self.model.tokenize(text.encode("utf-8"), False, False) if text else []) + end
-
-        out: list[int] = [bos] if lib.llama_vocab_get_add_bos(vocab) and bos >= 0 else []
-        out += segment(query)
-        if lib.llama_vocab_get_add_sep(vocab) and sep >= 0:
-            out.append(sep)
-        return out + segment(document)
-
-    def scores(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
-        """Relevance score per document (in order) and the number of tokens evaluated."""
-        out: list[float] = []
-        n_tokens = 0
-        with self._lock:
-            for i, document in enumerate(documents):
-                tokens = self.pair_tokens(query, document)
-                if len(tokens) > self.pooled.n_ctx:
-                    raise LocalrtError(
-                        f"the query and document {i} are {len(tokens)} tokens, more than the reranker's "
-                        f"context of {self.pooled.n_ctx}"
-                    )
-                out.append(self._score(tokens))
-                n_tokens += len(tokens)
-        return out, n_tokens
-
-    def _score(self, tokens: list[int]) -> float:
-        return float(self.pooled.pool(tokens, 1)[0])  # the classification head's first output
+    def context(self, purpose: str) -> PooledContext:
+        """The "rerank" or "embedding" context."""
+        pooled = self._contexts.get(purpose)
+        if pooled is None:
+            pooling = self.lib.LLAMA_POOLING_TYPE_RANK if purpose == "rerank" else self.embedding_pooling
+            pooled = PooledContext(self.lib, self.model, self.n_ctx, self.threads, pooling, purpose)
+            if self.apply is not None:
+                try:
+                    self.apply(pooled.ctx.ctx)
+                except LocalrtError:
+                    pooled.close()
+                    raise
+            self._contexts[purpose] = pooled
+        return pooled
 
     def close(self) -> None:
-        self.pooled.close()
+        close_each(*self._contexts.values())
+        self._contexts = {}

@@ -22,8 +22,9 @@ from typing import Any
 
 from localrt.backends.base import IMAGE_TOKEN
 from localrt.backends.base import ImageInput
-from localrt.backends.llama_params import flash_attn_type
 from localrt.errors import LocalrtError
+
+from .lib import flash_attn_type
 
 CHUNK_TEXT, CHUNK_IMAGE = 0, 1
 GGML_LOG_LEVEL_ERROR = 4
