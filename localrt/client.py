@@ -1,15 +1,19 @@
-"""One client for a model host, shared by the CLI and the chat app: one protocol, two implementations.
+"""One client for a model host, shared by the CLI and the chat app: one implementation of every answer.
 
-`ServerClient` speaks Ollama's API to a running `localrt serve`; `RuntimeClient` drives a `Runtime`
-and the store in this process. `connect()` picks the server when `GET http://LOCALRT_HOST/` answers,
-else the in-process runtime, as Ollama's CLI builds `api.ClientFromEnvironment()` for every command.
-Interfaces reach models only through this module, so a command behaves the same either way: `ps`
-shows what `run` loaded on the server, and a second `run` reuses the loaded model.
+`ServerClient` speaks Ollama's API (and, to count a prompt's tokens, Anthropic's count_tokens) to a
+`localrt serve`. Without a running server, `InProcessClient` is the same client talking to the same
+FastAPI app in this process (`localrt.api.app`, over `InProcessTransport`), so show, details, context
+length and every other answer are the server's, computed once. `connect()` picks the server when
+`GET http://LOCALRT_HOST/` answers, else the app in process, as Ollama's CLI builds
+`api.ClientFromEnvironment()` for every command. Interfaces reach models only through this module, so a
+command behaves the same either way: `ps` shows what `run` loaded on the server, and a second `run`
+reuses the loaded model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import AsyncIterator
@@ -33,7 +37,6 @@ from localrt.errors import ModelNotFound
 from localrt.errors import PullError
 from localrt.runtime.answers import Chunk
 from localrt.store.sources.common import Progress
-from localrt.threads import run_in_thread_stream
 
 # ---- what the interfaces see ----------------------------------------------------------------------
 
@@ -133,9 +136,9 @@ StatusFn = Callable[[str], None]
 
 
 class Client(Protocol):
-    """What the interfaces need from a model host; both implementations raise LocalrtError subclasses."""
+    """What the interfaces need from a model host; errors are LocalrtError subclasses."""
 
-    kind: str  # "runtime" | "server"
+    kind: str  # "runtime" (the app in this process) | "server"
     where: str  # shown in the chat app's status bar
 
     def chat(
@@ -207,261 +210,6 @@ def _split_parts(source: Path) -> list[Path]:
     return find_parts(source) if source.suffix.lower() == ".gguf" and is_split_part(source) else [source]
 
 
-def _remote_details(resolved: Any) -> ModelDetails:
-    """`show` of a remote model: no GGUF; its endpoints probed now."""
-    from localrt.show import parameter_lines
-    from localrt.show import remote_health
-    from localrt.show import remote_modelfile_text
-
-    return ModelDetails(
-        architecture="remote",
-        parameters="",
-        context_length=None,
-        embedding_length=None,
-        quantization="",
-        parameter_lines=parameter_lines(resolved.params),
-        template=resolved.template or "",
-        system=resolved.system or "",
-        license=str(resolved.license or ""),
-        modelfile=remote_modelfile_text(resolved),
-        remote_model=str(resolved.remote.get("model", "")),
-        endpoints=remote_health(resolved),
-    )
-
-
-# ---- in process -------------------------------------------------------------------------------
-
-
-class RuntimeClient:
-    """The runtime in this process, created on first use so it binds to the caller's event loop."""
-
-    kind = "runtime"
-    where = "in-process"
-
-    def __init__(self, runtime: Any = None, store: Any = None) -> None:
-        from localrt.store.store import Store
-
-        self.store = store or (runtime.store if runtime is not None else Store())
-        self._runtime = runtime
-
-    @property
-    def runtime(self) -> Any:
-        if self._runtime is None:
-            from localrt.runtime.front import Runtime
-
-            self._runtime = Runtime(self.store)
-        return self._runtime
-
-    def chat(
-        self,
-        model: str,
-        messages: Sequence[Message],
-        *,
-        options: Mapping[str, Any] | None = None,
-        format: str | None = None,
-        keep_alive: str | float | None = None,
-        think: bool | str | None = None,
-    ) -> AsyncIterator[Chunk]:
-        # the runtime's own generator: closing or cancelling it cancels the generation there
-        return self.runtime.chat(
-            model, messages, options=options or None, format=format, keep_alive=keep_alive, think=think
-        )
-
-    async def list_models(self) -> list[ModelRow]:
-        entries = await asyncio.to_thread(self.store.list_models)
-        return [ModelRow(e.name.display, e.size, e.modified, e.id) for e in entries]
-
-    async def ps(self) -> list[LoadedRow]:
-        if self._runtime is None:
-            return []  # nothing was loaded by this process yet
-        return [
-            LoadedRow(
-                name=row.name,
-                digest=row.digest.split(":", 1)[-1],
-                size=row.size,
-                size_vram=row.size_vram,
-                processor=row.processor,
-                backend=row.backend,
-                context_length=row.context_length,
-                expires_at=row.expires_at,
-                weight_bytes=int(row.details.get("weight_bytes", 0)),
-                numerics=str(row.details.get("numerics", "")),
-                shares_weights_with=tuple(row.details.get("shares_weights_with", ())),
-            )
-            for row in self.runtime.ps()
-        ]
-
-    async def stop(self, model: str) -> None:
-        if not await self.runtime.unload(model):
-            raise LocalrtError(f"model '{model}' is not loaded")
-
-    async def show(self, model: str, options: Mapping[str, Any] | None = None) -> ModelInfo:
-        from localrt.runtime.options import Options
-        from localrt.store.gguf import format_parameter_count
-        from localrt.store.gguf import read_gguf
-
-        resolved = await asyncio.to_thread(self.store.resolve, model)
-        loaded = [row for row in self.runtime.ps() if row.name == resolved.name.display]
-        if resolved.remote is not None:  # no GGUF here: the model lives on its endpoints
-            return ModelInfo(
-                name=resolved.name.display,
-                architecture=f"remote: {resolved.remote.get('model', '')}",
-                parameters="",
-                quantization="",
-                context_length=None,
-                size=0,
-                backend=f"remote ({', '.join(resolved.remote.get('endpoints') or [])})",
-                loaded_context=loaded[0].context_length if loaded else None,
-            )
-        info = await asyncio.to_thread(read_gguf, resolved.model_path)
-        if loaded:
-            backend, loaded_ctx = loaded[0].backend, loaded[0].context_length
-        else:
-            loaded_ctx = None
-            try:
-                wanted = Options.merge(resolved.params, options, lenient=(True, False)).backend
-                backend = f"{self.runtime.backend_for(wanted)} (not loaded)"
-            except LocalrtError as e:
-                backend = f"unavailable: {e}"
-        return ModelInfo(
-            name=resolved.name.display,
-            architecture=info.architecture or "unknown",
-            parameters=format_parameter_count(info.parameter_count),
-            quantization=info.quantization_label,
-            context_length=info.context_length,
-            size=resolved.size,
-            backend=backend,
-            loaded_context=loaded_ctx,
-        )
-
-    async def details(self, model: str) -> ModelDetails:
-        return await asyncio.to_thread(self._details, model)
-
-    def _details(self, model: str) -> ModelDetails:
-        from localrt.show import model_capabilities
-        from localrt.show import modelfile_text
-        from localrt.show import parameter_lines
-        from localrt.show import projector_rows
-        from localrt.show import template_choice
-        from localrt.show import template_of
-        from localrt.show import template_origin
-        from localrt.store.gguf import format_parameter_count
-        from localrt.store.gguf import read_gguf
-        from localrt.store.names import parse_name
-
-        resolved = self.store.resolve(parse_name(model))
-        if resolved.remote is not None:
-            return _remote_details(resolved)
-        info = read_gguf(resolved.model_path)
-        return ModelDetails(
-            architecture=info.architecture or "unknown",
-            parameters=format_parameter_count(info.parameter_count),
-            context_length=info.context_length,
-            embedding_length=info.embedding_length,
-            quantization=info.file_type or "unknown",
-            parameter_lines=parameter_lines(resolved.params),
-            template=template_of(resolved, info),
-            system=resolved.system or "",
-            license=str(resolved.license or info.license or ""),
-            modelfile=modelfile_text(resolved, info),
-            template_origin=template_origin(template_choice(resolved, info)),
-            capabilities=model_capabilities(resolved, info),
-            projector=projector_rows(read_gguf(resolved.projector_path).summary())
-            if resolved.projector_path is not None
-            else [],
-            adapters=[str(path) for path in resolved.adapter_paths],
-        )
-
-    async def has_model(self, model: str) -> bool:
-        try:
-            await asyncio.to_thread(self.store.resolve, model)
-        except ModelNotFound:
-            return False
-        return True
-
-    def pull(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
-        from localrt.store.pull import pull
-
-        def work(emit: Any) -> None:
-            pull(model, store=self.store, insecure=insecure, progress=emit)
-
-        return run_in_thread_stream(work, name="localrt-client-pull")
-
-    def push(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
-        from localrt.store.push import push
-
-        def work(emit: Any) -> None:
-            push(model, store=self.store, insecure=insecure, progress=emit)
-
-        return run_in_thread_stream(work, name="localrt-client-push")
-
-    async def delete(self, model: str) -> None:
-        from localrt.store.names import parse_name
-
-        name = parse_name(model)
-        if self._runtime is not None:
-            await self._runtime.unload(name.display)
-        await asyncio.to_thread(self.store.remove, name)
-
-    async def copy(self, source: str, destination: str) -> None:
-        from localrt.store.names import parse_name
-
-        await asyncio.to_thread(self.store.copy, parse_name(source), parse_name(destination))
-
-    async def create(self, spec: CreateSpec, status: StatusFn | None = None) -> str:
-        from localrt.store.modelfile import create
-
-        name = await asyncio.to_thread(
-            create,
-            spec.model,
-            modelfile_text=spec.modelfile_text,
-            from_path=spec.from_path,
-            store=self.store,
-            base_dir=spec.base_dir,
-            quantize=spec.quantize,
-            remote=spec.remote,
-            remote_model=spec.remote_model,
-            api_key_env=spec.api_key_env,
-            insecure=spec.insecure,
-            projector_path=spec.projector_path,
-            imatrix=spec.imatrix_path,
-            adapters=spec.adapter_paths,
-        )
-        return name.display
-
-    async def context_length(self, model: str, options: Mapping[str, Any] | None = None) -> int | None:
-        from localrt.runtime.options import Options
-        from localrt.store.gguf import read_gguf
-
-        resolved = await asyncio.to_thread(self.store.resolve, model)
-        for row in self.runtime.ps():
-            if row.name == resolved.name.display:
-                return row.context_length
-        # not loaded yet: num_ctx as the runtime will ask for it, capped by what the model was trained for
-        num_ctx = Options.merge(resolved.params, options, lenient=(True, False)).num_ctx
-        if resolved.remote is not None:  # the upstream's context is known once it is loaded
-            return None
-        trained = (await asyncio.to_thread(read_gguf, resolved.model_path)).context_length
-        return min(num_ctx, trained) if trained else num_ctx
-
-    async def count_tokens(
-        self, model: str, messages: Sequence[Message], options: Mapping[str, Any] | None = None
-    ) -> tuple[int, bool]:
-        # the exact prompt the next request would start from: templated and tokenized by the runtime,
-        # with the model's own system prompt where the conversation has none (as Runtime.chat adds it)
-        msgs = [dict(m) for m in messages]
-        if not any(m.get("role") == "system" for m in msgs):
-            resolved = await asyncio.to_thread(self.store.resolve, model)
-            if resolved.system:
-                msgs.insert(0, {"role": "system", "content": resolved.system})
-        _, tokens = await self.runtime.render(model, msgs, options=options or None)
-        return len(tokens), True
-
-    async def close(self) -> None:
-        if self._runtime is not None:
-            await self._runtime.close()
-
-
 # ---- over HTTP --------------------------------------------------------------------------------
 server_address = config.server_address
 
@@ -492,7 +240,11 @@ class ServerClient:
             f"({type(e).__name__}); is `localrt serve` running?"
         )
 
+    async def _ready(self) -> None:
+        """What must happen before the first request (nothing: a server is up)."""
+
     async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        await self._ready()
         try:
             response = await self.http.request(method, path, **kwargs)
         except httpx.TransportError as e:
@@ -505,6 +257,7 @@ class ServerClient:
         return await self._request("POST", path, json=wire.body_of(request))
 
     async def _ndjson(self, path: str, request: wire.Wire) -> AsyncIterator[dict[str, Any]]:
+        await self._ready()
         try:
             async with self.http.stream("POST", path, json=wire.body_of(request)) as response:
                 if response.status_code != 200:
@@ -539,17 +292,19 @@ class ServerClient:
             keep_alive=keep_alive,
             think=think,
         )
-        async for item in self._ndjson("/api/chat", request):
-            answer = wire.parse(wire.ChatResponse, item)
-            yield Chunk(
-                model=answer.model,
-                content=answer.message.content,
-                thinking=answer.message.thinking or "",
-                done=answer.done,
-                done_reason=answer.done_reason,
-                tool_calls=answer.message.tool_calls,
-                metrics=wire.metrics_from_ollama(item) if answer.done else None,
-            )
+        # closed with the caller's iterator: the connection goes, and the generation behind it stops
+        async with contextlib.aclosing(self._ndjson("/api/chat", request)) as items:
+            async for item in items:
+                answer = wire.parse(wire.ChatResponse, item)
+                yield Chunk(
+                    model=answer.model,
+                    content=answer.message.content,
+                    thinking=answer.message.thinking or "",
+                    done=answer.done,
+                    done_reason=answer.done_reason,
+                    tool_calls=answer.message.tool_calls,
+                    metrics=wire.metrics_from_ollama(item) if answer.done else None,
+                )
 
     async def list_models(self) -> list[ModelRow]:
         tags = wire.parse(wire.TagsResponse, (await self._request("GET", "/api/tags")).json())
@@ -583,27 +338,35 @@ class ServerClient:
         key = parse_name(model).display
         return next((row for row in await self.ps() if row.name == key), None)
 
-    async def _show(self, model: str) -> wire.ShowResponse:
-        answer = await self._post("/api/show", wire.build(wire.ModelRequest, model=model))
+    async def _show(self, model: str, options: Mapping[str, Any] | None = None) -> wire.ShowResponse:
+        request = wire.build(wire.ShowRequest, model=model, options=dict(options) if options else None)
+        answer = await self._post("/api/show", request)
         return wire.parse(wire.ShowResponse, answer.json())
 
     async def show(self, model: str, options: Mapping[str, Any] | None = None) -> ModelInfo:
         from localrt.store.names import parse_name
 
-        data = await self._show(model)
+        data = await self._show(model, options)
         details, info = data.details, data.model_info
         arch = info.get("general.architecture") or details.family or "unknown"
         key = parse_name(model).display
         size = next((r.size for r in await self.list_models() if r.name == key), 0)
         loaded = await self._loaded(model)
+        if data.remote is not None:  # no GGUF here: the model lives on its endpoints
+            urls = [str(e.get("url", "")) for e in data.remote.get("endpoints", [])]
+            arch, backend = f"remote: {data.remote.get('model', '')}", f"remote ({', '.join(urls)})"
+        elif loaded:
+            backend = loaded.backend or "unknown"
+        else:
+            backend = f"{data.backend} (not loaded)" if data.backend else "(not loaded on the server)"
         return ModelInfo(
             name=key,
             architecture=arch,
-            parameters=details.parameter_size or "unknown",
-            quantization=details.quantization_level or "unknown",
-            context_length=info.get(f"{arch}.context_length"),
+            parameters=details.parameter_size if data.remote is None else "",
+            quantization=details.quantization_level if data.remote is None else "",
+            context_length=info.get(f"{info.get('general.architecture')}.context_length"),
             size=size,
-            backend=(loaded.backend or "unknown") if loaded else "(not loaded on the server)",
+            backend=backend,
             loaded_context=loaded.context_length if loaded else None,
         )
 
@@ -793,27 +556,234 @@ class ServerClient:
         return digest
 
     async def context_length(self, model: str, options: Mapping[str, Any] | None = None) -> int | None:
+        """The loaded model's context, else num_ctx as a load would ask for it (the Modelfile's, then
+        `options`), capped by what the model was trained for; a remote model's once it is loaded."""
         loaded = await self._loaded(model)
         if loaded and loaded.context_length:
             return loaded.context_length
         from localrt.runtime.options import Options
 
-        info = await self.show(model)
-        num_ctx = Options.merge(options).num_ctx  # the server's Modelfile parameters are not known here
-        return min(num_ctx, info.context_length) if info.context_length else num_ctx
+        data = await self._show(model)
+        if data.remote is not None:  # the upstream's context is known once it is loaded
+            return None
+        params = dict(line.split(None, 1) for line in data.parameters.splitlines() if len(line.split()) > 1)
+        num_ctx = Options.merge(params, options, lenient=(True, False)).num_ctx
+        trained = data.model_info.get(f"{data.model_info.get('general.architecture')}.context_length")
+        return min(num_ctx, trained) if trained else num_ctx
 
     async def count_tokens(
         self, model: str, messages: Sequence[Message], options: Mapping[str, Any] | None = None
     ) -> tuple[int, bool]:
-        # the server has no render route: tokenize the text and add a few tokens per message for
-        # the template's role markers, so the count is an estimate (shown with a ~)
-        text = "\n".join(str(m.get("content") or "") for m in messages)
+        """The tokens of the prompt the next request would start from: exact where the server counts it
+        through the model's template (localrt's `/v1/messages/count_tokens`); else the text's tokens and
+        a few per message for the template's role markers, an estimate (the chat app shows it with ~)."""
+        turns = [{"role": m.get("role"), "content": str(m.get("content") or "")} for m in messages]
+        if turns:
+            body = {"model": model, "messages": turns, **({"options": dict(options)} if options else {})}
+            try:
+                answer = await self._request("POST", "/v1/messages/count_tokens", json=body)
+                return int(answer.json()["input_tokens"]), True
+            except LocalrtError:
+                pass  # a server without the route (Ollama); a model's own error comes again below
+        text = "\n".join(turn["content"] for turn in turns)
         answer = await self._post("/api/tokenize", wire.build(wire.TokenizeRequest, model=model, text=text))
-        return len(wire.parse(wire.TokenizeResponse, answer.json()).tokens) + 5 * len(messages), False
+        return len(wire.parse(wire.TokenizeResponse, answer.json()).tokens) + 5 * len(turns), False
 
     async def close(self) -> None:
         if self._http is not None:
             await self._http.aclose()
+
+
+# ---- in process --------------------------------------------------------------------------------
+class InProcessTransport(httpx.AsyncBaseTransport):
+    """httpx to an ASGI app in this process, streaming both ways: each request runs the app in a task of
+    its own, and the answer's body arrives piece by piece as the app sends it (httpx's own ASGITransport
+    collects a whole answer before handing it over, so a chat would arrive all at once). Closing the
+    answer early is the client hanging up: the app hears `http.disconnect` and its task is cancelled,
+    which cancels the generation behind it, as a real server's does."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": request.method,
+            "scheme": request.url.scheme,
+            "path": request.url.path,
+            "raw_path": request.url.raw_path.split(b"?", 1)[0],
+            "query_string": request.url.query,
+            "root_path": "",
+            "headers": [(k.lower(), v) for k, v in request.headers.raw],
+            "client": ("127.0.0.1", 0),
+            "server": (request.url.host, request.url.port or 80),
+        }
+        body = aiter(request.stream)  # type: ignore[arg-type]
+        gone = asyncio.Event()
+        start: asyncio.Future[tuple[int, list[tuple[bytes, bytes]]]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        pieces: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+        more = True
+
+        async def receive() -> dict[str, Any]:
+            nonlocal more
+            if more:
+                piece = await anext(body, None)
+                more = piece is not None
+                return {"type": "http.request", "body": piece or b"", "more_body": more}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                start.set_result((message["status"], list(message.get("headers", []))))
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    pieces.put_nowait(message["body"])
+                if not message.get("more_body", False):
+                    pieces.put_nowait(None)
+
+        async def run() -> None:
+            try:
+                await self.app(scope, receive, send)
+            except BaseException as e:
+                if not start.done():
+                    start.set_exception(e)
+                pieces.put_nowait(e)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+            finally:
+                pieces.put_nowait(None)
+
+        task = asyncio.ensure_future(run())
+        try:
+            status, headers = await start
+        except BaseException:
+            task.cancel()
+            raise
+        return httpx.Response(status, headers=headers, stream=_AnswerStream(pieces, task, gone))
+
+
+class _AnswerStream(httpx.AsyncByteStream):
+    def __init__(
+        self,
+        pieces: asyncio.Queue[bytes | BaseException | None],
+        task: asyncio.Future[None],
+        gone: asyncio.Event,
+    ) -> None:
+        self.pieces, self.task, self.gone = pieces, task, gone
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while (piece := await self.pieces.get()) is not None:
+            if isinstance(piece, BaseException):
+                if isinstance(piece, asyncio.CancelledError):
+                    return
+                raise piece
+            yield piece
+
+    async def aclose(self) -> None:
+        self.gone.set()  # the app hears the client leave
+        if not self.task.done():
+            self.task.cancel()
+        with contextlib.suppress(BaseException):
+            await self.task
+
+
+class InProcessClient(ServerClient):
+    """The server's own app in this process (`localrt.api.app`, over `InProcessTransport`), with a
+    runtime of its own: every answer is the server's, written once. The store is this process's, so
+    `create` reads the files named to it where they are instead of uploading them (and, as the CLI
+    runs as its user, may name any variable as a remote model's key)."""
+
+    kind = "runtime"
+
+    def __init__(self, store: Any = None) -> None:
+        from localrt.api.app import create_app
+        from localrt.runtime.front import Runtime
+        from localrt.store.store import Store
+
+        self.store = store or Store()
+        self.runtime = Runtime(self.store)
+        self.app = create_app(store=self.store, runtime=self.runtime, api_key="")
+        super().__init__("http://127.0.0.1", "in-process")
+        self.where = "in-process"
+        self._lifespan: _Lifespan | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:  # made on the caller's loop, on first use
+            self._http = httpx.AsyncClient(
+                base_url=self.base_url, transport=InProcessTransport(self.app), timeout=self._timeout
+            )
+        return self._http
+
+    async def _ready(self) -> None:
+        """The app's start-up handlers run before its first request, as under a server."""
+        if self._lifespan is None:
+            self._lifespan = _Lifespan(self.app)
+            await self._lifespan.start()
+
+    async def create(self, spec: CreateSpec, status: StatusFn | None = None) -> str:
+        from localrt.store.modelfile import create
+
+        name = await asyncio.to_thread(
+            create,
+            spec.model,
+            modelfile_text=spec.modelfile_text,
+            from_path=spec.from_path,
+            store=self.store,
+            base_dir=spec.base_dir,
+            quantize=spec.quantize,
+            remote=spec.remote,
+            remote_model=spec.remote_model,
+            api_key_env=spec.api_key_env,
+            insecure=spec.insecure,
+            projector_path=spec.projector_path,
+            imatrix=spec.imatrix_path,
+            adapters=spec.adapter_paths,
+        )
+        return name.display
+
+    async def close(self) -> None:
+        await super().close()
+        if self._lifespan is not None:
+            await self._lifespan.stop()
+        await self.runtime.close()  # what this process loaded is unloaded with it
+
+
+class _Lifespan:
+    """An ASGI app's lifespan (start-up and shutdown handlers), run as a server runs it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.task: asyncio.Future[None] | None = None
+
+    async def start(self) -> None:
+        async def run() -> None:
+            with contextlib.suppress(Exception):  # an app without a lifespan
+                await self.app(
+                    {"type": "lifespan", "asgi": {"version": "3.0"}}, self.inbox.get, self.outbox.put
+                )
+            self.outbox.put_nowait({"type": "lifespan.gone"})
+
+        self.task = asyncio.ensure_future(run())
+        self.inbox.put_nowait({"type": "lifespan.startup"})
+        answer = await self.outbox.get()
+        if answer["type"] == "lifespan.startup.failed":
+            raise LocalrtError(f"the in-process server did not start: {answer.get('message', '')}")
+
+    async def stop(self) -> None:
+        if self.task is None or self.task.done():
+            return
+        self.inbox.put_nowait({"type": "lifespan.shutdown"})
+        await self.outbox.get()
+        with contextlib.suppress(BaseException):
+            await self.task
 
 
 def adapter_lines(modelfile: str) -> list[str]:
@@ -891,7 +861,8 @@ def server_answers(timeout: float = 0.5) -> bool:
 
 
 def connect(timeout: float = 0.5) -> Client:
-    """A running server at LOCALRT_HOST if `GET /` answers 200 there, else the in-process runtime."""
+    """A running server at LOCALRT_HOST if `GET /` answers 200 there, else the same server's app in
+    this process."""
     if server_answers(timeout):
         return ServerClient(*server_address())
-    return RuntimeClient()
+    return InProcessClient()

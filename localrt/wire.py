@@ -212,6 +212,10 @@ class ModelRequest(Named):
     pass
 
 
+class ShowRequest(Named):
+    options: OptionsField = None  # Ollama's: the options a load would use (ours: `backend` reads them)
+
+
 class CopyRequest(Wire):
     source: ModelName
     destination: ModelName
@@ -585,6 +589,7 @@ class ShowResponse(Out):
     parser: str | None = None
     requires: str | None = None
     remote: dict[str, Any] | None = None  # ours: a remote model's upstream id and endpoints' health
+    backend: str = ""  # ours: the backend a load of this local model would use here, with the options
 
 
 class RunningModel(Out):

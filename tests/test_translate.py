@@ -19,9 +19,9 @@ from localrt.api.translate import ParamError
 from localrt.api.translate import budget_from_anthropic
 from localrt.api.translate import call_schema
 from localrt.api.translate import constrain_tools
+from localrt.api.translate import effort_setting
 from localrt.api.translate import function_tool
 from localrt.api.translate import think_from_anthropic
-from localrt.api.translate import think_from_effort
 from localrt.runtime.answers import Chunk
 from localrt.runtime.answers import Metrics
 
@@ -158,23 +158,23 @@ def test_response_store_is_bounded_lru() -> None:
 
 def test_one_effort_mapping_for_every_route() -> None:
     # /v1/chat/completions reads reasoning_effort with the runtime's mapping; Responses and Anthropic go
-    # through translate.think_from_effort, which must say the same for every effort
+    # through translate.effort_setting, which must say the same for every effort
     from localrt.runtime.thinking import EFFORTS
     from localrt.runtime.thinking import think_from_effort as runtime_mapping
 
     for effort in EFFORTS:
         wanted = runtime_mapping(effort)
-        assert think_from_effort(effort, "p") == (wanted.level if wanted.enabled else False), effort
+        assert effort_setting(effort, "p") == (wanted.level if wanted.enabled else False), effort
 
 
 def test_thinking_mappings() -> None:
-    assert think_from_effort(None, "p") is None
-    assert think_from_effort("none", "p") is False
-    assert think_from_effort("minimal", "p") == "low"
-    assert think_from_effort("medium", "p") == "medium"
-    assert think_from_effort("xhigh", "p") == "high"
+    assert effort_setting(None, "p") is None
+    assert effort_setting("none", "p") is False
+    assert effort_setting("minimal", "p") == "low"
+    assert effort_setting("medium", "p") == "medium"
+    assert effort_setting("xhigh", "p") == "high"
     with pytest.raises(ParamError):
-        think_from_effort("enormous", "p")
+        effort_setting("enormous", "p")
     assert think_from_anthropic({"type": "enabled", "budget_tokens": 2048}, None) is True
     assert think_from_anthropic({"type": "enabled", "budget_tokens": 2048}, "low") == "low"
     assert think_from_anthropic({"type": "disabled"}, None) is False

@@ -32,9 +32,9 @@ from textual.widgets import ProgressBar  # noqa: E402
 from textual.widgets import Select  # noqa: E402
 from textual.widgets import TextArea  # noqa: E402
 
+from localrt.client import InProcessClient  # noqa: E402
 from localrt.client import ModelInfo  # noqa: E402
 from localrt.client import ModelRow  # noqa: E402
-from localrt.client import RuntimeClient  # noqa: E402
 from localrt.client import ServerClient  # noqa: E402
 from localrt.client import connect  # noqa: E402
 from localrt.runtime.answers import Chunk  # noqa: E402
@@ -132,7 +132,7 @@ class RecordingApp(ChatApp):
 
 
 def make_app(root: Path | None, tmp_path: Path, model: str | None = MODEL, **kwargs: Any) -> RecordingApp:
-    kwargs.setdefault("client", RuntimeClient(store=Store(root)) if root is not None else FakeClient())
+    kwargs.setdefault("client", InProcessClient(Store(root)) if root is not None else FakeClient())
     return RecordingApp(model, db_path=tmp_path / "chat.db", export_dir=tmp_path, **kwargs)
 
 
@@ -311,7 +311,7 @@ async def test_quitting_mid_answer_keeps_the_partial_answer(model_root: Path, tm
 @needs_llama
 @async_test
 async def test_switching_models(model_root: Path, tmp_path: Path) -> None:
-    client = RuntimeClient(store=Store(model_root))
+    client = InProcessClient(Store(model_root))
     app = make_app(model_root, tmp_path, client=client)
     async with app.run_test(size=(100, 30)) as pilot:
         assert app.conversation.model == MODEL

@@ -111,7 +111,7 @@ import asyncio, sys
 from pathlib import Path
 from localrt.store.store import Store
 from localrt.tui.app import ChatApp
-from localrt.client import RuntimeClient
+from localrt.client import InProcessClient
 from localrt.tui.conversations import Settings
 
 async def wait(pilot, condition):
@@ -119,7 +119,7 @@ async def wait(pilot, condition):
         await pilot.pause(0.05)
 
 async def main():
-    app = ChatApp(sys.argv[1], client=RuntimeClient(store=Store(sys.argv[2])), db_path=sys.argv[3])
+    app = ChatApp(sys.argv[1], client=InProcessClient(Store(sys.argv[2])), db_path=sys.argv[3])
     async with app.run_test(size=(100, 30)) as pilot:
         app.conversation.settings = Settings(options={"num_predict": 900})
         for text in (sys.argv[4], "Write a very long story about a dragon."):
@@ -198,7 +198,7 @@ def test_killing_the_app_mid_answer_loses_no_earlier_message(env: dict[str, str]
 def test_readme_screenshot(smollm2_gguf: Path, tmp_path: Path) -> None:
     """docs/tui.svg is a real conversation with SmolLM2; set LOCALRT_UPDATE_SCREENSHOT=1 to retake it."""
     if os.environ.get("LOCALRT_UPDATE_SCREENSHOT"):
-        from localrt.client import RuntimeClient
+        from localrt.client import InProcessClient
         from localrt.tui.app import ChatApp
         from tests.test_tui_app import ask
 
@@ -206,7 +206,7 @@ def test_readme_screenshot(smollm2_gguf: Path, tmp_path: Path) -> None:
         import_gguf(store, MODEL, smollm2_gguf, system=SYSTEM, params={**PARAMS, "num_predict": 80})
 
         async def take() -> None:
-            app = ChatApp(MODEL, client=RuntimeClient(store=store), db_path=tmp_path / "chat.db")
+            app = ChatApp(MODEL, client=InProcessClient(store), db_path=tmp_path / "chat.db")
             async with app.run_test(size=(110, 34)) as pilot:
                 await ask(pilot, app, FRANCE)
                 await ask(pilot, app, "Write a Python function that reverses a string.")

@@ -3,10 +3,12 @@ another localrt), behind a protocol of their own.
 
 `RemoteBackend.load(path, opts)` takes the model's config blob (what the store wrote at `create
 --remote`), probes the endpoints and returns a `RemoteModel`. A `RemoteModel` is not a `LoadedModel`:
-it has no vocabulary and no chat template, and generates from a `RemoteRequest` (messages or text, never
-token ids). Chat requests go to the upstream's /v1/chat/completions as messages (the upstream applies
-its own template), raw prompts to /v1/completions. Answers are always streamed from the upstream, so closing our iterator (our client
-went away) closes the upstream connection and the upstream stops generating.
+it has no vocabulary and no chat template, and speaks OpenAI's API to the upstream. `forward` passes an
+OpenAI request on as its client wrote it (only `model` renamed) and hands back the upstream's bytes;
+`generate` sends a request the runtime translated once (`upstream.chat_body`: messages to
+/v1/chat/completions, where the upstream applies its own template; `completion_body`: raw prompts to
+/v1/completions) and reads the answer back. Closing either iterator (our client went away) closes the
+upstream connection, and the upstream stops generating.
 
 Retries: a request that fails before its first token is tried on the next endpoint of the pool;
 after the first token it fails (a half answer cannot be resumed elsewhere). The API key comes from
@@ -24,23 +26,22 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from collections.abc import Mapping
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from typing import ClassVar
 
 import httpx
 
+from localrt.backends.base import CancelToken
 from localrt.backends.base import Capabilities
 from localrt.backends.base import DoneEvent
-from localrt.backends.base import Event
 from localrt.backends.base import LoadOptions
-from localrt.backends.base import TextEvent
-from localrt.backends.base import Timings
 from localrt.backends.remote import upstream
 from localrt.backends.remote.pool import Endpoint
 from localrt.backends.remote.pool import Pool
-from localrt.backends.remote.upstream import RemoteRequest
 from localrt.errors import LocalrtError
 from localrt.errors import ServerBusy
 from localrt.store.remote import check_endpoint
@@ -83,6 +84,14 @@ def _transport_reason(e: httpx.HTTPError) -> str:
         httpx.ReadError: "the connection broke",
     }
     return next((text for kind, text in names.items() if isinstance(e, kind)), type(e).__name__)
+
+
+@dataclass(frozen=True)
+class Opened:
+    """An endpoint has answered 200 and sent its first bytes: what they are and who sent them."""
+
+    media_type: str
+    endpoint: str
 
 
 class RemoteBackend:
@@ -238,101 +247,114 @@ class RemoteModel:
             f"every endpoint of remote model {self.upstream_model} failed: {'; '.join(failures)}"
         )
 
-    # ---- generation --------------------------------------------------------------------------
-    async def generate(self, request: RemoteRequest) -> AsyncIterator[Event]:
-        if request.num_predict == 0:
-            yield DoneEvent("length", Timings())
-            return
-        chat = request.chat
-        body = (
-            upstream.chat_body(self.upstream_model, request)
-            if chat
-            else upstream.completion_body(self.upstream_model, request)
-        )
-        path = "/chat/completions" if chat else "/completions"
+    # ---- requests ------------------------------------------------------------------------------
+    async def forward(
+        self, path: str, body: Mapping[str, Any], cancel: CancelToken | None = None
+    ) -> AsyncIterator[Opened | bytes]:
+        """The upstream's answer to an OpenAI request (`body` as its client wrote it; `model` becomes
+        the upstream's id), as its bytes. First comes `Opened`, once an endpoint has answered 200 and
+        sent its first bytes: an endpoint that fails before that (no connection, a 5xx, no answer, a
+        page that is no API answer) is taken out and the next one tried. Then the bytes, as they come;
+        a failure after the first byte is an error (a half answer cannot be resumed elsewhere).
+        Closing the iterator closes the upstream connection, so the upstream stops generating."""
+        body = {**body, "model": self.upstream_model}
+        cancelled_at_start = self._cancelled
         failures: list[str] = []
         busy = 0
         for endpoint in self.pool.order():
-            started = False
             try:
-                events = self._attempt(endpoint, path, body, request)
-                async with contextlib.aclosing(events):  # closing it closes the upstream connection
-                    async for event in events:
-                        started = started or isinstance(event, TextEvent)
-                        yield event
-                self.pool.mark_ok(endpoint)
-                return
+                response, chunks, first = await self._open(endpoint, path, body)
             except EndpointFailure as e:
                 reason = self._scrub(e.reason)
                 busy += e.busy
                 if not e.busy:
                     self.pool.mark_failed(endpoint, reason)
-                if started:
-                    raise RemoteError(
-                        f"{endpoint.url} failed in the middle of the answer: {reason}"
-                    ) from None
                 failures.append(f"{endpoint.url} ({reason})")
+                continue
+            try:
+                yield Opened(response.headers.get("content-type", ""), endpoint.url)
+                yield first
+                async for data in chunks:
+                    if (cancel is not None and cancel.cancelled) or self._cancelled != cancelled_at_start:
+                        return
+                    yield data
+            except httpx.HTTPError as e:
+                reason = _transport_reason(e)
+                self.pool.mark_failed(endpoint, reason)
+                raise RemoteError(f"{endpoint.url} failed in the middle of the answer: {reason}") from None
+            finally:
+                await response.aclose()
+            self.pool.mark_ok(endpoint)
+            return
         if busy and busy == len(failures):
             raise ServerBusy(f"every endpoint of {self.upstream_model} is busy: {'; '.join(failures)}")
         raise self._all_failed(failures)
 
-    async def _attempt(
-        self, endpoint: Endpoint, path: str, body: dict[str, Any], request: RemoteRequest
-    ) -> AsyncIterator[Event]:
-        answer = upstream.Answer(chat=request.chat, top_logprobs=request.top_logprobs)
-        sent = time.perf_counter_ns()
-        first = 0
-        cancelled_at_start = self._cancelled
-        finish: str | None = None
+    async def _open(
+        self, endpoint: Endpoint, path: str, body: dict[str, Any]
+    ) -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
+        """The endpoint's answer up to its first bytes; EndpointFailure when the endpoint is at fault,
+        RemoteError when the request is (no endpoint would answer better)."""
+        client = self._client()
+        request = client.build_request(
+            "POST", endpoint.url + path, json=body, headers=self._headers(endpoint.url)
+        )
         try:
-            async with self._client().stream(
-                "POST", endpoint.url + path, json=body, headers=self._headers(endpoint.url)
-            ) as resp:
-                if resp.status_code != 200:
-                    raise self._endpoint_failure(endpoint, resp.status_code, await resp.aread())
-                async for event in self._events(resp, answer):
-                    if request.cancel.cancelled or self._cancelled != cancelled_at_start:
-                        finish = "cancel"
-                        break
-                    first = first or time.perf_counter_ns()
-                    yield event
-                if finish is None and not (answer.done or answer.finish):
-                    raise EndpointFailure("the answer ended before its end")
+            response = await client.send(request, stream=True)
         except httpx.HTTPError as e:
             raise EndpointFailure(_transport_reason(e)) from None
-        except upstream.Garbage as e:
-            raise EndpointFailure(str(e)) from None
-        except upstream.UpstreamErrorEvent as e:
-            if 400 <= e.status < 500:
-                raise RemoteError(f"{endpoint.url}: {self._scrub(str(e))}", 400) from None
-            raise EndpointFailure(f"error event: {self._scrub(str(e))}") from None
         try:
-            calls = answer.tool_calls()
-        except upstream.Garbage as e:
-            raise RemoteError(f"{endpoint.url} {e}") from None
+            if response.status_code != 200:
+                raise self._endpoint_failure(endpoint, response.status_code, await response.aread())
+            media_type = response.headers.get("content-type", "")
+            if "application/json" not in media_type and "text/event-stream" not in media_type:
+                raise EndpointFailure(f"answered {media_type or 'no content type'}, not an API answer")
+            chunks = response.aiter_bytes()
+            first = await anext(chunks, b"")
+        except httpx.HTTPError as e:
+            await response.aclose()
+            raise EndpointFailure(_transport_reason(e)) from None
+        except BaseException:
+            await response.aclose()
+            raise
+        return response, chunks, first
+
+    async def generate(
+        self, path: str, body: dict[str, Any], cancel: CancelToken
+    ) -> AsyncIterator[upstream.Delta | DoneEvent]:
+        """A request the runtime translated (`upstream.chat_body`, `completion_body`), its answer read:
+        `upstream.Delta`s as they come, then one `DoneEvent` with the tool calls and the timings."""
+        answer = upstream.Answer(chat=path == upstream.CHAT, top_logprobs=int(body.get("top_logprobs") or 0))
+        sent = time.perf_counter_ns()
+        first = 0
+        finish: str | None = None
+        cancelled_at_start = self._cancelled
+        stream = self.forward(path, body, cancel)
+        async with contextlib.aclosing(stream):  # closing it closes the upstream connection
+            opened = await anext(stream)
+            assert isinstance(opened, Opened)
+            try:
+                answer.start(opened.media_type)
+                async for data in stream:
+                    assert isinstance(data, bytes)
+                    for delta in answer.feed(data):
+                        first = first or time.perf_counter_ns()
+                        yield delta
+                for delta in answer.end():
+                    first = first or time.perf_counter_ns()
+                    yield delta
+                calls = answer.tool_calls()
+            except upstream.Garbage as e:
+                raise RemoteError(f"{opened.endpoint} {e}") from None
+            except upstream.UpstreamErrorEvent as e:
+                status = 400 if 400 <= e.status < 500 else 502
+                raise RemoteError(f"{opened.endpoint}: {self._scrub(str(e))}", status) from None
+        if cancel.cancelled or self._cancelled != cancelled_at_start:
+            finish = "cancel"
+        elif not answer.ended():
+            raise RemoteError(f"{opened.endpoint} ended the answer before its end")
         timings = answer.timings(sent, first, time.perf_counter_ns())
         yield DoneEvent(finish or answer.finish_reason(), timings, tool_calls=calls)  # type: ignore[arg-type]
-
-    @staticmethod
-    async def _events(resp: httpx.Response, answer: upstream.Answer) -> AsyncIterator[TextEvent]:
-        """Server-sent events, or one JSON answer from a server that does not stream."""
-        ctype = resp.headers.get("content-type", "")
-        if "application/json" in ctype:
-            try:
-                whole = json.loads(await resp.aread())
-            except ValueError:
-                raise upstream.Garbage("answered JSON that does not parse") from None
-            for event in answer.chunk(whole):
-                yield event
-            answer.done = True
-            return
-        if "text/event-stream" not in ctype:
-            raise upstream.Garbage(f"answered {ctype or 'no content type'}, not an event stream")
-        async for line in resp.aiter_lines():
-            for event in answer.line(line):
-                yield event
-            if answer.done:
-                return
 
     def cancel(self) -> None:
         self._cancelled += 1

@@ -1,20 +1,19 @@
-"""What the remote backend says to an upstream and reads back, in OpenAI's format: request bodies from
-our requests, and the upstream's answer (server-sent events or one JSON object) back into text events,
-tool calls, logprobs and timings."""
+"""What the remote backend says to an upstream and reads back, in OpenAI's format: the bodies of the
+requests the runtime translated once (an Ollama or Anthropic chat; an OpenAI request is forwarded as its
+client wrote it), and the upstream's answer (server-sent events or one JSON object) read into deltas
+(text, thinking, logprobs), tool calls with their ids, and timings."""
 
 from __future__ import annotations
 
 import base64
 import binascii
 import json
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
-from localrt.backends.base import CancelToken
-from localrt.backends.base import OutputSettings
-from localrt.backends.base import SamplingParams
-from localrt.backends.base import TextEvent
 from localrt.backends.base import Timings
 from localrt.backends.base import TokenLogprob
 from localrt.backends.base import TopLogprob
@@ -36,37 +35,42 @@ class UpstreamErrorEvent(Exception):
 
 
 # ---- requests -----------------------------------------------------------------------------------
-@dataclass(kw_only=True)
-class RemoteRequest(OutputSettings):
-    """One chat or completion for the upstream. The upstream templates and tokenizes, so a request
-    carries the conversation (`messages`, OpenAI `tools`) or the raw text (`prompt`), never token ids."""
+CHAT = "/chat/completions"
+COMPLETIONS = "/completions"
+EMBEDDINGS = "/embeddings"
 
-    messages: list[dict[str, Any]] | None = None  # chat: the runtime's (Ollama-shaped) messages
-    tools: list[dict[str, Any]] | None = None
-    prompt: str | None = None  # completions: the text as given
-    cancel: CancelToken = field(default_factory=CancelToken)
+# Ollama's option -> the fields OpenAI-compatible servers take for it (the repeat penalty under both
+# names, as vLLM and SGLang read `repetition_penalty` and llama-server `repeat_penalty`)
+SAMPLING_FIELDS = {
+    "temperature": ("temperature",),
+    "top_p": ("top_p",),
+    "top_k": ("top_k",),
+    "min_p": ("min_p",),
+    "presence_penalty": ("presence_penalty",),
+    "frequency_penalty": ("frequency_penalty",),
+    "repeat_penalty": ("repetition_penalty", "repeat_penalty"),
+    "seed": ("seed",),
+    "stop": ("stop",),
+}
 
-    @property
-    def chat(self) -> bool:
-        return self.messages is not None
 
-
-def sampling_fields(s: SamplingParams) -> dict[str, Any]:
-    """Ollama's sampling options under the names OpenAI-compatible servers take: the standard fields,
-    and vLLM/SGLang/llama-server's extras (both names of the repeat penalty, as servers differ)."""
-    out: dict[str, Any] = {
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "min_p": s.min_p,
-        "presence_penalty": s.presence_penalty,
-        "frequency_penalty": s.frequency_penalty,
-        "repetition_penalty": s.repeat_penalty,
-        "repeat_penalty": s.repeat_penalty,
-    }
-    if s.top_k > 0:  # 0 (Ollama's "off") means different things upstream; leave it to the server
-        out["top_k"] = s.top_k
-    if s.seed >= 0:
-        out["seed"] = s.seed
+def sampling_fields(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The options a request (or its model's Modelfile) set, under the names OpenAI-compatible servers
+    take; what was not set is not sent, so the upstream's own defaults (its model's generation config)
+    apply. `top_k` 0 and a negative `seed` (Ollama's "off" and "random") mean what the server does
+    unasked, and `num_predict` -1 or -2 no max_tokens: the upstream bounds an answer by its context."""
+    out: dict[str, Any] = {}
+    for option, names in SAMPLING_FIELDS.items():
+        value = given.get(option)
+        if value is None or (option == "top_k" and value <= 0) or (option == "seed" and value < 0):
+            continue
+        if option == "stop" and not value:
+            continue
+        for name in names:
+            out[name] = list(value) if option == "stop" else value
+    num_predict = given.get("num_predict")
+    if num_predict is not None and num_predict > 0:
+        out["max_tokens"] = num_predict
     return out
 
 
@@ -75,43 +79,63 @@ def response_format(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     if fmt == "json":
         return {"type": "json_object"}
-    if not isinstance(fmt, dict):  # a GBNF grammar (the grammar option, tool_choice "required")
-        raise OptionError("grammars (and tool_choice 'required') are not available for remote models")
+    if not isinstance(fmt, dict):
+        raise OptionError("grammars are not available for remote models")
     return {"type": "json_schema", "json_schema": {"name": "response", "schema": fmt}}
 
 
-def chat_body(model: str, request: RemoteRequest) -> dict[str, Any]:
-    fields: dict[str, Any] = {"messages": openai_messages(request.messages or [])}
-    if request.tools:
-        fields["tools"] = request.tools
-    if request.logprobs:
+def chat_body(
+    messages: list[dict[str, Any]],
+    given: Mapping[str, Any],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool | None = None,
+    fmt: str | dict[str, Any] | None = None,
+    top_logprobs: int | None = None,
+) -> dict[str, Any]:
+    """An Ollama- or Anthropic-shaped chat, translated once into OpenAI's: the runtime's (Ollama's)
+    messages, and only the fields the request set. `top_logprobs` None: no logprobs asked for."""
+    fields: dict[str, Any] = {"messages": openai_messages(messages)}
+    if tools:
+        fields["tools"] = tools
+        if tool_choice is not None and tool_choice != "auto":
+            fields["tool_choice"] = tool_choice
+        if parallel_tool_calls is not None:
+            fields["parallel_tool_calls"] = parallel_tool_calls
+    if top_logprobs is not None:
         fields["logprobs"] = True
-        fields["top_logprobs"] = request.top_logprobs
-    return _streamed(model, fields, request)
+        if top_logprobs:
+            fields["top_logprobs"] = top_logprobs
+    return _streamed(fields, given, fmt)
 
 
-def completion_body(model: str, request: RemoteRequest) -> dict[str, Any]:
-    fields: dict[str, Any] = {"prompt": request.prompt or ""}
-    if request.logprobs:
-        fields["logprobs"] = max(1, request.top_logprobs)  # the legacy field is a count; 0 asks for none
-    return _streamed(model, fields, request)
+def completion_body(
+    prompt: str,
+    given: Mapping[str, Any],
+    *,
+    fmt: str | dict[str, Any] | None = None,
+    top_logprobs: int | None = None,
+) -> dict[str, Any]:
+    """A raw prompt for the upstream's completions, with only the fields the request set."""
+    fields: dict[str, Any] = {"prompt": prompt}
+    if top_logprobs is not None:
+        fields["logprobs"] = max(1, top_logprobs)  # the legacy field is a count; 0 asks for none
+    return _streamed(fields, given, fmt)
 
 
-def _streamed(model: str, fields: dict[str, Any], request: RemoteRequest) -> dict[str, Any]:
-    """A streamed request's body: the model, the endpoint's own `fields` (its prompt, ...), then what
-    chat and completions read the same way (sampling, length, stop strings, response format)."""
+def _streamed(
+    fields: dict[str, Any], given: Mapping[str, Any], fmt: str | dict[str, Any] | None
+) -> dict[str, Any]:
+    """The body with what chat and completions read the same way. Always streamed from the upstream,
+    with its usage: closing the stream is how a cancelled request stops the upstream's generation."""
     body: dict[str, Any] = {
-        "model": model,
         **fields,
+        **sampling_fields(given),
         "stream": True,
         "stream_options": {"include_usage": True},
-        **sampling_fields(request.sampling),
     }
-    if request.num_predict > 0:
-        body["max_tokens"] = request.num_predict
-    if request.stop:
-        body["stop"] = list(request.stop)
-    rf = response_format(request.format)
+    rf = response_format(fmt)
     if rf is not None:
         body["response_format"] = rf
     return body
@@ -167,8 +191,18 @@ def data_url(image: Any) -> str:
 
 # ---- answers ------------------------------------------------------------------------------------
 @dataclass
+class Delta:
+    """A piece of the upstream's answer: text, thinking (its `reasoning_content`), their logprobs."""
+
+    content: str = ""
+    reasoning: str = ""
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
 class Answer:
-    """What one upstream answer has delivered so far."""
+    """What one upstream answer has delivered so far, read from its bytes as they come: server-sent
+    events, or one JSON object from a server that does not stream."""
 
     chat: bool
     top_logprobs: int = 0
@@ -178,8 +212,40 @@ class Answer:
     llama_timings: dict[str, Any] = field(default_factory=dict)  # llama-server's own `timings`
     pieces: int = 0
     calls: dict[int, dict[str, str]] = field(default_factory=dict)
+    json_body: bool = False  # the answer is one JSON object, read whole at the end
+    _partial: bytes = b""  # a line not yet ended
 
-    def line(self, line: str) -> list[TextEvent]:
+    def start(self, media_type: str) -> None:
+        """The answer's content type: an event stream or one JSON object (anything else is no answer)."""
+        if "application/json" in media_type:
+            self.json_body = True
+        elif "text/event-stream" not in media_type:
+            raise Garbage(f"answered {media_type or 'no content type'}, not an event stream")
+
+    def feed(self, data: bytes) -> list[Delta]:
+        """The deltas in the next bytes of the answer (a JSON body is kept until `end`)."""
+        self._partial += data
+        if self.json_body:
+            return []
+        *lines, self._partial = self._partial.split(b"\n")
+        out: list[Delta] = []
+        for line in lines:
+            out += self.line(line.decode("utf-8", errors="replace"))
+        return out
+
+    def end(self) -> list[Delta]:
+        """The deltas of what was left: the whole JSON body, or a last line without its newline."""
+        rest, self._partial = self._partial, b""
+        if not self.json_body:
+            return self.line(rest.decode("utf-8", errors="replace")) if rest.strip() else []
+        try:
+            whole = json.loads(rest)
+        except ValueError:
+            raise Garbage("answered JSON that does not parse") from None
+        self.done = True
+        return self.chunk(whole)
+
+    def line(self, line: str) -> list[Delta]:
         """One line of a server-sent event stream."""
         line = line.strip()
         if not line or line.startswith((":", "event:", "id:", "retry:")):
@@ -196,7 +262,7 @@ class Answer:
             raise Garbage("sent an event that is not JSON") from None
         return self.chunk(obj)
 
-    def chunk(self, obj: Any) -> list[TextEvent]:
+    def chunk(self, obj: Any) -> list[Delta]:
         """One streamed chunk (or a whole non-streamed answer)."""
         if not isinstance(obj, dict):
             raise Garbage("sent JSON that is not an object")
@@ -212,74 +278,136 @@ class Answer:
             self.llama_timings = obj["timings"]
         if not choices:  # a chunk with the usage alone
             return []
-        event = self._choice(choices[0] if isinstance(choices[0], dict) else {})  # one answer is asked for
-        return [] if event is None else [event]
+        delta = self._choice(choices[0] if isinstance(choices[0], dict) else {})  # one answer is asked for
+        return [] if delta is None else [delta]
 
-    def _choice(self, choice: dict[str, Any]) -> TextEvent | None:
+    def _choice(self, choice: dict[str, Any]) -> Delta | None:
         if choice.get("finish_reason"):
             self.finish = str(choice["finish_reason"])
+        reasoning: Any = ""
         if self.chat:
-            delta = choice.get("delta") or choice.get("message") or {}
-            text = delta.get("content") or ""
-            self._add_calls(delta.get("tool_calls"))
+            message = choice.get("delta") or choice.get("message") or {}
+            text = message.get("content") or ""
+            # vLLM and llama-server call the thinking `reasoning_content`; newer vLLM `reasoning`
+            reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+            self._add_calls(message.get("tool_calls"))
             lps = chat_logprobs(choice.get("logprobs"))
         else:
             text = choice.get("text") or ""
             lps = completion_logprobs(choice.get("logprobs"), self.top_logprobs)
-        if not isinstance(text, str):
+        if not isinstance(text, str) or not isinstance(reasoning, str):
             raise Garbage("sent content that is not text")
-        if not text and not lps:
+        if not text and not reasoning and not lps:
             return None
         self.pieces += len(lps) if lps else 1
-        return TextEvent(text, [], lps)
+        return Delta(text, reasoning, lps)
 
     def _add_calls(self, deltas: Any) -> None:
-        """Streamed tool calls arrive in pieces keyed by index: the name once, the arguments in parts."""
+        """Streamed tool calls arrive in pieces keyed by index: the id and name once, the arguments in
+        parts."""
         if not isinstance(deltas, list):
             return
         for n, d in enumerate(deltas):
             if not isinstance(d, dict):
                 continue
             index = d.get("index", n) if isinstance(d.get("index", n), int) else n
-            call = self.calls.setdefault(index, {"name": "", "arguments": ""})
+            call = self.calls.setdefault(index, {"id": "", "name": "", "arguments": ""})
+            if isinstance(d.get("id"), str) and not call["id"]:
+                call["id"] = d["id"]
             fn = d.get("function") or {}
             call["name"] += fn.get("name") or ""
             args = fn.get("arguments")
             call["arguments"] += args if isinstance(args, str) else json.dumps(args) if args else ""
 
     def tool_calls(self) -> list[dict[str, Any]] | None:
-        """The calls in Ollama's shape (arguments as an object)."""
+        """The calls in the runtime's (Ollama's) shape: the upstream's id, the arguments as an object."""
         out = []
-        for _, call in sorted(self.calls.items()):
+        for index, call in sorted(self.calls.items()):
             try:
                 args = json.loads(call["arguments"] or "{}")
             except ValueError:
                 raise Garbage(
                     f"sent tool call arguments that are not JSON: {call['arguments'][:80]!r}"
                 ) from None
-            out.append(
-                {"function": {"name": call["name"], "arguments": args if isinstance(args, dict) else {}}}
-            )
+            fn = {"index": index, "name": call["name"], "arguments": args if isinstance(args, dict) else {}}
+            out.append({"id": call["id"], "function": fn} if call["id"] else {"function": fn})
         return out or None
 
     def finish_reason(self) -> str:
         return "length" if self.finish == "length" else "stop"
 
+    def ended(self) -> bool:
+        """Whether the answer said it was complete (a finish reason, or `[DONE]`)."""
+        return self.done or self.finish is not None
+
     def timings(self, sent_ns: int, first_ns: int, end_ns: int) -> Timings:
-        """Ollama's counts and durations: the usage's token counts; llama-server's own timings when it
-        sends them, else the durations as seen from here (to the first token, then to the end)."""
-        first = first_ns or end_ns
-        t = Timings(
-            prompt_eval_count=_int(self.usage.get("prompt_tokens")),
-            prompt_eval_ns=max(0, first - sent_ns),
-            eval_count=_int(self.usage.get("completion_tokens")) or self.pieces,
-            eval_ns=max(0, end_ns - first),
-        )
-        lt = self.llama_timings
-        if lt.get("prompt_ms") is not None and lt.get("predicted_ms") is not None:
-            t.prompt_eval_ns = int(float(lt["prompt_ms"]) * 1e6)
-            t.eval_ns = int(float(lt["predicted_ms"]) * 1e6)
-        return t
+        return usage_timings(self.usage, self.llama_timings, self.pieces, sent_ns, first_ns, end_ns)
+
+
+class Tally:
+    """What an answer forwarded byte for byte tells of its size and speed, read off its bytes as they
+    pass without decoding its events: the usage (present where the client asked for it) and
+    llama-server's timings, from the lines that carry them; the time of the first and the last bytes."""
+
+    MAX_JSON = 1 << 20  # a whole JSON answer is read for its usage up to this size
+
+    def __init__(self) -> None:
+        self.sent = time.perf_counter_ns()
+        self.first = 0
+        self.json_body = False
+        self.usage: dict[str, Any] = {}
+        self.llama_timings: dict[str, Any] = {}
+        self._partial = b""
+
+    def start(self, media_type: str) -> None:
+        self.json_body = "application/json" in media_type
+
+    def see(self, data: bytes) -> None:
+        self.first = self.first or time.perf_counter_ns()
+        if self.json_body:
+            if len(self._partial) < self.MAX_JSON:
+                self._partial += data
+            return
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:") and (b'"usage"' in line or b'"timings"' in line):
+                self._read(line[5:])
+
+    def _read(self, text: bytes) -> None:
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return
+        if isinstance(obj, dict):
+            if isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+            if isinstance(obj.get("timings"), dict):
+                self.llama_timings = obj["timings"]
+
+    def timings(self, end_ns: int) -> Timings:
+        if self.json_body and self._partial:
+            self._read(self._partial)
+            self._partial = b""
+        return usage_timings(self.usage, self.llama_timings, 0, self.sent, self.first, end_ns)
+
+
+def usage_timings(
+    usage: dict[str, Any], llama: dict[str, Any], pieces: int, sent_ns: int, first_ns: int, end_ns: int
+) -> Timings:
+    """Ollama's counts and durations: the usage's token counts (else the pieces counted here);
+    llama-server's own timings when it sends them, else the durations as seen from here (to the first
+    token, then to the end)."""
+    first = first_ns or end_ns
+    t = Timings(
+        prompt_eval_count=_int(usage.get("prompt_tokens")),
+        prompt_eval_ns=max(0, first - sent_ns),
+        eval_count=_int(usage.get("completion_tokens")) or pieces,
+        eval_ns=max(0, end_ns - first),
+    )
+    if llama.get("prompt_ms") is not None and llama.get("predicted_ms") is not None:
+        t.prompt_eval_ns = int(float(llama["prompt_ms"]) * 1e6)
+        t.eval_ns = int(float(llama["predicted_ms"]) * 1e6)
+    return t
 
 
 def _int(value: Any) -> int:

@@ -527,7 +527,8 @@ def chat_call(
     call = ChatCall(
         model=model,
         messages=messages,
-        options=sampling_options(f, renamed, {"temperature": 1.0}),
+        options=sampling_options(f, renamed),
+        defaults={"temperature": 1.0},
         tools=tools.shown,
         format=format_from(output_config),
         think=think_from_anthropic(f.get("thinking"), output_config.get("effort")),

@@ -21,7 +21,7 @@ from localrt import __version__
 from localrt import wire
 from localrt.api import schemas
 from localrt.api import web
-from localrt.api.streaming import first_and_rest
+from localrt.api.streaming import first_of
 from localrt.api.streaming import ndjson_response
 from localrt.api.streaming import unless_client_leaves
 from localrt.errors import LocalrtError
@@ -176,7 +176,7 @@ def given(value: str, key: str) -> str:
 
 @router.post(
     "/api/show",
-    openapi_extra=schemas.request_body(wire.ModelRequest),
+    openapi_extra=schemas.request_body(wire.ShowRequest),
     responses={200: schemas.ok(wire.ShowResponse), **MODEL_ERRORS},
 )
 async def show(request: Request) -> dict[str, Any]:
@@ -188,7 +188,7 @@ async def show(request: Request) -> dict[str, Any]:
     from localrt.show import template_origin
     from localrt.store.gguf import read_gguf
 
-    body = await schemas.read_body(request, wire.ModelRequest)
+    body = await schemas.read_body(request, wire.ShowRequest)
     store = store_of(request)
     resolved = store.resolve(parse_name(body.required_name()))
     if resolved.remote is not None:
@@ -211,11 +211,24 @@ async def show(request: Request) -> dict[str, Any]:
         "model_info": info.summary(),
         "capabilities": capabilities,
         "template_origin": template_origin(template_choice(resolved, info)),
+        "backend": backend_for(request, resolved, body.options),
         **model_formats(resolved),
         "modified_at": rfc3339(store.manifest_path(resolved.name).stat().st_mtime)
         if store.manifest_path(resolved.name).exists()
         else None,
     }
+
+
+def backend_for(request: Request, resolved: ResolvedModel, options: dict[str, Any] | None) -> str:
+    """The backend a load of the model would use on this machine, with the Modelfile's and `options`'s
+    `backend` (`auto` resolved), or why none would."""
+    from localrt.runtime.options import Options
+
+    try:
+        wanted = Options.merge(resolved.params, options, lenient=(True, False)).backend
+        return Runtime.backend_for(wanted)
+    except LocalrtError as e:
+        return f"unavailable: {e}"
 
 
 def model_formats(resolved: ResolvedModel) -> dict[str, Any]:
@@ -292,8 +305,8 @@ async def respond(items: AsyncIterator[dict[str, Any]], stream: bool) -> Respons
         async for item in items:
             last = item
         return JSONResponse(last)
-    _, all_items = await first_and_rest(items)
-    return ndjson_response(all_items)
+    first, rest = await first_of(items)
+    return ndjson_response(first, rest)
 
 
 @router.post(
@@ -498,21 +511,23 @@ def generation_args(body: wire.Generation) -> Settings:
 async def generation_response(
     request: Request, chunks: AsyncIterator[Chunk], stream: bool, to_wire: Callable[[Chunk], dict[str, Any]]
 ) -> Response:
-    async def wire() -> AsyncIterator[dict[str, Any]]:
-        async for chunk in chunks:
-            observe(request, chunk)
-            yield to_wire(chunk)
+    """The runtime's chunks as Ollama's answer: one JSON object, or NDJSON written straight from the
+    runtime's iterator once its first chunk has come (errors before it get their status code)."""
+
+    def line(chunk: Chunk) -> list[dict[str, Any]]:
+        observe(request, chunk)
+        return [to_wire(chunk)]
 
     async def whole() -> dict[str, Any]:
         last: dict[str, Any] = {}
-        async for item in wire():
-            last = item
+        async for chunk in chunks:
+            last = line(chunk)[0]
         return last
 
     if not stream:
         return JSONResponse(await unless_client_leaves(request, whole()))
-    _, items = await unless_client_leaves(request, first_and_rest(wire()))
-    return ndjson_response(items)
+    first, rest = await unless_client_leaves(request, first_of(chunks))
+    return ndjson_response(first, rest, line)
 
 
 @router.post(

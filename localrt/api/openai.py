@@ -17,23 +17,27 @@ from fastapi import Path
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from fastapi.responses import Response
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 
 from localrt import wire
 from localrt.api import schemas
 from localrt.api.ollama import observe
 from localrt.api.ollama import runtime_of
 from localrt.api.security import error_body
-from localrt.api.streaming import first_and_rest
+from localrt.api.streaming import first_of
 from localrt.api.streaming import sse_response
 from localrt.api.streaming import unless_client_leaves
 from localrt.api.streaming import with_warnings
+from localrt.api.translate import ParamError
+from localrt.api.translate import effort_setting
+from localrt.api.translate import sampling_options
 from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 from localrt.runtime import images as image_input
 from localrt.runtime.answers import Chunk
 from localrt.runtime.answers import Metrics
 from localrt.runtime.answers import TokenLogprob
-from localrt.runtime.thinking import think_from_effort
 from localrt.store.names import parse_name
 
 router = APIRouter(prefix="/v1")
@@ -70,59 +74,19 @@ async def get_model(
 
 
 # ---- translation to the runtime's options ------------------------------------------------------
-# OpenAI top-level fields that map onto Ollama option names.
-RENAMED = {"max_tokens": "num_predict", "max_completion_tokens": "num_predict"}
-PASSED = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty")
-# Ours and Ollama's options accepted at top level (the openai client sends `extra_body` there).
-EXTRA_OPTIONS = (
-    "top_k",
-    "min_p",
-    "typical_p",
-    "repeat_penalty",
-    "repeat_last_n",
-    "num_ctx",
-    "grammar",
-    "num_keep",
-    "num_thread",
-    "num_gpu",
-    "num_batch",
-    "backend",
-    "kv_cache_type",
-    "speculative",
-    "draft_model",
-    "num_draft",
-)
+RENAMED = {"max_tokens": "num_predict", "max_completion_tokens": "num_predict", "stop": "stop"}
+# OpenAI's defaults, not Ollama's, where the client leaves them out (as Ollama does on /v1)
+DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 
 
-def options_from(body: wire.OpenAISampling) -> dict[str, Any]:
-    """The runtime's options from OpenAI's top-level fields, ours at top level, and `options`."""
-    f = wire.body_of(body)  # the fields sent, ours among them (extra_body lands at top level)
-    options: dict[str, Any] = {}
-    for key in PASSED + EXTRA_OPTIONS:
-        if f.get(key) is not None:
-            options[key] = f[key]
-    for key, name in RENAMED.items():
-        if f.get(key) is not None:
-            options[name] = f[key]
-    stop = f.get("stop")
-    if stop is not None:
-        options["stop"] = [stop] if isinstance(stop, str) else stop
-    options.update(body.options or {})
-    # OpenAI's defaults, not Ollama's, when the client leaves them out (as Ollama does on /v1)
-    options.setdefault("temperature", 1.0)
-    options.setdefault("top_p", 1.0)
-    return options
-
-
-class OpenAIParamError(LocalrtError):
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
+def options_of(body: wire.OpenAISampling) -> dict[str, Any]:
+    """The runtime's options from the fields the client sent (extra_body lands at top level)."""
+    return sampling_options(wire.body_of(body), RENAMED)
 
 
 def required_model(model: str) -> str:
     if not model:
-        raise OpenAIParamError("model", "model is required")
+        raise ParamError("model", "model is required")
     return model
 
 
@@ -148,7 +112,7 @@ def message_parts(content: Content) -> tuple[str, list[str]]:
     for part in content:
         if isinstance(part, wire.ImagePart):
             if not part.image_url.url:
-                raise OpenAIParamError("messages", "an image_url part needs image_url.url")
+                raise ParamError("messages", "an image_url part needs image_url.url")
             urls.append(part.image_url.url)
             texts.append(image_input.PLACEHOLDER)
         else:
@@ -186,7 +150,7 @@ def messages_from(raw: list[wire.OpenAIMessage]) -> list[dict[str, Any]]:
                 try:
                     args = json.loads(args) if isinstance(args, str) else args
                 except ValueError:
-                    raise OpenAIParamError("messages", "tool call arguments must be JSON") from None
+                    raise ParamError("messages", "tool call arguments must be JSON") from None
                 calls.append({"id": call.get("id"), "function": {"name": fn.get("name"), "arguments": args}})
             msg["tool_calls"] = calls
         thinking = m.reasoning_content or m.reasoning
@@ -310,20 +274,41 @@ async def answer(
         return JSONResponse(
             {**base, "object": objects[0], "choices": [whole(final)], "usage": usage_of(final)}
         )
+    first_piece = True
+    with_usage = include_usage(body)
 
-    async def events() -> AsyncIterator[dict[str, Any]]:
-        first = True
-        async for chunk in chunks:
-            observe(request, chunk)
-            choice = piece(chunk, first)
-            first = False
-            if choice is not None:
-                yield {**base, "object": objects[1], "choices": [choice]}
-            if chunk.done and include_usage(body):
-                yield {**base, "object": objects[1], "choices": [], "usage": usage_of(chunk)}
+    def events(chunk: Chunk) -> list[dict[str, Any]]:
+        nonlocal first_piece
+        observe(request, chunk)
+        choice = piece(chunk, first_piece)
+        first_piece = False
+        out = [{**base, "object": objects[1], "choices": [choice]}] if choice is not None else []
+        if chunk.done and with_usage:
+            out.append({**base, "object": objects[1], "choices": [], "usage": usage_of(chunk)})
+        return out
 
-    _, items = await unless_client_leaves(request, first_and_rest(events()))
-    return sse_response(items, sse_error)
+    first, rest = await unless_client_leaves(request, first_of(chunks))
+    return sse_response(first, rest, sse_error, events)
+
+
+async def forwarded(request: Request, route: str, body: Any) -> Response | None:
+    """A remote model's answer, its upstream's bytes as they come (the request forwarded as the
+    client wrote it); None for a local model."""
+    raw = json.loads(await request.body())  # as sent: every field, unknown ones too
+    runtime = runtime_of(request)
+    answer = await unless_client_leaves(
+        request, runtime.forward(required_model(body.model), route, raw, keep_alive=body.keep_alive)
+    )
+    if answer is None:
+        return None
+
+    def tally() -> None:  # once the answer has gone: what /metrics counts of it
+        observe(request, Chunk(model=body.model, done=True, metrics=answer.metrics()))
+
+    headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+    return StreamingResponse(
+        answer.chunks, media_type=answer.media_type, headers=headers, background=BackgroundTask(tally)
+    )
 
 
 # ---- routes ------------------------------------------------------------------------------------
@@ -335,6 +320,9 @@ async def answer(
 async def chat_completions(request: Request) -> Response:
     body = await schemas.read_body(request, wire.ChatCompletionRequest)
     model = required_model(body.model)
+    passed = await forwarded(request, "chat/completions", body)
+    if passed is not None:
+        return passed
     messages = messages_from(body.messages)
     await fetch_message_images(body.messages, messages)  # image_url parts
     want_logprobs, top = logprob_flags(body.logprobs, body.top_logprobs)
@@ -342,14 +330,15 @@ async def chat_completions(request: Request) -> Response:
     chunks = runtime_of(request).chat(
         model,
         messages,
-        options=options_from(body),
+        options=options_of(body),
+        defaults=DEFAULTS,
         tools=tools,
         format=format_from(body.response_format),
         keep_alive=body.keep_alive,
         logprobs=want_logprobs,
         top_logprobs=top,
         stream=body.stream is True,
-        think=think_from_effort(body.reasoning_effort),
+        think=effort_setting(body.reasoning_effort, "reasoning_effort"),
         tool_choice=tool_choice_of(body),
         parallel_tool_calls=body.parallel_tool_calls,
         lora=wire.lora_setting(body.lora),
@@ -413,6 +402,9 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     body = await schemas.read_body(request, wire.CompletionRequest)
     model = required_model(body.model)
+    passed = await forwarded(request, "completions", body)
+    if passed is not None:
+        return passed
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
     want_logprobs, top = logprob_flags(body.logprobs)
     # A completion continues the text as given: no chat template (raw), as OpenAI's API means it;
@@ -422,7 +414,8 @@ async def completions(request: Request) -> Response:
         prompt,
         raw=not body.suffix,
         suffix=body.suffix,
-        options=options_from(body),
+        options=options_of(body),
+        defaults=DEFAULTS,
         format=format_from(body.response_format),
         keep_alive=body.keep_alive,
         logprobs=want_logprobs,
@@ -465,9 +458,12 @@ async def completions(request: Request) -> Response:
     openapi_extra=schemas.request_body(wire.OpenAIEmbeddingsRequest),
     responses={200: schemas.ok(wire.EmbeddingList), **GENERATION_ERRORS},
 )
-async def embeddings(request: Request) -> dict[str, Any]:
+async def embeddings(request: Request) -> Any:
     body = await schemas.read_body(request, wire.OpenAIEmbeddingsRequest)
     model = required_model(body.model)
+    passed = await forwarded(request, "embeddings", body)
+    if passed is not None:
+        return passed
     inputs = [body.input] if isinstance(body.input, str) else body.input
     encoding = body.encoding_format or "float"
     result = await runtime_of(request).embed(model, inputs, keep_alive=body.keep_alive)

@@ -46,13 +46,13 @@ from localrt.api.translate import ChatCall
 from localrt.api.translate import ParamError
 from localrt.api.translate import ToolChoice
 from localrt.api.translate import assistant_message
+from localrt.api.translate import effort_setting
 from localrt.api.translate import function_tool
 from localrt.api.translate import image_source
 from localrt.api.translate import new_id
 from localrt.api.translate import parse_arguments
 from localrt.api.translate import resolve_images
 from localrt.api.translate import sampling_options
-from localrt.api.translate import think_from_effort
 from localrt.api.translate import tool_message
 from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
@@ -444,10 +444,11 @@ def chat_call(f: dict[str, Any], history: list[dict[str, Any]], sealer: Sealer |
     call = ChatCall(
         model=model,
         messages=messages,
-        options=sampling_options(f, {"max_output_tokens": "num_predict"}, {"temperature": 1.0, "top_p": 1.0}),
+        options=sampling_options(f, {"max_output_tokens": "num_predict"}),
+        defaults={"temperature": 1.0, "top_p": 1.0},
         tools=toolset.tools,
         format=format_from(f.get("text")),
-        think=think_from_effort(reasoning.get("effort"), "reasoning.effort"),
+        think=effort_setting(reasoning.get("effort"), "reasoning.effort"),
         keep_alive=f.get("keep_alive"),
         stream=f.get("stream") is True,
         tool_choice=tool_choice_from(f.get("tool_choice")),

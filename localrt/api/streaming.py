@@ -59,24 +59,29 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def first_and_rest(items: AsyncIterator[Any]) -> tuple[Any, AsyncIterator[Any]]:
-    """Pull the first item now (raising errors here), then hand back an iterator over all items."""
+async def first_of(items: AsyncIterator[T]) -> tuple[T, AsyncIterator[T]]:
+    """The first item, pulled now (so errors raise before any byte), and the iterator of the rest."""
     iterator = aiter(items)
-    first = await anext(iterator)
-
-    async def chain() -> AsyncIterator[Any]:
-        yield first
-        async for item in iterator:
-            yield item
-
-    return first, chain()
+    return await anext(iterator), iterator
 
 
-def ndjson_response(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+def _same(item: Any) -> list[Any]:
+    return [item]
+
+
+def ndjson_response(
+    first: T, rest: AsyncIterator[T], to_wire: Callable[[T], list[dict[str, Any]]] = _same
+) -> StreamingResponse:
+    """NDJSON of `first` and the `rest`, each item written as the lines `to_wire` makes of it (in the
+    body's one loop: no layer between the items' source and the bytes)."""
+
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for item in items:
-                yield (encode(item) + "\n").encode()
+            for line in to_wire(first):
+                yield (encode(line) + "\n").encode()
+            async for item in rest:
+                for line in to_wire(item):
+                    yield (encode(line) + "\n").encode()
         except LocalrtError as e:
             yield (json.dumps({"error": str(e)}) + "\n").encode()
 
@@ -84,12 +89,21 @@ def ndjson_response(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
 
 def sse_response(
-    items: AsyncIterator[dict[str, Any]], on_error: Callable[[LocalrtError], dict[str, Any]]
+    first: T,
+    rest: AsyncIterator[T],
+    on_error: Callable[[LocalrtError], dict[str, Any]],
+    to_wire: Callable[[T], list[dict[str, Any]]] = _same,
 ) -> StreamingResponse:
+    """SSE `data:` events of `first` and the `rest` (each item as the events `to_wire` makes of it),
+    then `[DONE]`."""
+
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for item in items:
-                yield f"data: {encode(item)}\n\n".encode()
+            for event in to_wire(first):
+                yield f"data: {encode(event)}\n\n".encode()
+            async for item in rest:
+                for event in to_wire(item):
+                    yield f"data: {encode(event)}\n\n".encode()
         except LocalrtError as e:
             yield f"data: {json.dumps(on_error(e))}\n\n".encode()
         yield b"data: [DONE]\n\n"

@@ -20,16 +20,49 @@ from dataclasses import field
 from typing import Any
 from typing import Literal
 
-from localrt.api.openai import EXTRA_OPTIONS
-from localrt.api.openai import OpenAIParamError
+from localrt.errors import LocalrtError
 from localrt.runtime import images as image_input
 from localrt.runtime import thinking
 from localrt.runtime.answers import Chunk
 from localrt.runtime.answers import Metrics
 from localrt.runtime.front import Runtime
 
-ParamError = OpenAIParamError  # "<param>: <message>", a 400 that names the field
 Think = bool | str | None
+
+
+class ParamError(LocalrtError):
+    """A 400 that names the field, "<param>: <message>" (OpenAI's error `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+# OpenAI's sampling fields, and ours and Ollama's options accepted at top level (an SDK's `extra_body`
+# lands there)
+TOP_LEVEL_OPTIONS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "min_p",
+    "typical_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "num_ctx",
+    "grammar",
+    "num_keep",
+    "num_thread",
+    "num_gpu",
+    "num_batch",
+    "backend",
+    "kv_cache_type",
+    "speculative",
+    "draft_model",
+    "num_draft",
+)
 
 
 def new_id() -> str:
@@ -57,14 +90,13 @@ async def resolve_images(messages: list[dict[str, Any]]) -> None:
 
 
 # ---- request side --------------------------------------------------------------------------------
-def sampling_options(
-    f: Mapping[str, Any], renamed: Mapping[str, str], defaults: Mapping[str, Any]
-) -> dict[str, Any]:
-    """Runtime options from a protocol's top-level fields: `renamed` maps its names to Ollama's
-    (max_tokens -> num_predict), localrt's own options pass at top level or in `options` (an SDK's
-    `extra_body`), and `defaults` are the protocol's documented ones where the client sent nothing."""
+def sampling_options(f: Mapping[str, Any], renamed: Mapping[str, str]) -> dict[str, Any]:
+    """Runtime options from a protocol's top-level fields, only those the client set: `renamed` maps its
+    names to Ollama's (max_tokens -> num_predict), localrt's own options pass at top level or in
+    `options` (an SDK's `extra_body`). A protocol's documented defaults go separately, as the runtime's
+    `defaults` setting: a local model applies them, a remote model's upstream never sees them."""
     options: dict[str, Any] = {}
-    for key in ("temperature", "top_p", "top_k", "seed", *EXTRA_OPTIONS):
+    for key in TOP_LEVEL_OPTIONS:
         if f.get(key) is not None:
             options[key] = f[key]
     for key, name in renamed.items():
@@ -75,15 +107,13 @@ def sampling_options(
         if not isinstance(extra, dict):
             raise ParamError("options", "must be an object")
         options.update(extra)
-    for key, value in defaults.items():
-        options.setdefault(key, value)
     return options
 
 
-def think_from_effort(effort: Any, param: str) -> Think:
-    """A reasoning effort (OpenAI `reasoning.effort`, Anthropic `output_config.effort`) as the runtime's
-    `think` value, through the runtime's one mapping (`thinking.think_from_effort`, which
-    /v1/chat/completions' `reasoning_effort` uses too); a bad value is a 400 naming `param`."""
+def effort_setting(effort: Any, param: str) -> Think:
+    """A reasoning effort (OpenAI's `reasoning_effort` and `reasoning.effort`, Anthropic's
+    `output_config.effort`) as a request's `think` value, through the runtime's one mapping
+    (`thinking.think_from_effort`); a bad value is a 400 naming `param`."""
     try:
         wanted = thinking.think_from_effort(effort, param)
     except thinking.ThinkError as e:
@@ -97,14 +127,14 @@ def think_from_anthropic(thinking: Any, effort: Any) -> Think:
     """Anthropic `thinking`: enabled -> on (its `budget_tokens`: `budget_from_anthropic`), disabled -> off,
     adaptive or absent -> the model's default, unless `output_config.effort` names a level."""
     if thinking is None:
-        return think_from_effort(effort, "output_config.effort")
+        return effort_setting(effort, "output_config.effort")
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind == "enabled":
-        return think_from_effort(effort, "output_config.effort") or True
+        return effort_setting(effort, "output_config.effort") or True
     if kind == "disabled":
         return False
     if kind == "adaptive":
-        return think_from_effort(effort, "output_config.effort")
+        return effort_setting(effort, "output_config.effort")
     raise ParamError("thinking", "type must be enabled, disabled or adaptive")
 
 
@@ -223,7 +253,8 @@ class ChatCall:
 
     model: str
     messages: list[dict[str, Any]]
-    options: dict[str, Any]
+    options: dict[str, Any]  # only what the client set
+    defaults: dict[str, Any] = field(default_factory=dict)  # the protocol's, for what it did not set
     tools: list[dict[str, Any]] | None = None
     format: str | dict[str, Any] | None = None
     think: Think = None
@@ -259,6 +290,7 @@ class ChatCall:
             self.model,
             self.messages,
             options=self.options,
+            defaults=self.defaults,
             tools=self.tools,
             format=self.format,
             keep_alive=self.keep_alive,

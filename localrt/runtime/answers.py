@@ -104,9 +104,12 @@ class Settings(TypedDict, total=False):
     stream: chunks as they come, else one final chunk; think: Ollama's value (None, bool, "low"|"medium"|
     "high") or a Think; truncate: drop the oldest turns to fit the context; shift: shift the context when
     generation reaches its end; lora: llama-server's per-request adapter scales, [{"id": N, "scale":
-    S}] (`localrt.runtime.lora`). Unset means the default."""
+    S}] (`localrt.runtime.lora`); defaults: a protocol's own option defaults for what the request left
+    unset (OpenAI's temperature 1.0), applied on a local model, never sent to a remote model's upstream.
+    Unset means the default."""
 
     options: Mapping[str, Any] | None
+    defaults: Mapping[str, Any] | None
     format: str | dict[str, Any] | None
     keep_alive: str | float | None
     logprobs: bool
@@ -142,7 +145,7 @@ def asked(
     settings: Mapping[str, Any], tools: Sequence[Mapping[str, Any]] | None, choice: Any
 ) -> dict[str, Any]:
     """What a chat or generate request asks besides its options and model, checked once before any load,
-    the same for a local and a remote model: the fields of both paths' `_Call` they share."""
+    the same for a local and a remote model (part of its `plan.Plan`)."""
     format = check_format(settings.get("format"))
     top_logprobs = settings.get("top_logprobs", 0)
     check_logprobs(top_logprobs)

@@ -4,26 +4,32 @@
     async for chunk in rt.chat("smollm2:135m", [{"role": "user", "content": "Hi"}]):
         print(chunk.content, end="")
 
-Each request's model is resolved here once and the whole request goes down one of two paths: a remote
-model (a manifest naming OpenAI-compatible endpoints) to `remote.RemoteRuntime`, which sends the
-conversation or text upstream; every other model to `generate.LocalRuntime`, which renders, tokenizes
-and runs it on a local backend. Both share one `ModelPool` (queue, slots, keep-alive, `ps`, `stop`) and
-answer in the same `answers` types, so nothing above this module can tell them apart.
+Each request's model is resolved here once, the request is planned once (`plan.py`: options, checks,
+keep-alive, the kind of model), and the chosen path's iterator is handed back as it is: a remote model
+(a manifest naming OpenAI-compatible endpoints) to `remote.RemoteRuntime`, which sends the conversation
+or text upstream; every other model to `generate.LocalRuntime`, which renders, tokenizes and runs it on
+a local backend. Both share one `ModelPool` (queue, slots, keep-alive, `ps`, `stop`) and answer in the
+same `answers` types, so nothing above this module can tell them apart. An OpenAI request for a remote
+model may instead be forwarded as the client wrote it (`forward`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+from typing import Protocol
 from typing import Unpack
 
 from localrt.backends import devices
 from localrt.backends import registry
 from localrt.backends.base import ScoreResult
 from localrt.errors import LocalrtError
+from localrt.runtime import fim
 from localrt.runtime import remote
+from localrt.runtime import thinking
 from localrt.runtime.answers import Chunk
 from localrt.runtime.answers import EmbedResult
 from localrt.runtime.answers import RerankResult
@@ -31,10 +37,73 @@ from localrt.runtime.answers import Settings
 from localrt.runtime.answers import check_settings
 from localrt.runtime.generate import LocalRuntime
 from localrt.runtime.lifecycle import LoadedInfo
+from localrt.runtime.lifecycle import Loader
 from localrt.runtime.lifecycle import ModelPool
+from localrt.runtime.options import Options
+from localrt.runtime.plan import Plan
+from localrt.runtime.plan import load_only
+from localrt.runtime.plan import plan
+from localrt.runtime.prompt import tool_choice
+from localrt.runtime.prompt import with_history
+from localrt.runtime.remote import Forwarded
 from localrt.runtime.tenants import PrefixRecord
+from localrt.runtime.thinking import Think
 from localrt.store.store import ResolvedModel
 from localrt.store.store import Store
+
+
+class Path(Protocol):
+    """What a request path does once the entrance has chosen it and planned the request."""
+
+    @property
+    def loader(self) -> Loader[Any]: ...
+
+    def chat(
+        self, p: Plan, messages: Sequence[Mapping[str, Any]], parallel_tool_calls: bool | None
+    ) -> AsyncIterator[Chunk]: ...
+
+    def generate(
+        self,
+        p: Plan,
+        prompt: str,
+        *,
+        system: str | None,
+        raw: bool,
+        context: Sequence[int] | None,
+        images: Sequence[Any] | None,
+    ) -> AsyncIterator[Chunk]: ...
+
+    def infill(
+        self, p: Plan, prefix: str, suffix: str, context: Sequence[int] | None
+    ) -> AsyncIterator[Chunk]: ...
+
+    async def embed(
+        self, resolved: ResolvedModel, opts: Options, texts: list[str], keep_alive: float, truncate: bool
+    ) -> EmbedResult: ...
+
+    async def rerank(
+        self, resolved: ResolvedModel, opts: Options, query: str, documents: Sequence[str], keep_alive: float
+    ) -> RerankResult: ...
+
+    async def tokenize(
+        self, resolved: ResolvedModel, opts: Options, text: str, add_special: bool, parse_special: bool
+    ) -> list[int]: ...
+
+    async def detokenize(self, resolved: ResolvedModel, opts: Options, tokens: Sequence[int]) -> str: ...
+
+    async def score(
+        self, resolved: ResolvedModel, opts: Options, tokens: Sequence[int] | str, return_logits: bool
+    ) -> ScoreResult: ...
+
+    async def render(
+        self,
+        resolved: ResolvedModel,
+        opts: Options,
+        model: str,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        think: Think,
+    ) -> tuple[str, list[int]]: ...
 
 
 class Runtime:
@@ -60,13 +129,13 @@ class Runtime:
     def prefixes(self) -> PrefixRecord:
         return self.local.prefixes
 
-    def _path(self, model: str) -> tuple[ResolvedModel, LocalRuntime | remote.RemoteRuntime]:
+    def _path(self, model: str) -> tuple[ResolvedModel, Path]:
         """The stored model and the path that serves it: the one place that tells remote from local."""
         resolved = self.pool.resolve(model)
         return resolved, self.remote if remote.is_remote(resolved) else self.local
 
     # ---- chat and generate -----------------------------------------------------------------------
-    async def chat(
+    def chat(
         self,
         model: str,
         messages: Sequence[Mapping[str, Any]],
@@ -76,25 +145,19 @@ class Runtime:
         parallel_tool_calls: bool | None = None,
         **settings: Unpack[Settings],
     ) -> AsyncIterator[Chunk]:
-        """Answer a conversation. Empty `messages` only loads the model (or unloads with keep_alive 0).
+        """Answer a conversation: the chosen path's chunks. Empty `messages` only loads the model (or
+        unloads with keep_alive 0). The model and the settings are checked now, before any load.
 
         `tool_choice`: OpenAI's (None/"auto", "none", "required", {"type": "function", "function":
         {"name": ...}}); `settings`: what chat and generate share (`Settings`)."""
         check_settings(settings)
         resolved, path = self._path(model)
-        chunks = path.chat(
-            resolved,
-            model,
-            messages,
-            tools=tools,
-            tool_choice=tool_choice,
-            parallel_tool_calls=parallel_tool_calls,
-            **settings,
-        )
-        async for chunk in chunks:
-            yield chunk
+        p = plan(self.pool, resolved, model, settings, path.loader, tools=tools, choice=tool_choice)
+        if not messages:
+            return load_only(self.pool, p)
+        return path.chat(p, messages, parallel_tool_calls)
 
-    async def generate(
+    def generate(
         self,
         model: str,
         prompt: str = "",
@@ -106,28 +169,41 @@ class Runtime:
         suffix: str | None = None,
         **settings: Unpack[Settings],
     ) -> AsyncIterator[Chunk]:
-        """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only.
+        """Complete a prompt (templated as one user turn unless raw): the chosen path's chunks. An empty
+        prompt only loads or unloads. The model and the settings are checked now, before any load.
 
         `images`: base64 strings or bytes, placed at `[img]` in the prompt or in front of it;
         `suffix`: the text after the completion (fill-in-the-middle, `prompt` is the text before);
         `settings`: what chat and generate share (`Settings`)."""
         check_settings(settings)
         resolved, path = self._path(model)
-        chunks = path.generate(
-            resolved,
-            model,
-            prompt,
-            system=system,
-            raw=raw,
-            context=context,
-            images=images,
-            suffix=suffix,
-            **settings,
-        )
-        async for chunk in chunks:
-            yield chunk
+        p = plan(self.pool, resolved, model, settings, path.loader)
+        if suffix:
+            fim.check_insert(p.name, True, raw, bool(images))
+            return path.infill(p, prompt, suffix, context)
+        if not prompt and not context:
+            return load_only(self.pool, p)
+        if raw and (system or context):
+            raise LocalrtError("raw mode does not support template, system, or context")
+        return path.generate(p, prompt, system=system, raw=raw, context=context, images=images)
+
+    async def forward(
+        self, model: str, route: str, body: Mapping[str, Any], *, keep_alive: Any = None
+    ) -> Forwarded | None:
+        """An OpenAI request (`route`: chat/completions, completions, embeddings) for a remote model,
+        passed to its upstream as the client wrote it, `model` renamed; None for a local model, which the
+        caller answers itself. Errors before the upstream's first byte raise here."""
+        resolved, path = self._path(model)
+        if path is not self.remote:
+            return None
+        return await self.remote.forward(resolved, route, body, self.pool.keep_alive(keep_alive))
 
     # ---- the other paths ---------------------------------------------------------------------
+    def _options(self, resolved: ResolvedModel, path: Path, options: Mapping[str, Any] | None) -> Options:
+        opts, given = self.pool.options_given(resolved, options)
+        path.loader.check(resolved, opts, given)
+        return opts
+
     async def embed(
         self,
         model: str,
@@ -140,8 +216,12 @@ class Runtime:
         texts = [inputs] if isinstance(inputs, str) else list(inputs)
         if not all(isinstance(t, str) for t in texts):
             raise LocalrtError("input must be a string or a list of strings")
+        start = time.perf_counter_ns()
         resolved, path = self._path(model)
-        return await path.embed(resolved, texts, options=options, keep_alive=keep_alive, truncate=truncate)
+        opts = self._options(resolved, path, options)
+        result = await path.embed(resolved, opts, texts, self.pool.keep_alive(keep_alive), truncate)
+        result.total_ns = time.perf_counter_ns() - start
+        return result
 
     async def rerank(
         self,
@@ -157,8 +237,12 @@ class Runtime:
             raise LocalrtError("query is required (a string)")
         if not isinstance(documents, (list, tuple)) or not all(isinstance(d, str) for d in documents):
             raise LocalrtError("documents must be a list of strings")
+        start = time.perf_counter_ns()
         resolved, path = self._path(model)
-        return await path.rerank(resolved, query, documents, options=options, keep_alive=keep_alive)
+        opts = self._options(resolved, path, options)
+        result = await path.rerank(resolved, opts, query, documents, self.pool.keep_alive(keep_alive))
+        result.total_ns = time.perf_counter_ns() - start
+        return result
 
     async def tokenize(
         self,
@@ -170,15 +254,15 @@ class Runtime:
         options: Mapping[str, Any] | None = None,
     ) -> list[int]:
         resolved, path = self._path(model)
-        return await path.tokenize(
-            resolved, text, add_special=add_special, parse_special=parse_special, options=options
-        )
+        opts = self._options(resolved, path, options)
+        return await path.tokenize(resolved, opts, text, add_special, parse_special)
 
     async def detokenize(
         self, model: str, tokens: Sequence[int], *, options: Mapping[str, Any] | None = None
     ) -> str:
         resolved, path = self._path(model)
-        return await path.detokenize(resolved, tokens, options=options)
+        opts = self._options(resolved, path, options)
+        return await path.detokenize(resolved, opts, tokens)
 
     async def score(
         self,
@@ -190,8 +274,8 @@ class Runtime:
     ) -> ScoreResult:
         """Per-position log p(token_i | prefix) for perplexity / KL (a text is tokenized with BOS)."""
         resolved, path = self._path(model)
-        result: ScoreResult = await path.score(resolved, tokens, return_logits=return_logits, options=options)
-        return result
+        opts = self._options(resolved, path, options)
+        return await path.score(resolved, opts, tokens, return_logits)
 
     async def render(
         self,
@@ -205,7 +289,11 @@ class Runtime:
         """The prompt text and tokens a chat request would use (debugging, `_debug_render_only`, and
         Anthropic's count_tokens, which must match the answer's input_tokens)."""
         resolved, path = self._path(model)
-        return await path.render(resolved, model, messages, tools=tools, options=options, think=think)
+        opts = self._options(resolved, path, options)
+        wanted = think if isinstance(think, Think) else thinking.parse_think(think)
+        msgs = with_history(messages, resolved.system, resolved.messages)
+        listed = tool_choice(None, tools)[0]
+        return await path.render(resolved, opts, model, msgs, listed, wanted)
 
     # ---- the pool's state -------------------------------------------------------------------------
     def ps(self) -> list[LoadedInfo]:

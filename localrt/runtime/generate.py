@@ -1,8 +1,9 @@
 """Local generation: chat, generate, embed, rerank, score and tokenize on a model this process loads.
 
-`Runtime` (`front.py`) hands a request here once it knows the model is local. A request is checked once
-(`_begin`), holds a loaded model through `ModelPool.use`, has its prompt rendered by the model's
-`Prompter`, and streams `Chunk`s from one loop (`_run`). All methods are coroutines of one event loop;
+`Runtime` (`front.py`) hands a request here, planned (`plan.py`), once it knows the model is local. Chat,
+generate and fill-in-the-middle differ only in what they ask of the held model (`_Chat`, `_Text`,
+`_Infill`: their checks before any load, then their prompt); one loop (`_run`) holds the model through
+`ModelPool.use`, renders the prompt, generates and streams `Chunk`s. All methods run on one event loop;
 blocking backend work runs in worker threads.
 """
 
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
-from typing import Unpack
+from typing import Protocol
 
 from localrt.backends.base import GBNF
 from localrt.backends.base import CancelToken
@@ -35,6 +36,7 @@ from localrt.errors import LocalrtError
 from localrt.runtime import fim
 from localrt.runtime import images as image_input
 from localrt.runtime import lora as lora_scales
+from localrt.runtime import plan
 from localrt.runtime import tenants
 from localrt.runtime import thinking
 from localrt.runtime.answers import Chunk
@@ -42,13 +44,12 @@ from localrt.runtime.answers import ContextLengthError
 from localrt.runtime.answers import EmbedResult
 from localrt.runtime.answers import Metrics
 from localrt.runtime.answers import RerankResult
-from localrt.runtime.answers import Settings
-from localrt.runtime.answers import asked
-from localrt.runtime.lifecycle import LocalEntry as Entry
+from localrt.runtime.lifecycle import LOCAL
+from localrt.runtime.lifecycle import LocalEntry
 from localrt.runtime.lifecycle import ModelPool
 from localrt.runtime.options import Options
+from localrt.runtime.plan import Plan
 from localrt.runtime.prompt import Turn
-from localrt.runtime.prompt import tool_choice
 from localrt.runtime.prompt import with_history
 from localrt.runtime.thinking import Piece
 from localrt.runtime.thinking import ReplyParser
@@ -57,218 +58,58 @@ from localrt.runtime.truncate import fit_tokens
 from localrt.store.store import ResolvedModel
 
 
-@dataclass
-class _Call:
-    """What a chat or generate request settles before any load: checked once, used by every step."""
-
-    model: str  # as the request named it
-    resolved: ResolvedModel
-    opts: Options
-    format: str | dict[str, Any] | None
-    logprobs: bool
-    top_logprobs: int
-    stream: bool
-    think: Think
-    tools: list[dict[str, Any]] | None  # what the template renders (tool_choice applied)
-    required: bool  # tool_choice asks for a call
-    keep_alive: float
-    truncate: bool
-    shift: bool
-    start: int  # perf_counter_ns at arrival
-    tenant: str | None  # whose prompt prefixes a reported cache hit may cover (tenants.py)
-    lora: tuple[float, ...] | None = None  # one scale per adapter; None: the model's default
-    # the request's, made before its prompt is rendered: the model is told it is coming (`_held`)
-    cancel: CancelToken = field(default_factory=CancelToken)
-
-
 class LocalRuntime:
     """The request paths of local models (`front.Runtime` picks this path for them), over the shared pool."""
+
+    loader = LOCAL
 
     def __init__(self, pool: ModelPool) -> None:
         self.pool = pool
         self.prefixes = tenants.PrefixRecord()
 
     # ---- chat and generate -----------------------------------------------------------------------
-    async def chat(
-        self,
-        resolved: ResolvedModel,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: Any = None,
-        parallel_tool_calls: bool | None = None,
-        **settings: Unpack[Settings],
+    def chat(
+        self, p: Plan, messages: Sequence[Mapping[str, Any]], parallel_tool_calls: bool | None
     ) -> AsyncIterator[Chunk]:
-        """Answer a conversation. Empty `messages` only loads the model (or unloads with keep_alive 0).
+        """The conversation, templated by the model's chat template, answered and parsed as it streams."""
+        return self._run(p, _Chat(p, messages, parallel_tool_calls))
 
-        `tool_choice`: OpenAI's (None/"auto", "none", "required", {"type": "function", "function":
-        {"name": ...}}); `settings`: what chat and generate share (`Settings`)."""
-        call = self._begin(resolved, model, settings, tools=tools, choice=tool_choice)
-        if not messages:
-            async for chunk in self._load_only(call):
-                yield chunk
-            return
-        msgs = with_history(messages, call.resolved.system, call.resolved.messages)
-        # counted, typed and sized from their headers before any load; decoded only once a slot is held,
-        # so the decoded pixels in memory are bounded by the slots, not by the requests waiting
-        msgs, pending = await image_input.check_images(msgs)
-        _check_vision(call.resolved, pending)
-        async with self._held(call) as (entry, load_ns):
-            _check_generates(entry, "chat")
-            pictures = await image_input.decode_all(pending)
-            prompter = entry.prompter
-            _check_tools(entry, call.tools)
-            turn = prompter.turn(model, call.think, call.tools, call.required, parallel_tool_calls)
-            tokens = await prompter.render(msgs, turn, pictures)
-            if call.truncate and not pictures and len(tokens) >= entry.model.context_length:
-                tokens = await prompter.fit(msgs, turn, tokens)
-            async for chunk in self._run(call, entry, load_ns, tokens, turn, pictures):
-                yield chunk
-
-    async def generate(
+    def generate(
         self,
-        resolved: ResolvedModel,
-        model: str,
-        prompt: str = "",
+        p: Plan,
+        prompt: str,
         *,
-        system: str | None = None,
-        raw: bool = False,
-        context: Sequence[int] | None = None,
-        images: Sequence[Any] | None = None,
-        suffix: str | None = None,
-        **settings: Unpack[Settings],
+        system: str | None,
+        raw: bool,
+        context: Sequence[int] | None,
+        images: Sequence[Any] | None,
     ) -> AsyncIterator[Chunk]:
-        """Complete a prompt (templated as one user turn unless raw). Empty prompt: load / unload only.
+        """The prompt as one user turn (with the system prompt), or as given when raw."""
+        return self._run(p, _Text(p, prompt, system, raw, context, images))
 
-        `images`: base64 strings or bytes, placed at `[img]` in the prompt or in front of it;
-        `suffix`: the text after the completion (fill-in-the-middle, `prompt` is the text before);
-        `settings`: what chat and generate share (`Settings`)."""
-        call = self._begin(resolved, model, settings)
-        if suffix:
-            fim.check_insert(call.resolved.name.display, True, raw, bool(images))
-            async for chunk in self._infill(call, prompt, suffix, context):
-                yield chunk
-            return
-        if not prompt and not context:
-            async for chunk in self._load_only(call):
-                yield chunk
-            return
-        if raw and (system or context):
-            raise LocalrtError("raw mode does not support template, system, or context")
-        pending: list[image_input.PendingImage] = []
-        if images:
-            (marked,), pending = await image_input.check_images([{"content": prompt, "images": list(images)}])
-            prompt = marked["content"]
-        _check_vision(call.resolved, pending)
-        async with self._held(call) as (entry, load_ns):
-            _check_generates(entry, "generate")
-            pictures = await image_input.decode_all(pending)
-            m = entry.model
-            turn: Turn | None = None
-            if raw:  # the text as given: no template, so no thinking switch and no parsing
-                tokenize = image_input.split_markers(
-                    lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special)
-                )
-                tokens = tokenize(prompt, True, True)
-            else:
-                sys_text = system if system is not None else resolved.system
-                # a continued conversation (`context`) has had the model's history already
-                history = call.resolved.messages if not context else []
-                msgs = with_history([{"role": "user", "content": prompt}], sys_text, history)
-                turn = entry.prompter.turn(model, call.think)
-                tokens = await entry.prompter.render(msgs, turn, pictures, add_bos=not context)
-                tokens = [*(context or []), *tokens]
-            if call.truncate and not pictures:
-                tokens = fit_tokens(tokens, m.context_length, call.opts.num_keep)
-            want_context = not raw and not pictures  # image cells have no token ids
-            async for chunk in self._run(call, entry, load_ns, tokens, turn, pictures, want_context):
-                yield chunk
-
-    async def _infill(
-        self, call: _Call, prefix: str, suffix: str, context: Sequence[int] | None
+    def infill(
+        self, p: Plan, prefix: str, suffix: str, context: Sequence[int] | None
     ) -> AsyncIterator[Chunk]:
         """Fill-in-the-middle: the prompt from the model's FIM template branch or FIM tokens, no chat
         template and no reply parsing (the answer is code, not a turn)."""
-        async with self._held(call) as (entry, load_ns):
-            m = entry.model
-            fim.check_insert(call.resolved.name.display, entry.can_insert, False, False)
-            bos = m.bos_token_id if m.add_bos and not context else None
-
-            def tokenize(text: str, special: bool = False) -> list[int]:
-                return m.tokenize(text, add_special=False, parse_special=special) if text else []
-
-            if entry.fim_template is not None:
-                tokens = fim.template_tokens(entry.fim_template, prefix, suffix, tokenize, bos)
-            else:
-                assert entry.fim_tokens is not None
-                n_ctx = m.context_length - len(context or ())
-                tokens = fim.infill_tokens(
-                    entry.fim_tokens, prefix, suffix, tokenize, bos, n_ctx, call.opts.num_batch
-                )
-            tokens = [*(context or []), *tokens]
-            async for chunk in self._run(call, entry, load_ns, tokens, None, (), True):
-                yield chunk
-
-    def _begin(
-        self,
-        resolved: ResolvedModel,
-        model: str,
-        settings: Settings,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        choice: Any = None,
-    ) -> _Call:
-        """The checks chat and generate share, done once before any load."""
-        start = time.perf_counter_ns()
-        opts = self.pool.options(resolved, settings.get("options"))
-        return _Call(
-            model=model,
-            resolved=resolved,
-            opts=opts,
-            **asked(settings, tools, choice),
-            keep_alive=self.pool.keep_alive(settings.get("keep_alive")),
-            truncate=settings.get("truncate", True),
-            shift=settings.get("shift", True),
-            start=start,
-            tenant=tenants.current_tenant.get(),
-            lora=lora_scales.scales(settings.get("lora"), resolved, opts.backend),
-        )
+        return self._run(p, _Infill(p, prefix, suffix, context))
 
     @contextlib.asynccontextmanager
-    async def _held(self, call: _Call) -> AsyncIterator[tuple[Entry, int]]:
-        """The call's model, held (loaded and its slot taken), with the call announced to it while the
-        request is prepared (`LoadedModel.expecting`): an idle engine waits for requests sent together."""
-        async with self.pool.use(call.resolved, call.opts, call.keep_alive) as (entry, load_ns):
-            with entry.model.expecting(call.cancel):
+    async def _held(self, p: Plan) -> AsyncIterator[tuple[LocalEntry, int]]:
+        """The request's model, held (loaded and its slot taken), with the request announced to it while
+        its prompt is prepared (`LoadedModel.expecting`): an idle engine waits for requests sent together."""
+        async with self.pool.use(p.resolved, p.opts, p.keep_alive) as (entry, load_ns):
+            with entry.model.expecting(p.cancel):
                 yield entry, load_ns
 
-    async def _load_only(self, call: _Call) -> AsyncIterator[Chunk]:
-        name = call.resolved.name.display
-        if call.keep_alive <= 0:
-            await self.pool.unload(name)
-            yield Chunk(
-                model=name,
-                done=True,
-                done_reason="unload",
-                metrics=Metrics(total_ns=time.perf_counter_ns() - call.start),
-            )
-            return
-        async with self.pool.use(call.resolved, call.opts, call.keep_alive, exclusive=False) as (
-            _,
-            load_ns,
-        ):
-            pass
-        yield Chunk(
-            model=name,
-            done=True,
-            done_reason="load",
-            metrics=Metrics(total_ns=time.perf_counter_ns() - call.start, load_ns=load_ns),
-        )
-
-    def _request(self, call: _Call, entry: Entry, tokens: list[int], turn: Turn | None) -> GenerateRequest:
+    def _request(self, p: Plan, entry: LocalEntry, prompt: _Prompt) -> GenerateRequest:
         """The backend's request: the prompt checked against the context, the output constraint chosen."""
-        m, opts = entry.model, call.opts
+        m, opts, tokens, turn = entry.model, p.opts, prompt.tokens, prompt.turn
+        if prompt.pictures and not m.capabilities.vision:
+            raise image_input.ImageError(
+                f"the {entry.backend} backend does not support images yet; use the llama.cpp backend "
+                f'for "{entry.key}"'
+            )
         if len(tokens) >= m.context_length:
             raise ContextLengthError(
                 f"the prompt is {len(tokens)} tokens, which does not fit the context length of "
@@ -276,9 +117,9 @@ class LocalRuntime:
                 len(tokens),
                 m.context_length,
             )
-        constraint: Any = call.format
+        constraint: Any = p.format
         if opts.grammar:
-            if call.format is not None:
+            if p.format is not None:
                 raise LocalrtError("format and grammar cannot be used together")
             _check_token_refs(m, opts.grammar)
             constraint = GBNF(opts.grammar)
@@ -288,86 +129,100 @@ class LocalRuntime:
             constraint = GBNF(turn.grammar())
         if constraint is not None and not m.capabilities.grammar:
             raise LocalrtError(f"the {entry.backend} backend does not support format (JSON output)")
-        lora_scales.check_backend(call.lora, entry.backend)
+        lora_scales.check_backend(p.lora, entry.backend)
         # with a context shift an answer may go past the context end (-1: up to 10 contexts, as Ollama)
-        shifting = call.shift and m.capabilities.context_shift
+        shifting = p.shift and m.capabilities.context_shift
         return GenerateRequest(
             prompt_tokens=tokens,
             sampling=opts.sampling(),
             num_predict=opts.max_new_tokens(len(tokens), m.context_length, shifting),
             stop=list(opts.stop),
-            logprobs=call.logprobs or call.top_logprobs > 0,
-            top_logprobs=call.top_logprobs,
+            logprobs=p.logprobs or p.top_logprobs > 0,
+            top_logprobs=p.top_logprobs,
             format=constraint,
             speculative=opts.speculative,
             num_draft=opts.num_draft,
             preserve_tokens=entry.preserve_tokens if turn is not None else frozenset(),
-            lora=call.lora,
-            cancel=call.cancel,
+            lora=p.lora,
+            cancel=p.cancel,
+            images=list(prompt.pictures),
+            shift=p.shift,
+            num_keep=opts.num_keep,
         )
 
-    async def _run(
+    async def _run(self, p: Plan, asked: _Asked) -> AsyncIterator[Chunk]:
+        """The one loop of a local answer: the request's own checks before any load, then, holding the
+        model, its prompt rendered and generated, the reply split (thinking, content, tool calls) as it
+        streams: each chunk carries only what the parser has decided; held text (a tag or a call still
+        arriving) waits for the next. A thinking budget runs the reply as two generations."""
+        await asked.check()
+        async with self._held(p) as (entry, load_ns):
+            prompt = await asked.render(entry)
+            m, name, turn = entry.model, entry.key, prompt.turn
+            request = self._request(p, entry, prompt)
+            parser = turn.parser() if turn is not None else None
+            reply = _Reply()
+            budget = turn.thinking_budget(request, p.format) if turn is not None and parser else None
+            wanted = request.num_predict
+            if budget is not None:  # first up to the budget; a cut inside the thinking closes it, goes on
+                request.num_predict = budget
+            while True:
+                events = m.generate(request)
+                async with contextlib.aclosing(events):  # type: ignore[type-var]
+                    async for event in events:
+                        if isinstance(event, DoneEvent):
+                            reply.dones.append(event)
+                            break
+                        piece = reply.add(event, parser)
+                        if not p.stream:
+                            reply.whole.add(piece)
+                        elif piece or event.logprobs:
+                            yield _piece_chunk(name, piece, event.logprobs or None)
+                    else:  # the backend ended without a final event: treat as cancelled
+                        raise LocalrtError("generation ended unexpectedly")
+                if budget is None or reply.dones[-1].finish_reason != "length" or parser is None:
+                    break
+                assert turn is not None
+                request, piece = _after_budget(m, turn, request, prompt.tokens, reply, parser, wanted)
+                budget = None  # one cut per reply
+                if p.stream and piece:
+                    yield _piece_chunk(name, piece, None)
+                elif piece:
+                    reply.whole.add(piece)
+                if request.num_predict <= 0:
+                    break
+            yield await self._last(p, name, load_ns, prompt, reply, parser)
+
+    async def _last(
         self,
-        call: _Call,
-        entry: Entry,
+        p: Plan,
+        name: str,
         load_ns: int,
-        tokens: list[int],
-        turn: Turn | None,
-        images: Sequence[ImageInput] = (),
-        want_context: bool = False,
-    ) -> AsyncIterator[Chunk]:
-        """Generate, and split the reply (thinking, content, tool calls) as it streams: each chunk carries
-        only what the parser has decided; held text (a tag or call still arriving) waits for the next."""
-        m = entry.model
-        name = entry.key
-        if images and not m.capabilities.vision:
-            raise image_input.ImageError(
-                f"the {entry.backend} backend does not support images yet; use the llama.cpp backend "
-                f'for "{name}"'
-            )
-        request = self._request(call, entry, tokens, turn)
-        request.images = list(images)
-        request.shift, request.num_keep = call.shift, call.opts.num_keep
-        parser = turn.parser() if turn is not None else None
-        reply = _Reply()
-        budget = (
-            turn.thinking_budget(request, call.format) if turn is not None and parser is not None else None
-        )
-        wanted = request.num_predict
-        if budget is not None:  # first up to the budget; a cut inside the thinking closes it and goes on
-            request.num_predict = budget
-        while True:
-            async for chunk in self._generate(m, name, request, parser, reply, call.stream):
-                yield chunk
-            if budget is None or reply.dones[-1].finish_reason != "length" or parser is None:
-                break
-            assert turn is not None
-            request, piece = _after_budget(m, turn, request, tokens, reply, parser, wanted)
-            budget = None  # one cut per reply
-            if call.stream and piece:
-                yield _piece_chunk(name, piece, None)
-            elif piece:
-                reply.whole.add(piece)
-            if request.num_predict <= 0:
-                break
+        prompt: _Prompt,
+        reply: _Reply,
+        parser: ReplyParser | None,
+    ) -> Chunk:
+        """The done chunk: what the parser still held (or, not streamed, the whole reply), the timings."""
         done = reply.dones[-1]
         last = parser.finish(cut=done.finish_reason == "length") if parser is not None else Piece()
-        if not call.stream:
+        if not p.stream:
             reply.whole.add(last)
             last = reply.whole
         timings = _merged_timings(reply.dones)
         # hashing a long prompt takes a while: not on the event loop
-        await asyncio.to_thread(self._own_cache_only, call, name, tokens, images, reply.ids, timings)
+        await asyncio.to_thread(
+            self._own_cache_only, p, name, prompt.tokens, prompt.pictures, reply.ids, timings
+        )
         metrics = Metrics(
             **{
                 **dataclasses.asdict(timings),
                 "load_ns": load_ns,
-                "total_ns": time.perf_counter_ns() - call.start,
-                "prompt_tokens": len(tokens),
+                "total_ns": time.perf_counter_ns() - p.start,
+                "prompt_tokens": len(prompt.tokens),
                 "reasoning_tokens": reply.reasoning,
             }
         )
-        yield Chunk(
+        return Chunk(
             model=name,
             content=last.content,
             thinking=last.thinking,
@@ -375,14 +230,14 @@ class LocalRuntime:
             done_reason=done.finish_reason,
             stop_sequence=done.stop_sequence,
             tool_calls=last.tool_calls or done.tool_calls or None,
-            logprobs=(reply.lps or None) if not call.stream else None,
+            logprobs=(reply.lps or None) if not p.stream else None,
             metrics=metrics,
-            context=[*tokens, *reply.ids] if want_context else None,
+            context=[*prompt.tokens, *reply.ids] if prompt.want_context else None,
         )
 
     def _own_cache_only(
         self,
-        call: _Call,
+        p: Plan,
         name: str,
         tokens: list[int],
         images: Sequence[ImageInput],
@@ -393,56 +248,15 @@ class LocalRuntime:
         cache hit counts as evaluated, so no count tells one client what another sent."""
         cells = timings.prompt_eval_count + timings.cached_count
         prompt = tenants.Prompt(name, tokens, [image.digest for image in images], cells)
-        visible = self.prefixes.visible_cached(call.tenant, prompt, timings.cached_count, reply)
+        visible = self.prefixes.visible_cached(p.tenant, prompt, timings.cached_count, reply)
         timings.prompt_eval_count += timings.cached_count - visible
         timings.cached_count = visible
 
-    async def _generate(
-        self,
-        m: LoadedModel,
-        name: str,
-        request: GenerateRequest,
-        parser: ReplyParser | None,
-        reply: _Reply,
-        stream: bool,
-    ) -> AsyncIterator[Chunk]:
-        """One generation of the backend into `reply`: streamed chunks out, its done event kept."""
-        events = m.generate(request)
-        async with contextlib.aclosing(events):  # type: ignore[type-var]
-            async for event in events:
-                if isinstance(event, DoneEvent):
-                    reply.dones.append(event)
-                    return
-                assert isinstance(event, TextEvent)
-                reply.ids.extend(event.token_ids)
-                piece_lps = event.logprobs or None
-                if piece_lps:
-                    reply.lps.extend(piece_lps)
-                thinking_before = parser is not None and parser.thinking_now
-                piece = parser.feed(event.text) if parser is not None else Piece(content=event.text)
-                if thinking_before or (parser is not None and parser.thinking_now):
-                    reply.reasoning += len(event.token_ids)  # tokens generated inside the thinking
-                if not stream:
-                    reply.whole.add(piece)
-                elif piece or piece_lps:
-                    yield _piece_chunk(name, piece, piece_lps)
-        # the backend ended without a final event: treat as cancelled
-        raise LocalrtError("generation ended unexpectedly")
-
     # ---- the other paths ---------------------------------------------------------------------
     async def embed(
-        self,
-        resolved: ResolvedModel,
-        texts: list[str],
-        *,
-        options: Mapping[str, Any] | None = None,
-        keep_alive: str | float | None = None,
-        truncate: bool = True,
+        self, resolved: ResolvedModel, opts: Options, texts: list[str], keep_alive: float, truncate: bool
     ) -> EmbedResult:
-        start = time.perf_counter_ns()
-        opts = self.pool.options(resolved, options)
-        keep = self.pool.keep_alive(keep_alive)
-        async with self.pool.use(resolved, opts, keep) as (entry, load_ns):
+        async with self.pool.use(resolved, opts, keep_alive) as (entry, load_ns):
             m = entry.model
             if not m.capabilities.embedding:
                 raise LocalrtError(f'"{resolved.name.display}" does not support embeddings')
@@ -452,54 +266,28 @@ class LocalRuntime:
                     f"input length exceeds the context length of {m.context_length} tokens"
                 )
             vectors = await m.embed(texts)
-        return EmbedResult(
-            resolved.name.display,
-            vectors,
-            sum(min(c, m.context_length) for c in counts),
-            time.perf_counter_ns() - start,
-            load_ns,
-        )
+        count = sum(min(c, m.context_length) for c in counts)
+        return EmbedResult(resolved.name.display, vectors, count, 0, load_ns)
 
     async def rerank(
-        self,
-        resolved: ResolvedModel,
-        query: str,
-        documents: Sequence[str],
-        *,
-        options: Mapping[str, Any] | None = None,
-        keep_alive: str | float | None = None,
+        self, resolved: ResolvedModel, opts: Options, query: str, documents: Sequence[str], keep_alive: float
     ) -> RerankResult:
         """Relevance of each document to the query, from a reranker model (rank pooling)."""
-        start = time.perf_counter_ns()
-        opts = self.pool.options(resolved, options)
-        keep = self.pool.keep_alive(keep_alive)
-        async with self.pool.use(resolved, opts, keep) as (entry, load_ns):
+        async with self.pool.use(resolved, opts, keep_alive) as (entry, load_ns):
             m = entry.model
             if not m.capabilities.rerank or not hasattr(m, "rerank"):
                 raise LocalrtError(f'"{resolved.name.display}" does not support reranking')
             scores, n_tokens = await m.rerank(query, documents) if documents else ([], 0)
-        return RerankResult(resolved.name.display, scores, n_tokens, time.perf_counter_ns() - start, load_ns)
+        return RerankResult(resolved.name.display, scores, n_tokens, 0, load_ns)
 
     async def tokenize(
-        self,
-        resolved: ResolvedModel,
-        text: str,
-        *,
-        add_special: bool = True,
-        parse_special: bool = False,
-        options: Mapping[str, Any] | None = None,
+        self, resolved: ResolvedModel, opts: Options, text: str, add_special: bool, parse_special: bool
     ) -> list[int]:
-        opts = self.pool.options(resolved, options)
-        keep = self.pool.keep_alive(None)
-        async with self.pool.use(resolved, opts, keep, exclusive=False) as (entry, _):
+        async with self.pool.use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
             return entry.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
-    async def detokenize(
-        self, resolved: ResolvedModel, tokens: Sequence[int], *, options: Mapping[str, Any] | None = None
-    ) -> str:
-        opts = self.pool.options(resolved, options)
-        keep = self.pool.keep_alive(None)
-        async with self.pool.use(resolved, opts, keep, exclusive=False) as (entry, _):
+    async def detokenize(self, resolved: ResolvedModel, opts: Options, tokens: Sequence[int]) -> str:
+        async with self.pool.use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
             bad = [
                 t
                 for t in tokens
@@ -510,15 +298,9 @@ class LocalRuntime:
             return entry.model.detokenize(tokens)
 
     async def score(
-        self,
-        resolved: ResolvedModel,
-        tokens: Sequence[int] | str,
-        *,
-        return_logits: bool = False,
-        options: Mapping[str, Any] | None = None,
+        self, resolved: ResolvedModel, opts: Options, tokens: Sequence[int] | str, return_logits: bool
     ) -> ScoreResult:
         """Per-position log p(token_i | prefix) for perplexity / KL (a text is tokenized with BOS)."""
-        opts = self.pool.options(resolved, options)
         async with self.pool.use(resolved, opts, self.pool.keep_alive(None)) as (entry, _):
             ids = entry.model.tokenize(tokens, add_special=True) if isinstance(tokens, str) else list(tokens)
             if len(ids) > entry.model.context_length:
@@ -530,24 +312,135 @@ class LocalRuntime:
     async def render(
         self,
         resolved: ResolvedModel,
+        opts: Options,
         model: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        options: Mapping[str, Any] | None = None,
-        think: Any = None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        think: Think,
     ) -> tuple[str, list[int]]:
-        """The prompt text and tokens a chat request would use (debugging, `_debug_render_only`, and
-        Anthropic's count_tokens, which must match the answer's input_tokens)."""
-        opts = self.pool.options(resolved, options)
-        wanted = think if isinstance(think, Think) else thinking.parse_think(think)
-        msgs = with_history(messages, resolved.system, resolved.messages)
-        keep = self.pool.keep_alive(None)
-        async with self.pool.use(resolved, opts, keep, exclusive=False) as (entry, _):
-            listed = tool_choice(None, tools)[0]
-            _check_tools(entry, listed)
-            turn = entry.prompter.turn(model, wanted, listed)
-            return await entry.prompter.render_text(msgs, turn)
+        """The prompt text and tokens a chat request would use."""
+        async with self.pool.use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
+            _check_tools(entry, tools)
+            turn = entry.prompter.turn(model, think, tools)
+            return await entry.prompter.render_text(messages, turn)
+
+
+# ---- what each kind of request asks of the held model ----------------------------------------------
+@dataclass
+class _Prompt:
+    """What the held model is asked: the prompt's tokens, the turn that parses the reply (None: the text
+    is not a turn), the images, and whether the answer carries `context` (its tokens, for a next call)."""
+
+    tokens: list[int]
+    turn: Turn | None = None
+    pictures: Sequence[ImageInput] = ()
+    want_context: bool = False
+
+
+class _Asked(Protocol):
+    async def check(self) -> None:
+        """What is checked before any load."""
+
+    async def render(self, entry: LocalEntry) -> _Prompt:
+        """The prompt, once the model is held."""
+        ...
+
+
+class _Chat:
+    """A conversation, through the model's chat template, truncated to the context where allowed."""
+
+    def __init__(
+        self, p: Plan, messages: Sequence[Mapping[str, Any]], parallel_tool_calls: bool | None
+    ) -> None:
+        self.p, self.messages, self.parallel = p, messages, parallel_tool_calls
+        self.pending: list[image_input.PendingImage] = []
+
+    async def check(self) -> None:
+        self.messages, self.pending = await plan.conversation(self.p, self.messages)
+
+    async def render(self, entry: LocalEntry) -> _Prompt:
+        p = self.p
+        _check_generates(entry, "chat")
+        pictures = await image_input.decode_all(self.pending)
+        prompter = entry.prompter
+        _check_tools(entry, p.tools)
+        turn = prompter.turn(p.model, p.think, p.tools, p.required, self.parallel)
+        tokens = await prompter.render(self.messages, turn, pictures)
+        if p.truncate and not pictures and len(tokens) >= entry.model.context_length:
+            tokens = await prompter.fit(self.messages, turn, tokens)
+        return _Prompt(tokens, turn, pictures)
+
+
+class _Text:
+    """A prompt as one user turn of the template (after `context`, an earlier answer's tokens), or as
+    given when raw: no template, so no thinking switch and no parsing."""
+
+    def __init__(
+        self,
+        p: Plan,
+        prompt: str,
+        system: str | None,
+        raw: bool,
+        context: Sequence[int] | None,
+        images: Sequence[Any] | None,
+    ) -> None:
+        self.p, self.prompt, self.system, self.raw = p, prompt, system, raw
+        self.context, self.images = list(context or []), images
+        self.pending: list[image_input.PendingImage] = []
+
+    async def check(self) -> None:
+        self.prompt, self.pending = await plan.prompt_images(self.p, self.prompt, self.images)
+
+    async def render(self, entry: LocalEntry) -> _Prompt:
+        p, m = self.p, entry.model
+        _check_generates(entry, "generate")
+        pictures = await image_input.decode_all(self.pending)
+        turn: Turn | None = None
+        if self.raw:
+            tokenize = image_input.split_markers(
+                lambda text, add, special: m.tokenize(text, add_special=add, parse_special=special)
+            )
+            tokens = tokenize(self.prompt, True, True)
+        else:
+            sys_text = self.system if self.system is not None else p.resolved.system
+            # a continued conversation (`context`) has had the model's history already
+            history = p.resolved.messages if not self.context else []
+            msgs = with_history([{"role": "user", "content": self.prompt}], sys_text, history)
+            turn = entry.prompter.turn(p.model, p.think)
+            tokens = await entry.prompter.render(msgs, turn, pictures, add_bos=not self.context)
+            tokens = [*self.context, *tokens]
+        if p.truncate and not pictures:
+            tokens = fit_tokens(tokens, m.context_length, p.opts.num_keep)
+        # image cells have no token ids
+        return _Prompt(tokens, turn, pictures, want_context=not self.raw and not pictures)
+
+
+class _Infill:
+    """Fill-in-the-middle: the model's FIM template branch, else its FIM tokens around the two texts."""
+
+    def __init__(self, p: Plan, prefix: str, suffix: str, context: Sequence[int] | None) -> None:
+        self.p, self.prefix, self.suffix, self.context = p, prefix, suffix, list(context or [])
+
+    async def check(self) -> None:
+        pass
+
+    async def render(self, entry: LocalEntry) -> _Prompt:
+        m = entry.model
+        fim.check_insert(self.p.name, entry.can_insert, False, False)
+        bos = m.bos_token_id if m.add_bos and not self.context else None
+
+        def tokenize(text: str, special: bool = False) -> list[int]:
+            return m.tokenize(text, add_special=False, parse_special=special) if text else []
+
+        if entry.fim_template is not None:
+            tokens = fim.template_tokens(entry.fim_template, self.prefix, self.suffix, tokenize, bos)
+        else:
+            assert entry.fim_tokens is not None
+            n_ctx = m.context_length - len(self.context)
+            tokens = fim.infill_tokens(
+                entry.fim_tokens, self.prefix, self.suffix, tokenize, bos, n_ctx, self.p.opts.num_batch
+            )
+        return _Prompt([*self.context, *tokens], want_context=True)
 
 
 def _after_budget(
@@ -590,6 +483,19 @@ class _Reply:
     reasoning: int = 0  # tokens generated inside the thinking
     dones: list[DoneEvent] = field(default_factory=list)
 
+    def add(self, event: TextEvent, parser: ReplyParser | None) -> Piece:
+        """One text event of the backend: its tokens and logprobs kept, its text through the parser."""
+        self.ids.extend(event.token_ids)
+        if event.logprobs:
+            self.lps.extend(event.logprobs)
+        if parser is None:
+            return Piece(content=event.text)
+        thinking_before = parser.thinking_now
+        piece = parser.feed(event.text)
+        if thinking_before or parser.thinking_now:
+            self.reasoning += len(event.token_ids)  # tokens generated inside the thinking
+        return piece
+
 
 def _merged_timings(dones: Sequence[DoneEvent]) -> Timings:
     """One reply's timings over its generations: the first one's prompt; a later one's prompt (the
@@ -626,20 +532,15 @@ def _piece_chunk(name: str, piece: Piece, logprobs: list[TokenLogprob] | None) -
     )
 
 
-def _check_generates(entry: Entry, route: str) -> None:
+def _check_generates(entry: LocalEntry, route: str) -> None:
     """An embedding model asked to chat or complete is a 400 in Ollama's words ('"x" does not support
     chat'), not a stream of whatever its head makes of a prompt."""
     if thinking.embedding_only(entry.model.metadata):
         raise LocalrtError(f'"{entry.resolved.name.display}" does not support {route}')
 
 
-def _check_tools(entry: Entry, tools: Sequence[Mapping[str, Any]] | None) -> None:
+def _check_tools(entry: LocalEntry, tools: Sequence[Mapping[str, Any]] | None) -> None:
     """Tools for a model whose template cannot show them are a 400 naming it (as Ollama answers), never
     dropped: the model would answer as if it had none."""
     if tools and not entry.prompter.format.renders_tools:
         raise LocalrtError(f'"{entry.resolved.name.display}" does not support tools')
-
-
-def _check_vision(resolved: ResolvedModel, pictures: Sequence[image_input.PendingImage]) -> None:
-    if pictures and resolved.projector_path is None:
-        raise image_input.ImageError(f'"{resolved.name.display}" does not support images')

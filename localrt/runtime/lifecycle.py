@@ -36,6 +36,7 @@ from localrt.runtime import memory
 from localrt.runtime import thinking
 from localrt.runtime.options import Options
 from localrt.runtime.options import num_parallel
+from localrt.runtime.options import set_names
 from localrt.runtime.prompt import Prompter
 from localrt.runtime.prompt import make_template
 from localrt.runtime.prompt import preserved_tokens
@@ -84,7 +85,7 @@ class Entry:
     expires_at: float | None = None  # epoch
     timer: asyncio.TimerHandle | None = None
     stop_requested: bool = False  # `localrt stop`: unload as soon as the running requests finish
-    held_bytes: int = 0  # what the load was estimated to hold beside shared weights (0: not estimated)
+    own_bytes: int = 0  # what the load was estimated to take beside shared weights (0: not estimated)
     # the weights it shares with the other loads of the same file (the backend's `shares_weights`: llama.cpp),
     # and their bytes in RAM, which count once however many loads share them; None: its own weights
     base: tuple[Any, ...] | None = None
@@ -121,7 +122,7 @@ class LoadSpec:
     load_opts: LoadOptions
     load_key: tuple[Any, ...]
     draft: Path | None
-    held: int  # bytes the load was estimated to take beside shared weights (0: not estimated)
+    own_bytes: int  # bytes the load was estimated to take beside shared weights (0: not estimated)
     base: tuple[Any, ...] | None = None  # Entry.base
     base_bytes: int = 0
 
@@ -136,6 +137,11 @@ class Loader(Protocol[E_co]):
 
     def backend(self, opts: Options) -> str: ...
 
+    def check(self, resolved: ResolvedModel, opts: Options, given: Mapping[str, Any]) -> None:
+        """What this kind of model refuses of a request's options (`given`: those the request or the
+        Modelfile set), raised before any load."""
+        ...
+
     async def load(self, spec: LoadSpec) -> E_co: ...
 
 
@@ -146,6 +152,9 @@ class LocalLoader:
 
     def backend(self, opts: Options) -> str:
         return registry.resolve(opts.backend)
+
+    def check(self, resolved: ResolvedModel, opts: Options, given: Mapping[str, Any]) -> None:
+        """Every option applies to a local model (the backend refuses what it cannot do at its turn)."""
 
     async def load(self, spec: LoadSpec) -> LocalEntry:
         resolved = spec.resolved
@@ -171,7 +180,7 @@ class LocalLoader:
             prompter=Prompter(spec.key, model, template, fmt),
             preserve_tokens=preserve,
             slots=asyncio.Semaphore(max(1, model.capabilities.parallel_slots)),
-            held_bytes=spec.held,
+            own_bytes=spec.own_bytes,
             base=spec.base,
             base_bytes=spec.base_bytes,
             fim_tokens=infill,
@@ -221,6 +230,23 @@ class ModelPool:
         if options is not None and not isinstance(options, Mapping):
             raise OptionError("options must be an object of name: value pairs")
         return Options.merge(resolved.params, options, lenient=(True, False))
+
+    @classmethod
+    def options_given(
+        cls,
+        resolved: ResolvedModel,
+        options: Mapping[str, Any] | None,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> tuple[Options, dict[str, Any]]:
+        """The options in force, and those of them that the Modelfile or the request set (typed).
+        `defaults`: a protocol's own defaults (OpenAI's temperature 1.0), in force under the request's
+        options, never among those set."""
+        given = cls.options(resolved, options)
+        names = set_names(resolved.params) | set_names(options)
+        values = {name: getattr(given, name) for name in names}
+        if not defaults:
+            return given, values
+        return cls.options(resolved, {**defaults, **(options or {})}), values
 
     def keep_alive(self, value: str | float | None) -> float:
         if value is None:
@@ -335,7 +361,7 @@ class ModelPool:
         # the settings to try are estimated only when a load is due: a loaded model's requests skip it
         fits: list[memory.Fit] | None = None if loader.in_memory else []
         base = _weights_key(backend, resolved, opts) if loader.in_memory else None
-        base_bytes = held = 0
+        base_bytes = own_bytes = 0
         load_key = (
             backend,
             str(resolved.model_path),
@@ -387,12 +413,12 @@ class ModelPool:
                     self._reserved[key] = self._adds(fit.estimate, base).ram
                     # shared weights count in base_bytes, once for all their loads
                     base_bytes = fit.estimate.weights_ram if base is not None else 0
-                    held = fit.estimate.ram - base_bytes
+                    own_bytes = fit.estimate.ram - base_bytes
                 self._unloaded_for_room = 0
                 self._loading.add(key)
                 break
         # load outside the lock, so requests for other (loaded) models keep flowing
-        spec = LoadSpec(key, resolved, backend, load_opts, load_key, draft, held, base, base_bytes)
+        spec = LoadSpec(key, resolved, backend, load_opts, load_key, draft, own_bytes, base, base_bytes)
         load: asyncio.Future[Entry] = asyncio.ensure_future(loader.load(spec))
         try:
             await asyncio.wait((load,))  # a cancelled wait leaves the load running
@@ -477,7 +503,7 @@ class ModelPool:
         victim = self._lru_idle()
         if fits is not None:
             available, source = self._available()
-            hopeless = not fits[-1].estimate.fits(available + self._held())
+            hopeless = not fits[-1].estimate.fits(available + self._estimated())
             if hopeless or (victim is None and not self._local_count()):
                 unloaded, self._unloaded_for_room = self._unloaded_for_room, 0
                 raise memory.refusal(fits, available, source, unloaded)
@@ -503,14 +529,14 @@ class ModelPool:
     def _available(self) -> tuple[int, str]:
         """Bytes a new load may take now, and where the figure comes from. The free RAM already excludes
         what loaded models hold, but not the loads still under way."""
-        available, source = memory.room(self._held())
+        available, source = memory.room(self._estimated())
         if config.max_memory() is None:
             available -= sum(self._reserved.values())
         return available, source
 
-    def _held(self) -> int:
+    def _estimated(self) -> int:
         """What loaded models and loads under way were estimated to hold."""
-        loaded = sum(e.held_bytes for e in self._entries.values())
+        loaded = sum(e.own_bytes for e in self._entries.values())
         shared = {e.base: e.base_bytes for e in self._entries.values() if e.base is not None}
         return loaded + sum(shared.values()) + sum(self._reserved.values())
 

@@ -151,8 +151,7 @@ class Options:
 
     def set(self, name: str, value: Any, from_text: bool = False) -> None:
         """Validate and set one option; `from_text` converts strings first (Modelfile, /set)."""
-        if name == "draft_num_predict":  # Ollama's name for the same thing
-            name = "num_draft"
+        name = RENAMED.get(name, name)
         if name in IGNORED_OPTIONS:
             return
         if name not in _FIELDS:
@@ -212,6 +211,14 @@ class Options:
 
 _FIELDS = {f.name for f in fields(Options)}
 OPTION_NAMES = frozenset(_FIELDS)
+RENAMED = {"draft_num_predict": "num_draft"}  # Ollama's name for the same thing
+
+
+def set_names(layer: Mapping[str, Any] | None) -> set[str]:
+    """The options a layer sets, by their names here (null means not set, as in `Options.merge`); names
+    no option has are left out (a lenient layer's: a strict one's the merge refused)."""
+    names = {RENAMED.get(name, name) for name, value in (layer or {}).items() if value is not None}
+    return {name for name in names if name in _FIELDS}
 
 
 def _check_number(name: str, value: Any) -> int | float:

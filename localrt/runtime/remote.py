@@ -1,13 +1,20 @@
-"""The remote path: every request for a remote model, from the runtime's entrance to its chunks.
+"""The remote path: every request for a remote model, from the runtime's entrance to the upstream.
 
 A remote model is a stored manifest naming OpenAI-compatible endpoints (vLLM, SGLang, llama-server,
-another localrt). `front.Runtime` checks `is_remote` once per request and hands the whole request here.
-The upstream templates, tokenizes, fits the context and parses thinking and tool calls itself, so this
-path has no vocabulary, no chat template and no `Prompter`: it sends the conversation (chat, templated
-generate) or the raw text (raw generate, OpenAI completions) as a `RemoteRequest` and turns the backend's
-events into the runtime's `Chunk`s. Options no OpenAI-compatible server takes are refused with a 400
-instead of being dropped. The model pool holds remote models beside local ones (queue, slots,
-keep-alive, `ps`, `stop`) through `RemoteLoader`, which marks them as holding no memory here.
+another localrt). `front.Runtime` tells it apart once per request and hands the whole request here. The
+upstream templates, tokenizes, fits the context, samples with its own defaults and parses thinking and
+tool calls itself, so this path has no vocabulary, no chat template and no reply parser, and sends no
+setting the request did not make:
+
+- an OpenAI request is forwarded (`forward`): its body as the client wrote it, `model` renamed (and the
+  model's own Modelfile applied where the request leaves it open), the upstream's bytes back as they come;
+- an Ollama or Anthropic chat or completion is translated once into OpenAI's shape (`upstream.chat_body`,
+  `completion_body`: the messages, and only the options the request or the model's Modelfile set) and its
+  answer read back into the runtime's `Chunk`s (text, thinking, tool calls with their ids, logprobs).
+
+Options no OpenAI-compatible server takes are refused with a 400 instead of being dropped. The model
+pool holds remote models beside local ones (queue, slots, keep-alive, `ps`, `stop`) through
+`RemoteLoader`, which marks them as holding no memory here.
 """
 
 from __future__ import annotations
@@ -20,32 +27,30 @@ from collections.abc import AsyncIterator
 from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
-from typing import Unpack
 
 from localrt.backends import registry
 from localrt.backends.base import DoneEvent
-from localrt.backends.base import TextEvent
+from localrt.backends.base import Timings
 from localrt.backends.base import TokenLogprob
+from localrt.backends.remote import Opened
 from localrt.backends.remote import RemoteModel
-from localrt.backends.remote import RemoteRequest
+from localrt.backends.remote import upstream
 from localrt.errors import LocalrtError
 from localrt.errors import OptionError
 from localrt.runtime import fim
-from localrt.runtime import images as image_input
-from localrt.runtime import lora as lora_scales
+from localrt.runtime import plan
 from localrt.runtime import thinking
 from localrt.runtime.answers import Chunk
 from localrt.runtime.answers import EmbedResult
 from localrt.runtime.answers import Metrics
 from localrt.runtime.answers import RerankResult
-from localrt.runtime.answers import Settings
-from localrt.runtime.answers import asked
 from localrt.runtime.lifecycle import Entry
 from localrt.runtime.lifecycle import LoadSpec
 from localrt.runtime.lifecycle import ModelPool
 from localrt.runtime.options import Options
-from localrt.runtime.prompt import tool_choice as parse_tool_choice
+from localrt.runtime.plan import Plan
 from localrt.runtime.prompt import with_history
 from localrt.runtime.thinking import Think
 from localrt.store.remote import is_remote as is_remote
@@ -73,6 +78,12 @@ UNSUPPORTED = (
     "backend",
     "grammar",
 )
+# The routes an OpenAI request may be forwarded on, by the upstream path they take
+ROUTES = {
+    "chat/completions": upstream.CHAT,
+    "completions": upstream.COMPLETIONS,
+    "embeddings": upstream.EMBEDDINGS,
+}
 
 
 def check_options(resolved: ResolvedModel, opts: Options) -> None:
@@ -115,6 +126,9 @@ class RemoteLoader:
     def backend(self, opts: Options) -> str:
         return BACKEND
 
+    def check(self, resolved: ResolvedModel, opts: Options, given: Mapping[str, Any]) -> None:
+        check_options(resolved, opts)
+
     async def load(self, spec: LoadSpec) -> RemoteEntry:
         backend = registry.get(BACKEND)
         model: RemoteModel = await asyncio.to_thread(backend.load, spec.resolved.model_path, spec.load_opts)
@@ -128,7 +142,7 @@ class RemoteLoader:
             family=BACKEND,
             in_memory=False,
             slots=asyncio.Semaphore(max(1, model.capabilities.parallel_slots)),
-            held_bytes=spec.held,
+            own_bytes=spec.own_bytes,
         )
 
 
@@ -136,262 +150,184 @@ LOADER = RemoteLoader()
 
 
 @dataclass
-class _Call:
-    """What a chat or generate request for a remote model settles before any load."""
+class Forwarded:
+    """An OpenAI request's answer from the upstream: its media type and its bytes as they come (the
+    model's slot is held until they end or the iterator is closed); once they have ended, `metrics`."""
 
-    model: str  # as the request named it
-    resolved: ResolvedModel
-    opts: Options
-    format: str | dict[str, Any] | None
-    logprobs: bool
-    top_logprobs: int
-    stream: bool
-    think: Think
-    tools: list[dict[str, Any]] | None  # tool_choice applied
-    required: bool  # tool_choice asks for a call
-    keep_alive: float
-    start: int  # perf_counter_ns at arrival
+    media_type: str = ""
+    chunks: AsyncIterator[bytes] = field(init=False)
+    tally: upstream.Tally = field(default_factory=upstream.Tally)
+    load_ns: int = 0
+
+    def metrics(self) -> Metrics:
+        """The answer's counts and durations, from its usage (where the client asked for it)."""
+        timings = self.tally.timings(time.perf_counter_ns())
+        return Metrics(**{**dataclasses.asdict(timings), "load_ns": self.load_ns})
 
 
 class RemoteRuntime:
-    """The request paths of remote models, over the shared pool: chat and generate as the upstream's
-    chat and completions, embed, tokenize and detokenize by the upstream; no scoring or reranking."""
+    """The request paths of remote models, over the shared pool: chat and generate by the upstream's
+    chat and completions, OpenAI requests forwarded, embed, tokenize and detokenize by the upstream; no
+    scoring or reranking."""
+
+    loader = LOADER
 
     def __init__(self, pool: ModelPool) -> None:
         self.pool = pool
-
-    def _options(self, resolved: ResolvedModel, options: Mapping[str, Any] | None) -> Options:
-        opts = self.pool.options(resolved, options)
-        check_options(resolved, opts)
-        return opts
 
     def _use(
         self, resolved: ResolvedModel, opts: Options, keep_alive: float, exclusive: bool = True
     ) -> contextlib.AbstractAsyncContextManager[tuple[RemoteEntry, int]]:
         return self.pool.use(resolved, opts, keep_alive, exclusive, loader=LOADER)
 
-    # ---- chat and generate -----------------------------------------------------------------------
-    async def chat(
+    # ---- an OpenAI request, forwarded --------------------------------------------------------
+    async def forward(
+        self, resolved: ResolvedModel, route: str, body: Mapping[str, Any], keep_alive: float
+    ) -> Forwarded:
+        """The request to the upstream as its client wrote it; errors before its first byte raise here."""
+        path = ROUTES[route]
+        opts = self.pool.options(resolved, None)
+        check_options(resolved, opts)
+        sent = dict(body)
+        if path == upstream.CHAT and isinstance(sent.get("messages"), list):
+            sent["messages"] = with_history(sent["messages"], resolved.system, resolved.messages)
+        for name, value in upstream.sampling_fields(self.pool.options_given(resolved, None)[1]).items():
+            sent.setdefault(name, value)  # the model's Modelfile, where the request leaves a field open
+        forwarded = Forwarded()
+        stream = self._forwarding(resolved, opts, keep_alive, path, sent, forwarded)
+        opened = await anext(stream)  # started: closing or collecting it releases the slot
+        assert isinstance(opened, Opened)
+        forwarded.media_type = opened.media_type
+        forwarded.chunks = stream  # type: ignore[assignment]
+        return forwarded
+
+    async def _forwarding(
         self,
         resolved: ResolvedModel,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: Any = None,
-        parallel_tool_calls: bool | None = None,
-        **settings: Unpack[Settings],
+        opts: Options,
+        keep_alive: float,
+        path: str,
+        body: dict[str, Any],
+        forwarded: Forwarded,
+    ) -> AsyncIterator[Opened | bytes]:
+        """The model held while its upstream's bytes pass, each one tallied for the metrics."""
+        async with self._use(resolved, opts, keep_alive) as (entry, load_ns):
+            forwarded.load_ns = load_ns
+            stream = entry.model.forward(path, body)
+            async with contextlib.aclosing(stream):
+                opened = await anext(stream)
+                assert isinstance(opened, Opened)
+                forwarded.tally.start(opened.media_type)
+                yield opened
+                async for data in stream:
+                    assert isinstance(data, bytes)
+                    forwarded.tally.see(data)
+                    yield data
+
+    # ---- chat and generate, translated once --------------------------------------------------
+    def chat(
+        self, p: Plan, messages: Sequence[Mapping[str, Any]], parallel_tool_calls: bool | None
     ) -> AsyncIterator[Chunk]:
         """The conversation (with the model's system prompt and history) to the upstream's chat."""
-        call = self._begin(resolved, model, settings, tools=tools, choice=tool_choice)
-        if not messages:
-            async for chunk in self._load_only(call):
-                yield chunk
-            return
-        msgs = with_history(messages, resolved.system, resolved.messages)
-        msgs, pending = await image_input.check_images(msgs)
-        _check_vision(resolved, pending)
-        async with self._use(resolved, call.opts, call.keep_alive) as (entry, load_ns):
-            thinking.check_think(_NO_THINKING, call.think, model)
-            _check_required(call)
-            request = self._request(call, messages=[dict(m) for m in msgs], tools=call.tools)
-            async for chunk in self._run(call, entry, load_ns, request):
-                yield chunk
+        return self._run(p, _Chat(p, messages, parallel_tool_calls))
 
-    async def generate(
+    def generate(
         self,
-        resolved: ResolvedModel,
-        model: str,
-        prompt: str = "",
+        p: Plan,
+        prompt: str,
         *,
-        system: str | None = None,
-        raw: bool = False,
-        context: Sequence[int] | None = None,
-        images: Sequence[Any] | None = None,
-        suffix: str | None = None,
-        **settings: Unpack[Settings],
+        system: str | None,
+        raw: bool,
+        context: Sequence[int] | None,
+        images: Sequence[Any] | None,
     ) -> AsyncIterator[Chunk]:
         """Raw text to the upstream's completions, else one user turn (with the system prompt) to its
-        chat. No fill-in-the-middle and no `context`: the upstream's token ids are not ours."""
-        call = self._begin(resolved, model, settings)
-        name = resolved.name.display
-        if suffix:
-            fim.check_insert(name, True, raw, bool(images))
-            async with self._use(resolved, call.opts, call.keep_alive):
-                fim.check_insert(name, False, False, False)
-        if not prompt and not context:
-            async for chunk in self._load_only(call):
-                yield chunk
-            return
-        if raw and (system or context):
-            raise LocalrtError("raw mode does not support template, system, or context")
-        pending: list[image_input.PendingImage] = []
-        if images:
-            (marked,), pending = await image_input.check_images([{"content": prompt, "images": list(images)}])
-            prompt = marked["content"]
-        _check_vision(resolved, pending)
-        async with self._use(resolved, call.opts, call.keep_alive) as (entry, load_ns):
-            if context:
-                raise LocalrtError(
-                    "context (token ids of an earlier answer) is not supported for remote models"
-                )
-            if raw:
-                request = self._request(call, prompt=prompt)
+        chat. No `context`: the upstream's token ids are not ours."""
+        return self._run(p, _Text(p, prompt, system, raw, context, images))
+
+    async def infill(
+        self, p: Plan, prefix: str, suffix: str, context: Sequence[int] | None
+    ) -> AsyncIterator[Chunk]:
+        """No fill-in-the-middle: the upstream's completions take no suffix in one agreed form."""
+        async with self._use(p.resolved, p.opts, p.keep_alive):
+            fim.check_insert(p.name, False, False, False)
+        yield Chunk(model=p.name)  # not reached: a generator, so that it fails where its chunks are read
+
+    async def _run(self, p: Plan, asked: _Asked) -> AsyncIterator[Chunk]:
+        """The upstream's answer as chunks: its text and thinking as they come (or all at once at the
+        end), then one done chunk with the tool calls it made and its timings."""
+        path, body = await asked.body()
+        async with self._use(p.resolved, p.opts, p.keep_alive) as (entry, load_ns):
+            name = entry.key
+            content: list[str] = []
+            reasoning: list[str] = []
+            lps: list[TokenLogprob] = []
+            done: DoneEvent | None = None
+            if p.given.get("num_predict") == 0:  # nothing to ask for
+                done = DoneEvent("length", Timings())
             else:
-                thinking.check_think(_NO_THINKING, call.think, model)
-                sys_text = system if system is not None else resolved.system
-                turns = [{"role": "system", "content": sys_text}] if sys_text else []
-                request = self._request(call, messages=[*turns, {"role": "user", "content": prompt}])
-            async for chunk in self._run(call, entry, load_ns, request):
-                yield chunk
-
-    def _begin(
-        self,
-        resolved: ResolvedModel,
-        model: str,
-        settings: Settings,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        choice: Any = None,
-    ) -> _Call:
-        start = time.perf_counter_ns()
-        opts = self._options(resolved, settings.get("options"))
-        lora_scales.scales(settings.get("lora"), resolved, BACKEND)  # a 400: the upstream has its own
-        return _Call(
-            model=model,
-            resolved=resolved,
-            opts=opts,
-            **asked(settings, tools, choice),
-            keep_alive=self.pool.keep_alive(settings.get("keep_alive")),
-            start=start,
-        )
-
-    async def _load_only(self, call: _Call) -> AsyncIterator[Chunk]:
-        name = call.resolved.name.display
-        if call.keep_alive <= 0:
-            await self.pool.unload(name)
+                events = entry.model.generate(path, body, p.cancel)
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        if isinstance(event, DoneEvent):
+                            done = event
+                            break
+                        if event.logprobs:
+                            lps.extend(event.logprobs)
+                        if not p.stream:
+                            content.append(event.content)
+                            reasoning.append(event.reasoning)
+                        else:
+                            yield Chunk(
+                                model=name,
+                                content=event.content,
+                                thinking=event.reasoning,
+                                logprobs=event.logprobs or None,
+                            )
+            if done is None:  # the backend ended without a final event
+                raise LocalrtError("generation ended unexpectedly")
+            metrics = Metrics(
+                **{
+                    **dataclasses.asdict(done.timings),
+                    "load_ns": load_ns,
+                    "total_ns": time.perf_counter_ns() - p.start,
+                }
+            )
             yield Chunk(
                 model=name,
+                content="".join(content),
+                thinking="".join(reasoning),
                 done=True,
-                done_reason="unload",
-                metrics=Metrics(total_ns=time.perf_counter_ns() - call.start),
+                done_reason=done.finish_reason,
+                stop_sequence=done.stop_sequence,
+                tool_calls=done.tool_calls or None,
+                logprobs=(lps or None) if not p.stream else None,
+                metrics=metrics,
             )
-            return
-        async with self._use(call.resolved, call.opts, call.keep_alive, exclusive=False) as (_, load_ns):
-            pass
-        yield Chunk(
-            model=name,
-            done=True,
-            done_reason="load",
-            metrics=Metrics(total_ns=time.perf_counter_ns() - call.start, load_ns=load_ns),
-        )
-
-    @staticmethod
-    def _request(call: _Call, **prompt: Any) -> RemoteRequest:
-        """The upstream's request; it bounds an answer by its own context, so num_predict -1 and -2 both
-        mean no max_tokens."""
-        opts = call.opts
-        return RemoteRequest(
-            **prompt,
-            sampling=opts.sampling(),
-            num_predict=opts.num_predict if opts.num_predict >= 0 else -1,
-            stop=list(opts.stop),
-            logprobs=call.logprobs or call.top_logprobs > 0,
-            top_logprobs=call.top_logprobs,
-            format=call.format,
-        )
-
-    async def _run(
-        self, call: _Call, entry: RemoteEntry, load_ns: int, request: RemoteRequest
-    ) -> AsyncIterator[Chunk]:
-        """The upstream's answer as chunks: its text as it comes (or all at once at the end), then one
-        done chunk with the tool calls it parsed and its timings."""
-        name = entry.key
-        content: list[str] = []
-        lps: list[TokenLogprob] = []
-        done: DoneEvent | None = None
-        events = entry.model.generate(request)
-        async with contextlib.aclosing(events):
-            async for event in events:
-                if isinstance(event, DoneEvent):
-                    done = event
-                    break
-                assert isinstance(event, TextEvent)
-                piece_lps = event.logprobs or None
-                if piece_lps:
-                    lps.extend(piece_lps)
-                if not call.stream:
-                    content.append(event.text)
-                elif event.text or piece_lps:
-                    yield Chunk(model=name, content=event.text, logprobs=piece_lps)
-        if done is None:  # the backend ended without a final event
-            raise LocalrtError("generation ended unexpectedly")
-        metrics = Metrics(
-            **{
-                **dataclasses.asdict(done.timings),
-                "load_ns": load_ns,
-                "total_ns": time.perf_counter_ns() - call.start,
-            }
-        )
-        yield Chunk(
-            model=name,
-            content="".join(content),
-            done=True,
-            done_reason=done.finish_reason,
-            stop_sequence=done.stop_sequence,
-            tool_calls=done.tool_calls or None,
-            logprobs=(lps or None) if not call.stream else None,
-            metrics=metrics,
-        )
 
     # ---- the other paths ---------------------------------------------------------------------
     async def embed(
-        self,
-        resolved: ResolvedModel,
-        texts: list[str],
-        *,
-        options: Mapping[str, Any] | None = None,
-        keep_alive: str | float | None = None,
-        truncate: bool = True,
+        self, resolved: ResolvedModel, opts: Options, texts: list[str], keep_alive: float, truncate: bool
     ) -> EmbedResult:
         """The upstream's `/v1/embeddings`; it tokenizes, truncates and counts."""
-        start = time.perf_counter_ns()
-        opts = self._options(resolved, options)
-        async with self._use(resolved, opts, self.pool.keep_alive(keep_alive)) as (entry, load_ns):
+        async with self._use(resolved, opts, keep_alive) as (entry, load_ns):
             vectors, count = await entry.model.embed_counted(texts)
-        return EmbedResult(resolved.name.display, vectors, count, time.perf_counter_ns() - start, load_ns)
+        return EmbedResult(resolved.name.display, vectors, count, 0, load_ns)
 
     async def rerank(
-        self,
-        resolved: ResolvedModel,
-        query: str,
-        documents: Sequence[str],
-        *,
-        options: Mapping[str, Any] | None = None,
-        keep_alive: str | float | None = None,
+        self, resolved: ResolvedModel, opts: Options, query: str, documents: Sequence[str], keep_alive: float
     ) -> RerankResult:
-        opts = self._options(resolved, options)
-        async with self._use(resolved, opts, self.pool.keep_alive(keep_alive)):
+        async with self._use(resolved, opts, keep_alive):
             raise LocalrtError(f'"{resolved.name.display}" does not support reranking')
 
     async def tokenize(
-        self,
-        resolved: ResolvedModel,
-        text: str,
-        *,
-        add_special: bool = True,
-        parse_special: bool = False,
-        options: Mapping[str, Any] | None = None,
+        self, resolved: ResolvedModel, opts: Options, text: str, add_special: bool, parse_special: bool
     ) -> list[int]:
         """The upstream's tokenizer (an HTTP round trip: off the event loop)."""
-        opts = self._options(resolved, options)
         async with self._use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
             return await asyncio.to_thread(entry.model.tokenize, text, add_special, parse_special)
 
-    async def detokenize(
-        self, resolved: ResolvedModel, tokens: Sequence[int], *, options: Mapping[str, Any] | None = None
-    ) -> str:
-        opts = self._options(resolved, options)
+    async def detokenize(self, resolved: ResolvedModel, opts: Options, tokens: Sequence[int]) -> str:
         async with self._use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
             bad = [
                 t
@@ -403,14 +339,8 @@ class RemoteRuntime:
             return await asyncio.to_thread(entry.model.detokenize, tokens)
 
     async def score(
-        self,
-        resolved: ResolvedModel,
-        tokens: Sequence[int] | str,
-        *,
-        return_logits: bool = False,
-        options: Mapping[str, Any] | None = None,
+        self, resolved: ResolvedModel, opts: Options, tokens: Sequence[int] | str, return_logits: bool
     ) -> Any:
-        opts = self._options(resolved, options)
         async with self._use(resolved, opts, self.pool.keep_alive(None)) as (entry, _):
             raise LocalrtError(
                 f"remote model {entry.model.upstream_model} cannot score tokens: perplexity and KL need a "
@@ -420,33 +350,80 @@ class RemoteRuntime:
     async def render(
         self,
         resolved: ResolvedModel,
+        opts: Options,
         model: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        options: Mapping[str, Any] | None = None,
-        think: Any = None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        think: Think,
     ) -> tuple[str, list[int]]:
         """The conversation's text (each turn's content, one per line) and the upstream's tokens of it:
         the upstream's chat template is its own, so this counts the content, not the template's markup."""
-        opts = self._options(resolved, options)
-        wanted = think if isinstance(think, Think) else thinking.parse_think(think)
-        msgs = with_history(messages, resolved.system, resolved.messages)
-        parse_tool_choice(None, tools)
-        thinking.check_think(_NO_THINKING, wanted, model)
-        text = "\n".join(str(m.get("content") or "") for m in msgs)
+        thinking.check_think(_NO_THINKING, think, model)
+        text = "\n".join(str(m.get("content") or "") for m in messages)
         async with self._use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
             return text, await asyncio.to_thread(entry.model.tokenize, text, True, False)
 
 
-def _check_vision(resolved: ResolvedModel, pending: Sequence[image_input.PendingImage]) -> None:
-    if pending:
-        raise image_input.ImageError(f'"{resolved.name.display}" does not support images')
+# ---- what each kind of request sends upstream ------------------------------------------------------
+class _Asked:
+    """A chat or generate request's checks, then its body for the upstream (path, OpenAI body)."""
+
+    def __init__(self, p: Plan) -> None:
+        self.p = p
+
+    def _top_logprobs(self) -> int | None:
+        return self.p.top_logprobs if self.p.logprobs or self.p.top_logprobs > 0 else None
+
+    async def body(self) -> tuple[str, dict[str, Any]]: ...
 
 
-def _check_required(call: _Call) -> None:
-    """tool_choice 'required' is a grammar on a local model; an OpenAI-compatible upstream takes none."""
-    if call.required:
-        if call.format is not None:
-            raise LocalrtError("tool_choice 'required' cannot be combined with format or grammar")
-        raise OptionError("grammars (and tool_choice 'required') are not available for remote models")
+class _Chat(_Asked):
+    def __init__(
+        self, p: Plan, messages: Sequence[Mapping[str, Any]], parallel_tool_calls: bool | None
+    ) -> None:
+        super().__init__(p)
+        self.messages, self.parallel = messages, parallel_tool_calls
+
+    async def body(self) -> tuple[str, dict[str, Any]]:
+        p = self.p
+        msgs, _ = await plan.conversation(p, self.messages)
+        thinking.check_think(_NO_THINKING, p.think, p.model)
+        body = upstream.chat_body(
+            msgs,
+            p.given,
+            tools=p.tools,
+            tool_choice=p.choice if p.required else None,
+            parallel_tool_calls=self.parallel,
+            fmt=p.format,
+            top_logprobs=self._top_logprobs(),
+        )
+        return upstream.CHAT, body
+
+
+class _Text(_Asked):
+    def __init__(
+        self,
+        p: Plan,
+        prompt: str,
+        system: str | None,
+        raw: bool,
+        context: Sequence[int] | None,
+        images: Sequence[Any] | None,
+    ) -> None:
+        super().__init__(p)
+        self.prompt, self.system, self.raw, self.context, self.images = prompt, system, raw, context, images
+
+    async def body(self) -> tuple[str, dict[str, Any]]:
+        p = self.p
+        prompt, _ = await plan.prompt_images(p, self.prompt, self.images)
+        if self.context:
+            raise LocalrtError("context (token ids of an earlier answer) is not supported for remote models")
+        if self.raw:
+            return upstream.COMPLETIONS, upstream.completion_body(
+                prompt, p.given, fmt=p.format, top_logprobs=self._top_logprobs()
+            )
+        thinking.check_think(_NO_THINKING, p.think, p.model)
+        sys_text = self.system if self.system is not None else p.resolved.system
+        messages = with_history([{"role": "user", "content": prompt}], sys_text, p.resolved.messages)
+        body = upstream.chat_body(messages, p.given, fmt=p.format, top_logprobs=self._top_logprobs())
+        return upstream.CHAT, body
