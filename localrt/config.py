@@ -37,6 +37,7 @@ class Variable:
     section: str
     help: str
     shown: str = ""
+    load: bool = False  # read when a model loads: part of the load key, so a change reloads the model
 
     @property
     def default_text(self) -> str:
@@ -90,6 +91,7 @@ VARIABLES: tuple[Variable, ...] = (
         SERVER,
         "Concurrent sequences per loaded model: `auto` (what fits the memory budget, 4 to 8 where 4 fit) or "
         "1 to 256. For a remote model: requests in flight per endpoint (default 64).",
+        load=True,
     ),
     Variable(
         "LOCALRT_CONTEXT_LENGTH",
@@ -123,6 +125,7 @@ VARIABLES: tuple[Variable, ...] = (
         "last bits, on what else runs beside it (see [limitations.md](limitations.md)). A model with layers on a "
         "GPU always does so: the 48-row cap is made for the CPU's kernels.",
         shown="off",
+        load=True,
     ),
     Variable(
         "LOCALRT_MAX_RESPONSES",
@@ -147,6 +150,7 @@ VARIABLES: tuple[Variable, ...] = (
         "`openblas` or a library path: the BLAS under MLX's fp32 products on Linux (opt-in; see "
         "[backends.md](backends.md)).",
         shown="(MLX's own)",
+        load=True,
     ),
     Variable(
         "LOCALRT_MAX_MEMORY",
@@ -164,6 +168,7 @@ VARIABLES: tuple[Variable, ...] = (
         SERVER,
         "VRAM kept free on each GPU (`512MiB`) when `num_gpu` -1 fits the llama.cpp backend's layers to "
         "the free VRAM (see [memory.md](memory.md)).",
+        load=True,
     ),
     Variable(
         "LOCALRT_AGENT_PATH",
@@ -281,11 +286,18 @@ VARIABLES: tuple[Variable, ...] = (
 BY_NAME = {v.name: v for v in VARIABLES}
 
 
+def load_key() -> tuple[str, ...]:
+    """The variables read when a model loads (`load=True`), as set now: part of each load's key, so that
+    a model loaded under other values is reloaded, as other load options reload it."""
+    return tuple(setting(v.name) for v in VARIABLES if v.load)
+
+
 def default_of(name: str) -> str:
     """The default text of a variable in `VARIABLES` (a KeyError for one missing from the table)."""
     return BY_NAME[name].default
 
 
+LOAD_NOTE = " Read when a model loads: a loaded model is reloaded when it changes."
 INTRO = """\
 Every setting is optional. The code reads each one through `localrt/config.py`, the only module that reads
 environment variables, which is also where each default lives. A bad value (a port that is not a number,
@@ -306,7 +318,11 @@ def configuration_markdown() -> str:
         if section in SECTION_NOTES:
             out += [SECTION_NOTES[section], ""]
         out += ["| variable | default | meaning |", "|---|---|---|"]
-        out += [f"| `{v.name}` | {v.default_text} | {v.help} |" for v in VARIABLES if v.section == section]
+        out += [
+            f"| `{v.name}` | {v.default_text} | {v.help}{LOAD_NOTE if v.load else ''} |"
+            for v in VARIABLES
+            if v.section == section
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -357,6 +373,17 @@ def extra_origins() -> list[str]:
 
 def api_key() -> str | None:
     return os.environ.get("LOCALRT_API_KEY") or None
+
+
+def secret(name: str) -> str | None:
+    """A variable whose name the user chose, holding a key (a remote model's `api_key_env`, which is not
+    in the table): read each time it is needed, so a rotated key needs no restart; None if unset or empty."""
+    return os.environ.get(name) or None
+
+
+def environment() -> dict[str, str]:
+    """The whole environment, for a child process that inherits it (`localrt launch`'s agents)."""
+    return dict(os.environ)
 
 
 def hf_endpoint() -> str | None:

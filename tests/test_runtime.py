@@ -527,3 +527,29 @@ def test_bad_requests_fail_clearly_and_the_runtime_keeps_serving(
             await rt.close()
 
     asyncio.run(scenario())
+
+
+def test_a_variable_read_at_load_reloads_the_model(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOCALRT_FAST_PREFILL is read when the model loads: set while it is loaded, the next request finds
+    the model loaded under another value and loads it again, as a changed load option would."""
+
+    async def scenario() -> None:
+        rt = Runtime(store)
+        try:
+            load = [{"role": "user", "content": "Hi"}]
+            options = {"num_predict": 1}
+            _, first = await collect(rt.chat("smollm2:135m", load, options=options))
+            _, warm = await collect(rt.chat("smollm2:135m", load, options=options))
+            monkeypatch.setenv("LOCALRT_FAST_PREFILL", "1")
+            _, changed = await collect(rt.chat("smollm2:135m", load, options=options))
+            assert first.metrics is not None
+            assert warm.metrics is not None
+            assert changed.metrics is not None
+            assert first.metrics.load_ns > 0
+            assert warm.metrics.load_ns == 0
+            assert changed.metrics.load_ns > 0  # reloaded under the new value
+            assert len(rt.ps()) == 1  # the old load went
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())

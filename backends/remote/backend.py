@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from collections.abc import Mapping
@@ -44,6 +43,8 @@ from localrt.backends.remote.pool import Endpoint
 from localrt.backends.remote.pool import Pool
 from localrt.errors import LocalrtError
 from localrt.errors import ServerBusy
+from localrt.store.remote import RemoteConfigError
+from localrt.store.remote import api_key
 from localrt.store.remote import check_endpoint
 from localrt.store.remote import missing_key_message
 
@@ -172,20 +173,21 @@ class RemoteModel:
         the error a client sees names neither the variable nor its state."""
         if check_endpoint(url, self.insecure) != url:
             raise RemoteError(f"{url} is not a checked endpoint of remote model {self.upstream_model}")
-        if not self.api_key_env:
-            return {}
-        key = os.environ.get(self.api_key_env)
-        if not key:
+        try:
+            key = api_key(self.api_key_env, self.upstream_model)
+        except RemoteConfigError:
             log.warning(
                 "the variable %s holding a remote model's API key is unset or empty", self.api_key_env
             )
-            raise RemoteError(missing_key_message(self.upstream_model), 400)
-        return {"Authorization": f"Bearer {key}"}
+            raise RemoteError(missing_key_message(self.upstream_model), 400) from None
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _scrub(self, text: str) -> str:
         """An upstream's words, minus our key should it echo it back."""
-        key = os.environ.get(self.api_key_env) if self.api_key_env else None
-        return text.replace(key, "***") if key else text
+        with contextlib.suppress(RemoteConfigError):
+            key = api_key(self.api_key_env, self.upstream_model)
+            return text.replace(key, "***") if key else text
+        return text
 
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -360,9 +362,6 @@ class RemoteModel:
         self._cancelled += 1
 
     # ---- embeddings, tokens ------------------------------------------------------------------
-    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        return (await self.embed_counted(texts))[0]
-
     async def embed_counted(self, texts: Sequence[str]) -> tuple[list[list[float]], int]:
         """Vectors and the prompt tokens the upstream counted (`/v1/embeddings`)."""
         body = {"model": self.upstream_model, "input": list(texts), "encoding_format": "float"}

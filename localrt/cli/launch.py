@@ -119,7 +119,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     for path, text in setup.files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    env = {**os.environ, **setup.env}
+    env = {**config.environment(), **setup.env}
     sys.stdout.flush()
     os.execvpe(executable, [executable, *setup.args, *args.agent_args], env)
     return 0  # not reached: exec replaced this process

@@ -20,10 +20,10 @@ from typing import Any
 from localrt import __version__
 from localrt import config
 from localrt.cli import chat
-from localrt.cli import engine
 from localrt.cli import launch
 from localrt.cli import run
 from localrt.cli import serve
+from localrt.cli import serve_engine
 from localrt.cli import store
 from localrt.cli import tools
 from localrt.errors import LocalrtError
@@ -46,7 +46,7 @@ COMMANDS: list[Callable[[Any], Any]] = [
     tools.add_eval,
     tools.add_imatrix,
     tools.add_bench,
-    engine.add_serve_engine,
+    serve_engine.add_serve_engine,
     launch.add_launch,
 ]
 
@@ -95,7 +95,7 @@ def missing_extra(e: ModuleNotFoundError, args: argparse.Namespace) -> str | Non
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # `serve-engine ... -- ENGINE ARGS`: everything after `--` goes to the engine untouched
-    argv, engine_args = engine.split_engine_args(list(sys.argv[1:] if argv is None else argv))
+    argv, engine_args = serve_engine.split_engine_args(list(sys.argv[1:] if argv is None else argv))
     argv, agent_args = launch.split_agent_args(argv)  # `launch ... -- AGENT ARGS`, likewise
     args, extra = parser.parse_known_args(argv)
     if engine_args:

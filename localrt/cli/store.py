@@ -274,12 +274,14 @@ def cmd_create(args: argparse.Namespace) -> int:
         imatrix_path=args.imatrix,
         adapter_paths=tuple(args.adapter),
     )
-    name = create_remote_here(spec) if is_remote(spec) else with_client(lambda client: client.create(spec))
+    name = (
+        create_remote_here(spec) if creates_remote(spec) else with_client(lambda client: client.create(spec))
+    )
     print(f"success: created '{name}'")
     return 0
 
 
-def is_remote(spec: CreateSpec) -> bool:
+def creates_remote(spec: CreateSpec) -> bool:
     from localrt.store.modelfile import parse_modelfile
 
     return bool(spec.remote) or (

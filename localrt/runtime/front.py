@@ -46,8 +46,8 @@ from localrt.runtime.plan import plan
 from localrt.runtime.prompt import tool_choice
 from localrt.runtime.prompt import with_history
 from localrt.runtime.remote import Forwarded
-from localrt.runtime.tenants import PrefixRecord
 from localrt.runtime.thinking import Think
+from localrt.store.remote import is_remote
 from localrt.store.store import ResolvedModel
 from localrt.store.store import Store
 
@@ -125,14 +125,10 @@ class Runtime:
     def store(self) -> Store:
         return self.pool.store
 
-    @property
-    def prefixes(self) -> PrefixRecord:
-        return self.local.prefixes
-
     def _path(self, model: str) -> tuple[ResolvedModel, Path]:
         """The stored model and the path that serves it: the one place that tells remote from local."""
         resolved = self.pool.resolve(model)
-        return resolved, self.remote if remote.is_remote(resolved) else self.local
+        return resolved, self.remote if is_remote(resolved) else self.local
 
     # ---- chat and generate -----------------------------------------------------------------------
     def chat(

@@ -35,7 +35,6 @@ from localrt.runtime import fim
 from localrt.runtime import memory
 from localrt.runtime import thinking
 from localrt.runtime.options import Options
-from localrt.runtime.options import num_parallel
 from localrt.runtime.options import set_names
 from localrt.runtime.prompt import Prompter
 from localrt.runtime.prompt import make_template
@@ -372,7 +371,7 @@ class ModelPool:
             opts.flash_attn,
             opts.num_batch,
             opts.numerics,
-            num_parallel(),
+            config.load_key(),  # the environment a load reads (LOCALRT_NUM_PARALLEL, ...)
             str(resolved.projector_path),
             tuple(map(str, resolved.adapter_paths)),  # other adapters over the same weights: another load
         )

@@ -19,6 +19,7 @@ from localrt import config
 from localrt.backends.base import KV_CACHE_TYPES
 from localrt.backends.base import NUMERICS
 from localrt.backends.base import SPECULATIVE_MODES
+from localrt.backends.base import GenerateRequest
 from localrt.backends.base import LoadOptions
 from localrt.backends.base import SamplingParams
 from localrt.backends.registry import ALIASES as BACKEND_ALIASES
@@ -89,38 +90,32 @@ def _default_backend() -> str:
     return config.default_backend()
 
 
+_LOAD = LoadOptions()
+_REQUEST = GenerateRequest(prompt_tokens=[])
+
+
 @dataclass
-class Options:
-    # sampling
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.9
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    repeat_penalty: float = 1.0  # Ollama stopped applying 1.1 by default (it hurt prompt-grounded answers)
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = -1
-    mirostat: int = 0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
+class Options(SamplingParams):
+    """Every option of a request, under Ollama's names. The defaults of the sampling options (the
+    fields of `SamplingParams`, which this extends), of the load options and of the request's own ones
+    are the backend protocol's (`backends/base.py`); the environment's come from `localrt.config`."""
+
     stop: list[str] = field(default_factory=list)
-    num_predict: int = -1
+    num_predict: int = _REQUEST.num_predict
     # load time
     num_ctx: int = field(default_factory=lambda: config.context_length())
-    num_keep: int = 4
-    num_thread: int = 0
-    num_gpu: int = -1
-    num_batch: int = 512
+    num_keep: int = _REQUEST.num_keep
+    num_thread: int = _LOAD.num_thread
+    num_gpu: int = _LOAD.num_gpu
+    num_batch: int = _LOAD.num_batch
     backend: str = field(default_factory=_default_backend)
     kv_cache_type: str = field(default_factory=_default_kv_cache_type)
-    flash_attn: bool | None = None  # None = the backend decides (llama.cpp: on where supported)
-    numerics: str = "auto"  # torch engine only: weights kept quantized or dequantized (NUMERICS)
+    flash_attn: bool | None = _LOAD.flash_attn  # None = the backend decides (llama.cpp: on where supported)
+    numerics: str = _LOAD.numerics  # torch engine only: weights kept quantized or dequantized (NUMERICS)
     # speculative decoding
     speculative: str = "auto"  # auto = use a draft model when one is configured, else off
     draft_model: str | None = None
-    num_draft: int | None = None  # None = the backend's default for the mode
+    num_draft: int | None = _REQUEST.num_draft  # None = the backend's default for the mode
     # constrained output in llama.cpp's GBNF (as llama-server's `grammar`); excludes `format`
     grammar: str | None = None
 
@@ -162,21 +157,7 @@ class Options:
 
     # ---- views for the backend ---------------------------------------------------------------
     def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            typical_p=self.typical_p,
-            repeat_penalty=self.repeat_penalty,
-            repeat_last_n=self.repeat_last_n,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            seed=self.seed,
-            mirostat=self.mirostat,
-            mirostat_tau=self.mirostat_tau,
-            mirostat_eta=self.mirostat_eta,
-        )
+        return SamplingParams(**{f.name: getattr(self, f.name) for f in fields(SamplingParams)})
 
     def load_options(self, model_context_length: int | None = None, draft_path: Any = None) -> LoadOptions:
         num_ctx = self.num_ctx

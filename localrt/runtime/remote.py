@@ -53,7 +53,6 @@ from localrt.runtime.options import Options
 from localrt.runtime.plan import Plan
 from localrt.runtime.prompt import with_history
 from localrt.runtime.thinking import Think
-from localrt.store.remote import is_remote as is_remote
 from localrt.store.store import ResolvedModel
 
 BACKEND = "remote"

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import re
 import urllib.parse
 from collections.abc import Collection
 from collections.abc import Sequence
 from typing import Any
 
+from localrt import config
 from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 from localrt.store.names import ModelName
@@ -118,8 +118,8 @@ def api_key(env_name: str | None, model: str = "") -> str | None:
     names neither the variable nor which of the two it is (an API client must not learn what is set)."""
     if not env_name:
         return None
-    value = os.environ.get(env_name)
-    if not value:
+    value = config.secret(env_name)
+    if value is None:
         raise RemoteConfigError(missing_key_message(model))
     return value
 
