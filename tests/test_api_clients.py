@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -96,14 +98,19 @@ def test_list_and_show(client: ollama.Client) -> None:
 
 
 def test_generate_not_streamed(client: ollama.Client) -> None:
+    started = time.perf_counter_ns()
     r = client.generate(MODEL, "What is the capital of France?", options=GREEDY)
+    waited = time.perf_counter_ns() - started
     assert r.done
     assert r.done_reason in ("stop", "length")
     assert "Paris" in r.response
     assert r.eval_count > 0
-    assert r.eval_duration > 0
     assert r.prompt_eval_count > 0
-    assert r.total_duration > 0
+    # the durations are measured in nanoseconds: their parts fit in the total, which fits in the time
+    # this client waited for the answer (a figure in other units, or a part counted twice, would not)
+    assert r.prompt_eval_duration + r.eval_duration <= r.total_duration
+    assert r.load_duration + r.prompt_eval_duration <= r.total_duration
+    assert r.total_duration <= waited
     assert r.context
     assert len(r.context) > r.prompt_eval_count
 
@@ -155,14 +162,19 @@ def test_tool_call_round_trip(client: ollama.Client) -> None:
     call = r.message.tool_calls[0]
     assert call.function.name == "get_weather"
     assert isinstance(call.function.arguments["city"], str)
-    # the answer to the call goes back in; the template renders tool messages and the model replies
-    messages += [
-        r.message,
-        {"role": "tool", "content": '{"temperature": "21C", "sky": "clear"}', "tool_name": "get_weather"},
-    ]
-    follow = client.chat(TOOLS_MODEL, messages=messages, tools=[WEATHER_TOOL], options=GREEDY)
-    assert follow.done
-    assert follow.message.content or follow.message.tool_calls
+
+    # the answer to the call goes back in: the template renders the tool's result into the prompt (a
+    # longer result makes a longer prompt, counted whole from a cold cache) and the model replies
+    def follow_up(result: str) -> ollama.ChatResponse:
+        history = [*messages, r.message, {"role": "tool", "content": result, "tool_name": "get_weather"}]
+        options = {**GREEDY, "num_predict": 4}
+        return client.chat(TOOLS_MODEL, messages=history, tools=[WEATHER_TOOL], options=options, keep_alive=0)
+
+    short = follow_up('{"temperature": "21C", "sky": "clear"}')
+    long = follow_up(json.dumps({"temperature": "21C", "sky": "clear", "note": "calm " * 40}))
+    assert short.done_reason in ("stop", "length")
+    assert short.eval_count > 0
+    assert long.prompt_eval_count - short.prompt_eval_count >= 40
 
 
 def test_logprobs(client: ollama.Client) -> None:
@@ -494,18 +506,25 @@ def test_openai_json_schema_and_tools(oai: openai.OpenAI) -> None:
     tool_call = choice.message.tool_calls[0]
     assert tool_call.function.name == "get_weather"
     assert "city" in json.loads(tool_call.function.arguments)
-    follow = oai.chat.completions.create(
-        model=TOOLS_MODEL,
-        temperature=0,
-        max_tokens=16,
-        tools=[WEATHER_TOOL],
-        messages=[
-            {"role": "user", "content": "What is the weather in Paris?"},
-            choice.message.model_dump(exclude_none=True),
-            {"role": "tool", "tool_call_id": tool_call.id, "content": '{"temperature": "21C"}'},
-        ],
-    )
-    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+    def follow_up(result: str) -> Any:
+        return oai.chat.completions.create(
+            model=TOOLS_MODEL,
+            temperature=0,
+            max_tokens=4,
+            tools=[WEATHER_TOOL],
+            messages=[
+                {"role": "user", "content": "What is the weather in Paris?"},
+                choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": tool_call.id, "content": result},
+            ],
+        )
+
+    # the result reaches the prompt (usage counts the whole prompt, a cached prefix included)
+    short = follow_up('{"temperature": "21C"}')
+    long = follow_up(json.dumps({"temperature": "21C", "note": "calm " * 40}))
+    assert short.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert long.usage.prompt_tokens - short.usage.prompt_tokens >= 40
 
 
 def test_openai_logprobs_and_errors(oai: openai.OpenAI) -> None:

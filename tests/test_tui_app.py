@@ -738,8 +738,9 @@ async def test_through_a_running_server(
             stats = app.status.stats
             assert stats.ctx_len == 1024
             assert stats.ctx_used
-            assert not stats.ctx_exact
-            assert "~" in str(app.status.line())
+            # counted by the server through the model's template, as in process: exact, no "~"
+            assert stats.ctx_exact
+            assert "~" not in str(app.status.line())
             await pilot.press("f3")
             await until(pilot, lambda: isinstance(app.screen, ModelInfoScreen), 20, "the info dialog")
             assert app.screen.info.backend == "llama.cpp"  # type: ignore[attr-defined]
