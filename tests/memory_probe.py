@@ -1,13 +1,17 @@
 """Run as a script: load one model in this fresh process, fill every sequence's context, and print the
 resident growth beside the backend's estimate (JSON). The backend's module is imported first, so the
 growth is what the load itself brings, its runtime's first-load costs (thread pools, kernels) included,
-as in a server's first load of that backend."""
+as in a server's first load of that backend. For llama.cpp also `allocated`: the bytes of each kind of
+buffer llama.cpp itself reports allocating (model, KV, output, compute), which no other process's use
+of the machine's memory can move, as it can move the resident growth."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import json
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -37,8 +41,27 @@ async def fill(model, context: int, parallel: int) -> None:
     await asyncio.gather(*(one(i) for i in range(parallel)))
 
 
+BUFFER = re.compile(r"(\w+) buffer size =\s*([0-9.]+) MiB")
+
+
+def llama_log() -> list[str]:
+    """llama.cpp's log lines, from now on, kept here (it reports each buffer it allocates)."""
+    import llama_cpp
+
+    lines: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def keep(level: int, text: bytes, user: ctypes.c_void_p) -> None:
+        lines.append(text.decode(errors="replace"))
+
+    llama_log.callback = keep  # type: ignore[attr-defined]  # alive as long as llama.cpp may call it
+    llama_cpp.llama_log_set(keep, ctypes.c_void_p(0))
+    return lines
+
+
 def main() -> None:
     backend, path, parallel = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    log = llama_log() if backend == "llama.cpp" else None
     contexts = [int(c) for c in sys.argv[4:]]
     b = registry.get(backend)
     opts = LoadOptions(num_ctx=64, num_parallel=1, num_thread=2)
@@ -49,9 +72,17 @@ def main() -> None:
         estimate = b.estimate(path, opts)
         gc.collect()
         before = proc.memory_info().rss
+        if log is not None:
+            log.clear()
         model = b.load(path, opts)
         asyncio.run(fill(model, context, parallel))
-        rows.append({"context": context, "growth": proc.memory_info().rss - before, **estimate.as_dict()})
+        row = {"context": context, "growth": proc.memory_info().rss - before, **estimate.as_dict()}
+        if log is not None:
+            allocated: dict[str, int] = {}
+            for m in BUFFER.finditer("".join(log)):
+                allocated[m.group(1)] = allocated.get(m.group(1), 0) + int(float(m.group(2)) * (1 << 20))
+            row["allocated"] = allocated
+        rows.append(row)
         model.unload()
         del model
         gc.collect()
