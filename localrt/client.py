@@ -727,31 +727,36 @@ class InProcessClient(ServerClient):
             await self._lifespan.start()
 
     async def create(self, spec: CreateSpec, status: StatusFn | None = None) -> str:
-        from localrt.store.modelfile import create
-
-        name = await asyncio.to_thread(
-            create,
-            spec.model,
-            modelfile_text=spec.modelfile_text,
-            from_path=spec.from_path,
-            store=self.store,
-            base_dir=spec.base_dir,
-            quantize=spec.quantize,
-            remote=spec.remote,
-            remote_model=spec.remote_model,
-            api_key_env=spec.api_key_env,
-            insecure=spec.insecure,
-            projector_path=spec.projector_path,
-            imatrix=spec.imatrix_path,
-            adapters=spec.adapter_paths,
-        )
-        return name.display
+        return await asyncio.to_thread(create_in_store, spec, self.store)
 
     async def close(self) -> None:
         await super().close()
         if self._lifespan is not None:
             await self._lifespan.stop()
         await self.runtime.close()  # what this process loaded is unloaded with it
+
+
+def create_in_store(spec: CreateSpec, store: Any) -> str:
+    """Build the model `spec` asks for in `store`, reading the files it names where they are: what the
+    CLI does in process, and for a remote model even while a server runs (the CLI runs as its user, so it
+    may name any variable as the key's, which the server's API refuses a client)."""
+    from localrt.store.modelfile import create
+
+    return create(
+        spec.model,
+        modelfile_text=spec.modelfile_text,
+        from_path=spec.from_path,
+        store=store,
+        base_dir=spec.base_dir,
+        quantize=spec.quantize,
+        remote=spec.remote,
+        remote_model=spec.remote_model,
+        api_key_env=spec.api_key_env,
+        insecure=spec.insecure,
+        projector_path=spec.projector_path,
+        imatrix=spec.imatrix_path,
+        adapters=spec.adapter_paths,
+    ).display
 
 
 class _Lifespan:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from collections.abc import Callable
 from typing import Annotated
 from typing import Any
+from typing import TypeVar
 
 from fastapi import APIRouter
 from fastapi import Path
@@ -37,6 +38,7 @@ from localrt.errors import ModelNotFound
 from localrt.runtime import images as image_input
 from localrt.runtime.answers import Chunk
 from localrt.runtime.answers import Metrics
+from localrt.runtime.answers import Settings
 from localrt.runtime.answers import TokenLogprob
 from localrt.store.names import parse_name
 
@@ -82,6 +84,23 @@ DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 def options_of(body: wire.OpenAISampling) -> dict[str, Any]:
     """The runtime's options from the fields the client sent (extra_body lands at top level)."""
     return sampling_options(wire.body_of(body), RENAMED)
+
+
+def settings_of(
+    body: wire.ChatCompletionRequest | wire.CompletionRequest, logprobs: bool, top: int
+) -> Settings:
+    """What chat and text completions ask alike, in the runtime's names: the one place an OpenAI
+    request becomes the runtime's."""
+    return Settings(
+        options=options_of(body),
+        defaults=DEFAULTS,
+        format=format_from(body.response_format),
+        keep_alive=body.keep_alive,
+        logprobs=logprobs,
+        top_logprobs=top,
+        stream=body.stream is True,
+        lora=wire.lora_setting(body.lora),
+    )
 
 
 def required_model(model: str) -> str:
@@ -291,22 +310,26 @@ async def answer(
     return sse_response(first, rest, sse_error, events)
 
 
-async def forwarded(request: Request, route: str, body: Any) -> Response | None:
-    """A remote model's answer, its upstream's bytes as they come (the request forwarded as the
-    client wrote it); None for a local model."""
+B = TypeVar("B", wire.ChatCompletionRequest, wire.CompletionRequest, wire.OpenAIEmbeddingsRequest)
+
+
+async def read_or_forward(request: Request, kind: type[B], route: str) -> tuple[B, Response | None]:
+    """The body, checked; and for a remote model the answer: its upstream's bytes as they come, the
+    request forwarded as the client wrote it (None for a local model, which the route answers)."""
+    body = await schemas.read_body(request, kind)
     raw = json.loads(await request.body())  # as sent: every field, unknown ones too
     runtime = runtime_of(request)
     answer = await unless_client_leaves(
         request, runtime.forward(required_model(body.model), route, raw, keep_alive=body.keep_alive)
     )
     if answer is None:
-        return None
+        return body, None
 
     def tally() -> None:  # once the answer has gone: what /metrics counts of it
         observe(request, Chunk(model=body.model, done=True, metrics=answer.metrics()))
 
     headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-    return StreamingResponse(
+    return body, StreamingResponse(
         answer.chunks, media_type=answer.media_type, headers=headers, background=BackgroundTask(tally)
     )
 
@@ -318,11 +341,10 @@ async def forwarded(request: Request, route: str, body: Any) -> Response | None:
     responses={200: schemas.ok(wire.ChatCompletion, SSE), **GENERATION_ERRORS},
 )
 async def chat_completions(request: Request) -> Response:
-    body = await schemas.read_body(request, wire.ChatCompletionRequest)
-    model = required_model(body.model)
-    passed = await forwarded(request, "chat/completions", body)
+    body, passed = await read_or_forward(request, wire.ChatCompletionRequest, "chat/completions")
     if passed is not None:
         return passed
+    model = required_model(body.model)
     messages = messages_from(body.messages)
     await fetch_message_images(body.messages, messages)  # image_url parts
     want_logprobs, top = logprob_flags(body.logprobs, body.top_logprobs)
@@ -330,18 +352,11 @@ async def chat_completions(request: Request) -> Response:
     chunks = runtime_of(request).chat(
         model,
         messages,
-        options=options_of(body),
-        defaults=DEFAULTS,
         tools=tools,
-        format=format_from(body.response_format),
-        keep_alive=body.keep_alive,
-        logprobs=want_logprobs,
-        top_logprobs=top,
-        stream=body.stream is True,
-        think=effort_setting(body.reasoning_effort, "reasoning_effort"),
         tool_choice=tool_choice_of(body),
         parallel_tool_calls=body.parallel_tool_calls,
-        lora=wire.lora_setting(body.lora),
+        think=effort_setting(body.reasoning_effort, "reasoning_effort"),
+        **settings_of(body, want_logprobs, top),
     )
 
     def whole(final: Chunk) -> dict[str, Any]:
@@ -400,28 +415,16 @@ async def chat_completions(request: Request) -> Response:
     responses={200: schemas.ok(wire.Completion, SSE), **GENERATION_ERRORS},
 )
 async def completions(request: Request) -> Response:
-    body = await schemas.read_body(request, wire.CompletionRequest)
-    model = required_model(body.model)
-    passed = await forwarded(request, "completions", body)
+    body, passed = await read_or_forward(request, wire.CompletionRequest, "completions")
     if passed is not None:
         return passed
+    model = required_model(body.model)
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
     want_logprobs, top = logprob_flags(body.logprobs)
     # A completion continues the text as given: no chat template (raw), as OpenAI's API means it;
     # with a suffix it fills the middle, in the model's FIM prompt.
     chunks = runtime_of(request).generate(
-        model,
-        prompt,
-        raw=not body.suffix,
-        suffix=body.suffix,
-        options=options_of(body),
-        defaults=DEFAULTS,
-        format=format_from(body.response_format),
-        keep_alive=body.keep_alive,
-        logprobs=want_logprobs,
-        top_logprobs=top,
-        stream=body.stream is True,
-        lora=wire.lora_setting(body.lora),
+        model, prompt, raw=not body.suffix, suffix=body.suffix, **settings_of(body, want_logprobs, top)
     )
 
     def logprobs_legacy(items: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -459,11 +462,10 @@ async def completions(request: Request) -> Response:
     responses={200: schemas.ok(wire.EmbeddingList), **GENERATION_ERRORS},
 )
 async def embeddings(request: Request) -> Any:
-    body = await schemas.read_body(request, wire.OpenAIEmbeddingsRequest)
-    model = required_model(body.model)
-    passed = await forwarded(request, "embeddings", body)
+    body, passed = await read_or_forward(request, wire.OpenAIEmbeddingsRequest, "embeddings")
     if passed is not None:
         return passed
+    model = required_model(body.model)
     inputs = [body.input] if isinstance(body.input, str) else body.input
     encoding = body.encoding_format or "float"
     result = await runtime_of(request).embed(model, inputs, keep_alive=body.keep_alive)

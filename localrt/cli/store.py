@@ -293,19 +293,10 @@ def create_remote_here(spec: CreateSpec) -> str:
     """A remote model is written into the store by this process, even while a server runs: the CLI runs
     as the user, so it may name any variable as the key's, which the API refuses to a client (the
     server's API takes only LOCALRT_REMOTE_KEY_ENVS). The server reads the new manifest from the store."""
-    from localrt.store.modelfile import create
+    from localrt.client import create_in_store
+    from localrt.store.store import Store
 
-    return create(
-        spec.model,
-        modelfile_text=spec.modelfile_text,
-        base_dir=spec.base_dir,
-        quantize=spec.quantize,
-        remote=spec.remote,
-        remote_model=spec.remote_model,
-        api_key_env=spec.api_key_env,
-        insecure=spec.insecure,
-        projector_path=spec.projector_path,
-    ).display
+    return create_in_store(spec, Store())
 
 
 def read_modelfile(args: argparse.Namespace) -> tuple[str | None, str | None]:

@@ -29,7 +29,6 @@ from localrt.backends.base import ScoreResult
 from localrt.errors import LocalrtError
 from localrt.runtime import fim
 from localrt.runtime import remote
-from localrt.runtime import thinking
 from localrt.runtime.answers import Chunk
 from localrt.runtime.answers import EmbedResult
 from localrt.runtime.answers import RerankResult
@@ -39,14 +38,16 @@ from localrt.runtime.generate import LocalRuntime
 from localrt.runtime.lifecycle import LoadedInfo
 from localrt.runtime.lifecycle import Loader
 from localrt.runtime.lifecycle import ModelPool
-from localrt.runtime.options import Options
+from localrt.runtime.lifecycle import PoolLimits
+from localrt.runtime.plan import Asked
+from localrt.runtime.plan import ChatAsked
+from localrt.runtime.plan import InfillAsked
 from localrt.runtime.plan import Plan
+from localrt.runtime.plan import TextAsked
 from localrt.runtime.plan import load_only
 from localrt.runtime.plan import plan
-from localrt.runtime.prompt import tool_choice
 from localrt.runtime.prompt import with_history
 from localrt.runtime.remote import Forwarded
-from localrt.runtime.thinking import Think
 from localrt.store.remote import is_remote
 from localrt.store.store import ResolvedModel
 from localrt.store.store import Store
@@ -58,66 +59,30 @@ class Path(Protocol):
     @property
     def loader(self) -> Loader[Any]: ...
 
-    def chat(
-        self, p: Plan, messages: Sequence[Mapping[str, Any]], parallel_tool_calls: bool | None
-    ) -> AsyncIterator[Chunk]: ...
+    def answer(self, p: Plan, asked: Asked) -> AsyncIterator[Chunk]:
+        """The answer to a planned chat, generate or fill-in-the-middle request, as it streams."""
+        ...
 
-    def generate(
-        self,
-        p: Plan,
-        prompt: str,
-        *,
-        system: str | None,
-        raw: bool,
-        context: Sequence[int] | None,
-        images: Sequence[Any] | None,
-    ) -> AsyncIterator[Chunk]: ...
+    async def embed(self, p: Plan, texts: list[str], truncate: bool) -> EmbedResult: ...
 
-    def infill(
-        self, p: Plan, prefix: str, suffix: str, context: Sequence[int] | None
-    ) -> AsyncIterator[Chunk]: ...
+    async def rerank(self, p: Plan, query: str, documents: Sequence[str]) -> RerankResult: ...
 
-    async def embed(
-        self, resolved: ResolvedModel, opts: Options, texts: list[str], keep_alive: float, truncate: bool
-    ) -> EmbedResult: ...
+    async def tokenize(self, p: Plan, text: str, add_special: bool, parse_special: bool) -> list[int]: ...
 
-    async def rerank(
-        self, resolved: ResolvedModel, opts: Options, query: str, documents: Sequence[str], keep_alive: float
-    ) -> RerankResult: ...
+    async def detokenize(self, p: Plan, tokens: Sequence[int]) -> str: ...
 
-    async def tokenize(
-        self, resolved: ResolvedModel, opts: Options, text: str, add_special: bool, parse_special: bool
-    ) -> list[int]: ...
+    async def score(self, p: Plan, tokens: Sequence[int] | str, return_logits: bool) -> ScoreResult: ...
 
-    async def detokenize(self, resolved: ResolvedModel, opts: Options, tokens: Sequence[int]) -> str: ...
-
-    async def score(
-        self, resolved: ResolvedModel, opts: Options, tokens: Sequence[int] | str, return_logits: bool
-    ) -> ScoreResult: ...
-
-    async def render(
-        self,
-        resolved: ResolvedModel,
-        opts: Options,
-        model: str,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        think: Think,
-    ) -> tuple[str, list[int]]: ...
+    async def render(self, p: Plan, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        """The prompt text and tokens `p` (its tools and thinking) would make of `messages`."""
+        ...
 
 
 class Runtime:
     """The runtime every interface shares: the model pool and the entrance of every request path."""
 
-    def __init__(
-        self,
-        store: Store | None = None,
-        *,
-        max_loaded: int | None = None,
-        max_queue: int | None = None,
-        keep_alive: float | None = None,
-    ) -> None:
-        self.pool = ModelPool(store, max_loaded=max_loaded, max_queue=max_queue, keep_alive=keep_alive)
+    def __init__(self, store: Store | None = None, **limits: Unpack[PoolLimits]) -> None:
+        self.pool = ModelPool(store, **limits)
         self.local = LocalRuntime(self.pool)
         self.remote = remote.RemoteRuntime(self.pool)
 
@@ -129,6 +94,13 @@ class Runtime:
         """The stored model and the path that serves it: the one place that tells remote from local."""
         resolved = self.pool.resolve(model)
         return resolved, self.remote if is_remote(resolved) else self.local
+
+    def _plan(
+        self, model: str, settings: Settings, *, tools: Any = None, choice: Any = None
+    ) -> tuple[Plan, Path]:
+        """The request planned (`plan.py`) for the path that serves its model."""
+        resolved, path = self._path(model)
+        return plan(self.pool, resolved, model, settings, path.loader, tools=tools, choice=choice), path
 
     # ---- chat and generate -----------------------------------------------------------------------
     def chat(
@@ -147,11 +119,10 @@ class Runtime:
         `tool_choice`: OpenAI's (None/"auto", "none", "required", {"type": "function", "function":
         {"name": ...}}); `settings`: what chat and generate share (`Settings`)."""
         check_settings(settings)
-        resolved, path = self._path(model)
-        p = plan(self.pool, resolved, model, settings, path.loader, tools=tools, choice=tool_choice)
+        p, path = self._plan(model, settings, tools=tools, choice=tool_choice)
         if not messages:
             return load_only(self.pool, p)
-        return path.chat(p, messages, parallel_tool_calls)
+        return path.answer(p, ChatAsked(messages, parallel_tool_calls))
 
     def generate(
         self,
@@ -172,16 +143,15 @@ class Runtime:
         `suffix`: the text after the completion (fill-in-the-middle, `prompt` is the text before);
         `settings`: what chat and generate share (`Settings`)."""
         check_settings(settings)
-        resolved, path = self._path(model)
-        p = plan(self.pool, resolved, model, settings, path.loader)
+        p, path = self._plan(model, settings)
         if suffix:
             fim.check_insert(p.name, True, raw, bool(images))
-            return path.infill(p, prompt, suffix, context)
+            return path.answer(p, InfillAsked(prompt, suffix, context))
         if not prompt and not context:
             return load_only(self.pool, p)
         if raw and (system or context):
             raise LocalrtError("raw mode does not support template, system, or context")
-        return path.generate(p, prompt, system=system, raw=raw, context=context, images=images)
+        return path.answer(p, TextAsked(prompt, system, raw, context, images))
 
     async def forward(
         self, model: str, route: str, body: Mapping[str, Any], *, keep_alive: Any = None
@@ -189,17 +159,12 @@ class Runtime:
         """An OpenAI request (`route`: chat/completions, completions, embeddings) for a remote model,
         passed to its upstream as the client wrote it, `model` renamed; None for a local model, which the
         caller answers itself. Errors before the upstream's first byte raise here."""
-        resolved, path = self._path(model)
+        p, path = self._plan(model, {"keep_alive": keep_alive})
         if path is not self.remote:
             return None
-        return await self.remote.forward(resolved, route, body, self.pool.keep_alive(keep_alive))
+        return await self.remote.forward(p, route, body)
 
     # ---- the other paths ---------------------------------------------------------------------
-    def _options(self, resolved: ResolvedModel, path: Path, options: Mapping[str, Any] | None) -> Options:
-        opts, given = self.pool.options_given(resolved, options)
-        path.loader.check(resolved, opts, given)
-        return opts
-
     async def embed(
         self,
         model: str,
@@ -212,11 +177,9 @@ class Runtime:
         texts = [inputs] if isinstance(inputs, str) else list(inputs)
         if not all(isinstance(t, str) for t in texts):
             raise LocalrtError("input must be a string or a list of strings")
-        start = time.perf_counter_ns()
-        resolved, path = self._path(model)
-        opts = self._options(resolved, path, options)
-        result = await path.embed(resolved, opts, texts, self.pool.keep_alive(keep_alive), truncate)
-        result.total_ns = time.perf_counter_ns() - start
+        p, path = self._plan(model, {"options": options, "keep_alive": keep_alive})
+        result = await path.embed(p, texts, truncate)
+        result.total_ns = time.perf_counter_ns() - p.start
         return result
 
     async def rerank(
@@ -233,11 +196,9 @@ class Runtime:
             raise LocalrtError("query is required (a string)")
         if not isinstance(documents, (list, tuple)) or not all(isinstance(d, str) for d in documents):
             raise LocalrtError("documents must be a list of strings")
-        start = time.perf_counter_ns()
-        resolved, path = self._path(model)
-        opts = self._options(resolved, path, options)
-        result = await path.rerank(resolved, opts, query, documents, self.pool.keep_alive(keep_alive))
-        result.total_ns = time.perf_counter_ns() - start
+        p, path = self._plan(model, {"options": options, "keep_alive": keep_alive})
+        result = await path.rerank(p, query, documents)
+        result.total_ns = time.perf_counter_ns() - p.start
         return result
 
     async def tokenize(
@@ -249,16 +210,14 @@ class Runtime:
         parse_special: bool = False,
         options: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        resolved, path = self._path(model)
-        opts = self._options(resolved, path, options)
-        return await path.tokenize(resolved, opts, text, add_special, parse_special)
+        p, path = self._plan(model, {"options": options})
+        return await path.tokenize(p, text, add_special, parse_special)
 
     async def detokenize(
         self, model: str, tokens: Sequence[int], *, options: Mapping[str, Any] | None = None
     ) -> str:
-        resolved, path = self._path(model)
-        opts = self._options(resolved, path, options)
-        return await path.detokenize(resolved, opts, tokens)
+        p, path = self._plan(model, {"options": options})
+        return await path.detokenize(p, tokens)
 
     async def score(
         self,
@@ -269,9 +228,8 @@ class Runtime:
         options: Mapping[str, Any] | None = None,
     ) -> ScoreResult:
         """Per-position log p(token_i | prefix) for perplexity / KL (a text is tokenized with BOS)."""
-        resolved, path = self._path(model)
-        opts = self._options(resolved, path, options)
-        return await path.score(resolved, opts, tokens, return_logits)
+        p, path = self._plan(model, {"options": options})
+        return await path.score(p, tokens, return_logits)
 
     async def render(
         self,
@@ -284,12 +242,8 @@ class Runtime:
     ) -> tuple[str, list[int]]:
         """The prompt text and tokens a chat request would use (debugging, `_debug_render_only`, and
         Anthropic's count_tokens, which must match the answer's input_tokens)."""
-        resolved, path = self._path(model)
-        opts = self._options(resolved, path, options)
-        wanted = think if isinstance(think, Think) else thinking.parse_think(think)
-        msgs = with_history(messages, resolved.system, resolved.messages)
-        listed = tool_choice(None, tools)[0]
-        return await path.render(resolved, opts, model, msgs, listed, wanted)
+        p, path = self._plan(model, {"options": options, "think": think}, tools=tools)
+        return await path.render(p, with_history(messages, p.resolved.system, p.resolved.messages))
 
     # ---- the pool's state -------------------------------------------------------------------------
     def ps(self) -> list[LoadedInfo]:

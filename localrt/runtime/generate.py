@@ -47,15 +47,12 @@ from localrt.runtime.answers import RerankResult
 from localrt.runtime.lifecycle import LOCAL
 from localrt.runtime.lifecycle import LocalEntry
 from localrt.runtime.lifecycle import ModelPool
-from localrt.runtime.options import Options
 from localrt.runtime.plan import Plan
 from localrt.runtime.prompt import Turn
 from localrt.runtime.prompt import with_history
 from localrt.runtime.thinking import Piece
 from localrt.runtime.thinking import ReplyParser
-from localrt.runtime.thinking import Think
 from localrt.runtime.truncate import fit_tokens
-from localrt.store.store import ResolvedModel
 
 
 class LocalRuntime:
@@ -67,32 +64,18 @@ class LocalRuntime:
         self.pool = pool
         self.prefixes = tenants.PrefixRecord()
 
-    # ---- chat and generate -----------------------------------------------------------------------
-    def chat(
-        self, p: Plan, messages: Sequence[Mapping[str, Any]], parallel_tool_calls: bool | None
-    ) -> AsyncIterator[Chunk]:
-        """The conversation, templated by the model's chat template, answered and parsed as it streams."""
-        return self._run(p, _Chat(p, messages, parallel_tool_calls))
-
-    def generate(
-        self,
-        p: Plan,
-        prompt: str,
-        *,
-        system: str | None,
-        raw: bool,
-        context: Sequence[int] | None,
-        images: Sequence[Any] | None,
-    ) -> AsyncIterator[Chunk]:
-        """The prompt as one user turn (with the system prompt), or as given when raw."""
-        return self._run(p, _Text(p, prompt, system, raw, context, images))
-
-    def infill(
-        self, p: Plan, prefix: str, suffix: str, context: Sequence[int] | None
-    ) -> AsyncIterator[Chunk]:
-        """Fill-in-the-middle: the prompt from the model's FIM template branch or FIM tokens, no chat
-        template and no reply parsing (the answer is code, not a turn)."""
-        return self._run(p, _Infill(p, prefix, suffix, context))
+    # ---- chat, generate and fill-in-the-middle ----------------------------------------------------
+    def answer(self, p: Plan, asked: plan.Asked) -> AsyncIterator[Chunk]:
+        """A conversation through the model's chat template, a prompt as one user turn (or as given when
+        raw), or the text between two (fill-in-the-middle), answered and parsed as it streams."""
+        prompt: _Asked = (
+            _Chat(p, asked)
+            if isinstance(asked, plan.ChatAsked)
+            else _Text(p, asked)
+            if isinstance(asked, plan.TextAsked)
+            else _Infill(p, asked)
+        )
+        return self._run(p, prompt)
 
     @contextlib.asynccontextmanager
     async def _held(self, p: Plan) -> AsyncIterator[tuple[LocalEntry, int]]:
@@ -253,13 +236,16 @@ class LocalRuntime:
         timings.cached_count = visible
 
     # ---- the other paths ---------------------------------------------------------------------
-    async def embed(
-        self, resolved: ResolvedModel, opts: Options, texts: list[str], keep_alive: float, truncate: bool
-    ) -> EmbedResult:
-        async with self.pool.use(resolved, opts, keep_alive) as (entry, load_ns):
+    def _use(
+        self, p: Plan, exclusive: bool = True
+    ) -> contextlib.AbstractAsyncContextManager[tuple[LocalEntry, int]]:
+        return self.pool.use(p.resolved, p.opts, p.keep_alive, exclusive)
+
+    async def embed(self, p: Plan, texts: list[str], truncate: bool) -> EmbedResult:
+        async with self._use(p) as (entry, load_ns):
             m = entry.model
             if not m.capabilities.embedding:
-                raise LocalrtError(f'"{resolved.name.display}" does not support embeddings')
+                raise LocalrtError(f'"{p.name}" does not support embeddings')
             counts = [len(m.tokenize(t)) for t in texts]
             if not truncate and any(c > m.context_length for c in counts):
                 raise ContextLengthError(
@@ -267,27 +253,23 @@ class LocalRuntime:
                 )
             vectors = await m.embed(texts)
         count = sum(min(c, m.context_length) for c in counts)
-        return EmbedResult(resolved.name.display, vectors, count, 0, load_ns)
+        return EmbedResult(p.name, vectors, count, 0, load_ns)
 
-    async def rerank(
-        self, resolved: ResolvedModel, opts: Options, query: str, documents: Sequence[str], keep_alive: float
-    ) -> RerankResult:
+    async def rerank(self, p: Plan, query: str, documents: Sequence[str]) -> RerankResult:
         """Relevance of each document to the query, from a reranker model (rank pooling)."""
-        async with self.pool.use(resolved, opts, keep_alive) as (entry, load_ns):
+        async with self._use(p) as (entry, load_ns):
             m = entry.model
             if not m.capabilities.rerank or not hasattr(m, "rerank"):
-                raise LocalrtError(f'"{resolved.name.display}" does not support reranking')
+                raise LocalrtError(f'"{p.name}" does not support reranking')
             scores, n_tokens = await m.rerank(query, documents) if documents else ([], 0)
-        return RerankResult(resolved.name.display, scores, n_tokens, 0, load_ns)
+        return RerankResult(p.name, scores, n_tokens, 0, load_ns)
 
-    async def tokenize(
-        self, resolved: ResolvedModel, opts: Options, text: str, add_special: bool, parse_special: bool
-    ) -> list[int]:
-        async with self.pool.use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
+    async def tokenize(self, p: Plan, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        async with self._use(p, exclusive=False) as (entry, _):
             return entry.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
-    async def detokenize(self, resolved: ResolvedModel, opts: Options, tokens: Sequence[int]) -> str:
-        async with self.pool.use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
+    async def detokenize(self, p: Plan, tokens: Sequence[int]) -> str:
+        async with self._use(p, exclusive=False) as (entry, _):
             bad = [
                 t
                 for t in tokens
@@ -297,11 +279,9 @@ class LocalRuntime:
                 raise LocalrtError(f"invalid token id {bad[0]!r}")
             return entry.model.detokenize(tokens)
 
-    async def score(
-        self, resolved: ResolvedModel, opts: Options, tokens: Sequence[int] | str, return_logits: bool
-    ) -> ScoreResult:
+    async def score(self, p: Plan, tokens: Sequence[int] | str, return_logits: bool) -> ScoreResult:
         """Per-position log p(token_i | prefix) for perplexity / KL (a text is tokenized with BOS)."""
-        async with self.pool.use(resolved, opts, self.pool.keep_alive(None)) as (entry, _):
+        async with self._use(p) as (entry, _):
             ids = entry.model.tokenize(tokens, add_special=True) if isinstance(tokens, str) else list(tokens)
             if len(ids) > entry.model.context_length:
                 raise ContextLengthError(
@@ -309,19 +289,11 @@ class LocalRuntime:
                 )
             return await entry.model.score(ids, return_logits=return_logits)
 
-    async def render(
-        self,
-        resolved: ResolvedModel,
-        opts: Options,
-        model: str,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        think: Think,
-    ) -> tuple[str, list[int]]:
+    async def render(self, p: Plan, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         """The prompt text and tokens a chat request would use."""
-        async with self.pool.use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
-            _check_tools(entry, tools)
-            turn = entry.prompter.turn(model, think, tools)
+        async with self._use(p, exclusive=False) as (entry, _):
+            _check_tools(entry, p.tools)
+            turn = entry.prompter.turn(p.model, p.think, p.tools)
             return await entry.prompter.render_text(messages, turn)
 
 
@@ -349,10 +321,8 @@ class _Asked(Protocol):
 class _Chat:
     """A conversation, through the model's chat template, truncated to the context where allowed."""
 
-    def __init__(
-        self, p: Plan, messages: Sequence[Mapping[str, Any]], parallel_tool_calls: bool | None
-    ) -> None:
-        self.p, self.messages, self.parallel = p, messages, parallel_tool_calls
+    def __init__(self, p: Plan, asked: plan.ChatAsked) -> None:
+        self.p, self.messages, self.parallel = p, asked.messages, asked.parallel_tool_calls
         self.pending: list[image_input.PendingImage] = []
 
     async def check(self) -> None:
@@ -375,17 +345,9 @@ class _Text:
     """A prompt as one user turn of the template (after `context`, an earlier answer's tokens), or as
     given when raw: no template, so no thinking switch and no parsing."""
 
-    def __init__(
-        self,
-        p: Plan,
-        prompt: str,
-        system: str | None,
-        raw: bool,
-        context: Sequence[int] | None,
-        images: Sequence[Any] | None,
-    ) -> None:
-        self.p, self.prompt, self.system, self.raw = p, prompt, system, raw
-        self.context, self.images = list(context or []), images
+    def __init__(self, p: Plan, asked: plan.TextAsked) -> None:
+        self.p, self.prompt, self.system, self.raw = p, asked.prompt, asked.system, asked.raw
+        self.context, self.images = list(asked.context or []), asked.images
         self.pending: list[image_input.PendingImage] = []
 
     async def check(self) -> None:
@@ -418,8 +380,13 @@ class _Text:
 class _Infill:
     """Fill-in-the-middle: the model's FIM template branch, else its FIM tokens around the two texts."""
 
-    def __init__(self, p: Plan, prefix: str, suffix: str, context: Sequence[int] | None) -> None:
-        self.p, self.prefix, self.suffix, self.context = p, prefix, suffix, list(context or [])
+    def __init__(self, p: Plan, asked: plan.InfillAsked) -> None:
+        self.p, self.prefix, self.suffix, self.context = (
+            p,
+            asked.prefix,
+            asked.suffix,
+            list(asked.context or []),
+        )
 
     async def check(self) -> None:
         pass

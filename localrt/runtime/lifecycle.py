@@ -20,7 +20,9 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 from typing import Protocol
+from typing import TypedDict
 from typing import TypeVar
+from typing import Unpack
 
 from localrt import config
 from localrt.backends import registry
@@ -190,17 +192,21 @@ class LocalLoader:
 LOCAL = LocalLoader()
 
 
+class PoolLimits(TypedDict, total=False):
+    """A pool's limits where they are not the environment's: models loaded at once, requests waiting per
+    model, and how long an idle model stays loaded (seconds)."""
+
+    max_loaded: int | None
+    max_queue: int | None
+    keep_alive: float | None
+
+
 class ModelPool:
     """The loaded models of one process and the queue in front of each."""
 
-    def __init__(
-        self,
-        store: Store | None = None,
-        *,
-        max_loaded: int | None = None,
-        max_queue: int | None = None,
-        keep_alive: float | None = None,
-    ) -> None:
+    def __init__(self, store: Store | None = None, **limits: Unpack[PoolLimits]) -> None:
+        max_loaded, max_queue = limits.get("max_loaded"), limits.get("max_queue")
+        keep_alive = limits.get("keep_alive")
         self.store = store or Store()
         self.max_loaded = (
             max_loaded if max_loaded is not None else max(1, config.env_int("LOCALRT_MAX_LOADED_MODELS"))

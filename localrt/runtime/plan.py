@@ -65,6 +65,38 @@ class Plan:
         return self.resolved.name.display
 
 
+@dataclass
+class ChatAsked:
+    """A conversation to answer."""
+
+    messages: Sequence[Mapping[str, Any]]
+    parallel_tool_calls: bool | None = None
+
+
+@dataclass
+class TextAsked:
+    """A prompt to complete: one user turn of the template (after `context`, an earlier answer's
+    tokens), or the text as given when `raw`; `images` placed at `[img]` or in front of it."""
+
+    prompt: str
+    system: str | None = None
+    raw: bool = False
+    context: Sequence[int] | None = None
+    images: Sequence[Any] | None = None
+
+
+@dataclass
+class InfillAsked:
+    """Fill-in-the-middle: the text between `prefix` and `suffix`."""
+
+    prefix: str
+    suffix: str
+    context: Sequence[int] | None = None
+
+
+Asked = ChatAsked | TextAsked | InfillAsked
+
+
 def plan(
     pool: ModelPool,
     resolved: ResolvedModel,

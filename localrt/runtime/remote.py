@@ -52,7 +52,6 @@ from localrt.runtime.lifecycle import ModelPool
 from localrt.runtime.options import Options
 from localrt.runtime.plan import Plan
 from localrt.runtime.prompt import with_history
-from localrt.runtime.thinking import Think
 from localrt.store.store import ResolvedModel
 
 BACKEND = "remote"
@@ -175,25 +174,21 @@ class RemoteRuntime:
         self.pool = pool
 
     def _use(
-        self, resolved: ResolvedModel, opts: Options, keep_alive: float, exclusive: bool = True
+        self, p: Plan, exclusive: bool = True
     ) -> contextlib.AbstractAsyncContextManager[tuple[RemoteEntry, int]]:
-        return self.pool.use(resolved, opts, keep_alive, exclusive, loader=LOADER)
+        return self.pool.use(p.resolved, p.opts, p.keep_alive, exclusive, loader=LOADER)
 
     # ---- an OpenAI request, forwarded --------------------------------------------------------
-    async def forward(
-        self, resolved: ResolvedModel, route: str, body: Mapping[str, Any], keep_alive: float
-    ) -> Forwarded:
+    async def forward(self, p: Plan, route: str, body: Mapping[str, Any]) -> Forwarded:
         """The request to the upstream as its client wrote it; errors before its first byte raise here."""
         path = ROUTES[route]
-        opts = self.pool.options(resolved, None)
-        check_options(resolved, opts)
         sent = dict(body)
         if path == upstream.CHAT and isinstance(sent.get("messages"), list):
-            sent["messages"] = with_history(sent["messages"], resolved.system, resolved.messages)
-        for name, value in upstream.sampling_fields(self.pool.options_given(resolved, None)[1]).items():
+            sent["messages"] = with_history(sent["messages"], p.resolved.system, p.resolved.messages)
+        for name, value in upstream.sampling_fields(p.given).items():
             sent.setdefault(name, value)  # the model's Modelfile, where the request leaves a field open
         forwarded = Forwarded()
-        stream = self._forwarding(resolved, opts, keep_alive, path, sent, forwarded)
+        stream = self._forwarding(p, path, sent, forwarded)
         opened = await anext(stream)  # started: closing or collecting it releases the slot
         assert isinstance(opened, Opened)
         forwarded.media_type = opened.media_type
@@ -201,16 +196,10 @@ class RemoteRuntime:
         return forwarded
 
     async def _forwarding(
-        self,
-        resolved: ResolvedModel,
-        opts: Options,
-        keep_alive: float,
-        path: str,
-        body: dict[str, Any],
-        forwarded: Forwarded,
+        self, p: Plan, path: str, body: dict[str, Any], forwarded: Forwarded
     ) -> AsyncIterator[Opened | bytes]:
         """The model held while its upstream's bytes pass, each one tallied for the metrics."""
-        async with self._use(resolved, opts, keep_alive) as (entry, load_ns):
+        async with self._use(p) as (entry, load_ns):
             forwarded.load_ns = load_ns
             stream = entry.model.forward(path, body)
             async with contextlib.aclosing(stream):
@@ -224,31 +213,17 @@ class RemoteRuntime:
                     yield data
 
     # ---- chat and generate, translated once --------------------------------------------------
-    def chat(
-        self, p: Plan, messages: Sequence[Mapping[str, Any]], parallel_tool_calls: bool | None
-    ) -> AsyncIterator[Chunk]:
-        """The conversation (with the model's system prompt and history) to the upstream's chat."""
-        return self._run(p, _Chat(p, messages, parallel_tool_calls))
+    def answer(self, p: Plan, asked: plan.Asked) -> AsyncIterator[Chunk]:
+        """A conversation (with the model's system prompt and history) to the upstream's chat; a prompt
+        as one user turn to its chat, or as given (raw) to its completions. No `context` (the upstream's
+        token ids are not ours) and no fill-in-the-middle (its completions take no suffix in one
+        agreed form)."""
+        if isinstance(asked, plan.InfillAsked):
+            return self._no_infill(p)
+        return self._run(p, _Chat(p, asked) if isinstance(asked, plan.ChatAsked) else _Text(p, asked))
 
-    def generate(
-        self,
-        p: Plan,
-        prompt: str,
-        *,
-        system: str | None,
-        raw: bool,
-        context: Sequence[int] | None,
-        images: Sequence[Any] | None,
-    ) -> AsyncIterator[Chunk]:
-        """Raw text to the upstream's completions, else one user turn (with the system prompt) to its
-        chat. No `context`: the upstream's token ids are not ours."""
-        return self._run(p, _Text(p, prompt, system, raw, context, images))
-
-    async def infill(
-        self, p: Plan, prefix: str, suffix: str, context: Sequence[int] | None
-    ) -> AsyncIterator[Chunk]:
-        """No fill-in-the-middle: the upstream's completions take no suffix in one agreed form."""
-        async with self._use(p.resolved, p.opts, p.keep_alive):
+    async def _no_infill(self, p: Plan) -> AsyncIterator[Chunk]:
+        async with self._use(p):
             fim.check_insert(p.name, False, False, False)
         yield Chunk(model=p.name)  # not reached: a generator, so that it fails where its chunks are read
 
@@ -256,7 +231,7 @@ class RemoteRuntime:
         """The upstream's answer as chunks: its text and thinking as they come (or all at once at the
         end), then one done chunk with the tool calls it made and its timings."""
         path, body = await asked.body()
-        async with self._use(p.resolved, p.opts, p.keep_alive) as (entry, load_ns):
+        async with self._use(p) as (entry, load_ns):
             name = entry.key
             content: list[str] = []
             reasoning: list[str] = []
@@ -305,29 +280,23 @@ class RemoteRuntime:
             )
 
     # ---- the other paths ---------------------------------------------------------------------
-    async def embed(
-        self, resolved: ResolvedModel, opts: Options, texts: list[str], keep_alive: float, truncate: bool
-    ) -> EmbedResult:
+    async def embed(self, p: Plan, texts: list[str], truncate: bool) -> EmbedResult:
         """The upstream's `/v1/embeddings`; it tokenizes, truncates and counts."""
-        async with self._use(resolved, opts, keep_alive) as (entry, load_ns):
+        async with self._use(p) as (entry, load_ns):
             vectors, count = await entry.model.embed_counted(texts)
-        return EmbedResult(resolved.name.display, vectors, count, 0, load_ns)
+        return EmbedResult(p.name, vectors, count, 0, load_ns)
 
-    async def rerank(
-        self, resolved: ResolvedModel, opts: Options, query: str, documents: Sequence[str], keep_alive: float
-    ) -> RerankResult:
-        async with self._use(resolved, opts, keep_alive):
-            raise LocalrtError(f'"{resolved.name.display}" does not support reranking')
+    async def rerank(self, p: Plan, query: str, documents: Sequence[str]) -> RerankResult:
+        async with self._use(p):
+            raise LocalrtError(f'"{p.name}" does not support reranking')
 
-    async def tokenize(
-        self, resolved: ResolvedModel, opts: Options, text: str, add_special: bool, parse_special: bool
-    ) -> list[int]:
+    async def tokenize(self, p: Plan, text: str, add_special: bool, parse_special: bool) -> list[int]:
         """The upstream's tokenizer (an HTTP round trip: off the event loop)."""
-        async with self._use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
+        async with self._use(p, exclusive=False) as (entry, _):
             return await asyncio.to_thread(entry.model.tokenize, text, add_special, parse_special)
 
-    async def detokenize(self, resolved: ResolvedModel, opts: Options, tokens: Sequence[int]) -> str:
-        async with self._use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
+    async def detokenize(self, p: Plan, tokens: Sequence[int]) -> str:
+        async with self._use(p, exclusive=False) as (entry, _):
             bad = [
                 t
                 for t in tokens
@@ -337,29 +306,19 @@ class RemoteRuntime:
                 raise LocalrtError(f"invalid token id {bad[0]!r}")
             return await asyncio.to_thread(entry.model.detokenize, tokens)
 
-    async def score(
-        self, resolved: ResolvedModel, opts: Options, tokens: Sequence[int] | str, return_logits: bool
-    ) -> Any:
-        async with self._use(resolved, opts, self.pool.keep_alive(None)) as (entry, _):
+    async def score(self, p: Plan, tokens: Sequence[int] | str, return_logits: bool) -> Any:
+        async with self._use(p) as (entry, _):
             raise LocalrtError(
                 f"remote model {entry.model.upstream_model} cannot score tokens: perplexity and KL need a "
                 "local model"
             )
 
-    async def render(
-        self,
-        resolved: ResolvedModel,
-        opts: Options,
-        model: str,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        think: Think,
-    ) -> tuple[str, list[int]]:
+    async def render(self, p: Plan, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         """The conversation's text (each turn's content, one per line) and the upstream's tokens of it:
         the upstream's chat template is its own, so this counts the content, not the template's markup."""
-        thinking.check_think(_NO_THINKING, think, model)
+        thinking.check_think(_NO_THINKING, p.think, p.model)
         text = "\n".join(str(m.get("content") or "") for m in messages)
-        async with self._use(resolved, opts, self.pool.keep_alive(None), exclusive=False) as (entry, _):
+        async with self._use(p, exclusive=False) as (entry, _):
             return text, await asyncio.to_thread(entry.model.tokenize, text, True, False)
 
 
@@ -377,22 +336,20 @@ class _Asked:
 
 
 class _Chat(_Asked):
-    def __init__(
-        self, p: Plan, messages: Sequence[Mapping[str, Any]], parallel_tool_calls: bool | None
-    ) -> None:
+    def __init__(self, p: Plan, asked: plan.ChatAsked) -> None:
         super().__init__(p)
-        self.messages, self.parallel = messages, parallel_tool_calls
+        self.asked = asked
 
     async def body(self) -> tuple[str, dict[str, Any]]:
         p = self.p
-        msgs, _ = await plan.conversation(p, self.messages)
+        msgs, _ = await plan.conversation(p, self.asked.messages)
         thinking.check_think(_NO_THINKING, p.think, p.model)
         body = upstream.chat_body(
             msgs,
             p.given,
             tools=p.tools,
             tool_choice=p.choice if p.required else None,
-            parallel_tool_calls=self.parallel,
+            parallel_tool_calls=self.asked.parallel_tool_calls,
             fmt=p.format,
             top_logprobs=self._top_logprobs(),
         )
@@ -400,29 +357,21 @@ class _Chat(_Asked):
 
 
 class _Text(_Asked):
-    def __init__(
-        self,
-        p: Plan,
-        prompt: str,
-        system: str | None,
-        raw: bool,
-        context: Sequence[int] | None,
-        images: Sequence[Any] | None,
-    ) -> None:
+    def __init__(self, p: Plan, asked: plan.TextAsked) -> None:
         super().__init__(p)
-        self.prompt, self.system, self.raw, self.context, self.images = prompt, system, raw, context, images
+        self.asked = asked
 
     async def body(self) -> tuple[str, dict[str, Any]]:
-        p = self.p
-        prompt, _ = await plan.prompt_images(p, self.prompt, self.images)
-        if self.context:
+        p, asked = self.p, self.asked
+        prompt, _ = await plan.prompt_images(p, asked.prompt, asked.images)
+        if asked.context:
             raise LocalrtError("context (token ids of an earlier answer) is not supported for remote models")
-        if self.raw:
+        if asked.raw:
             return upstream.COMPLETIONS, upstream.completion_body(
                 prompt, p.given, fmt=p.format, top_logprobs=self._top_logprobs()
             )
         thinking.check_think(_NO_THINKING, p.think, p.model)
-        sys_text = self.system if self.system is not None else p.resolved.system
+        sys_text = asked.system if asked.system is not None else p.resolved.system
         messages = with_history([{"role": "user", "content": prompt}], sys_text, p.resolved.messages)
         body = upstream.chat_body(messages, p.given, fmt=p.format, top_logprobs=self._top_logprobs())
         return upstream.CHAT, body
