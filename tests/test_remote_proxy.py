@@ -194,3 +194,23 @@ def test_reasoning_content_arrives(front: LocalrtServer) -> None:
     )
     assert sum(bool(p.message.thinking) for p in parts) > 1  # streamed as it comes
     assert "".join(p.message.thinking or "" for p in parts) == reasoning_of(chunks)
+
+
+def test_a_forwarded_answer_is_counted_in_metrics(front: LocalrtServer) -> None:
+    """localrt reads the usage off the forwarded bytes (where the client asked for it) for /metrics."""
+
+    def generated() -> int:
+        text = httpx.get(front.url + "/metrics", timeout=30).text
+        return int(
+            next(
+                line for line in text.splitlines() if line.startswith("localrt_generated_tokens_total ")
+            ).split()[1]
+        )
+
+    before = generated()
+    chunks = streamed(oai(front.url), "far", PARIS, temperature=0, max_tokens=4)
+    assert chunks[-1].usage.completion_tokens == 4
+    assert generated() - before == 4
+    whole = oai(front.url).chat.completions.create(model="far", messages=PARIS, temperature=0, max_tokens=3)
+    assert whole.usage.completion_tokens == 3
+    assert generated() - before == 7

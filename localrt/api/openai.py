@@ -19,7 +19,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from fastapi.responses import Response
 from fastapi.responses import StreamingResponse
-from starlette.background import BackgroundTask
 
 from localrt import wire
 from localrt.api import schemas
@@ -325,13 +324,12 @@ async def read_or_forward(request: Request, kind: type[B], route: str) -> tuple[
     if answer is None:
         return body, None
 
-    def tally() -> None:  # once the answer has gone: what /metrics counts of it
-        observe(request, Chunk(model=body.model, done=True, metrics=answer.metrics()))
+    def tally() -> None:  # once the answer has passed: what /metrics counts of it
+        observe(request, Chunk(model=answer.model, done=True, metrics=answer.metrics()))
 
+    answer.ended = tally
     headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-    return body, StreamingResponse(
-        answer.chunks, media_type=answer.media_type, headers=headers, background=BackgroundTask(tally)
-    )
+    return body, StreamingResponse(answer.chunks, media_type=answer.media_type, headers=headers)
 
 
 # ---- routes ------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -152,10 +153,12 @@ class Forwarded:
     """An OpenAI request's answer from the upstream: its media type and its bytes as they come (the
     model's slot is held until they end or the iterator is closed); once they have ended, `metrics`."""
 
+    model: str  # the stored model's name
     media_type: str = ""
     chunks: AsyncIterator[bytes] = field(init=False)
     tally: upstream.Tally = field(default_factory=upstream.Tally)
     load_ns: int = 0
+    ended: Callable[[], None] | None = None  # called once the last byte has passed (not on a cancel)
 
     def metrics(self) -> Metrics:
         """The answer's counts and durations, from its usage (where the client asked for it)."""
@@ -187,7 +190,7 @@ class RemoteRuntime:
             sent["messages"] = with_history(sent["messages"], p.resolved.system, p.resolved.messages)
         for name, value in upstream.sampling_fields(p.given).items():
             sent.setdefault(name, value)  # the model's Modelfile, where the request leaves a field open
-        forwarded = Forwarded()
+        forwarded = Forwarded(p.name)
         stream = self._forwarding(p, path, sent, forwarded)
         opened = await anext(stream)  # started: closing or collecting it releases the slot
         assert isinstance(opened, Opened)
@@ -211,6 +214,8 @@ class RemoteRuntime:
                     assert isinstance(data, bytes)
                     forwarded.tally.see(data)
                     yield data
+        if forwarded.ended is not None:
+            forwarded.ended()
 
     # ---- chat and generate, translated once --------------------------------------------------
     def answer(self, p: Plan, asked: plan.Asked) -> AsyncIterator[Chunk]:
