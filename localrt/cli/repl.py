@@ -1,6 +1,6 @@
 """The `localrt run` session: one-shot answers and the interactive chat (`/set`, `/show`, `\"\"\"`).
 
-A session holds one client (a running `localrt serve`, else the in-process runtime) and one event
+A session holds one client (a running `localrt serve`, else the same server app in process) and one event
 loop for its whole life, so an interactive chat loads the model once either way.
 """
 
