@@ -159,9 +159,10 @@ class Runtime:
         """An OpenAI request (`route`: chat/completions, completions, embeddings) for a remote model,
         passed to its upstream as the client wrote it, `model` renamed; None for a local model, which the
         caller answers itself. Errors before the upstream's first byte raise here."""
-        p, path = self._plan(model, {"keep_alive": keep_alive})
+        resolved, path = self._path(model)
         if path is not self.remote:
             return None
+        p = plan(self.pool, resolved, model, {"keep_alive": keep_alive}, path.loader)
         return await self.remote.forward(p, route, body)
 
     # ---- the other paths ---------------------------------------------------------------------

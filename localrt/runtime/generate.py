@@ -145,7 +145,9 @@ class LocalRuntime:
             request = self._request(p, entry, prompt)
             parser = turn.parser() if turn is not None else None
             reply = _Reply()
-            budget = turn.thinking_budget(request, p.format) if turn is not None and parser else None
+            budget = (
+                turn.thinking_budget(request, p.format) if turn is not None and parser is not None else None
+            )
             wanted = request.num_predict
             if budget is not None:  # first up to the budget; a cut inside the thinking closes it, goes on
                 request.num_predict = budget
