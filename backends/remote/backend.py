@@ -93,6 +93,7 @@ class Opened:
 
     media_type: str
     endpoint: str
+    length: int | None = None  # the answer's bytes, where the endpoint said (Content-Length)
 
 
 class RemoteBackend:
@@ -274,7 +275,9 @@ class RemoteModel:
                 failures.append(f"{endpoint.url} ({reason})")
                 continue
             try:
-                yield Opened(response.headers.get("content-type", ""), endpoint.url)
+                length = response.headers.get("content-length", "")
+                media_type = response.headers.get("content-type", "")
+                yield Opened(media_type, endpoint.url, int(length) if length.isdigit() else None)
                 yield first
                 async for data in chunks:
                     if (cancel is not None and cancel.cancelled) or self._cancelled != cancelled_at_start:

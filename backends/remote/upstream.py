@@ -355,15 +355,25 @@ class Tally:
         self.sent = time.perf_counter_ns()
         self.first = 0
         self.json_body = False
+        self.length: int | None = None  # the answer's bytes, where the upstream said
+        self.seen = 0
+        self.done = False  # an event stream's `data: [DONE]` passed
         self.usage: dict[str, Any] = {}
         self.llama_timings: dict[str, Any] = {}
         self._partial = b""
 
-    def start(self, media_type: str) -> None:
+    def start(self, media_type: str, length: int | None = None) -> None:
         self.json_body = "application/json" in media_type
+        self.length = length
+
+    @property
+    def complete(self) -> bool:
+        """Whether the whole answer has passed (known before its stream is seen to end)."""
+        return self.done or (self.length is not None and self.seen >= self.length)
 
     def see(self, data: bytes) -> None:
         self.first = self.first or time.perf_counter_ns()
+        self.seen += len(data)
         if self.json_body:
             if len(self._partial) < self.MAX_JSON:
                 self._partial += data
@@ -372,6 +382,8 @@ class Tally:
         for line in lines:
             if line.startswith(b"data:") and (b'"usage"' in line or b'"timings"' in line):
                 self._read(line[5:])
+            elif line.strip() == b"data: [DONE]":
+                self.done = True
 
     def _read(self, text: bytes) -> None:
         try:

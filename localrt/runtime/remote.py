@@ -158,7 +158,8 @@ class Forwarded:
     chunks: AsyncIterator[bytes] = field(init=False)
     tally: upstream.Tally = field(default_factory=upstream.Tally)
     load_ns: int = 0
-    ended: Callable[[], None] | None = None  # called once the last byte has passed (not on a cancel)
+    # called once the whole answer has passed (not on a cancel), before the response ends
+    ended: Callable[[], None] | None = None
 
     def metrics(self) -> Metrics:
         """The answer's counts and durations, from its usage (where the client asked for it)."""
@@ -208,12 +209,21 @@ class RemoteRuntime:
             async with contextlib.aclosing(stream):
                 opened = await anext(stream)
                 assert isinstance(opened, Opened)
-                forwarded.tally.start(opened.media_type)
+                forwarded.tally.start(opened.media_type, opened.length)
                 yield opened
+                told = False
                 async for data in stream:
                     assert isinstance(data, bytes)
                     forwarded.tally.see(data)
+                    if forwarded.tally.complete and not told:  # told before the client can see the end
+                        told = True
+                        self._tell(forwarded)
                     yield data
+                if not told:
+                    self._tell(forwarded)
+
+    @staticmethod
+    def _tell(forwarded: Forwarded) -> None:
         if forwarded.ended is not None:
             forwarded.ended()
 
