@@ -77,9 +77,6 @@ def upstream(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     args = [
         *("-m", str(smollm2_gguf), "-c", "4096", "-np", "1", "-t", THREADS, "--alias", UPSTREAM_MODEL),
         *("--jinja", "--chat-template-file", str(TEMPLATE), "--reasoning-format", "deepseek"),
-        # repacked weights use CPU features that some virtual machines report but do not enable (AMX
-        # tiles); the plain kernels run anywhere and the answers are the upstream's either way
-        "--no-repack",
     ]
     log = tmp_path_factory.mktemp("llama-server") / "log"
     with running_llama_server(args, log, limit=900) as url:
