@@ -1,7 +1,7 @@
 """Count the async generators a token climbs from the engine to the answer's bytes.
 
 A streamed `/api/chat` and `/v1/chat/completions` on SmolLM2, through the server's own app in this
-process. Where the engine's tokens become text events (`engine_thread.text_events`, called once per step
+process. Where the engine's tokens become text events (`engine.text_events`, called once per step
 inside the request's stream), the stack of awaiting frames is walked and each async generator on it is
 named; the last token's chain is printed (the first one is pulled before the response starts, so its chain
 is shorter).
@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from localrt.api.app import create_app
-from localrt.backends import engine_thread
+from localrt.backends import engine
 from localrt.client import InProcessTransport
 from localrt.runtime.front import Runtime
 from localrt.store.importer import import_gguf
@@ -51,13 +51,13 @@ async def measure(gguf: Path, root: Path) -> dict[str, list[str]]:
     import_gguf(store, "smol", gguf, params={"temperature": 0, "num_ctx": 512, "num_thread": 1})
     seen: dict[str, list[str]] = {}
     route = ""
-    real = engine_thread.text_events
+    real = engine.text_events
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen[route] = chain_here()
         return real(*args, **kwargs)
 
-    engine_thread.text_events = spy  # type: ignore[assignment]
+    engine.text_events = spy  # type: ignore[assignment]
     runtime = Runtime(store)
     transport = InProcessTransport(create_app(store=store, runtime=runtime, api_key=""))
     try:
@@ -67,7 +67,7 @@ async def measure(gguf: Path, root: Path) -> dict[str, list[str]]:
                     async for _ in answer.aiter_lines():
                         pass
     finally:
-        engine_thread.text_events = real
+        engine.text_events = real
         await runtime.close()
     return seen
 
