@@ -147,7 +147,13 @@ class Client(Protocol):
         format: str | None = None,
         keep_alive: str | float | None = None,
         think: bool | str | None = None,
-    ) -> AsyncIterator[Chunk]: ...
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+    ) -> AsyncIterator[Chunk]:
+        """Stream an answer. `tools` (OpenAI's function shape) and `tool_choice` (auto, required, none, or
+        {"type": "function", "function": {"name": ...}}) offer tools; the calls come back in
+        `Chunk.tool_calls`, parsed from the model's own format."""
+        ...
 
     async def list_models(self) -> list[ModelRow]: ...
 
@@ -261,10 +267,19 @@ class RuntimeClient:
         format: str | None = None,
         keep_alive: str | float | None = None,
         think: bool | str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
     ) -> AsyncIterator[Chunk]:
         # the runtime's own generator: closing or cancelling it cancels the generation there
         return self.runtime.chat(
-            model, messages, options=options or None, format=format, keep_alive=keep_alive, think=think
+            model,
+            messages,
+            options=options or None,
+            format=format,
+            keep_alive=keep_alive,
+            think=think,
+            tools=tools or None,
+            tool_choice=tool_choice,
         )
 
     async def list_models(self) -> list[ModelRow]:
@@ -528,6 +543,8 @@ class ServerClient:
         format: str | None = None,
         keep_alive: str | float | None = None,
         think: bool | str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
     ) -> AsyncIterator[Chunk]:
         request = wire.build(
             wire.ChatRequest,
@@ -538,6 +555,8 @@ class ServerClient:
             format=format or None,
             keep_alive=keep_alive,
             think=think,
+            tools=[dict(t) for t in tools] if tools else None,
+            tool_choice=tool_choice,
         )
         async for item in self._ndjson("/api/chat", request):
             answer = wire.parse(wire.ChatResponse, item)
