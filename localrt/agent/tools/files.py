@@ -300,7 +300,10 @@ def _change(root: Root, path: Path, before: str | None, after: str, doing: str, 
     shown = root.shown(path)
 
     async def run() -> ToolResult:
-        await asyncio.to_thread(_write, path, before, after)
+        try:
+            await asyncio.to_thread(_write, path, before, after)
+        except ValueError as e:
+            return ToolResult.failed(str(e))
         lines = after.count("\n") + (0 if after.endswith("\n") or not after else 1)
         return ToolResult(f"{done} {shown} ({lines} lines)")
 

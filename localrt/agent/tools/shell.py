@@ -81,13 +81,15 @@ async def run_command(command: str, cwd: str, timeout: float, cap: int) -> ToolR
     out = kept.decode("utf-8", errors="replace")
     if dropped:
         out += f"\n[... {dropped} more bytes of output cut]"
+    if out and not out.endswith("\n"):
+        out += "\n"
     if timed_out:
         return ToolResult.failed(
-            f"{out}\n[timed out after {timeout:g}s: the command and its children were stopped]".lstrip("\n")
+            f"{out}[timed out after {timeout:g}s: the command and its children were stopped]"
         )
     code = proc.returncode
     status = f"[exit code {code}]" if code is not None and code >= 0 else f"[killed by signal {-(code or 0)}]"
-    return ToolResult(f"{out}\n{status}".lstrip("\n"), error=code != 0)
+    return ToolResult(out + status, error=code != 0)
 
 
 def run_shell(root: Root, limits: Limits) -> Tool:
