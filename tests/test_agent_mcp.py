@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from localrt.agent.approvals import Approvals
 from localrt.agent.loop import AgentLoop
 from localrt.agent.loop import ToolFinished
 from localrt.agent.mcp import McpHub
@@ -25,13 +26,11 @@ from localrt.agent.mcp import load_config
 from localrt.agent.mcp import parse_entry
 from localrt.agent.toolbox import Toolbox
 from localrt.agent.tools import Limits
-from localrt.agent.approvals import Approvals
 from localrt.errors import LocalrtError
 from tests.conftest import async_test
 from tests.servers.serve import LocalrtServer
 from tests.tool_loop_fixtures import MODEL
 from tests.tool_loop_fixtures import ROOT
-from tests.tool_loop_fixtures import ForcedFirstCall
 from tests.tool_loop_fixtures import McpHttpServer
 from tests.tool_loop_fixtures import mcp_entry
 from tests.tool_loop_fixtures import scratch_repo
@@ -164,7 +163,7 @@ async def test_sdk_server_over_streamable_http_with_headers(http_server: McpHttp
         assert [t.name for t in web.tools] == ["web__echo", "web__big", "web__die"]
         result = await web.call("echo", {"text": "over http"})
         assert nokey.state == "failed"
-        assert "401" in nokey.error
+        assert nokey.error.endswith("(HTTP 401 Unauthorized)")
     finally:
         await hub.close()
     assert result.content == "echo: over http"
@@ -330,19 +329,32 @@ def tool_server(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) ->
     yield from serve_tool_model(smollm2_gguf, tmp_path_factory)
 
 
+# What only the server's answer holds. SmolLM2 writes the git tool's `repo_path` itself (the runtime forces
+# the tool, not its arguments) and never writes the repository's path: mcp-server-git's own refusal of the
+# path it wrote is the result then (its successful answers are in the pilot test and the tests above).
 @pytest.mark.parametrize(
     ("server", "choice", "prompt", "expected"),
     [
-        ("time", "time__get_current_time", "What time is it in Europe/Paris?", '"timezone": "Europe/Paris"'),
-        ("git", "git__git_log", "Show the git log of the repository at REPO", "first commit"),
-        ("web", "web__echo", "Echo the word banana.", "echo: "),
+        (
+            "time",
+            "time__get_current_time",
+            "What time is it in Europe/Paris?",
+            ('"timezone": "Europe/Paris"',),
+        ),
+        (
+            "git",
+            "git__git_status",
+            "What is the git status of the repository at REPO?",
+            ("Repository status:", "is outside the allowed repository"),
+        ),
+        ("web", "web__echo", "Echo the word banana.", ("echo: ",)),
     ],
 )
 def test_run_tools_calls_a_real_mcp_server(
     server: str,
     choice: str,
     prompt: str,
-    expected: str,
+    expected: tuple[str, ...],
     tool_server: LocalrtServer,
     http_server: McpHttpServer,
     tmp_path: Path,
@@ -371,9 +383,9 @@ def test_run_tools_calls_a_real_mcp_server(
     assert done.returncode == 0, done.stderr
     err = done.stderr
     assert f"→ {choice}: " in err
-    assert f"← {choice}:" in err  # the call ran: its result follows
-    result = err.split(f"← {choice}:", 1)[1]
-    assert expected in result
+    assert f"← {choice}" in err  # the call ran: its result follows
+    result = err.split(f"← {choice}", 1)[1]
+    assert any(text in result for text in expected), err
     assert "→" not in done.stdout  # calls and results on stderr, the answer alone on stdout
 
 

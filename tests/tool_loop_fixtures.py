@@ -114,6 +114,7 @@ def mcp_entry(kind: str, **extra: Any) -> dict[str, Any]:
 
 
 def write_mcp_config(path: Path, servers: Mapping[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"mcpServers": dict(servers)}, indent=2))
     return path
 

@@ -207,6 +207,7 @@ class ChatApp(App[int]):
         toolbox: Toolbox | None = None,
         mcp_config: Path | str | None = None,
         approve_all: bool = False,
+        tool_choice: str | None = None,
     ) -> None:
         super().__init__()
         self.client: Client = client if client is not None else connect()
@@ -214,6 +215,7 @@ class ChatApp(App[int]):
         self.toolbox = toolbox if toolbox is not None else Toolbox.standard(Path.cwd(), mcp_config=mcp_config)
         self.approvals = Approvals(ask=self._approve, approve_all=approve_all)
         self.tools_off: dict[str, str | None] = {}  # model -> why it takes no tools (None: it does)
+        self.tool_choice = tool_choice  # the first request of each answer (`--tool-choice`)
         self.clock = clock
         self.db = store if store is not None else ConversationStore(db_path, clock=clock)
         self.initial_model = model
@@ -615,6 +617,7 @@ class ChatApp(App[int]):
             self.toolbox if use else Toolbox(),
             self.approvals,
             max_steps=conv.settings.max_steps,
+            tool_choice=self.tool_choice if use else None,
             options=dict(conv.settings.options) or None,
             format="json" if conv.settings.json_output else None,
             think=conv.settings.think,

@@ -133,7 +133,7 @@ class ToolCallView(Collapsible):
         super().__init__(
             Static(arguments, classes="tool-arguments", markup=False),
             Static("", classes="tool-result", markup=False),
-            title=self._title(),
+            title=self._heading(),
             collapsed=False,
             classes="tool-call",
         )
@@ -142,12 +142,12 @@ class ToolCallView(Collapsible):
         if self.saved_result is not None:
             self.set_result(*self.saved_result)
 
-    def _title(self) -> str:
+    def _heading(self) -> str:
         return f"⚙ {self.summary} · {self.state}"
 
     def set_state(self, state: str) -> None:
         self.state = state
-        self.title = self._title()
+        self.title = self._heading()
 
     def set_result(self, content: str, state: str) -> None:
         """The result arrived: shown (its first lines), the block folded when the result is long."""

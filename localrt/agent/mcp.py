@@ -37,6 +37,7 @@ from localrt.errors import LocalrtError
 
 START_TIMEOUT = 30.0  # seconds for a server to start, answer `initialize` and list its tools
 CLOSE_TIMEOUT = 5.0
+PING_TIMEOUT = 5.0  # after a failed call: a server that does not answer a ping is taken as dead
 MAX_TOOL_PAGES = 20  # tools/list pages read from one server
 SSE_EVENT_BYTES = 32 * 1024 * 1024  # one streamed HTTP answer; a bigger one is an error result
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
@@ -186,6 +187,7 @@ class McpServer:
         self._ready = asyncio.Event()
         self._stop = asyncio.Event()
         self._log: TextIO | None = None
+        self._http_error = ""  # the last HTTP error answer (a 401 says more than the SDK's message)
 
     @property
     def name(self) -> str:
@@ -231,8 +233,16 @@ class McpServer:
             import httpx2  # the SDK's HTTP client: headers go on it (the SDK's documented way)
             from mcp.client.streamable_http import streamable_http_client
 
+            async def seen(response: Any) -> None:
+                if response.status_code >= 400:
+                    self._http_error = f"HTTP {response.status_code} {response.reason_phrase}".strip()
+
             http = await stack.enter_async_context(
-                httpx2.AsyncClient(headers=self.spec.headers, timeout=httpx2.Timeout(30.0, read=300.0))
+                httpx2.AsyncClient(
+                    headers=self.spec.headers,
+                    timeout=httpx2.Timeout(30.0, read=300.0),
+                    event_hooks={"response": [seen]},
+                )
             )
             assert self.spec.url is not None
             read, write = await stack.enter_async_context(
@@ -308,7 +318,7 @@ class McpServer:
                 await self._stop.wait()
         except BaseException as e:  # anyio cancels the transport's scope when the server goes away
             if not self._stop.is_set():
-                line = self._last_log_line()
+                line = self._http_error or self._last_log_line()
                 self.state, self.error = "failed", describe(e) + (f" ({line})" if line else "")
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -341,12 +351,25 @@ class McpServer:
         try:
             return result_of(call.result())
         except asyncio.CancelledError:
-            return ToolResult.failed(f"the MCP server {self.name!r} stopped during the call")
+            return self._gone("the call was cut off")
         except Exception as e:
-            await asyncio.sleep(0)  # let the connection's task record a dead server first
-            gone = task.done() or self.state != "ready"
-            why = "stopped during the call" if gone else "failed the call"
-            return ToolResult.failed(f"the MCP server {self.name!r} {why}: {describe(e)}")
+            if task.done() or not await self._answers(session):
+                return self._gone(describe(e))
+            return ToolResult.failed(f"the MCP server {self.name!r} failed the call: {describe(e)}")
+
+    async def _answers(self, session: Any) -> bool:
+        """Whether the server still answers a ping (after a call failed: a dead one is marked so)."""
+        try:
+            await asyncio.wait_for(session.send_ping(), PING_TIMEOUT)
+        except Exception:
+            return False
+        return True
+
+    def _gone(self, why: str) -> ToolResult:
+        """The server died during a call: it is `failed` from now on, and its connection is let go."""
+        self.state, self.error = "failed", f"stopped during a call ({why})"
+        self._stop.set()
+        return ToolResult.failed(f"the MCP server {self.name!r} stopped during the call: {why}")
 
     async def close(self) -> None:
         self._stop.set()

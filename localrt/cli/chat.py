@@ -18,7 +18,7 @@ def add_chat(sub: Subparsers) -> argparse.ArgumentParser:
 def cmd_chat(args: argparse.Namespace) -> int:
     from localrt.tui.launch import launch
 
-    return launch(args.model, mcp_config=args.mcp, approve_all=args.yes)
+    return launch(args.model, mcp_config=args.mcp, approve_all=args.yes, tool_choice=args.tool_choice)
 
 
 def add_chat_tool_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,3 +30,9 @@ def add_chat_tool_arguments(p: argparse.ArgumentParser) -> None:
         help="MCP servers to start (default ~/.config/localrt/mcp.json)",
     )
     p.add_argument("--yes", action="store_true", help="approve every tool call without asking")
+    p.add_argument(
+        "--tool-choice",
+        default=None,
+        metavar="CHOICE",
+        help="auto, required, none, or a tool's name, for each answer's first request",
+    )
