@@ -100,7 +100,7 @@ async def test_an_edit_runs_after_approval_and_the_diff_is_shown_first(
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
     steps = [e for e in events if isinstance(e, StepDone)]
     assert len(steps) == len(client.requests)
-    assert steps[0].context_tokens
+    assert steps[0].final.done
     assert isinstance(events[-1], Finished)
 
 

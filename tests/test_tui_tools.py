@@ -268,6 +268,42 @@ async def test_an_edit_denied_in_the_modal(tool_server: LocalrtServer, tmp_path:
 
 
 @async_test
+async def test_escape_stops_a_running_command(tool_server: LocalrtServer, tmp_path: Path, work: Path) -> None:
+    command = "echo started; sleep 600 & echo $! > child.pid; wait"
+    app = tool_app(
+        tool_server,
+        tmp_path,
+        only(Toolbox(builtin_tools(work)), "run_shell"),
+        [("run_shell", {"command": command})],
+    )
+    app.approvals.approve_all = True
+    async with app.run_test(size=(110, 34)) as pilot:
+        app.chat_input.insert("Run it.")
+        await pilot.press("enter")
+        await until(pilot, lambda: (work / "child.pid").exists(), 300, "the command to start")
+        await pilot.pause(0.2)
+        await pilot.press("escape")
+        worker = app.answer_worker
+        assert worker is not None
+        await until(pilot, lambda: worker.is_finished, 30, "the stop")
+        await pilot.pause(0.2)
+        [block] = app.query(ToolCallView)
+        assert block.state == "stopped"
+        assert not app.busy
+        child = int((work / "child.pid").read_text())
+        stat = Path(f"/proc/{child}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # stopped too
+        conv_id = app.conversation.id or 0
+    saved = ConversationStore(tmp_path / "chat.db").load(conv_id).messages
+    assert [m.role for m in saved] == ["user", "assistant", "tool"]
+    assert (saved[2].done_reason, saved[2].tool_call_id) == ("stopped", saved[1].tool_calls[0]["id"])  # type: ignore[index]
+    # the next request answers the call with the stop, so the conversation can go on
+    history = app.conversation.chat_messages()
+    assert history[-1]["role"] == "tool"
+    assert history[-1]["content"] == "The user stopped this call before it finished."
+
+
+@async_test
 async def test_mcp_servers_in_the_chat(
     tool_server: LocalrtServer, http_server: McpHttpServer, tmp_path: Path, work: Path
 ) -> None:
@@ -292,7 +328,7 @@ async def test_mcp_servers_in_the_chat(
             only(toolbox, name)  # a short prompt: this turn's tool alone
             await ask(pilot, app, f"Use {name}.", timeout=600)
             block = list(app.query(ToolCallView))[-1]
-            assert block.tool_name == name
+            assert block.tool_name == name, (app.noted, app.conversation.messages[-4:])
             assert block.state == "ok", block.result
             assert expected[name] in block.result
         assert not app.errors()

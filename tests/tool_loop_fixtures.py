@@ -93,6 +93,7 @@ class ForcedFirstCall(ServerClient):
         if messages and messages[-1].get("role") == "user" and self.calls:
             name, arguments = self.calls.pop(0)
             options["grammar"] = call_grammar(name, arguments)
+            options["num_predict"] = 512  # the grammar ends the reply: room for a long path
         self.requests.append(
             {"messages": [dict(m) for m in messages], "tools": kw.get("tools"), "options": options}
         )

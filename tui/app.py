@@ -41,6 +41,7 @@ from textual.worker import Worker
 from localrt.agent.approvals import ApprovalRequest
 from localrt.agent.approvals import Approvals
 from localrt.agent.approvals import Decision
+from localrt.agent.loop import STOPPED
 from localrt.agent.loop import AgentLoop
 from localrt.agent.loop import Finished
 from localrt.agent.loop import StepDone
@@ -177,7 +178,7 @@ class Turn:
     started: float = 0.0
     last_save: float = 0.0
     steps: int = 0
-    context_tokens: int | None = None  # after the last request, as the server counted them
+    tools: list[dict[str, Any]] | None = None  # what the requests offered (counted in the context)
     saved: list[Message] = field(default_factory=list)  # steps with calls, and the tool messages
     tool_views: list[ToolCallView] = field(default_factory=list)
 
@@ -628,6 +629,7 @@ class ChatApp(App[int]):
         every step as it ends; a request after tool results goes into a new assistant message."""
         messages = conv.chat_messages()
         loop = self.tool_loop(conv)
+        turn.tools = loop.toolbox.schemas() or None
         turn.started = time.monotonic()
         events = loop.run(messages)
         async with contextlib.aclosing(events):  # type: ignore[type-var]
@@ -682,11 +684,6 @@ class ChatApp(App[int]):
         assert turn.view is not None and turn.reply is not None
         turn.final = event.final
         turn.steps += 1
-        turn.context_tokens = event.context_tokens
-        if event.context_tokens is not None:
-            stats = self.status.stats
-            stats.ctx_used, stats.ctx_exact = event.context_tokens, True
-            self.status.refresh_stats()
         calls = event.message.get("tool_calls")
         if not calls:
             return
@@ -700,6 +697,9 @@ class ChatApp(App[int]):
                 self.db.update_message(reply)
         conv.messages.append(reply)
         turn.saved.append(reply)
+        with contextlib.suppress(LocalrtError):  # the meter between requests
+            await self._count_context(conv, turn.tools)
+            self.status.refresh_stats()
         if not reply.content and not reply.thinking:
             turn.view.display = False  # the calls below say what this request did
         else:
@@ -769,7 +769,24 @@ class ChatApp(App[int]):
         if m is not None and m.draft_count:
             reply.stats.update(draft_count=m.draft_count, draft_accepted_count=m.draft_accepted_count)
 
+    def _answer_open_calls(self, conv: Conversation, turn: Turn) -> None:
+        """Every call this turn saved gets its tool message, as the loop gave the model: a call stopped
+        before its result is answered `stopped`, so the next request is a valid conversation."""
+        answered = [m.tool_call_id for m in turn.saved if m.role == "tool"]
+        calls = [call_parts(c) for m in turn.saved if m.role == "assistant" for c in m.tool_calls or []]
+        for i, (call_id, name, _) in enumerate(calls):
+            if (call_id and call_id in answered) or (not call_id and i < len(answered)):
+                continue
+            message = Message(
+                "tool", STOPPED, done_reason="stopped", tool_name=name, tool_call_id=call_id or None
+            )
+            if conv.id is not None:
+                self.db.add_message(conv.id, message)
+            conv.messages.append(message)
+            turn.saved.append(message)
+
     def _save_reply(self, conv: Conversation, question: Message, turn: Turn, stopped: bool) -> None:
+        self._answer_open_calls(conv, turn)
         reply = turn.reply
         if reply is not None and (reply.content or reply.thinking):
             self._close_reply(turn, stopped)
@@ -834,9 +851,14 @@ class ChatApp(App[int]):
             if not turn.saved and not self.chat_input.text:
                 self.chat_input.text = question.content
             if stopped:
-                self.notify("Stopped before the answer began.", severity="information")
+                said = (
+                    "Stopped; the tool calls so far are kept."
+                    if turn.saved
+                    else "Stopped before the answer began."
+                )
+                self.notify(said, severity="information")
             if conv is self.conversation and not error and turn.saved:
-                await self._update_context(conv, turn.saved[-1], turn.context_tokens)
+                await self._update_context(conv, turn.saved[-1], turn.tools)
             return
         view.set_note(
             "stopped"
@@ -850,21 +872,29 @@ class ChatApp(App[int]):
         if stopped:
             self.notify("Answer stopped; what was generated is kept.", severity="information", timeout=3)
         if conv is self.conversation and not error:
-            # with tools, the server's count (the tools' schemas included) beats a recount without them
-            await self._update_context(conv, reply, turn.context_tokens if turn.saved else None)
+            await self._update_context(conv, reply, turn.tools)
 
-    async def _update_context(self, conv: Conversation, reply: Message, counted: int | None = None) -> None:
+    async def _count_context(self, conv: Conversation, tools: list[dict[str, Any]] | None) -> None:
+        """The context meter: the conversation's tokens, the tools' descriptions included (as text: an
+        estimate, shown with a ~, since the template renders them its own way)."""
+        stats = self.status.stats
+        messages = conv.chat_messages()
+        if tools:
+            messages = [{"role": "system", "content": json.dumps(tools)}, *messages]
+        used, exact = await self.client.count_tokens(
+            conv.model or "", messages, conv.settings.options or None
+        )
+        stats.ctx_used, stats.ctx_exact = used, exact and not tools
+
+    async def _update_context(
+        self, conv: Conversation, reply: Message, tools: list[dict[str, Any]] | None = None
+    ) -> None:
         """Tokens in context after this answer versus the context length; warn before it overflows."""
         stats, bar = self.status.stats, self.status
         options = conv.settings.options or None
         try:
             stats.ctx_len = await self.client.context_length(conv.model or "", options)
-            if counted is not None:
-                stats.ctx_used, stats.ctx_exact = counted, True
-            else:
-                stats.ctx_used, stats.ctx_exact = await self.client.count_tokens(
-                    conv.model or "", conv.chat_messages(), options
-                )
+            await self._count_context(conv, tools)
         except LocalrtError:
             return
         if reply.stats is not None and reply.id is not None:

@@ -55,14 +55,6 @@ class StepDone:
     message: dict[str, Any]
     final: Any  # localrt.runtime.answers.Chunk (done=True), None when the stream ended without one
 
-    @property
-    def context_tokens(self) -> int | None:
-        """Tokens in the context after this answer (prompt + answer), from the server's own counts."""
-        m = getattr(self.final, "metrics", None)
-        if m is None:
-            return None
-        return (m.prompt_tokens or m.prompt_eval_count) + m.eval_count
-
 
 @dataclass
 class ToolStarted:
