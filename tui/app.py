@@ -383,7 +383,7 @@ class ChatApp(App[int]):
         self.refresh_tools_line()
 
     def refresh_tools_line(self) -> None:
-        """`⚙ tools: 7 built-in, time (2) · asks before writing or running · F6`, or why there are none."""
+        """`⚙ tools: 7 built-in, time (2) · asks first · F6`, or why there are none."""
         with contextlib.suppress(Exception):  # before mount, or while closing
             line = self.query_one(ToolsLine)
             conv = self.conversation
@@ -402,9 +402,7 @@ class ChatApp(App[int]):
                         if server.state == "ready"
                         else f"{server.name} ({server.state})"
                     )
-                asks = (
-                    "approves every call" if self.approvals.approve_all else "asks before writing or running"
-                )
+                asks = "approves all" if self.approvals.approve_all else "asks first"
                 text = f"⚙ tools: {', '.join(parts)} · {asks} · F6"
             line.update(text)
             line.set_class(bool(off) or not conv.settings.tools, "-off")

@@ -213,7 +213,7 @@ class Stats:
         return (self.pieces - 1) / elapsed if elapsed > 0 else None
 
 
-def meter(share: float, cells: int = 8) -> str:
+def meter(share: float, cells: int = 5) -> str:
     """The context's fill as a bar of `cells` (▰ used, ▱ free)."""
     used = min(cells, max(0, round(share * cells)))
     return "▰" * used + "▱" * (cells - used)
