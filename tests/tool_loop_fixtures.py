@@ -36,7 +36,7 @@ from tests.servers.serve import free_port
 MODEL = "smollm2:135m"
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
 # greedy and short: a step is bounded by num_predict (room for one forced call), whatever the model makes of it
-PARAMS = {"temperature": 0, "num_ctx": 4096, "num_predict": 64, "num_thread": THREADS}
+PARAMS = {"temperature": 0, "num_ctx": 4096, "num_predict": 128, "num_thread": THREADS}
 SYSTEM = "You are a helpful assistant."
 ROOT = Path(__file__).resolve().parents[1]
 
