@@ -150,7 +150,13 @@ class Client(Protocol):
         format: str | None = None,
         keep_alive: str | float | None = None,
         think: bool | str | None = None,
-    ) -> AsyncIterator[Chunk]: ...
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+    ) -> AsyncIterator[Chunk]:
+        """Stream an answer. `tools` (OpenAI's function shape) and `tool_choice` (auto, required, none, or
+        {"type": "function", "function": {"name": ...}}) offer tools; the calls come back in
+        `Chunk.tool_calls`, parsed from the model's own format."""
+        ...
 
     async def list_models(self) -> list[ModelRow]: ...
 
@@ -281,6 +287,8 @@ class ServerClient:
         format: str | None = None,
         keep_alive: str | float | None = None,
         think: bool | str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
     ) -> AsyncIterator[Chunk]:
         request = wire.build(
             wire.ChatRequest,
@@ -291,6 +299,8 @@ class ServerClient:
             format=format or None,
             keep_alive=keep_alive,
             think=think,
+            tools=[dict(t) for t in tools] if tools else None,
+            tool_choice=tool_choice,
         )
         # closed with the caller's iterator: the connection goes, and the generation behind it stops
         async with contextlib.aclosing(self._ndjson("/api/chat", request)) as items:

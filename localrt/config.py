@@ -404,6 +404,13 @@ def data_dir() -> Path:
     return Path(env).expanduser() if env else Path(platformdirs.user_data_dir("localrt"))
 
 
+def mcp_config_path() -> Path:
+    """The MCP servers the chat app and `localrt run --tools` start: `mcp.json` in the platformdirs user
+    config dir (`~/.config/localrt/mcp.json` on Linux; `XDG_CONFIG_HOME` moves it), in Claude Desktop's
+    `mcpServers` format."""
+    return Path(platformdirs.user_config_dir("localrt")) / "mcp.json"
+
+
 def host() -> tuple[str, int]:
     """`LOCALRT_HOST` as (host, port); accepts `host`, `host:port`, `:port`, `http://host:port`."""
     raw = os.environ.get("LOCALRT_HOST", default_of("LOCALRT_HOST")).strip()

@@ -324,3 +324,34 @@ def test_ctrl_c_before_the_first_token_keeps_the_chat(store: Store, delay: float
         assert term.wait() == 0
     finally:
         term.kill()
+
+
+def test_interactive_tools_ask_on_the_terminal(
+    models_dir: Path, smollm2_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run --tools` on a terminal: the step limit is set, a command the model wants to run is shown
+    and asked about on the terminal, denied, and the chat goes on."""
+    from tests.tool_loop_fixtures import tool_model_store
+
+    tool_model_store(models_dir, smollm2_gguf)  # SmolLM2 under a template with tools
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # no user's MCP servers
+    monkeypatch.setenv("LOCALRT_DATA", str(tmp_path / "data"))
+    monkeypatch.chdir(tmp_path)
+    term = Terminal("run", "smollm2:135m", "--tools", "--tool-choice", "run_shell")
+    try:
+        term.read_until(">>> ")
+        term.send("/set maxsteps 2\n")
+        term.read_until("Set 'maxsteps' to 2.")
+        mark = len(term.seen)
+        term.send("List the files here.\n")
+        term.read_until(r"→ run_shell: \$ ", since=mark, timeout=600)
+        term.read_until(
+            r"Allow run_shell \(\$ .*\)\? \[y\] once, \[a\] for this run, \[n\] deny: ", since=mark
+        )
+        term.send("n\n")
+        term.read_until(r"← run_shell \(denied\):\r?\n  The user denied this call", since=mark)
+        term.read_until(">>> ", since=mark, timeout=600)
+        term.send("/bye\n")
+        assert term.wait(timeout=180) == 0  # a busy machine takes a while to unload
+    finally:
+        term.kill()

@@ -33,6 +33,7 @@ from textual.widgets import Select  # noqa: E402
 from textual.widgets import TextArea  # noqa: E402
 
 from localrt.client import InProcessClient  # noqa: E402
+from localrt.client import ModelDetails  # noqa: E402
 from localrt.client import ModelInfo  # noqa: E402
 from localrt.client import ModelRow  # noqa: E402
 from localrt.client import ServerClient  # noqa: E402
@@ -84,9 +85,11 @@ def free_port() -> int:
 
 @pytest.fixture(autouse=True)
 def no_default_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Nothing listens on LOCALRT_HOST, and the chat database lives in this test's tmp dir."""
+    """Nothing listens on LOCALRT_HOST, the chat database lives in this test's tmp dir, and no user's MCP
+    config (~/.config/localrt/mcp.json) is read."""
     monkeypatch.setenv("LOCALRT_HOST", f"127.0.0.1:{free_port()}")
     monkeypatch.setenv("LOCALRT_DATA", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.delenv("NO_COLOR", raising=False)
 
 
@@ -184,9 +187,19 @@ class FakeClient:
         options: Mapping[str, Any] | None = None,
         format: str | None = None,
         think: bool | None = None,
+        keep_alive: str | float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
     ) -> AsyncIterator[Chunk]:
         self.requests.append(
-            {"model": model, "messages": list(messages), "options": options, "format": format, "think": think}
+            {
+                "model": model,
+                "messages": list(messages),
+                "options": options,
+                "format": format,
+                "think": think,
+                "tools": tools,
+            }
         )
         for piece in self.answer:
             await asyncio.sleep(0)
@@ -203,6 +216,9 @@ class FakeClient:
 
     async def show(self, model: str, options: Mapping[str, Any] | None = None) -> ModelInfo:
         return ModelInfo(model, "llama", "134.52M", "Q4_1", 8192, 98_363_392, "llama.cpp (not loaded)")
+
+    async def details(self, model: str) -> ModelDetails:
+        return ModelDetails("llama", "135M", 8192, 576, "Q4_1", capabilities=["completion", "tools"])
 
     async def pull(self, model: str, *, insecure: bool = False) -> AsyncIterator[Progress]:
         yield Progress("pulling manifest")

@@ -278,3 +278,53 @@ def test_a_version_1_database_gains_the_thinking_column(tmp_path: Path) -> None:
     reply = Message("assistant", "Answer", thinking="Thought first.")
     db.add_message(1, reply)
     assert db.load(1).messages[-1].thinking == "Thought first."
+
+
+def test_a_version_2_database_gains_the_tool_columns(tmp_path: Path) -> None:
+    from localrt.tui.conversations import MIGRATIONS
+
+    path = tmp_path / "old.db"
+    raw = sqlite3.connect(path)
+    for statement in MIGRATIONS[1] + MIGRATIONS[2]:
+        raw.execute(statement)
+    raw.execute(
+        "INSERT INTO conversations(title, model, settings, created_at, updated_at) VALUES ('t', 'm', '{}', 1, 1)"
+    )
+    raw.execute(
+        "INSERT INTO messages(conversation_id, role, content, created_at) VALUES (1, 'user', 'Hi', 1)"
+    )
+    raw.execute("PRAGMA user_version = 2")
+    raw.commit()
+    raw.close()
+    db = ConversationStore(path)
+    assert db.schema_version == SCHEMA_VERSION
+    [old] = db.load(1).messages
+    assert (old.tool_calls, old.tool_name, old.tool_call_id) == (None, None, None)
+    db.close()
+
+
+def test_tool_calls_and_results_round_trip(db: ConversationStore) -> None:
+    """A turn that called a tool: the calls with the assistant's step, each result as a tool message,
+    both back in the next request's `messages` as the loop sent them."""
+    conv = db.create("Edit", "m", Settings(tools=False, max_steps=3))
+    call = {"id": "call_1", "function": {"name": "edit_file", "arguments": {"path": "a.txt"}}}
+    db.add_message(conv.id, Message("user", "Edit a.txt"))
+    db.add_message(conv.id, Message("assistant", "", model="m", tool_calls=[call]))
+    db.add_message(
+        conv.id,
+        Message("tool", "edited a.txt", done_reason="ok", tool_name="edit_file", tool_call_id="call_1"),
+    )
+    db.add_message(conv.id, Message("assistant", "Done.", model="m"))
+    loaded = db.load(conv.id)
+    assert loaded.settings.tools is False
+    assert loaded.settings.max_steps == 3
+    assert loaded.chat_messages() == [
+        {"role": "user", "content": "Edit a.txt"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "edited a.txt", "tool_name": "edit_file", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "Done."},
+    ]
+    exported = to_markdown(loaded)
+    assert "Tool call `edit_file`:" in exported
+    assert "<details><summary>Result of edit_file (ok)</summary>" in exported
+    assert Settings.from_json(Settings().to_json()) == Settings()  # the defaults are not written out

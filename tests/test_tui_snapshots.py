@@ -47,6 +47,12 @@ class SnapshotDir(pytest_textual_snapshot.SVGImageExtension):  # type: ignore[na
         return str(Path(test_location.filepath).parent / "snapshots" / test_location.basename)
 
 
+@pytest.fixture(autouse=True)
+def no_user_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The tools line shows the built-in tools only: no user's MCP config is read."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
 @pytest.fixture
 def snapshot_dir(monkeypatch: pytest.MonkeyPatch) -> None:
     # the plugin's fixture reads this module-level name when it is set up, so patch it before that

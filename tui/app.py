@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable
 from collections.abc import Iterable
 from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,19 @@ from textual.widgets import Markdown
 from textual.widgets import Static
 from textual.worker import Worker
 
+from localrt.agent.approvals import ApprovalRequest
+from localrt.agent.approvals import Approvals
+from localrt.agent.approvals import Decision
+from localrt.agent.loop import STOPPED
+from localrt.agent.loop import AgentLoop
+from localrt.agent.loop import Finished
+from localrt.agent.loop import StepDone
+from localrt.agent.loop import TextDelta
+from localrt.agent.loop import ToolFinished
+from localrt.agent.loop import ToolStarted
+from localrt.agent.loop import call_parts
+from localrt.agent.loop import tools_refused
+from localrt.agent.toolbox import Toolbox
 from localrt.client import Client
 from localrt.client import ModelRow
 from localrt.client import connect
@@ -47,6 +62,7 @@ from localrt.tui.conversations import Message
 from localrt.tui.conversations import Settings
 from localrt.tui.conversations import slug
 from localrt.tui.conversations import to_markdown
+from localrt.tui.screens import ApprovalScreen
 from localrt.tui.screens import ConfirmScreen
 from localrt.tui.screens import HelpScreen
 from localrt.tui.screens import ModelInfoScreen
@@ -54,12 +70,15 @@ from localrt.tui.screens import ModelPickerScreen
 from localrt.tui.screens import PromptScreen
 from localrt.tui.screens import PullScreen
 from localrt.tui.screens import SettingsScreen
+from localrt.tui.screens import ToolsScreen
 from localrt.tui.settings import summary
 from localrt.tui.widgets import ChatInput
 from localrt.tui.widgets import ConversationItem
 from localrt.tui.widgets import MessageView
 from localrt.tui.widgets import ModelItem
 from localrt.tui.widgets import StatusBar
+from localrt.tui.widgets import ToolCallView
+from localrt.tui.widgets import ToolsLine
 
 
 @dataclass(frozen=True)
@@ -89,6 +108,13 @@ ACTIONS: list[Action] = [
         "toggle_think",
         "Toggle thinking",
         "Thinking for this conversation: the model's default, on, off (for models that think)",
+    ),
+    Action(
+        "f6",
+        "tools",
+        "Tools",
+        "Tools on or off, each tool and MCP server, approving every call, the step limit",
+        "Tools",
     ),
     Action("escape", "stop", "Stop answer", "Stop the current answer and keep what was generated", "Stop"),
     Action("f2", "rename", "Rename conversation", "Give this conversation a new title"),
@@ -139,6 +165,24 @@ def human_ago(then: float, now: float) -> str:
     return "just now"
 
 
+@dataclass
+class Turn:
+    """One answer in the making: the assistant message being streamed (None between a step that called
+    tools and the next request's first text), its view, and what this turn has saved so far."""
+
+    model: str
+    view: MessageView | None = None
+    stream: Any = None
+    reply: Message | None = None
+    final: Any = None  # the current request's final chunk
+    started: float = 0.0
+    last_save: float = 0.0
+    steps: int = 0
+    tools: list[dict[str, Any]] | None = None  # what the requests offered (counted in the context)
+    saved: list[Message] = field(default_factory=list)  # steps with calls, and the tool messages
+    tool_views: list[ToolCallView] = field(default_factory=list)
+
+
 class ChatApp(App[int]):
     """The chat app. `client` defaults to `connect()` (server if one answers, else in-process)."""
 
@@ -161,9 +205,18 @@ class ChatApp(App[int]):
         db_path: Path | str | None = None,
         clock: Callable[[], float] = time.time,
         export_dir: Path | None = None,
+        toolbox: Toolbox | None = None,
+        mcp_config: Path | str | None = None,
+        approve_all: bool = False,
+        tool_choice: str | None = None,
     ) -> None:
         super().__init__()
         self.client: Client = client if client is not None else connect()
+        # the built-in tools work in the directory the app started in; MCP servers start on mount
+        self.toolbox = toolbox if toolbox is not None else Toolbox.standard(Path.cwd(), mcp_config=mcp_config)
+        self.approvals = Approvals(ask=self._approve, approve_all=approve_all)
+        self.tools_off: dict[str, str | None] = {}  # model -> why it takes no tools (None: it does)
+        self.tool_choice = tool_choice  # the first request of each answer (`--tool-choice`)
         self.clock = clock
         self.db = store if store is not None else ConversationStore(db_path, clock=clock)
         self.initial_model = model
@@ -197,6 +250,7 @@ class ChatApp(App[int]):
                 yield ListView(id="conversations")
             with Vertical(id="main"):
                 yield VerticalScroll(id="messages")
+                yield ToolsLine("", id="tools-line", markup=False)
                 yield ChatInput(id="input")
         yield StatusBar(id="status")
         yield Footer()
@@ -215,6 +269,7 @@ class ChatApp(App[int]):
 
     async def on_mount(self) -> None:
         self.status.stats.where = self.client.where
+        self.run_worker(self._start_tools(), group="tools", exit_on_error=False)
         await self.refresh_models()
         await self.refresh_conversations()
         if self.initial_model:
@@ -244,6 +299,8 @@ class ChatApp(App[int]):
         if worker is not None:
             with contextlib.suppress(Exception):  # WorkerCancelled / WorkerFailed / TimeoutError
                 await asyncio.wait_for(worker.wait(), 5)
+        with contextlib.suppress(Exception):
+            await self.toolbox.close()
         with contextlib.suppress(Exception):
             await self.client.close()
         with contextlib.suppress(Exception):
@@ -305,6 +362,50 @@ class ChatApp(App[int]):
         self._highlight_model()
         if self.conversation.model and self.is_installed(self.conversation.model):
             self.run_worker(self._update_context_length(), group="ctx", exclusive=True, exit_on_error=False)
+            self.run_worker(self._check_tools(), group="tools-check", exclusive=True, exit_on_error=False)
+        self.refresh_tools_line()
+
+    # ---- tools -----------------------------------------------------------------------------
+    async def _start_tools(self) -> None:
+        """Start the MCP servers; one that fails is a notice (and a state in the tools panel)."""
+        self.refresh_tools_line()
+        await self.toolbox.start()
+        for line in self.toolbox.failures():
+            self.notify(line, title="MCP", severity="warning", timeout=10)
+        self.refresh_tools_line()
+
+    async def _check_tools(self) -> None:
+        """Whether the current model takes tools; one line says why not."""
+        model = self.conversation.model or ""
+        if model in self.tools_off:
+            return
+        self.tools_off[model] = await tools_refused(self.client, model)
+        self.refresh_tools_line()
+
+    def refresh_tools_line(self) -> None:
+        """`⚙ tools: 7 built-in, time (2) · asks first · F6`, or why there are none."""
+        with contextlib.suppress(Exception):  # before mount, or while closing
+            line = self.query_one(ToolsLine)
+            conv = self.conversation
+            off = self.tools_off.get(conv.model or "")
+            if not conv.settings.tools:
+                text = "⚙ tools off for this conversation · F6"
+            elif off:
+                text = f"⚙ {off}"
+            else:
+                parts = [
+                    f"{len(self.toolbox.builtin) - len(self.toolbox.disabled & {t.name for t in self.toolbox.builtin})} built-in"
+                ]
+                for server in self.toolbox.hub.servers if self.toolbox.hub is not None else []:
+                    parts.append(
+                        f"{server.name} ({len(server.tools)})"
+                        if server.state == "ready"
+                        else f"{server.name} ({server.state})"
+                    )
+                asks = "approves all" if self.approvals.approve_all else "asks first"
+                text = f"⚙ tools: {', '.join(parts)} · {asks} · F6"
+            line.update(text)
+            line.set_class(bool(off) or not conv.settings.tools, "-off")
 
     async def _update_context_length(self) -> None:
         conv = self.conversation
@@ -344,10 +445,41 @@ class ChatApp(App[int]):
                 welcome.append(f"{what}\n")
             await pane.mount(Static(welcome, id="welcome"))
         else:
-            await pane.mount_all(self._message_view(m) for m in conv.messages)
+            await pane.mount_all(self._views(conv.messages))
         pane.scroll_end(animate=False)
         self._update_titles()
         self._restore_stats()
+
+    def _views(self, messages: list[Message]) -> list[Any]:
+        """A saved conversation's widgets: each turn, and each tool call as a block with its result."""
+        out: list[Any] = []
+        waiting: list[ToolCallView] = []
+        for m in messages:
+            if m.role == "tool":
+                block = next((b for b in waiting if m.tool_call_id and b.call_id == m.tool_call_id), None)
+                block = block or next((b for b in waiting if b.tool_name == m.tool_name), None)
+                if block is None:
+                    block = ToolCallView(m.tool_name or "tool", m.tool_name or "tool", "")
+                    out.append(block)
+                else:
+                    waiting.remove(block)
+                block.saved_result = (m.content, m.done_reason or "ok")
+                continue
+            if m.content or m.thinking or not m.tool_calls:
+                out.append(self._message_view(m))
+            for call in m.tool_calls or []:
+                call_id, name, args = call_parts(call)
+                shown = json.dumps(args, ensure_ascii=False)
+                block = ToolCallView(
+                    name,
+                    f"{name} {shown if len(shown) <= 80 else shown[:77] + '...'}",
+                    json.dumps(args, ensure_ascii=False, indent=2),
+                    call_id=call_id,
+                    state="stopped",
+                )
+                out.append(block)
+                waiting.append(block)
+        return out
 
     def _message_view(self, m: Message) -> MessageView:
         note = (
@@ -446,14 +578,11 @@ class ChatApp(App[int]):
         stats.state, stats.ttft, stats.pieces, stats.first_token_at = "loading", None, 0, None
         stats.draft_count = stats.draft_accepted = 0
         bar.refresh_stats()
-        view = MessageView("assistant", author=model, note="thinking…")
-        await self.messages_pane.mount(view)
-        self.messages_pane.scroll_end(animate=False)
-        stream = Markdown.get_stream(view.markdown)
-        reply = Message("assistant", "", model=model, complete=False)
-        final, error, stopped = None, None, False
+        turn = Turn(model)
+        await self._next_reply(turn)
+        error, stopped = None, False
         try:
-            final = await self._stream_reply(conv, view, stream, reply)
+            await self._run_loop(conv, turn)
         except asyncio.CancelledError:
             stopped = True  # Esc (or quitting): keep what was generated
         except LocalrtError as e:
@@ -461,56 +590,168 @@ class ChatApp(App[int]):
         except Exception as e:  # a bug must not take the app down: say what happened
             error = f"internal error: {type(e).__name__}: {e}"
         # save first: when the app is closing, the UI below may already be gone
-        self._save_reply(conv, question, reply, final, stopped)
+        self._save_reply(conv, question, turn, stopped)
         self.busy = False
         with contextlib.suppress(Exception):  # when quitting, the widget may be gone already
-            await asyncio.wait_for(stream.stop(), 2)
+            if turn.stream is not None:
+                await asyncio.wait_for(turn.stream.stop(), 2)
         if self.is_running:  # else the app is closing around us; the answer is saved already
-            await self._finish_answer(conv, question, view, reply, error, stopped)
+            await self._finish_answer(conv, question, turn, error, stopped)
 
-    async def _stream_reply(self, conv: Conversation, view: MessageView, stream: Any, reply: Message) -> Any:
-        """Stream one answer into `view` (thinking into its block, then the text), saving as it goes;
-        returns the final chunk."""
-        stats, bar = self.status.stats, self.status
-        options = dict(conv.settings.options) or None
-        fmt = "json" if conv.settings.json_output else None
-        started, last_save, final = time.monotonic(), 0.0, None
-        chunks = self.client.chat(
-            conv.model or "", conv.chat_messages(), options=options, format=fmt, think=conv.settings.think
+    async def _next_reply(self, turn: Turn) -> None:
+        """A new assistant message and its view, streamed into from here on (one per request)."""
+        turn.view = MessageView("assistant", author=turn.model, note="thinking…")
+        await self.messages_pane.mount(turn.view)
+        self.messages_pane.scroll_end(animate=False)
+        turn.stream = Markdown.get_stream(turn.view.markdown)
+        turn.reply = Message("assistant", "", model=turn.model, complete=False)
+        turn.final = None
+
+    def tool_loop(self, conv: Conversation) -> AgentLoop:
+        """The loop for this conversation: its tools when they are on and the model takes them."""
+        use = conv.settings.tools and not self.tools_off.get(conv.model or "")
+        return AgentLoop(
+            self.client,
+            conv.model or "",
+            self.toolbox if use else Toolbox(),
+            self.approvals,
+            max_steps=conv.settings.max_steps,
+            tool_choice=self.tool_choice if use else None,
+            options=dict(conv.settings.options) or None,
+            format="json" if conv.settings.json_output else None,
+            think=conv.settings.think,
         )
-        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-            async for chunk in chunks:
-                if chunk.done:
-                    final = chunk
-                if not chunk.content and not chunk.thinking:
-                    continue
-                now = time.monotonic()
-                if stats.first_token_at is None:
-                    stats.first_token_at, stats.ttft, stats.state = now, now - started, "answering"
-                    view.set_note("")
-                stats.pieces += 1
-                if chunk.thinking:
-                    reply.thinking += chunk.thinking
-                    view.add_thinking(chunk.thinking)
-                if chunk.content:
-                    if not reply.content:
-                        view.end_thinking()
-                    reply.content += chunk.content
-                    await stream.write(chunk.content)
-                self._follow()
-                if reply.id is None and conv.id is not None:
-                    self.db.add_message(conv.id, reply)
-                    last_save = now
-                elif now - last_save >= SAVE_EVERY:
-                    self.db.update_message(reply)
-                    last_save = now
-                bar.refresh_stats()
-        return final
 
-    def _save_reply(
-        self, conv: Conversation, question: Message, reply: Message, final: Any, stopped: bool
-    ) -> None:
+    async def _run_loop(self, conv: Conversation, turn: Turn) -> None:
+        """Stream the answer (thinking into its block, then the text), each tool call as a block, and save
+        every step as it ends; a request after tool results goes into a new assistant message."""
+        messages = conv.chat_messages()
+        loop = self.tool_loop(conv)
+        turn.tools = loop.toolbox.schemas() or None
+        turn.started = time.monotonic()
+        events = loop.run(messages)
+        async with contextlib.aclosing(events):  # type: ignore[type-var]
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    await self._delta(conv, turn, event)
+                elif isinstance(event, StepDone):
+                    await self._step_done(conv, turn, event)
+                elif isinstance(event, ToolStarted):
+                    await self._tool_started(turn, event)
+                elif isinstance(event, ToolFinished):
+                    self._tool_finished(conv, turn, event)
+                elif isinstance(event, Finished) and event.reason == "max_steps":
+                    self.notify(
+                        f"Stopped after {event.steps} requests (the step limit; F6 changes it).",
+                        title="Tools",
+                        severity="warning",
+                    )
+
+    async def _delta(self, conv: Conversation, turn: Turn, event: TextDelta) -> None:
+        stats, bar = self.status.stats, self.status
+        now = time.monotonic()
+        if turn.reply is None or turn.view is None:
+            await self._next_reply(turn)  # the answer after tool results: a message of its own
+        view, reply = turn.view, turn.reply
+        assert view is not None and reply is not None
+        if stats.first_token_at is None:
+            stats.first_token_at, stats.ttft, stats.state = now, now - turn.started, "answering"
+        view.set_note("")
+        stats.pieces += 1
+        if event.thinking:
+            reply.thinking += event.thinking
+            view.add_thinking(event.thinking)
+        if event.content:
+            if not reply.content:
+                view.end_thinking()
+            reply.content += event.content
+            await turn.stream.write(event.content)
+        self._follow()
+        if reply.id is None and conv.id is not None:
+            self.db.add_message(conv.id, reply)
+            turn.last_save = now
+        elif now - turn.last_save >= SAVE_EVERY:
+            self.db.update_message(reply)
+            turn.last_save = now
+        bar.refresh_stats()
+
+    async def _step_done(self, conv: Conversation, turn: Turn, event: StepDone) -> None:
+        """One request answered: its final chunk is kept; a step that called tools is saved whole now."""
+        if turn.reply is None or turn.view is None:
+            await self._next_reply(turn)
+        assert turn.view is not None and turn.reply is not None
+        turn.final = event.final
+        turn.steps += 1
+        calls = event.message.get("tool_calls")
+        if not calls:
+            return
+        reply = turn.reply
+        reply.tool_calls = list(calls)
+        self._close_reply(turn, stopped=False)
+        if conv.id is not None:
+            if reply.id is None:
+                self.db.add_message(conv.id, reply)
+            else:
+                self.db.update_message(reply)
+        conv.messages.append(reply)
+        turn.saved.append(reply)
+        with contextlib.suppress(LocalrtError):  # the meter between requests
+            await self._count_context(conv, turn.tools)
+            self.status.refresh_stats()
+        if not reply.content and not reply.thinking:
+            turn.view.display = False  # the calls below say what this request did
+        else:
+            turn.view.set_note("")
+        if turn.stream is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(turn.stream.stop(), 2)
+        # the next request's text (after the results) goes into a new message, made when it comes
+        turn.view = turn.reply = turn.stream = None
+
+    async def _tool_started(self, turn: Turn, event: ToolStarted) -> None:
+        shown = (
+            json.dumps(event.arguments, ensure_ascii=False, indent=2) if event.arguments else "(no arguments)"
+        )
+        block = ToolCallView(event.name, event.summary, shown, call_id=event.call_id)
+        turn.tool_views.append(block)
+        await self.messages_pane.mount(block)
+        self._follow()
+
+    def _tool_finished(self, conv: Conversation, turn: Turn, event: ToolFinished) -> None:
+        block = next(
+            (b for b in reversed(turn.tool_views) if b.tool_name == event.name and not b.result), None
+        )
+        if block is not None:
+            block.set_result(event.result.content, event.status)
+        message = Message(
+            "tool",
+            event.result.content,
+            done_reason=event.status,
+            tool_name=event.name,
+            tool_call_id=event.call_id or None,
+        )
+        if conv.id is not None:
+            self.db.add_message(conv.id, message)
+        conv.messages.append(message)
+        turn.saved.append(message)
+        self._follow()
+
+    async def _approve(self, request: ApprovalRequest) -> Decision:
+        """The approval modal, over whatever is on screen; the tool call's block says it is waiting."""
+        for block in self.query(ToolCallView):
+            if block.state == "running" and not block.result:
+                block.set_state("waiting for approval")
+        decision = await self.push_screen(ApprovalScreen(request), wait_for_dismiss=True)
+        for block in self.query(ToolCallView):
+            if block.state == "waiting for approval":
+                block.set_state("running" if decision is not Decision.DENY else "denied")
+        return decision if isinstance(decision, Decision) else Decision.DENY
+
+    def _close_reply(self, turn: Turn, stopped: bool) -> None:
+        """The current reply's ending: numbers from its final chunk (or the live rate), its done_reason."""
         stats = self.status.stats
+        reply, final = turn.reply, turn.final
+        assert reply is not None
         m = final.metrics if final is not None else None
         reply.complete = True
         reply.done_reason = "cancel" if stopped else (final.done_reason if final else "error")
@@ -525,7 +766,28 @@ class ChatApp(App[int]):
             reply.stats["tokens_per_s"] = stats.live_rate()
         if m is not None and m.draft_count:
             reply.stats.update(draft_count=m.draft_count, draft_accepted_count=m.draft_accepted_count)
-        if reply.content:
+
+    def _answer_open_calls(self, conv: Conversation, turn: Turn) -> None:
+        """Every call this turn saved gets its tool message, as the loop gave the model: a call stopped
+        before its result is answered `stopped`, so the next request is a valid conversation."""
+        answered = [m.tool_call_id for m in turn.saved if m.role == "tool"]
+        calls = [call_parts(c) for m in turn.saved if m.role == "assistant" for c in m.tool_calls or []]
+        for i, (call_id, name, _) in enumerate(calls):
+            if (call_id and call_id in answered) or (not call_id and i < len(answered)):
+                continue
+            message = Message(
+                "tool", STOPPED, done_reason="stopped", tool_name=name, tool_call_id=call_id or None
+            )
+            if conv.id is not None:
+                self.db.add_message(conv.id, message)
+            conv.messages.append(message)
+            turn.saved.append(message)
+
+    def _save_reply(self, conv: Conversation, question: Message, turn: Turn, stopped: bool) -> None:
+        self._answer_open_calls(conv, turn)
+        reply = turn.reply
+        if reply is not None and (reply.content or reply.thinking):
+            self._close_reply(turn, stopped)
             if reply.id is None:
                 if conv.id is not None:
                     self.db.add_message(conv.id, reply)
@@ -533,9 +795,11 @@ class ChatApp(App[int]):
                 self.db.update_message(reply)
             conv.messages.append(reply)
             return
-        # nothing came back: take the question out of the history and give it back to the input
-        if reply.id is not None:
+        if reply is not None and reply.id is not None:
             self.db.delete_message(reply.id)
+        if turn.saved:  # tools ran: the turn stays, only the empty last message goes
+            return
+        # nothing came back: take the question out of the history and give it back to the input
         if question.id is not None:
             self.db.delete_message(question.id)
         with contextlib.suppress(ValueError):
@@ -551,35 +815,48 @@ class ChatApp(App[int]):
             pane.scroll_end(animate=False)
 
     async def _finish_answer(
-        self,
-        conv: Conversation,
-        question: Message,
-        view: MessageView,
-        reply: Message,
-        error: str | None,
-        stopped: bool,
+        self, conv: Conversation, question: Message, turn: Turn, error: str | None, stopped: bool
     ) -> None:
         stats, bar = self.status.stats, self.status
+        view, reply = turn.view, turn.reply
         stats.state = ""
-        s = reply.stats or {}
+        last = (
+            reply
+            if reply is not None and reply.stats
+            else next((m for m in reversed(turn.saved) if m.stats), None)
+        )
+        s = last.stats if last is not None and last.stats else {}
         stats.tokens_per_s = s.get("tokens_per_s")
         stats.draft_count, stats.draft_accepted = s.get("draft_count", 0), s.get("draft_accepted_count", 0)
         bar.refresh_stats()
+        for block in turn.tool_views:  # stopped before their results: say so
+            if not block.result and block.state in ("running", "waiting for approval"):
+                block.set_state("stopped")
         if error:
             self.notify(error, title="Error", severity="error", timeout=10)
-        if not reply.content:
-            if not conv.messages:  # the question was the first: back to the welcome text
+        if reply is None or view is None or (not reply.content and not reply.thinking):
+            if turn.saved:  # tools ran, then nothing more: only the empty message goes
+                if view is not None:
+                    await view.remove()
+            elif not conv.messages:  # the question was the first: back to the welcome text
                 await self.refresh_conversations()
                 await self.show_conversation()
-            else:
+            elif view is not None:
                 await view.remove()
                 views = list(self.messages_pane.query(MessageView))
                 if views and views[-1].role == "user":
                     await views[-1].remove()
-            if not self.chat_input.text:
+            if not turn.saved and not self.chat_input.text:
                 self.chat_input.text = question.content
             if stopped:
-                self.notify("Stopped before the answer began.", severity="information")
+                said = (
+                    "Stopped; the tool calls so far are kept."
+                    if turn.saved
+                    else "Stopped before the answer began."
+                )
+                self.notify(said, severity="information")
+            if conv is self.conversation and not error and turn.saved:
+                await self._update_context(conv, turn.saved[-1], turn.tools)
             return
         view.set_note(
             "stopped"
@@ -593,16 +870,29 @@ class ChatApp(App[int]):
         if stopped:
             self.notify("Answer stopped; what was generated is kept.", severity="information", timeout=3)
         if conv is self.conversation and not error:
-            await self._update_context(conv, reply)
+            await self._update_context(conv, reply, turn.tools)
 
-    async def _update_context(self, conv: Conversation, reply: Message) -> None:
+    async def _count_context(self, conv: Conversation, tools: list[dict[str, Any]] | None) -> None:
+        """The context meter: the conversation's tokens, the tools' descriptions included (as text: an
+        estimate, shown with a ~, since the template renders them its own way)."""
+        stats = self.status.stats
+        messages = conv.chat_messages()
+        if tools:
+            messages = [{"role": "system", "content": json.dumps(tools)}, *messages]
+        used, exact = await self.client.count_tokens(
+            conv.model or "", messages, conv.settings.options or None
+        )
+        stats.ctx_used, stats.ctx_exact = used, exact and not tools
+
+    async def _update_context(
+        self, conv: Conversation, reply: Message, tools: list[dict[str, Any]] | None = None
+    ) -> None:
         """Tokens in context after this answer versus the context length; warn before it overflows."""
         stats, bar = self.status.stats, self.status
         options = conv.settings.options or None
         try:
             stats.ctx_len = await self.client.context_length(conv.model or "", options)
-            counted = await self.client.count_tokens(conv.model or "", conv.chat_messages(), options)
-            stats.ctx_used, stats.ctx_exact = counted
+            await self._count_context(conv, tools)
         except LocalrtError:
             return
         if reply.stats is not None and reply.id is not None:
@@ -674,6 +964,19 @@ class ChatApp(App[int]):
             self.notify("Settings saved for this conversation.", title="Settings")
 
         self.push_screen(SettingsScreen(conv.settings, conv.model), saved)
+
+    def action_tools(self) -> None:
+        conv = self.conversation
+
+        def closed(_: Any) -> None:
+            if conv.id is not None:
+                self.db.set_settings(conv.id, conv.settings)
+            self.refresh_tools_line()
+
+        self.push_screen(
+            ToolsScreen(self.toolbox, self.approvals, conv.settings, self.tools_off.get(conv.model or "")),
+            closed,
+        )
 
     def action_toggle_think(self) -> None:
         """The model's default -> on -> off -> the default; saved with the conversation."""

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from localrt import config
+from localrt.agent.loop import DEFAULT_MAX_STEPS
 from localrt.errors import LocalrtError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MIGRATIONS: dict[int, list[str]] = {
     1: [
         """CREATE TABLE conversations (
@@ -47,6 +48,12 @@ MIGRATIONS: dict[int, list[str]] = {
     ],
     # a reasoning model's thinking, kept beside the answer it led to
     2: ["ALTER TABLE messages ADD COLUMN thinking TEXT NOT NULL DEFAULT ''"],
+    # the tool loop: an assistant turn's calls (JSON), and a tool message's tool and the call it answers
+    3: [
+        "ALTER TABLE messages ADD COLUMN tool_calls TEXT",
+        "ALTER TABLE messages ADD COLUMN tool_name TEXT",
+        "ALTER TABLE messages ADD COLUMN tool_call_id TEXT",
+    ],
 }
 TITLE_LENGTH = 48
 
@@ -58,18 +65,24 @@ def default_path() -> Path:
 
 @dataclass
 class Settings:
-    """Per-conversation settings: the system prompt, request options (validated), JSON output and
-    thinking (None: the model's default; True / False: on / off)."""
+    """Per-conversation settings: the system prompt, request options (validated), JSON output, thinking
+    (None: the model's default; True / False: on / off), tools on or off and the tool loop's step limit."""
 
     system: str = ""
     options: dict[str, Any] = field(default_factory=dict)
     json_output: bool = False
     think: bool | None = None
+    tools: bool = True
+    max_steps: int = DEFAULT_MAX_STEPS
 
     def to_json(self) -> str:
         raw: dict[str, Any] = {"system": self.system, "options": self.options, "json": self.json_output}
         if self.think is not None:
             raw["think"] = self.think
+        if not self.tools:
+            raw["tools"] = False
+        if self.max_steps != DEFAULT_MAX_STEPS:
+            raw["max_steps"] = self.max_steps
         return json.dumps(raw, sort_keys=True)
 
     @classmethod
@@ -83,12 +96,16 @@ class Settings:
             options=dict(raw.get("options") or {}),
             json_output=bool(raw.get("json")),
             think=raw.get("think") if isinstance(raw.get("think"), bool) else None,
+            tools=raw.get("tools") is not False,
+            max_steps=steps
+            if isinstance(steps := raw.get("max_steps"), int) and steps >= 1
+            else DEFAULT_MAX_STEPS,
         )
 
 
 @dataclass
 class Message:
-    role: str  # system | user | assistant
+    role: str  # system | user | assistant | tool
     content: str
     model: str | None = None  # the model that wrote an assistant message
     created_at: float = 0.0
@@ -97,6 +114,25 @@ class Message:
     stats: dict[str, Any] | None = None  # ttft_s, tokens_per_s, eval_count, ...
     id: int | None = None
     thinking: str = ""  # what a reasoning model thought before this answer
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, in Ollama's shape
+    tool_name: str | None = None  # a tool message: the tool that ran (done_reason: ok, denied, ...)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def chat_message(self) -> dict[str, Any] | None:
+        """This message in a request's `messages`, None when it adds nothing (an empty answer)."""
+        if self.role == "tool":
+            out: dict[str, Any] = {"role": "tool", "content": self.content, "tool_name": self.tool_name or ""}
+            if self.tool_call_id:
+                out["tool_call_id"] = self.tool_call_id
+            return out
+        if not self.content and not self.tool_calls:
+            return None
+        turn = attach_images(self.role, self.content)
+        if self.thinking:
+            turn["thinking"] = self.thinking
+        if self.tool_calls:
+            turn["tool_calls"] = self.tool_calls
+        return turn
 
 
 @dataclass
@@ -117,10 +153,8 @@ class Conversation:
             [{"role": "system", "content": self.settings.system}] if self.settings.system else []
         )
         for m in self.messages:
-            if m.content:
-                turn = attach_images(m.role, m.content)
-                if m.thinking:
-                    turn["thinking"] = m.thinking
+            turn = m.chat_message()
+            if turn is not None:
                 out.append(turn)
         return out
 
@@ -245,7 +279,7 @@ class ConversationStore:
         with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO messages(conversation_id, role, content, model, created_at, complete, done_reason, "
-                "stats, thinking) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "stats, thinking, tool_calls, tool_name, tool_call_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     conversation_id,
                     message.role,
@@ -256,6 +290,9 @@ class ConversationStore:
                     message.done_reason,
                     _dump(message.stats),
                     message.thinking,
+                    _dump_calls(message.tool_calls),
+                    message.tool_name,
+                    message.tool_call_id,
                 ),
             )
             db.execute(
@@ -268,14 +305,15 @@ class ConversationStore:
         assert message.id is not None
         with self._tx() as db:
             db.execute(
-                "UPDATE messages SET content = ?, complete = ?, done_reason = ?, stats = ?, thinking = ? "
-                "WHERE id = ?",
+                "UPDATE messages SET content = ?, complete = ?, done_reason = ?, stats = ?, thinking = ?, "
+                "tool_calls = ? WHERE id = ?",
                 (
                     message.content,
                     int(message.complete),
                     message.done_reason,
                     _dump(message.stats),
                     message.thinking,
+                    _dump_calls(message.tool_calls),
                     message.id,
                 ),
             )
@@ -309,11 +347,18 @@ class ConversationStore:
             stats,
             row["id"],
             row["thinking"] or "",
+            json.loads(row["tool_calls"]) if row["tool_calls"] else None,
+            row["tool_name"],
+            row["tool_call_id"],
         )
 
 
 def _dump(stats: dict[str, Any] | None) -> str | None:
     return json.dumps(stats, sort_keys=True) if stats else None
+
+
+def _dump_calls(calls: list[dict[str, Any]] | None) -> str | None:
+    return json.dumps(calls, ensure_ascii=False) if calls else None
 
 
 # ---- export -----------------------------------------------------------------------------------
@@ -333,12 +378,29 @@ def to_markdown(conv: Conversation) -> str:
     if conv.settings.system:
         out += ["## System", "", conv.settings.system, ""]
     for m in conv.messages:
+        if m.role == "tool":
+            out += [
+                f"<details><summary>Result of {m.tool_name} ({m.done_reason or 'ok'})</summary>",
+                "",
+                "```",
+                m.content.rstrip(),
+                "```",
+                "",
+                "</details>",
+                "",
+            ]
+            continue
         who = {"user": "You", "assistant": m.model or "Assistant"}.get(m.role, m.role.title())
         note = "" if m.complete and m.done_reason != "cancel" else " (stopped)"
         out += [f"## {who}{note}", ""]
         if m.thinking:
             out += ["<details><summary>Thinking</summary>", "", m.thinking.rstrip(), "", "</details>", ""]
-        out += [m.content.rstrip(), ""]
+        if m.content:
+            out += [m.content.rstrip(), ""]
+        for call in m.tool_calls or []:
+            fn = call.get("function") or {}
+            args = json.dumps(fn.get("arguments") or {}, ensure_ascii=False, indent=2)
+            out += [f"Tool call `{fn.get('name', '')}`:", "", "```json", args, "```", ""]
     return "\n".join(out).rstrip() + "\n"
 
 

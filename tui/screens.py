@@ -1,4 +1,5 @@
-"""Dialogs: help, settings, pull, model info, model picker, a one-line prompt and a confirmation."""
+"""Dialogs: help, settings, tools, a tool call's approval, pull, model info, model picker, a one-line
+prompt and a confirmation."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 
+from rich.syntax import Syntax
 from rich.table import Table
+from rich.text import Text
 from textual import on
 from textual import work
 from textual.app import ComposeResult
@@ -29,6 +32,9 @@ from textual.widgets import Switch
 from textual.widgets import TextArea
 from textual.widgets.option_list import Option
 
+from localrt.agent.approvals import ApprovalRequest
+from localrt.agent.approvals import Approvals
+from localrt.agent.approvals import Decision
 from localrt.errors import LocalrtError
 from localrt.format import human_size
 from localrt.tui.conversations import Settings
@@ -38,6 +44,7 @@ from localrt.tui.settings import field_text
 from localrt.tui.settings import parse_fields
 
 if TYPE_CHECKING:
+    from localrt.agent.toolbox import Toolbox
     from localrt.client import Client
     from localrt.client import ModelInfo
 
@@ -210,6 +217,8 @@ class SettingsScreen(Dialog):
                 options=options,
                 json_output=self.query_one("#json", Switch).value,
                 think=self.settings.think,  # toggled with its own key, kept as it is here
+                tools=self.settings.tools,  # the tools dialog's
+                max_steps=self.settings.max_steps,
             )
         )
 
@@ -323,3 +332,145 @@ class ModelInfoScreen(Dialog):
     @on(Button.Pressed, "#close")
     def _close(self) -> None:
         self.dismiss(None)
+
+
+EFFECTS = {"read": "read-only", "write": "changes files: asks first", "run": "runs: asks first"}
+
+
+class ApprovalScreen(Dialog):
+    """A tool call that writes or runs, shown as it will run (the diff, the command, the arguments):
+    allow once, allow this tool for the session, or deny. Esc denies. Returns a `Decision`."""
+
+    BINDINGS = [
+        Binding("y", "once", "Allow once"),
+        Binding("a", "session", "Allow for this session"),
+        Binding("n", "close", "Deny"),
+    ]
+
+    def __init__(self, request: ApprovalRequest) -> None:
+        super().__init__()
+        self.request = request
+
+    def compose(self) -> ComposeResult:
+        r = self.request
+        where = "built-in tool" if r.source == "built-in" else f"MCP server {r.source}"
+        if r.detail_kind == "diff":
+            body: Any = Syntax(r.detail, "diff", theme="ansi_dark", word_wrap=True)
+        elif r.detail_kind == "command":
+            body = Syntax(r.detail, "bash", theme="ansi_dark", word_wrap=True)
+        else:
+            body = Text(r.detail)
+        with Vertical(classes="dialog", id="approval"):
+            yield Label(f"Allow {r.tool}?", classes="dialog-title", markup=False)
+            yield Label(f"{where} · {EFFECTS.get(r.effect, r.effect)}", classes="dim", markup=False)
+            yield Label(r.summary, id="approval-summary", markup=False)
+            with VerticalScroll(id="approval-detail"):
+                yield Static(body, id="approval-body")
+            with Horizontal(classes="buttons"):
+                yield Button("Allow once (y)", id="once", variant="primary")
+                yield Button("For this session (a)", id="session")
+                yield Button("Deny (n)", id="deny", variant="error")
+
+    def action_close(self) -> None:
+        self.dismiss(Decision.DENY)
+
+    def action_once(self) -> None:
+        self.dismiss(Decision.ONCE)
+
+    def action_session(self) -> None:
+        self.dismiss(Decision.SESSION)
+
+    @on(Button.Pressed, "#once")
+    def _once(self) -> None:
+        self.action_once()
+
+    @on(Button.Pressed, "#session")
+    def _session(self) -> None:
+        self.action_session()
+
+    @on(Button.Pressed, "#deny")
+    def _deny(self) -> None:
+        self.action_close()
+
+
+class ToolsScreen(Dialog):
+    """The tools panel: tools on or off for this conversation, approve-all, the step limit, then every
+    built-in tool and every MCP server (its state, its tools), each tool with its own switch. Changes
+    apply at once; closing returns True so the app saves the conversation's part."""
+
+    def __init__(
+        self, toolbox: Toolbox, approvals: Approvals, settings: Settings, off_reason: str | None = None
+    ) -> None:
+        super().__init__()
+        self.toolbox, self.approvals, self.settings, self.off_reason = (
+            toolbox,
+            approvals,
+            settings,
+            off_reason,
+        )
+        self.switch_names: dict[str, str] = {}  # switch id -> tool name
+
+    def _tool_row(self, name: str, text: str) -> ComposeResult:
+        switch_id = f"tool-{len(self.switch_names)}"
+        self.switch_names[switch_id] = name
+        yield Switch(name not in self.toolbox.disabled, id=switch_id, classes="tool-switch")
+        yield Label(text, markup=False)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="tools"):
+            yield Label("Tools · Esc closes", classes="dialog-title")
+            if self.off_reason:
+                yield Label(f"⚠ {self.off_reason}", id="tools-off", markup=False)
+            with VerticalScroll(id="tools-list"), Grid(id="tools-grid"):
+                yield Switch(self.settings.tools, id="tools-on")
+                yield Label("Tools in this conversation")
+                yield Switch(self.approvals.approve_all, id="approve-all")
+                yield Label("Approve every call without asking (as --yes)")
+                yield Input(str(self.settings.max_steps), id="max-steps", type="integer", compact=True)
+                yield Label("Max steps: requests to the model per answer")
+                yield Static("")
+                yield Label("Built-in", classes="tools-section")
+                for tool in self.toolbox.builtin:
+                    yield from self._tool_row(tool.name, f"{tool.name} · {EFFECTS[tool.effect]}")
+                hub = self.toolbox.hub
+                yield Static("")
+                yield Label("MCP servers", classes="tools-section")
+                if hub is None or not hub.servers:
+                    yield Static("")
+                    yield Label("none configured (~/.config/localrt/mcp.json)", classes="dim")
+                for server in hub.servers if hub is not None else []:
+                    yield Static("")
+                    yield Label(
+                        f"{server.name} ({server.spec.transport}): {server.status}",
+                        classes="tools-server",
+                        markup=False,
+                    )
+                    for tool in server.tools:
+                        yield from self._tool_row(tool.name, f"{tool.name} · asks first")
+            with Horizontal(classes="buttons"):
+                yield Button("Close", id="close", variant="primary")
+
+    def action_close(self) -> None:
+        self.dismiss(True)
+
+    @on(Button.Pressed, "#close")
+    def _close(self) -> None:
+        self.dismiss(True)
+
+    @on(Switch.Changed)
+    def _switched(self, event: Switch.Changed) -> None:
+        switch_id = event.switch.id or ""
+        if switch_id == "tools-on":
+            self.settings.tools = event.value
+        elif switch_id == "approve-all":
+            self.approvals.approve_all = event.value
+        elif switch_id in self.switch_names:
+            self.toolbox.set_enabled(self.switch_names[switch_id], event.value)
+
+    @on(Input.Changed, "#max-steps")
+    def _steps(self, event: Input.Changed) -> None:
+        value = event.value.strip()
+        valid = value.isdigit() and int(value) >= 1
+        event.input.set_class(not valid, "-invalid")
+        if valid:
+            self.settings.max_steps = int(value)

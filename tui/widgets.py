@@ -116,6 +116,57 @@ class MessageView(Vertical):
         self.query_one(".message-title", Label).update(self._title())
 
 
+class ToolCallView(Collapsible):
+    """One tool call as a collapsible block: the call (name and arguments) in the title and the body, then
+    its result; the title carries the state (waiting for approval, running, ok, denied, error)."""
+
+    SHOWN_LINES = 60  # of a result in the block (the model gets the whole capped result)
+    SHOWN_CHARS = 6000
+
+    def __init__(
+        self, name: str, summary: str, arguments: str, *, call_id: str = "", state: str = "running"
+    ) -> None:
+        self.tool_name, self.summary, self.call_id = name, summary, call_id
+        self.state = state
+        self.result = ""
+        self.saved_result: tuple[str, str] | None = None  # a reopened conversation's, shown once mounted
+        super().__init__(
+            Static(arguments, classes="tool-arguments", markup=False),
+            Static("", classes="tool-result", markup=False),
+            title=self._heading(),
+            collapsed=False,
+            classes="tool-call",
+        )
+
+    def on_mount(self) -> None:
+        if self.saved_result is not None:
+            self.set_result(*self.saved_result)
+
+    def _heading(self) -> str:
+        return f"⚙ {self.summary} · {self.state}"
+
+    def set_state(self, state: str) -> None:
+        self.state = state
+        self.title = self._heading()
+
+    def set_result(self, content: str, state: str) -> None:
+        """The result arrived: shown (its first lines), the block folded when the result is long."""
+        self.result = content
+        lines = content.splitlines()
+        shown = "\n".join(lines[: self.SHOWN_LINES])[: self.SHOWN_CHARS]
+        if len(shown) < len(content):
+            shown += f"\n… ({len(content) - len(shown)} more characters)"
+        self.query_one(".tool-result", Static).update(shown)
+        self.set_state(state)
+        self.set_class(state not in ("ok",), "-failed")
+        if len(lines) > 12:
+            self.collapsed = True
+
+
+class ToolsLine(Static):
+    """One line above the input: which tools the model has, or why it has none."""
+
+
 class ModelItem(ListItem):
     def __init__(self, name: str, size: str) -> None:
         super().__init__(Label(name, markup=False), Label(size, classes="dim"), classes="model-item")
@@ -162,6 +213,12 @@ class Stats:
         return (self.pieces - 1) / elapsed if elapsed > 0 else None
 
 
+def meter(share: float, cells: int = 5) -> str:
+    """The context's fill as a bar of `cells` (▰ used, ▱ free)."""
+    used = min(cells, max(0, round(share * cells)))
+    return "▰" * used + "▱" * (cells - used)
+
+
 class StatusBar(Static):
     """TTFT, tokens/s, tokens in context / context length, speculative acceptance; warns near overflow."""
 
@@ -187,7 +244,9 @@ class StatusBar(Static):
         if s.ctx_len:
             used = "–" if s.ctx_used is None else f"{'' if s.ctx_exact else '~'}{s.ctx_used}"
             share = s.ctx_share
-            context = f"ctx {used}/{s.ctx_len}" + (f" {share:.0%}" if share is not None else "")
+            context = f"ctx {used}/{s.ctx_len}" + (
+                f" {meter(share)} {share:.0%}" if share is not None else ""
+            )
         if s.draft_count:
             parts.append(f"spec {s.draft_accepted / s.draft_count:.0%} ({s.draft_accepted}/{s.draft_count})")
         if not s.near_overflow:

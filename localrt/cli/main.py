@@ -19,6 +19,7 @@ from typing import Any
 
 from localrt import __version__
 from localrt import config
+from localrt.cli import agent
 from localrt.cli import chat
 from localrt.cli import launch
 from localrt.cli import run
@@ -48,6 +49,7 @@ COMMANDS: list[Callable[[Any], Any]] = [
     tools.add_bench,
     serve_engine.add_serve_engine,
     launch.add_launch,
+    agent.add_mcp,
 ]
 
 # an optional library -> the extra that installs it (a command's own `extra` default wins)

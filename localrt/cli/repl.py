@@ -37,6 +37,7 @@ HELP = """Available Commands:
   /set verbose|quiet   Show or hide timings after each answer
   /set format json     Answer in JSON (/set noformat to stop)
   /set think [LEVEL]   Think before answering (low, medium, high); /set nothink to stop
+  /set maxsteps N      With --tools: requests to the model per answer (calls run between them)
   /show info           Show details for this model
   /show parameters     Show the parameters in effect
   /show system         Show the system message
@@ -105,6 +106,7 @@ class Session:
         self.messages: list[dict[str, Any]] = []
         self.loop = asyncio.new_event_loop()
         self.client: Client = connect()
+        self.agent: Any = None  # the tools of `run --tools` (localrt.cli.agent.ToolSession)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -165,6 +167,8 @@ class Session:
     def ask(self, text: str, images: list[str] | None = None) -> bool:
         """Send one user message (with base64 images) and stream the answer, its thinking first (dimmed).
         False when interrupted."""
+        if self.agent is not None:
+            return bool(self.agent.ask(text, images))
         self.messages.append({"role": "user", "content": text, **({"images": images} if images else {})})
         msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
         parts: list[str] = []
@@ -266,11 +270,22 @@ class Session:
             self.out.write("Disabled format.\n")
         elif what in ("think", "nothink"):
             self._set_think(what, words[2].lower() if len(words) > 2 else "")
+        elif what == "maxsteps":
+            self._set_max_steps(words[2] if len(words) > 2 else "")
         else:
             self.out.write(
                 "Usage: /set parameter K V | /set system TEXT | /set verbose | /set quiet | "
-                "/set format json | /set noformat | /set think [LEVEL] | /set nothink\n"
+                "/set format json | /set noformat | /set think [LEVEL] | /set nothink | /set maxsteps N\n"
             )
+
+    def _set_max_steps(self, raw: str) -> None:
+        if self.agent is None:
+            self.err.write("Error: maxsteps applies to the tool loop: start with --tools\n")
+        elif not raw.isdigit() or int(raw) < 1:
+            self.err.write(f"Error: maxsteps must be a whole number of at least 1, got {raw!r}\n")
+        else:
+            self.agent.max_steps = int(raw)
+            self.out.write(f"Set 'maxsteps' to {raw}.\n")
 
     def _set_think(self, what: str, level: str) -> None:
         if what == "nothink":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from localrt.cli.agent import add_tool_arguments
 from localrt.cli.common import Subparsers
 from localrt.cli.common import with_client
 from localrt.errors import LocalrtError
@@ -37,6 +38,7 @@ def add_run(sub: Subparsers) -> argparse.ArgumentParser:
         "--estimate", action="store_true", help="print the memory a load would take, per part, and exit"
     )
     add_think_arguments(p)
+    add_tool_arguments(p)
     p.set_defaults(func=cmd_run)
     return p
 
@@ -56,6 +58,8 @@ def add_think_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from localrt.cli.agent import ToolSession
+    from localrt.cli.agent import wants_tools
     from localrt.cli.repl import Session
     from localrt.cli.repl import interactive
     from localrt.runtime.images import read_image_file
@@ -66,9 +70,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = " ".join(prompt_arg) if isinstance(prompt_arg, list) else (prompt_arg or "")
     stdin_text = None if sys.stdin.isatty() else sys.stdin.read()
     images = [read_image_file(path) for path in getattr(args, "image", None) or []]  # before any load
+    tools = wants_tools(args)
     session = Session(args)
     try:
         session.ensure_model(insecure=bool(getattr(args, "insecure", False)))
+        if tools:
+            session.agent = ToolSession(session, args)
+            session.agent.start()
         if not prompt and stdin_text is None and not images:
             session.load()
             return interactive(session)
@@ -82,6 +90,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         session.err.write("\n")
         return 130
     finally:
+        if session.agent is not None:
+            session.agent.close()
         session.close()
 
 
