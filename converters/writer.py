@@ -8,6 +8,7 @@ complete: a failed conversion leaves no half-written output behind.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Callable
 from collections.abc import Iterable
@@ -20,6 +21,14 @@ from gguf import GGMLQuantizationType
 from gguf import GGUFWriter
 
 QT = GGMLQuantizationType
+
+
+class DiskFull(OSError):
+    """ENOSPC while a GGUF was written; `needed` is the size of its tensor data (the file's floor)."""
+
+    def __init__(self, path: Path, needed: int) -> None:
+        super().__init__(errno.ENOSPC, f"no space left on device writing {path}", str(path))
+        self.needed = needed
 
 
 def new_writer(arch: str) -> GGUFWriter:
@@ -79,21 +88,32 @@ def write_streaming(
         writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(qtype, shape), raw_dtype=qtype)
     tmp = path.with_name(path.name + ".part")
     try:
-        writer.write_header_to_file(path=tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for name, shape, qtype, produce in items:
-            data = np.ascontiguousarray(produce())
-            expected = nbytes(qtype, shape)
-            if data.nbytes != expected:
-                raise ValueError(f"{name}: encoded {data.nbytes} bytes, expected {expected} for {qtype.name}")
-            writer.write_tensor_data(data.view(np.uint8).reshape(-1))
-            if on_tensor:
-                on_tensor(name, expected)
-        writer.close()
+        _write_all(writer, tmp, items, on_tensor)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         writer.close()
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise DiskFull(path, sum(nbytes(qtype, shape) for _, shape, qtype, _ in items)) from None
         raise
+
+
+def _write_all(
+    writer: GGUFWriter,
+    tmp: Path,
+    items: list[tuple[str, tuple[int, ...], QT, Callable[[], np.ndarray]]],
+    on_tensor: Callable[[str, int], None] | None,
+) -> None:
+    writer.write_header_to_file(path=tmp)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, shape, qtype, produce in items:
+        data = np.ascontiguousarray(produce())
+        expected = nbytes(qtype, shape)
+        if data.nbytes != expected:
+            raise ValueError(f"{name}: encoded {data.nbytes} bytes, expected {expected} for {qtype.name}")
+        writer.write_tensor_data(data.view(np.uint8).reshape(-1))
+        if on_tensor:
+            on_tensor(name, expected)
+    writer.close()

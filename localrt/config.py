@@ -260,6 +260,17 @@ VARIABLES: tuple[Variable, ...] = (
         shown="off",
     ),
     Variable(
+        "LOCALRT_TEST_PAUSE",
+        "point",
+        "",
+        TESTS,
+        "Fault injection, for tests only: `POINT[@BYTES][#N]` stops the process (SIGSTOP, after printing "
+        "`localrt-test: paused at POINT` on stderr) the Nth time it reaches that point of a store write, so "
+        "a test can kill it there or change the disk and let it go on. The points are listed in "
+        "`localrt/faults.py`. Never set it outside a test.",
+        shown="off",
+    ),
+    Variable(
         "LOCALRT_FUZZ_ARTIFACTS",
         "path",
         "",
@@ -522,6 +533,11 @@ def gpu_overhead() -> int:
     return parse_size(
         setting("LOCALRT_GPU_OVERHEAD") or default_of("LOCALRT_GPU_OVERHEAD"), "LOCALRT_GPU_OVERHEAD"
     )
+
+
+def test_pause() -> str:
+    """LOCALRT_TEST_PAUSE: the pause point a test asked for ("" for none); see localrt/faults.py."""
+    return setting("LOCALRT_TEST_PAUSE")
 
 
 def main(argv: list[str]) -> int:

@@ -113,6 +113,17 @@ def test_unreachable_registry_is_one_line(models_dir: Path) -> None:
     assert_one_line_error(localrt("pull", "127.0.0.1:9/library/none:1", "--insecure"), "127.0.0.1:9")
 
 
+def test_the_cli_removes_what_a_killed_write_left_and_says_so(store_with_smollm2: Path) -> None:
+    leftover = store_with_smollm2 / "blobs" / ".incoming-killed"
+    leftover.write_bytes(b"x" * 2048)
+    listing = localrt("list")
+    assert listing.returncode == 0
+    assert listing.stderr.strip() == (
+        f"localrt: store: removed {leftover} (2.0 KB): a blob whose write was cut short"
+    )
+    assert not leftover.exists()
+
+
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Path:
     """A real 2 MiB filesystem (tmpfs) to fill up; needs root, as CI and the dev machines have."""

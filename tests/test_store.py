@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,38 @@ def test_reads_an_existing_ollama_store(tmp_path: Path) -> None:
     assert model.model_path.read_bytes() == b"GGUF...weights"
     assert model.template == "{{ .Prompt }}"
     assert store.resolve("LLAMA3.2:Latest").model_path == model.model_path  # case-insensitive
+
+
+# ---- after a crash: recovery and verify -------------------------------------------------------------
+def test_recovery_removes_what_killed_writes_left_and_keeps_partials(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    put_model(store, "kept:1", b"model-bytes")
+    orphan_temp = store.blobs / ".incoming-dead"
+    orphan_temp.write_bytes(b"x" * 100)
+    orphan_scratch = tmp_path / ".quantize-dead"
+    (orphan_scratch / "model.gguf.part").parent.mkdir()
+    (orphan_scratch / "model.gguf.part").write_bytes(b"y" * 50)
+    orphan_manifest = store.manifest_path(parse_name("kept:1")).parent / ".manifest-dead"
+    orphan_manifest.write_bytes(b"{")
+    resumable = store.partial_path(digest_of(b"not here yet"))
+    resumable.write_bytes(b"not here")
+    done = store.partial_path(digest_of(b"model-bytes"))  # its blob is complete already
+    done.write_bytes(b"model")
+    live_fd, live_temp = store.temp_file(store.blobs, ".incoming-")  # a write in progress: held
+    with store.scratch(".convert-") as live_scratch:
+        found = {leftover.path: leftover for leftover in store.recover()}
+        assert live_temp.exists()
+        assert live_scratch.is_dir()
+    os.close(live_fd)
+    assert sorted(found) == sorted([orphan_temp, orphan_scratch, orphan_manifest, resumable, done])
+    assert [p for p, leftover in found.items() if leftover.kept] == [resumable]
+    assert resumable.read_bytes() == b"not here"
+    assert [p for p in (orphan_temp, orphan_scratch, orphan_manifest, done) if p.exists()] == []
+    assert found[orphan_scratch].size == 50
+    assert "pull again to resume" in found[resumable].line()
+    assert store.resolve("kept:1").model_path.read_bytes() == b"model-bytes"  # the store itself untouched
+
+
+def test_recovery_of_a_store_that_does_not_exist_is_nothing(tmp_path: Path) -> None:
+    assert Store(tmp_path / "none").recover() == []
+    assert not (tmp_path / "none").exists()

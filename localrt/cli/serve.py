@@ -7,6 +7,7 @@ import logging
 
 from localrt import config
 from localrt.cli.common import Subparsers
+from localrt.cli.common import recover_store
 
 
 def add_serve(sub: Subparsers) -> argparse.ArgumentParser:
@@ -38,6 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("localrt")
     log.info("localrt serving on http://%s:%d (models: %s)", host, port, config.models_dir())
+    recover_store(log.info)  # what killed writes left in the store: removed, or kept for resuming
     report = runtime.device_report()
     log.info("%s", report[0])
     for line in report[1:]:  # a GPU the build leaves idle: said once, as a warning
