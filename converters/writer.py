@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 from collections.abc import Callable
 from collections.abc import Iterable
 from pathlib import Path
@@ -91,12 +92,28 @@ def write_streaming(
         _write_all(writer, tmp, items, on_tensor)
         os.replace(tmp, path)
     except BaseException as e:
+        needed = sum(nbytes(qtype, shape) for _, shape, qtype, _ in items)
+        full = isinstance(e, OSError) and _disk_full(e, tmp, needed)
         writer.close()
         with contextlib.suppress(OSError):
             tmp.unlink()
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            raise DiskFull(path, sum(nbytes(qtype, shape) for _, shape, qtype, _ in items)) from None
+        if full:
+            raise DiskFull(path, needed) from None
         raise
+
+
+def _disk_full(e: OSError, tmp: Path, needed: int) -> bool:
+    """ENOSPC, or numpy's short write ("N requested and M written", no errno) with less room left on the
+    disk than the file still needed."""
+    if e.errno == errno.ENOSPC:
+        return True
+    if e.errno is not None:
+        return False
+    try:
+        left = needed - tmp.stat().st_size
+        return shutil.disk_usage(tmp.parent).free < left
+    except OSError:
+        return False
 
 
 def _write_all(
