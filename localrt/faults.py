@@ -27,7 +27,7 @@ POINTS = {
     "blob.placed": "a blob has been renamed into place (before the next blob or the manifest)",
     "manifest.synced": "a manifest's temporary file is on disk, before it is renamed into place",
     "manifest.placed": "a manifest is in place, before the operation reports success",
-    "rm.unlinked": "`rm` has removed a manifest, before it collects the blobs nothing else names",
+    "rm.aside": "`rm` has renamed a manifest aside (the model is gone), before it collects its blobs",
     "rm.collected": "`rm` has deleted one unreferenced blob, before the others",
     "push.blob": "`push` has uploaded one blob, before the next blob or the manifest",
 }

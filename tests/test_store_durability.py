@@ -152,11 +152,13 @@ def test_cp_and_rm_make_the_manifest_durable_before_any_blob_goes(root: Path, tm
     assert [c for c in kept if c[0] == "unlink" and Path(c[1]).parent == root / "blobs"] == []
     calls = traced(["rm", "a"], tmp_path / "rm-a", env)
     manifest = str(root / "manifests/registry.ollama.ai/library/a/latest")
-    gone = calls.index(("unlink", manifest))
-    synced = calls.index(("fsync", str(Path(manifest).parent)), gone)
+    aside = next(i for i, c in enumerate(calls) if c[0] == "rename" and c[1] == manifest)
+    assert Path(calls[aside][2]).name.startswith(".removing-")
+    synced = calls.index(("fsync", str(Path(manifest).parent)), aside)
     blob_unlinks = [
         i for i, c in enumerate(calls) if c[0] == "unlink" and Path(c[1]).parent == root / "blobs"
     ]
     assert len(blob_unlinks) == 2
     assert synced < min(blob_unlinks)
     assert ("fsync", str(root / "blobs")) in calls[max(blob_unlinks) :]
+    assert calls.index(("unlink", calls[aside][2])) > max(blob_unlinks)  # the aside manifest goes last

@@ -67,6 +67,7 @@ HASH_CHUNK = 1 << 20
 SCRATCH_PREFIXES = (".hf-", ".quantize-", ".convert-", ".peft-", ".lora-", ".pypi-")
 INCOMING_PREFIX = ".incoming-"  # a blob being written, in blobs/
 MANIFEST_TEMP_PREFIX = ".manifest-"  # a manifest being written, beside its target
+REMOVING_PREFIX = ".removing-"  # a manifest being removed: its blobs are being collected
 PARTIAL_SUFFIX = "-partial"
 
 
@@ -415,18 +416,27 @@ class Store:
             self.write_manifest(dst, raw)
 
     def remove(self, name: ModelName) -> None:
+        """The manifest is renamed aside first (the model is gone from that instant, durably, before any
+        blob goes), then the blobs nothing else names are collected, then the renamed manifest goes.
+        A kill in between leaves the renamed manifest, and `recover` finishes the collection."""
         path = self.find_manifest(name)
         with self.lock("gc"):
-            path.unlink()
-            # durable before any blob goes: a power cut must not bring back a manifest without its blobs
+            fd, marker = self.temp_file(path.parent, REMOVING_PREFIX)
+            os.close(fd)
+            os.replace(path, marker)
             files.fsync_dir(path.parent)
-            # prune empty folders up to manifests/ (a leftover empty folder is harmless)
-            parent = path.parent
-            while parent != self.manifests and not any(parent.iterdir()):
-                parent.rmdir()
-                parent = parent.parent
-            faults.reach("rm.unlinked")
+            faults.reach("rm.aside")
             self._gc_locked()
+            self._forget(marker)
+
+    def _forget(self, marker: Path) -> None:
+        """The renamed-aside manifest of a finished removal goes, with the folders it leaves empty."""
+        marker.unlink(missing_ok=True)
+        files.fsync_dir(marker.parent)
+        parent = marker.parent
+        while parent != self.manifests and parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()  # a leftover empty folder would be harmless; this keeps the tree tidy
+            parent = parent.parent
 
     def gc(self) -> list[str]:
         with self.lock("gc"):
@@ -470,7 +480,7 @@ class Store:
         (unless their blob is complete already). Returns what was found; in use means not a leftover."""
         if not self.root.is_dir():
             return []
-        found: list[Leftover] = []
+        found: list[Leftover] = self._finish_removals()
         with self.lock("scratch"):
             for path, why in self._temporaries():
                 if files.in_use(path):
@@ -498,6 +508,36 @@ class Store:
                         )
             except Timeout:
                 continue
+        return found
+
+    def _finish_removals(self) -> list[Leftover]:
+        """Each `rm` cut short after its manifest was renamed aside: the blobs that manifest named and
+        no other names are collected now, as the rm would have. Skipped while an rm holds the gc lock."""
+        markers = sorted(self.manifests.rglob(REMOVING_PREFIX + "*")) if self.manifests.is_dir() else []
+        if not markers:
+            return []
+        found = []
+        try:
+            with self.lock("gc", timeout=0):
+                used = self.referenced_digests()
+                for marker in markers:
+                    try:
+                        named = {
+                            layer["digest"] for layer in manifest_layers(parse_manifest(marker.read_bytes()))
+                        }
+                    except (OSError, LocalrtError):
+                        named = set()  # an empty or torn rename target: nothing it names can be told
+                    collected = [d for d in sorted(named - used) if self.has_blob(d)]
+                    size = sum(files.size_of(self.blob_path(d)) for d in collected)
+                    for digest in collected:
+                        self.blob_path(digest).unlink(missing_ok=True)
+                    if collected:
+                        files.fsync_dir(self.blobs)
+                    self._forget(marker)
+                    why = f"an rm that was cut short, finished: {len(collected)} blob(s) collected"
+                    found.append(Leftover(marker, size, False, why))
+        except Timeout:
+            return []
         return found
 
     def _temporaries(self) -> Iterator[tuple[Path, str]]:
