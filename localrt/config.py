@@ -125,6 +125,15 @@ VARIABLES: tuple[Variable, ...] = (
         shown="off",
     ),
     Variable(
+        "LOCALRT_SHUTDOWN_GRACE",
+        "duration",
+        "30s",
+        SERVER,
+        "On SIGTERM or SIGINT, how long requests in flight may run on (new ones get 503 with `Retry-After`). "
+        "Then each stream still running ends with its protocol's error chunk, and a pull stops where it can "
+        "resume. A second signal stops at once.",
+    ),
+    Variable(
         "LOCALRT_MAX_RESPONSES",
         "integer",
         "1000",
@@ -429,6 +438,11 @@ def parse_duration(value: str | int | float | None, default: float | None = None
     if math.isnan(seconds):  # float("nan") parses; a NaN timer would unload at once and break expiry dates
         raise LocalrtError(f"invalid duration: {value!r} (use e.g. 30s, 5m, 1h, -1)")
     return float("inf") if seconds < 0 else seconds
+
+
+def shutdown_grace() -> float:
+    """LOCALRT_SHUTDOWN_GRACE in seconds: how long a stopping server lets requests in flight run on."""
+    return parse_duration(setting("LOCALRT_SHUTDOWN_GRACE") or default_of("LOCALRT_SHUTDOWN_GRACE"))
 
 
 def keep_alive_default() -> float:

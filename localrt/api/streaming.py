@@ -1,7 +1,8 @@
 """NDJSON and SSE responses that start only after the first item, so early errors get a real status.
 
 Ollama's rule: an error before any byte is written is a status code with a JSON body; an error
-mid-stream is one more line (`{"error": ...}`) and the status stays 200.
+mid-stream is one more line (`{"error": ...}`) and the status stays 200. A server that stops ends a
+stream still running after its grace the same way (`drain.until_stopped`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from fastapi.responses import StreamingResponse
 
+from localrt.api.drain import until_stopped
 from localrt.errors import ClientClosed
 from localrt.errors import LocalrtError
 
@@ -75,7 +77,7 @@ async def first_and_rest(items: AsyncIterator[Any]) -> tuple[Any, AsyncIterator[
 def ndjson_response(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for item in items:
+            async for item in until_stopped(items):  # a stopping server ends it with an error
                 yield (encode(item) + "\n").encode()
         except LocalrtError as e:
             yield (json.dumps({"error": str(e)}) + "\n").encode()
@@ -88,7 +90,7 @@ def sse_response(
 ) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for item in items:
+            async for item in until_stopped(items):  # a stopping server ends it with an error
                 yield f"data: {encode(item)}\n\n".encode()
         except LocalrtError as e:
             yield f"data: {json.dumps(on_error(e))}\n\n".encode()
@@ -112,7 +114,7 @@ def typed_sse_response(
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for item in items:
+            async for item in until_stopped(items):  # a stopping server ends it with an error
                 yield frame(item)
         except LocalrtError as e:
             yield frame(on_error(e))

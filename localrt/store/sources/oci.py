@@ -24,6 +24,7 @@ import httpx
 
 from localrt import __version__
 from localrt import faults
+from localrt import threads
 from localrt.errors import DigestMismatch
 from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
@@ -295,6 +296,11 @@ class RegistryClient:
                         faults.reach("write", offset, offset + len(block))
                         offset += len(block)
                         on_bytes(offset)
+                        if threads.stopping.is_set():  # a server past its grace: stop where a pull resumes
+                            raise PullError(
+                                f"pulling {digest[:19]} stopped at {offset} of {size} bytes: the server is "
+                                "shutting down; the partial download is kept, pull again to resume"
+                            )
             except OSError as e:  # a write, or the close that flushes the last buffered bytes
                 raise (partial_full(partial, size - offset, e) or e) from None
         if offset < size:
