@@ -42,9 +42,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from localrt.api.app import create_app
+    from localrt.runtime import memory
     from localrt.runtime.front import Runtime
 
     host, port = config.host()
+    memory.fewer_heap_arenas()  # before the server's threads start
     runtime = Runtime()
     app = create_app(runtime=runtime, bind_host=host)
 
