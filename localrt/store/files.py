@@ -70,15 +70,28 @@ def hold(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+def hold_folder(path: Path) -> int | None:
+    """`hold` for a folder: its open descriptor (close it to let go), or None where folders cannot be
+    opened (Windows, where a leftover is judged by its age instead)."""
+    if fcntl is None:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    hold(fd)
+    return fd
+
+
 def in_use(path: Path) -> bool:
     """Whether a live process holds `path` (see `hold`); a path that is gone counts as in use (not ours)."""
+    if fcntl is None:
+        try:
+            return time.time() - os.stat(path).st_mtime < UNHELD_AGE_S
+        except OSError:
+            return True
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return True
     try:
-        if fcntl is None:
-            return time.time() - os.fstat(fd).st_mtime < UNHELD_AGE_S
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

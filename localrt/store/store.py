@@ -191,13 +191,13 @@ class Store:
         self._ensure()
         with self.lock("scratch"):
             path = Path(tempfile.mkdtemp(dir=self.root, prefix=prefix))
-            fd = os.open(path, os.O_RDONLY)
-            files.hold(fd)
+            fd = files.hold_folder(path)
         try:
             yield path
         finally:
             shutil.rmtree(path, ignore_errors=True)
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
     def is_scratch(self, path: Path) -> bool:
         """Whether `path` lies in one of this store's scratch folders (so it may be moved, not copied)."""
