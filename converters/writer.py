@@ -8,7 +8,9 @@ complete: a failed conversion leaves no half-written output behind.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 from collections.abc import Callable
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +22,14 @@ from gguf import GGMLQuantizationType
 from gguf import GGUFWriter
 
 QT = GGMLQuantizationType
+
+
+class DiskFull(OSError):
+    """ENOSPC while a GGUF was written; `needed` is the size of its tensor data (the file's floor)."""
+
+    def __init__(self, path: Path, needed: int) -> None:
+        super().__init__(errno.ENOSPC, f"no space left on device writing {path}", str(path))
+        self.needed = needed
 
 
 def new_writer(arch: str) -> GGUFWriter:
@@ -79,21 +89,48 @@ def write_streaming(
         writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(qtype, shape), raw_dtype=qtype)
     tmp = path.with_name(path.name + ".part")
     try:
-        writer.write_header_to_file(path=tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for name, shape, qtype, produce in items:
-            data = np.ascontiguousarray(produce())
-            expected = nbytes(qtype, shape)
-            if data.nbytes != expected:
-                raise ValueError(f"{name}: encoded {data.nbytes} bytes, expected {expected} for {qtype.name}")
-            writer.write_tensor_data(data.view(np.uint8).reshape(-1))
-            if on_tensor:
-                on_tensor(name, expected)
-        writer.close()
+        _write_all(writer, tmp, items, on_tensor)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        needed = sum(nbytes(qtype, shape) for _, shape, qtype, _ in items)
+        full = isinstance(e, OSError) and _disk_full(e, tmp, needed)
         writer.close()
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if full:
+            raise DiskFull(path, needed) from None
         raise
+
+
+def _disk_full(e: OSError, tmp: Path, needed: int) -> bool:
+    """ENOSPC, or numpy's short write ("N requested and M written", no errno) with less room left on the
+    disk than the file still needed."""
+    if e.errno == errno.ENOSPC:
+        return True
+    if e.errno is not None:
+        return False
+    try:
+        left = needed - tmp.stat().st_size
+        return shutil.disk_usage(tmp.parent).free < left
+    except OSError:
+        return False
+
+
+def _write_all(
+    writer: GGUFWriter,
+    tmp: Path,
+    items: list[tuple[str, tuple[int, ...], QT, Callable[[], np.ndarray]]],
+    on_tensor: Callable[[str, int], None] | None,
+) -> None:
+    writer.write_header_to_file(path=tmp)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, shape, qtype, produce in items:
+        data = np.ascontiguousarray(produce())
+        expected = nbytes(qtype, shape)
+        if data.nbytes != expected:
+            raise ValueError(f"{name}: encoded {data.nbytes} bytes, expected {expected} for {qtype.name}")
+        writer.write_tensor_data(data.view(np.uint8).reshape(-1))
+        if on_tensor:
+            on_tensor(name, expected)
+    writer.close()

@@ -128,6 +128,15 @@ VARIABLES: tuple[Variable, ...] = (
         load=True,
     ),
     Variable(
+        "LOCALRT_SHUTDOWN_GRACE",
+        "duration",
+        "30s",
+        SERVER,
+        "On SIGTERM or SIGINT, how long requests in flight may run on (new ones get 503 with `Retry-After`). "
+        "Then each stream still running ends with its protocol's error chunk, and a pull stops where it can "
+        "resume. A second signal stops at once.",
+    ),
+    Variable(
         "LOCALRT_MAX_RESPONSES",
         "integer",
         "1000",
@@ -272,6 +281,17 @@ VARIABLES: tuple[Variable, ...] = (
         TESTS,
         "`1`: `tests/test_tui_terminal.py` retakes `docs/tui.svg`, and `tests/test_web.py` the chat page's "
         "screenshots in `docs/`.",
+        shown="off",
+    ),
+    Variable(
+        "LOCALRT_TEST_PAUSE",
+        "point",
+        "",
+        TESTS,
+        "Fault injection, for tests only: `POINT[@BYTES][#N]` stops the process (SIGSTOP, after printing "
+        "`localrt-test: paused at POINT` on stderr) the Nth time it reaches that point of a store write, so "
+        "a test can kill it there or change the disk and let it go on. The points are listed in "
+        "`localrt/faults.py`. Never set it outside a test.",
         shown="off",
     ),
     Variable(
@@ -464,6 +484,11 @@ def parse_duration(value: str | int | float | None, default: float | None = None
     return float("inf") if seconds < 0 else seconds
 
 
+def shutdown_grace() -> float:
+    """LOCALRT_SHUTDOWN_GRACE in seconds: how long a stopping server lets requests in flight run on."""
+    return parse_duration(setting("LOCALRT_SHUTDOWN_GRACE") or default_of("LOCALRT_SHUTDOWN_GRACE"))
+
+
 def keep_alive_default() -> float:
     return parse_duration(os.environ.get("LOCALRT_KEEP_ALIVE"))
 
@@ -571,6 +596,11 @@ def gpu_overhead() -> int:
     return parse_size(
         setting("LOCALRT_GPU_OVERHEAD") or default_of("LOCALRT_GPU_OVERHEAD"), "LOCALRT_GPU_OVERHEAD"
     )
+
+
+def test_pause() -> str:
+    """LOCALRT_TEST_PAUSE: the pause point a test asked for ("" for none); see localrt/faults.py."""
+    return setting("LOCALRT_TEST_PAUSE")
 
 
 def main(argv: list[str]) -> int:

@@ -48,3 +48,8 @@ async def run_in_thread_stream(
             raise value
         else:
             return
+
+
+# Set when the process is stopping (a server's grace period is over): long store work in a thread of its
+# own (a download) ends at its next resumable point instead of running on for nobody.
+stopping = threading.Event()

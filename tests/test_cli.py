@@ -113,6 +113,41 @@ def test_unreachable_registry_is_one_line(models_dir: Path) -> None:
     assert_one_line_error(localrt("pull", "127.0.0.1:9/library/none:1", "--insecure"), "127.0.0.1:9")
 
 
+def test_verify_finds_a_damaged_blob_in_one_line_and_repair_names_what_to_pull(
+    store_with_smollm2: Path,
+) -> None:
+    ok = localrt("verify")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip().splitlines()[-1].startswith("ok: 1 model(s), 2 blob(s)")
+    model = next(p for p in (store_with_smollm2 / "blobs").iterdir() if p.stat().st_size > 1_000_000)
+    with open(model, "r+b") as f:  # one flipped bit, as a bad sector or a torn write leaves
+        f.seek(5_000_000)
+        byte = f.read(1)[0]
+        f.seek(5_000_000)
+        f.write(bytes([byte ^ 0x10]))
+    broken = localrt("verify", "smollm2:135m")
+    assert_one_line_error(broken, "1 problem(s)", "--repair", "smollm2:135m")
+    assert f"damaged: blob sha256:{model.name[7:]}" in broken.stdout
+    repaired = localrt("verify", "--repair")
+    assert_one_line_error(repaired, "pull or create again: smollm2:135m")
+    assert "removed model smollm2:135m" in repaired.stdout
+    assert not model.exists()
+    again = localrt("verify")
+    assert again.returncode == 0, again.stderr
+    assert localrt("list").stdout.strip().splitlines() == ["NAME    ID    SIZE    MODIFIED"]
+
+
+def test_the_cli_removes_what_a_killed_write_left_and_says_so(store_with_smollm2: Path) -> None:
+    leftover = store_with_smollm2 / "blobs" / ".incoming-killed"
+    leftover.write_bytes(b"x" * 2048)
+    listing = localrt("list")
+    assert listing.returncode == 0
+    assert listing.stderr.strip() == (
+        f"localrt: store: removed {leftover} (2.0 KB): a blob whose write was cut short"
+    )
+    assert not leftover.exists()
+
+
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Path:
     """A real 2 MiB filesystem (tmpfs) to fill up; needs root, as CI and the dev machines have."""

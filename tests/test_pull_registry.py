@@ -27,6 +27,7 @@ from localrt.store.names import parse_name
 from localrt.store.pull import Progress
 from localrt.store.pull import pull
 from localrt.store.store import MEDIA_MODEL
+from localrt.store.store import StorageFull
 from localrt.store.store import Store
 from tests.servers.registry import MANIFEST_MEDIA_TYPE
 from tests.servers.registry import BlobHost
@@ -272,7 +273,8 @@ def test_layer_bigger_than_the_disk_is_refused_up_front(registry: Registry, stor
         },
     )
     with pytest.raises(
-        PullError, match=re.escape(f"not enough disk space: need {format_bytes(10**18)}, have ")
+        StorageFull,
+        match=re.escape(f"not enough disk space for {store.blobs}: need {format_bytes(10**18)}, have "),
     ):
         pull(f"{registry.address}/library/huge:1", store=store, insecure=True)
     assert not registry.seen(contains="/blobs/")
@@ -297,7 +299,12 @@ def test_disk_filling_up_mid_blob_keeps_the_partial(
     # skip the up-front check so the write itself meets ENOSPC
     monkeypatch.setattr("localrt.store.sources.oci.check_free_space", lambda store, needed: None)
     store = Store(tiny_disk)
-    with pytest.raises(PullError, match="not enough disk space: need .*no space left on device"):
+    partial = store.partial_path(layer["digest"])
+    with pytest.raises(
+        StorageFull,
+        match=re.escape(f"not enough disk space for {partial}: need ")
+        + ".*no space left on device; the partial download is kept",
+    ):
         pull(f"{registry.address}/library/big:1", store=store, insecure=True)
     assert store.partial_path(layer["digest"]).stat().st_size > 0
     assert not [p for p in store.manifests.rglob("*") if p.is_file()]

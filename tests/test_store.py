@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,98 @@ def test_reads_an_existing_ollama_store(tmp_path: Path) -> None:
     assert model.model_path.read_bytes() == b"GGUF...weights"
     assert model.template == "{{ .Prompt }}"
     assert store.resolve("LLAMA3.2:Latest").model_path == model.model_path  # case-insensitive
+
+
+# ---- after a crash: recovery and verify -------------------------------------------------------------
+def test_recovery_removes_what_killed_writes_left_and_keeps_partials(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    put_model(store, "kept:1", b"model-bytes")
+    orphan_temp = store.blobs / ".incoming-dead"
+    orphan_temp.write_bytes(b"x" * 100)
+    orphan_scratch = tmp_path / ".quantize-dead"
+    (orphan_scratch / "model.gguf.part").parent.mkdir()
+    (orphan_scratch / "model.gguf.part").write_bytes(b"y" * 50)
+    orphan_manifest = store.manifest_path(parse_name("kept:1")).parent / ".manifest-dead"
+    orphan_manifest.write_bytes(b"{")
+    resumable = store.partial_path(digest_of(b"not here yet"))
+    resumable.write_bytes(b"not here")
+    done = store.partial_path(digest_of(b"model-bytes"))  # its blob is complete already
+    done.write_bytes(b"model")
+    live_fd, live_temp = store.temp_file(store.blobs, ".incoming-")  # a write in progress: held
+    with store.scratch(".convert-") as live_scratch:
+        found = {leftover.path: leftover for leftover in store.recover()}
+        assert live_temp.exists()
+        assert live_scratch.is_dir()
+    os.close(live_fd)
+    assert sorted(found) == sorted([orphan_temp, orphan_scratch, orphan_manifest, resumable, done])
+    assert [p for p, leftover in found.items() if leftover.kept] == [resumable]
+    assert resumable.read_bytes() == b"not here"
+    assert [p for p in (orphan_temp, orphan_scratch, orphan_manifest, done) if p.exists()] == []
+    assert found[orphan_scratch].size == 50
+    assert "pull again to resume" in found[resumable].line()
+    assert store.resolve("kept:1").model_path.read_bytes() == b"model-bytes"  # the store itself untouched
+
+
+def test_recovery_of_a_store_that_does_not_exist_is_nothing(tmp_path: Path) -> None:
+    assert Store(tmp_path / "none").recover() == []
+    assert not (tmp_path / "none").exists()
+
+
+def flip_a_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_verify_rehashes_every_blob_and_repair_removes_what_is_broken(tmp_path: Path) -> None:
+    from localrt.store.verify import verify
+
+    store = Store(tmp_path)
+    put_model(store, "good:1", b"good-model" * 1000)
+    put_model(store, "damaged:1", b"damaged-model" * 1000, params={"temperature": 0.1})
+    put_model(store, "missing:1", b"missing-model" * 1000)
+    stray, _ = store.add_blob_bytes(b"uploaded, waiting for a create")
+    flip_a_byte(store.blob_path(digest_of(b"damaged-model" * 1000)))
+    store.blob_path(digest_of(b"missing-model" * 1000)).unlink()
+    seen: list[tuple[int, int]] = []
+    report = verify(store, progress=lambda done, total: seen.append((done, total)))
+    assert [p.models for p in report.problems] == [["missing:1"], ["damaged:1"]]
+    assert report.broken_models == ["damaged:1", "missing:1"]
+    assert report.unreferenced == [(stray, len(b"uploaded, waiting for a create"))]
+    assert seen[-1] == (report.bytes, report.bytes)
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen)
+    assert report.bytes == sum(p.stat().st_size for p in store.blobs.glob("sha256-*"))
+    assert store.exists(parse_name("damaged:1"))  # verify alone changes nothing
+
+    repaired = verify(store, repair=True)
+    assert repaired.broken_models == ["damaged:1", "missing:1"]
+    assert [e.name.display for e in store.list_models()] == ["good:1"]
+    assert not store.has_blob(digest_of(b"damaged-model" * 1000))
+    assert store.has_blob(stray)  # not broken: kept
+    assert verify(store).ok
+
+
+def test_verify_of_one_model_reads_only_its_blobs(tmp_path: Path) -> None:
+    from localrt.store.verify import verify
+
+    store = Store(tmp_path)
+    put_model(store, "one:1", b"one" * 100)
+    put_model(store, "other:1", b"other" * 100)
+    flip_a_byte(store.blob_path(digest_of(b"other" * 100)))
+    report = verify(store, parse_name("one:1"))
+    assert report.ok
+    assert report.blobs == 2  # its model blob and config
+    with pytest.raises(ModelNotFound):
+        verify(store, parse_name("absent:1"))
+
+
+def test_verify_names_an_unreadable_manifest(tmp_path: Path) -> None:
+    from localrt.store.verify import verify
+
+    store = Store(tmp_path)
+    put_model(store, "torn:1", b"weights")
+    store.manifest_path(parse_name("torn:1")).write_bytes(b'{"layers": [')
+    report = verify(store, repair=True)
+    assert [p.models for p in report.problems] == [["torn:1"]]
+    assert "is unreadable (manifest is not valid JSON)" in report.problems[0].text
+    assert not store.manifest_path(parse_name("torn:1")).exists()

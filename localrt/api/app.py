@@ -13,6 +13,8 @@ from starlette.exceptions import HTTPException
 
 from localrt import __version__
 from localrt import config
+from localrt.api.drain import Drain
+from localrt.api.drain import DrainMiddleware
 from localrt.api.metrics import Metrics as ServerMetrics
 from localrt.api.metrics import RequestCounter
 from localrt.api.schemas import error_text
@@ -101,4 +103,7 @@ def create_app(
         api_key=api_key if api_key is not None else config.api_key(),
         max_body=max_body or config.env_int("LOCALRT_MAX_BODY"),
     )
+    # outermost: a stopping server refuses every request, and knows each one in flight (api/drain.py)
+    app.state.drain = Drain(config.shutdown_grace())
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     return app

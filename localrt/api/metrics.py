@@ -5,7 +5,9 @@ Hand-rolled (a few counters and histograms) to avoid a dependency for forty line
 
 from __future__ import annotations
 
+import re
 import threading
+from collections import Counter
 from collections import defaultdict
 from collections.abc import Callable
 from collections.abc import Iterable
@@ -13,6 +15,7 @@ from typing import Any
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RATE_BUCKETS = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
+_THREAD_SUFFIX = re.compile(r"(\s*\(.*\))?([_-]?\d+)?(\s*\(.*\))?$")  # "asyncio_3", "Thread-7 (run)"
 
 
 class Histogram:
@@ -86,6 +89,15 @@ class Metrics:
         family("localrt_loaded_models", "gauge", "Models loaded in memory.")
         names = loaded()
         lines.append(f"localrt_loaded_models {len(names)}")
+        family(
+            "localrt_threads",
+            "gauge",
+            "The server's Python threads, by name (a pool's workers counted together).",
+        )
+        for name, n in sorted(
+            Counter(_THREAD_SUFFIX.sub("", t.name, count=1) for t in threading.enumerate()).items()
+        ):
+            lines.append(f'localrt_threads{{name="{name}"}} {n}')
         return "\n".join(lines) + "\n"
 
 

@@ -312,7 +312,7 @@ async def respond(items: AsyncIterator[dict[str, Any]], stream: bool) -> Respons
 @router.post(
     "/api/pull",
     openapi_extra=schemas.request_body(wire.PullRequest),
-    responses={200: STREAMED, **schemas.error_responses(False, 404, 502)},
+    responses={200: STREAMED, **schemas.error_responses(False, 404, 502, 507)},
 )
 async def pull(request: Request) -> Response:
     from localrt.store.pull import pull as do_pull
@@ -349,7 +349,7 @@ async def push(request: Request) -> Response:
 @router.post(
     "/api/create",
     openapi_extra=schemas.request_body(wire.CreateRequest),
-    responses={200: STREAMED, **MODEL_ERRORS},
+    responses={200: STREAMED, **schemas.error_responses(False, 404, 507)},
 )
 async def create(request: Request) -> Response:
     from localrt.store.modelfile import create_from_request
@@ -402,7 +402,9 @@ async def blob_upload(request: Request, digest: BlobDigest) -> Response:
     if not declared.isdigit():  # a chunked upload's size is unknown until the disk has filled
         raise LengthRequired("a blob upload needs a Content-Length header (its size in bytes)")
     check_room(store, int(declared))
-    with store.begin_blob() as writer:
+    # a disk that fills while the body streams in (another writer) is a 507 naming the file; the
+    # partial file goes, the store is untouched
+    with store.begin_blob(int(declared)) as writer:
         async for chunk in request.stream():
             writer.write(chunk)
         writer.commit(digest)

@@ -1,7 +1,8 @@
 """NDJSON and SSE responses that start only after the first item, so early errors get a real status.
 
 Ollama's rule: an error before any byte is written is a status code with a JSON body; an error
-mid-stream is one more line (`{"error": ...}`) and the status stays 200.
+mid-stream is one more line (`{"error": ...}`) and the status stays 200. A server that stops ends a
+stream still running after its grace the same way (`drain.until_stopped`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from fastapi.responses import StreamingResponse
 
+from localrt.api.drain import until_stopped
 from localrt.errors import ClientClosed
 from localrt.errors import LocalrtError
 
@@ -79,7 +81,7 @@ def ndjson_response(
         try:
             for line in to_wire(first):
                 yield (encode(line) + "\n").encode()
-            async for item in rest:
+            async for item in until_stopped(rest):  # a stopping server ends it with an error
                 for line in to_wire(item):
                     yield (encode(line) + "\n").encode()
         except LocalrtError as e:
@@ -101,7 +103,7 @@ def sse_response(
         try:
             for event in to_wire(first):
                 yield f"data: {encode(event)}\n\n".encode()
-            async for item in rest:
+            async for item in until_stopped(rest):  # a stopping server ends it with an error
                 for event in to_wire(item):
                     yield f"data: {encode(event)}\n\n".encode()
         except LocalrtError as e:
@@ -126,7 +128,7 @@ def typed_sse_response(
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for item in items:
+            async for item in until_stopped(items):  # a stopping server ends it with an error
                 yield frame(item)
         except LocalrtError as e:
             yield frame(on_error(e))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections.abc import Awaitable
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -25,9 +26,32 @@ def with_client(work: Callable[[Client], Awaitable[T]]) -> T:
 
     async def go() -> T:
         client = connect()
+        if client.kind != "server":
+            recover_store()
         try:
             return await work(client)
         finally:
             await client.close()
 
     return asyncio.run(go())
+
+
+def recover_store(say: Callable[[str], None] | None = None) -> None:
+    """Before this process works on the store itself: what killed writes left there, cleaned up or
+    kept for resuming, one line each to `say` (default: stderr). A store it cannot write (an Ollama
+    store mounted read-only) is left as it is."""
+    import logging
+
+    from localrt.store.store import Store
+
+    try:
+        found = Store().recover()
+    except OSError as e:
+        logging.getLogger("localrt").debug("store recovery skipped: %s", e)
+        return
+    for leftover in found:
+        line = f"store: {leftover.line()}"
+        if say is None:
+            print(f"localrt: {line}", file=sys.stderr)
+        else:
+            say(line)

@@ -41,6 +41,7 @@ COMMANDS: list[Callable[[Any], Any]] = [
     store.add_cp,
     run.add_stop,
     store.add_create,
+    store.add_verify,
     chat.add_chat,
     serve.add_serve,
     tools.add_convert,

@@ -62,3 +62,36 @@ class PullProgress:
                 self.bars.console.print(event.status)
             else:
                 print(event.status, flush=True)
+
+
+class ByteProgress:
+    """One rich bar over a byte count (`localrt verify`'s hashing), on stderr while it is a terminal;
+    piped, it draws nothing. `update(done, total)` takes the counts as the work reports them."""
+
+    def __init__(self, description: str, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.live = self.console.is_terminal
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=True,
+        )
+        self.task = self.bar.add_task(description, total=None)
+
+    def __enter__(self) -> ByteProgress:
+        if self.live:
+            self.bar.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.live:
+            self.bar.stop()
+
+    def update(self, done: int, total: int) -> None:
+        self.bar.update(self.task, completed=done, total=total)

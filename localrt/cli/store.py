@@ -1,4 +1,5 @@
-"""The store commands: `pull`, `push`, `list`/`ls`, `show`, `rm`, `cp`, `create`, each through the client.
+"""The store commands: `pull`, `push`, `list`/`ls`, `show`, `rm`, `cp`, `create` through the client, and
+`verify`, which reads the store on this machine itself.
 
 With a `localrt serve` at LOCALRT_HOST they are requests to it (so its runtime unloads a removed model,
 and a model it pulls is in its store); without one they work on the store in this process. `create
@@ -208,6 +209,52 @@ def cmd_cp(args: argparse.Namespace) -> int:
     with_client(lambda client: client.copy(src.display, dst.display))
     print(f"copied '{src.display}' to '{dst.display}'")
     return 0
+
+
+# ---- verify -------------------------------------------------------------------------------------
+def add_verify(sub: Subparsers) -> argparse.ArgumentParser:
+    p = sub.add_parser("verify", help="re-hash blobs and check manifests (after a crash or a disk error)")
+    p.add_argument("model", nargs="?", default=None, help="one model (default: the whole store)")
+    p.add_argument("--repair", action="store_true", help="remove what is broken and name what to pull again")
+    p.set_defaults(func=cmd_verify)
+    return p
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """The store on this machine, read directly even while a server runs (its writes are atomic, and
+    what it is writing is held, so a verify never takes it for a leftover)."""
+    from localrt.cli.progress import ByteProgress
+    from localrt.store.names import parse_name
+    from localrt.store.store import Store
+    from localrt.store.verify import verify
+
+    name = parse_name(args.model) if args.model else None
+    with ByteProgress("verifying") as bar:
+        report = verify(Store(), name, repair=args.repair, progress=bar.update)
+    for leftover in report.leftovers:
+        print(f"store: {leftover.line()}")
+    for problem in report.problems:
+        print(problem.text)
+    for line in report.removed:
+        print(line)
+    if report.unreferenced:
+        size = human_size(sum(n for _, n in report.unreferenced))
+        print(
+            f"note: {len(report.unreferenced)} blob(s) ({size}) named by no model (an upload waiting for "
+            "its create, or what an interrupted rm left); the next `localrt rm` collects them"
+        )
+    checked = f"{report.models} model(s), {report.blobs} blob(s), {human_size(report.bytes)}"
+    if report.ok:
+        print(f"ok: {checked} verified")
+        return 0
+    again = ", ".join(report.broken_models)
+    if args.repair:
+        then = f"; pull or create again: {again}" if again else ""
+        raise LocalrtError(f"{len(report.problems)} problem(s) found in {checked} and removed{then}")
+    raise LocalrtError(
+        f"{len(report.problems)} problem(s) in {checked}: `localrt verify --repair` removes what is broken"
+        + (f" ({again}: pull or create them again afterwards)" if again else "")
+    )
 
 
 # ---- create -------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ process: they measure or write files here, not on a server."""
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 from typing import Any
@@ -58,18 +58,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.output:
         result = convert_with_progress(args.source, Path(args.output), file_type, threads, weighting)
     else:
-        from localrt.store.importer import import_gguf
-        from localrt.store.store import Store
-
-        store = Store()
-        with tempfile.TemporaryDirectory(prefix="localrt-convert-") as tmp:
-            result = convert_with_progress(
-                args.source, Path(tmp) / "model.gguf", file_type, threads, weighting
-            )
-            source = Path(args.source).expanduser()
-            # recorded so `serve-engine` can hand vLLM/SGLang the original safetensors
-            hf_source = str(source.resolve()) if source.is_dir() else args.source
-            import_gguf(store, args.name, result.path, hf_source=hf_source)
+        result = convert_into_store(args, file_type, threads, weighting)
         print(f"success: created '{args.name}'", file=sys.stderr)
     print(
         f"wrote {result.path if args.output else args.name}: {result.file_type}, {result.n_tensors} tensors, "
@@ -77,6 +66,33 @@ def cmd_convert(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def convert_into_store(args: argparse.Namespace, file_type: str, threads: int, weighting: Any) -> Any:
+    """`convert --name`: the converter writes into a scratch folder of the store (its disk, found by the
+    recovery if this process is killed), and the finished file moves into blobs/ by a rename."""
+    from localrt import faults
+    from localrt.store.importer import import_gguf
+    from localrt.store.names import parse_name
+    from localrt.store.store import Store
+    from localrt.store.store import disk_full
+
+    name = parse_name(args.name)  # a bad name fails before hours of converting
+    store = Store()
+    with store.scratch(".convert-") as tmp:
+        out = tmp / "model.gguf"
+        try:
+            result = convert_with_progress(args.source, out, file_type, threads, weighting)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise disk_full(out, getattr(e, "needed", None), "the partial file was removed") from None
+            raise
+        faults.reach("scratch.written")
+        source = Path(args.source).expanduser()
+        # recorded so `serve-engine` can hand vLLM/SGLang the original safetensors
+        hf_source = str(source.resolve()) if source.is_dir() else args.source
+        import_gguf(store, name, result.path, hf_source=hf_source)
+    return result
 
 
 def imatrix_arg(args: argparse.Namespace, file_type: str) -> tuple[Any, str]:

@@ -407,7 +407,7 @@ class ModelPool:
                     try:
                         fits = await asyncio.to_thread(memory.ladder, backend, resolved.model_path, load_opts)
                     finally:
-                        await self._cond.acquire()
+                        await _relock(self._cond)
                     continue
                 fit = self._fit(fits, base)
                 if fits and fit is None:
@@ -560,8 +560,28 @@ class ModelPool:
             entry.timer = None
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
-        await asyncio.to_thread(entry.model.unload)
+        await asyncio.to_thread(_unload, entry.model)
         self._cond.notify_all()
+
+
+async def _relock(lock: asyncio.Condition) -> None:
+    """Take back a lock released inside its `async with`, even when the task is cancelled meanwhile (a
+    client that leaves): a cancelled `acquire` would leave the block's exit releasing a lock it does not
+    hold. The cancellation is raised once the lock is held, as Condition.wait does."""
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            await lock.acquire()
+            break
+        except asyncio.CancelledError as e:
+            cancelled = e
+    if cancelled is not None:
+        raise cancelled
+
+
+def _unload(model: Any) -> None:
+    model.unload()
+    memory.return_freed_heap()
 
 
 def model_fim_tokens(model: LoadedModel) -> fim.FimTokens | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import platform
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -155,8 +154,8 @@ def _adapter_blob(store: Store, source: Path | str, base: Path) -> tuple[str, in
     from localrt.converters.lora import is_peft_dir
 
     if isinstance(source, Path) and is_peft_dir(source):
-        with tempfile.TemporaryDirectory(dir=store.root, prefix=".lora-") as tmp:
-            out = Path(tmp) / "adapter.gguf"
+        with store.scratch(".lora-") as tmp:
+            out = tmp / "adapter.gguf"
             convert_peft_adapter(source, out, base)
             check_adapter_fits(out, base, source.name)
             return store.add_blob_file(out)

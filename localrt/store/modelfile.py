@@ -21,9 +21,9 @@ Keywords are case-insensitive; every error names its line.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import re
-import tempfile
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from localrt import config
+from localrt import faults
 from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
 from localrt.store.names import DIGEST_RE
@@ -46,6 +47,7 @@ from localrt.store.store import MEDIA_DRAFT
 from localrt.store.store import MEDIA_MODEL
 from localrt.store.store import MEDIA_PROJECTOR
 from localrt.store.store import Store
+from localrt.store.store import disk_full
 
 # Ollama's option types (api/types.go); names not listed are typed from their value.
 PARAMETER_TYPES: dict[str, type] = {
@@ -622,9 +624,10 @@ def _model_first(
 def quantized(
     store: Store, source: Path | str | ModelName, file_type: str | None, imatrix: Any = None
 ) -> Iterator[Path | str | ModelName]:
-    """The source itself, or (with a file type) a requantized copy in a temp folder inside the store,
-    so the finished GGUF moves into blobs/ without crossing filesystems; the folder goes afterwards.
-    `imatrix`: (Imatrix, label) from _load_imatrix, weighting the quantization."""
+    """The source itself, or (with a file type) a requantized copy in a scratch folder inside the store,
+    so the finished GGUF moves into blobs/ by a rename (`Store.adopt`); the folder goes afterwards.
+    `imatrix`: (Imatrix, label) from _load_imatrix, weighting the quantization. A full disk is a
+    StorageFull naming the file and the room it needed, and leaves nothing behind."""
     if not file_type:
         yield source
         return
@@ -634,10 +637,17 @@ def quantized(
         source = store.resolve(source).model_path
     elif isinstance(source, str):
         source = store.blob_path(source)
-    store.blobs.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=store.root, prefix=".quantize-") as tmp:
+    with store.scratch(".quantize-") as tmp:
         im, label = imatrix if imatrix is not None else (None, "")
-        yield requantize(Path(source), Path(tmp) / "model.gguf", file_type, imatrix=im, imatrix_label=label)
+        out = tmp / "model.gguf"
+        try:
+            made = requantize(Path(source), out, file_type, imatrix=im, imatrix_label=label)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise disk_full(out, getattr(e, "needed", None), "the partial file was removed") from None
+            raise
+        faults.reach("scratch.written")
+        yield made
 
 
 _FORMAT_KEYS = ("renderer", "parser", "requires")
@@ -837,8 +847,8 @@ def _adapters_from_request(store: Store, value: Any) -> Iterator[list[str | Path
         raise LocalrtError(
             f"adapters: a PEFT adapter needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} (got {', '.join(sorted(peft))})"
         )
-    with tempfile.TemporaryDirectory(dir=store.root, prefix=".peft-") as tmp:
-        folder = Path(tmp) / "adapter"
+    with store.scratch(".peft-") as tmp:
+        folder = tmp / "adapter"
         folder.mkdir()
         for name, blob_path in peft.items():
             (folder / name).symlink_to(blob_path)

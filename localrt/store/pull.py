@@ -17,6 +17,7 @@ from localrt.store.names import parse_name
 from localrt.store.sources.common import Progress
 from localrt.store.sources.common import ProgressFn
 from localrt.store.sources.common import coalesce
+from localrt.store.store import StorageFull
 from localrt.store.store import Store
 
 __all__ = ["Progress", "ProgressFn", "pull"]
@@ -96,6 +97,8 @@ def _pull_catalog(entry: CatalogEntry, store: Store, insecure: bool, emit: Progr
         try:
             _pull_source(entry, source, store, insecure, emit)
             return entry.name
+        except StorageFull:
+            raise  # the next source needs the same room on the same disk
         except (LocalrtError, OSError) as e:
             # one line per source, so the final error says where each attempt went wrong
             reasons.append(f"{source.url}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")

@@ -20,6 +20,7 @@ from urllib.parse import urljoin
 
 import httpx
 
+from localrt import faults
 from localrt.errors import LocalrtError
 from localrt.store.names import ModelName
 from localrt.store.pull import _parse_reference
@@ -76,6 +77,7 @@ def push(
             uploader = Uploader(client, ref, store, emit, max(1, chunk_size))
             for blob, size in layers.items():
                 uploader.blob(blob, size)
+                faults.reach("push.blob")
             emit(Progress("pushing manifest"))
             uploader.manifest(raw, str(manifest.get("mediaType") or MANIFEST_MEDIA_TYPE))
     except httpx.ConnectTimeout:

@@ -147,7 +147,8 @@ def merge_parts(paths: list[Path], write: Callable[[bytes], None]) -> int:
 
 def store_merged(store: Store, parts: list[Path]) -> tuple[str, int]:
     """Merge the parts into one blob of the store (hashed on the way): (digest, size)."""
-    with store.begin_blob() as blob:
+    # the parts' sizes bound the merged file's (the headers merge into one): what a full disk needs
+    with store.begin_blob(sum(p.stat().st_size for p in parts)) as blob:
         merge_parts(parts, blob.write)
         return blob.commit()
 

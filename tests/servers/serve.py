@@ -29,6 +29,8 @@ class LocalrtServer:
             **os.environ,
             "LOCALRT_HOST": f"127.0.0.1:{self.port}",
             "LOCALRT_MODELS": str(models_dir),
+            # a test's requests are over when it stops the server: a short drain keeps `stop` within its wait
+            "LOCALRT_SHUTDOWN_GRACE": "5s",
             **(env or {}),
         }
         self.log_path = log_path

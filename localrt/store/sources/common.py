@@ -10,12 +10,14 @@ import errno
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from localrt.errors import LocalrtError
-from localrt.errors import PullError
 from localrt.format import format_bytes
 from localrt.store.names import normalize_digest
+from localrt.store.store import StorageFull
 from localrt.store.store import Store
+from localrt.store.store import disk_full
 from localrt.store.store import free_space
 
 
@@ -70,15 +72,14 @@ def check_free_space(store: Store, needed: int) -> None:
     """Fail before writing when the blobs folder's filesystem cannot hold `needed` more bytes."""
     have = free_space(store.blobs)
     if needed > have:
-        raise PullError(f"not enough disk space: need {format_bytes(needed)}, have {format_bytes(have)}")
+        raise StorageFull(
+            f"not enough disk space for {store.blobs}: need {format_bytes(needed)}, have {format_bytes(have)}"
+        )
 
 
-def disk_full(store: Store, needed: int, err: OSError) -> LocalrtError | None:
-    """ENOSPC while writing -> the same clear error as the up-front check; None for other errors."""
+def partial_full(partial: Path, needed: int, err: OSError) -> LocalrtError | None:
+    """ENOSPC while writing a resumable download -> the clear error (the partial stays for resuming);
+    None for other errors."""
     if err.errno != errno.ENOSPC:
         return None
-    have = free_space(store.blobs)
-    return PullError(
-        f"not enough disk space: need {format_bytes(needed)}, have {format_bytes(have)} "
-        "(no space left on device; the partial download is kept for resuming)"
-    )
+    return disk_full(partial, needed, "the partial download is kept: pull again to resume once there is room")

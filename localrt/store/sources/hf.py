@@ -7,10 +7,8 @@ its sha256 is checked against the Hub's LFS metadata and the catalog's, when eit
 
 from __future__ import annotations
 
-import os
+import errno
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ from localrt.store.split import part_name
 from localrt.store.split import series_names
 from localrt.store.split import split_series
 from localrt.store.store import Store
-from localrt.store.store import sha256_file
+from localrt.store.store import disk_full
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_QUANT = "Q4_K_M"  # what `latest` means, as on the Hub's own Ollama endpoint
@@ -228,8 +226,7 @@ def _fetch_file(
         emit(Progress("verifying sha256 digest"))
         return digest
     check_free_space(store, size or 0)
-    scratch = Path(tempfile.mkdtemp(dir=store.root, prefix=".hf-"))
-    try:
+    with store.scratch(".hf-") as scratch:
         try:
             path = Path(
                 hf_hub_download(
@@ -242,17 +239,15 @@ def _fetch_file(
                     tqdm_class=_bridge(emit, status, digest, size),
                 )
             )
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise disk_full(scratch / chosen, size, "the partial file was removed") from None
+            raise _hub_error(e, repo, host) from None
         except Exception as e:
             raise _hub_error(e, repo, host) from None
         emit(Progress("verifying sha256 digest"))
-        digest = digest or sha256_file(path)
-        with store.lock(digest):
-            if not store.has_blob(digest):
-                os.replace(path, store.partial_path(digest))
-                store.finalize_partial(digest)  # hashes again: DigestMismatch deletes it
-        return digest
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        with store.lock("gc"):  # a concurrent `rm` must not collect the blob before its manifest names it
+            return store.adopt(path, digest)[0]  # hashed again: DigestMismatch leaves it to the scratch
 
 
 def pull_hf(ref: ModelName, store: Store, *, dest: ModelName, progress: ProgressFn | None = None) -> str:

