@@ -62,3 +62,23 @@ def open_webui() -> Path:
         subprocess.run([str(folder / "bin" / "pip"), "install", "-q", OPEN_WEBUI_PIN], check=True)
         (folder / ".pins").write_text(OPEN_WEBUI_PIN)
     return program
+
+
+# a tool the client tests offer, and the schema that forces the model's output into the shape of its call,
+# so the tool-call path is exercised for real
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["get_weather"]},
+        "arguments": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+    "required": ["name", "arguments"],
+}

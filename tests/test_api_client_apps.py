@@ -27,6 +27,8 @@ from localrt.store.store import Store
 from tests.agent_templates import CHATML_JSON_TOOLS
 from tests.agent_templates import official_template
 from tests.agents_fixtures import GrammarProxy
+from tests.clients_fixtures import CALL_SCHEMA
+from tests.clients_fixtures import WEATHER_TOOL
 from tests.clients_fixtures import node_modules
 from tests.clients_fixtures import venv_bin
 from tests.servers.serve import LocalrtServer
@@ -36,22 +38,6 @@ TOOLS_MODEL = "smollm2-tools:135m"
 # the same file under ChatML with tools as JSON and no call markers: a reply that is a call's JSON is a call
 JSON_TOOLS_MODEL = "smollm2-json-tools:135m"
 QUESTION = "What is the capital of France?"
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-CALL_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "enum": ["get_weather"]},
-        "arguments": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-    "required": ["name", "arguments"],
-}
 AI_SDK_SCRIPT = Path(__file__).parent / "clients" / "ai_sdk.cjs"
 
 

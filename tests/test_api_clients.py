@@ -24,6 +24,8 @@ from localrt.store.catalog import load_catalog
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
 from tests.agent_templates import CHATML_JSON_TOOLS
+from tests.clients_fixtures import CALL_SCHEMA
+from tests.clients_fixtures import WEATHER_TOOL
 from tests.servers.registry import Registry
 from tests.servers.serve import LocalrtServer
 
@@ -34,23 +36,6 @@ CITY_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
     "required": ["city", "country"],
-}
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-# Forces the model's output into the shape of a call, so the tool-call path is exercised for real.
-CALL_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "enum": ["get_weather"]},
-        "arguments": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-    "required": ["name", "arguments"],
 }
 
 

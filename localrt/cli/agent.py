@@ -28,6 +28,7 @@ from localrt.agent.loop import ToolStarted
 from localrt.agent.loop import tools_refused
 from localrt.agent.toolbox import Toolbox
 from localrt.cli.common import Subparsers
+from localrt.cli.common import add_tool_options
 from localrt.errors import LocalrtError
 
 if TYPE_CHECKING:
@@ -42,19 +43,7 @@ def add_tool_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tools", action="store_true", help="let the model use the built-in tools and MCP servers"
     )
-    p.add_argument(
-        "--mcp",
-        default=None,
-        metavar="FILE",
-        help="MCP servers to start (default ~/.config/localrt/mcp.json)",
-    )
-    p.add_argument("--yes", action="store_true", help="approve every tool call without asking")
-    p.add_argument(
-        "--tool-choice",
-        default=None,
-        metavar="CHOICE",
-        help="auto, required, none, or a tool's name (the first request only)",
-    )
+    add_tool_options(p)
 
 
 def wants_tools(args: argparse.Namespace) -> bool:

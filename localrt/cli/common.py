@@ -55,3 +55,21 @@ def recover_store(say: Callable[[str], None] | None = None) -> None:
             print(f"localrt: {line}", file=sys.stderr)
         else:
             say(line)
+
+
+def add_tool_options(p: argparse.ArgumentParser) -> None:
+    """The tool loop's options, the same for `run --tools` and `chat`: the MCP servers to start, approving
+    every call, and the tool choice of each answer's first request."""
+    p.add_argument(
+        "--mcp",
+        default=None,
+        metavar="FILE",
+        help="MCP servers to start (default ~/.config/localrt/mcp.json)",
+    )
+    p.add_argument("--yes", action="store_true", help="approve every tool call without asking")
+    p.add_argument(
+        "--tool-choice",
+        default=None,
+        metavar="CHOICE",
+        help="auto, required, none, or a tool's name, for each answer's first request",
+    )

@@ -17,21 +17,26 @@ from rich.progress import TimeRemainingColumn
 from rich.progress import TransferSpeedColumn
 
 
+def byte_bars(console: Console, transient: bool) -> Progress:
+    """Bars over byte counts: description, bar, bytes done of total, speed, time left."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=transient,
+    )
+
+
 class PullProgress:
     """A context manager whose `update(event)` takes `localrt.store.pull.Progress` events."""
 
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console(stderr=True)
         self.live = self.console.is_terminal
-        self.bars = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=self.console,
-            transient=False,
-        )
+        self.bars = byte_bars(self.console, transient=False)
         self.tasks: dict[str, Any] = {}
         self.last_status: str | None = None
 
@@ -71,15 +76,7 @@ class ByteProgress:
     def __init__(self, description: str, console: Console | None = None) -> None:
         self.console = console or Console(stderr=True)
         self.live = self.console.is_terminal
-        self.bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=self.console,
-            transient=True,
-        )
+        self.bar = byte_bars(self.console, transient=True)
         self.task = self.bar.add_task(description, total=None)
 
     def __enter__(self) -> ByteProgress:
