@@ -41,7 +41,11 @@ async def fill(model, context: int, parallel: int) -> None:
     await asyncio.gather(*(one(i) for i in range(parallel)))
 
 
-BUFFER = re.compile(r"(\w+) buffer size =\s*([0-9.]+) MiB")
+# "CPU_Mapped model buffer size = 242.08 MiB": the buffer type, the kind, the size
+BUFFER = re.compile(r"(\w+) (\w+) buffer size =\s*([0-9.]+) MiB")
+# where llama.cpp's CPU extra buffer types lay out a second copy of some weights for their kernels (its
+# mapped pages of the file for those tensors are then never read, so they never become resident)
+REPACKED = ("CPU_REPACK", "AMX")
 
 
 def llama_log() -> list[str]:
@@ -80,7 +84,8 @@ def main() -> None:
         if log is not None:
             allocated: dict[str, int] = {}
             for m in BUFFER.finditer("".join(log)):
-                allocated[m.group(1)] = allocated.get(m.group(1), 0) + int(float(m.group(2)) * (1 << 20))
+                kind = "repacked" if m.group(1) in REPACKED and m.group(2) == "model" else m.group(2)
+                allocated[kind] = allocated.get(kind, 0) + int(float(m.group(3)) * (1 << 20))
             row["allocated"] = allocated
         rows.append(row)
         model.unload()
