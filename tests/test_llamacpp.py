@@ -240,7 +240,12 @@ def test_parallel_slots_give_each_request_its_own_output(smollm2_gguf: Path, mod
         for q in questions
     ]
     opts = LoadOptions(
-        num_ctx=1024, num_thread=THREADS, num_batch=256, num_parallel=2, draft_model=smollm2_gguf
+        num_ctx=1024,
+        num_thread=THREADS,
+        num_batch=256,
+        num_parallel=2,
+        draft_model=smollm2_gguf,
+        batch_invariant=True,
     )
     two = LlamaCppBackend.load(smollm2_gguf, opts)
     try:
