@@ -32,6 +32,7 @@ from localrt.backends.llamacpp.lib import Batch  # noqa: E402
 from localrt.backends.llamacpp.lib import context_params  # noqa: E402
 from localrt.backends.llamacpp.lib import create_context  # noqa: E402
 from localrt.backends.llamacpp.lib import logits_row  # noqa: E402
+from localrt.backends.llamacpp.sequences import Sequence  # noqa: E402
 from localrt.errors import LocalrtError  # noqa: E402
 
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
@@ -583,6 +584,15 @@ def test_requests_past_the_pool_wait_or_are_preempted_and_all_complete(smollm2_g
     m = pooled_model(smollm2_gguf, num_parallel=8, kv_cells=1024)
     try:
         assert m.engine is not None
+        scheduler, peak = m.engine.scheduler, [0]
+        admit = scheduler.admit
+
+        def counted_admit() -> list[Sequence]:  # the most sequences running at once
+            admitted = admit()
+            peak[0] = max(peak[0], len(scheduler.running))
+            return admitted
+
+        scheduler.admit = counted_admit  # type: ignore[method-assign]
         base = m.tokenize(PASSAGE, add_special=False)
         prompts = [m.tokenize(f"Story {i}:", add_special=True) + base[i * 7 : i * 7 + 290] for i in range(8)]
 
@@ -600,6 +610,8 @@ def test_requests_past_the_pool_wait_or_are_preempted_and_all_complete(smollm2_g
     assert all(len(p) > 290 for p in prompts)
     assert [o.done.finish_reason if o.done else None for o in outs] == ["length"] * 8
     assert [len(o.ids) for o in outs] == [100] * 8
+    assert peak[0] <= 3  # the others waited for room
+    assert peak[0] >= 2  # the pool is shared
     assert preemptions >= 1
     assert all(matches)
 
