@@ -35,8 +35,8 @@ MAX_VERIFY = EXACT_ROWS  # draft tokens + 1 per sequence and step
 PROMPT_WORK = EXACT_ROWS * 1024
 # The rows of a step that also decodes (vLLM's chunked prefill budget): prompt chunks fill it beside the
 # decode and draft rows, so a long prompt arriving delays the running streams by at most this many rows a
-# token, not by its whole length. A prompt row costs about half a decode step on the CPU; the figure is
-# measured in benchmarks/README.md ("A step's rows while streams decode").
+# token, not by its whole length. A prompt row costs about half a decode step on the CPU; 128 is not tuned
+# by a measurement yet.
 DECODE_STEP_ROWS = 128
 
 
