@@ -617,6 +617,7 @@ def test_requests_past_the_pool_wait_or_are_preempted_and_all_complete(smollm2_g
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 7 minutes at 2 threads on a busy 2-core machine, over 10 at one thread
 def test_eight_4k_token_requests_on_a_16k_pool_all_complete(smollm2_gguf: Path) -> None:
     """The agent-sized case of the test above: eight requests of about 4,000 prompt tokens at once on a
     pool of 16,384 cells (four of them fit)."""
