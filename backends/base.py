@@ -80,9 +80,12 @@ class LoadOptions:
     projector: Path | None = None  # a multimodal projector GGUF (mmproj) for images
     numerics: str = "auto"  # the torch engine's weights and arithmetic (NUMERICS)
     adapters: tuple[Path, ...] = ()  # LoRA adapter GGUFs applied over the weights at scale 1.0, in order
-    # llama.cpp: a prompt's rows per step up to num_batch, not the 48 that keep batching invisible
-    # (LOCALRT_FAST_PREFILL, read when the options are made)
-    fast_prefill: bool = field(default_factory=config.fast_prefill)
+    # a request's output does not depend on what is batched beside it, at a cost in prefill speed and
+    # memory (LOCALRT_BATCH_INVARIANT, read when the options are made)
+    batch_invariant: bool = field(default_factory=config.batch_invariant)
+    # cells of the KV pool the sequences share where a backend keeps one (llama.cpp unless batch
+    # invariant): 0 = num_parallel x num_ctx, else at least num_ctx (the memory fit makes it smaller)
+    kv_cells: int = 0
 
 
 @dataclass

@@ -43,6 +43,7 @@ class MemoryEstimate:
     gpu: int = 0  # of the total, the bytes that go to GPU memory (layers offloaded, their KV, buffers)
     gpu_free: int | None = None  # the GPUs' room when estimated (None: no GPU)
     gpu_weights: int = 0  # of the GPU's part, the weights' bytes
+    pool: int = 0  # cells of the KV pool the sequences share (0: each sequence has its own context's)
 
     @property
     def weights_ram(self) -> int:
@@ -79,13 +80,19 @@ class MemoryEstimate:
             "gpu": self.gpu,
             "context_length": self.context_length,
             "parallel": self.parallel,
+            "pool": self.pool,
         }
+
+    @property
+    def pool_text(self) -> str:
+        """What `ps` and `--estimate` add where the sequences share one pool: ", KV pool N cells"."""
+        return f", KV pool {self.pool} cells" if self.pool else ""
 
     def lines(self) -> list[str]:
         """The estimate as `run --estimate` and `show` print it."""
         rows = [
             ("backend", f"{self.backend} ({self.device})"),
-            ("context", f"{self.context_length} x {self.parallel} parallel"),
+            ("context", f"{self.context_length} x {self.parallel} parallel" + self.pool_text),
             ("weights", human_bytes(self.weights)),
             ("kv cache", human_bytes(self.kv)),
             ("buffers", human_bytes(self.buffers)),
@@ -109,12 +116,13 @@ class Sizing:
     backend: str
     context: int
     parallel: int
+    pool: int = 0  # cells of the KV pool the sequences share (0: a context each)
 
     def estimate(self, **parts: Any) -> MemoryEstimate:
         """The estimate at these settings; `parts`: the bytes by part and where they go (the other fields
         of `MemoryEstimate`)."""
         return MemoryEstimate(
-            backend=self.backend, context_length=self.context, parallel=self.parallel, **parts
+            backend=self.backend, context_length=self.context, parallel=self.parallel, pool=self.pool, **parts
         )
 
 
@@ -212,6 +220,11 @@ def _sliding_layers(num: HeaderNumbers) -> int:
     if arch == "gemma3":
         return n_layer - n_layer // 6
     return n_layer if arch in ("gemma2",) else 0
+
+
+def padded(cells: int) -> int:
+    """Cells as llama.cpp allocates them: a multiple of 256."""
+    return -(-cells // 256) * 256
 
 
 def context_for(shape: ModelShape, num_ctx: int) -> int:

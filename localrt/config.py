@@ -116,14 +116,15 @@ VARIABLES: tuple[Variable, ...] = (
         "`q4_0`, `fp8`, where the backend supports it.",
     ),
     Variable(
-        "LOCALRT_FAST_PREFILL",
+        "LOCALRT_BATCH_INVARIANT",
         "flag",
         "",
         SERVER,
-        "`1`: the llama.cpp backend evaluates up to `num_batch` rows of a prompt per step instead of 48, "
-        "which makes a long prompt about 1.25x faster on the CPU; a request's results then depend, in their "
-        "last bits, on what else runs beside it (see [limitations.md](limitations.md)). A model with layers on a "
-        "GPU always does so: the 48-row cap is made for the CPU's kernels.",
+        "`1`: a request's output does not depend, to the last bit, on what is batched beside it, as vLLM's "
+        "`VLLM_BATCH_INVARIANT`. It costs prefill speed (the llama.cpp backend evaluates 48 prompt rows a step "
+        "instead of `num_batch`) and memory (a KV stream of `num_ctx` cells per parallel sequence instead of "
+        "one shared pool). Off, a lone request's output is still the same from run to run "
+        "(see [limitations.md](limitations.md)).",
         shown="off",
         load=True,
     ),
@@ -531,9 +532,10 @@ def ui_enabled() -> bool:
     return (setting("LOCALRT_UI") or default_of("LOCALRT_UI")).lower() not in ("0", "off", "false", "no")
 
 
-def fast_prefill() -> bool:
-    """LOCALRT_FAST_PREFILL: prompt rows per step up to `num_batch` (batching then shows in the last bits)."""
-    return flag("LOCALRT_FAST_PREFILL")
+def batch_invariant() -> bool:
+    """LOCALRT_BATCH_INVARIANT: outputs that do not depend on what runs beside them (read into a load's
+    options: a change means a reload)."""
+    return flag("LOCALRT_BATCH_INVARIANT")
 
 
 MAX_NUM_PARALLEL = 256

@@ -43,7 +43,8 @@ COPY_PROMPT = CHAT.format(q=f"Repeat this text exactly:\n{PARAGRAPH}") + PARAGRA
 
 
 def load_options(**extra: object) -> LoadOptions:
-    return LoadOptions(num_ctx=1024, num_thread=THREADS, num_batch=256, **extra)  # type: ignore[arg-type]
+    """Batch invariant: the suite checks that batching is invisible, to the last bit."""
+    return LoadOptions(num_ctx=1024, num_thread=THREADS, num_batch=256, batch_invariant=True, **extra)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -47,7 +47,7 @@ def test_only_the_table_reads_the_environment() -> None:
 
 def test_load_variables_are_part_of_the_load_key(monkeypatch: pytest.MonkeyPatch) -> None:
     loads = [v.name for v in config.VARIABLES if v.load]
-    assert "LOCALRT_FAST_PREFILL" in loads
+    assert "LOCALRT_BATCH_INVARIANT" in loads
     for name in loads:
         monkeypatch.delenv(name, raising=False)
     before = config.load_key()

@@ -165,7 +165,9 @@ def test_greedy_pick_is_the_greedy_chains_across_decodes(model: LlamaCppModel) -
 
     tokens = model.tokenize(PARAGRAPH * 2, add_special=True, parse_special=False)
     assert len(tokens) > 41
-    ctx = create_context(model.model, context_params(LoadOptions(num_ctx=256), 256, 64, 1, THREADS))
+    ctx = create_context(
+        model.model, context_params(LoadOptions(num_ctx=256), 256, 64, 1, THREADS, unified=False)
+    )
     fast, chain, batch = ArgmaxSampler(model.n_vocab), _internals.LlamaSampler(), Batch(64)
     chain.add_greedy()
     picks, pos = [], 0
@@ -238,7 +240,12 @@ def test_parallel_slots_give_each_request_its_own_output(smollm2_gguf: Path, mod
         for q in questions
     ]
     opts = LoadOptions(
-        num_ctx=1024, num_thread=THREADS, num_batch=256, num_parallel=2, draft_model=smollm2_gguf
+        num_ctx=1024,
+        num_thread=THREADS,
+        num_batch=256,
+        num_parallel=2,
+        draft_model=smollm2_gguf,
+        batch_invariant=True,
     )
     two = LlamaCppBackend.load(smollm2_gguf, opts)
     try:

@@ -1,5 +1,7 @@
-"""The llama.cpp backend's one batched context: batching is invisible (concurrent requests give exactly the
-tokens each gives alone), prefix reuse across requests, cancellation frees KV at once, context shift."""
+"""The llama.cpp backend's one batched context: under batch invariance batching is invisible (concurrent
+requests give exactly the tokens each gives alone); by default a lone request is still the same run to run,
+the sequences share one KV pool, and a request that finds no room waits or is preempted and resumed; prefix
+reuse across requests, cancellation frees KV at once, context shift."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from dataclasses import field
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from localrt.backends.llamacpp.lib import Batch  # noqa: E402
 from localrt.backends.llamacpp.lib import context_params  # noqa: E402
 from localrt.backends.llamacpp.lib import create_context  # noqa: E402
 from localrt.backends.llamacpp.lib import logits_row  # noqa: E402
+from localrt.backends.llamacpp.sequences import Sequence  # noqa: E402
 from localrt.errors import LocalrtError  # noqa: E402
 
 THREADS = int(os.environ.get("LOCALRT_TEST_THREADS", "1"))
@@ -58,11 +62,13 @@ REPEAT = (
 class Outcome:
     ids: list[int]
     done: DoneEvent | None
+    logprobs: list[float] = field(default_factory=list)
 
 
 @pytest.fixture(scope="module")
 def model(smollm2_gguf: Path) -> Iterator[LlamaCppModel]:
-    opts = LoadOptions(num_ctx=512, num_thread=THREADS, num_batch=128, num_parallel=16)
+    """Batch invariant: most tests here compare a request's tokens beside others with its tokens alone."""
+    opts = LoadOptions(num_ctx=512, num_thread=THREADS, num_batch=128, num_parallel=16, batch_invariant=True)
     loaded = LlamaCppBackend.load(smollm2_gguf, opts)
     yield loaded
     loaded.unload()
@@ -74,17 +80,19 @@ def ask(model: LlamaCppModel, question: str) -> list[int]:
 
 async def run_one(model: LlamaCppModel, req: GenerateRequest, cancel_after: int | None = None) -> Outcome:
     ids: list[int] = []
+    logprobs: list[float] = []
     done = None
     events = model.generate(req)
     async for event in events:
         if isinstance(event, TextEvent):
             ids += event.token_ids
+            logprobs += [lp.logprob for lp in event.logprobs or []]
             if cancel_after is not None and len(ids) >= cancel_after:
                 await events.aclose()  # a client hanging up
                 break
         else:
             done = event
-    return Outcome(ids, done)
+    return Outcome(ids, done, logprobs)
 
 
 def mixed_requests(model: LlamaCppModel) -> list[tuple[GenerateRequest, int | None]]:
@@ -247,11 +255,11 @@ def test_context_shift_goes_past_the_context_end(smollm2_gguf: Path) -> None:
     assert text == counting  # still counting, right, after the shifts
 
 
-@pytest.mark.parametrize(("fast", "decodes"), [("", 4), ("1", 1)])
-def test_a_long_prompt_takes_48_rows_a_step_unless_fast_prefill_is_on(
-    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch, fast: str, decodes: int
+@pytest.mark.parametrize(("invariant", "decodes"), [("1", 4), ("", 2)])
+def test_a_long_prompt_takes_48_rows_a_step_under_batch_invariance(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch, invariant: str, decodes: int
 ) -> None:
-    monkeypatch.setenv("LOCALRT_FAST_PREFILL", fast)
+    monkeypatch.setenv("LOCALRT_BATCH_INVARIANT", invariant)
     opts = LoadOptions(num_ctx=512, num_thread=THREADS, num_batch=256, num_parallel=2)
     m = LlamaCppBackend.load(smollm2_gguf, opts)
     try:
@@ -261,7 +269,8 @@ def test_a_long_prompt_takes_48_rows_a_step_unless_fast_prefill_is_on(
         steps = m.engine.steps
     finally:
         m.unload()
-    assert steps == decodes  # 150 rows: 48 + 48 + 48 + 6, or all at once
+    # 150 rows: 48 + 48 + 48 + 6; or all but the last at once, then the last on its own
+    assert steps == decodes
 
 
 @pytest.mark.parametrize(("work", "decodes"), [(1000, 2), (None, 1)])
@@ -318,7 +327,12 @@ def test_speculation_in_a_mixed_batch_stays_exact(smollm2_gguf: Path) -> None:
     """Draft-model and prompt-lookup guesses checked in the same step as plain decodes: every request,
     greedy or seeded, gives exactly the tokens it gives alone with speculation off."""
     opts = LoadOptions(
-        num_ctx=512, num_thread=THREADS, num_batch=128, num_parallel=6, draft_model=smollm2_gguf
+        num_ctx=512,
+        num_thread=THREADS,
+        num_batch=128,
+        num_parallel=6,
+        draft_model=smollm2_gguf,
+        batch_invariant=True,
     )
     m = LlamaCppBackend.load(smollm2_gguf, opts)
     try:
@@ -356,7 +370,7 @@ def test_speculation_in_a_mixed_batch_stays_exact(smollm2_gguf: Path) -> None:
 def test_an_evicted_conversation_comes_back_from_the_ram_cache(smollm2_gguf: Path) -> None:
     """Two sequences, three conversations: the first loses its sequence to the third, its state is saved in
     RAM, and its next turn evaluates only the new tokens, with the tokens a fresh model gives."""
-    opts = LoadOptions(num_ctx=512, num_thread=THREADS, num_batch=128, num_parallel=2)
+    opts = LoadOptions(num_ctx=512, num_thread=THREADS, num_batch=128, num_parallel=2, batch_invariant=True)
     system = " ".join(f"Rule {i}: answer with care and in full sentences." for i in range(6))
     chat = CHAT.replace("You are a helpful assistant.", system)
     m = LlamaCppBackend.load(smollm2_gguf, opts)
@@ -483,7 +497,9 @@ def test_a_batch_row_without_logits_is_an_error_not_a_read(model: LlamaCppModel)
     """`logits_row` reads llama.cpp's buffer at the address it returns; a row the batch did not ask
     logits for has none, and reading there would be a read of freed or foreign memory."""
     tokens = ask(model, QUESTIONS[0])[:3]
-    ctx = create_context(model.model, context_params(LoadOptions(num_ctx=64), 256, 16, 1, THREADS))
+    ctx = create_context(
+        model.model, context_params(LoadOptions(num_ctx=64), 256, 16, 1, THREADS, unified=False)
+    )
     batch = Batch(len(tokens))
     try:
         batch.add(tokens, 0, 0, [False, False, True])
@@ -494,3 +510,131 @@ def test_a_batch_row_without_logits_is_an_error_not_a_read(model: LlamaCppModel)
     finally:
         batch.close()
         ctx.close()
+
+
+# ---- by default: one KV pool, a lone request the same run to run, waiting and preemption --------------
+PASSAGE = " ".join(
+    f"Sentence {i} tells of rivers, hills and the old roads between the towns." for i in range(40)
+)
+
+
+def pooled_model(gguf: Path, **extra: int) -> LlamaCppModel:
+    settings = {"num_ctx": 512, "num_thread": THREADS, "num_batch": 128, "batch_invariant": False, **extra}
+    return LlamaCppBackend.load(gguf, LoadOptions(**settings))  # type: ignore[arg-type]
+
+
+def test_a_lone_request_is_the_same_run_to_run_without_batch_invariance(smollm2_gguf: Path) -> None:
+    """Without the switch a prompt goes in chunks of num_batch rows, through the tiled attention kernel
+    from 64 rows on; its last row is evaluated on its own, as it is when the rest of the prompt is cached,
+    so the same request alone gives the same tokens and logprobs whether its prompt was cached or not."""
+    m = pooled_model(smollm2_gguf, num_parallel=4)
+    try:
+        prompt = m.tokenize(PASSAGE, add_special=True)[:356]  # chunks of 128, 128 and 100 rows
+        runs = [
+            asyncio.run(run_one(m, GenerateRequest(prompt, GREEDY, num_predict=12, logprobs=True)))
+            for _ in range(3)
+        ]
+    finally:
+        m.unload()
+    dones = [r.done for r in runs]
+    assert len(prompt) == 356
+    assert dones[0] is not None
+    assert dones[1] is not None
+    assert dones[0].timings.cached_count == 0
+    assert dones[1].timings.cached_count == len(prompt) - 1
+    for run in runs[1:]:
+        assert run.ids == runs[0].ids
+        assert run.logprobs == runs[0].logprobs
+
+
+def test_the_sequences_share_one_pool_and_a_shared_prefix_takes_its_cells_once(smollm2_gguf: Path) -> None:
+    """The context is one pool of num_parallel x num_ctx cells (or what LoadOptions.kv_cells asks, never
+    less than a context), and a prefix copied from another sequence shares that sequence's cells."""
+    m = pooled_model(smollm2_gguf, num_parallel=4)
+    small = pooled_model(smollm2_gguf, num_parallel=4, kv_cells=100)
+    try:
+        assert m.engine is not None
+        assert small.engine is not None
+        lib = m.engine.kv.lib
+        sizes = [(x.engine.kv.pool, lib.llama_n_ctx(x.engine.runner.ctx.ctx)) for x in (m, small)]
+        system = " ".join(f"Rule {i}: answer politely and briefly." for i in range(8))
+        prompts = [
+            m.tokenize(CHAT.replace("You are a helpful assistant.", system).format(q=q), True, True)
+            for q in ("Name a fruit.", "Name a tree.")
+        ]
+        shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+        for prompt in prompts:
+            asyncio.run(run_one(m, GenerateRequest(prompt, GREEDY, num_predict=4)))
+        kv = m.engine.kv
+        held = sorted(len(c) for c in kv.cells if c)
+        used = kv.used
+    finally:
+        m.unload()
+        small.unload()
+    assert sizes == [(2048, 2048), (512, 512)]
+    assert len(held) == 2
+    assert used == sum(held) - shared
+
+
+def test_requests_past_the_pool_wait_or_are_preempted_and_all_complete(smollm2_gguf: Path) -> None:
+    """Eight requests of 300 prompt tokens and 100 new ones on a pool of 1,024 cells: at most three hold
+    their cells at once. The others wait for room, and one that runs out of room while it decodes is
+    preempted (its state kept in RAM) and resumed where it stopped: every request ends with all its
+    tokens, and the record of each sequence's cells still matches llama.cpp's memory."""
+    m = pooled_model(smollm2_gguf, num_parallel=8, kv_cells=1024)
+    try:
+        assert m.engine is not None
+        scheduler, peak = m.engine.scheduler, [0]
+        admit = scheduler.admit
+
+        def counted_admit() -> list[Sequence]:  # the most sequences running at once
+            admitted = admit()
+            peak[0] = max(peak[0], len(scheduler.running))
+            return admitted
+
+        scheduler.admit = counted_admit  # type: ignore[method-assign]
+        base = m.tokenize(PASSAGE, add_special=False)
+        prompts = [m.tokenize(f"Story {i}:", add_special=True) + base[i * 7 : i * 7 + 290] for i in range(8)]
+
+        async def together() -> list[Outcome]:
+            reqs = [GenerateRequest(p, GREEDY, num_predict=100) for p in prompts]
+            return list(await asyncio.gather(*(run_one(m, r) for r in reqs)))
+
+        outs = asyncio.run(together())
+        engine = m.engine
+        kv = engine.kv
+        matches = [kv.lib.llama_memory_seq_pos_max(kv.mem, s) + 1 == len(kv.cells[s]) for s in range(8)]
+        preemptions = engine.scheduler.preemptions
+    finally:
+        m.unload()
+    assert all(len(p) > 290 for p in prompts)
+    assert [o.done.finish_reason if o.done else None for o in outs] == ["length"] * 8
+    assert [len(o.ids) for o in outs] == [100] * 8
+    assert peak[0] <= 3  # the others waited for room
+    assert peak[0] >= 2  # the pool is shared
+    assert preemptions >= 1
+    assert all(matches)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # 7 minutes at 2 threads on a busy 2-core machine, over 10 at one thread
+def test_eight_4k_token_requests_on_a_16k_pool_all_complete(smollm2_gguf: Path) -> None:
+    """The agent-sized case of the test above: eight requests of about 4,000 prompt tokens at once on a
+    pool of 16,384 cells (four of them fit)."""
+    m = pooled_model(smollm2_gguf, num_parallel=8, kv_cells=16384, num_ctx=4608, num_batch=512)
+    try:
+        base = m.tokenize(PASSAGE * 8, add_special=False)
+        prompts = [
+            m.tokenize(f"Story {i}:", add_special=True) + base[i * 11 : i * 11 + 4000] for i in range(8)
+        ]
+
+        async def together() -> list[Outcome]:
+            reqs = [GenerateRequest(p, GREEDY, num_predict=32) for p in prompts]
+            return list(await asyncio.gather(*(run_one(m, r) for r in reqs)))
+
+        outs = asyncio.run(together())
+    finally:
+        m.unload()
+    assert all(len(p) > 4000 for p in prompts)
+    assert [o.done.finish_reason if o.done else None for o in outs] == ["length"] * 8
+    assert [len(o.ids) for o in outs] == [32] * 8

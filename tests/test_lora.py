@@ -57,7 +57,13 @@ def server(files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
         root / "models",
         root / "serve.log",
         # several sequences, so that concurrent requests share steps (or, under other scales, alternate)
-        env={"LOCALRT_KEEP_ALIVE": "10m", "LOCALRT_BACKEND": "llama.cpp", "LOCALRT_NUM_PARALLEL": "4"},
+        # batch invariant: concurrent requests are checked against each alone, to the last bit
+        env={
+            "LOCALRT_KEEP_ALIVE": "10m",
+            "LOCALRT_BACKEND": "llama.cpp",
+            "LOCALRT_NUM_PARALLEL": "4",
+            "LOCALRT_BATCH_INVARIANT": "1",
+        },
     )
     # the CLI against the running server: the Modelfile's ADAPTER is uploaded and sent as `adapters`
     modelfile = files["work"] / "Modelfile"

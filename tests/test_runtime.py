@@ -530,7 +530,7 @@ def test_bad_requests_fail_clearly_and_the_runtime_keeps_serving(
 
 
 def test_a_variable_read_at_load_reloads_the_model(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """LOCALRT_FAST_PREFILL is read when the model loads: set while it is loaded, the next request finds
+    """LOCALRT_BATCH_INVARIANT is read when the model loads: set while it is loaded, the next request finds
     the model loaded under another value and loads it again, as a changed load option would."""
 
     async def scenario() -> None:
@@ -540,7 +540,7 @@ def test_a_variable_read_at_load_reloads_the_model(store: Store, monkeypatch: py
             options = {"num_predict": 1}
             _, first = await collect(rt.chat("smollm2:135m", load, options=options))
             _, warm = await collect(rt.chat("smollm2:135m", load, options=options))
-            monkeypatch.setenv("LOCALRT_FAST_PREFILL", "1")
+            monkeypatch.setenv("LOCALRT_BATCH_INVARIANT", "1")
             _, changed = await collect(rt.chat("smollm2:135m", load, options=options))
             assert first.metrics is not None
             assert warm.metrics is not None

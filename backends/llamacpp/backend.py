@@ -28,6 +28,8 @@ from localrt.backends.checks import check_speculative
 from localrt.backends.engine import EngineModel
 from localrt.backends.engine import EngineRequest
 from localrt.backends.engine import EngineStreams
+from localrt.backends.memory import model_shape
+from localrt.backends.memory import padded
 from localrt.backends.speculation import speculative_method
 from localrt.backends.speculation import verify_cost_per_draft
 from localrt.errors import LocalrtError
@@ -47,8 +49,11 @@ from .lib import default_threads
 from .lib import gpu_offload_supported
 from .lib import load_model
 from .memory import estimate
+from .memory import kv_bytes
 from .memory import kv_bytes_per_token
 from .memory import parallel_for
+from .memory import pool_cells
+from .memory import step_tokens
 from .mtmd import MediaPrompt
 from .mtmd import Projector
 from .pooled import POOLING_RANK
@@ -113,9 +118,13 @@ class LlamaCppModel(VocabMethods, EngineModel, ModelLifetime):
         self.n_parallel = min(n_par, self.lib.llama_max_parallel_sequences())
         n_seq_max = self.n_parallel  # idle sequences stay cached in the ids no request is using
         self.threads = opts.num_thread or default_threads()
-        step_tokens = max(self.n_parallel * 2, min(opts.num_batch, self.context_length))
-        n_ctx = -(-self.context_length // 256) * 256 * n_seq_max  # llama.cpp pads each stream to 256
-        params = context_params(opts, n_ctx, step_tokens, n_seq_max, self.threads)
+        step = step_tokens(opts.num_batch, self.context_length, self.n_parallel)
+        invariant = opts.batch_invariant
+        # one pool the sequences share, or for batch invariance a stream of a whole context per sequence
+        # (padded to 256 as llama.cpp pads each stream)
+        self.pool = 0 if invariant else pool_cells(opts.kv_cells, self.context_length, self.n_parallel)
+        n_ctx = self.pool or padded(self.context_length) * n_seq_max
+        params = context_params(opts, n_ctx, step, n_seq_max, self.threads, unified=not invariant)
         if self._declared_pooling() is not None:
             # hidden states per row when a step embeds (`llama_set_embeddings`): the engine pools them
             # itself, chunk by chunk, where llama.cpp would pool only the rows of one micro-batch
@@ -128,21 +137,24 @@ class LlamaCppModel(VocabMethods, EngineModel, ModelLifetime):
             ctx.close()
             raise
         adapters = self.adapters if self.adapters.handles else None
-        runner = Runner(m, ctx, step_tokens, adapters)
+        runner = Runner(m, ctx, step, adapters)
+        # in a pool the sliding-window layers keep only their window (lib.context_params)
+        n_swa = 0 if invariant else int(self.lib.llama_model_n_swa(m.model))
         scheduler = Scheduler(
-            KVRecord(ctx, n_seq_max, RAM_CACHE_BYTES),
+            KVRecord(ctx, n_seq_max, RAM_CACHE_BYTES, pool=self.pool, n_swa=n_swa),
             n_parallel=self.n_parallel,
             n_seq_max=n_seq_max,
             n_ctx_seq=self.context_length,
-            step_tokens=step_tokens,
+            step_tokens=step,
             # a sequence's prompt rows per step: EXACT_ROWS keeps batching invisible on the CPU's kernels
-            # (sequences.py); more (fast_prefill, or layers on a GPU, whose kernels that cap was not made
-            # for) lets a long prompt go through the faster kernels of large batches
-            prefill_rows=step_tokens if opts.fast_prefill or self.on_gpu else EXACT_ROWS,
+            # (sequences.py); a GPU's kernels, which that cap was not made for, take every row that fits
+            prefill_rows=EXACT_ROWS if invariant and not self.on_gpu else step,
             # a GPU's kernels batch prompt rows for little more than one costs, where PROMPT_WORK was not
             # estimated: every prompt that fits
             prompt_work=None if self.on_gpu else PROMPT_WORK,
-            copy_min=copy_threshold(per_token * self.context_length, int(m.size())),
+            # in a pool a copied prefix is shared, not copied: any is worth it
+            copy_min=1 if self.pool else copy_threshold(per_token * self.context_length, int(m.size())),
+            last_row_apart=not invariant,
         )
         try:
             draft = self._load_draft(Path(opts.draft_model), params) if opts.draft_model is not None else None
@@ -172,7 +184,7 @@ class LlamaCppModel(VocabMethods, EngineModel, ModelLifetime):
             vision=self._projector is not None,
             rerank=is_reranker(self.lib, m.model, self.metadata),
         )
-        kv = per_token * self.context_length * self.n_parallel
+        kv = kv_bytes(model_shape(self.path), opts, self.context_length, self.n_parallel)
         self._own_bytes = kv + (int(self._draft_model.size()) if self._draft_model else 0)
         self._own_bytes += sum(Path(p).stat().st_size for p in opts.adapters)
         if self._projector is not None:
@@ -218,7 +230,8 @@ class LlamaCppModel(VocabMethods, EngineModel, ModelLifetime):
             lambda t: self.piece(t, True),
             lambda t: draft_vocab.piece(t, True),
         )
-        return DraftContext(model, create_context(model, params), params.n_seq_max, params.n_batch)
+        n_swa = int(self.lib.llama_model_n_swa(model.model)) if params.kv_unified else 0
+        return DraftContext(model, create_context(model, params), params.n_seq_max, params.n_batch, n_swa)
 
     # -- generation --
     async def _prepare(self, request: GenerateRequest) -> EngineRequest:

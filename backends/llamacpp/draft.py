@@ -20,11 +20,11 @@ class DraftContext:
     """A draft model (`model`: llama-cpp-python's LlamaModel) and a context on it (`ctx`) with the
     target's parameters, so the same seq ids and batch size; its own record of what each seq id holds."""
 
-    def __init__(self, model: Any, ctx: Any, n_seq_max: int, n_batch: int) -> None:
+    def __init__(self, model: Any, ctx: Any, n_seq_max: int, n_batch: int, n_swa: int = 0) -> None:
         self.lib = _lib()
         self.model, self.ctx = model, ctx
         self.n_vocab = model.n_vocab()
-        self.kv = KVRecord(ctx, n_seq_max)
+        self.kv = KVRecord(ctx, n_seq_max, n_swa=n_swa)
         self.batch = Batch(n_batch)
         self.ends_generation = EndTokens(model.vocab)
 
@@ -73,7 +73,7 @@ class DraftContext:
     def _append(self, seq: int, tokens: list[int], output: bool | list[bool]) -> int:
         """Add tokens to the batch at seq's next positions (recorded as held); their first batch index."""
         start = self.batch.add(tokens, len(self.kv.cells[seq]), seq, output)
-        self.kv.cells[seq].extend(tokens)
+        self.kv.extend(seq, tokens)
         return start
 
     def _take(self, i: int, row: int, wants: list[tuple[int, list[int], int]], out: list[list[int]]) -> bool:

@@ -39,6 +39,7 @@ from .lib import make_sampler
 from .pooled import PooledContexts
 from .runner import Runner
 from .scheduler import Scheduler
+from .scheduler import StepPlan
 from .sequences import MAX_VERIFY
 from .sequences import ExternalChunk
 from .sequences import Sequence
@@ -134,11 +135,14 @@ class Engine(EngineThread):
         for seq in [s for s in sched.running if s.request.cancel.cancelled]:
             self._finish(seq, "cancel", out)
         for seq in sched.admit():
+            if seq.admissions > 1:
+                continue  # resumed after a preemption: its sampler and limits are made
             try:
                 self._prepare(seq)
             except Exception as e:  # this request's sampler (its grammar) could not be made
                 self._fail(seq, e, out)
-        for seq in sched.cancelled:
+        for seq in sched.cancelled:  # before their admission, or while waiting to resume
+            self._release(seq, keep=False)
             out.end(seq.request, "cancel")
         sched.cancelled.clear()
         if sched.running:
@@ -154,13 +158,20 @@ class Engine(EngineThread):
         for seq in full:
             self._finish(seq, "length", out)
         self._propose(decoding)
-        _even_drafts(decoding)
+        if not self.kv.pool:
+            _even_drafts(decoding)
         plan = sched.plan(lora, decoding)
         self.runner.evaluate_images(plan)
         if not plan.rows:
             return
         self.runner.fill(plan)
-        self._decode(plan.pooled)
+        if not self._decode(plan):
+            # no room, even without idle sequences: the latest admitted one waits, and the next step plans
+            # again without it
+            sched.unplan(plan)
+            if not sched.preempt():
+                raise LocalrtError("the KV cache is full")
+            return
         for seq in list(sched.running):
             if seq.rows:
                 rows, drafts = seq.rows, seq.drafts
@@ -194,18 +205,18 @@ class Engine(EngineThread):
             for seq, tokens in zip(drafting, self.draft.propose(wants)):
                 seq.drafts = tokens
 
-    def _decode(self, pooled: bool) -> None:
+    def _decode(self, plan: StepPlan) -> bool:
+        """Decode the planned batch; False when the KV memory has no room for it even without idle
+        sequences (nothing was decoded)."""
         while True:
-            ret = self.runner.decode(pooled)
+            ret = self.runner.decode(plan.pooled)
             if ret == 0:
-                return
+                return True
             if ret == 1 and self.scheduler.evict_idle():
                 continue  # the cache was full: room made by dropping an idle sequence, try again
-            raise LocalrtError(
-                "the KV cache is full"
-                if ret == 1
-                else f"llama.cpp decode failed (llama_decode returned {ret})"
-            )
+            if ret == 1:
+                return False
+            raise LocalrtError(f"llama.cpp decode failed (llama_decode returned {ret})")
 
     # ---- after the decode --------------------------------------------------------------------------
     def _consume(self, seq: Sequence, rows: list[int], drafts: list[int], out: StepOutputs) -> None:

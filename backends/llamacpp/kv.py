@@ -1,6 +1,11 @@
 """The record of what each seq id holds in a llama.cpp context's KV memory (`KVRecord`), changed together
 with the memory, and the RAM cache of idle sequences' states (llama-server's --cache-ram): a conversation
 coming back after its sequence went to another request is restored, not evaluated again.
+
+The memory is one pool of cells that every seq id draws from (llama.cpp's unified KV cache, as
+llama-server's default), or, for batch invariance, a stream of cells per seq id. In a pool a copied prefix
+is shared, not copied (the cells get a second seq id), and the record counts the cells in use, so that
+the scheduler admits a request only when there is room for it.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ class KVRecord:
     (the same tokens give other keys and values). Every method changes llama.cpp's memory
     (`llama_memory_*`) and the record together."""
 
-    def __init__(self, ctx: Any, n_seq_max: int, ram_cache_bytes: int = 0) -> None:
+    def __init__(
+        self, ctx: Any, n_seq_max: int, ram_cache_bytes: int = 0, *, pool: int = 0, n_swa: int = 0
+    ) -> None:
         self.lib = _lib()
         self.ctx = ctx
         self.mem = self.lib.llama_get_memory(ctx.ctx)
@@ -42,35 +49,93 @@ class KVRecord:
         self.cell_lora: list[tuple[float, ...]] = [() for _ in range(n_seq_max)]
         self.ram_cache_bytes = ram_cache_bytes
         self.saved: list[SavedSeq] = []  # evicted idle sequences' states, least recently saved first
+        # the cells of the pool every seq id shares (0: a stream of cells per seq id, nothing counted)
+        self.pool = pool
+        # sliding-window layers that keep only their window (plus a batch): a kept prefix is usable only
+        # while they still hold the window before its end (0: they keep everything)
+        self.n_swa = n_swa
+        # in a pool, the pool cell each held cell takes (an id): a copied prefix shares its source's
+        self.slots: list[list[int]] = [[] for _ in range(n_seq_max)]
+        self._refs: dict[int, int] = {}
+        self._next_slot = 0
+
+    @property
+    def used(self) -> int:
+        """Pool cells in use (shared ones once); 0 without a pool."""
+        return len(self._refs)
+
+    @property
+    def free(self) -> int:
+        """Pool cells no seq id holds."""
+        return self.pool - len(self._refs)
+
+    def extend(self, seq: int, items: list[Hashable]) -> None:
+        """seq holds these cells too, after the ones it holds (written by the next decode)."""
+        self.cells[seq].extend(items)
+        if self.pool:
+            new = range(self._next_slot, self._next_slot + len(items))
+            self._next_slot += len(items)
+            self.slots[seq].extend(new)
+            self._refs.update(dict.fromkeys(new, 1))
+
+    def _drop_slots(self, seq: int, n: int) -> None:
+        if not self.pool:
+            return
+        refs = self._refs
+        for slot in self.slots[seq][n:]:
+            left = refs[slot] - 1
+            if left:
+                refs[slot] = left
+            else:
+                del refs[slot]
+        del self.slots[seq][n:]
 
     def cut(self, seq: int, n: int) -> bool:
         """Drop seq's cells from the n-th on; False when the memory cannot cut a sequence partway."""
         del self.cells[seq][n:]
+        self._drop_slots(seq, n)
         return bool(self.lib.llama_memory_seq_rm(self.mem, seq, n, -1))
 
     def keep(self, seq: int, n: int) -> int:
         """Keep seq's first n cells; how many are kept: none when the memory cannot cut a sequence
-        partway (it is cleared then)."""
-        if self.cut(seq, n):
+        partway, or when its sliding-window layers no longer hold the window before the n-th cell (it is
+        cleared then)."""
+        if self.cut(seq, n) and (n == 0 or self._window_held(seq, n)):
             return n
         self.evict(seq)
         return 0
 
+    def _window_held(self, seq: int, n: int) -> bool:
+        """The sliding-window layers hold the cells a token at position n attends to (llama-server's
+        test before it reuses a slot's cache: the first position they hold is at most n - window)."""
+        if not self.n_swa:
+            return True
+        return int(self.lib.llama_memory_seq_pos_min(self.mem, seq)) <= max(0, n - self.n_swa)
+
     def evict(self, seq: int) -> None:
         self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
         self.cells[seq] = []
+        self._drop_slots(seq, 0)
         self.cell_lora[seq] = ()
 
     def evict_all(self) -> None:
         self.lib.llama_memory_clear(self.mem, True)
         self.cells = [[] for _ in self.cells]
+        self.slots = [[] for _ in self.slots]
+        self._refs.clear()
         self.cell_lora = [() for _ in self.cell_lora]
 
     def copy(self, src: int, dst: int) -> None:
-        """dst holds what src holds: each sequence has a KV stream of its own, so the whole stream is copied."""
+        """dst holds what src holds: in a pool the cells are shared (nothing is copied); with a stream per
+        seq id, the whole stream is copied."""
+        self.evict(dst)  # in a pool, what dst held would stay beside the shared cells
         self.lib.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
         self.cells[dst] = list(self.cells[src])
         self.cell_lora[dst] = self.cell_lora[src]
+        if self.pool:
+            self.slots[dst] = list(self.slots[src])
+            for slot in self.slots[dst]:
+                self._refs[slot] += 1
 
     def best_prefix(self, cells: list[Hashable], lora: tuple[float, ...]) -> tuple[int, int]:
         """The seq id holding the longest start of `cells` made under `lora`, and its length."""
@@ -111,6 +176,6 @@ class KVRecord:
         if int(self.lib.llama_state_seq_set_data(self.ctx.ctx, saved.data, len(saved.data), seq)) == 0:
             self.evict(seq)
             return False
-        self.cells[seq] = list(saved.cells)
         self.cell_lora[seq] = saved.lora
+        self.extend(seq, list(saved.cells))
         return True

@@ -160,19 +160,24 @@ class SharedWeights:
         self.model.close()
 
 
-def context_params(opts: LoadOptions, n_ctx: int, step_tokens: int, n_seq_max: int, threads: int) -> Any:
+def context_params(
+    opts: LoadOptions, n_ctx: int, step_tokens: int, n_seq_max: int, threads: int, *, unified: bool
+) -> Any:
     """A batched context's parameters: `n_ctx` cells over `n_seq_max` sequences, up to `step_tokens`
-    batch rows a step."""
+    batch rows a step; `unified`: one pool of cells the sequences share, else a stream each."""
     p = _lib().llama_context_default_params()
     p.n_ctx = n_ctx
-    # one micro-batch per step: its rows share one pass over the weights (each sequence brings at most
-    # EXACT_ROWS of them, which keeps batching invisible: see sequences.py)
+    # one micro-batch per step: its rows share one pass over the weights (under batch invariance each
+    # sequence brings at most EXACT_ROWS of them: see sequences.py)
     p.n_batch = p.n_ubatch = step_tokens
     p.n_seq_max = n_seq_max
-    # A stream of cells per sequence, not one pool: the CPU flash-attention kernel walks a sequence's cells
-    # in cell order, and in a shared pool a sequence's later tokens land in holes other sequences left
-    # behind, which changes its rounding (batching would no longer be invisible).
-    p.kv_unified = False
+    # One pool (llama-server's default), whose memory does not multiply with the sequences, and whose
+    # sliding-window layers keep each sequence's window and a batch, not the whole context. Batch
+    # invariance takes a stream of cells per sequence, sliding layers whole: the CPU flash-attention kernel
+    # walks a sequence's cells in cell order, and in a shared pool (or a sliding window's ring) a
+    # sequence's later tokens land in holes left behind, which changes its rounding.
+    p.kv_unified = unified
+    p.swa_full = not unified
     p.n_threads = threads
     p.n_threads_batch = threads if opts.num_thread else max(threads, os.cpu_count() or 1)
     p.type_k = p.type_v = KV_TYPES[opts.kv_cache_type]

@@ -1,7 +1,11 @@
 """The llama.cpp backend's memory before a load: the file (llama.cpp maps it and touches every weight),
-the KV cache of every sequence at the loaded context (padded to 256 as llama.cpp pads each stream; its
-sliding layers hold the whole context when sequences share one cache), and the compute and output
-buffers, which grow with the vocabulary (the logits rows)."""
+the KV cache, and the compute and output buffers, which grow with the vocabulary (the logits rows).
+
+The KV cache is one pool of cells the sequences share (`pool_cells`: one context per sequence where the
+memory allows, at least one context), whose sliding-window layers keep only each sequence's window and
+a batch; under batch invariance it is a stream of a whole context per sequence, padded to 256 as
+llama.cpp pads each stream, sliding layers included.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from localrt.backends.memory import context_for
 from localrt.backends.memory import draft_bytes
 from localrt.backends.memory import file_size
 from localrt.backends.memory import model_shape
+from localrt.backends.memory import padded
 
 # bytes a cache cell takes per element, by KV type (the quantized types with their block scales)
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1.0625, "q4_0": 0.5625}
@@ -30,7 +35,6 @@ KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1.0625, "q4_0": 0.5625}
 # included; a later load in the same process adds 7 MiB and 21 MiB).
 BUFFER_BASE = 22 << 20
 BUFFER_PER_VOCAB_TOKEN = 224
-STREAM_PAD = 256
 AUTO_MIN_PARALLEL = 4  # LOCALRT_NUM_PARALLEL=auto: at least this many sequences where they fit
 AUTO_MAX_PARALLEL = 8
 AUTO_MEMORY_SHARE = 0.25  # of the available memory, for the KV cache of the auto sequences
@@ -60,28 +64,54 @@ def parallel_for(per_sequence: int, num_parallel: int) -> int:
     return auto_parallel(per_sequence, int(available_memory() * AUTO_MEMORY_SHARE))
 
 
-def padded(context: int) -> int:
-    return -(-context // STREAM_PAD) * STREAM_PAD
+def step_tokens(num_batch: int, context: int, parallel: int) -> int:
+    """Batch rows a step (llama.cpp's n_batch and n_ubatch): num_batch, within the context, and at least
+    two a sequence (a token and a draft)."""
+    return max(parallel * 2, min(num_batch, context))
+
+
+def pool_cells(kv_cells: int, context: int, parallel: int) -> int:
+    """The cells of the KV pool the sequences of a load share (padded as llama.cpp pads it): `kv_cells`
+    (0: a whole context per sequence), at least one context, at most one per sequence."""
+    most = context * parallel
+    return padded(max(context, min(kv_cells or most, most)))
+
+
+def kv_bytes(shape: ModelShape, opts: LoadOptions, context: int, parallel: int) -> int:
+    """The KV cache's bytes: in a pool, its cells on the full-attention layers and, on the sliding ones,
+    each sequence's window and a batch (llama.cpp's size for them when they do not keep the whole
+    context); a whole context per sequence under batch invariance."""
+    per_token = kv_bytes_per_token(shape.text_metadata, opts.kv_cache_type)
+    if opts.batch_invariant:
+        return per_token * padded(context) * parallel
+    pool = pool_cells(opts.kv_cells, context, parallel)
+    per_layer = per_token // max(1, shape.n_layer)
+    sliding = shape.sliding_layers if shape.sliding_window else 0
+    window = padded(
+        min(pool, shape.sliding_window * parallel + step_tokens(opts.num_batch, context, parallel))
+    )
+    return per_layer * ((shape.n_layer - sliding) * pool + sliding * window)
 
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 def _sizing(path: Path, opts: LoadOptions) -> tuple[ModelShape, int, Sizing]:
-    """The header, a token's KV bytes and the settings llama.cpp would load the model with."""
+    """The header, the KV cache's bytes and the settings llama.cpp would load the model with."""
     shape = model_shape(path)
     context = context_for(shape, opts.num_ctx)
     per_token = kv_bytes_per_token(shape.text_metadata, opts.kv_cache_type)
     parallel = parallel_for(per_token * context, opts.num_parallel)
-    return shape, per_token, Sizing("llama.cpp", context, parallel)
+    pool = 0 if opts.batch_invariant else pool_cells(opts.kv_cells, context, parallel)
+    return shape, kv_bytes(shape, opts, context, parallel), Sizing("llama.cpp", context, parallel, pool)
 
 
 def layer_bytes(path: Path, opts: LoadOptions) -> tuple[list[int], int, int]:
     """(each block's bytes on a GPU: its weights and its share of the KV cache, the output layer's
     bytes, the compute buffers')."""
-    shape, per_token, sizing = _sizing(path, opts)
+    shape, kv, _ = _sizing(path, opts)
     n_layer = max(1, shape.n_layer)
-    kv_per_block = per_token * padded(sizing.context) * sizing.parallel // n_layer
+    kv_per_block = kv // n_layer
     blocks, output = [kv_per_block] * n_layer, 0
     for t in shape.info.tensors:
         m = _BLOCK.match(t.name)
@@ -120,12 +150,10 @@ def gpu_bytes(path: Path, opts: LoadOptions, layers: int) -> int:
 def estimate(path: Path, opts: LoadOptions, room: int | None | bool = True) -> MemoryEstimate:
     """The estimate, with the GPU's part for the GPUs' free memory now (`room` True), or for `room` bytes
     of GPU memory (None: no GPU)."""
-    shape, per_token, sizing = _sizing(path, opts)
-    kv_tokens = padded(sizing.context) * sizing.parallel
+    shape, kv, sizing = _sizing(path, opts)
 
     def draft_size(draft: ModelShape) -> int:  # the draft gets a context with the target's parameters
-        draft_per_token = kv_bytes_per_token(draft.text_metadata, opts.kv_cache_type)
-        return file_size(opts.draft_model) + draft_per_token * kv_tokens
+        return file_size(opts.draft_model) + kv_bytes(draft, opts, sizing.context, sizing.parallel)
 
     if room is True:
         room = gpu_room(compute_devices(), config.gpu_overhead()) if opts.num_gpu != 0 else None
@@ -137,11 +165,11 @@ def estimate(path: Path, opts: LoadOptions, room: int | None | bool = True) -> M
         layers = min(gpu_layers(path, opts, room) if opts.num_gpu < 0 else opts.num_gpu, shape.n_layer + 1)
         device = f"GPU: {layers} of {shape.n_layer + 1} layers"
         gpu = gpu_bytes(path, opts, layers)
-        gpu_kv = per_token * kv_tokens // max(1, shape.n_layer) * min(layers, shape.n_layer)
+        gpu_kv = kv // max(1, shape.n_layer) * min(layers, shape.n_layer)
     return sizing.estimate(
         device=device,
         weights=file_size(path),
-        kv=per_token * kv_tokens,
+        kv=kv,
         buffers=buffers,
         projector=file_size(opts.projector),
         draft=draft_bytes(opts, draft_size),

@@ -16,13 +16,15 @@ from localrt.backends.engine import EngineRequest
 from localrt.backends.engine import OfRequest
 from localrt.backends.engine import Pooled
 
-# Rows of one sequence in a step (prompt chunk, or last token + drafts). Under 64 query rows of a KV stream
-# in a micro-batch the CPU flash-attention kernel computes every row on its own (a sequence's logits do
-# not depend on what else is in the batch); from 64 on it switches to a tiled kernel with other rounding.
-# Capping each sequence's rows (not the micro-batch) keeps batching invisible while the micro-batch holds
-# every sequence's rows at once: llama.cpp splits a multi-stream batch into micro-batches of equal rows per
-# stream, so one step of many prefilling sequences is one pass over the weights, not one per 48 rows.
+# Rows of one sequence in a step under batch invariance (prompt chunk, or last token + drafts). Under 64
+# query rows of a KV stream in a micro-batch the CPU flash-attention kernel computes every row on its own
+# (a sequence's logits do not depend on what else is in the batch); from 64 on (TILED_ROWS) it switches to
+# a tiled kernel with other rounding. Capping each sequence's rows (not the micro-batch) keeps batching
+# invisible while the micro-batch holds every sequence's rows at once: llama.cpp splits a multi-stream
+# batch into micro-batches of equal rows per stream, so one step of many prefilling sequences is one pass
+# over the weights, not one per 48 rows.
 EXACT_ROWS = 48
+TILED_ROWS = 64
 MAX_VERIFY = EXACT_ROWS  # draft tokens + 1 per sequence and step
 # A CPU step's prompt work, in rows times the cells each row attends to. The row-at-a-time attention kernel
 # makes a prompt row cost about its sequence's length, so at long contexts attention, not the pass over the
@@ -31,6 +33,11 @@ MAX_VERIFY = EXACT_ROWS  # draft tokens + 1 per sequence and step
 # theirs steps earlier. Short prompts still share a step (30 rows over 30 cells is 900). The first prompt of
 # a step always goes in.
 PROMPT_WORK = EXACT_ROWS * 1024
+# The rows of a step that also decodes (vLLM's chunked prefill budget): prompt chunks fill it beside the
+# decode and draft rows, so a long prompt arriving delays the running streams by at most this many rows a
+# token, not by its whole length. A prompt row costs about half a decode step on the CPU; 128 is not tuned
+# by a measurement yet.
+DECODE_STEP_ROWS = 128
 
 
 @dataclass
@@ -75,6 +82,10 @@ class Sequence(OfRequest):
     turn: int = 0  # the step it last ran in (or was admitted at): the set of the longest-waiting one runs
     pooled: Pooled | None = None  # an embed request's pooled vector so far
     scored: int = 0  # a score request's prompt positions whose logits were read
+    # what it evaluates again when admitted after a preemption (its cells, then what was pending), its
+    # first admission's prompt otherwise (None)
+    resume: list[PromptItem] | None = None
+    admissions: int = 0
 
 
 def cells_of(prompt: Items[PromptItem]) -> list[Hashable]:
@@ -100,6 +111,11 @@ def spans(prompt: Items[PromptItem]) -> Iterator[tuple[int, int, PromptItem]]:
 def chunk_boundary(prompt: Items[PromptItem], n_cells: int) -> int:
     """The largest cell count <= n_cells that does not end inside an external chunk."""
     return next((start for start, end, _ in spans(prompt) if end > n_cells), n_cells)
+
+
+def items_upto(prompt: Items[PromptItem], n_cells: int) -> list[PromptItem]:
+    """The prompt items in its first n_cells cells (n_cells never falls inside an external chunk)."""
+    return [item for _, end, item in spans(prompt) if end <= n_cells]
 
 
 def items_from(prompt: Items[PromptItem], n_cells: int) -> list[PromptItem]:
