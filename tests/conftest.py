@@ -33,6 +33,13 @@ CACHE = Path(os.environ.get("LOCALRT_TEST_CACHE", Path.home() / ".cache" / "loca
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Many tests compare a greedy answer with another (the same request alone, through another route, or
+# before and after a cache hit). By default the llama.cpp engine's last bits depend on what is batched
+# beside a request and on how its prompt was split between cache and steps, so here every process the
+# tests start runs with batch invariance (set before any server fixture copies the environment). The
+# default mode has tests of its own that say so (test_llamacpp_batching.py's, the soak).
+os.environ.setdefault("LOCALRT_BATCH_INVARIANT", "1")
+
 
 def _fetch_smollm2() -> Path:
     target = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"

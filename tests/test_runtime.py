@@ -538,6 +538,7 @@ def test_a_variable_read_at_load_reloads_the_model(store: Store, monkeypatch: py
         try:
             load = [{"role": "user", "content": "Hi"}]
             options = {"num_predict": 1}
+            monkeypatch.setenv("LOCALRT_BATCH_INVARIANT", "0")
             _, first = await collect(rt.chat("smollm2:135m", load, options=options))
             _, warm = await collect(rt.chat("smollm2:135m", load, options=options))
             monkeypatch.setenv("LOCALRT_BATCH_INVARIANT", "1")
