@@ -301,6 +301,11 @@ class LoadedModel(Protocol):
 
     def unload(self) -> None: ...
 
+    @property
+    def dead(self) -> bool:
+        """It stopped on an error and serves nothing more: the runtime unloads it and loads it again."""
+        ...
+
 
 class Backend(Protocol):
     """What the registry hands out for a backend name: a value (EngineBackend) or a class of class
@@ -379,6 +384,11 @@ class ModelLifetime:
         """Cancel every running request of this model."""
         for token in list(self._active):
             token.cancel()
+
+    @property
+    def dead(self) -> bool:
+        """Its engine thread stopped on an error (`EngineThread.died`)."""
+        return self.engine is not None and self.engine.died is not None
 
     def unload(self) -> None:
         if self._closed:

@@ -403,14 +403,23 @@ class EngineModel:
             yield DoneEvent("length", Timings())
             return
         async with self._streams.open(self, prepared) as queue:
-            self.engine.submit(prepared, request.cancel)
+            self._submit(prepared, request.cancel)
             async for event in OutputStream(self, prepared).read(queue):
                 yield event
+
+    def _submit(self, request: EngineRequest, key: Any = None) -> None:
+        """The request to the engine thread; one it refuses (unloaded, or stopped on an error) was never
+        held by it, so its stream does not wait for the engine to let it go."""
+        try:
+            self.engine.submit(request, key)
+        except LocalrtError:
+            request.released = True
+            raise
 
     async def _answer(self, request: EngineRequest) -> Any:
         """A prompt-only request's result, once the engine has run it beside the others."""
         async with self._streams.open(self, request) as queue:
-            self.engine.submit(request)
+            self._submit(request)
             while True:
                 out = await queue.get()
                 if out.finish == "error":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -17,7 +18,11 @@ from collections.abc import Iterator
 from typing import Any
 from typing import TypeVar
 
+from localrt import faults
+from localrt.errors import EngineFailure
 from localrt.errors import LocalrtError
+
+log = logging.getLogger("localrt.backends")
 
 Sink = Callable[[list[Any]], None]
 T = TypeVar("T")
@@ -64,7 +69,10 @@ class EngineThread:
     """The thread, request inbox and call queue of an engine. The engine gives `has_work`, `step`
     (one iteration's outputs), `add` (a request joins it, on its thread; `_take` adds each queued one),
     `_fail_step` (a step raised: the outputs of the requests that fail with it) and `_unload` (stopped:
-    the outputs of every request still in it, the queued ones included). Every graph of a model runs on
+    the outputs of every request still in it, the queued ones included, failing with the reason). An error
+    that escapes the loop outside a step stops the thread for good (`died`): every request in it or queued
+    fails with that error, and what comes later is refused, so that the runtime loads the model again.
+    Every graph of a model runs on
     its engine thread, embeddings and scores too: another thread would leave libgomp a pool of workers
     behind (`idle_end`; benchmarks/README.md has the measurement)."""
 
@@ -91,6 +99,7 @@ class EngineThread:
         self._started = False
         self._sink: Sink | None = None
         self._stopping = False
+        self.died: EngineFailure | None = None  # why the thread stopped on an error; nothing runs after it
 
     # ---- what the engine gives ------------------------------------------------------------------
     @property
@@ -110,7 +119,7 @@ class EngineThread:
     def _fail_step(self, error: Exception) -> list[Any]:
         raise NotImplementedError
 
-    def _unload(self, queued: list[Any]) -> list[Any]:
+    def _unload(self, queued: list[Any], error: LocalrtError) -> list[Any]:
         raise NotImplementedError
 
     def _thread_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -172,6 +181,8 @@ class EngineThread:
         with self._cv:
             if self._stopping:  # nothing would take it
                 raise LocalrtError("the model was unloaded")
+            if self.died is not None:
+                raise EngineFailure(str(self.died))
             queue.append(item)
             self._expected.discard(key)
             if self._started and self._thread is None:  # it ended, idle
@@ -196,31 +207,65 @@ class EngineThread:
             self._sink(outputs)
 
     def _loop(self) -> None:
-        with self._thread_context():
-            while True:
-                with self._cv:
-                    if not self._cv.wait_for(self._ready, self.idle_end):
-                        self._thread = None  # under the lock: the next `_put` starts another
-                        return
-                    if self._stopping:
-                        break
-                    if self._inbox and self._expected and not self.has_work:
-                        self._cv.wait_for(self._gathered, self.gather_s)
-                    queued, calls = self._queued()
-                self._deliver(self._take(queued))
-                for fn, future in calls:
-                    if future.set_running_or_notify_cancel():
-                        try:
-                            future.set_result(fn())
-                        except BaseException as e:
-                            future.set_exception(e)
-                if self.has_work:
-                    try:
-                        outputs = self.step()
-                    except Exception as e:  # the requests learn of it; the engine keeps serving
-                        outputs = self._fail_step(e)
-                    self._deliver(outputs)
-            self._shut_down()
+        # taken from the inbox last: they fail too if the loop dies before they joined or ran
+        queued: list[Any] = []
+        calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
+        try:
+            with self._thread_context():
+                while True:
+                    with self._cv:
+                        if not self._cv.wait_for(self._ready, self.idle_end):
+                            self._thread = None  # under the lock: the next `_put` starts another
+                            return
+                        if self._stopping:
+                            break
+                        if self._inbox and self._expected and not self.has_work:
+                            self._cv.wait_for(self._gathered, self.gather_s)
+                        queued, calls = self._queued()
+                    self._deliver(self._take(queued))
+                    if queued and faults.injected("engine"):
+                        raise RuntimeError("a fault injected by LOCALRT_TEST_FAULT")
+                    self._serve(calls)
+                self._shut_down()
+        except Exception as e:  # outside a step: nothing would end the requests, and nothing step again
+            self._die(e, queued, calls)
+
+    def _serve(self, calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]) -> None:
+        """The calls taken, then a step if there is work."""
+        for fn, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:
+                    future.set_exception(e)
+        if self.has_work:
+            try:
+                outputs = self.step()
+            except Exception as e:  # the requests learn of it; the engine keeps serving
+                outputs = self._fail_step(e)
+            self._deliver(outputs)
+
+    def _die(
+        self,
+        error: Exception,
+        queued: list[Any],
+        calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]],
+    ) -> None:
+        """The loop raised outside a step: the thread ends for good. Every request in the engine or
+        queued (`queued`, `calls`: the last taken, which may not have joined or run) fails with the error,
+        and so does every call not run; later ones are refused (`died`)."""
+        log.error("the engine thread %s stopped", self.thread_name, exc_info=error)
+        failure = EngineFailure(f"the model's engine stopped on an error: {error}")
+        with self._cv:
+            self.died = failure
+            inbox, waiting_calls = self._queued()
+        for _, future in [*calls, *waiting_calls]:
+            if not future.done() and future.set_running_or_notify_cancel():
+                future.set_exception(failure)
+        try:
+            self._deliver(self._unload([*queued, *inbox], failure))
+        except Exception:  # the engine's state or the sink is broken too: the log is all that is left
+            log.exception("the requests of the stopped engine thread %s could not be ended", self.thread_name)
 
     def _ready(self) -> bool:
         return bool(self._stopping or self._inbox or self._calls or self.has_work)
@@ -241,4 +286,4 @@ class EngineThread:
         for _, future in calls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(LocalrtError("the model was unloaded"))
-        self._deliver(self._unload(queued))
+        self._deliver(self._unload(queued, LocalrtError("the model was unloaded")))

@@ -296,6 +296,17 @@ VARIABLES: tuple[Variable, ...] = (
         shown="off",
     ),
     Variable(
+        "LOCALRT_TEST_FAULT",
+        "point",
+        "",
+        TESTS,
+        "Fault injection, for tests only: `POINT[#N]` makes the Nth time (default the first) this process "
+        "reaches an engine's fault point fail there: `decode` (a llama.cpp decode returns an error code) or "
+        "`engine` (an error escapes an engine thread's loop between two steps). The points are listed in "
+        "`localrt/faults.py`. Never set it outside a test.",
+        shown="off",
+    ),
+    Variable(
         "LOCALRT_FUZZ_ARTIFACTS",
         "path",
         "",
@@ -603,6 +614,11 @@ def gpu_overhead() -> int:
 def test_pause() -> str:
     """LOCALRT_TEST_PAUSE: the pause point a test asked for ("" for none); see localrt/faults.py."""
     return setting("LOCALRT_TEST_PAUSE")
+
+
+def test_fault() -> str:
+    """LOCALRT_TEST_FAULT: the engine fault a test asked for ("" for none); see localrt/faults.py."""
+    return setting("LOCALRT_TEST_FAULT")
 
 
 def main(argv: list[str]) -> int:

@@ -47,3 +47,10 @@ class InsufficientMemory(LocalrtError):
     """A model that does not fit the memory left, even fitted down; Ollama answers this with a 500."""
 
     status = 500
+
+
+class EngineFailure(LocalrtError):
+    """The engine could not run a request for a reason that is not the request's own (a decode that
+    failed, an engine thread that stopped on an error): a 500 naming it. The model serves the next request."""
+
+    status = 500

@@ -1,4 +1,5 @@
-"""Fault injection for tests: named points in the store's writes where a test stops the process.
+"""Fault injection for tests: named points in the store's writes where a test stops the process, and
+named points in an engine where a test makes the work fail.
 
 `LOCALRT_TEST_PAUSE=POINT[@BYTES][#N]` (tests only) makes a localrt process print
 `localrt-test: paused at POINT` on stderr and stop itself (SIGSTOP) the Nth time (default the first) it
@@ -8,6 +9,9 @@ the store (a download, an upload, a copy, a merge, a conversion's output) passes
 point costs one environment lookup.
 
 The points, in the order a write reaches them (`POINTS`); the kill tests walk them all.
+
+`LOCALRT_TEST_FAULT=POINT[#N]` (tests only) makes the Nth time (default the first) this process reaches
+one of the engine's `FAULTS` fail there, as the real fault would: a test shows what the server does after it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ POINTS = {
     "rm.aside": "`rm` has renamed a manifest aside (the model is gone), before it collects its blobs",
     "rm.collected": "`rm` has deleted one unreferenced blob, before the others",
     "push.blob": "`push` has uploaded one blob, before the next blob or the manifest",
+}
+
+FAULTS = {
+    "decode": "a llama.cpp decode of the engine's batch: it returns an error code, not the one for a full "
+    "KV memory, and decodes nothing",
+    "engine": "an engine thread takes requests from its inbox: an error escapes its loop, outside a step",
 }
 
 _SPEC = re.compile(r"^(?P<point>[a-z.]+)(?:@(?P<bytes>\d+))?(?:#(?P<nth>\d+))?$")
@@ -56,3 +66,20 @@ def reach(point: str, before: int = 0, after: int = 0) -> None:
     if hit:
         print(f"localrt-test: paused at {spec} (pid {os.getpid()})", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def injected(point: str) -> bool:
+    """Whether this reach of the engine's fault point `point` must fail (LOCALRT_TEST_FAULT asks for it);
+    each reach counts, so `POINT#N` fails the Nth one only."""
+    spec = config.test_fault()
+    if not spec:
+        return False
+    if point not in FAULTS:
+        raise ValueError(f"unknown fault point {point!r}")
+    m = _SPEC.match(spec)
+    if m is None or m["point"] != point or m["bytes"] is not None:
+        return False
+    key = f"fault {spec}"  # counted apart from a pause of the same spelling
+    with _lock:
+        _seen[key] = _seen.get(key, 0) + 1
+        return _seen[key] == int(m["nth"] or 1)

@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
+from localrt import faults
 from localrt.backends.engine_thread import EngineThread
+from localrt.errors import EngineFailure
 from localrt.errors import LocalrtError
 
 
@@ -48,8 +50,9 @@ class Countdown(EngineThread):
         self.running.clear()
         return failed
 
-    def _unload(self, queued: list[Any]) -> list[Any]:
-        ended = [(name, "unloaded") for name in [*self.running, *(n for n, _ in queued)]]
+    def _unload(self, queued: list[Any], error: LocalrtError) -> list[Any]:
+        # a request taken from the inbox may be running already: it ends once
+        ended = [(name, str(error)) for name in dict.fromkeys([*self.running, *(n for n, _ in queued)])]
         self.running.clear()
         return ended
 
@@ -112,11 +115,32 @@ def test_stopping_ends_the_requests_and_refuses_new_work() -> None:
     assert blocked.result(timeout=30) is True
     with pytest.raises(LocalrtError, match="unloaded"):
         queued_job.result(timeout=30)
-    assert sink.wait_for(1) == [("a", "unloaded")]
+    assert sink.wait_for(1) == [("a", "the model was unloaded")]
     with pytest.raises(LocalrtError, match="unloaded"):
         engine.submit(("b", 1))
     with pytest.raises(LocalrtError, match="unloaded"):
         engine.call(lambda: None)
+
+
+def test_an_error_outside_a_step_fails_every_request_and_the_engine_refuses_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(faults, "_seen", {})
+    monkeypatch.setenv("LOCALRT_TEST_FAULT", "engine")  # the loop raises once it has taken the requests
+    engine, sink = Countdown(), Sink()
+    engine.submit(("a", 3))
+    engine.submit(("b", 1))
+    queued_job = engine.call(lambda: "never")
+    engine.start(sink)
+    stopped = "the model's engine stopped on an error: a fault injected by LOCALRT_TEST_FAULT"
+    assert sorted(sink.wait_for(2)) == [("a", stopped), ("b", stopped)]
+    with pytest.raises(EngineFailure, match="engine stopped on an error"):
+        queued_job.result(timeout=30)
+    assert engine.died is not None
+    with pytest.raises(EngineFailure, match="engine stopped on an error"):
+        engine.submit(("c", 1))
+    engine.stop()  # the thread has ended: the stop does not wait for it
+    assert sink.outputs == [("a", stopped), ("b", stopped)]
 
 
 def test_an_engine_never_started_ends_its_requests_on_stop() -> None:
@@ -124,7 +148,7 @@ def test_an_engine_never_started_ends_its_requests_on_stop() -> None:
     engine._sink = sink
     engine.submit(("a", 2))
     engine.stop()
-    assert sink.outputs == [("a", "unloaded")]
+    assert sink.outputs == [("a", "the model was unloaded")]
 
 
 class IdleEndingCountdown(Countdown):

@@ -32,6 +32,7 @@ from localrt.backends.outputs import logprob_values
 from localrt.backends.speculation import DEFAULT_NUM_DRAFT
 from localrt.backends.speculation import VERIFY_COST_PER_DRAFT
 from localrt.backends.speculation import SpecState
+from localrt.errors import EngineFailure
 from localrt.errors import LocalrtError
 
 from .draft import DraftContext
@@ -165,7 +166,15 @@ class Engine(EngineThread):
         if not plan.rows:
             return
         self.runner.fill(plan)
-        if not self._decode(plan):
+        try:
+            decoded = self._decode(plan)
+        except EngineFailure as error:
+            # llama.cpp took none of the batch into the memory; its sequences fail, cleared, and the
+            # sequences outside the batch, and the model, go on
+            for seq in {id(rows.seq): rows.seq for rows in plan.rows}.values():
+                self._fail(seq, error, out)
+            return
+        if not decoded:
             # no room, even without idle sequences: the latest admitted one waits, and the next step plans
             # again without it
             sched.unplan(plan)
@@ -207,7 +216,7 @@ class Engine(EngineThread):
 
     def _decode(self, plan: StepPlan) -> bool:
         """Decode the planned batch; False when the KV memory has no room for it even without idle
-        sequences (nothing was decoded)."""
+        sequences (nothing was decoded), an `EngineFailure` when the decode failed otherwise."""
         while True:
             ret = self.runner.decode(plan.pooled)
             if ret == 0:
@@ -216,7 +225,7 @@ class Engine(EngineThread):
                 continue  # the cache was full: room made by dropping an idle sequence, try again
             if ret == 1:
                 return False
-            raise LocalrtError(f"llama.cpp decode failed (llama_decode returned {ret})")
+            raise EngineFailure(f"llama.cpp decode failed (llama_decode returned {ret})")
 
     # ---- after the decode --------------------------------------------------------------------------
     def _consume(self, seq: Sequence, rows: list[int], drafts: list[int], out: StepOutputs) -> None:
@@ -338,22 +347,21 @@ class Engine(EngineThread):
             self._fail(seq, error, out)
         return out.take()
 
-    def _unload(self, queued: list[EngineRequest]) -> list[EngineOutput]:
+    def _unload(self, queued: list[EngineRequest], error: LocalrtError) -> list[EngineOutput]:
         out = StepOutputs()
         sched = self.scheduler
-        unloaded = LocalrtError("the model was unloaded")
         waiting = [*sched.waiting, *self.pooled_waiting]
         sched.waiting, self.pooled_waiting = [], deque()
         for seq in list(sched.running):
-            if seq.request.cancel.cancelled:  # model.cancel() before the unload: a clean end, not an error
+            if seq.request.cancel.cancelled:  # model.cancel() before an unload: a clean end, not an error
                 self._finish(seq, "cancel", out)
             else:
-                self._fail(seq, unloaded, out)
+                self._fail(seq, error, out)
         for request in [*(s.request for s in waiting), *queued]:
             if request.cancel.cancelled:
                 out.end(request, "cancel")
             else:
-                out.end(request, "error", unloaded)
+                out.end(request, "error", error)
         return out.take()
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from localrt import faults
 from localrt.backends.base import close_each
 from localrt.backends.outputs import float_array
 from localrt.errors import LocalrtError
@@ -19,6 +20,10 @@ from .lib import _lib
 from .lib import logits_row
 from .lib import sample
 from .scheduler import StepPlan
+
+# llama_decode's code for a compute graph that failed (1 is a full KV memory, 2 an abort); a decode that
+# fails so leaves none of its batch in the memory
+DECODE_FAILED = -3
 
 
 class Runner:
@@ -69,6 +74,8 @@ class Runner:
         if pooled != self.embeddings:
             self.lib.llama_set_embeddings(self.ctx.ctx, pooled)
             self.embeddings = pooled
+        if faults.injected("decode"):
+            return DECODE_FAILED
         ret = self.batch.decode(self.ctx.ctx)
         if ret == 0:
             self.steps += 1

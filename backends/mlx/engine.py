@@ -52,6 +52,7 @@ from localrt.backends.outputs import fill_score
 from localrt.backends.outputs import logprob_values
 from localrt.backends.speculation import SpecState
 from localrt.backends.speculation import verify
+from localrt.errors import LocalrtError
 
 from .llama import Transformer
 from .prompt_cache import PromptCache
@@ -504,14 +505,21 @@ class Engine(RequestQueues, EngineThread):
         mx.set_default_stream(mx.new_stream(mx.default_device()))  # MLX streams belong to their thread
         return contextlib.nullcontext()
 
-    def _unload(self, queued: list[EngineRequest]) -> list[EngineOutput]:
-        """Unloaded: the rows still running end as cancelled."""
+    def _unload(self, queued: list[EngineRequest], error: LocalrtError) -> list[EngineOutput]:
+        """Stopped: the requests cancelled before it (an unload cancels every request first) end as
+        cancelled, the others with `error`."""
         out = StepOutputs()
         self._inflight = None
         for row in [*self.running, *self.waiting]:
-            self._end(row, "cancel", out)
+            if row.request.cancel.cancelled:
+                self._end(row, "cancel", out)
+            else:
+                self._end(row, "error", out, error)
         for request in queued:
-            out.end(request, "cancel")
+            if request.cancel.cancelled:
+                out.end(request, "cancel")
+            else:
+                out.end(request, "error", error)
         return out.take()
 
 

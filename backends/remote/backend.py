@@ -130,6 +130,7 @@ class RemoteModel:
 
     backend_name = "remote"
     memory_bytes = 0
+    dead = False  # an upstream's failures are its answers' own; its pool of endpoints goes on
 
     def __init__(
         self,

@@ -419,13 +419,13 @@ class Engine(EngineThread):
             self.scheduler.finish(seq, "error")
         return self._collect(StepOutputs())
 
-    def _unload(self, queued: list[EngineRequest]) -> list[EngineOutput]:
+    def _unload(self, queued: list[EngineRequest], error: LocalrtError) -> list[EngineOutput]:
         outputs = StepOutputs()
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            seq.error = LocalrtError("the model was unloaded")
+            seq.error = error
             self.scheduler.finish(seq, "error")
         for request in queued:
-            outputs.end(request, "error", LocalrtError("the model was unloaded"))
+            outputs.end(request, "error", error)
         return self._collect(outputs)
 
 

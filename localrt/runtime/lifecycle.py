@@ -388,9 +388,12 @@ class ModelPool:
                     await self._cond.wait()  # someone is loading it right now
                     continue
                 if entry is not None and (
-                    entry.load_key != load_key or (draft is not None and entry.draft_path != draft)
+                    entry.load_key != load_key
+                    or (draft is not None and entry.draft_path != draft)
+                    or entry.model.dead
                 ):
-                    # other load-time options: reload once its running requests are done, as Ollama does
+                    # other load-time options, or an engine stopped on an error (its requests have failed):
+                    # reload once its running requests are done, as Ollama does
                     if entry.refs == 0:
                         await self._unload_locked(entry)
                     else:
