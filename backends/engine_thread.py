@@ -72,9 +72,8 @@ class EngineThread:
     the outputs of every request still in it, the queued ones included, failing with the reason). An error
     that escapes the loop outside a step stops the thread for good (`died`): every request in it or queued
     fails with that error, and what comes later is refused, so that the runtime loads the model again.
-    Every graph of a model runs on
-    its engine thread, embeddings and scores too: another thread would leave libgomp a pool of workers
-    behind (`idle_end`; benchmarks/README.md has the measurement)."""
+    Every graph of a model runs on its engine thread, embeddings and scores too: another thread would
+    leave libgomp a pool of workers behind (`idle_end`; benchmarks/README.md has the measurement)."""
 
     thread_name = "engine"
     # Seconds the thread waits without work before it ends (None: it lives until `stop`); the next
@@ -227,7 +226,7 @@ class EngineThread:
                         raise RuntimeError("a fault injected by LOCALRT_TEST_FAULT")
                     self._serve(calls)
                 self._shut_down()
-        except Exception as e:  # outside a step: nothing would end the requests, and nothing step again
+        except Exception as e:  # outside a step: left alone, its requests would wait forever
             self._die(e, queued, calls)
 
     def _serve(self, calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]) -> None:
