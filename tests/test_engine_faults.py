@@ -68,8 +68,9 @@ def stop(server: LocalrtServer, tmp_path: Path) -> str:
     return (tmp_path / "serve.log").read_text()
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["one KV pool", "a KV stream per sequence"])
 def test_a_failed_decode_fails_only_the_sequences_in_its_batch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch_invariant: bool
 ) -> None:
     """Three requests, with a prompt budget of one chunk a step: the first step evaluates `a`'s prompt, the
     second decodes `a` and evaluates `b`'s prompt while `c` waits for its turn. That second decode fails:
@@ -77,7 +78,7 @@ def test_a_failed_decode_fails_only_the_sequences_in_its_batch(
     the engine's record says, nothing of the failed sequences."""
     model = LlamaCppBackend.load(
         write_tiny_llama(tmp_path / "tiny.gguf", context_length=512),
-        LoadOptions(num_ctx=512, num_thread=THREADS, num_parallel=3),
+        LoadOptions(num_ctx=512, num_thread=THREADS, num_parallel=3, batch_invariant=batch_invariant),
     )
     try:
         engine = model.engine
