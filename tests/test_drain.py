@@ -77,9 +77,10 @@ STREAMS: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
 class Stream(threading.Thread):
     """One streamed request in a thread: `first` is set at its first chunk; `lines` is what it read."""
 
-    def __init__(self, server: LocalrtServer, kind: str, tokens: int) -> None:
+    def __init__(self, server: LocalrtServer, kind: str, tokens: int, pace: float = 0.0) -> None:
         super().__init__(daemon=True)
         self.server, self.kind, self.tokens = server, kind, tokens
+        self.pace = pace  # seconds this client waits after each line it reads (a slow reader)
         self.first = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
@@ -94,6 +95,7 @@ class Stream(threading.Thread):
                     if line:
                         self.first.set()
                         out.append(line)
+                        time.sleep(self.pace)
                 self.result = out
         except BaseException as e:  # surfaced by the assertions in the test
             self.error = e
@@ -164,7 +166,9 @@ def test_sigterm_lets_eight_streams_finish_and_refuses_new_requests(tmp_path: Pa
     kept_open = httpx.Client(base_url=server.url, timeout=LIVENESS)  # a keep-alive connection, idle
     assert kept_open.get("/api/version").status_code == 200
     kinds = ["ollama", "ollama", "openai", "openai", "anthropic", "anthropic", "responses", "responses"]
-    streams = [Stream(server, kind, 120) for kind in kinds]
+    # slow readers: a tiny model makes 120 tokens in well under a second, and the streams must still be in
+    # flight when the signal comes and a new request is refused
+    streams = [Stream(server, kind, 120, pace=0.05) for kind in kinds]
     for s in streams:
         s.start()
     for s in streams:
