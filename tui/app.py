@@ -374,9 +374,9 @@ class ChatApp(App[int]):
             self.notify(line, title="MCP", severity="warning", timeout=10)
         self.refresh_tools_line()
 
-    async def _check_tools(self) -> None:
-        """Whether the current model takes tools; one line says why not."""
-        model = self.conversation.model or ""
+    async def _check_tools(self, model: str | None = None) -> None:
+        """Whether `model` (the current conversation's by default) takes tools; one line says why not."""
+        model = self.conversation.model or "" if model is None else model
         if model in self.tools_off:
             return
         self.tools_off[model] = await tools_refused(self.client, model)
@@ -626,6 +626,8 @@ class ChatApp(App[int]):
         """Stream the answer (thinking into its block, then the text), each tool call as a block, and save
         every step as it ends; a request after tool results goes into a new assistant message."""
         messages = conv.chat_messages()
+        # known before the first request: the check started with the conversation may not have answered yet
+        await self._check_tools(conv.model or "")
         loop = self.tool_loop(conv)
         turn.tools = loop.toolbox.schemas() or None
         turn.started = time.monotonic()
