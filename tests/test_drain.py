@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from localrt.store.importer import import_gguf
 from localrt.store.names import parse_name
@@ -181,8 +180,11 @@ def test_sigterm_lets_eight_streams_finish_and_refuses_new_requests(tmp_path: Pa
     assert refused.headers["retry-after"] == "5"
     assert refused.json() == {"error": "the server is shutting down; try again shortly"}
     assert any(running)  # refused while streams were still in flight
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(server.url + "/api/version", timeout=10)  # no new connections
+    try:  # a new connection: refused, or answered 503 in the moment before the listener closes
+        late = httpx.get(server.url + "/api/version", timeout=10).status_code
+    except httpx.ConnectError:
+        late = None
+    assert late in (None, 503)
     for s in streams:
         s.join(LIVENESS)
     assert [ending(s) for s in streams] == ["done"] * 8
