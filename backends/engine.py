@@ -375,8 +375,9 @@ class EngineModel:
     async def _prepare(self, request: GenerateRequest) -> EngineRequest:
         raise NotImplementedError
 
-    def _embedding_tokens(self, text: str) -> list[int]:
-        return embedding_tokens(self.tokenize, text, self.context_length, self.eos_token_ids)
+    def _embedding_tokens(self, text: str | list[int]) -> list[int]:
+        tokens = self.tokenize(text) if isinstance(text, str) else text
+        return embedding_tokens(tokens, self.context_length, self.eos_token_ids)
 
     # ---- shared parts ---------------------------------------------------------------------------
     def _check(self, request: GenerateRequest, has_draft_model: bool, backend: str) -> str:
@@ -436,9 +437,10 @@ class EngineModel:
             return result
         return await self._answer(EngineRequest(GenerateRequest(ids), "score", scores=result))  # type: ignore[no-any-return]
 
-    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+    async def embed(self, texts: Sequence[str | list[int]]) -> list[list[float]]:
         check_loaded(self._closed)
-        requests = [EngineRequest(GenerateRequest(self._embedding_tokens(t)), "embed") for t in texts]
+        tokens = await asyncio.to_thread(lambda: [self._embedding_tokens(t) for t in texts])
+        requests = [EngineRequest(GenerateRequest(ids), "embed") for ids in tokens]
         pooled = await asyncio.gather(*(self._answer(r) for r in requests))
         return [unit_vector(np.asarray(vector, dtype=np.float64)) for vector in pooled]
 

@@ -63,12 +63,10 @@ def fill_score(result: ScoreResult, tokens: Sequence[int], start: int, rows: np.
         result.logits[start:end] = rows
 
 
-def embedding_tokens(
-    tokenize: Callable[[str], list[int]], text: str, max_tokens: int, eos_token_ids: Sequence[int]
-) -> list[int]:
-    """The tokens a text is embedded from: cut to what the embedding context holds; an empty text is one
-    end-of-sequence token (a pooled vector needs at least one row)."""
-    return tokenize(text)[:max_tokens] or [eos_token_ids[0] if eos_token_ids else 0]
+def embedding_tokens(tokens: Sequence[int], max_tokens: int, eos_token_ids: Sequence[int]) -> list[int]:
+    """The tokens a text is embedded from: its tokens cut to what the embedding context holds; an empty
+    text is one end-of-sequence token (a pooled vector needs at least one row)."""
+    return list(tokens[:max_tokens]) or [eos_token_ids[0] if eos_token_ids else 0]
 
 
 def unit_vector(vector: np.ndarray) -> list[float]:

@@ -124,7 +124,9 @@ VARIABLES: tuple[Variable, ...] = (
         "`VLLM_BATCH_INVARIANT`. It costs prefill speed (the llama.cpp backend evaluates 48 prompt rows a step "
         "instead of `num_batch`) and memory (a KV stream of `num_ctx` cells per parallel sequence instead of "
         "one shared pool). Off, a lone request's output is still the same from run to run "
-        "(see [limitations.md](limitations.md)).",
+        "(see [limitations.md](limitations.md)). The setting changes the llama.cpp backend only: the torch and "
+        "MLX engines lay out each row's products the same whatever the batch, with or without it "
+        "(see [backends.md](backends.md)).",
         shown="off",
         load=True,
     ),

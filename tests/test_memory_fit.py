@@ -20,6 +20,7 @@ from localrt.backends.devices import gpu_room
 from localrt.backends.llamacpp.memory import estimate as llamacpp_estimate
 from localrt.backends.llamacpp.memory import gpu_layers
 from localrt.backends.memory import MemoryEstimate
+from localrt.runtime.memory import ladder
 from localrt.store.importer import import_gguf
 from localrt.store.store import Store
 from tests.servers.serve import LocalrtServer
@@ -157,6 +158,29 @@ def test_load_fitted_down_to_a_shorter_context(server: LocalrtServer) -> None:
     """8192 tokens of KV do not fit the limit; 4096 do: the model loads with the context that fits."""
     assert generate(server, "smol-long").status_code == 200
     assert loaded(server)["smol-long:latest"]["context_length"] == 4096
+
+
+POOLED = LoadOptions(num_ctx=2048, num_parallel=4, batch_invariant=False)
+
+
+def test_the_ladder_shrinks_a_shared_pool_before_the_sequences(smollm2_gguf: Path) -> None:
+    fits = ladder("llama.cpp", smollm2_gguf, POOLED)
+    assert [f.estimate.pool for f in fits[:3]] == [8192, 4096, 2048]
+
+
+def test_a_smaller_pool_keeps_every_sequence(smollm2_gguf: Path) -> None:
+    fits = ladder("llama.cpp", smollm2_gguf, POOLED)
+    assert {f.estimate.parallel for f in fits[:3]} == {4}
+
+
+def test_each_smaller_pool_needs_less(smollm2_gguf: Path) -> None:
+    rams = [f.estimate.ram for f in ladder("llama.cpp", smollm2_gguf, POOLED)[:3]]
+    assert rams[0] > rams[1] > rams[2]
+
+
+def test_no_pool_step_under_batch_invariance(smollm2_gguf: Path) -> None:
+    fits = ladder("llama.cpp", smollm2_gguf, LoadOptions(num_ctx=2048, num_parallel=4, batch_invariant=True))
+    assert fits[1].changes == ("parallel 4 -> 2",)
 
 
 # ---- a real memory limit: the kernel's, not ours ---------------------------------------------------

@@ -166,6 +166,7 @@ class Engine(EngineThread):
         if not plan.rows:
             return
         self.runner.fill(plan)
+        start = time.perf_counter()
         try:
             decoded = self._decode(plan)
         except EngineFailure as error:
@@ -181,6 +182,9 @@ class Engine(EngineThread):
             if not sched.preempt():
                 raise LocalrtError("the KV cache is full")
             return
+        prompt_rows = sum(len(rows.tokens) for rows in plan.rows if rows.pending)
+        decode_rows = sum(len(rows.tokens) for rows in plan.rows if not rows.pending)
+        sched.cost.record(decode_rows, prompt_rows, time.perf_counter() - start)
         for seq in list(sched.running):
             if seq.rows:
                 rows, drafts = seq.rows, seq.drafts

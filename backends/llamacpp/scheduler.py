@@ -14,12 +14,15 @@ then prompt chunks, oldest first, up to the step's budget: `prefill_rows` rows p
 (rows x the cells they attend to), and, while the step decodes, `decode_step_rows` rows in all (vLLM's
 chunked prefill), so that a long prompt arriving delays the running streams by a chunk a token, not by its
 length. A prompt-only request's chunks are prompt chunks like any other, but while the step also decodes,
-they take at most `pooled_rows` rows of it.
+they take at most `pooled_rows` rows of it, fewer where the measured cost of a row (`StepCost`) says more
+would make the step last more than (1 + `POOLED_SHARE`) decode steps.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 from dataclasses import field
@@ -44,6 +47,15 @@ from .sequences import items_upto
 # least a new request must share with a prompt still being evaluated to wait for it rather than start.
 COPY_MIN = 32
 
+# What an embedding's or a score's rows may add to a step that also decodes, as a share of the decode
+# step's own time: a chat streaming beside an embedding then waits at most about (1 + share) times its
+# usual gap between tokens, and the embedding still moves every step.
+POOLED_SHARE = 1.0
+# The weight of a new measurement in `StepCost`'s running cost of a row, and the decode-only steps whose
+# median is its cost of a decode step (a median: one step slowed by the machine must not move it).
+COST_WEIGHT = 0.2
+DECODE_SAMPLES = 16
+
 
 def copy_threshold(stream_bytes: int, weight_bytes: int) -> int:
     """The shortest shared prefix worth copying rather than evaluating again.
@@ -57,6 +69,44 @@ def copy_threshold(stream_bytes: int, weight_bytes: int) -> int:
     if stream_bytes <= 0 or weight_bytes <= 0:
         return COPY_MIN
     return max(1, -(-2 * stream_bytes // weight_bytes))
+
+
+class StepCost:
+    """What a step costs on this context, measured by the engine, and from it how many prompt-only rows a
+    step that decodes may carry (`rows_within`): a decoding step of those rows should take at most
+    (1 + `share`) times a step of decodes alone. The decodes' own cost grows with what the pool holds (a
+    row attends over its used cells), so the allowance follows the steps' measured times rather than a
+    model of them."""
+
+    def __init__(self, share: float = POOLED_SHARE) -> None:
+        self.share = share
+        self._decodes: deque[float] = deque(maxlen=DECODE_SAMPLES)
+        self.decode_s: float | None = None  # a step of decodes alone: the median of the latest ones
+        self.row_s: float | None = None  # a prompt row on top of the decodes: a running estimate
+        self.allowance: int | None = None  # prompt-only rows for the next decoding step
+
+    def record(self, decode_rows: int, prompt_rows: int, seconds: float) -> None:
+        """A decoded step: its rows of each kind and how long its decode took."""
+        if not prompt_rows:
+            if decode_rows:
+                self._decodes.append(seconds)
+                self.decode_s = statistics.median(self._decodes)
+            return
+        base = (self.decode_s or 0.0) if decode_rows else 0.0
+        row = max(0.0, seconds - base) / prompt_rows
+        self.row_s = row if self.row_s is None else self.row_s + COST_WEIGHT * (row - self.row_s)
+        if decode_rows and self.decode_s is not None and self.row_s > 0.0:
+            target = (1.0 + self.share) * self.decode_s
+            self.allowance = max(1, int(prompt_rows + (target - seconds) / self.row_s))
+
+    def rows_within(self, cap: int) -> int:
+        """Prompt-only rows for a step that decodes: at least one, at most `cap`; one until the costs are
+        measured."""
+        if self.allowance is not None:
+            return min(cap, self.allowance)
+        if self.decode_s is None or not self.row_s:
+            return 1
+        return max(1, min(cap, int(self.share * self.decode_s / self.row_s)))
 
 
 @dataclass
@@ -117,6 +167,7 @@ class Scheduler(RequestQueues):
         self.prompt_work = prompt_work
         self.decode_step_rows = decode_step_rows
         self.pooled_rows = min(prefill_rows, EXACT_ROWS)  # a step's prompt-only rows while it also decodes
+        self.cost = StepCost()  # measured by the engine: how many of those rows a decoding step can carry
         self.copy_min = copy_min
         self.last_row_apart = last_row_apart
         self.waiting: list[Sequence] = []  # taken from the inbox, not yet admitted (or preempted)
@@ -395,9 +446,11 @@ class Scheduler(RequestQueues):
 
     def _plan_prompts(self, plan: StepPlan, room: int) -> None:
         """Prompt chunks, generating requests' first and then the oldest first, up to `prompt_work` (rows x
-        the cells they attend to); prompt-only rows up to `pooled_rows` while the step decodes."""
+        the cells they attend to); prompt-only rows, while the step decodes, up to what adds `POOLED_SHARE`
+        of its time."""
         planned = {id(r.seq) for r in plan.rows}
         decodes = bool(plan.rows)
+        pooled_rows = self.cost.rows_within(self.pooled_rows) if decodes else 0
         work = pooled = 0
         for seq in sorted(self.running, key=lambda s: s.request.prompt_only):
             if not room:
@@ -409,7 +462,7 @@ class Scheduler(RequestQueues):
             self._reach_text(plan, seq)
             limit = min(room, self.prefill_rows)
             if seq.request.prompt_only and decodes:
-                limit = min(limit, self.pooled_rows - pooled)
+                limit = min(limit, pooled_rows - pooled)
             take = self._prompt_tokens(seq, limit)
             if not take:
                 continue

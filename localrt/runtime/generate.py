@@ -248,12 +248,15 @@ class LocalRuntime:
             m = entry.model
             if not m.capabilities.embedding:
                 raise LocalrtError(f'"{p.name}" does not support embeddings')
-            counts = [len(m.tokenize(t)) for t in texts]
+            # once, off the event loop: a batch of passages takes long enough to tokenize to hold up the
+            # tokens the loop is streaming to other clients
+            tokens = await asyncio.to_thread(lambda: [m.tokenize(t) for t in texts])
+            counts = [len(ids) for ids in tokens]
             if not truncate and any(c > m.context_length for c in counts):
                 raise ContextLengthError(
                     f"input length exceeds the context length of {m.context_length} tokens"
                 )
-            vectors = await m.embed(texts)
+            vectors = await m.embed(tokens)
         count = sum(min(c, m.context_length) for c in counts)
         return EmbedResult(p.name, vectors, count, 0, load_ns)
 

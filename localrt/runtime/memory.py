@@ -1,7 +1,7 @@
 """Room for a model before it loads: the backend's estimate against the memory left, and the settings
-that fit when the asked ones do not (fewer parallel sequences, then a shorter context), or a clear
-refusal naming the numbers. A load the machine cannot hold would otherwise be killed by the kernel,
-taking every loaded model and every request in flight with it."""
+that fit when the asked ones do not (a smaller KV pool, fewer parallel sequences, then a shorter
+context), or a clear refusal naming the numbers. A load the machine cannot hold would otherwise be
+killed by the kernel, taking every loaded model and every request in flight with it."""
 
 from __future__ import annotations
 
@@ -42,14 +42,21 @@ def estimate(backend: str, path: Path, opts: LoadOptions) -> MemoryEstimate | No
 
 
 def ladder(backend: str, path: Path, opts: LoadOptions) -> list[Fit]:
-    """The settings to try, largest first: as asked, then halving the parallel sequences down to one,
-    then halving the context down to MIN_FIT_CONTEXT (never below what was asked)."""
+    """The settings to try, largest first: as asked; where the sequences share a KV pool, halving the
+    pool down to one context (the sequences it cannot hold at once wait for cells); then halving the
+    parallel sequences down to one, then the context down to MIN_FIT_CONTEXT (never below what was
+    asked)."""
     first = estimate(backend, path, opts)
     if first is None:
         return []
     fits = [Fit(opts, first)]
     asked_parallel, asked_context = first.parallel, first.context_length
     parallel, context = asked_parallel, asked_context
+    cells = first.pool
+    while first.pool and cells > context:
+        cells = max(context, cells // 2)
+        o = replace(opts, num_parallel=parallel, kv_cells=cells)
+        fits.append(Fit(o, estimate(backend, path, o), (f"KV pool {first.pool} -> {cells} cells",)))
     while parallel > 1:
         parallel //= 2
         o = replace(opts, num_parallel=parallel)
