@@ -108,6 +108,8 @@ def localrt_side(gguf: Path, template: str, args: argparse.Namespace) -> Iterato
             "LOCALRT_KEEP_ALIVE": "10m",
             "LOCALRT_BACKEND": args.backend,
             "LOCALRT_NUM_PARALLEL": str(args.slots),
+            # named either way: the test suite's conftest (imported above for the model) turns it on
+            "LOCALRT_BATCH_INVARIANT": "1" if args.batch_invariant else "0",
         }
         server = LocalrtServer(store.root, Path(tmp) / "serve.log", env=env)
         try:
@@ -151,6 +153,9 @@ def main() -> None:
     parser.add_argument("--backend", default="llama.cpp")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--no-llama-server", action="store_true", help="localrt only")
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="localrt with LOCALRT_BATCH_INVARIANT=1"
+    )
     args = parser.parse_args()
     gguf = args.gguf or _fetch_gemma3()
     template = official_template(args.template)
@@ -159,7 +164,7 @@ def main() -> None:
         sides["llama-server"] = llama_server_side
     print(
         f"model {gguf.name} under {args.template}, num_ctx {args.num_ctx}, {args.slots} slots, "
-        f"{args.threads} threads, backend {args.backend}"
+        f"{args.threads} threads, backend {args.backend}{', batch invariant' if args.batch_invariant else ''}"
     )
     print(
         f"{'side':>12}  {'run':>3}  {'prompt':>7}  {'ttft 1':>8}  {'prompt 2':>8}  {'cached 2':>8}  "
