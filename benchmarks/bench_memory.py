@@ -4,9 +4,11 @@ and parallel sequences (the goal: the torch engine's server at most 1.5x the lla
 
 Each server answers `--slots` concurrent requests first, so the weights are read and every sequence's
 KV has been written; then the resident set of the server and its children is read (psutil). The
-servers are the ones `bench_serve.py` starts.
+servers are the ones `bench_serve.py` starts. `--prompt-words N` makes each request an agent-sized one:
+a distinct prompt of about N words (8,000 words are about 10k tokens on Gemma 3's vocabulary).
 
     python benchmarks/bench_memory.py --threads 2 --slots 16 --ctx 2048
+    python benchmarks/bench_memory.py --gguf GEMMA3 --slots 4 --ctx 32768 --backend llama.cpp --prompt-words 8000
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ def resident_bytes(pid: int) -> int:
     return proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
 
 
+def long_prompts(n: int, words: int) -> list[list[dict[str, str]]]:
+    """n distinct user prompts of about `words` words each, ending in a short question."""
+    vocabulary = "file function test branch commit module error value result change review build".split()
+    out = []
+    for i in range(n):
+        body = " ".join(vocabulary[(i * 5 + j * 7) % len(vocabulary)] for j in range(words))
+        out.append([{"role": "user", "content": f"Request {i}. {body}\nSummarize the above in one line."}])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", type=Path, default=bs.CACHED_GGUF)
@@ -47,6 +59,7 @@ def main() -> None:
         help="localrt backends (default llama.cpp, torch; torch:dequantized for the fp32 weights)",
     )
     p.add_argument("--no-llama-server", action="store_true")
+    p.add_argument("--prompt-words", type=int, default=0, help="agent-sized requests: words per prompt")
     a = p.parse_args()
     cfg = bs.Config(
         gguf=a.gguf,
@@ -67,13 +80,16 @@ def main() -> None:
     for name, start in bs.servers(cfg):
         model = bs.MODEL if name.startswith("localrt") else "default"
         with start() as url:
-            asyncio.run(bs.drive(url, model, bs.questions(a.slots), cfg.max_tokens))
+            prompts = long_prompts(a.slots, a.prompt_words) if a.prompt_words else bs.questions(a.slots)
+            asyncio.run(bs.drive(url, model, prompts, cfg.max_tokens))
             sizes[name] = resident_bytes(listening_pid(int(url.rsplit(":", 1)[1])))
         print(f"{name:>20}: {sizes[name] / 2**20:8.1f} MiB resident")
-    base = sizes.get("localrt/llama.cpp")
-    if base:
-        for name, size in sizes.items():
-            print(f"{name:>20}: {size / base:.2f}x localrt/llama.cpp")
+    for base_name in ("llama-server", "localrt/llama.cpp"):
+        base = sizes.get(base_name)
+        if base:
+            for name, size in sizes.items():
+                if name != base_name:
+                    print(f"{name:>20}: {size / base:.2f}x {base_name}")
 
 
 if __name__ == "__main__":

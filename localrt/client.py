@@ -73,6 +73,8 @@ class LoadedRow:
     numerics: str = ""  # the torch engine's weights: "quantized", "dequantized", ...; "": not reported
     # the other loaded models on the same weights (one base file, other adapters); the first loaded counts them
     shares_weights_with: tuple[str, ...] = ()
+    parallel: int = 0  # requests served at once; 0: not reported
+    kv_pool: int = 0  # KV cells the sequences share; 0: none shared (a context each), or not reported
 
 
 @dataclass
@@ -335,6 +337,8 @@ class ServerClient:
                 weight_bytes=int((m.details or {}).get("weight_bytes") or 0),
                 numerics=str((m.details or {}).get("numerics") or ""),
                 shares_weights_with=tuple((m.details or {}).get("shares_weights_with") or ()),
+                parallel=int((m.details or {}).get("parallel") or 0),
+                kv_pool=int((m.details or {}).get("kv_pool") or 0),
             )
             for m in loaded.models
         ]

@@ -183,6 +183,29 @@ def test_no_pool_step_under_batch_invariance(smollm2_gguf: Path) -> None:
     assert fits[1].changes == ("parallel 4 -> 2",)
 
 
+@pytest.fixture
+def pooled_server(tmp_path: Path, smollm2_gguf: Path, gemma3_gguf: Path) -> Iterator[LocalrtServer]:
+    srv = serve(tmp_path, smollm2_gguf, gemma3_gguf, LOCALRT_NUM_PARALLEL="2", LOCALRT_BATCH_INVARIANT="0")
+    try:
+        generate(srv, "smol")
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_ps_gives_the_sequences_and_their_shared_pool(pooled_server: LocalrtServer) -> None:
+    details = loaded(pooled_server)["smol:latest"]["details"]
+    assert (details["parallel"], details["kv_pool"]) == (2, 1024)
+
+
+def test_the_ps_command_shows_the_pool(pooled_server: LocalrtServer) -> None:
+    env = {**os.environ, "LOCALRT_HOST": pooled_server.url}
+    out = subprocess.run(
+        [sys.executable, "-m", "localrt", "ps"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "512 x 2, pool 1024" in out.stdout, out.stderr
+
+
 # ---- a real memory limit: the kernel's, not ours ---------------------------------------------------
 @pytest.fixture
 def cgroup() -> Iterator[Path]:

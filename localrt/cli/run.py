@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from localrt.cli.agent import add_tool_arguments
 from localrt.cli.common import Subparsers
@@ -17,6 +18,9 @@ from localrt.errors import LocalrtError
 from localrt.format import human_size
 from localrt.format import human_until
 from localrt.format import print_table
+
+if TYPE_CHECKING:
+    from localrt.client import LoadedRow
 
 
 # ---- run ----------------------------------------------------------------------------------------
@@ -140,12 +144,25 @@ def cmd_ps(args: argparse.Namespace) -> int:
                     else ""
                 ),
                 processor,
-                str(m.context_length or ""),
+                context_text(m),
                 human_until(m.expires_at),
             ]
         )
     print_table(rows)
     return 0
+
+
+def context_text(m: LoadedRow) -> str:
+    """The CONTEXT column: each sequence's context, and with several sequences their count and the KV
+    pool they share (as `run --estimate` says it)."""
+    if not m.context_length:
+        return ""
+    text = str(m.context_length)
+    if m.parallel > 1:
+        text += f" x {m.parallel}"
+    if m.kv_pool:
+        text += f", pool {m.kv_pool}"
+    return text
 
 
 # ---- stop ---------------------------------------------------------------------------------------

@@ -659,6 +659,12 @@ def _loaded_info(e: Entry, sharing: list[str]) -> LoadedInfo:
     numerics = getattr(e.model, "numerics", None)  # the torch engine: weights kept quantized or not
     if isinstance(numerics, str):
         details["numerics"] = numerics
+    capabilities = getattr(e.model, "capabilities", None)
+    if capabilities is not None:
+        details["parallel"] = int(capabilities.parallel_slots)
+    pool = getattr(e.model, "pool", 0)  # llama.cpp: the KV cells its sequences share (0: a context each)
+    if isinstance(pool, int) and pool > 0:
+        details["kv_pool"] = pool
     return LoadedInfo(
         name=e.key,
         digest=e.resolved.manifest_digest,
