@@ -324,24 +324,7 @@ class ServerClient:
 
     async def ps(self) -> list[LoadedRow]:
         loaded = wire.parse(wire.PsResponse, (await self._request("GET", "/api/ps")).json())
-        return [
-            LoadedRow(
-                name=m.name,
-                digest=m.digest.removeprefix("sha256:"),
-                size=m.size,
-                size_vram=m.size_vram,
-                processor=m.processor or _processor(m.size, m.size_vram),
-                backend=m.backend or "",
-                context_length=m.context_length,
-                expires_at=_epoch(m.expires_at),
-                weight_bytes=int((m.details or {}).get("weight_bytes") or 0),
-                numerics=str((m.details or {}).get("numerics") or ""),
-                shares_weights_with=tuple((m.details or {}).get("shares_weights_with") or ()),
-                parallel=int((m.details or {}).get("parallel") or 0),
-                kv_pool=int((m.details or {}).get("kv_pool") or 0),
-            )
-            for m in loaded.models
-        ]
+        return [_loaded_row(m) for m in loaded.models]
 
     async def stop(self, model: str) -> None:
         await self._post("/api/generate", wire.build(wire.GenerateRequest, model=model, keep_alive=0))
@@ -885,3 +868,23 @@ def connect(timeout: float = 0.5) -> Client:
     if server_answers(timeout):
         return ServerClient(*server_address())
     return InProcessClient()
+
+
+def _loaded_row(m: wire.RunningModel) -> LoadedRow:
+    """A row of `/api/ps` as `localrt ps` prints it (the extras our server adds read from its details)."""
+    details = m.details or {}
+    return LoadedRow(
+        name=m.name,
+        digest=m.digest.removeprefix("sha256:"),
+        size=m.size,
+        size_vram=m.size_vram,
+        processor=m.processor or _processor(m.size, m.size_vram),
+        backend=m.backend or "",
+        context_length=m.context_length,
+        expires_at=_epoch(m.expires_at),
+        weight_bytes=int(details.get("weight_bytes") or 0),
+        numerics=str(details.get("numerics") or ""),
+        shares_weights_with=tuple(details.get("shares_weights_with") or ()),
+        parallel=int(details.get("parallel") or 0),
+        kv_pool=int(details.get("kv_pool") or 0),
+    )
