@@ -331,7 +331,8 @@ def tool_server(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 # What only the server's answer holds. SmolLM2 writes the git tool's `repo_path` itself (the runtime forces
 # the tool, not its arguments) and never writes the repository's path: mcp-server-git's own refusal of the
-# path it wrote is the result then (its successful answers are in the pilot test and the tests above).
+# path it wrote is the result then (its successful answers are in the pilot test and the tests above). The
+# prompt names no path: a greedy model copying the test's temporary path can run past num_predict inside it.
 @pytest.mark.parametrize(
     ("server", "choice", "prompt", "expected"),
     [
@@ -344,7 +345,7 @@ def tool_server(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) ->
         (
             "git",
             "git__git_status",
-            "What is the git status of the repository at REPO?",
+            "What is the git status of the repository?",
             ("Repository status:", "is outside the allowed repository"),
         ),
         ("web", "web__echo", "Echo the word banana.", ("echo: ",)),
@@ -376,7 +377,7 @@ def test_run_tools_calls_a_real_mcp_server(
         "--yes",
         "--tool-choice",
         choice,
-        prompt.replace("REPO", str(repo)),
+        prompt,
         env=env,
         cwd=tmp_path,
     )
@@ -387,6 +388,34 @@ def test_run_tools_calls_a_real_mcp_server(
     result = err.split(f"← {choice}", 1)[1]
     assert any(text in result for text in expected), err
     assert "→" not in done.stdout  # calls and results on stderr, the answer alone on stdout
+
+
+def test_run_tools_says_when_the_token_limit_cut_the_reply(
+    tool_server: LocalrtServer, tmp_path: Path
+) -> None:
+    """A forced call the token limit cuts off is dropped by the server (never shown as its markup); the
+    terminal says why nothing came, rather than printing nothing at all."""
+    config = write_mcp_config(tmp_path / "mcp.json", {"time": mcp_entry("time")})
+    env = cli_env(tmp_path, LOCALRT_HOST=tool_server.url.removeprefix("http://"))
+    (tmp_path / "Modelfile").write_text(f"FROM {MODEL}\nPARAMETER num_predict 4\n")
+    made = localrt("create", "clipped", "-f", str(tmp_path / "Modelfile"), env=env, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    done = localrt(
+        "run",
+        "clipped",
+        "--tools",
+        "--mcp",
+        str(config),
+        "--yes",
+        "--tool-choice",
+        "time__get_current_time",
+        "What time is it in Europe/Paris?",
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "→" not in done.stderr  # the call was cut off: nothing ran
+    assert "localrt: the reply stopped at the token limit" in done.stderr
 
 
 def test_run_tools_without_a_terminal_denies_and_says_so(tool_server: LocalrtServer, tmp_path: Path) -> None:

@@ -201,6 +201,12 @@ class ToolSession:
                 self.err.write("\n".join(timing_lines(m)) + "\n")
         elif isinstance(event, Finished) and event.reason == "max_steps":
             self.err.write(f"localrt: stopped after {event.steps} steps (the step limit; /set maxsteps N)\n")
+        elif isinstance(event, Finished) and event.reason == "length":
+            # a tool call the limit cut off is dropped by the server: without this line nothing would show
+            self.err.write(
+                "localrt: the reply stopped at the token limit, before it was complete "
+                "(/set parameter num_predict N)\n"
+            )
         self.err.flush()
 
 
