@@ -85,7 +85,7 @@ class LoadOptions:
     batch_invariant: bool = field(default_factory=config.batch_invariant)
     # cells of the KV pool the sequences share where a backend keeps one (llama.cpp unless batch
     # invariant): 0 = num_parallel x num_ctx, else at least num_ctx (the memory fit makes it smaller)
-    kv_cells: int = 0
+    kv_pool: int = 0
 
 
 @dataclass

@@ -66,6 +66,8 @@ class Sample:
     ttft: float  # seconds to the first content token
     tokens: int
     text: str
+    drafted: int = 0  # speculative draft tokens proposed and accepted (both servers report them)
+    accepted: int = 0
 
 
 @dataclass
@@ -188,7 +190,7 @@ async def one_request(
 ) -> Sample:
     start = time.perf_counter()
     first: float | None = None
-    text, tokens = "", 0
+    text, tokens, drafted, accepted = "", 0, 0, 0
     stream = await client.chat.completions.create(
         model=model,
         messages=messages,
@@ -205,7 +207,14 @@ async def one_request(
             text += chunk.choices[0].delta.content
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    return Sample(first if first is not None else time.perf_counter() - start, tokens, text)
+            extra_usage = chunk.usage.model_extra or {}  # localrt's counts ride in usage
+            drafted = extra_usage.get("draft_count", drafted)
+            accepted = extra_usage.get("draft_accepted_count", accepted)
+        timings = (chunk.model_extra or {}).get("timings") or {}  # llama-server's, on its last chunks
+        drafted = timings.get("draft_n", drafted)
+        accepted = timings.get("draft_n_accepted", accepted)
+    ttft = first if first is not None else time.perf_counter() - start
+    return Sample(ttft, tokens, text, drafted, accepted)
 
 
 async def drive(
@@ -459,7 +468,10 @@ def print_grounded(results: dict[str, Row]) -> None:
     base = next((r for k, r in results.items() if k.startswith("llama-server")), None)
     for name, row in results.items():
         ratio = f" ({row.tok_s / base.tok_s:.2f}x llama-server)" if base and base.tok_s else ""
-        print(f"{name:>28}: {row.tok_s:7.1f} tok/s{ratio}")
+        drafted = sum(s.drafted for s in row.samples)
+        accepted = sum(s.accepted for s in row.samples)
+        drafts = f", drafts accepted {accepted}/{drafted} ({accepted / drafted:.0%})" if drafted else ""
+        print(f"{name:>28}: {row.tok_s:7.1f} tok/s{ratio}, TTFT median {row.ttft(0.5) * 1000:.0f} ms{drafts}")
 
 
 def print_agent(results: dict[str, tuple[Row, Row]], agents: int, turns: int) -> None:

@@ -548,10 +548,10 @@ def test_a_lone_request_is_the_same_run_to_run_without_batch_invariance(smollm2_
 
 
 def test_the_sequences_share_one_pool_and_a_shared_prefix_takes_its_cells_once(smollm2_gguf: Path) -> None:
-    """The context is one pool of num_parallel x num_ctx cells (or what LoadOptions.kv_cells asks, never
+    """The context is one pool of num_parallel x num_ctx cells (or what LoadOptions.kv_pool asks, never
     less than a context), and a prefix copied from another sequence shares that sequence's cells."""
     m = pooled_model(smollm2_gguf, num_parallel=4)
-    small = pooled_model(smollm2_gguf, num_parallel=4, kv_cells=100)
+    small = pooled_model(smollm2_gguf, num_parallel=4, kv_pool=100)
     try:
         assert m.engine is not None
         assert small.engine is not None
@@ -581,7 +581,7 @@ def test_requests_past_the_pool_wait_or_are_preempted_and_all_complete(smollm2_g
     their cells at once. The others wait for room, and one that runs out of room while it decodes is
     preempted (its state kept in RAM) and resumed where it stopped: every request ends with all its
     tokens, and the record of each sequence's cells still matches llama.cpp's memory."""
-    m = pooled_model(smollm2_gguf, num_parallel=8, kv_cells=1024)
+    m = pooled_model(smollm2_gguf, num_parallel=8, kv_pool=1024)
     try:
         assert m.engine is not None
         scheduler, peak = m.engine.scheduler, [0]
@@ -621,7 +621,7 @@ def test_requests_past_the_pool_wait_or_are_preempted_and_all_complete(smollm2_g
 def test_eight_4k_token_requests_on_a_16k_pool_all_complete(smollm2_gguf: Path) -> None:
     """The agent-sized case of the test above: eight requests of about 4,000 prompt tokens at once on a
     pool of 16,384 cells (four of them fit)."""
-    m = pooled_model(smollm2_gguf, num_parallel=8, kv_cells=16384, num_ctx=4608, num_batch=512)
+    m = pooled_model(smollm2_gguf, num_parallel=8, kv_pool=16384, num_ctx=4608, num_batch=512)
     try:
         base = m.tokenize(PASSAGE * 8, add_special=False)
         prompts = [

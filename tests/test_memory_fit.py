@@ -198,6 +198,23 @@ def test_ps_gives_the_sequences_and_their_shared_pool(pooled_server: LocalrtServ
     assert (details["parallel"], details["kv_pool"]) == (2, 1024)
 
 
+def test_the_kv_pool_option_sets_the_pools_cells(pooled_server: LocalrtServer) -> None:
+    """600 cells asked of a pool that could hold 2 x 512: llama.cpp's padding makes them 768 (the model
+    reloads with them)."""
+    assert generate(pooled_server, "smol", kv_pool=600).status_code == 200
+    assert loaded(pooled_server)["smol:latest"]["details"]["kv_pool"] == 768
+
+
+def test_a_kv_pool_under_one_context_holds_one_context(pooled_server: LocalrtServer) -> None:
+    assert generate(pooled_server, "smol", kv_pool=100).status_code == 200
+    assert loaded(pooled_server)["smol:latest"]["details"]["kv_pool"] == 512
+
+
+def test_a_negative_kv_pool_is_refused(pooled_server: LocalrtServer) -> None:
+    refused = generate(pooled_server, "smol", kv_pool=-1)
+    assert (refused.status_code, "kv_pool" in refused.json()["error"]) == (400, True)
+
+
 def test_the_ps_command_shows_the_pool(pooled_server: LocalrtServer) -> None:
     env = {**os.environ, "LOCALRT_HOST": pooled_server.url}
     out = subprocess.run(

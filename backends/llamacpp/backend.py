@@ -122,7 +122,7 @@ class LlamaCppModel(VocabMethods, EngineModel, ModelLifetime):
         invariant = opts.batch_invariant
         # one pool the sequences share, or for batch invariance a stream of a whole context per sequence
         # (padded to 256 as llama.cpp pads each stream)
-        self.pool = 0 if invariant else pool_cells(opts.kv_cells, self.context_length, self.n_parallel)
+        self.pool = 0 if invariant else pool_cells(opts.kv_pool, self.context_length, self.n_parallel)
         n_ctx = self.pool or padded(self.context_length) * n_seq_max
         params = context_params(opts, n_ctx, step, n_seq_max, self.threads, unified=not invariant)
         if self._declared_pooling() is not None:

@@ -70,11 +70,11 @@ def step_tokens(num_batch: int, context: int, parallel: int) -> int:
     return max(parallel * 2, min(num_batch, context))
 
 
-def pool_cells(kv_cells: int, context: int, parallel: int) -> int:
-    """The cells of the KV pool the sequences of a load share (padded as llama.cpp pads it): `kv_cells`
+def pool_cells(kv_pool: int, context: int, parallel: int) -> int:
+    """The cells of the KV pool the sequences of a load share (padded as llama.cpp pads it): `kv_pool`
     (0: a whole context per sequence), at least one context, at most one per sequence."""
     most = context * parallel
-    return padded(max(context, min(kv_cells or most, most)))
+    return padded(max(context, min(kv_pool or most, most)))
 
 
 def kv_bytes(shape: ModelShape, opts: LoadOptions, context: int, parallel: int) -> int:
@@ -84,7 +84,7 @@ def kv_bytes(shape: ModelShape, opts: LoadOptions, context: int, parallel: int) 
     per_token = kv_bytes_per_token(shape.text_metadata, opts.kv_cache_type)
     if opts.batch_invariant:
         return per_token * padded(context) * parallel
-    pool = pool_cells(opts.kv_cells, context, parallel)
+    pool = pool_cells(opts.kv_pool, context, parallel)
     per_layer = per_token // max(1, shape.n_layer)
     sliding = shape.sliding_layers if shape.sliding_window else 0
     window = padded(
@@ -102,7 +102,7 @@ def _sizing(path: Path, opts: LoadOptions) -> tuple[ModelShape, int, Sizing]:
     context = context_for(shape, opts.num_ctx)
     per_token = kv_bytes_per_token(shape.text_metadata, opts.kv_cache_type)
     parallel = parallel_for(per_token * context, opts.num_parallel)
-    pool = 0 if opts.batch_invariant else pool_cells(opts.kv_cells, context, parallel)
+    pool = 0 if opts.batch_invariant else pool_cells(opts.kv_pool, context, parallel)
     return shape, kv_bytes(shape, opts, context, parallel), Sizing("llama.cpp", context, parallel, pool)
 
 

@@ -57,6 +57,7 @@ TOP_LEVEL_OPTIONS = (
     "num_thread",
     "num_gpu",
     "num_batch",
+    "kv_pool",
     "backend",
     "kv_cache_type",
     "speculative",

@@ -376,6 +376,7 @@ class ModelPool:
             opts.kv_cache_type,
             opts.flash_attn,
             opts.num_batch,
+            opts.kv_pool,
             opts.numerics,
             config.load_key(),  # the environment a load reads (LOCALRT_NUM_PARALLEL, ...)
             str(resolved.projector_path),

@@ -55,7 +55,7 @@ def ladder(backend: str, path: Path, opts: LoadOptions) -> list[Fit]:
     cells = first.pool
     while first.pool and cells > context:
         cells = max(context, cells // 2)
-        o = replace(opts, num_parallel=parallel, kv_cells=cells)
+        o = replace(opts, num_parallel=parallel, kv_pool=cells)
         fits.append(Fit(o, estimate(backend, path, o), (f"KV pool {first.pool} -> {cells} cells",)))
     while parallel > 1:
         parallel //= 2

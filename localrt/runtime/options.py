@@ -73,6 +73,7 @@ _RANGES: dict[str, tuple[type, float | None, float | None]] = {
     "num_thread": (int, 0, 1024),
     "num_gpu": (int, -1, 100_000),
     "num_batch": (int, 1, 1 << 16),
+    "kv_pool": (int, 0, None),
     "num_draft": (int, 0, 64),
 }
 
@@ -108,6 +109,7 @@ class Options(SamplingParams):
     num_thread: int = _LOAD.num_thread
     num_gpu: int = _LOAD.num_gpu
     num_batch: int = _LOAD.num_batch
+    kv_pool: int = _LOAD.kv_pool  # cells of the KV pool the sequences share; 0: num_parallel x num_ctx
     backend: str = field(default_factory=_default_backend)
     kv_cache_type: str = field(default_factory=_default_kv_cache_type)
     flash_attn: bool | None = _LOAD.flash_attn  # None = the backend decides (llama.cpp: on where supported)
@@ -170,6 +172,7 @@ class Options(SamplingParams):
             kv_cache_type=self.kv_cache_type,
             flash_attn=self.flash_attn,
             num_batch=self.num_batch,
+            kv_pool=self.kv_pool,
             seed=self.seed,
             draft_model=draft_path,
             num_parallel=num_parallel(),

@@ -69,6 +69,7 @@ UNSUPPORTED = (
     "num_thread",
     "num_gpu",
     "num_batch",
+    "kv_pool",
     "kv_cache_type",
     "flash_attn",
     "numerics",

@@ -55,6 +55,7 @@ PARAMETER_TYPES: dict[str, type] = {
         (
             "num_ctx",
             "num_batch",
+            "kv_pool",
             "num_gpu",
             "main_gpu",
             "num_thread",
