@@ -638,3 +638,31 @@ def test_eight_4k_token_requests_on_a_16k_pool_all_complete(smollm2_gguf: Path) 
     assert all(len(p) > 4000 for p in prompts)
     assert [o.done.finish_reason if o.done else None for o in outs] == ["length"] * 8
     assert [len(o.ids) for o in outs] == [32] * 8
+
+
+def test_lookup_drafts_grow_to_a_tiled_verify_step_without_batch_invariance(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy of the prompt is drafted by prompt lookup; while every draft is accepted the drafts double
+    past the lookup default, up to a verify step of TILED_ROWS rows (the tiled attention kernel), no more."""
+    from localrt.backends.llamacpp.sequences import TILED_ROWS
+    from localrt.backends.speculation import DEFAULT_NUM_DRAFT
+    from localrt.backends.speculation import SpecState
+
+    drafted: list[int] = []
+    record = SpecState.record
+
+    def logged(self: SpecState, n: int, accepted: int) -> None:
+        drafted.append(n)
+        record(self, n, accepted)
+
+    monkeypatch.setattr(SpecState, "record", logged)
+    m = pooled_model(smollm2_gguf, num_ctx=2048, num_parallel=1, num_batch=512)
+    try:
+        text = " ".join(f"Sentence {i} tells of rivers and hills." for i in range(12))
+        prompt = m.tokenize(f"Repeat this text exactly: {text}\n\n{text}", add_special=True)
+        asyncio.run(run_one(m, GenerateRequest(prompt, GREEDY, num_predict=160, speculative="lookup")))
+    finally:
+        m.unload()
+    assert max(drafted) > DEFAULT_NUM_DRAFT["lookup"]
+    assert max(drafted) <= TILED_ROWS - 1

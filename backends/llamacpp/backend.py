@@ -64,7 +64,9 @@ from .runner import Runner
 from .scheduler import Scheduler
 from .scheduler import copy_threshold
 from .sequences import EXACT_ROWS
+from .sequences import MAX_VERIFY
 from .sequences import PROMPT_WORK
+from .sequences import TILED_ROWS
 from .sequences import ExternalChunk
 from .sequences import PromptItem
 from .vocab import Vocab
@@ -166,6 +168,8 @@ class LlamaCppModel(VocabMethods, EngineModel, ModelLifetime):
             scheduler,
             draft=draft,
             verify_cost=verify_cost_per_draft(self.on_gpu),
+            # batch invariance keeps a sequence's rows under the tiled kernel's (sequences.py)
+            verify_rows=MAX_VERIFY if invariant else TILED_ROWS,
             pooling=self._in_batch_pooling(ctx),
             pooled=self._pooled_contexts(),
         )

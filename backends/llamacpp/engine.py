@@ -60,12 +60,14 @@ class Engine(EngineThread):
         *,
         draft: DraftContext | None = None,
         verify_cost: float = VERIFY_COST_PER_DRAFT["cpu"],
+        verify_rows: int = MAX_VERIFY,
         pooling: str | None = "mean",
         pooled: PooledContexts | None = None,
     ) -> None:
         self.runner, self.scheduler, self.kv = runner, scheduler, scheduler.kv
         self.n_ctx_seq = scheduler.n_ctx_seq
         self.draft = draft
+        self.verify_rows = verify_rows  # a sequence's rows in a verify step: its last token and drafts
         # draft + verify cost of one draft token, in target decode steps (speculation.SpecState)
         self.draft_cost = {"lookup": verify_cost}
         if draft is not None:
@@ -124,8 +126,13 @@ class Engine(EngineThread):
         method = seq.request.method
         if method not in self.draft_cost or any(isinstance(item, ExternalChunk) for item in seq.prompt):
             return None  # off, or an image in the prompt: the proposers see text only
-        k = min(seq.req.num_draft or DEFAULT_NUM_DRAFT[method], MAX_VERIFY - 1)
-        return SpecState(method, k, self.draft_cost[method])
+        k = min(seq.req.num_draft or DEFAULT_NUM_DRAFT[method], self.verify_rows - 1)
+        # prompt lookup's drafts cost nothing to propose: while they are all accepted they grow to what a
+        # verify step takes, since on the CPU a step of TILED_ROWS rows or more runs the tiled attention
+        # kernel at about half the cost a row of one under it (benchmarks/README.md, "Prompt lookup and
+        # the attention kernel")
+        most = self.verify_rows - 1 if method == "lookup" and not seq.req.num_draft else k
+        return SpecState(method, k, self.draft_cost[method], k_max=most)
 
     # ---- a step ------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
