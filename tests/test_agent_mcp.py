@@ -274,6 +274,26 @@ def localrt(
     )
 
 
+def run_tools(
+    model: str, config: Path, choice: str, prompt: str, *, env: dict[str, str], cwd: Path, yes: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """`localrt run MODEL --tools --mcp CONFIG [--yes] --tool-choice CHOICE PROMPT`."""
+    approve = ["--yes"] if yes else []
+    return localrt(
+        "run",
+        model,
+        "--tools",
+        "--mcp",
+        str(config),
+        *approve,
+        "--tool-choice",
+        choice,
+        prompt,
+        env=env,
+        cwd=cwd,
+    )
+
+
 def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return {
         **os.environ,
@@ -368,19 +388,7 @@ def test_run_tools_calls_a_real_mcp_server(
     }
     config = write_mcp_config(tmp_path / "mcp.json", {server: entries[server]})
     env = cli_env(tmp_path, LOCALRT_HOST=tool_server.url.removeprefix("http://"))
-    done = localrt(
-        "run",
-        MODEL,
-        "--tools",
-        "--mcp",
-        str(config),
-        "--yes",
-        "--tool-choice",
-        choice,
-        prompt,
-        env=env,
-        cwd=tmp_path,
-    )
+    done = run_tools(MODEL, config, choice, prompt, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     err = done.stderr
     assert f"→ {choice}: " in err
@@ -400,18 +408,8 @@ def test_run_tools_says_when_the_token_limit_cut_the_reply(
     (tmp_path / "Modelfile").write_text(f"FROM {MODEL}\nPARAMETER num_predict 4\n")
     made = localrt("create", "clipped", "-f", str(tmp_path / "Modelfile"), env=env, cwd=tmp_path)
     assert made.returncode == 0, made.stderr
-    done = localrt(
-        "run",
-        "clipped",
-        "--tools",
-        "--mcp",
-        str(config),
-        "--yes",
-        "--tool-choice",
-        "time__get_current_time",
-        "What time is it in Europe/Paris?",
-        env=env,
-        cwd=tmp_path,
+    done = run_tools(
+        "clipped", config, "time__get_current_time", "What time is it in Europe/Paris?", env=env, cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr
     assert "→" not in done.stderr  # the call was cut off: nothing ran
@@ -421,17 +419,14 @@ def test_run_tools_says_when_the_token_limit_cut_the_reply(
 def test_run_tools_without_a_terminal_denies_and_says_so(tool_server: LocalrtServer, tmp_path: Path) -> None:
     config = write_mcp_config(tmp_path / "mcp.json", {"time": mcp_entry("time")})
     env = cli_env(tmp_path, LOCALRT_HOST=tool_server.url.removeprefix("http://"))
-    done = localrt(
-        "run",
+    done = run_tools(
         MODEL,
-        "--tools",
-        "--mcp",
-        str(config),
-        "--tool-choice",
+        config,
         "time__get_current_time",
         "What time is it in Europe/Paris?",
         env=env,
         cwd=tmp_path,
+        yes=False,
     )
     assert done.returncode == 0, done.stderr
     assert "← time__get_current_time (denied):" in done.stderr
