@@ -10,7 +10,7 @@ LOOKUP_NGRAM_SIZES = (4, 3, 2)  # longest first: longer matches predict better
 
 class NgramProposer:
     """One request's n-gram index over its tokens so far; proposes the tokens that followed the latest
-    earlier occurrence of its last n tokens.
+    earlier occurrence of its last n tokens (where they run up to the present, their repetition).
 
     The index grows with the history (each call indexes only the new n-grams), so proposing is
     amortised O(new tokens) per step rather than a scan of the whole context. Nothing runs a model:
@@ -37,5 +37,11 @@ class NgramProposer:
                 continue
             pos = self.index[n].get(tuple(history[-n:]))
             if pos is not None:
-                return list(history[pos : pos + k])
+                drafts = list(history[pos : pos + k])
+                # a continuation that reaches the present goes on with itself: the tokens since the match
+                # repeat with its period (a text in a loop)
+                period = len(history) - pos
+                while len(drafts) < k:
+                    drafts.append(drafts[len(drafts) - period])
+                return drafts
         return []

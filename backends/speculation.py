@@ -53,8 +53,10 @@ class SpecState:
     cost_per_draft: float  # draft + verify cost of one draft token, in units of one target decode step
     k_max: int = 0  # the request's num_draft; 0: `k` as given
     enabled: bool = True
-    drafted: int = 0
+    drafted: int = 0  # every draft token verified, and those kept (the request's usage reports them)
     accepted: int = 0
+    paid: int = 0  # the draft tokens the policy asked for, and those kept (its acceptance rate)
+    paid_accepted: int = 0
     ngram: NgramProposer | None = field(default=None, repr=False)  # the "lookup" method's index
 
     @classmethod
@@ -70,19 +72,26 @@ class SpecState:
 
     @property
     def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 1.0
+        """The acceptance rate of the draft tokens the policy asked for."""
+        return self.paid_accepted / self.paid if self.paid else 1.0
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, free: int = 0) -> None:
         """After a verify step. How many: all draft tokens kept doubles the next step's k (up to
         `k_max`), a rejection brings it to what was kept plus one (each proposed position costs a CPU a
         row). Whether at all: once the acceptance rate is trusted and below break-even for even one
-        draft token per step, speculation stops for this request."""
+        draft token per step, speculation stops for this request. `free`: the last of the draft tokens
+        rode in rows the step cost anyway (a verify step filled to a tile of the CPU's attention
+        kernel): counted, and kept when the target agrees, but not held against the policy."""
         if drafted <= 0:
             return
         self.drafted += drafted
         self.accepted += accepted
-        self.k = min(self.k_max, 2 * self.k) if accepted == drafted else max(1, accepted + 1)
-        if self.drafted >= WARMUP_DRAFTS and self.acceptance < break_even_acceptance(1, self.cost_per_draft):
+        paid = drafted - free
+        kept = min(accepted, paid)
+        self.paid += paid
+        self.paid_accepted += kept
+        self.k = min(self.k_max, 2 * self.k) if kept == paid else max(1, kept + 1)
+        if self.paid >= WARMUP_DRAFTS and self.acceptance < break_even_acceptance(1, self.cost_per_draft):
             self.enabled = False  # speculation costs this request more than it saves
 
 

@@ -232,6 +232,12 @@ def test_lookup_proposer_finds_latest_match() -> None:
     assert NgramProposer().propose([1, 2, 3], 4) == []
 
 
+def test_lookup_continuation_that_reaches_the_present_repeats_its_period() -> None:
+    """A text in a loop: "1 2 3" last followed by "1 2 3", which is where the history ends; the drafts go on
+    with the loop's period."""
+    assert NgramProposer(sizes=(3,)).propose([1, 2, 3, 1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
+
+
 def test_parallel_slots_give_each_request_its_own_output(smollm2_gguf: Path, model: LlamaCppModel) -> None:
     """Two slots on one set of weights, a draft context per slot: side by side = one at a time."""
     questions = ["What is the capital of France?", "Name three colours of the rainbow."]

@@ -518,6 +518,14 @@ PASSAGE = " ".join(
 )
 
 
+LIGHTHOUSE = (
+    "The old lighthouse keeper climbed the narrow stairs every evening, lit the great lamp, and watched the "
+    "ships pass safely through the rocky strait until dawn. In the morning he wrote the names of the ships "
+    "in a worn leather book, made a pot of strong tea, and slept until the gulls woke him at noon. His daughter "
+    "rowed across from the village twice a week with bread, letters and news of the harbour, and stayed for supper."
+)
+
+
 def pooled_model(gguf: Path, **extra: int) -> LlamaCppModel:
     settings = {"num_ctx": 512, "num_thread": THREADS, "num_batch": 128, "batch_invariant": False, **extra}
     return LlamaCppBackend.load(gguf, LoadOptions(**settings))  # type: ignore[arg-type]
@@ -652,9 +660,9 @@ def test_lookup_drafts_grow_to_a_tiled_verify_step_without_batch_invariance(
     drafted: list[int] = []
     record = SpecState.record
 
-    def logged(self: SpecState, n: int, accepted: int) -> None:
+    def logged(self: SpecState, n: int, accepted: int, free: int = 0) -> None:
         drafted.append(n)
-        record(self, n, accepted)
+        record(self, n, accepted, free)
 
     monkeypatch.setattr(SpecState, "record", logged)
     m = pooled_model(smollm2_gguf, num_ctx=2048, num_parallel=1, num_batch=512)
@@ -666,3 +674,33 @@ def test_lookup_drafts_grow_to_a_tiled_verify_step_without_batch_invariance(
         m.unload()
     assert max(drafted) > DEFAULT_NUM_DRAFT["lookup"]
     assert max(drafted) <= TILED_ROWS - 1
+
+
+def test_a_verify_step_past_half_a_tile_is_filled_to_the_tiled_kernel(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without batch invariance a decoding step of 33 to 63 rows (the row-at-a-time attention kernel,
+    costlier than 64 rows through the tiled one) is filled to TILED_ROWS rows with longer lookup drafts,
+    and the rows that fill it are not held against the sequence's draft policy."""
+    from localrt.backends.llamacpp.sequences import TILED_ROWS
+    from localrt.backends.speculation import SpecState
+
+    steps: list[tuple[int, int, int]] = []  # (drafted, accepted, free) of each verify step
+    record = SpecState.record
+
+    def logged(self: SpecState, n: int, accepted: int, free: int = 0) -> None:
+        steps.append((n, accepted, free))
+        record(self, n, accepted, free)
+
+    monkeypatch.setattr(SpecState, "record", logged)
+    m = pooled_model(smollm2_gguf, num_ctx=2048, num_parallel=1, num_batch=512)
+    try:
+        # no numbers that change from sentence to sentence: the copy is drafted right, and the drafts
+        # double up to 16, then 32 (a step of 33 rows)
+        prompt = m.tokenize(f"Repeat this text exactly: {LIGHTHOUSE}", add_special=True)
+        asyncio.run(run_one(m, GenerateRequest(prompt, GREEDY, num_predict=160, speculative="lookup")))
+    finally:
+        m.unload()
+    filled = [s for s in steps if s[2] > 0]
+    assert filled, steps
+    assert all(n + 1 == TILED_ROWS for n, _, _ in filled), filled

@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from localrt.backends.base import SamplingParams  # noqa: E402
+from localrt.backends.speculation import SpecState  # noqa: E402
 from localrt.backends.speculation import break_even_acceptance  # noqa: E402
 from localrt.backends.speculation import expected_tokens  # noqa: E402
 from localrt.backends.speculation import verify  # noqa: E402
@@ -67,6 +68,16 @@ def test_break_even() -> None:
     assert free < 1e-6  # guesses that cost nothing always pay
     costly = break_even_acceptance(4, 0.5)  # 3x the work per step: needs E[tokens] >= 3
     assert expected_tokens(costly, 4) == pytest.approx(3.0, abs=1e-6)
+
+
+def test_free_drafts_count_in_usage_not_in_the_policy() -> None:
+    """Draft tokens that rode in rows a step ran anyway are reported, and do not shrink k or the
+    acceptance rate the policy judges by."""
+    state = SpecState("lookup", 16, 0.25, k_max=63)
+    state.record(40, 16, free=24)  # all 16 asked-for drafts kept, none of the 24 that filled the step
+    assert (state.drafted, state.accepted) == (40, 16)
+    assert state.acceptance == 1.0
+    assert state.k == 32
 
 
 # ---- end to end on a tiny model with a small vocabulary --------------------------------------------

@@ -170,6 +170,8 @@ class LlamaCppModel(VocabMethods, EngineModel, ModelLifetime):
             verify_cost=verify_cost_per_draft(self.on_gpu),
             # batch invariance keeps a sequence's rows under the tiled kernel's (sequences.py)
             verify_rows=MAX_VERIFY if invariant else TILED_ROWS,
+            # the CPU's attention kernel runs tiled from this many rows of one KV stream (the shared pool)
+            tile_rows=TILED_ROWS if self.pool and not self.on_gpu else 0,
             pooling=self._in_batch_pooling(ctx),
             pooled=self._pooled_contexts(),
         )

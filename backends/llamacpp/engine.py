@@ -61,6 +61,7 @@ class Engine(EngineThread):
         draft: DraftContext | None = None,
         verify_cost: float = VERIFY_COST_PER_DRAFT["cpu"],
         verify_rows: int = MAX_VERIFY,
+        tile_rows: int = 0,
         pooling: str | None = "mean",
         pooled: PooledContexts | None = None,
     ) -> None:
@@ -68,6 +69,9 @@ class Engine(EngineThread):
         self.n_ctx_seq = scheduler.n_ctx_seq
         self.draft = draft
         self.verify_rows = verify_rows  # a sequence's rows in a verify step: its last token and drafts
+        # > 0: a decoding step of more than half this many rows is filled up to it with longer lookup
+        # drafts (`_fill_tile`)
+        self.tile_rows = tile_rows
         # draft + verify cost of one draft token, in target decode steps (speculation.SpecState)
         self.draft_cost = {"lookup": verify_cost}
         if draft is not None:
@@ -168,6 +172,8 @@ class Engine(EngineThread):
         self._propose(decoding)
         if not self.kv.pool:
             _even_drafts(decoding)
+        elif self.tile_rows:
+            self._fill_tile(decoding)
         plan = sched.plan(lora, decoding)
         self.runner.evaluate_images(plan)
         if not plan.rows:
@@ -205,14 +211,11 @@ class Engine(EngineThread):
         wants: list[tuple[int, list[int], int]] = []
         drafting: list[Sequence] = []
         for seq in decoding:
+            seq.free_drafts = 0
             spec = seq.spec
             if spec is None or not spec.enabled:
                 continue
-            budget = min(
-                spec.k,
-                seq.max_new - seq.request.generated - 1,
-                self.n_ctx_seq - len(self.kv.cells[seq.seq]) - 2,
-            )
+            budget = self._budget(seq, spec.k)
             if budget <= 0:
                 continue
             history = [*seq.history]
@@ -224,6 +227,51 @@ class Engine(EngineThread):
         if wants and self.draft is not None:
             for seq, tokens in zip(drafting, self.draft.propose(wants)):
                 seq.drafts = tokens
+
+    def _budget(self, seq: Sequence, k: int) -> int:
+        """Draft tokens the sequence may take this step: up to k, within its output limit, its context and
+        a verify step's rows."""
+        return min(
+            k,
+            seq.max_new - seq.request.generated - 1,
+            self.n_ctx_seq - len(self.kv.cells[seq.seq]) - 2,
+            self.verify_rows - 1,
+        )
+
+    def _fill_tile(self, decoding: list[Sequence]) -> None:
+        """A decoding step of more than half a tile of rows, filled up to `tile_rows` with longer drafts.
+
+        From TILED_ROWS query rows the CPU's flash-attention kernel runs tiled; under it each row is
+        computed on its own, and a step of 33 to 63 rows costs more than one of 64 (benchmarks/README.md,
+        "Prompt lookup and the attention kernel"). The rows that fill the tile are free: the drafting
+        sequences' lookups go on further, and what they add is not held against their policy. Only when
+        the step's rows are known (no prompt chunk waits to join it) and the lookups reach the tile."""
+        rows = sum(1 + len(s.drafts) for s in decoding)
+        tile = min(self.tile_rows, self.scheduler.step_tokens)
+        if not tile // 2 < rows < tile or any(s.pending for s in self.scheduler.running):
+            return
+        riders = [s for s in decoding if s.drafts and s.spec is not None and s.spec.ngram is not None]
+        longer = {id(s): s.drafts for s in riders}
+        spare = tile - rows
+        while spare and riders:
+            share = -(-spare // len(riders))
+            grown = []
+            for seq in riders:
+                before = longer[id(seq)]
+                budget = self._budget(seq, len(before) + min(share, spare))
+                assert seq.spec is not None and seq.spec.ngram is not None
+                after = seq.spec.ngram.propose(seq.history, budget) if budget > len(before) else before
+                spare -= len(after) - len(before)
+                longer[id(seq)] = after
+                if len(after) > len(before):
+                    grown.append(seq)
+            riders = grown
+        if spare:
+            return  # the lookups end short of the tile: the step as proposed
+        for seq in decoding:
+            drafts = longer.get(id(seq), seq.drafts)
+            seq.free_drafts = len(drafts) - len(seq.drafts)
+            seq.drafts = drafts
 
     def _decode(self, plan: StepPlan) -> bool:
         """Decode the planned batch; False when the KV memory has no room for it even without idle
@@ -263,7 +311,8 @@ class Engine(EngineThread):
             if rejected:
                 self.kv.cut(seq.seq, len(self.kv.cells[seq.seq]) - rejected)
             assert seq.spec is not None
-            seq.spec.record(len(drafts), accepted)
+            seq.spec.record(len(drafts), accepted, free=seq.free_drafts)
+            seq.free_drafts = 0
         if finish is not None:
             self._finish(seq, finish, out)
 

@@ -78,6 +78,7 @@ class Sequence(OfRequest):
     sampler: Any = None
     max_new: int = 0
     drafts: list[int] = field(default_factory=list)
+    free_drafts: int = 0  # the last of `drafts` that fill the step to a tile (`Engine._fill_tile`)
     rows: list[int] = field(default_factory=list)  # batch indices with outputs for it this step
     turn: int = 0  # the step it last ran in (or was admitted at): the set of the longest-waiting one runs
     pooled: Pooled | None = None  # an embed request's pooled vector so far
