@@ -526,6 +526,21 @@ LIGHTHOUSE = (
 )
 
 
+def recorded_verify_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """(drafted, accepted, free) of every verify step from now on, as the speculation policy hears them."""
+    from localrt.backends.speculation import SpecState
+
+    steps: list[tuple[int, int, int]] = []
+    record = SpecState.record
+
+    def logged(self: SpecState, n: int, accepted: int, free: int = 0) -> None:
+        steps.append((n, accepted, free))
+        record(self, n, accepted, free)
+
+    monkeypatch.setattr(SpecState, "record", logged)
+    return steps
+
+
 def pooled_model(gguf: Path, **extra: int) -> LlamaCppModel:
     settings = {"num_ctx": 512, "num_thread": THREADS, "num_batch": 128, "batch_invariant": False, **extra}
     return LlamaCppBackend.load(gguf, LoadOptions(**settings))  # type: ignore[arg-type]
@@ -655,16 +670,8 @@ def test_lookup_drafts_grow_to_a_tiled_verify_step_without_batch_invariance(
     past the lookup default, up to a verify step of TILED_ROWS rows (the tiled attention kernel), no more."""
     from localrt.backends.llamacpp.sequences import TILED_ROWS
     from localrt.backends.speculation import DEFAULT_NUM_DRAFT
-    from localrt.backends.speculation import SpecState
 
-    drafted: list[int] = []
-    record = SpecState.record
-
-    def logged(self: SpecState, n: int, accepted: int, free: int = 0) -> None:
-        drafted.append(n)
-        record(self, n, accepted, free)
-
-    monkeypatch.setattr(SpecState, "record", logged)
+    steps = recorded_verify_steps(monkeypatch)
     m = pooled_model(smollm2_gguf, num_ctx=2048, num_parallel=1, num_batch=512)
     try:
         text = " ".join(f"Sentence {i} tells of rivers and hills." for i in range(12))
@@ -672,8 +679,8 @@ def test_lookup_drafts_grow_to_a_tiled_verify_step_without_batch_invariance(
         asyncio.run(run_one(m, GenerateRequest(prompt, GREEDY, num_predict=160, speculative="lookup")))
     finally:
         m.unload()
-    assert max(drafted) > DEFAULT_NUM_DRAFT["lookup"]
-    assert max(drafted) <= TILED_ROWS - 1
+    assert max(n for n, _, _ in steps) > DEFAULT_NUM_DRAFT["lookup"]
+    assert max(n for n, _, _ in steps) <= TILED_ROWS - 1
 
 
 def test_a_verify_step_past_half_a_tile_is_filled_to_the_tiled_kernel(
@@ -683,16 +690,8 @@ def test_a_verify_step_past_half_a_tile_is_filled_to_the_tiled_kernel(
     costlier than 64 rows through the tiled one) is filled to TILED_ROWS rows with longer lookup drafts,
     and the rows that fill it are not held against the sequence's draft policy."""
     from localrt.backends.llamacpp.sequences import TILED_ROWS
-    from localrt.backends.speculation import SpecState
 
-    steps: list[tuple[int, int, int]] = []  # (drafted, accepted, free) of each verify step
-    record = SpecState.record
-
-    def logged(self: SpecState, n: int, accepted: int, free: int = 0) -> None:
-        steps.append((n, accepted, free))
-        record(self, n, accepted, free)
-
-    monkeypatch.setattr(SpecState, "record", logged)
+    steps = recorded_verify_steps(monkeypatch)
     m = pooled_model(smollm2_gguf, num_ctx=2048, num_parallel=1, num_batch=512)
     try:
         # no numbers that change from sentence to sentence: the copy is drafted right, and the drafts

@@ -312,7 +312,6 @@ class Engine(EngineThread):
                 self.kv.cut(seq.seq, len(self.kv.cells[seq.seq]) - rejected)
             assert seq.spec is not None
             seq.spec.record(len(drafts), accepted, free=seq.free_drafts)
-            seq.free_drafts = 0
         if finish is not None:
             self._finish(seq, finish, out)
 
